@@ -1,0 +1,173 @@
+"""Run configuration: edit the defaults below, or override any field on the command line.
+
+Overrides are ``key=value`` words, e.g. ``mode=continuous max_new_tokens=64 tree.init_depth=5``.
+A key is ``section.field`` or a bare ``field`` when the name is unique across sections. Unknown keys and
+bad values fail with one message listing the valid choices.
+
+Tree parameters follow the FlowSpec paper's code (``init_*`` for a round's first tree, ``expand_*`` for
+dynamic expansion). ``total_token`` counts the root, as in EAGLE (60 = 59 drafted tokens + root).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+MODES = ("ar", "naive", "pruned", "pipedec", "continuous")
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+DEVICES = ("cpu", "cuda")
+QUANTS = ("none", "int8", "nf4", "fp4")
+BACKENDS = ("gloo", "nccl")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    stage_dir: str = ""          # split checkpoint root ("" = the embedded default SmolLM2 split 0+8+8+7+7)
+    head_dir: str = ""           # EAGLE-1/2 draft head ("" = the default head for the default model)
+    dtype: str = "float32"       # compute dtype of every stage
+    device: str = "cpu"          # cpu | cuda (each rank uses cuda:<local_rank % device_count>)
+    quant: str = "none"          # none | int8 | nf4 | fp4 (bitsandbytes, verification stages only)
+    max_seq_len: int = 2048      # KV slots per stage (prompt + new tokens + tree nodes)
+    verify_checksums: bool = True
+    num_threads: int = 1         # torch threads per rank on CPU (several ranks share the cores)
+
+
+@dataclass
+class TreeConfig:
+    total_token: int = 60        # naive: nodes per tree incl. root (EAGLE-2 default)
+    depth: int = 5               # naive: beam expansions after the first level
+    top_k: int = 10              # naive: beam width / children per node
+    init_total_token: int = 80   # pruned/continuous: first tree of a round
+    init_depth: int = 6
+    init_topk: int = 10
+    subseq_token: int = 16       # max nodes per segment when filling the pipeline
+    expand_total_token: int = 64  # continuous: tree drafted from each new root
+    expand_depth: int = 6
+    expand_topk: int = 10
+    expand_subseq_token: int = -1  # max nodes sent per step after the fill (-1 = all waiting nodes)
+    none_expand: bool = False    # continuous: when nothing was verified, deepen the waiting frontier
+    none_expand_size: int = 48
+    none_expand_depth: int = 1
+    pipedec_topk: int = 16       # pipedec: nodes per new tree layer
+
+
+@dataclass
+class GenerationConfig:
+    mode: str = "naive"
+    max_new_tokens: int = 128
+    temperature: float = 0.0     # 0 = greedy
+    top_p: float = 1.0
+    top_k_sampling: int = 0      # 0 = off
+    seed: int = 0
+    prefill_chunk: int = 64      # prompt tokens per prefill message (chunked, pipelined prefill)
+    system_prompt: str = ""
+
+
+@dataclass
+class CommConfig:
+    backend: str = "gloo"
+    timeout_s: float = 30.0      # a dead rank makes every other rank exit within this time
+    heartbeat_s: float = 0.5
+    trace: bool = False          # write per-rank JSON timelines
+    trace_dir: str = "traces"
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    gen: GenerationConfig = field(default_factory=GenerationConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+
+    def validate(self) -> "RunConfig":
+        def choice(name, value, options):
+            if value not in options:
+                raise ConfigError(f"{name}={value!r} is not valid; choose one of {', '.join(options)}")
+        choice("mode", self.gen.mode, MODES)
+        choice("dtype", self.model.dtype, DTYPES)
+        choice("device", self.model.device, DEVICES)
+        choice("quant", self.model.quant, QUANTS)
+        choice("backend", self.comm.backend, BACKENDS)
+        positive = {"max_new_tokens": self.gen.max_new_tokens, "prefill_chunk": self.gen.prefill_chunk,
+                    "max_seq_len": self.model.max_seq_len, "total_token": self.tree.total_token,
+                    "init_total_token": self.tree.init_total_token, "top_k": self.tree.top_k,
+                    "init_topk": self.tree.init_topk, "expand_topk": self.tree.expand_topk,
+                    "pipedec_topk": self.tree.pipedec_topk, "subseq_token": self.tree.subseq_token,
+                    "num_threads": self.model.num_threads}
+        for k, v in positive.items():
+            if v < 1:
+                raise ConfigError(f"{k}={v} must be >= 1")
+        for k in ("depth", "init_depth", "expand_depth", "expand_total_token"):
+            if getattr(self.tree, k) < 0:
+                raise ConfigError(f"{k} must be >= 0")
+        if self.gen.temperature < 0 or not 0 < self.gen.top_p <= 1:
+            raise ConfigError("temperature must be >= 0 and top_p in (0, 1]")
+        if self.comm.timeout_s <= 0:
+            raise ConfigError("timeout_s must be > 0")
+        return self
+
+
+def _keys(cfg: RunConfig) -> dict[str, tuple[str, str]]:
+    """Every accepted key -> (section, field)."""
+    out, seen = {}, {}
+    for sec in fields(cfg):
+        for f in fields(getattr(cfg, sec.name)):
+            out[f"{sec.name}.{f.name}"] = (sec.name, f.name)
+            seen.setdefault(f.name, []).append(sec.name)
+    for name, secs in seen.items():
+        if len(secs) == 1:
+            out[name] = (secs[0], name)
+    return out
+
+
+def _convert(raw: str, current):
+    if isinstance(current, bool):
+        low = raw.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError("expected true/false")
+    if isinstance(current, int):
+        return int(raw)
+    if isinstance(current, float):
+        return float(raw)
+    return raw
+
+
+def apply_overrides(cfg: RunConfig, overrides: list[str] | dict) -> RunConfig:
+    """Return a copy of ``cfg`` with ``key=value`` overrides applied and validated."""
+    cfg = dataclasses.replace(cfg, **{s.name: dataclasses.replace(getattr(cfg, s.name)) for s in fields(cfg)})
+    keys = _keys(cfg)
+    items = overrides.items() if isinstance(overrides, dict) else [_split(o) for o in overrides]
+    for key, raw in items:
+        if key not in keys:
+            valid = sorted(k for k in keys if "." in k)
+            raise ConfigError(f"unknown config key {key!r}; valid keys: {', '.join(valid)}")
+        sec, name = keys[key]
+        section = getattr(cfg, sec)
+        current = getattr(section, name)
+        try:
+            value = raw if not isinstance(raw, str) else _convert(raw, current)
+        except ValueError:
+            raise ConfigError(f"bad value {raw!r} for {key} (expected {type(current).__name__})") from None
+        setattr(section, name, value)
+    return cfg.validate()
+
+
+def _split(word: str) -> tuple[str, str]:
+    if "=" not in word:
+        raise ConfigError(f"override {word!r} must look like key=value")
+    k, v = word.split("=", 1)
+    return k.strip(), v
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+# The configuration used when nothing is overridden. Edit here to change defaults.
+DEFAULT = RunConfig().validate()

@@ -1,0 +1,78 @@
+"""Reference drafters for testing and ablations: ``oracle`` (the target model itself drafts, so greedy
+acceptance is 100%) and ``adversary`` (the target's *least* likely tokens, so acceptance is 0%).
+
+They implement the :class:`~draft.drafter.Drafter` hooks (``start``, ``commit``, ``tree_forward``,
+``drop_tree``, ``logprobs``) with a full unsplit model on rank 0, so the EAGLE-2 beam and every mode run
+unchanged. Their "hidden states" are the target's log-probabilities at each entry. Slow; for small models.
+Select with ``head_dir=oracle:<full checkpoint dir>`` or ``head_dir=adversary:<dir>``.
+"""
+from __future__ import annotations
+
+import torch
+
+from draft.drafter import Drafter
+
+Tensor = torch.Tensor
+
+
+class OracleDrafter(Drafter):
+    def __init__(self, model_dir: str, adversarial: bool = False, dtype: torch.dtype = torch.float32) -> None:
+        from transformers import AutoModelForCausalLM
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.adversarial = adversarial
+        self.context: list[int] = []
+        self.tree_tokens: list[int] = []
+        self.tree_parents: list[int] = []
+
+    def reset(self) -> None:
+        self.context, self.tree_tokens, self.tree_parents = [], [], []
+
+    def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
+        self.reset()
+        self.context = list(prompt_ids)
+        return self.commit(torch.tensor([first_token]), features)
+
+    @torch.no_grad()
+    def _dist(self, sequences: list[list[int]]) -> Tensor:
+        out = []
+        by_len: dict[int, list[int]] = {}
+        for i, s in enumerate(sequences):
+            by_len.setdefault(len(s), []).append(i)
+        res: dict[int, Tensor] = {}
+        for _, idx in by_len.items():
+            batch = torch.tensor([sequences[i] for i in idx])
+            logits = self.model(batch).logits[:, -1].double()
+            lp = torch.log_softmax(-logits if self.adversarial else logits, dim=-1)
+            for j, i in enumerate(idx):
+                res[i] = lp[j]
+        out = [res[i] for i in range(len(sequences))]
+        return torch.stack(out)
+
+    def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
+        self.drop_tree()
+        self.context += [int(t) for t in tokens.reshape(-1)]
+        return self._dist([self.context])[0]
+
+    def _path(self, node: int) -> list[int]:
+        path = []
+        while node >= 0:
+            path.append(self.tree_tokens[node])
+            node = self.tree_parents[node]
+        return path[::-1]
+
+    def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
+        first = len(self.tree_tokens)
+        self.tree_tokens += [int(t) for t in tokens.reshape(-1)]
+        self.tree_parents += [int(p) for p in parents.reshape(-1)]
+        seqs = [self.context + self._path(first + i) for i in range(len(tokens.reshape(-1)))]
+        return self._dist(seqs)
+
+    def drop_tree(self) -> None:
+        self.tree_tokens, self.tree_parents = [], []
+
+    @property
+    def tree_size(self) -> int:
+        return len(self.tree_tokens)
+
+    def logprobs(self, hidden: Tensor) -> Tensor:
+        return hidden.double()

@@ -1,0 +1,235 @@
+"""Draft token trees as parent-pointer arrays, and the pure operations every mode shares.
+
+A tree is four aligned 1-D arrays: ``tokens``, ``parents`` (``-1`` for the root), ``scores``
+(cumulative draft log-prob relative to the root) and derived ``depths``.
+
+Invariants (checked by :func:`check_tree`):
+  * node 0 is the root and is the only node with parent ``-1``;
+  * ``parents[i] < i`` for every non-root node ("ancestors first"), so every prefix
+    ``[0, k)`` of the node list is a connected subtree containing the root;
+  * siblings carry distinct tokens (a node is identified by its token path).
+
+Nothing here ships dense masks between ranks: every rank derives attention masks and
+positions from ``parents`` (see :func:`ancestor_matrix`, :func:`depths_from_parents`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def depths_from_parents(parents: Tensor, base_depths: Tensor | None = None) -> Tensor:
+    """Depth of each node (root = 0). ``parents[i] < i`` or ``-1``.
+
+    ``base_depths`` gives depths of nodes referenced by index but not in ``parents`` (used when
+    ``parents`` describes new nodes appended after ``len(base_depths)`` existing ones).
+    """
+    offset = 0 if base_depths is None else len(base_depths)
+    out = torch.empty(len(parents), dtype=torch.long)
+    base = [] if base_depths is None else base_depths.tolist()
+    d = base + [0] * len(parents)
+    for i, p in enumerate(parents.tolist()):
+        d[offset + i] = 0 if p < 0 else d[p] + 1
+    out[:] = torch.tensor(d[offset:], dtype=torch.long) if len(parents) else out
+    return out
+
+
+def ancestor_matrix(parents: Tensor, base: Tensor | None = None) -> Tensor:
+    """Boolean matrix ``A[i, j] = j is an ancestor of i or j == i``.
+
+    With ``base`` (the matrix of ``m`` existing nodes), ``parents`` describes ``n`` new nodes with
+    indices ``m..m+n-1`` whose parents may be existing or new; returns the ``[m+n, m+n]`` matrix.
+    """
+    m = 0 if base is None else base.shape[0]
+    n = len(parents)
+    out = torch.zeros(m + n, m + n, dtype=torch.bool)
+    if m:
+        out[:m, :m] = base
+    for i, p in enumerate(parents.tolist()):
+        row = m + i
+        if p >= 0:
+            if p >= row:
+                raise ValueError(f"parent {p} of node {row} is not an earlier node")
+            out[row] = out[p]
+        out[row, row] = True
+    return out
+
+
+@dataclass
+class DraftTree:
+    """A draft tree on rank 0. See the module docstring for the invariants."""
+
+    tokens: Tensor
+    parents: Tensor
+    scores: Tensor
+    depths: Tensor = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        self.tokens = self.tokens.to(torch.long).reshape(-1)
+        self.parents = self.parents.to(torch.long).reshape(-1)
+        self.scores = self.scores.to(torch.float32).reshape(-1)
+        if self.depths is None:
+            self.depths = depths_from_parents(self.parents)
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+    @staticmethod
+    def single(token: int) -> "DraftTree":
+        return DraftTree(torch.tensor([token]), torch.tensor([-1]), torch.zeros(1))
+
+    def children(self, node: int) -> list[int]:
+        """Children of ``node`` in index order (index order = score order for built trees)."""
+        return (self.parents == node).nonzero().flatten().tolist()
+
+    def child_with_token(self, node: int, token: int) -> int | None:
+        hit = ((self.parents == node) & (self.tokens == token)).nonzero().flatten()
+        return int(hit[0]) if hit.numel() else None
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root to ``node`` inclusive."""
+        path = []
+        par = self.parents.tolist()
+        while node >= 0:
+            path.append(node)
+            node = par[node]
+        return path[::-1]
+
+
+def check_tree(tree: DraftTree) -> None:
+    """Raise ``ValueError`` unless ``tree`` satisfies the module invariants."""
+    n = len(tree)
+    if n == 0 or int(tree.parents[0]) != -1:
+        raise ValueError("node 0 must be the root (parent -1)")
+    idx = torch.arange(n)
+    if n > 1 and not bool(((tree.parents[1:] >= 0) & (tree.parents[1:] < idx[1:])).all()):
+        raise ValueError("every non-root node needs an earlier parent")
+    pairs = set()
+    for p, t in zip(tree.parents.tolist(), tree.tokens.tolist()):
+        if (p, t) in pairs:
+            raise ValueError(f"duplicate sibling token {t} under node {p}")
+        pairs.add((p, t))
+
+
+def select_top_nodes(root_token: int, cand_tokens: Tensor, cand_parents: Tensor, cand_scores: Tensor,
+                     total_token: int) -> DraftTree:
+    """EAGLE-2 re-ranking: keep the best ``total_token - 1`` candidates plus the root.
+
+    Candidates are listed in generation order; ``cand_parents[i]`` is ``-1`` (child of the root)
+    or the index of an *earlier* candidate. Order = descending score, ties broken by candidate
+    index (stable). Because a child's score never exceeds its parent's and a parent always has
+    the smaller index, every selected node's parent is selected too, even on ties (ancestor-closed),
+    and the output is ordered ancestors-first.
+    """
+    n_keep = max(0, min(total_token - 1, len(cand_tokens)))
+    scores = cand_scores.to(torch.float64)
+    # lexsort by (-score, index): stable sort on -score keeps index order among ties
+    order = torch.sort(-scores, stable=True).indices[:n_keep]
+    chosen = order.tolist()
+    new_index = {c: i + 1 for i, c in enumerate(chosen)}
+    parents = [-1]
+    for c in chosen:
+        p = int(cand_parents[c])
+        if p >= 0 and p not in new_index:
+            raise AssertionError("selected set is not ancestor-closed")  # impossible by construction
+        parents.append(0 if p < 0 else new_index[p])
+    tokens = [root_token] + cand_tokens[order].tolist()
+    sc = [0.0] + cand_scores[order].tolist()
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(sc))
+
+
+def split_sizes(n_nodes: int, n_parts: int, cap: int) -> list[int]:
+    """Cut ``n_nodes`` into at most ``n_parts`` near-equal parts of at most ``cap`` nodes.
+
+    Returns the sizes of the parts that go out now (smaller parts first); the remaining
+    ``n_nodes - sum(sizes)`` nodes wait on rank 0. ``cap <= 0`` means unlimited.
+    """
+    if n_nodes <= 0 or n_parts <= 0:
+        return []
+    if cap > 0 and n_nodes > n_parts * cap:
+        return [cap] * n_parts
+    parts = min(n_parts, n_nodes)
+    base, extra = divmod(n_nodes, parts)
+    return [base] * (parts - extra) + [base + 1] * extra
+
+
+def keep_indices_for(tree: DraftTree, accepted: list[int], new_root: int | None) -> Tensor:
+    """Strictly increasing keep-list after a verification.
+
+    ``accepted`` is the accepted path (root first). If ``new_root`` (an existing child of the last
+    accepted node) continues the tree, its whole subtree is kept after the path; otherwise only
+    the path is kept (truncate).
+    """
+    keep = list(accepted)
+    if new_root is not None:
+        anc = ancestor_matrix(tree.parents)
+        sub = anc[:, new_root].nonzero().flatten().tolist()
+        keep += sub
+    out = torch.tensor(keep, dtype=torch.long)
+    if len(keep) > 1 and not bool((out[1:] > out[:-1]).all()):
+        raise AssertionError("keep-list must be strictly increasing")
+    return out
+
+
+def remap_parents(parents: Tensor, node_ids: Tensor, keep: Tensor, accepted_len: int) -> tuple[Tensor, Tensor]:
+    """Apply a keep-list to some nodes (e.g. a not-yet-computed segment).
+
+    ``node_ids`` are the nodes' indices in the old index space and ``parents`` their old parents.
+    After the decision the accepted path (``keep[:accepted_len]``) leaves the tree and the other kept
+    nodes are renumbered ``0..`` in order. Returns ``(row_keep, new_parents)``: a boolean row mask and
+    the new parents of kept rows (``-1`` for the new root, whose parent became context).
+    """
+    old_to_new = {int(k): i - accepted_len for i, k in enumerate(keep.tolist())}
+    rows, new_par = [], []
+    for nid, p in zip(node_ids.tolist(), parents.tolist()):
+        new = old_to_new.get(nid)
+        keep_row = new is not None and new >= 0
+        rows.append(keep_row)
+        if keep_row:
+            mapped = old_to_new.get(p, -1) if p >= 0 else -1
+            new_par.append(mapped if mapped >= 0 else -1)
+    return torch.tensor(rows, dtype=torch.bool), torch.tensor(new_par, dtype=torch.long)
+
+
+def reroot(tree: DraftTree, keep: Tensor, accepted_len: int) -> DraftTree:
+    """The subtree that survives a continue decision, renumbered, with the new root at 0."""
+    rest = keep[accepted_len:]
+    if rest.numel() == 0:
+        raise ValueError("reroot needs a surviving subtree")
+    _, parents = remap_parents(tree.parents[rest], rest, keep, accepted_len)
+    scores = tree.scores[rest] - tree.scores[rest[0]]
+    return DraftTree(tree.tokens[rest].clone(), parents, scores)
+
+
+def merge_trees(tree: DraftTree, extra: DraftTree) -> tuple[DraftTree, int]:
+    """Merge ``extra`` (same root token) into ``tree`` by (parent, token).
+
+    Existing node indices never change; nodes of ``extra`` that are new are appended in ``extra``'s
+    order (ancestors first), so the result keeps ``parents[i] < i``. Returns ``(merged, n_appended)``.
+    """
+    if int(extra.tokens[0]) != int(tree.tokens[0]):
+        raise ValueError("merge needs trees with the same root token")
+    index = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist()))}
+    mapped = {0: 0}
+    tokens, parents, scores = [], [], []
+    n = len(tree)
+    for j in range(1, len(extra)):
+        p = mapped[int(extra.parents[j])]
+        t = int(extra.tokens[j])
+        hit = index.get((p, t))
+        if hit is None:
+            hit = n + len(tokens)
+            index[(p, t)] = hit
+            tokens.append(t)
+            parents.append(p)
+            scores.append(float(extra.scores[j]))
+        mapped[j] = hit
+    if not tokens:
+        return tree, 0
+    merged = DraftTree(torch.cat([tree.tokens, torch.tensor(tokens)]),
+                       torch.cat([tree.parents, torch.tensor(parents)]),
+                       torch.cat([tree.scores, torch.tensor(scores)]))
+    return merged, len(tokens)

@@ -1,0 +1,136 @@
+"""Preallocated per-stage KV cache with tree segments and keep-list compaction.
+
+Slot layout, the invariant every operation preserves::
+
+    [ committed context (context_len slots) | tree nodes 0..m-1 in tree-index order ]   length = context_len + m
+
+Tree node ``j`` lives at slot ``context_len + j``. The cache also holds the tree's ancestor matrix and
+depths, so a stage derives masks and positions for a new segment from its parent pointers alone.
+"""
+from __future__ import annotations
+
+import torch
+
+from draft.tree import ancestor_matrix, depths_from_parents
+
+Tensor = torch.Tensor
+
+
+def compact_slots(buf: Tensor, start: int, keep: Tensor) -> None:
+    """In place: move slots ``start + keep[i]`` to ``start + i`` along dim 3 of ``buf``.
+
+    ``keep`` must be strictly increasing, so destinations never overtake sources.
+    """
+    if keep.numel() == 0:
+        return
+    src = keep.to(buf.device) + start
+    buf[:, :, :, start:start + keep.numel()] = buf.index_select(3, src)
+
+
+class KVCache:
+    """Keys/values for ``num_layers`` layers, batch 1: ``[layers, 1, kv_heads, max_len, head_dim]``.
+
+    Implements the one method transformers' attention modules call (``update``) so that the family's
+    own decoder layers run on it.
+    """
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        shape = (num_layers, 1, kv_heads, max_len, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.reset()
+
+    # -- state -------------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.context_len = 0
+        self.length = 0
+        self._pending = 0
+        self.tree_anc = torch.zeros(0, 0, dtype=torch.bool)
+        self.tree_depth = torch.zeros(0, dtype=torch.long)
+
+    @property
+    def num_tree(self) -> int:
+        return self.length - self.context_len
+
+    # -- transformers Cache protocol -----------------------------------------------------------
+    def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        n = key.shape[-2]
+        end = self.length + n
+        self.keys[layer_idx, :, :, self.length:end] = key
+        self.values[layer_idx, :, :, self.length:end] = value
+        return self.keys[layer_idx, :, :, :end], self.values[layer_idx, :, :, :end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    # -- inputs for a forward -------------------------------------------------------------------
+    def _check_room(self, n: int) -> None:
+        if self.length + n > self.max_len:
+            raise RuntimeError(f"KV cache full: {self.length} + {n} > {self.max_len} slots "
+                               "(raise max_seq_len or shorten the prompt)")
+
+    def context_inputs(self, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """Positions and additive mask for ``n`` committed tokens (causal). Requires no tree nodes."""
+        if self.num_tree:
+            raise RuntimeError("context tokens can only be appended when no tree nodes are cached")
+        self._check_room(n)
+        pos = torch.arange(self.length, self.length + n)
+        allowed = torch.ones(n, self.length + n, dtype=torch.bool).tril(self.length)
+        return pos[None], _additive(allowed, dtype)
+
+    def tree_inputs(self, parents: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Positions, additive mask and the extended ancestor matrix/depths for a tree segment.
+
+        ``parents`` holds tree indices (``-1`` = the root, attached to the context). The new rows see
+        the whole context plus their tree ancestors and themselves, never other nodes, whatever the
+        segment length (a one-node segment is masked like any other).
+        """
+        n = len(parents)
+        self._check_room(n)
+        anc = ancestor_matrix(parents, self.tree_anc)
+        depth = torch.cat([self.tree_depth, depths_from_parents(parents, self.tree_depth)])
+        m = self.num_tree
+        allowed = torch.cat([torch.ones(n, self.context_len, dtype=torch.bool), anc[m:, :]], dim=1)
+        pos = self.context_len + depth[m:]
+        return pos[None], _additive(allowed, dtype), anc, depth
+
+    def commit_forward(self, n: int, as_context: bool, anc: Tensor | None = None,
+                       depth: Tensor | None = None) -> None:
+        """Advance after the layers wrote ``n`` rows."""
+        self.length += n
+        if as_context:
+            self.context_len = self.length
+        else:
+            self.tree_anc, self.tree_depth = anc, depth
+
+    # -- pruning -------------------------------------------------------------------------------
+    def apply_keep(self, keep: Tensor, accepted_len: int) -> None:
+        """Apply a decision's keep-list (tree indices, strictly increasing) to the cached tree.
+
+        Cached kept nodes are compacted to the front of the tree area; the first ``accepted_len``
+        of them (the accepted path) become committed context without recomputation. Kept indices
+        beyond the cached nodes belong to segments this stage has not computed yet and are ignored.
+        """
+        m = self.num_tree
+        cached = keep[keep < m]
+        if accepted_len > cached.numel():
+            raise RuntimeError("accepted path is not fully cached on this stage")
+        compact_slots(self.keys, self.context_len, cached)
+        compact_slots(self.values, self.context_len, cached)
+        rest = cached[accepted_len:]
+        self.tree_anc = self.tree_anc[rest][:, rest]
+        self.tree_depth = self.tree_depth[rest] - accepted_len
+        self.context_len += accepted_len
+        self.length = self.context_len + rest.numel()
+
+    def truncate_tree(self) -> None:
+        """Drop every cached tree node (keep the committed context)."""
+        self.apply_keep(torch.zeros(0, dtype=torch.long), 0)
+
+
+def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]

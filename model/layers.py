@@ -1,0 +1,64 @@
+"""Run a family's own transformers decoder layers on our :class:`~model.kv_cache.KVCache`.
+
+One code path serves Llama, Mistral and Qwen2 layouts: the decoder-layer, rotary-embedding and
+RMSNorm classes are looked up from the config's ``model_type``.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+from model.kv_cache import KVCache
+
+SUPPORTED_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+
+
+class UnsupportedModel(ValueError):
+    pass
+
+
+def family_classes(config) -> tuple[type, type, type]:
+    """``(DecoderLayer, RotaryEmbedding, RMSNorm)`` classes for the config's model family."""
+    mt = getattr(config, "model_type", None)
+    if mt not in SUPPORTED_FAMILIES:
+        raise UnsupportedModel(f"unsupported architecture model_type={mt!r}; supported: {sorted(SUPPORTED_FAMILIES)}")
+    prefix = SUPPORTED_FAMILIES[mt]
+    mod = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
+    return (getattr(mod, f"{prefix}DecoderLayer"), getattr(mod, f"{prefix}RotaryEmbedding"),
+            getattr(mod, f"{prefix}RMSNorm"))
+
+
+class LayerBlock(nn.Module):
+    """A contiguous block of decoder layers (renumbered from 0) plus the rotary embedding.
+
+    ``forward`` appends the rows' keys/values to ``cache`` at ``cache.length``; the caller advances the
+    cache afterwards (``KVCache.commit_forward``).
+    """
+
+    def __init__(self, config, num_layers: int, skip_first_input_norm: bool = False) -> None:
+        super().__init__()
+        layer_cls, rotary_cls, _ = family_classes(config)
+        config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+        self.layers = nn.ModuleList(layer_cls(config, layer_idx=i) for i in range(num_layers))
+        if skip_first_input_norm and num_layers:
+            self.layers[0].input_layernorm = nn.Identity()  # EAGLE-1/2 heads have none on layer 0
+        self.rotary_emb = rotary_cls(config=config)
+        cfg = config
+        self.num_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    def new_cache(self, max_len: int, dtype: torch.dtype, device) -> KVCache:
+        return KVCache(len(self.layers), self.num_kv_heads, self.head_dim, max_len, dtype, device)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache) -> torch.Tensor:
+        positions = positions.to(hidden.device)
+        mask = mask.to(device=hidden.device, dtype=hidden.dtype)
+        pos_emb = self.rotary_emb(hidden, positions)
+        for layer in self.layers:
+            out = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                        use_cache=True, position_embeddings=pos_emb)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden

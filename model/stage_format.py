@@ -1,0 +1,113 @@
+"""The on-disk format of a split checkpoint, shared by the splitter and the loader.
+
+::
+
+    <stage_root>/manifest.json               format, split, source, sha256 + size of every stage file
+    <stage_root>/stage_model_<r>/config.json  the HF config plus the STAGE_FIELDS below
+    <stage_root>/stage_model_<r>/model.safetensors
+        embed_tokens.weight      (rank 0 for the draft head, rank 1 for the first layers)
+        layers.<i>.<...>         decoder layers of this stage renumbered from 0
+        norm.weight              (last stage)
+        lm_head.weight           (rank 0: the base model's head; a copy when embeddings are tied)
+    <stage_root>/stage_model_<r>/tokenizer files (every stage; small)
+
+Rank 0 is the draft stage and holds no decoder layers, so a split spec always starts with ``0``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+FORMAT = "flowspec-stages/1"
+MANIFEST = "manifest.json"
+WEIGHTS = "model.safetensors"
+STAGE_FIELDS = ("stage_index", "num_stages", "split", "layer_range", "has_embedding", "has_lm_head",
+                "has_final_norm")
+
+
+class StageDirError(ValueError):
+    """A missing, corrupt or mismatched stage directory."""
+
+
+def stage_dir(root: str | Path, rank: int) -> Path:
+    return Path(root) / f"stage_model_{rank}"
+
+
+def parse_split(spec: str | list[int], num_layers: int | None = None) -> list[int]:
+    """``"0+8+8+7+7"`` -> ``[0, 8, 8, 7, 7]``, validated against ``num_layers`` when given."""
+    if isinstance(spec, str):
+        try:
+            parts = [int(p) for p in spec.strip().split("+")]
+        except ValueError:
+            raise StageDirError(f"bad split spec {spec!r}: expected numbers joined by '+', e.g. 0+8+8+7+7") from None
+    else:
+        parts = [int(p) for p in spec]
+    if len(parts) < 2 or parts[0] != 0:
+        raise StageDirError(f"bad split {parts}: it must start with 0 (the draft stage) and name at least one layer stage")
+    if any(p <= 0 for p in parts[1:]):
+        raise StageDirError(f"bad split {parts}: every layer stage needs at least one layer")
+    if num_layers is not None and sum(parts) != num_layers:
+        raise StageDirError(f"split {'+'.join(map(str, parts))} sums to {sum(parts)} but the model has "
+                            f"num_hidden_layers={num_layers}")
+    return parts
+
+
+def even_split(num_layers: int, num_layer_stages: int) -> list[int]:
+    """Near-even split with a leading draft stage; the remainder goes to the first stages."""
+    if num_layer_stages < 1 or num_layer_stages > num_layers:
+        raise StageDirError(f"cannot split {num_layers} layers into {num_layer_stages} stages")
+    base, extra = divmod(num_layers, num_layer_stages)
+    return [0] + [base + 1] * extra + [base] * (num_layer_stages - extra)
+
+
+def stage_fields(split: list[int], rank: int) -> dict:
+    start = sum(split[:rank])
+    last = len(split) - 1
+    return {
+        "stage_index": rank,
+        "num_stages": len(split),
+        "split": list(split),
+        "layer_range": [start, start + split[rank]],
+        "has_embedding": rank in (0, 1),
+        "has_lm_head": rank == 0,
+        "has_final_norm": rank == last,
+    }
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def read_manifest(root: str | Path) -> dict:
+    root = Path(root)
+    if not root.is_dir():
+        raise StageDirError(f"stage directory {root} does not exist; create it with "
+                            f"`python split_and_save_models.py --model <checkpoint> --out {root}`")
+    path = root / MANIFEST
+    if not path.is_file():
+        raise StageDirError(f"{path} is missing: {root} is not a split checkpoint (run split_and_save_models.py)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise StageDirError(f"{path} is unreadable: {e}") from None
+    if manifest.get("format") != FORMAT:
+        raise StageDirError(f"{path}: unknown format {manifest.get('format')!r} (expected {FORMAT})")
+    return manifest
+
+
+def verify_stage_file(root: str | Path, manifest: dict, rank: int) -> None:
+    rel = f"stage_model_{rank}/{WEIGHTS}"
+    entry = manifest.get("files", {}).get(rel)
+    path = Path(root) / rel
+    if entry is None or not path.is_file():
+        raise StageDirError(f"{path} is missing")
+    if path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
+        raise StageDirError(f"{path} does not match its manifest checksum (corrupt or replaced file)")

@@ -1,0 +1,117 @@
+"""One pipeline stage: optional embedding, a block of decoder layers, optional final norm / lm_head."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from transformers import AutoConfig
+
+from model.layers import LayerBlock, family_classes
+from model.stage_format import (STAGE_FIELDS, WEIGHTS, StageDirError, read_manifest, stage_dir,
+                                verify_stage_file)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float64": torch.float64}
+
+
+class StageModel(nn.Module):
+    """Rank ``r``'s slice of the base model.
+
+    Rank 0 (draft stage) has ``embed_tokens`` (for the draft head) and ``lm_head``, no layers.
+    Rank 1 embeds token ids; the last rank applies the final norm, so it emits the normalized
+    hidden states that are both the ``lm_head`` input and EAGLE's feature.
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.rank = config.stage_index
+        self.num_stages = config.num_stages
+        start, end = config.layer_range
+        self.num_layers = end - start
+        _, _, norm_cls = family_classes(config)
+        h = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, h) if config.has_embedding else None
+        self.block = LayerBlock(config, self.num_layers) if self.num_layers else None
+        self.norm = norm_cls(h, eps=config.rms_norm_eps) if config.has_final_norm else None
+        self.lm_head = nn.Linear(h, config.vocab_size, bias=False) if config.has_lm_head else None
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        mapped = {}
+        for k, v in state.items():
+            mapped["block." + k if k.startswith("layers.") else k] = v
+        own = self.state_dict()
+        missing = sorted(set(own) - set(mapped))
+        unexpected = sorted(set(mapped) - set(own))
+        if missing or unexpected:
+            raise StageDirError(f"stage {self.rank} weights do not match its config: missing {missing[:4]} "
+                                f"unexpected {unexpected[:4]}")
+        self.load_state_dict(mapped, strict=True)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
+        """``x``: token ids ``[1, n]`` on the first layer stage, hidden ``[1, n, H]`` elsewhere."""
+        if self.rank == 1:
+            x = self.embed_tokens(x)
+        if self.block is not None:
+            x = self.block(x, positions, mask, cache)
+        if self.norm is not None:
+            x = self.norm(x)
+        return x
+
+
+def load_stage_config(root: str | Path, rank: int):
+    path = stage_dir(root, rank) / "config.json"
+    if not path.is_file():
+        raise StageDirError(f"{path} is missing")
+    raw = json.loads(path.read_text())
+    missing = [f for f in STAGE_FIELDS if f not in raw]
+    if missing:
+        raise StageDirError(f"{path} lacks stage fields {missing}: not written by split_and_save_models.py")
+    config = AutoConfig.from_pretrained(stage_dir(root, rank))
+    for f in STAGE_FIELDS:
+        setattr(config, f, raw[f])
+    family_classes(config)  # unsupported architectures fail here
+    return config
+
+
+def check_world(root: str | Path, world_size: int) -> dict:
+    """Validate the stage root against the world size; returns the manifest."""
+    manifest = read_manifest(root)
+    split = manifest["split"]
+    if len(split) != world_size:
+        raise StageDirError(f"{root} is split {'+'.join(map(str, split))} for {len(split)} ranks, "
+                            f"but the world size is {world_size}; relaunch with {len(split)} processes "
+                            f"or re-split with --stages {world_size - 1}")
+    return manifest
+
+
+def load_stage(root: str | Path, rank: int, world_size: int, dtype: torch.dtype = torch.float32,
+               device: str = "cpu", verify: bool = True, quant: str = "none",
+               quant_compute_dtype: torch.dtype | None = None) -> StageModel:
+    """Load rank ``rank``'s stage from a split checkpoint, checking manifest, world size and checksum."""
+    manifest = check_world(root, world_size)
+    if verify:
+        verify_stage_file(root, manifest, rank)
+    config = load_stage_config(root, rank)
+    if config.stage_index != rank:
+        raise StageDirError(f"{stage_dir(root, rank)} holds stage {config.stage_index}, expected {rank}")
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = StageModel(config)
+    model = model.to_empty(device="cpu")
+    try:
+        state = load_file(str(stage_dir(root, rank) / WEIGHTS))
+    except Exception as e:  # corrupt safetensors header etc.
+        raise StageDirError(f"cannot read {stage_dir(root, rank) / WEIGHTS}: {e}") from None
+    model.load_weights(state)
+    if model.block is not None:  # rotary buffers were created on meta; rebuild them
+        _, rotary_cls, _ = family_classes(config)
+        model.block.rotary_emb = rotary_cls(config=config)
+    model = model.to(dtype=dtype)
+    if quant != "none" and model.block is not None:
+        from model.quant import quantize_linears
+        quantize_linears(model.block, quant, quant_compute_dtype or dtype, device)
+    return model.to(device).eval()

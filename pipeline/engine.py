@@ -1,0 +1,112 @@
+"""Rank 0's shared machinery: prefill, lm_head, the output buffer, stats. Modes build on it."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from draft.drafter import Drafter
+from model.stage_model import StageModel
+from pipeline.comm import Comm
+from pipeline.messages import Context, Shutdown, Stats
+from pipeline.verify import Sampler
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class GenResult:
+    """One generation. ``accept_lengths[i]`` = tokens committed by verification step ``i`` counting the
+    bonus token (τ = mean); ``pipeline_steps`` counts messages rank 0 received during decode."""
+
+    output_ids: list[int]
+    prefill_s: float
+    decode_s: float
+    rounds: int
+    accept_lengths: list[int] = field(default_factory=list)
+    pipeline_steps: int = 0
+    busy_fraction: list[float] = field(default_factory=list)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def tau(self) -> float:
+        return sum(self.accept_lengths) / max(1, len(self.accept_lengths))
+
+
+class OutputBuffer:
+    """Committed new tokens; stops exactly like HF generate (stop token included, max_new_tokens)."""
+
+    def __init__(self, stop_ids: set[int], max_new_tokens: int) -> None:
+        self.ids: list[int] = []
+        self.stop_ids = stop_ids
+        self.max_new = max_new_tokens
+        self.finished = False
+
+    def extend(self, tokens: list[int]) -> int:
+        """Append until a stop condition; returns how many tokens were taken."""
+        taken = 0
+        for t in tokens:
+            if self.finished:
+                break
+            self.ids.append(int(t))
+            taken += 1
+            if int(t) in self.stop_ids or len(self.ids) >= self.max_new:
+                self.finished = True
+        return taken
+
+
+class Engine:
+    def __init__(self, model: StageModel, comm: Comm, drafter: Drafter | None, sampler: Sampler,
+                 stop_ids: set[int], cfg) -> None:
+        self.model, self.comm, self.drafter, self.sampler = model, comm, drafter, sampler
+        self.stop_ids = stop_ids
+        self.cfg = cfg
+        self.num_layer_stages = comm.world - 1
+        self.tracer = comm.tracer
+        self.dtype = next(model.parameters()).dtype
+
+    @torch.no_grad()
+    def logits(self, hidden: Tensor) -> Tensor:
+        with self.tracer.span("lm_head", rows=int(hidden.shape[0])):
+            return self.model.lm_head(hidden.to(self.model.lm_head.weight.device, self.dtype)).float()
+
+    def prefill(self, prompt_ids: list[int]) -> tuple[Tensor, Tensor]:
+        """Chunked, pipelined prefill. Returns (logits of the last prompt token, features of all prompt tokens)."""
+        ids = torch.tensor(prompt_ids, dtype=torch.long)[None]
+        chunk = self.cfg.gen.prefill_chunk
+        pieces = list(torch.split(ids, chunk, dim=1))
+        for i, piece in enumerate(pieces):
+            self.comm.send_next(Context(piece, reset=(i == 0)))
+        feats = [self.comm.recv_prev().x[0] for _ in pieces]
+        features = torch.cat(feats)
+        return self.logits(features[-1:])[0], features
+
+    def collect_busy(self, wall_s: float) -> list[float]:
+        self.comm.send_next(Stats(torch.zeros(self.comm.world, dtype=torch.float64)))
+        msg = self.comm.recv_prev()
+        busy = msg.busy_s.tolist()
+        busy[0] = self.tracer.busy_s
+        self.tracer.reset_counters()
+        return [min(1.0, b / wall_s) if wall_s > 0 else 0.0 for b in busy]
+
+    def shutdown(self) -> None:
+        self.comm.send_next(Shutdown())
+        self.comm.recv_prev()
+
+
+def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn) -> GenResult:
+    """Run prefill + ``decode_fn(engine, logits, features, prompt_ids, out) -> (rounds, accept_lengths, steps)``."""
+    engine.tracer.reset_counters()
+    t0 = time.perf_counter()
+    logits, features = engine.prefill(prompt_ids)
+    t1 = time.perf_counter()
+    out = OutputBuffer(engine.stop_ids, engine.cfg.gen.max_new_tokens)
+    engine.sampler.generator.manual_seed(engine.cfg.gen.seed)
+    rounds, accepts, steps = decode_fn(engine, logits, features, prompt_ids, out)
+    t2 = time.perf_counter()
+    busy = engine.collect_busy(t2 - t0)
+    return GenResult(out.ids, t1 - t0, t2 - t1, rounds, accepts, steps, busy)

@@ -1,0 +1,219 @@
+"""Typed messages of the pipeline protocol and their wire codec.
+
+Every message travels as a fixed-size int64 header followed (when non-empty) by one uint8 payload
+holding its tensors' raw bytes, so every dtype (bf16, fp16, fp32, fp64, int32, int64, bool) and empty
+tensors round-trip exactly.
+
+Ring messages (rank r -> r+1, last -> 0):
+  * :class:`Context`  committed tokens (prefill chunks, ``ar`` tokens); ``reset`` starts a generation.
+  * :class:`Segment`  tree nodes with parent pointers; optionally carries a ``prior`` decision to apply
+    before computing (ring-borne commit, used by ``naive``) and ``decide_from_rank``: ranks ``>=`` it
+    must receive one broadcast :class:`Decision` before computing this segment (lock-step modes).
+  * :class:`Stats` collects every rank's busy time after a generation.
+  * :class:`Shutdown` ends the worker loop.
+Broadcast (rank 0 -> all): :class:`Decision`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+
+Tensor = torch.Tensor
+
+HEADER_LEN = 48
+MAGIC = 0x5F10_5EC0
+MAX_TENSORS = 4
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64, torch.bool,
+           torch.uint8, torch.int8]
+_CODE = {d: i for i, d in enumerate(_DTYPES)}
+
+
+class Kind(IntEnum):
+    CONTEXT = 1
+    SEGMENT = 2
+    SHUTDOWN = 3
+    DECISION = 4
+    STATS = 5
+
+
+class Status(IntEnum):
+    SKIP = 0       # nothing verified this step; stages change nothing
+    CONTINUE = 1   # accepted path -> context, subtree of the new root survives
+    TRUNCATE = 2   # accepted path -> context, everything else dropped; the ring drains
+
+
+@dataclass
+class Decision:
+    """Rank 0's verdict after one verification step, applied by every stage at once.
+
+    ``keep_indices`` is strictly increasing in the tree index space before the decision; its first
+    ``accepted_len`` entries are the accepted path (root first), which becomes context.
+    """
+
+    round_id: int = 0
+    step: int = 0
+    status: Status = Status.SKIP
+    accepted_len: int = 0
+    new_token: int = -1
+    finished: bool = False
+    keep_indices: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+
+    kind = Kind.DECISION
+
+    def ints(self) -> list[int]:
+        return [self.round_id, self.step, int(self.status), self.accepted_len, self.new_token, int(self.finished)]
+
+    def tensors(self) -> list[Tensor]:
+        return [self.keep_indices]
+
+    @classmethod
+    def build(cls, ints: list[int], tensors: list[Tensor]) -> "Decision":
+        return cls(ints[0], ints[1], Status(ints[2]), ints[3], ints[4], bool(ints[5]), tensors[0])
+
+
+@dataclass
+class Context:
+    x: Tensor                 # token ids [1, n] (to rank 1) or hidden [1, n, H]
+    round_id: int = 0
+    reset: bool = False
+
+    kind = Kind.CONTEXT
+
+    def ints(self) -> list[int]:
+        return [self.round_id, int(self.reset)]
+
+    def tensors(self) -> list[Tensor]:
+        return [self.x]
+
+    @classmethod
+    def build(cls, ints, tensors) -> "Context":
+        return cls(tensors[0], ints[0], bool(ints[1]))
+
+
+@dataclass
+class Segment:
+    x: Tensor                 # token ids [1, n] or hidden [1, n, H]; n may be 0
+    parents: Tensor           # [n] tree indices, -1 = child of the context (the root)
+    round_id: int = 0
+    seg_id: int = 0
+    decide_from_rank: int = 1 << 30
+    prior: Decision | None = None
+
+    kind = Kind.SEGMENT
+
+    @property
+    def n(self) -> int:
+        return int(self.parents.numel())
+
+    def ints(self) -> list[int]:
+        head = [self.round_id, self.seg_id, self.decide_from_rank, int(self.prior is not None)]
+        return head + (self.prior.ints() if self.prior is not None else [])
+
+    def tensors(self) -> list[Tensor]:
+        return [self.x, self.parents] + ([self.prior.keep_indices] if self.prior is not None else [])
+
+    @classmethod
+    def build(cls, ints, tensors) -> "Segment":
+        prior = Decision.build(ints[4:], tensors[2:]) if ints[3] else None
+        return cls(tensors[0], tensors[1], ints[0], ints[1], ints[2], prior)
+
+
+@dataclass
+class Shutdown:
+    kind = Kind.SHUTDOWN
+
+    def ints(self) -> list[int]:
+        return []
+
+    def tensors(self) -> list[Tensor]:
+        return []
+
+    @classmethod
+    def build(cls, ints, tensors) -> "Shutdown":
+        return cls()
+
+
+@dataclass
+class Stats:
+    """Travels once around the ring after a generation; each rank writes its busy seconds."""
+
+    busy_s: Tensor            # float64 [world]
+
+    kind = Kind.STATS
+
+    def ints(self) -> list[int]:
+        return []
+
+    def tensors(self) -> list[Tensor]:
+        return [self.busy_s]
+
+    @classmethod
+    def build(cls, ints, tensors) -> "Stats":
+        return cls(tensors[0])
+
+
+_CLASSES = {Kind.CONTEXT: Context, Kind.SEGMENT: Segment, Kind.SHUTDOWN: Shutdown, Kind.DECISION: Decision,
+            Kind.STATS: Stats}
+Message = Context | Segment | Shutdown | Decision | Stats
+
+
+def encode(msg: Message) -> tuple[Tensor, Tensor]:
+    """-> ``(header int64[HEADER_LEN], payload uint8[nbytes])``."""
+    ints, tensors = msg.ints(), msg.tensors()
+    if len(tensors) > MAX_TENSORS:
+        raise ValueError("too many tensors in one message")
+    head = [MAGIC, int(msg.kind), len(ints), len(tensors)] + ints
+    chunks = []
+    for t in tensors:
+        if t.dim() > 4:
+            raise ValueError("tensors of at most 4 dims")
+        t = t.detach().contiguous().cpu()
+        shape = list(t.shape) + [0] * (4 - t.dim())
+        head += [_CODE[t.dtype], t.dim()] + shape
+        chunks.append(t.reshape(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8))
+    if len(head) > HEADER_LEN:
+        raise ValueError("header overflow")
+    header = torch.zeros(HEADER_LEN, dtype=torch.long)
+    header[:len(head)] = torch.tensor(head, dtype=torch.long)
+    payload = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
+    return header, payload
+
+
+def payload_size(header: Tensor) -> int:
+    h = header.tolist()
+    if h[0] != MAGIC:
+        raise ValueError("corrupt message header (bad magic)")
+    n_ints, n_t = h[2], h[3]
+    pos, total = 4 + n_ints, 0
+    for _ in range(n_t):
+        dt, nd, shape = _DTYPES[h[pos]], h[pos + 1], h[pos + 2:pos + 2 + h[pos + 1]]
+        numel = 1
+        for s in shape:
+            numel *= s
+        total += numel * torch.empty(0, dtype=dt).element_size()
+        pos += 6
+    return total
+
+
+def decode(header: Tensor, payload: Tensor) -> Message:
+    h = header.tolist()
+    if h[0] != MAGIC:
+        raise ValueError("corrupt message header (bad magic)")
+    kind, n_ints, n_t = Kind(h[1]), h[2], h[3]
+    ints = h[4:4 + n_ints]
+    pos, off, tensors = 4 + n_ints, 0, []
+    payload = payload.cpu()
+    for _ in range(n_t):
+        dt, nd = _DTYPES[h[pos]], h[pos + 1]
+        shape = h[pos + 2:pos + 2 + nd]
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * torch.empty(0, dtype=dt).element_size()
+        raw = payload[off:off + nbytes]
+        tensors.append(raw.clone().view(dt).reshape(shape) if numel else torch.zeros(shape, dtype=dt))
+        off += nbytes
+        pos += 6
+    return _CLASSES[kind].build(ints, tensors)

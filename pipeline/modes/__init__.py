@@ -1,0 +1,13 @@
+"""Decoding modes: each is a small rank-0 strategy; the verification stages run the same worker loop."""
+from pipeline.modes.ar import ar_decode
+from pipeline.modes.flowspec import ContinuousMode, PrunedMode
+from pipeline.modes.naive import naive_decode
+from pipeline.modes.pipedec import PipeDecMode
+
+DECODERS = {
+    "ar": ar_decode,
+    "naive": naive_decode,
+    "pruned": PrunedMode().decode,
+    "continuous": ContinuousMode().decode,
+    "pipedec": PipeDecMode().decode,
+}

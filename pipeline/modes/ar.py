@@ -1,0 +1,20 @@
+"""``ar``: plain pipeline-parallel autoregression, one token per ring trip."""
+from __future__ import annotations
+
+import torch
+
+from pipeline.engine import Engine, OutputBuffer
+from pipeline.messages import Context
+
+
+def ar_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
+              out: OutputBuffer) -> tuple[int, list[int], int]:
+    x = engine.sampler.choose(logits)
+    out.extend([x])
+    accepts = []
+    while not out.finished:
+        engine.comm.send_next(Context(torch.tensor([[x]])))
+        hidden = engine.comm.recv_prev().x[0]
+        x = engine.sampler.choose(engine.logits(hidden)[-1])
+        accepts.append(out.extend([x]))
+    return len(accepts), accepts, len(accepts)

@@ -1,0 +1,59 @@
+"""``pipedec`` (PipeDec baseline): the tree grows by one layer of ``pipedec_topk`` nodes per pipeline step.
+
+It reuses FlowSpec's lock-step loop; only the tree policy differs: a round starts with the root alone,
+the fill sends the root and then one new layer per segment, and every step appends one more layer
+below the deepest surviving layer (the best ``pipedec_topk`` children by cumulative draft score).
+To score a layer, the drafter re-feeds the surviving tree (whose draft inputs are remembered per node)
+on top of its accepted context, as PipeDec does.
+"""
+from __future__ import annotations
+
+import torch
+
+from draft.tree import DraftTree
+from pipeline.engine import Engine
+from pipeline.modes.flowspec import LockstepMode
+
+
+class PipeDecMode(LockstepMode):
+    def __init__(self) -> None:
+        self.feat_in: torch.Tensor | None = None  # draft input feature per node (row 0 unused)
+
+    def first_tree(self, engine: Engine, root: int, root_hidden: torch.Tensor) -> DraftTree:
+        tree = DraftTree.single(root)
+        self.feat_in = root_hidden[None].clone()
+        for _ in range(engine.comm.world - 1):
+            tree = self.grow(engine, tree, root_hidden, False)
+        return tree
+
+    def fill_sizes(self, engine: Engine, tree: DraftTree) -> list[int]:
+        depths = tree.depths
+        return [int((depths == d).sum()) for d in range(int(depths.max()) + 1)]
+
+    def on_reroot(self, keep: torch.Tensor, accepted_len: int) -> None:
+        self.feat_in = self.feat_in[keep[accepted_len:]]
+
+    def grow(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor, verified: bool) -> DraftTree:
+        drafter, k = engine.drafter, engine.cfg.tree.pipedec_topk
+        with engine.tracer.span("expand"):
+            depths = tree.depths
+            self.feat_in[depths == 1] = root_hidden.to(self.feat_in.dtype)
+            if len(tree) == 1:
+                frontier, outs = torch.tensor([0]), root_hidden[None]
+            else:
+                body = torch.arange(1, len(tree))
+                parents = tree.parents[body] - 1          # the root is the drafter's last context entry
+                out = drafter.tree_forward(tree.tokens[body], self.feat_in[body], parents)
+                drafter.drop_tree()
+                frontier = (depths == depths.max()).nonzero().flatten()
+                outs = out[frontier - 1]
+            lp = drafter.logprobs(outs)                           # [F, V]
+            kk = min(k, lp.shape[-1])
+            cs, ct = torch.topk(lp, kk, dim=-1)
+            cum = (tree.scores[frontier][:, None] + cs).reshape(-1)
+            best = torch.sort(-cum.double(), stable=True).indices[:k]
+            par = frontier[best // kk]
+            tree = DraftTree(torch.cat([tree.tokens, ct.reshape(-1)[best]]), torch.cat([tree.parents, par]),
+                             torch.cat([tree.scores, cum[best]]))
+            self.feat_in = torch.cat([self.feat_in, outs[best // kk].to(self.feat_in.dtype)])
+        return tree

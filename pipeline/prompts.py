@@ -1,0 +1,87 @@
+"""Prompt files (FastChat ``question.jsonl``) and chat formatting.
+
+A tokenizer's own chat template is used when it has one (SmolLM2: ChatML, Llama-3...); Vicuna and
+Llama-2-chat tokenizers carry none, so fschat's conversation templates format them.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class PromptError(ValueError):
+    pass
+
+
+def load_questions(path: str | Path, begin: int | None = None, end: int | None = None) -> list[dict]:
+    """Records ``[begin, end)`` of a FastChat question file (``question_id``, ``turns``...)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PromptError(f"prompts file {path} does not exist") from None
+    except UnicodeDecodeError:
+        raise PromptError(f"prompts file {path} is not UTF-8 text") from None
+    except OSError as e:
+        raise PromptError(f"cannot read prompts file {path}: {e.strerror}") from None
+    records = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            raise PromptError(f"{path}:{i} is not a JSON object line") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("turns"), list) or not rec["turns"]:
+            raise PromptError(f"{path}:{i} lacks a non-empty 'turns' list (FastChat question format)")
+        records.append(rec)
+    return records[begin:end]
+
+
+def chat_prompt_ids(tokenizer, turns: list[str], answers: list[str], system: str = "",
+                    template: str = "auto") -> list[int]:
+    """Token ids of a conversation ending with the assistant's turn to speak.
+
+    ``turns`` are the user messages so far, ``answers`` the assistant replies to all but the last.
+    """
+    if template == "raw":
+        return tokenizer(turns[-1])["input_ids"]
+    if template == "auto" and getattr(tokenizer, "chat_template", None):
+        msgs = [{"role": "system", "content": system}] if system else []
+        for i, t in enumerate(turns):
+            msgs.append({"role": "user", "content": t})
+            if i < len(answers):
+                msgs.append({"role": "assistant", "content": answers[i]})
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+    from fastchat.model import get_conversation_template
+
+    name = "vicuna" if template == "auto" else template
+    conv = get_conversation_template(name)
+    if system:
+        conv.set_system_message(system)
+    for i, t in enumerate(turns):
+        conv.append_message(conv.roles[0], t)
+        conv.append_message(conv.roles[1], answers[i] if i < len(answers) else None)
+    text = conv.get_prompt()
+    if "llama-2" in name:
+        text += " "
+    return tokenizer(text)["input_ids"]
+
+
+def stop_token_ids(tokenizer, generation_config: dict | None = None) -> set[int]:
+    ids: set[int] = set()
+    eos = (generation_config or {}).get("eos_token_id")
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, list):
+        ids.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    for special in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
+        tid = tokenizer.convert_tokens_to_ids(special)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None and tid >= 0:
+            ids.add(tid)
+    return ids

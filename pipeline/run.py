@@ -1,0 +1,255 @@
+"""Entry point of every rank (launched by torchrun): ``python -m pipeline.run [key=value ...] [options]``.
+
+Rank 0 holds the draft head and ``lm_head``, formats prompts, runs the chosen mode(s) and prints/writes
+results; ranks 1..N run the mode-agnostic stage worker. Errors are one line per rank and a non-zero exit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_STAGE_DIR = REPO / "checkpoints" / "SmolLM2-135M-Instruct" / "stages_0+8+8+7+7"
+DEFAULT_HEAD_DIR = REPO / "draft" / "heads" / "SmolLM2-135M-Instruct"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline.run",
+        description="Distributed (pipeline-parallel) speculative decoding. Launch one process per rank "
+                    "with torchrun; rank 0 drafts and verifies, ranks 1..N hold the decoder layers.",
+        epilog="Config overrides are key=value words (see config/run_config.py), e.g. mode=continuous "
+               "max_new_tokens=64 tree.init_depth=5.")
+    p.add_argument("overrides", nargs="*", help="config overrides key=value")
+    p.add_argument("--prompt", action="append", default=[], help="a user prompt (repeatable)")
+    p.add_argument("--prompt-ids", action="append", default=[],
+                   help="a raw prompt as comma-separated token ids (repeatable; no chat template)")
+    p.add_argument("--prompts-file", help="FastChat question.jsonl; every turn is asked, answers fed back")
+    p.add_argument("--begin", type=int, default=None, help="first record of --prompts-file (0-based)")
+    p.add_argument("--end", type=int, default=None, help="end record (exclusive)")
+    p.add_argument("--first-turn-only", action="store_true", help="ask only the first turn of each record")
+    p.add_argument("--modes", default=None, help="comma-separated modes to run in turn (default: config mode)")
+    p.add_argument("--output", help="append one JSON line per generation to this file")
+    p.add_argument("--template", default="auto", help="auto (tokenizer's own, else vicuna) | raw | fschat name")
+    p.add_argument("--quiet", action="store_true", help="print only the summary lines")
+    return p.parse_intermixed_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+
+    def fail(text: str, code: int = 2) -> int:
+        print(f"[rank {rank}] error: {text}", file=sys.stderr, flush=True)
+        return code
+
+    from config.run_config import DEFAULT, ConfigError, MODES, apply_overrides
+    try:
+        cfg = apply_overrides(DEFAULT, args.overrides)
+        modes = args.modes.split(",") if args.modes else [cfg.gen.mode]
+        for m in modes:
+            if m not in MODES:
+                raise ConfigError(f"unknown mode {m!r}; choose one of {', '.join(MODES)}")
+    except ConfigError as e:
+        return fail(str(e)) if rank == 0 else 2
+    if world < 2:
+        return fail("needs at least 2 ranks (rank 0 drafts, ranks 1..N hold layers); launch with torchrun "
+                    "--nproc_per_node=<stages>") if rank == 0 else 2
+
+    import torch
+    from model.stage_format import StageDirError
+    from model.stage_model import DTYPES, check_world, load_stage
+    torch.set_num_threads(cfg.model.num_threads)
+    stage_root = Path(cfg.model.stage_dir or DEFAULT_STAGE_DIR)
+    try:
+        check_world(stage_root, world)
+    except StageDirError as e:
+        return fail(str(e)) if rank == 0 else 2
+    device = cfg.model.device
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            return fail("device=cuda but CUDA is not available") if rank == 0 else 2
+        local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    dtype = DTYPES[cfg.model.dtype]
+
+    from pipeline.comm import Comm, PeerLost
+    from pipeline.trace import Tracer
+    tracer = Tracer(rank, enabled=cfg.comm.trace)
+    comm = Comm(cfg.comm.backend, cfg.comm.timeout_s, cfg.comm.heartbeat_s, device, tracer)
+    try:
+        try:
+            model = load_stage(stage_root, rank, world, dtype, device, cfg.model.verify_checksums,
+                               cfg.model.quant if rank > 0 else "none")
+        except StageDirError as e:
+            raise SetupError(str(e)) from None
+        if rank == 0:
+            code = run_rank0(args, cfg, modes, comm, model, stage_root, dtype, device)
+        else:
+            from pipeline.worker import StageWorker
+            StageWorker(model, comm, cfg.model.max_seq_len, dtype, device).run()
+            code = 0
+        tracer.dump(cfg.comm.trace_dir)
+        comm.close()
+        return code
+    except (SetupError, PeerLost) as e:
+        comm.report_failure(str(e))
+        print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+        os._exit(2 if isinstance(e, SetupError) else 3)
+    except KeyboardInterrupt:
+        comm.report_failure("interrupted")
+        print(f"[rank {rank}] interrupted", file=sys.stderr, flush=True)
+        os._exit(130)
+
+
+class SetupError(RuntimeError):
+    pass
+
+
+def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from draft.drafter import Drafter
+    from draft.eagle import HeadError, init_untrained_head, load_eagle_head
+    from model.stage_format import stage_dir
+    from pipeline.engine import Engine, timed_generation
+    from pipeline.modes import DECODERS
+    from pipeline.prompts import PromptError, chat_prompt_ids, load_questions, stop_token_ids
+    from pipeline.verify import Sampler
+
+    sdir = stage_dir(stage_root, 0)
+    gen_cfg_path = sdir / "generation_config.json"
+    gen_cfg = json.loads(gen_cfg_path.read_text()) if gen_cfg_path.is_file() else {}
+    tokenizer = None
+    if not args.prompt_ids:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(sdir)
+        except Exception as e:
+            raise SetupError(f"no usable tokenizer in {sdir}: {str(e).splitlines()[0][:200]}") from None
+        stop_ids = stop_token_ids(tokenizer, gen_cfg)
+    else:
+        eos = gen_cfg.get("eos_token_id", getattr(model.config, "eos_token_id", None))
+        stop_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+    drafter = None
+    if any(m != "ar" for m in modes):
+        head_dir = Path(cfg.model.head_dir) if cfg.model.head_dir else None
+        if head_dir is None and stage_root.resolve() == DEFAULT_STAGE_DIR.resolve() and DEFAULT_HEAD_DIR.is_dir():
+            head_dir = DEFAULT_HEAD_DIR
+        try:
+            if head_dir is not None and str(cfg.model.head_dir).split(":")[0] in ("oracle", "adversary"):
+                from draft.oracle import OracleDrafter
+                kind, path = cfg.model.head_dir.split(":", 1)
+                print(f"[rank 0] using the {kind} drafter (full model {path}); for tests and ablations", file=sys.stderr)
+                drafter = OracleDrafter(path, adversarial=(kind == "adversary"), dtype=dtype)
+            elif head_dir is None:
+                print("[rank 0] WARNING: no draft head given: using an UNTRAINED random head "
+                      "(acceptance near zero; output stays exact). Set head_dir=... for real speed-ups.",
+                      file=sys.stderr)
+                head = init_untrained_head(model.config).to(device=device, dtype=dtype).eval()
+                head.embed_tokens.weight.data.copy_(model.embed_tokens.weight.data)
+            else:
+                head = load_eagle_head(head_dir, model.config, model.embed_tokens.weight.data, dtype, device)
+            if drafter is None:
+                drafter = Drafter(head, model.lm_head, cfg.model.max_seq_len + 64)
+        except HeadError as e:
+            raise SetupError(str(e)) from None
+
+    gen = torch.Generator(device="cpu")
+    sampler = Sampler(cfg.gen.temperature, cfg.gen.top_p, cfg.gen.top_k_sampling, gen)
+    engine = Engine(model, comm, drafter, sampler, stop_ids, cfg)
+
+    try:
+        if args.prompt_ids:
+            try:
+                records = [{"question_id": i, "turns": [[int(t) for t in p.split(",")]]}
+                           for i, p in enumerate(args.prompt_ids)]
+            except ValueError:
+                raise PromptError("--prompt-ids takes comma-separated integers") from None
+        elif args.prompts_file:
+            records = load_questions(args.prompts_file, args.begin, args.end)
+        else:
+            texts = args.prompt or ["Explain in two sentences why the sky is blue."]
+            records = [{"question_id": i, "turns": [t]} for i, t in enumerate(texts)]
+    except PromptError as e:
+        raise SetupError(str(e)) from None
+    for rec in records:
+        for t in rec["turns"]:
+            if not t or (isinstance(t, str) and not t.strip()):
+                raise SetupError(f"prompt {rec.get('question_id')} has an empty turn")
+
+    max_positions = getattr(model.config, "max_position_embeddings", 1 << 30)
+    tree_room = max(cfg.tree.total_token, cfg.tree.init_total_token + 4 * cfg.tree.expand_total_token,
+                    cfg.tree.pipedec_topk * (comm.world + 4)) + 8
+
+    def check_len(ids: list[int], qid) -> None:
+        need = len(ids) + cfg.gen.max_new_tokens
+        if need > max_positions:
+            raise SetupError(f"prompt {qid}: {len(ids)} tokens + max_new_tokens {cfg.gen.max_new_tokens} exceed "
+                             f"the model's {max_positions} positions")
+        if need + tree_room > cfg.model.max_seq_len:
+            raise SetupError(f"prompt {qid}: {len(ids)} tokens + max_new_tokens {cfg.gen.max_new_tokens} + tree "
+                             f"room {tree_room} exceed max_seq_len={cfg.model.max_seq_len}")
+
+    out_f = open(args.output, "a", encoding="utf-8") if args.output else None
+    turns_limit = 1 if args.first_turn_only else None
+    def prompt_ids(turns: list, answers: list[str]) -> list[int]:
+        if tokenizer is None:
+            return list(turns[-1])
+        return chat_prompt_ids(tokenizer, turns, answers, cfg.gen.system_prompt, args.template)
+
+    for rec in records:  # check every first turn before any work
+        check_len(prompt_ids(rec["turns"][:1], []), rec.get("question_id"))
+    try:
+        for mode in modes:
+            decode = DECODERS[mode]
+            for rec in records:
+                answers: list[str] = []
+                for ti, _ in enumerate(rec["turns"][:turns_limit]):
+                    ids = prompt_ids(rec["turns"][:ti + 1], answers)
+                    check_len(ids, rec.get("question_id"))
+                    res = timed_generation(engine, ids, decode)
+                    text = "" if tokenizer is None else tokenizer.decode(
+                        [t for t in res.output_ids if t not in stop_ids], skip_special_tokens=True)
+                    answers.append(text.strip())
+                    row = {"question_id": rec.get("question_id"), "category": rec.get("category"), "turn": ti,
+                           "mode": mode, "temperature": cfg.gen.temperature, "prompt_ids": ids,
+                           "output_ids": res.output_ids, "text": text, "new_tokens": res.new_tokens,
+                           "rounds": res.rounds, "tau": round(res.tau, 4), "accept_lengths": res.accept_lengths,
+                           "pipeline_steps": res.pipeline_steps, "prefill_s": round(res.prefill_s, 6),
+                           "decode_s": round(res.decode_s, 6),
+                           "tokens_per_s": round(res.new_tokens / res.decode_s, 3) if res.decode_s else None,
+                           "busy_fraction": [round(b, 4) for b in res.busy_fraction], "world_size": comm.world}
+                    if out_f:
+                        out_f.write(json.dumps(row) + "\n")
+                        out_f.flush()
+                    print_result(row, str(rec["turns"][ti]), args.quiet)
+    finally:
+        if out_f:
+            out_f.close()
+    engine.shutdown()
+    return 0
+
+
+def print_result(row: dict, prompt: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"\n=== [{row['mode']}] question {row['question_id']} turn {row['turn']} ===")
+        print(f"USER: {prompt[:500]}")
+        print(f"ASSISTANT: {row['text']}")
+    busy = " ".join(f"{b:.0%}" for b in row["busy_fraction"])
+    tps = row["tokens_per_s"] or 0.0
+    print(f"[{row['mode']}] new_tokens={row['new_tokens']} rounds={row['rounds']} "
+          f"tau={row['tau']:.2f} (accepted tokens per verification incl. bonus) decode={tps:.1f} tok/s "
+          f"prefill={row['prefill_s'] * 1000:.0f} ms busy(rank0..{len(row['busy_fraction']) - 1})={busy}",
+          flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
