@@ -1,0 +1,110 @@
+"""End to end: every mode on 2, 3 and 5 CPU ranks equals HF generate(do_sample=False) token for token.
+
+Covers random tiny models (float64), stories260K and the SmolLM2 default, with an untrained EAGLE head,
+an oracle drafter (100% acceptance: long accepted paths, re-rooting, expansion) and an adversarial one
+(0% acceptance), on prompts from the six datasets in ../shared/data.
+"""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from split_and_save_models import split_checkpoint
+from tests.helpers import DATA, DATASETS, STORIES, hf_greedy, launch, read_jsonl, tiny_llama
+
+ALL_MODES = "ar,naive,pruned,continuous,pipedec"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    full = tiny_llama(root / "full", layers=4, dtype=torch.float64)
+    splits = {}
+    for spec in ([0, 4], [0, 2, 2], [0, 1, 1, 1, 1]):
+        out = root / ("stages_" + "+".join(map(str, spec)))
+        split_checkpoint(full, out, spec, progress=False)
+        splits[len(spec)] = out
+    return full, splits
+
+
+def _check_against_hf(rows, full, max_new, stop_ids, dtype, n_expected):
+    assert len(rows) == n_expected, f"expected {n_expected} generations, got {len(rows)}"
+    for row in rows:
+        ref = hf_greedy(full, row["prompt_ids"], max_new, stop_ids, dtype)
+        assert row["output_ids"] == ref, f"mode {row['mode']} prompt {row['question_id']} differs from HF"
+
+
+def _run(world, stage_dir, out, prompts, max_new, extra=(), modes=ALL_MODES, dtype="float64"):
+    args = [f"model.stage_dir={stage_dir}", f"dtype={dtype}", f"max_new_tokens={max_new}", "comm.timeout_s=60",
+            "--modes", modes, "--output", str(out), "--quiet", *extra]
+    for p in prompts:
+        args += ["--prompt-ids", ",".join(map(str, p))]
+    launch(world, args, timeout=600)
+    return read_jsonl(out)
+
+
+TINY_PROMPTS = [[1, 5, 9, 13, 22, 7], [1, 40, 41, 42], [1] + list(range(3, 80)), [1, 3]]
+
+
+@pytest.mark.parametrize("world,drafter,extra", [
+    (3, "untrained", ()),
+    (5, "oracle", ()),
+    (2, "oracle", ("tree.subseq_token=2", "tree.init_total_token=30", "tree.expand_subseq_token=3",
+                   "tree.total_token=20", "prefill_chunk=7")),
+    (3, "adversary", ("tree.none_expand=true",)),
+])
+def test_tiny_all_modes_equal_hf(tiny, tmp_path, world, drafter, extra):
+    full, splits = tiny
+    head = () if drafter == "untrained" else (f"head_dir={drafter}:{full}",)
+    rows = _run(world, splits[world], tmp_path / "out.jsonl", TINY_PROMPTS, 24, (*head, *extra))
+    _check_against_hf(rows, full, 24, {2}, torch.float64, 5 * len(TINY_PROMPTS))
+    by_mode = {}
+    for r in rows:
+        by_mode.setdefault(r["mode"], []).append(r)
+    if drafter == "oracle":  # a perfect draft must be accepted beyond the root
+        assert max(r["tau"] for r in by_mode["naive"]) > 2.0
+        assert max(r["tau"] for r in by_mode["continuous"]) > 1.5
+    if drafter == "adversary":  # nothing is ever accepted: one token per verification
+        assert all(r["tau"] == 1.0 for m in ("naive", "pruned", "continuous") for r in by_mode[m])
+
+
+def _dataset_prompts(tokenizer, n_tokens, template=None):
+    prompts = []
+    for ds in DATASETS:
+        rec = [json.loads(l) for l in (DATA / ds / "question.jsonl").read_text().splitlines() if l.strip()][30]
+        ids = tokenizer(rec["turns"][0])["input_ids"][:n_tokens]
+        prompts.append(ids)
+    return prompts
+
+
+@pytest.mark.skipif(not STORIES.is_dir() or not DATA.is_dir(), reason="../shared is not available")
+@pytest.mark.parametrize("world,split,drafter", [(3, [0, 3, 2], "oracle"), (5, [0, 1, 1, 1, 2], "untrained")])
+def test_stories260k_all_modes_equal_hf(tmp_path, world, split, drafter):
+    from transformers import AutoTokenizer
+    stages = split_checkpoint(STORIES, tmp_path / "stages", split, progress=False)
+    tok = AutoTokenizer.from_pretrained(STORIES)
+    prompts = _dataset_prompts(tok, 40)
+    head = () if drafter == "untrained" else (f"head_dir={drafter}:{STORIES}",)
+    rows = _run(world, stages, tmp_path / "out.jsonl", prompts, 32, head, dtype="float32")
+    _check_against_hf(rows, STORIES, 32, {2}, torch.float32, 5 * len(prompts))
+
+
+def test_smollm2_default_all_modes_equal_hf(tmp_path):
+    """The embedded default model through 5 ranks with the chat template, prompts from all six datasets."""
+    if not DATA.is_dir():
+        pytest.skip("../shared/data is not available")
+    from transformers import AutoTokenizer
+    from model.default_model import ensure_default_checkpoint, ensure_default_stages
+    from pipeline.prompts import chat_prompt_ids, stop_token_ids
+    full = ensure_default_checkpoint()
+    stages = ensure_default_stages()
+    tok = AutoTokenizer.from_pretrained(full)
+    prompts = []
+    for ds in DATASETS:
+        rec = [json.loads(l) for l in (DATA / ds / "question.jsonl").read_text().splitlines() if l.strip()][30]
+        text = rec["turns"][0][:600]   # keep CPU time small; still >64 tokens for chunked prefill
+        prompts.append(chat_prompt_ids(tok, [text], []))
+    stop = stop_token_ids(tok, json.loads((Path(full) / "generation_config.json").read_text()))
+    rows = _run(5, stages, tmp_path / "out.jsonl", prompts, 20, (), dtype="float32")
+    _check_against_hf(rows, full, 20, stop, torch.float32, 5 * len(prompts))
