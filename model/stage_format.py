@@ -111,3 +111,27 @@ def verify_stage_file(root: str | Path, manifest: dict, rank: int) -> None:
         raise StageDirError(f"{path} is missing")
     if path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
         raise StageDirError(f"{path} does not match its manifest checksum (corrupt or replaced file)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+    ap = argparse.ArgumentParser(prog="python -m model.stage_format",
+                                 description="Inspect a stage root written by split_and_save_models.py.")
+    ap.add_argument("root", help="stage root directory (holds manifest.json)")
+    ap.add_argument("--world", action="store_true", help="print only the number of ranks it needs")
+    args = ap.parse_args(argv)
+    try:
+        manifest = read_manifest(args.root)
+    except StageDirError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.world:
+        print(len(manifest["split"]))
+    else:
+        print(json.dumps({k: manifest[k] for k in ("format", "split", "num_hidden_layers", "dtype")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

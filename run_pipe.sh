@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One command on a fresh machine: bootstrap (venv + requirements + default model split, all cached),
+# then decode through a local torchrun pipeline (rank 0 = draft + lm_head, ranks 1..N = layer blocks).
+#
+#   ./run_pipe.sh                                   # default SmolLM2 pipeline, 5 ranks, mode=naive
+#   ./run_pipe.sh mode=continuous --prompt "Write a haiku about rivers."
+#   ./run_pipe.sh --modes ar,naive --prompts-file q.jsonl --begin 0 --end 5 --output out.jsonl
+#   ./run_pipe.sh model.stage_dir=/path/stages model.head_dir=/path/eagle_head max_new_tokens=256
+#
+# Every argument is passed to `python -m pipeline.run` (see `./run_pipe.sh --help`): config overrides
+# key=value (config/run_config.py) and the options --prompt, --prompts-file, --modes, --output, ...
+# The number of processes follows the stage root's manifest (set NPROC to force it).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cd "$ROOT"
+PY="$(bash scripts/bootstrap.sh)"
+
+stage_dir=""
+for a in "$@"; do
+  case "$a" in
+    model.stage_dir=*|stage_dir=*) stage_dir="${a#*=}" ;;
+    -h|--help) exec "$PY" -m pipeline.run --help ;;
+  esac
+done
+if [[ -z "$stage_dir" ]]; then
+  stage_dir="$("$PY" -m model.default_model | tail -n 1)"
+fi
+if [[ -z "${NPROC:-}" ]]; then
+  nproc="$("$PY" -m model.stage_format "$stage_dir" --world)" || exit 2
+else
+  nproc="$NPROC"
+fi
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# torchrun's agent prints a long ChildFailedError report when a rank fails; every rank already printed
+# one '[rank r] error: ...' line, so keep the agent quiet unless FLOWSPEC_DEBUG=1.
+if [[ "${FLOWSPEC_DEBUG:-0}" == "1" ]]; then
+  exec "$(dirname "$PY")/torchrun" --standalone --nproc_per_node="$nproc" -m pipeline.run "$@"
+fi
+set +e
+"$(dirname "$PY")/torchrun" --standalone --nproc_per_node="$nproc" -m pipeline.run "$@" 2> >(
+  awk '/^\[rank [0-9]+\]/ {print; fflush(); next}
+       /Traceback|torch\.distributed\.elastic|ChildFailedError|^=+$|^-+$|^  |^Failures:|^Root Cause|^\[[0-9]\]:|time *:|host *:|rank *:|exitcode|error_file|traceback *:|^W[0-9]{4}|^I[0-9]{4}|^E[0-9]{4}|^\*+$|OMP_NUM_THREADS/ {next}
+       {print; fflush()}' >&2)
+code=$?
+wait
+if [[ $code -ne 0 ]]; then
+  echo "run_pipe.sh: the pipeline failed (exit $code); rerun with FLOWSPEC_DEBUG=1 for full tracebacks" >&2
+fi
+exit $code
