@@ -1,8 +1,9 @@
 """End to end: every mode on 2, 3 and 5 CPU ranks equals HF generate(do_sample=False) token for token.
 
 Covers random tiny models (float64), stories260K and the SmolLM2 default, with an untrained EAGLE head,
-an oracle drafter (100% acceptance: long accepted paths, re-rooting, expansion) and an adversarial one
-(0% acceptance), on prompts from the six datasets in ../shared/data.
+and an oracle drafter (100% acceptance: long accepted paths, re-rooting, expansion), on prompts from the
+six datasets in ../shared/data. The protocol's edge cases (0% acceptance, one-node and empty segments,
+1..5 stages, stop tokens mid-tree) are swept in one process by test_protocol.py.
 """
 import json
 from pathlib import Path
@@ -44,7 +45,7 @@ def _run(world, stage_dir, out, prompts, max_new, extra=(), modes=ALL_MODES, dty
     return read_jsonl(out)
 
 
-TINY_PROMPTS = [[1, 5, 9, 13, 22, 7], [1, 40, 41, 42], [1] + list(range(3, 80)), [1, 3]]
+TINY_PROMPTS = [[1, 5, 9, 13, 22, 7], [1] + list(range(3, 80))]  # the long one needs chunked prefill
 
 
 @pytest.mark.parametrize("world,drafter,extra", [
@@ -52,21 +53,18 @@ TINY_PROMPTS = [[1, 5, 9, 13, 22, 7], [1, 40, 41, 42], [1] + list(range(3, 80)),
     (5, "oracle", ()),
     (2, "oracle", ("tree.subseq_token=2", "tree.init_total_token=30", "tree.expand_subseq_token=3",
                    "tree.total_token=20", "prefill_chunk=7")),
-    (3, "adversary", ("tree.none_expand=true",)),
 ])
 def test_tiny_all_modes_equal_hf(tiny, tmp_path, world, drafter, extra):
     full, splits = tiny
     head = () if drafter == "untrained" else (f"head_dir={drafter}:{full}",)
-    rows = _run(world, splits[world], tmp_path / "out.jsonl", TINY_PROMPTS, 24, (*head, *extra))
-    _check_against_hf(rows, full, 24, {2}, torch.float64, 5 * len(TINY_PROMPTS))
+    rows = _run(world, splits[world], tmp_path / "out.jsonl", TINY_PROMPTS, 16, (*head, *extra))
+    _check_against_hf(rows, full, 16, {2}, torch.float64, 5 * len(TINY_PROMPTS))
     by_mode = {}
     for r in rows:
         by_mode.setdefault(r["mode"], []).append(r)
     if drafter == "oracle":  # a perfect draft must be accepted beyond the root
         assert max(r["tau"] for r in by_mode["naive"]) > 2.0
         assert max(r["tau"] for r in by_mode["continuous"]) > 1.5
-    if drafter == "adversary":  # nothing is ever accepted: one token per verification
-        assert all(r["tau"] == 1.0 for m in ("naive", "pruned", "continuous") for r in by_mode[m])
 
 
 def _dataset_prompts(tokenizer, n_tokens, template=None):

@@ -1,0 +1,84 @@
+"""The lock-step protocol's edge cases, swept quickly in one process (tests/threaded_ring.py).
+
+Every case compares greedy output ids with HF ``generate(do_sample=False)`` on the unsplit float64 model:
+one-node segments, empty (padding) segments, trees needing many more segments than ring links, a stop
+token inside an accepted segment, ``max_new_tokens`` reached in the middle of a tree, 1..5 layer stages.
+"""
+import pytest
+import torch
+
+from split_and_save_models import split_checkpoint
+from tests.helpers import hf_greedy, tiny_llama
+from tests.threaded_ring import run_threaded
+
+MODES = ["ar", "naive", "pruned", "continuous", "pipedec"]
+PROMPTS = [[1, 5, 9, 13, 22, 7], [1, 40, 41, 42, 43, 44, 45, 46, 47]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("proto")
+    full = tiny_llama(root / "full", layers=5, dtype=torch.float64)
+    splits = {}
+    for spec in ([0, 5], [0, 3, 2], [0, 1, 2, 2], [0, 1, 1, 1, 1, 1]):
+        splits[len(spec)] = split_checkpoint(full, root / ("s" + "_".join(map(str, spec))), spec, progress=False)
+    return full, splits
+
+
+def _check(full, results, max_new, stop):
+    for mode, rows in results.items():
+        assert rows, mode
+        for p, r in zip(PROMPTS, rows):
+            ref = hf_greedy(full, p, max_new, stop, torch.float64)
+            assert r.output_ids == ref, f"{mode}: {r.output_ids} != {ref}"
+            assert sum(r.accept_lengths) == len(r.output_ids) - 1, mode  # first token comes from prefill
+
+
+@pytest.mark.parametrize("world,drafter", [(2, "oracle"), (4, "oracle"), (6, "oracle"), (3, "adversary"),
+                                           (6, None)])
+def test_worlds_and_drafters(tiny, world, drafter):
+    full, splits = tiny
+    d = f"{drafter}:{full}" if drafter else None
+    res = run_threaded(splits[world], PROMPTS, MODES, ["max_new_tokens=14", "dtype=float64"], {2}, d)
+    _check(full, res, 14, {2})
+    if drafter == "oracle":
+        assert max(r.tau for r in res["naive"]) > 2.0
+    if drafter == "adversary":
+        assert all(r.tau == 1.0 for m in ("naive", "pruned", "continuous") for r in res[m])
+
+
+@pytest.mark.parametrize("overrides", [
+    # one-node segments everywhere: fill and every later step
+    ["tree.subseq_token=1", "tree.expand_subseq_token=1", "tree.init_total_token=12", "tree.total_token=9"],
+    # a tree needing many more segments than links, plus large expansions
+    ["tree.subseq_token=2", "tree.init_total_token=40", "tree.expand_total_token=30", "tree.expand_subseq_token=3"],
+    # tiny trees: most fill segments are empty padding
+    ["tree.init_total_token=2", "tree.total_token=2", "tree.expand_total_token=2", "tree.init_depth=1",
+     "tree.expand_depth=1", "tree.pipedec_topk=1"],
+    # no expansion budget at all, and deepening when nothing was verified
+    ["tree.expand_total_token=0", "tree.none_expand=true", "tree.none_expand_size=8"],
+])
+def test_tree_shapes(tiny, overrides):
+    full, splits = tiny
+    res = run_threaded(splits[6], PROMPTS[:1], MODES, ["max_new_tokens=12", *overrides], {2}, f"oracle:{full}")
+    _check(full, res, 12, {2})
+
+
+@pytest.mark.parametrize("max_new", [1, 5])
+def test_max_new_tokens_reached_mid_tree(tiny, max_new):
+    """The oracle accepts whole paths, so the budget ends inside an accepted segment."""
+    full, splits = tiny
+    res = run_threaded(splits[3], PROMPTS, MODES, [f"max_new_tokens={max_new}"], {2}, f"oracle:{full}")
+    _check(full, res, max_new, {2})
+    assert all(len(r.output_ids) == max_new for rows in res.values() for r in rows)
+
+
+def test_stop_token_inside_accepted_segment(tiny):
+    """Pick as stop token a token the greedy continuation emits in the middle: output ends right there."""
+    full, splits = tiny
+    ref = hf_greedy(full, PROMPTS[0], 20, {2}, torch.float64)
+    stop_tok = next(t for t in ref[3:] if t not in ref[:3])
+    stop = {2, stop_tok}
+    res = run_threaded(splits[6], PROMPTS[:1], MODES, ["max_new_tokens=20"], stop, f"oracle:{full}")
+    _check(full, res, 20, stop)
+    assert all(rows[0].output_ids[-1] == stop_tok for rows in res.values())
