@@ -76,11 +76,22 @@ class CommConfig:
 
 
 @dataclass
+class EmulationConfig:
+    """Emulated edge testbed (pipeline/emulation.py): stage compute and links take a profile's modeled time."""
+    profile: str = ""            # "" = off; a JSON path or a builtin name in profiles/ (edge_orin_7b, zero)
+    model_rank0: bool = True     # pad rank 0's draft head / lm_head calls to the profile's rank0 model too
+    flag_threshold: float = 0.05  # flag a row when overruns exceed this fraction of the modeled time (all ranks)
+    time_scale: float = 1.0      # time dilation: every modeled duration x this (>1 when the host is slower than
+                                 # the modeled devices); eval reports throughput in undilated (modeled) time
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
     gen: GenerationConfig = field(default_factory=GenerationConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    emu: EmulationConfig = field(default_factory=EmulationConfig)
 
     def validate(self) -> "RunConfig":
         def choice(name, value, options):
@@ -107,6 +118,16 @@ class RunConfig:
             raise ConfigError("temperature must be >= 0 and top_p in (0, 1]")
         if self.comm.timeout_s <= 0:
             raise ConfigError("timeout_s must be > 0")
+        if self.emu.flag_threshold < 0:
+            raise ConfigError("emu.flag_threshold must be >= 0")
+        if self.emu.time_scale <= 0:
+            raise ConfigError("emu.time_scale must be > 0")
+        if self.emu.profile:
+            from pipeline.emulation import EmulationError, load_profile
+            try:
+                load_profile(self.emu.profile)
+            except EmulationError as e:
+                raise ConfigError(str(e)) from None
         return self
 
 

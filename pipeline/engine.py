@@ -27,6 +27,7 @@ class GenResult:
     accept_lengths: list[int] = field(default_factory=list)
     pipeline_steps: int = 0
     busy_fraction: list[float] = field(default_factory=list)
+    emu: dict = field(default_factory=dict)   # emulation fidelity fields (emu_*), empty when emulation is off
 
     @property
     def new_tokens(self) -> int:
@@ -68,6 +69,10 @@ class Engine:
         self.num_layer_stages = comm.world - 1
         self.tracer = comm.tracer
         self.dtype = next(model.parameters()).dtype
+        self.emu = getattr(comm, "emu", None)   # pipeline.emulation.Emulator when emu.profile is set
+        self.last_emu: dict = {}
+        if self.emu is not None:
+            self.emu.install_rank0(self)
 
     @torch.no_grad()
     def logits(self, hidden: Tensor) -> Tensor:
@@ -86,12 +91,32 @@ class Engine:
         return self.logits(features[-1:])[0], features
 
     def collect_busy(self, wall_s: float) -> list[float]:
-        self.comm.send_next(Stats(torch.zeros(self.comm.world, dtype=torch.float64)))
+        emu_table = None
+        if self.emu is not None:
+            from pipeline.emulation import K
+            emu_table = torch.zeros(self.comm.world, K, dtype=torch.float64)
+        self.comm.send_next(Stats(torch.zeros(self.comm.world, dtype=torch.float64), emu_table))
         msg = self.comm.recv_prev()
+        if self.emu is not None and msg.emu is not None:
+            from pipeline.emulation import fidelity_fields
+            msg.emu[0] = torch.tensor(self.emu.take(), dtype=torch.float64)
+            self.last_emu = fidelity_fields(msg.emu.tolist(), self.emu)
         busy = msg.busy_s.tolist()
         busy[0] = self.tracer.busy_s
         self.tracer.reset_counters()
         return [min(1.0, b / wall_s) if wall_s > 0 else 0.0 for b in busy]
+
+    def collect_emu(self) -> list | None:
+        """Emulation counters of every rank since the last collection (one ring trip); None when off."""
+        if self.emu is None:
+            return None
+        from pipeline.emulation import K
+        world = self.comm.world
+        self.comm.send_next(Stats(torch.zeros(world, dtype=torch.float64),
+                                  torch.zeros(world, K, dtype=torch.float64), emu_only=True))
+        msg = self.comm.recv_prev()
+        msg.emu[0] = torch.tensor(self.emu.take(), dtype=torch.float64)
+        return msg.emu.tolist()
 
     def shutdown(self) -> None:
         self.comm.send_next(Shutdown())
@@ -101,12 +126,21 @@ class Engine:
 def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn) -> GenResult:
     """Run prefill + ``decode_fn(engine, logits, features, prompt_ids, out) -> (rounds, accept_lengths, steps)``."""
     engine.tracer.reset_counters()
+    engine.tracer.mark("gen_begin", prompt_tokens=len(prompt_ids))  # timeline windows (trace only)
     t0 = time.perf_counter()
     logits, features = engine.prefill(prompt_ids)
     t1 = time.perf_counter()
+    prefill_emu = engine.collect_emu()  # emulation only: split prefill from decode fidelity (untimed)
+    t1b = time.perf_counter()
+    engine.tracer.mark("decode_begin")
     out = OutputBuffer(engine.stop_ids, engine.cfg.gen.max_new_tokens)
     engine.sampler.generator.manual_seed(engine.cfg.gen.seed)
     rounds, accepts, steps = decode_fn(engine, logits, features, prompt_ids, out)
     t2 = time.perf_counter()
-    busy = engine.collect_busy(t2 - t0)
-    return GenResult(out.ids, t1 - t0, t2 - t1, rounds, accepts, steps, busy)
+    engine.tracer.mark("gen_end", new_tokens=len(out.ids))
+    busy = engine.collect_busy(t2 - t0 - (t1b - t1))
+    emu = dict(engine.last_emu)
+    if prefill_emu is not None:
+        from pipeline.emulation import prefill_fields
+        emu.update(prefill_fields(prefill_emu))
+    return GenResult(out.ids, t1 - t0, t2 - t1b, rounds, accepts, steps, busy, emu)

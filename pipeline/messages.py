@@ -137,21 +137,24 @@ class Shutdown:
 
 @dataclass
 class Stats:
-    """Travels once around the ring after a generation; each rank writes its busy seconds."""
+    """Travels once around the ring after a generation; each rank writes its busy seconds (and, when the
+    emulated testbed is on, its emulation fidelity counters into row ``emu[rank]``)."""
 
     busy_s: Tensor            # float64 [world]
+    emu: Tensor | None = None  # float64 [world, len(pipeline.emulation.COUNTERS)] or None
+    emu_only: bool = False     # collect emulation counters only; leave busy counters running
 
     kind = Kind.STATS
 
     def ints(self) -> list[int]:
-        return []
+        return [int(self.emu_only)]
 
     def tensors(self) -> list[Tensor]:
-        return [self.busy_s]
+        return [self.busy_s] + ([self.emu] if self.emu is not None else [])
 
     @classmethod
     def build(cls, ints, tensors) -> "Stats":
-        return cls(tensors[0])
+        return cls(tensors[0], tensors[1] if len(tensors) > 1 else None, bool(ints[0]) if ints else False)
 
 
 _CLASSES = {Kind.CONTEXT: Context, Kind.SEGMENT: Segment, Kind.SHUTDOWN: Shutdown, Kind.DECISION: Decision,

@@ -10,6 +10,8 @@ Per received message:
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from draft.tree import remap_parents
@@ -41,6 +43,7 @@ class StageWorker:
         self.rank = comm.rank
         self.cache = model.block.new_cache(max_len, dtype, device) if model.block is not None else None
         self.tracer = comm.tracer
+        self.emu = getattr(comm, "emu", None)   # pipeline.emulation.Emulator when emu.profile is set
 
     @torch.no_grad()
     def _compute(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -48,7 +51,12 @@ class StageWorker:
             x = x.to(self.device)
             if x.is_floating_point():
                 x = x.to(self.dtype)
-            return self.model(x, positions, mask, self.cache)
+            if self.emu is None:
+                return self.model(x, positions, mask, self.cache)
+            ctx, t0 = self.cache.length, time.perf_counter()
+            out = self.model(x, positions, mask, self.cache)
+            self.emu.pad_stage(t0, int(positions.numel()), ctx)   # wait out the modeled stage time
+            return out
 
     def run(self) -> None:
         comm = self.comm
@@ -58,8 +66,11 @@ class StageWorker:
                 comm.send_next(msg)
                 return
             if isinstance(msg, Stats):
-                msg.busy_s[self.rank] = self.tracer.busy_s
-                self.tracer.reset_counters()
+                if not msg.emu_only:
+                    msg.busy_s[self.rank] = self.tracer.busy_s
+                    self.tracer.reset_counters()
+                if msg.emu is not None and self.emu is not None:
+                    msg.emu[self.rank] = torch.tensor(self.emu.take(), dtype=torch.float64)
                 comm.send_next(msg)
             elif isinstance(msg, Context):
                 if msg.reset:

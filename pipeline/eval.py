@@ -1,0 +1,561 @@
+"""Evaluation sweep (``./run_eval.sh`` or ``python -m pipeline.eval``): modes x datasets x temperatures.
+
+For every dataset and temperature the driver launches one ``torchrun ... -m pipeline.run`` with the records
+still missing (``--prompts-file`` holding just those, every MT-bench turn asked with the previous answer fed
+back, one untimed warm-up generation per mode) and copies each generation's JSON line into
+``<out-dir>/rows.jsonl`` as soon as it appears, adding ``dataset``. A row's key is (dataset, question_id,
+turn, mode, temperature): rerunning the same command skips every key already there, so a crashed sweep
+resumes where it stopped without duplicates (a half-written last line is cut off first).
+
+Then it writes the paper-style summary: ξ = decode throughput (Σ new tokens / Σ decode seconds, prefill
+excluded, in modeled time when the emulated testbed is dilated), SR = ξ / ξ(Chunk-PP = ``naive``), and τ (mean
+tokens committed per verification, bonus included), per dataset and their mean, as ``summary.md``,
+``summary.csv`` and bar charts ``xi.png``, ``sr.png``, ``tau.png``. At T=0 every mode must reproduce ``ar``'s
+tokens exactly; any difference is printed loudly and the exit status is 3.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DATASETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
+MODES = ("ar", "naive", "pruned", "pipedec", "continuous")
+LABELS = {"ar": "PP-AR", "naive": "Chunk-PP", "pruned": "Pruned-PP", "pipedec": "PipeDec", "continuous": "FlowSpec"}
+DATASET_LABELS = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "Alpaca",
+                  "sum": "CNN/DM", "qa": "NaturalQ"}
+META_KEYS = ("profile", "time_scale", "max_new_tokens", "stage_dir", "head_dir", "overrides", "world")
+
+
+class EvalError(RuntimeError):
+    pass
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="run_eval.sh",
+        description="Sweep decoding modes x datasets x temperatures through the pipeline (optionally on the "
+                    "emulated edge testbed), resumably, and summarise throughput ξ, speed-up SR over Chunk-PP "
+                    "(naive) and τ as Markdown, CSV and plots. At T=0 every mode's output must equal ar's.",
+        epilog="Extra key=value words are config overrides passed to every pipeline run (see "
+               "config/run_config.py), e.g. tree.init_depth=5. Prepare the datasets with "
+               "`python -m data.prepare --from DIR` (DIR/<dataset>/question.jsonl).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="config overrides key=value for pipeline.run")
+    p.add_argument("--datasets", default=",".join(DATASETS), help="comma-separated dataset folders")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
+    p.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
+    p.add_argument("--begin", type=int, default=30, help="first record of each question.jsonl (0-based)")
+    p.add_argument("--end", type=int, default=50, help="end record (exclusive)")
+    p.add_argument("--first-turn-only", action="store_true", help="ask only each record's first turn")
+    p.add_argument("--data-dir", default=str(REPO / "data"), help="holds <dataset>/question.jsonl")
+    p.add_argument("--profile", default="edge_orin_7b",
+                   help="emulation profile (builtin name or JSON path); 'none' = real timing")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="emulation time dilation (see pipeline/emulation.py); ξ is reported in modeled time")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per generation (the paper: 256)")
+    p.add_argument("--stage-dir", default="", help="split checkpoint (default: the embedded SmolLM2 split)")
+    p.add_argument("--head-dir", default="", help="EAGLE head (default: the default model's head)")
+    p.add_argument("--world", type=int, default=0, help="ranks (default: from the stage manifest)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per mode and launch")
+    p.add_argument("--out-dir", default="", help="results folder [outputs/eval/<profile>]")
+    p.add_argument("--summarize-only", action="store_true", help="run nothing; summarise the rows there")
+    p.add_argument("--no-plots", action="store_true", help="skip the matplotlib charts")
+    p.add_argument("--quiet", action="store_true", help="less progress output")
+    return p.parse_intermixed_args(argv)
+
+
+def _split(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _key(row: dict) -> tuple:
+    return (row["dataset"], row["question_id"], int(row["turn"]), row["mode"], float(row["temperature"]))
+
+
+# -- rows file ------------------------------------------------------------------------------------------
+def load_rows(path: Path, repair: bool = True, log=print) -> list[dict]:
+    """Rows of a JSONL results file; a partial last line (a crash mid-write) is dropped and, with
+    ``repair``, cut from the file so that appends start on a fresh line. Corrupt lines are skipped."""
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        log(f"[eval] {path}: dropping a partially written last line ({len(data) - cut} bytes)")
+        data = data[:cut]
+        if repair:
+            with open(path, "r+b") as f:
+                f.truncate(cut)
+    rows = []
+    for i, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            _key(row)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            log(f"[eval] {path}:{i}: skipping a corrupt line")
+            continue
+        rows.append(row)
+    return rows
+
+
+class RowSink:
+    """Appends rows to the results file, skipping keys already present."""
+
+    def __init__(self, path: Path, done: set) -> None:
+        self.path, self.done = path, done
+        self.added = 0
+
+    def add(self, row: dict) -> bool:
+        k = _key(row)
+        if k in self.done:
+            return False
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.done.add(k)
+        self.added += 1
+        return True
+
+
+# -- planning -------------------------------------------------------------------------------------------
+def load_dataset(data_dir: Path, ds: str, begin: int, end: int) -> list[dict]:
+    from pipeline.prompts import PromptError, load_questions
+    path = data_dir / ds / "question.jsonl"
+    if not path.is_file():
+        raise EvalError(f"dataset {ds!r} is missing: {path} does not exist. Prepare it with "
+                        f"`python -m data.prepare --from DIR --out {data_dir}` (DIR/{ds}/question.jsonl, "
+                        f"EAGLE/FlowSpec layout) or pass --data-dir")
+    try:
+        recs = load_questions(path, begin, end)
+    except PromptError as e:
+        raise EvalError(str(e)) from None
+    for r in recs:
+        if "question_id" not in r:
+            raise EvalError(f"{path}: a record lacks question_id")
+    if not recs:
+        raise EvalError(f"{path}: no records in [{begin}, {end})")
+    return recs
+
+
+def plan(records: dict, modes: list[str], temps: list[float], done: set, first_turn_only: bool) -> list[tuple]:
+    """``[(dataset, temperature, [modes], [records])]``: missing work, modes with equal gaps batched."""
+    chunks = []
+    for ds, recs in records.items():
+        for t in temps:
+            groups: dict[tuple, list[str]] = {}
+            for m in modes:
+                missing = tuple(r["question_id"] for r in recs
+                                if any((ds, r["question_id"], ti, m, float(t)) not in done
+                                       for ti in range(1 if first_turn_only else len(r["turns"]))))
+                if missing:
+                    groups.setdefault(missing, []).append(m)
+            for qids, ms in groups.items():
+                chunks.append((ds, t, ms, [r for r in recs if r["question_id"] in set(qids)]))
+    return chunks
+
+
+def torchrun_cmd() -> list[str]:
+    tr = Path(sys.executable).with_name("torchrun")
+    return [str(tr)] if tr.is_file() else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def run_chunk(chunk, args, common: list[str], world: int, out_dir: Path, sink: RowSink, log) -> int:
+    ds, temp, modes, recs = chunk
+    tmp = out_dir / "tmp"
+    logs = out_dir / "logs"
+    tmp.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    tag = f"{ds}-T{temp:g}-{'+'.join(modes)}"
+    prompts = tmp / f"{tag}.questions.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    part = tmp / f"{tag}.rows.jsonl"
+    part.unlink(missing_ok=True)
+    cmd = [*torchrun_cmd(), "--standalone", f"--nproc_per_node={world}", "-m", "pipeline.run", *common,
+           f"gen.temperature={temp}", "--prompts-file", str(prompts), "--modes", ",".join(modes),
+           "--output", str(part), "--quiet", "--warmup", str(args.warmup)]
+    if args.first_turn_only:
+        cmd.append("--first-turn-only")
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    n_turns = sum(1 if args.first_turn_only else len(r["turns"]) for r in recs) * len(modes)
+    log(f"[eval] {tag}: {len(recs)} records, {n_turns} generations (log: {logs / (tag + '.log')})")
+    offset = 0
+
+    def transfer() -> None:
+        nonlocal offset
+        if not part.is_file():
+            return
+        with open(part, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        for line in data[:end].decode("utf-8").splitlines():
+            if line.strip():
+                row = json.loads(line)
+                row["dataset"] = ds
+                if sink.add(row) and not args.quiet:
+                    log(f"[eval]   {ds} q{row['question_id']} turn {row['turn']} {row['mode']} T={temp:g}: "
+                        f"{row['new_tokens']} tokens, {_xi_row(row):.2f} tok/s, tau {row['tau']:.2f}"
+                        + (" [emulation overruns]" if row.get("emu_flag") else ""))
+        offset += end
+
+    with open(logs / f"{tag}.log", "a", encoding="utf-8") as lf:
+        lf.write(f"$ {' '.join(cmd)}\n")
+        lf.flush()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while proc.poll() is None:
+                time.sleep(1.0)
+                transfer()
+        except KeyboardInterrupt:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+            transfer()
+            raise
+    transfer()
+    if proc.returncode:
+        tail = (logs / f"{tag}.log").read_text(errors="replace").splitlines()[-15:]
+        log(f"[eval] {tag}: pipeline exited {proc.returncode}; last log lines:\n    " + "\n    ".join(tail))
+    return proc.returncode
+
+
+# -- summary --------------------------------------------------------------------------------------------
+def _scale(row: dict) -> float:
+    return float(row.get("emu_time_scale") or 1.0)
+
+
+def _xi_row(row: dict) -> float:
+    d = row["decode_s"] / _scale(row)
+    return row["new_tokens"] / d if d > 0 else 0.0
+
+
+def aggregate(rows: list[dict]) -> dict:
+    """(temperature, mode, dataset) -> metrics."""
+    acc = defaultdict(lambda: {"n": 0, "tokens": 0, "decode_s": 0.0, "acc_sum": 0, "acc_n": 0, "flagged": 0,
+                               "over_s": 0.0, "model_s": 0.0, "emu": False, "over_ops": 0, "ops": 0})
+    for r in rows:
+        a = acc[(float(r["temperature"]), r["mode"], r["dataset"])]
+        a["n"] += 1
+        a["tokens"] += r["new_tokens"]
+        a["decode_s"] += r["decode_s"] / _scale(r)
+        a["acc_sum"] += sum(r.get("accept_lengths") or [])
+        a["acc_n"] += len(r.get("accept_lengths") or [])
+        if "emu_profile" in r:
+            a["emu"] = True
+            a["flagged"] += bool(r.get("emu_flag"))
+            a["over_s"] += r.get("emu_overrun_s", 0.0)
+            a["model_s"] += r.get("emu_modeled_s", 0.0) + r.get("emu_link_modeled_s", 0.0)
+            a["over_ops"] += r.get("emu_overrun_ops", 0)
+            a["ops"] += r.get("emu_ops", 0)
+    out = {}
+    for k, a in acc.items():
+        out[k] = dict(a, xi=a["tokens"] / a["decode_s"] if a["decode_s"] > 0 else 0.0,
+                      tau=a["acc_sum"] / a["acc_n"] if a["acc_n"] else 0.0)
+    return out
+
+
+def find_mismatches(rows: list[dict]) -> tuple[list[str], int, int]:
+    """T=0 rows whose output differs from ar's for the same (dataset, question, turn).
+    Returns (messages, compared, without an ar reference)."""
+    ref, others = {}, []
+    for r in rows:
+        if float(r["temperature"]) != 0.0:
+            continue
+        k = (r["dataset"], r["question_id"], int(r["turn"]))
+        if r["mode"] == "ar":
+            ref[k] = r
+        else:
+            others.append((k, r))
+    bad, compared, unref = [], 0, 0
+    for k, r in sorted(others, key=lambda x: (str(x[0]), x[1]["mode"])):
+        a = ref.get(k)
+        if a is None:
+            unref += 1
+            continue
+        compared += 1
+        x, y = a["output_ids"], r["output_ids"]
+        if x != y or a.get("prompt_ids", x) != r.get("prompt_ids", x):
+            pos = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+            what = "prompt differs (an earlier turn diverged)" if a.get("prompt_ids") != r.get("prompt_ids") else \
+                f"first difference at token {pos} (ar {len(x)} tokens, {r['mode']} {len(y)} tokens)"
+            bad.append(f"{k[0]} question {k[1]} turn {k[2]}: {r['mode']} != ar: {what}")
+    return bad, compared, unref
+
+
+def _fmt(v: float, nd: int = 2) -> str:
+    return f"{v:.{nd}f}"
+
+
+def summarize(rows: list[dict], datasets: list[str], modes: list[str], temps: list[float], meta: dict,
+              mismatch: tuple) -> tuple[str, str]:
+    agg = aggregate(rows)
+    md = io.StringIO()
+    w = md.write
+    scale = meta.get("time_scale") or 1.0
+    prof = meta.get("profile") or "none"
+    w("# Evaluation summary\n\n")
+    w(f"- model: `{meta.get('stage_dir') or 'default SmolLM2-135M split'}`, world {meta.get('world')}, "
+      f"max_new_tokens {meta.get('max_new_tokens')}, records [{meta.get('begin')}, {meta.get('end')})"
+      f"{', first turns only' if meta.get('first_turn_only') else ', all turns'}\n")
+    w(f"- timing: emulation profile `{prof}`" + (f" (time_scale {scale:g}: ξ in modeled time)" if scale != 1 else "")
+      + ("" if prof != "none" else " (real timing of this host)") + "\n")
+    if meta.get("overrides"):
+        w(f"- overrides: `{' '.join(meta['overrides'])}`\n")
+    w("- ξ = Σ new tokens / Σ decode seconds (tokens/s, prefill excluded); SR = ξ / ξ(Chunk-PP = naive); "
+      "τ = mean tokens committed per verification incl. the bonus token; Mean = mean over datasets\n\n")
+    csv_buf = io.StringIO()
+    cw = csv.writer(csv_buf)
+    cw.writerow(["temperature", "mode", "method", "dataset", "generations", "new_tokens", "decode_s", "xi", "sr",
+                 "tau", "emu_flagged_rows", "emu_overrun_ratio", "emu_overrun_frac"])
+    cols = datasets + ["Mean"]
+    for t in temps:
+        present = [m for m in modes if any((t, m, d) in agg for d in datasets)]
+        if not present:
+            continue
+        w(f"## T = {t:g}\n\n")
+
+        def cell(m, d, field):
+            if d == "Mean":
+                vals = [agg[(t, m, dd)][field] for dd in datasets if (t, m, dd) in agg]
+                return sum(vals) / len(vals) if vals and len(vals) == len(datasets) else None
+            return agg[(t, m, d)][field] if (t, m, d) in agg else None
+
+        def sr(m, d):
+            x, b = cell(m, d, "xi"), cell("naive", d, "xi")
+            return x / b if x is not None and b else None
+        w("ξ (tokens/s) and SR\n\n| method | " + " | ".join(DATASET_LABELS.get(d, d) for d in datasets)
+          + " | Mean |\n|---|" + "---|" * len(cols) + "\n")
+        for m in present:
+            parts = []
+            for d in cols:
+                x, s = cell(m, d, "xi"), sr(m, d)
+                parts.append("–" if x is None else _fmt(x) + (f" ({s:.2f}×)" if s is not None else ""))
+            w(f"| {LABELS.get(m, m)} (`{m}`) | " + " | ".join(parts) + " |\n")
+        w("\nτ (accepted tokens per verification)\n\n| method | "
+          + " | ".join(DATASET_LABELS.get(d, d) for d in datasets) + " | Mean |\n|---|" + "---|" * len(cols) + "\n")
+        for m in present:
+            w(f"| {LABELS.get(m, m)} | " + " | ".join("–" if cell(m, d, "tau") is None else _fmt(cell(m, d, "tau"))
+                                                     for d in cols) + " |\n")
+        if any(agg[k]["emu"] for k in agg if k[0] == t):
+            w("\nEmulation fidelity (decode phase): rows flagged (overruns > threshold of modeled time) / rows; "
+              "overrun ratio = Σ overrun s / Σ modeled s; overrun ops = share of modeled ops that ran longer "
+              "than modeled\n\n| method | rows flagged | overrun ratio | overrun ops |\n|---|---|---|---|\n")
+            for m in present:
+                ks = [(t, m, d) for d in datasets if (t, m, d) in agg]
+                n = sum(agg[k]["n"] for k in ks)
+                fl = sum(agg[k]["flagged"] for k in ks)
+                ov, mo = sum(agg[k]["over_s"] for k in ks), sum(agg[k]["model_s"] for k in ks)
+                oo, ops = sum(agg[k]["over_ops"] for k in ks), sum(agg[k]["ops"] for k in ks)
+                w(f"| {LABELS.get(m, m)} | {fl}/{n} | {(ov / mo if mo else float('inf')):.3f} | "
+                  f"{(oo / ops if ops else 0):.1%} |\n")
+        w("\n")
+        for m in present:
+            for d in datasets:
+                if (t, m, d) not in agg:
+                    continue
+                a = agg[(t, m, d)]
+                s = sr(m, d)
+                cw.writerow([t, m, LABELS.get(m, m), d, a["n"], a["tokens"], round(a["decode_s"], 6),
+                             round(a["xi"], 4), "" if s is None else round(s, 4), round(a["tau"], 4),
+                             a["flagged"] if a["emu"] else "",
+                             (round(a["over_s"] / a["model_s"], 4) if a["model_s"] else "") if a["emu"] else "",
+                             (round(a["over_ops"] / a["ops"], 4) if a["ops"] else "") if a["emu"] else ""])
+    bad, compared, unref = mismatch
+    w("## Losslessness at T = 0\n\n")
+    if bad:
+        w(f"**MISMATCH: {len(bad)} of {compared} generations differ from ar:**\n\n" + "".join(f"- {b}\n" for b in bad))
+    elif compared:
+        w(f"All {compared} T=0 generations of the speculative modes equal ar's output token for token.\n")
+    else:
+        w("Nothing compared (needs T=0 rows of ar and another mode).\n")
+    if unref:
+        w(f"\n{unref} T=0 generations had no ar row to compare with.\n")
+    return md.getvalue(), csv_buf.getvalue()
+
+
+def plot(rows: list[dict], datasets: list[str], modes: list[str], temps: list[float], out_dir: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    agg = aggregate(rows)
+    cols = datasets + ["Mean"]
+    written = []
+    for metric, fname, ylabel in (("xi", "xi.png", "ξ (tokens/s)"), ("sr", "sr.png", "SR = ξ / ξ(Chunk-PP)"),
+                                  ("tau", "tau.png", "τ (tokens per verification)")):
+        show = [m for m in modes if not (metric == "tau" and m == "ar")]
+        fig, axes = plt.subplots(1, len(temps), figsize=(max(6, 1.3 * len(cols) + 2) * len(temps), 4.2), squeeze=False)
+        for ax, t in zip(axes[0], temps):
+            width = 0.8 / max(1, len(show))
+            for i, m in enumerate(show):
+                vals = []
+                for d in cols:
+                    ds = datasets if d == "Mean" else [d]
+                    if not all((t, m, x) in agg for x in ds):
+                        vals.append(0.0)
+                        continue
+                    if metric == "sr":
+                        if not all((t, "naive", x) in agg for x in ds):
+                            vals.append(0.0)
+                            continue
+                        num = sum(agg[(t, m, x)]["xi"] for x in ds)
+                        den = sum(agg[(t, "naive", x)]["xi"] for x in ds)
+                        vals.append(num / den if den else 0.0)
+                    else:
+                        vals.append(sum(agg[(t, m, x)][metric] for x in ds) / len(ds))
+                ax.bar([j + (i - (len(show) - 1) / 2) * width for j in range(len(cols))], vals, width,
+                       label=LABELS.get(m, m))
+            if metric == "sr":
+                ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+            ax.set_xticks(range(len(cols)))
+            ax.set_xticklabels([DATASET_LABELS.get(d, d) for d in cols], rotation=20)
+            ax.set_title(f"T = {t:g}")
+            ax.set_ylabel(ylabel)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / fname
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+# -- main -----------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    log = (lambda s: print(s, file=sys.stderr, flush=True))
+    try:
+        return _main(args, log)
+    except EvalError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args, log) -> int:
+    from config.run_config import MODES as VALID_MODES
+    datasets, modes = _split(args.datasets), _split(args.modes)
+    try:
+        temps = [float(t) for t in _split(args.temperatures)]
+    except ValueError:
+        raise EvalError(f"--temperatures takes comma-separated numbers, not {args.temperatures!r}") from None
+    bad = [m for m in modes if m not in VALID_MODES]
+    if bad or not modes:
+        raise EvalError(f"unknown mode(s) {bad}; choose from {', '.join(VALID_MODES)}")
+    if not datasets or not temps:
+        raise EvalError("need at least one dataset and one temperature")
+    if any(t < 0 for t in temps) or args.time_scale <= 0 or args.max_new_tokens < 1:
+        raise EvalError("temperatures must be >= 0, --time-scale > 0, --max-new-tokens >= 1")
+    profile = "" if args.profile.lower() in ("", "none", "off") else args.profile
+    prof_name = "real"
+    if profile:
+        from pipeline.emulation import EmulationError, load_profile, resolve_profile
+        try:
+            prof_name = load_profile(profile).name
+            profile = str(resolve_profile(profile).resolve())
+        except EmulationError as e:
+            raise EvalError(str(e)) from None
+    out_dir = Path(args.out_dir or REPO / "outputs" / "eval" / prof_name)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows_path = out_dir / "rows.jsonl"
+    data_dir = Path(args.data_dir)
+
+    stage_dir = str(Path(args.stage_dir).resolve()) if args.stage_dir else ""
+    world = args.world
+    if not args.summarize_only and not world:
+        from model.stage_format import StageDirError, read_manifest
+        root = stage_dir
+        if not root:
+            from pipeline.run import DEFAULT_STAGE_DIR
+            root = str(DEFAULT_STAGE_DIR)
+            if not (DEFAULT_STAGE_DIR / "manifest.json").is_file():
+                from model.default_model import ensure_default_stages
+                root = str(ensure_default_stages())
+        try:
+            world = len(read_manifest(root)["split"])
+        except StageDirError as e:
+            raise EvalError(str(e)) from None
+    meta = {"profile": profile, "time_scale": args.time_scale if profile else 1.0, "max_new_tokens": args.max_new_tokens,
+            "stage_dir": stage_dir, "head_dir": str(Path(args.head_dir).resolve()) if args.head_dir and
+            ":" not in args.head_dir else args.head_dir, "overrides": list(args.overrides), "world": world}
+    meta_path = out_dir / "meta.json"
+    if meta_path.is_file():
+        old = json.loads(meta_path.read_text())
+        if args.summarize_only:
+            meta = dict(old)
+        else:
+            diff = [k for k in META_KEYS if old.get(k) != meta.get(k)]
+            if diff:
+                raise EvalError(f"{out_dir} holds results of another configuration ({', '.join(f'{k}: {old.get(k)!r} vs {meta.get(k)!r}' for k in diff)}); "
+                                "use another --out-dir (or delete that one)")
+    elif not args.summarize_only:
+        meta_path.write_text(json.dumps(meta, indent=1))
+    meta.update(begin=args.begin, end=args.end, first_turn_only=args.first_turn_only)
+
+    records = {ds: load_dataset(data_dir, ds, args.begin, args.end) for ds in datasets}
+    rows = load_rows(rows_path, log=log)
+    done = {_key(r) for r in rows}
+    failures = []
+    if not args.summarize_only:
+        common = [f"max_new_tokens={args.max_new_tokens}"]
+        if stage_dir:
+            common.append(f"model.stage_dir={stage_dir}")
+        if meta["head_dir"]:
+            common.append(f"model.head_dir={meta['head_dir']}")
+        if profile:
+            common += [f"emu.profile={profile}", f"emu.time_scale={args.time_scale}"]
+        common += list(args.overrides)
+        from config.run_config import DEFAULT, ConfigError, apply_overrides
+        try:  # fail fast on bad overrides, before any launch
+            apply_overrides(DEFAULT, common)
+        except ConfigError as e:
+            raise EvalError(str(e)) from None
+        chunks = plan(records, modes, temps, done, args.first_turn_only)
+        if not chunks:
+            log(f"[eval] nothing to run: every requested generation is already in {rows_path}")
+        sink = RowSink(rows_path, done)
+        for i, chunk in enumerate(chunks, 1):
+            log(f"[eval] launch {i}/{len(chunks)}")
+            rc = run_chunk(chunk, args, common, world, out_dir, sink, log)
+            if rc:
+                failures.append(f"{chunk[0]} T={chunk[1]:g} modes {','.join(chunk[2])} (exit {rc})")
+        log(f"[eval] added {sink.added} rows to {rows_path}")
+        rows = load_rows(rows_path, log=log)
+
+    qids = {ds: {r["question_id"] for r in recs} for ds, recs in records.items()}
+    sel = [r for r in rows if r["dataset"] in qids and r["question_id"] in qids[r["dataset"]] and r["mode"] in modes
+           and float(r["temperature"]) in temps and (not args.first_turn_only or int(r["turn"]) == 0)]
+    mismatch = find_mismatches(sel)
+    md, csv_text = summarize(sel, datasets, modes, temps, meta, mismatch)
+    (out_dir / "summary.md").write_text(md, encoding="utf-8")
+    (out_dir / "summary.csv").write_text(csv_text, encoding="utf-8")
+    if not args.no_plots and sel:
+        plot(sel, datasets, modes, temps, out_dir)
+    print(md)
+    log(f"[eval] {len(sel)} rows summarised -> {out_dir / 'summary.md'}, summary.csv"
+        + ("" if args.no_plots or not sel else ", xi.png, sr.png, tau.png"))
+    code = 0
+    if failures:
+        log("[eval] FAILED launches (rerun the same command to resume):\n  " + "\n  ".join(failures))
+        code = 2
+    if mismatch[0]:
+        bar = "!" * 78
+        log(f"{bar}\n[eval] LOSSLESSNESS MISMATCH at T=0: {len(mismatch[0])} generation(s) differ from ar:\n  "
+            + "\n  ".join(mismatch[0]) + f"\n{bar}")
+        code = 3
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
