@@ -50,6 +50,6 @@ if [[ -n "$IFACE" ]]; then
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 cd "$ROOT"
-exec "$PY" -m torch.distributed.run --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node=1 \
+exec "$PY" -m pipeline.launch --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node=1 \
   --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
   -m pipeline.run "model.stage_dir=$STAGE_DIR" "model.num_threads=${OMP_NUM_THREADS}" "${pass[@]}"

@@ -31,19 +31,5 @@ else
   nproc="$NPROC"
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-# torchrun's agent prints a long ChildFailedError report when a rank fails; every rank already printed
-# one '[rank r] error: ...' line, so keep the agent quiet unless FLOWSPEC_DEBUG=1.
-if [[ "${FLOWSPEC_DEBUG:-0}" == "1" ]]; then
-  exec "$(dirname "$PY")/torchrun" --standalone --nproc_per_node="$nproc" -m pipeline.run "$@"
-fi
-set +e
-"$(dirname "$PY")/torchrun" --standalone --nproc_per_node="$nproc" -m pipeline.run "$@" 2> >(
-  awk '/^\[rank [0-9]+\]/ {print; fflush(); next}
-       /Traceback|torch\.distributed\.elastic|ChildFailedError|^=+$|^-+$|^  |^Failures:|^Root Cause|^\[[0-9]\]:|time *:|host *:|rank *:|exitcode|error_file|traceback *:|^W[0-9]{4}|^I[0-9]{4}|^E[0-9]{4}|^\*+$|OMP_NUM_THREADS/ {next}
-       {print; fflush()}' >&2)
-code=$?
-wait
-if [[ $code -ne 0 ]]; then
-  echo "run_pipe.sh: the pipeline failed (exit $code); rerun with FLOWSPEC_DEBUG=1 for full tracebacks" >&2
-fi
-exit $code
+# pipeline.launch = torchrun without its traceback wall (each rank prints one line on failure).
+exec "$PY" -m pipeline.launch --standalone --nproc_per_node="$nproc" -m pipeline.run "$@"

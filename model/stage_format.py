@@ -103,6 +103,17 @@ def read_manifest(root: str | Path) -> dict:
     return manifest
 
 
+def check_world(root: str | Path, world_size: int) -> dict:
+    """Validate the stage root against the world size; returns the manifest (no torch needed)."""
+    manifest = read_manifest(root)
+    split = manifest["split"]
+    if len(split) != world_size:
+        raise StageDirError(f"{root} is split {'+'.join(map(str, split))} for {len(split)} ranks, "
+                            f"but the world size is {world_size}; relaunch with {len(split)} processes "
+                            f"or re-split with --stages {world_size - 1}")
+    return manifest
+
+
 def verify_stage_file(root: str | Path, manifest: dict, rank: int) -> None:
     rel = f"stage_model_{rank}/{WEIGHTS}"
     entry = manifest.get("files", {}).get(rel)

@@ -10,7 +10,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from model.layers import LayerBlock, family_classes
-from model.stage_format import (STAGE_FIELDS, WEIGHTS, StageDirError, read_manifest, stage_dir,
+from model.stage_format import (STAGE_FIELDS, WEIGHTS, StageDirError, check_world, stage_dir,  # noqa: F401
                                 verify_stage_file)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -75,17 +75,6 @@ def load_stage_config(root: str | Path, rank: int):
         setattr(config, f, raw[f])
     family_classes(config)  # unsupported architectures fail here
     return config
-
-
-def check_world(root: str | Path, world_size: int) -> dict:
-    """Validate the stage root against the world size; returns the manifest."""
-    manifest = read_manifest(root)
-    split = manifest["split"]
-    if len(split) != world_size:
-        raise StageDirError(f"{root} is split {'+'.join(map(str, split))} for {len(split)} ranks, "
-                            f"but the world size is {world_size}; relaunch with {len(split)} processes "
-                            f"or re-split with --stages {world_size - 1}")
-    return manifest
 
 
 def load_stage(root: str | Path, rank: int, world_size: int, dtype: torch.dtype = torch.float32,

@@ -6,19 +6,27 @@
 * A heartbeat thread bumps a counter in the rendezvous store; a watchdog exits the process with a
   message naming the lost rank when a peer's counter stops moving for ``timeout_s`` or a peer reports
   a failure. Communication errors are turned into :class:`PeerLost` naming the lost rank.
+* A rank that goes down on purpose (error, lost peer, signal) writes a failure record naming the root
+  cause (``root|reason``), so every survivor names the rank that was really lost, not the neighbour that
+  gave up after it. When rank 0 hosts the rendezvous store (plain env launch, not torchrun's agent store)
+  it waits (a few seconds at most) until the others have read the record; when that store vanishes,
+  rank 0 is the lost rank. Fatal exits go through :func:`pipeline.faults.fatal` (one line, ``os._exit``).
+* ``dist.init_process_group`` is bounded by ``timeout_s`` (a backstop thread): a rank that never shows up
+  or a foreign program on ``MASTER_PORT`` ends in a one-line :class:`RendezvousError`, never a hang.
 """
 from __future__ import annotations
 
 import datetime
 import os
-import sys
+import re
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 
-from pipeline.messages import HEADER_LEN, Decision, Message, decode, encode, payload_size
+from pipeline import faults
+from pipeline.messages import HEADER_LEN, Context, Decision, Message, Segment, decode, encode, payload_size
 from pipeline.trace import Tracer
 
 HB_PREFIX = "flowspec/hb/"
@@ -29,8 +37,52 @@ DONE_PREFIX = "flowspec/done/"
 class PeerLost(RuntimeError):
     def __init__(self, lost: int | None, detail: str) -> None:
         self.lost = lost
+        self.detail = detail
         who = f"rank {lost}" if lost is not None else "a peer rank"
         super().__init__(f"lost {who}: {detail}")
+
+
+class RendezvousError(RuntimeError):
+    """The process group could not be formed (port taken, a rank never joined, unreachable master)."""
+
+
+def store_on_rank0() -> bool:
+    """True when rank 0 hosts the rendezvous store (env launch); False under torchrun's agent store."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
+def init_process_group(backend: str, timeout_s: float) -> None:
+    """``dist.init_process_group`` that cannot hang: errors and timeouts become :class:`RendezvousError`."""
+    rank = int(os.environ.get("RANK", "0"))
+    world = os.environ.get("WORLD_SIZE", "?")
+    port = os.environ.get("MASTER_PORT", "?")
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{port}"
+    done = threading.Event()
+
+    def backstop() -> None:  # torch's TCPStore client can wait forever on a port held by another program
+        if not done.wait(timeout_s + max(2.0, 0.1 * timeout_s)):
+            faults.fatal(f"[rank {rank}] error: no rendezvous of {world} ranks at {where} within {timeout_s:g}s "
+                         f"(a rank failed or was never started, or another program holds port {port})", 3)
+
+    threading.Thread(target=backstop, daemon=True, name="flowspec-rendezvous").start()
+    try:
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception as e:
+        text = str(e)
+        first = next((l.strip() for l in text.splitlines() if l.strip()), type(e).__name__)[:200]
+        if "EADDRINUSE" in text or "already in use" in text:
+            msg = (f"cannot open the rendezvous at {where}: port {port} is already in use by another program or "
+                   f"job; choose a free MASTER_PORT")
+        elif "imed out" in text or "timeout" in text.lower():
+            joined = re.search(r"(\d+)/(\d+) clients joined", text)
+            how = f"{joined[1]} of {joined[2]} ranks joined" if joined else f"not all {world} ranks joined"
+            msg = (f"rendezvous at {where} timed out after {timeout_s:g}s: {how} (a rank failed before "
+                   f"connecting or was never started)")
+        else:
+            msg = f"rendezvous at {where} failed: {type(e).__name__}: {first}"
+        raise RendezvousError(msg) from None
+    finally:
+        done.set()
 
 
 class Comm:
@@ -40,30 +92,35 @@ class Comm:
         self.heartbeat_s = heartbeat_s
         self.wire_device = torch.device(device) if backend == "nccl" else torch.device("cpu")
         if not dist.is_initialized():
-            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+            faults.arm(int(os.environ.get("RANK", "0")))  # a malformed FLOWSPEC_FAULT fails before connecting
+            init_process_group(backend, timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.next_rank = (self.rank + 1) % self.world
         self.prev_rank = (self.rank - 1) % self.world
         self.tracer = tracer or Tracer(self.rank, enabled=False)
         self._pending: list = []
         self._closing = False
+        self._failing = False
         self.store = dist.distributed_c10d._get_default_store()
         self._hb_count = 0
         self._seen: dict[int, tuple[str, float]] = {}
         self.store.set(HB_PREFIX + str(self.rank), "0")
+        faults.arm(self.rank)
+        faults.set_peer_hook(self._going_down, self._reported_loss)
         self._thread = threading.Thread(target=self._watchdog, daemon=True, name="flowspec-watchdog")
         self._thread.start()
 
     # -- ring ------------------------------------------------------------------------------------
     def send(self, dst: int, msg: Message) -> None:
+        self._fault_point("send", msg)
         header, payload = encode(msg)
         with self.tracer.span("send", dst=dst, bytes=int(payload.numel())):
             self._reap()
             header = header.to(self.wire_device)
-            reqs = [dist.isend(header, dst, tag=0)]
+            reqs = [self._guard(lambda: dist.isend(header, dst, tag=0), dst)]  # raises at once on a closed link
             if payload.numel():
                 payload = payload.to(self.wire_device)
-                reqs.append(dist.isend(payload, dst, tag=1))
+                reqs.append(self._guard(lambda: dist.isend(payload, dst, tag=1), dst))
             self._pending.append((dst, reqs, header, payload))
 
     def recv(self, src: int) -> Message:
@@ -74,7 +131,18 @@ class Comm:
             payload = torch.empty(nbytes, dtype=torch.uint8, device=self.wire_device)
             if nbytes:
                 self._guard(lambda: dist.recv(payload, src, tag=1), src)
-        return decode(header.cpu(), payload)
+        msg = decode(header.cpu(), payload)
+        self._fault_point("recv", msg)
+        return msg
+
+    @staticmethod
+    def _fault_point(point: str, msg: Message) -> None:
+        if faults._armed:  # test-only injection (FLOWSPEC_FAULT); nothing to do otherwise
+            faults.hit(point)
+            if isinstance(msg, Context):
+                faults.hit("prefill")
+            elif isinstance(msg, Segment):
+                faults.hit("segment")
 
     def send_next(self, msg: Message) -> None:
         self.send(self.next_rank, msg)
@@ -85,6 +153,8 @@ class Comm:
     # -- broadcast -------------------------------------------------------------------------------
     def broadcast(self, decision: Decision | None) -> Decision:
         """Rank 0 passes the decision; every other rank passes ``None`` and gets it."""
+        if faults._armed:
+            faults.hit("broadcast")
         with self.tracer.span("broadcast"):
             if self.rank == 0:
                 header, payload = encode(decision)
@@ -133,13 +203,35 @@ class Comm:
         except Exception:
             pass
         self.barrier()
+        faults.set_peer_hook(None)
         dist.destroy_process_group()
 
-    def report_failure(self, reason: str) -> None:
+    def report_failure(self, reason: str, lost: int | None = None) -> None:
+        """Tell the peers this rank is going down: because of ``reason`` (its own failure) or, with
+        ``lost``, because it lost that rank (``reason`` then says how; ``lost < 0``: an unknown rank)."""
+        root = self.rank if lost is None else ("?" if lost < 0 else lost)
         try:
-            self.store.set(FAIL_PREFIX + str(self.rank), reason[:500])
+            self.store.set(FAIL_PREFIX + str(self.rank), f"{root}|{reason[:500]}")
         except Exception:
             pass
+
+    def _going_down(self, reason: str, lost: int | None) -> None:
+        """:func:`pipeline.faults.fatal`'s hook: report, then (store host only) let the peers read it."""
+        self._failing = True
+        self.report_failure(reason, lost)
+        if self.rank != 0 or not store_on_rank0():
+            return
+        # until every peer has gone down or finished (a killed one never will: bounded wait; a busy peer
+        # may not run its watchdog for a while, hence not just a few heartbeats)
+        deadline = time.monotonic() + min(self.timeout_s, max(3.0, 10 * self.heartbeat_s))
+        while time.monotonic() < deadline:
+            try:
+                if all(r == lost or self.store.check([FAIL_PREFIX + str(r)])
+                       or self.store.check([DONE_PREFIX + str(r)]) for r in range(1, self.world)):
+                    return
+            except Exception:
+                return
+            time.sleep(min(0.05, self.heartbeat_s / 4))
 
     # -- failure detection -----------------------------------------------------------------------
     def _guard(self, fn, peer: int | None):
@@ -151,28 +243,52 @@ class Comm:
             raise self.diagnose(peer, e) from None
 
     def diagnose(self, peer: int | None, err: BaseException | None = None) -> PeerLost:
-        """Find which rank is gone: a reported failure, else a stale heartbeat, else ``peer``."""
+        """Find which rank is gone: a reported failure (its root cause), else a stale heartbeat (``peer``
+        first), else ``peer``."""
         deadline = time.monotonic() + max(3 * self.heartbeat_s, 1.0)
-        while True:
-            failed = self._failed_peers()
-            if failed:
-                r, reason = failed[0]
-                return PeerLost(r, f"it failed ({reason})")
-            stale = self._stale_peers(max(2.5 * self.heartbeat_s, 0.75))
-            if stale or time.monotonic() > deadline:
-                break
-            time.sleep(self.heartbeat_s / 2)
+        try:
+            while True:
+                lost = self._reported_loss()
+                if lost is not None:
+                    return lost
+                stale = self._stale_peers(max(2.5 * self.heartbeat_s, 0.75))
+                if peer in stale:
+                    return PeerLost(peer, "its process stopped (no heartbeat)")
+                if stale or time.monotonic() > deadline:
+                    break
+                time.sleep(self.heartbeat_s / 2)
+        except Exception:  # the store itself is gone
+            return self._store_lost()
         if stale:
             return PeerLost(stale[0], "its process stopped (no heartbeat)")
-        text = str(err).splitlines()[0][:160] if err else "no response"
+        text = str(err).strip().splitlines()[0][:160] if err and str(err).strip() else "no response"
         return PeerLost(peer, f"communication failed ({text})")
 
-    def _failed_peers(self) -> list[tuple[int, str]]:
+    def _store_lost(self) -> PeerLost:
+        if store_on_rank0() and self.rank != 0:
+            return PeerLost(0, "its process stopped (the rendezvous store it hosted is gone)")
+        return PeerLost(None, "the rendezvous store is gone (the launcher stopped)")
+
+    def _failed_peers(self) -> list[tuple[int, int | None, str]]:
+        """``(reporter, root cause rank or None, reason)`` of every peer that reported going down."""
         out = []
         for r in range(self.world):
             if r != self.rank and self.store.check([FAIL_PREFIX + str(r)]):
-                out.append((r, self.store.get(FAIL_PREFIX + str(r)).decode()))
+                root, _, reason = self.store.get(FAIL_PREFIX + str(r)).decode().partition("|")
+                root = int(root) if root.lstrip("-").isdigit() else None
+                out.append((r, r if root == self.rank else root, reason))  # blamed us: it is the lost one
         return out
+
+    def _reported_loss(self) -> PeerLost | None:
+        """The root cause among the peers' failure records: a rank's own failure first."""
+        failed = self._failed_peers()
+        if not failed:
+            return None
+        failed.sort(key=lambda f: (f[1] != f[0], f[1] is None))
+        reporter, root, reason = failed[0]
+        if root == reporter:
+            return PeerLost(root, f"it failed ({reason})")
+        return PeerLost(root, f"{reason} (reported by rank {reporter})")
 
     def _stale_peers(self, max_age: float) -> list[int]:
         now = time.monotonic()
@@ -189,25 +305,24 @@ class Comm:
         return out
 
     def _watchdog(self) -> None:
-        while not self._closing:
+        while not (self._closing or self._failing):
             try:
                 self._hb_count += 1
                 self.store.set(HB_PREFIX + str(self.rank), str(self._hb_count))
-                failed = self._failed_peers()
+                lost = self._reported_loss()
                 stale = self._stale_peers(self.timeout_s)
             except Exception:
-                if self._closing:
+                if self._closing or self._failing:
                     return
-                _die(self.rank, "lost the rendezvous store (its host, rank 0 or the launcher, is gone)")
-            if self._closing:
+                lost, stale = self._store_lost(), []
+            if self._closing or self._failing:
                 return
-            if failed:
-                _die(self.rank, f"rank {failed[0][0]} failed ({failed[0][1]})")
-            if stale:
-                _die(self.rank, f"lost rank {stale[0]}: no heartbeat for {self.timeout_s:.0f}s")
+            if lost is None and stale:
+                lost = PeerLost(stale[0], f"its process stopped (no heartbeat for {self.timeout_s:g}s)")
+            if lost is not None:
+                self._die(lost)
             time.sleep(self.heartbeat_s)
 
-
-def _die(rank: int, text: str) -> None:
-    print(f"[rank {rank}] error: {text}; exiting", file=sys.stderr, flush=True)
-    os._exit(3)
+    def _die(self, lost: PeerLost) -> None:
+        faults.fatal(f"[rank {self.rank}] error: {lost}", 3, lost.detail,
+                     -1 if lost.lost is None else lost.lost)

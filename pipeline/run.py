@@ -1,7 +1,20 @@
 """Entry point of every rank (launched by torchrun): ``python -m pipeline.run [key=value ...] [options]``.
 
 Rank 0 holds the draft head and ``lm_head``, formats prompts, runs the chosen mode(s) and prints/writes
-results; ranks 1..N run the mode-agnostic stage worker. Errors are one line per rank and a non-zero exit.
+results; ranks 1..N run the mode-agnostic stage worker.
+
+Errors are one line per rank (``[rank r] error: ...``) and a non-zero exit on every rank, never a hang:
+
+* bad arguments / config / stage root (seen alike by every rank, before the process group): printed by
+  rank 0 (and by local rank 0 of other nodes), exit 2; the other ranks exit 2 silently;
+* failures once the process group exists (a rank's own bad input, an unexpected exception, Ctrl-C):
+  the failing rank prints its line and records the cause in the rendezvous store; every other rank
+  exits with ``[rank r] error: lost rank K: ...`` (exit 3) within ``comm.timeout_s`` (usually at once);
+* a rank that never joins, or a foreign program on ``MASTER_PORT``: ``init_process_group`` gives up
+  after ``comm.timeout_s``.
+
+Exit codes: 1 unexpected exception, 2 bad input, 3 lost a peer, 128+N signal N (SIGINT 130, SIGTERM 143).
+Set ``FLOWSPEC_DEBUG=1`` for full tracebacks (and all-thread stacks on Ctrl-C) and torch's C++ warnings.
 """
 from __future__ import annotations
 
@@ -11,6 +24,11 @@ import os
 import sys
 import time
 from pathlib import Path
+
+def debug() -> bool:
+    """``FLOWSPEC_DEBUG=1``: full tracebacks, all-thread stacks on Ctrl-C, torch's C++ warnings."""
+    return os.environ.get("FLOWSPEC_DEBUG", "") not in ("", "0")
+
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_STAGE_DIR = REPO / "checkpoints" / "SmolLM2-135M-Instruct" / "stages_0+8+8+7+7"
@@ -36,16 +54,63 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", help="append one JSON line per generation to this file")
     p.add_argument("--template", default="auto", help="auto (tokenizer's own, else vicuna) | raw | fschat name")
     p.add_argument("--quiet", action="store_true", help="print only the summary lines")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="untimed, unrecorded warm-up generations per mode (first prompt, <= 32 new tokens)")
     return p.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run this rank; returns its exit code (or leaves with ``os._exit`` once the process group exists)."""
+    rank = os.environ.get("RANK", "0")
+    try:
+        return _main(argv)
+    except SystemExit:
+        raise
+    except BaseException as e:  # every failure: one line, peers told, non-zero exit
+        return _fail(rank, e)
+
+
+def _fail(rank, e: BaseException) -> int:
+    from pipeline import faults
+    if debug():
+        import traceback
+        traceback.print_exc()
+    detail = next((l.strip() for l in str(e).splitlines() if l.strip()), "")[:300]
+    lost = None
+    if isinstance(e, KeyboardInterrupt):
+        line, code, reason = f"[rank {rank}] interrupted; exiting", 130, "interrupted"
+    elif _is_user_error(e):
+        line, code, reason = f"[rank {rank}] error: {e}", 2, str(e)
+        if type(e).__name__ == "PeerLost":
+            code, reason, lost = 3, e.detail, (-1 if e.lost is None else e.lost)
+    else:
+        line = f"[rank {rank}] error: {type(e).__name__}: {detail}" if detail else f"[rank {rank}] error: {type(e).__name__}"
+        line += "" if debug() else " (FLOWSPEC_DEBUG=1 shows the traceback)"
+        code, reason = 1, line.split("error: ", 1)[1]
+    if faults._peer_hook is not None:  # the process group exists: tell the peers, exit at once
+        faults.fatal(line, code, reason, lost)
+    print(line, file=sys.stderr, flush=True)
+    return code
+
+
+USER_ERRORS = ("SetupError", "PeerLost", "RendezvousError", "ConfigError", "StageDirError", "HeadError",
+               "PromptError", "FaultSpecError", "EmulationError")
+
+
+def _is_user_error(e: BaseException) -> bool:
+    """Errors whose message is the whole story (no exception type, no traceback needed)."""
+    return any(c.__name__ in USER_ERRORS for c in type(e).__mro__)
+
+
+def _main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    speak = rank == 0 or os.environ.get("LOCAL_RANK", "0") == "0"  # one line per node for shared errors
 
     def fail(text: str, code: int = 2) -> int:
-        print(f"[rank {rank}] error: {text}", file=sys.stderr, flush=True)
+        if speak:
+            print(f"[rank {rank}] error: {text}", file=sys.stderr, flush=True)
         return code
 
     from config.run_config import DEFAULT, ConfigError, MODES, apply_overrides
@@ -56,56 +121,61 @@ def main(argv: list[str] | None = None) -> int:
             if m not in MODES:
                 raise ConfigError(f"unknown mode {m!r}; choose one of {', '.join(MODES)}")
     except ConfigError as e:
-        return fail(str(e)) if rank == 0 else 2
+        return fail(str(e))
     if world < 2:
         return fail("needs at least 2 ranks (rank 0 drafts, ranks 1..N hold layers); launch with torchrun "
-                    "--nproc_per_node=<stages>") if rank == 0 else 2
+                    "--nproc_per_node=<stages>")
+    for i, text in enumerate(args.prompt):  # argv is the same on every rank: check before connecting
+        if not text.strip():
+            return fail(f"--prompt number {i + 1} is empty")
+    for ids in args.prompt_ids:
+        if not all(t.strip().isdigit() for t in ids.split(",")):
+            return fail(f"--prompt-ids takes comma-separated token ids, got {ids[:60]!r}")
 
-    import torch
-    from model.stage_format import StageDirError
-    from model.stage_model import DTYPES, check_world, load_stage
-    torch.set_num_threads(cfg.model.num_threads)
+    from model.stage_format import StageDirError, check_world, stage_dir
     stage_root = Path(cfg.model.stage_dir or DEFAULT_STAGE_DIR)
     try:
-        check_world(stage_root, world)
+        check_world(stage_root, world)  # before importing torch: a wrong root or world fails at once
     except StageDirError as e:
-        return fail(str(e)) if rank == 0 else 2
+        return fail(str(e))
+
+    import torch
+    from model.stage_model import DTYPES, load_stage
+    torch.set_num_threads(cfg.model.num_threads)
     device = cfg.model.device
     if device == "cuda":
         if not torch.cuda.is_available():
-            return fail("device=cuda but CUDA is not available") if rank == 0 else 2
+            return fail("device=cuda but CUDA is not available")
         local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
         torch.cuda.set_device(local)
         device = f"cuda:{local}"
     dtype = DTYPES[cfg.model.dtype]
 
-    from pipeline.comm import Comm, PeerLost
+    from pipeline.comm import Comm
     from pipeline.trace import Tracer
     tracer = Tracer(rank, enabled=cfg.comm.trace)
     comm = Comm(cfg.comm.backend, cfg.comm.timeout_s, cfg.comm.heartbeat_s, device, tracer)
+    from pipeline.emulation import install as install_emulation
+    install_emulation(comm, cfg, device)  # emulated edge testbed when emu.profile is set (else a no-op)
+    # from here on every error goes through main()'s _fail: one line, peers told, os._exit
     try:
-        try:
-            model = load_stage(stage_root, rank, world, dtype, device, cfg.model.verify_checksums,
-                               cfg.model.quant if rank > 0 else "none")
-        except StageDirError as e:
-            raise SetupError(str(e)) from None
-        if rank == 0:
-            code = run_rank0(args, cfg, modes, comm, model, stage_root, dtype, device)
-        else:
-            from pipeline.worker import StageWorker
-            StageWorker(model, comm, cfg.model.max_seq_len, dtype, device).run()
-            code = 0
-        tracer.dump(cfg.comm.trace_dir)
-        comm.close()
-        return code
-    except (SetupError, PeerLost) as e:
-        comm.report_failure(str(e))
-        print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
-        os._exit(2 if isinstance(e, SetupError) else 3)
-    except KeyboardInterrupt:
-        comm.report_failure("interrupted")
-        print(f"[rank {rank}] interrupted", file=sys.stderr, flush=True)
-        os._exit(130)
+        model = load_stage(stage_root, rank, world, dtype, device, cfg.model.verify_checksums,
+                           cfg.model.quant if rank > 0 else "none")
+    except StageDirError as e:
+        raise SetupError(str(e)) from None
+    except (OSError, ValueError) as e:  # e.g. a garbage config.json
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise SetupError(f"cannot load stage {rank} from {stage_dir(stage_root, rank)}: "
+                         f"{type(e).__name__}: {first}") from None
+    if rank == 0:
+        code = run_rank0(args, cfg, modes, comm, model, stage_root, dtype, device)
+    else:
+        from pipeline.worker import StageWorker
+        StageWorker(model, comm, cfg.model.max_seq_len, dtype, device).run()
+        code = 0
+    tracer.dump(cfg.comm.trace_dir)
+    comm.close()
+    return code
 
 
 class SetupError(RuntimeError):
@@ -123,6 +193,27 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
     from pipeline.modes import DECODERS
     from pipeline.prompts import PromptError, chat_prompt_ids, load_questions, stop_token_ids
     from pipeline.verify import Sampler
+
+    try:  # prompts first: a bad prompt fails before tokenizer and draft head load
+        if args.prompt_ids:
+            try:
+                records = [{"question_id": i, "turns": [[int(t) for t in p.split(",")]]}
+                           for i, p in enumerate(args.prompt_ids)]
+            except ValueError:
+                raise PromptError("--prompt-ids takes comma-separated integers") from None
+        elif args.prompts_file:
+            records = load_questions(args.prompts_file, args.begin, args.end)
+        else:
+            texts = args.prompt or ["Explain in two sentences why the sky is blue."]
+            records = [{"question_id": i, "turns": [t]} for i, t in enumerate(texts)]
+    except PromptError as e:
+        raise SetupError(str(e)) from None
+    if not records:
+        raise SetupError(f"no prompts: {args.prompts_file} has no records in [{args.begin}, {args.end})")
+    for rec in records:
+        for t in rec["turns"]:
+            if not t or (isinstance(t, str) and not t.strip()):
+                raise SetupError(f"prompt {rec.get('question_id')} has an empty turn")
 
     sdir = stage_dir(stage_root, 0)
     gen_cfg_path = sdir / "generation_config.json"
@@ -166,30 +257,17 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
     sampler = Sampler(cfg.gen.temperature, cfg.gen.top_p, cfg.gen.top_k_sampling, gen)
     engine = Engine(model, comm, drafter, sampler, stop_ids, cfg)
 
-    try:
-        if args.prompt_ids:
-            try:
-                records = [{"question_id": i, "turns": [[int(t) for t in p.split(",")]]}
-                           for i, p in enumerate(args.prompt_ids)]
-            except ValueError:
-                raise PromptError("--prompt-ids takes comma-separated integers") from None
-        elif args.prompts_file:
-            records = load_questions(args.prompts_file, args.begin, args.end)
-        else:
-            texts = args.prompt or ["Explain in two sentences why the sky is blue."]
-            records = [{"question_id": i, "turns": [t]} for i, t in enumerate(texts)]
-    except PromptError as e:
-        raise SetupError(str(e)) from None
-    for rec in records:
-        for t in rec["turns"]:
-            if not t or (isinstance(t, str) and not t.strip()):
-                raise SetupError(f"prompt {rec.get('question_id')} has an empty turn")
 
     max_positions = getattr(model.config, "max_position_embeddings", 1 << 30)
     tree_room = max(cfg.tree.total_token, cfg.tree.init_total_token + 4 * cfg.tree.expand_total_token,
                     cfg.tree.pipedec_topk * (comm.world + 4)) + 8
 
     def check_len(ids: list[int], qid) -> None:
+        if not ids:
+            raise SetupError(f"prompt {qid} has no tokens")
+        if max(ids) >= model.config.vocab_size:
+            raise SetupError(f"prompt {qid}: token id {max(ids)} is outside the vocabulary "
+                             f"(size {model.config.vocab_size})")
         need = len(ids) + cfg.gen.max_new_tokens
         if need > max_positions:
             raise SetupError(f"prompt {qid}: {len(ids)} tokens + max_new_tokens {cfg.gen.max_new_tokens} exceed "
@@ -210,6 +288,12 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
     try:
         for mode in modes:
             decode = DECODERS[mode]
+            for _ in range(args.warmup if records else 0):  # warm-up: excluded from results
+                keep, cfg.gen.max_new_tokens = cfg.gen.max_new_tokens, min(32, cfg.gen.max_new_tokens)
+                try:
+                    timed_generation(engine, prompt_ids(records[0]["turns"][:1], []), decode)
+                finally:
+                    cfg.gen.max_new_tokens = keep
             for rec in records:
                 answers: list[str] = []
                 for ti, _ in enumerate(rec["turns"][:turns_limit]):
@@ -227,6 +311,7 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
                            "decode_s": round(res.decode_s, 6),
                            "tokens_per_s": round(res.new_tokens / res.decode_s, 3) if res.decode_s else None,
                            "busy_fraction": [round(b, 4) for b in res.busy_fraction], "world_size": comm.world}
+                    row.update(res.emu)  # emu_* fidelity fields when the emulated testbed is on
                     if out_f:
                         out_f.write(json.dumps(row) + "\n")
                         out_f.flush()
@@ -251,5 +336,39 @@ def print_result(row: dict, prompt: str, quiet: bool) -> None:
           flush=True)
 
 
+def _exit_on_signals() -> None:
+    """SIGINT (Ctrl-C; torchrun's terminal sends it to every rank) and SIGTERM end this rank at once with
+    one line and tell its peers. A dedicated thread takes them with ``sigwait``: the main thread may sit
+    in a gloo wait that would not return to Python (and so not raise KeyboardInterrupt) for a long time."""
+    import signal
+    import threading
+    sigs = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, sigs)  # inherited by every thread started later
+
+    def wait() -> None:
+        sig = signal.Signals(signal.sigwait(sigs))
+        if debug():
+            import faulthandler
+            faulthandler.dump_traceback(all_threads=True)
+        from pipeline import faults
+        rank = os.environ.get("RANK", "0")
+        line = f"[rank {rank}] interrupted by {sig.name}; exiting"
+        if sig == signal.SIGTERM and faults.peer_failed():
+            line = ""  # e.g. torchrun stopping the survivors of a failed rank, which printed the cause
+        elif sig == signal.SIGTERM and "TORCHELASTIC_RUN_ID" in os.environ:
+            line = f"[rank {rank}] stopped by torchrun (SIGTERM): another rank failed or the job was interrupted"
+        faults.fatal(line, 128 + sig.value, f"interrupted by {sig.name}")
+
+    threading.Thread(target=wait, daemon=True, name="flowspec-signals").start()
+
+
+def entry(argv: list[str] | None = None) -> int:
+    """What ``python -m pipeline.run`` runs (tests fork ranks through it too)."""
+    if not debug():
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d's C++ warnings carry stack dumps
+    _exit_on_signals()
+    return main(argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())
