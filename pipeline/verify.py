@@ -7,8 +7,34 @@ Sampling rule (EAGLE-2 / SpecInfer multi-candidate rule with a deterministic dra
 verified node with processed target distribution p, try its distinct children in index order; accept
 child x with probability p'(x), where p' is p with previously rejected siblings zeroed and
 renormalised; on acceptance descend, otherwise sample the next token from the final residual p'.
-Exactness under pipelining: a node's children are fixed before any draw at that node because a node is
-resolved only once it is verified, and expansion only attaches nodes below the new (unverified) root.
+
+Why the committed token at a node has law exactly p (children c_1..c_k, distinct tokens, fixed order):
+P(accept c_j) = prod_{i<j}(1 - p_{i-1}'(c_i)) * p_{j-1}'(c_j), and with p_0' = p, p_i' = p restricted to
+V \\ {c_1..c_i} and renormalised, the product telescopes to p(c_j); the residual draw gives every other
+token x mass (1 - sum_j p(c_j)) * p(x) / (1 - sum_j p(c_j)) = p(x). Each node resolves exactly one token
+with fresh randomness, so the path's joint law is the target's autoregressive law, *provided the child
+list of a node is a function of what was decided before the node's first draw* (it may depend on earlier
+draws, the draft and the pipeline's timing, but not on this node's draws).
+
+Exactness under pipelining (pruned / continuous / pipedec), i.e. why that proviso holds:
+  * a node is *resolved* (its draws consumed) only inside ``walk_tree`` and only once its logits are
+    known (index < ``n_verified``); ``walk_tree`` reads the child list once, before the node's first
+    draw, and resolves each node at most once per call;
+  * every call ends with the resolved nodes leaving the tree: TRUNCATE starts a fresh tree from the
+    new token, CONTINUE re-roots at ``new_root`` (``keep_indices_for`` + ``reroot``), and the new root
+    and all its descendants have index >= ``n_verified`` (``parents[i] < i``), so nothing left in the
+    tree has been resolved and no node is ever resolved twice;
+  * dynamic expansion (``merge_trees`` of a tree drafted from the current root) and PipeDec's layer
+    growth (below the deepest surviving layer) only attach nodes to that unresolved tree, i.e. below
+    unresolved nodes; appended children get larger indices, so index order is stable and is the order
+    fixed at the moment the node is walked;
+  * siblings are distinct tokens (``check_tree``; ``merge_trees`` dedups by (parent, token)).
+``tests/test_sampling.py`` checks the resulting law exactly (by enumerating every random branch of the real
+modes) and statistically (chi-square with the real generator).
+
+``Sampler.probs`` reproduces HF ``generate`` bit for bit (float32 logits, temperature, top-k, top-p,
+softmax), and ``draw`` feeds the same float32 tensor to ``torch.multinomial``, so with a generator seeded
+like HF's global RNG, ``ar`` at T > 0 emits exactly HF's ``generate(do_sample=True)`` tokens.
 """
 from __future__ import annotations
 
@@ -33,8 +59,12 @@ class Sampler:
         return self.temperature == 0.0
 
     def probs(self, logits: Tensor) -> Tensor:
-        """Processed distribution, like HF generate: temperature, then top-k, then top-p."""
-        x = logits.double() / self.temperature
+        """Processed distribution exactly as HF generate computes it (its warpers, order and float32
+        arithmetic): temperature, then top-k, then top-p, softmax. Returned widened to float64 (exact),
+        so ``walk_tree``'s renormalisations lose nothing and ``draw`` narrows back to HF's very tensor."""
+        x = logits.float()
+        if self.temperature != 1.0:
+            x = x / self.temperature
         if self.top_k > 0:
             kth = torch.topk(x, min(self.top_k, x.numel())).values[-1]
             x = x.masked_fill(x < kth, float("-inf"))
@@ -44,10 +74,14 @@ class Sampler:
             remove = cum <= (1 - self.top_p)
             remove[-1] = False
             x = x.masked_fill(remove.scatter(0, idx, remove), float("-inf"))
-        return torch.softmax(x, dim=-1)
+        return torch.softmax(x, dim=-1).double()
 
     def uniform(self) -> float:
         return float(torch.rand((), generator=self.generator, dtype=torch.float64))
+
+    def accept(self, prob: float) -> bool:
+        """One Bernoulli(prob) draw: the only way ``walk_tree`` spends randomness besides ``draw``."""
+        return self.uniform() < prob
 
     def draw(self, p: Tensor) -> int:
         return int(torch.multinomial(p.float(), 1, generator=self.generator))
@@ -64,11 +98,15 @@ def walk_tree(tree: DraftTree, n_verified: int, logits: Tensor, sampler: Sampler
       * ``new_token``: the target's token after the path (``None`` when the root is not verified);
       * ``new_root``: an existing, not yet verified child carrying ``new_token`` (the tree continues),
         else ``None`` (truncate: the round ends and a fresh tree starts from ``new_token``).
+
+    Every node on the path (root included) is resolved here, once; the caller must drop them from the tree
+    (truncate or re-root at ``new_root``) before growing it further. See the module docstring.
     """
     if n_verified <= 0:
         return [], None, None
     path, cur = [0], 0
     parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+    # The sibling set and try order of every node are frozen here, before any draw of this call.
     kids: dict[int, list[int]] = {}
     for i, p in enumerate(parents):
         if p >= 0:
@@ -80,18 +118,23 @@ def walk_tree(tree: DraftTree, n_verified: int, logits: Tensor, sampler: Sampler
             child = next((c for c in children if tokens[c] == x), None)
         else:
             p = sampler.probs(logits[cur])
-            child = None
-            for c in children:
+            child, rejected, mass = None, [], float(p.sum())
+            for c in children:  # index order; distinct tokens (check_tree)
                 t = tokens[c]
-                if sampler.uniform() < float(p[t]):
+                pt = float(p[t])
+                # p'(t) = p(t) / (mass left after zeroing the rejected siblings): the renormalised residual,
+                # without touching the vocabulary-sized vector once per sibling
+                if mass > 0 and sampler.accept(pt / mass):
                     child = c
                     break
-                p[t] = 0.0
-                total = p.sum()
-                if total <= 0:  # cannot happen for a valid distribution; guard against float dust
-                    break
-                p = p / total
-            x = tokens[child] if child is not None else sampler.draw(p)
+                rejected.append(t)
+                mass -= pt
+            if child is None:
+                if rejected:
+                    p[rejected] = 0.0
+                x = sampler.draw(p)  # torch.multinomial renormalises the residual
+            else:
+                x = tokens[child]
         if child is None:
             return path, x, None
         if child >= n_verified:

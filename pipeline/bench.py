@@ -1,0 +1,468 @@
+"""Side-by-side benchmark of every decoding mode (issue 4): throughput, τ, utilization and timelines.
+
+``python -m pipeline.bench --prompts-file question.jsonl -n 20 --out-dir outputs/bench [key=value ...]``
+
+Runs ``ar``, ``naive``, ``pruned``, ``pipedec`` and ``continuous`` on the same first turns, each in its own
+``torchrun ... -m pipeline.run`` launch (fresh processes, same settings, tracing on, one trace folder per
+mode; ``--launch single`` runs all modes in one launch instead and attributes rank 0's generation marks to
+modes in order), one untimed warm-up generation per mode. Then it writes to ``--out-dir``:
+
+* ``rows.jsonl``: every generation's row (``pipeline/run.py``'s fields);
+* ``summary.md`` / ``summary.csv``: per mode generations, new tokens, decode throughput (Σ new tokens /
+  Σ decode s, prefill excluded), speed-up over ``naive`` and ``ar``, τ (mean tokens committed per
+  verification incl. the bonus token), tokens per pipeline step (Σ new tokens / Σ pipeline steps), each
+  rank's mean busy fraction (as measured by the run), and from the traces each rank's busy / wait share
+  over all decode phases;
+* ``gantt_<mode>.png`` + ``timeline_<mode>.csv``: a Gantt window (``--gantt-window`` s in the middle of
+  the decode of recorded generation ``--gantt-generation``) drawn by ``pipeline/timeline.py``;
+* ``traces/<mode>/trace_rank<r>.json`` and ``logs/<mode>.log``.
+
+At temperature 0 every mode's ``output_ids`` must equal ``ar``'s for the same prompt: mismatches are
+printed loudly and the exit status is 3 (2 when a launch failed).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MODES = ("ar", "naive", "pruned", "pipedec", "continuous")
+LABELS = {"ar": "PP-AR", "naive": "Chunk-PP", "pruned": "Pruned-PP", "pipedec": "PipeDec", "continuous": "FlowSpec"}
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline.bench",
+        description="Run every decoding mode side by side on the same prompts through the pipeline (one torchrun "
+                    "launch per mode, tracing on) and report decode throughput, speed-ups over naive and ar, τ, "
+                    "accepted tokens per pipeline step, per-rank utilization and a Gantt chart per mode. At T=0 "
+                    "every mode's output must equal ar's.",
+        epilog="Extra key=value words are config overrides passed to every launch (see config/run_config.py), "
+               "e.g. max_new_tokens=64 tree.subseq_token=8 model.stage_dir=DIR. Example: python -m pipeline.bench "
+               "--prompts-file data/mt_bench/question.jsonl -n 20 --out-dir outputs/bench_mtbench max_new_tokens=128",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="config overrides key=value for pipeline.run")
+    p.add_argument("--prompts-file", help="FastChat question.jsonl (first turns are asked), e.g. MT-bench's")
+    p.add_argument("-n", "--num-prompts", type=int, default=20, help="records of --prompts-file to use")
+    p.add_argument("--begin", type=int, default=0, help="first record of --prompts-file (0-based)")
+    p.add_argument("--prompt-ids", action="append", default=[],
+                   help="instead of a file: a raw prompt as comma-separated token ids (repeatable)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
+    p.add_argument("--out-dir", default=str(REPO / "outputs" / "bench"), help="results folder (its previous "
+                   "rows, traces and charts are replaced)")
+    p.add_argument("--world", type=int, default=0, help="ranks (default: from the stage manifest)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per mode")
+    p.add_argument("--launch", choices=("per-mode", "single"), default="per-mode",
+                   help="one torchrun launch per mode, or all modes in one launch")
+    p.add_argument("--gantt-window", type=float, default=1.5, help="seconds of decode shown in each Gantt chart")
+    p.add_argument("--gantt-generation", type=int, default=0,
+                   help="which recorded generation of each mode the Gantt window is taken from (0-based)")
+    p.add_argument("--no-gantt", action="store_true", help="skip the Gantt PNGs (utilization is still computed)")
+    p.add_argument("--timeout", type=float, default=0, help="seconds per launch before it is killed (0 = none)")
+    p.add_argument("--quiet", action="store_true", help="no per-generation progress lines")
+    p.add_argument("--summarize-only", action="store_true",
+                   help="launch nothing: redo the summary and charts from --out-dir's rows.jsonl and traces")
+    return p.parse_intermixed_args(argv)
+
+
+# -- aggregation (pure functions on rows) ---------------------------------------------------------------
+def aggregate(rows: list[dict], modes: list[str]) -> dict[str, dict]:
+    """mode -> generations, new_tokens, decode_s, tps, tau, tokens_per_step, busy (mean per rank),
+    speedup_naive, speedup_ar."""
+    out = {}
+    for m in modes:
+        rs = [r for r in rows if r["mode"] == m]
+        if not rs:
+            continue
+        tokens = sum(r["new_tokens"] for r in rs)
+        decode = sum(r["decode_s"] / float(r.get("emu_time_scale") or 1.0) for r in rs)
+        acc = [a for r in rs for a in (r.get("accept_lengths") or [])]
+        steps = sum(r.get("pipeline_steps") or 0 for r in rs)
+        world = max(len(r.get("busy_fraction") or []) for r in rs)
+        busy = [sum(r["busy_fraction"][i] for r in rs if len(r.get("busy_fraction") or []) > i)
+                / max(1, sum(1 for r in rs if len(r.get("busy_fraction") or []) > i)) for i in range(world)]
+        out[m] = {"generations": len(rs), "new_tokens": tokens, "decode_s": decode,
+                  "tps": tokens / decode if decode > 0 else 0.0,
+                  "tau": sum(acc) / len(acc) if acc else 0.0,
+                  "tokens_per_step": tokens / steps if steps else 0.0, "busy": busy,
+                  "prefill_s": sum(r.get("prefill_s") or 0.0 for r in rs)}
+    for m, a in out.items():
+        for base in ("naive", "ar"):
+            b = out.get(base)
+            a[f"speedup_{base}"] = a["tps"] / b["tps"] if b and b["tps"] > 0 else None
+    return out
+
+
+def find_mismatches(rows: list[dict]) -> tuple[list[str], int, int]:
+    """T=0 rows whose ``output_ids`` differ from ``ar``'s for the same question. Returns (messages,
+    compared, rows without an ar reference)."""
+    ref = {(r["question_id"], r.get("turn", 0)): r for r in rows
+           if r["mode"] == "ar" and float(r.get("temperature", 0)) == 0.0}
+    bad, compared, unref = [], 0, 0
+    for r in rows:
+        if r["mode"] == "ar" or float(r.get("temperature", 0)) != 0.0:
+            continue
+        a = ref.get((r["question_id"], r.get("turn", 0)))
+        if a is None:
+            unref += 1
+            continue
+        compared += 1
+        x, y = a["output_ids"], r["output_ids"]
+        if a.get("prompt_ids") != r.get("prompt_ids"):
+            bad.append(f"question {r['question_id']}: {r['mode']} was given another prompt than ar")
+        elif x != y:
+            pos = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+            bad.append(f"question {r['question_id']}: {r['mode']} != ar: first difference at token {pos} "
+                       f"(ar {len(x)} tokens, {r['mode']} {len(y)} tokens)")
+    return bad, compared, unref
+
+
+def _f(v, fmt="{:.2f}", none="–"):
+    return none if v is None else fmt.format(v)
+
+
+def summarize(agg: dict, trace_util: dict, mismatch: tuple, meta: dict, gantts: dict) -> tuple[str, str]:
+    """Markdown and CSV text. ``trace_util``: mode -> {"decode": [per-rank rows], "window": [...], ...}."""
+    md = io.StringIO()
+    w = md.write
+    world = max((len(a["busy"]) for a in agg.values()), default=0)
+    w("# Benchmark: decoding modes side by side\n\n")
+    w(f"- model: `{meta['stage_dir']}`, draft head: `{meta['head_dir']}`, world {meta['world']} ranks\n")
+    w(f"- prompts: {meta['prompts']}; max_new_tokens {meta['max_new_tokens']}, temperature {meta['temperature']:g}, "
+      f"{meta['warmup']} untimed warm-up generation(s) per mode, "
+      + ("one torchrun launch per mode" if meta["launch"] == "per-mode" else "all modes in one torchrun launch") + "\n")
+    if meta.get("overrides"):
+        w(f"- overrides: `{' '.join(meta['overrides'])}`\n")
+    w(f"- host: {meta['cpus']} CPU core(s) for {meta['world']} ranks (absolute speed reflects that contention)\n")
+    w("- tok/s = Σ new tokens / Σ decode s (prefill excluded); × naive / × ar = speed-up of that throughput; "
+      "τ = mean tokens committed per verification incl. the bonus token; tok/step = Σ new tokens / Σ pipeline "
+      "steps (messages rank 0 received during decode); busy r = mean fraction of each generation rank r spent in "
+      "compute/verify/draft/expand/prune/lm_head (run's own counters)\n\n")
+    busy_cols = "".join(f" busy r{i} |" for i in range(world))
+    w("| mode | method | generations | new tokens | decode s | tok/s | × naive | × ar | τ | tok/step |" + busy_cols + "\n")
+    w("|---" * (10 + world) + "|\n")
+    for m, a in agg.items():
+        w(f"| `{m}` | {LABELS.get(m, m)} | {a['generations']} | {a['new_tokens']} | {a['decode_s']:.2f} | "
+          f"{a['tps']:.2f} | {_f(a['speedup_naive'])} | {_f(a['speedup_ar'])} | "
+          f"{_f(a['tau']) if m != 'ar' else '1.00'} | {a['tokens_per_step']:.2f} |"
+          + "".join(f" {b:.0%} |" for b in a["busy"]) + "\n")
+    if any(trace_util.get(m, {}).get("decode") for m in agg):
+        w("\nFrom the traces, over every recorded generation's decode phase: busy / wait share per rank "
+          "(wait = blocked in recv or broadcast; the rest is send and untraced Python)\n\n")
+        w("| mode |" + "".join(f" rank {i} busy / wait |" for i in range(world)) + " Gantt |\n")
+        w("|---" * (world + 2) + "|\n")
+        for m in agg:
+            u = trace_util.get(m, {}).get("decode") or []
+            cells = "".join(f" {x['busy_frac']:.0%} / {x['wait_frac']:.0%} |" for x in u)
+            cells += " – |" * (world - len(u))
+            g = gantts.get(m)
+            w(f"| `{m}` |{cells} {f'[{Path(g).name}]({Path(g).name})' if g else '–'} |\n")
+    notes = [f"- `{m}`: {n}" for m in agg for n in trace_util.get(m, {}).get("notes", [])]
+    if notes:
+        w("\nTrace notes:\n\n" + "\n".join(notes) + "\n")
+    bad, compared, unref = mismatch
+    w("\n## Losslessness at T = 0\n\n")
+    if meta["temperature"] != 0:
+        w("Not checked: temperature > 0.\n")
+    elif bad:
+        w(f"**MISMATCH: {len(bad)} of {compared} generations differ from ar:**\n\n" + "".join(f"- {b}\n" for b in bad))
+    elif compared:
+        w(f"All {compared} generations of the speculative modes equal ar's output token for token.\n")
+    else:
+        w("Nothing compared (needs ar and another mode).\n")
+    if unref:
+        w(f"\n{unref} generations had no ar row to compare with.\n")
+
+    buf = io.StringIO()
+    cw = csv.writer(buf)
+    cw.writerow(["mode", "method", "generations", "new_tokens", "decode_s", "prefill_s", "tokens_per_s",
+                 "speedup_vs_naive", "speedup_vs_ar", "tau", "tokens_per_pipeline_step"]
+                + [f"busy_r{i}" for i in range(world)] + [f"trace_busy_r{i}" for i in range(world)]
+                + [f"trace_wait_r{i}" for i in range(world)])
+    for m, a in agg.items():
+        u = trace_util.get(m, {}).get("decode") or []
+        pad = [""] * (world - len(u))
+        cw.writerow([m, LABELS.get(m, m), a["generations"], a["new_tokens"], round(a["decode_s"], 6),
+                     round(a["prefill_s"], 6), round(a["tps"], 4),
+                     "" if a["speedup_naive"] is None else round(a["speedup_naive"], 4),
+                     "" if a["speedup_ar"] is None else round(a["speedup_ar"], 4), round(a["tau"], 4),
+                     round(a["tokens_per_step"], 4)] + [round(b, 4) for b in a["busy"]] + [""] * (world - len(a["busy"]))
+                    + [round(x["busy_frac"], 4) for x in u] + pad + [round(x["wait_frac"], 4) for x in u] + pad)
+    return md.getvalue(), buf.getvalue()
+
+
+# -- traces ---------------------------------------------------------------------------------------------
+def analyze_traces(trace_dir: Path, mode: str, mode_index: int, n_modes: int, n_rows: int, warmup: int,
+                   args, out_dir: Path, tps: float | None) -> dict:
+    """Decode-phase utilization of one mode and its Gantt window (PNG + CSV)."""
+    from pipeline import timeline as T
+    res = {"decode": [], "window": [], "png": None, "notes": []}
+    try:
+        tl = T.load(trace_dir)
+    except T.TimelineError as e:
+        res["notes"].append(f"no timeline: {e}")
+        return res
+    gens = tl.generations()
+    if args.launch == "single":  # all modes in one trace: rank 0's generations in launch order
+        per = len(gens) // n_modes if n_modes else 0
+        gens = gens[mode_index * per:(mode_index + 1) * per]
+    recorded = gens[warmup:]
+    if len(recorded) != n_rows:
+        res["notes"].append(f"trace holds {len(recorded)} recorded generations, rows {n_rows}")
+    if not recorded:
+        return res
+    res["decode"] = T.utilization(tl, [(g["decode_begin"], g["end"]) for g in recorded])
+    k = min(max(args.gantt_generation, 0), len(recorded) - 1)
+    g = recorded[k]
+    lo, hi = g["decode_begin"], g["end"]
+    if args.gantt_window > 0 and hi - lo > args.gantt_window:
+        mid = (lo + hi) / 2
+        lo, hi = mid - args.gantt_window / 2, mid + args.gantt_window / 2
+    res["window"] = T.utilization(tl, [(lo, hi)])
+    T.write_csv(res["window"], out_dir / f"timeline_{mode}.csv",
+                {"mode": mode, "window_start_s": round(lo, 6), "window_end_s": round(hi, 6)})
+    if not args.no_gantt:
+        title = (f"{LABELS.get(mode, mode)} ({mode}): {1000 * (hi - lo):.0f} ms of recorded generation {k}'s decode "
+                 f"({g.get('new_tokens')} tokens in {g['end'] - g['decode_begin']:.2f} s)"
+                 + (f"; mode average {tps:.1f} tok/s" if tps else ""))
+        res["png"] = T.gantt(tl, lo, hi, out_dir / f"gantt_{mode}.png", title, res["window"])
+    return res
+
+
+# -- launching ------------------------------------------------------------------------------------------
+def _torchrun() -> list[str]:
+    tr = Path(sys.executable).with_name("torchrun")
+    return [str(tr)] if tr.is_file() else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def launch(tag: str, modes: list[str], run_args: list[str], world: int, out_dir: Path, rows_path: Path,
+           n_expected: int, args, log) -> int:
+    part = out_dir / "tmp" / f"{tag}.rows.jsonl"
+    part.parent.mkdir(parents=True, exist_ok=True)
+    part.unlink(missing_ok=True)
+    logf = out_dir / "logs" / f"{tag}.log"
+    logf.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [*_torchrun(), "--standalone", f"--nproc_per_node={world}", "-m", "pipeline.run", *run_args,
+           "--modes", ",".join(modes), "--output", str(part), "--quiet", "--warmup", str(args.warmup)]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    offset, seen, t_start = 0, 0, time.time()
+
+    def transfer() -> None:
+        nonlocal offset, seen
+        if not part.is_file():
+            return
+        with open(part, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        with open(rows_path, "a", encoding="utf-8") as out:
+            for line in data[:end].decode("utf-8").splitlines():
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                out.write(json.dumps(row) + "\n")
+                seen += 1
+                if not args.quiet:
+                    tps = row.get("tokens_per_s") or 0.0
+                    log(f"[bench] {row['mode']:>10} q{row['question_id']}: {row['new_tokens']} tokens, {tps:.1f} tok/s, "
+                        f"tau {row['tau']:.2f}  ({seen}/{n_expected}, {time.time() - t_start:.0f} s)")
+        offset += end
+
+    log(f"[bench] launch {tag}: {world} ranks, modes {','.join(modes)} (log {logf})")
+    with open(logf, "w", encoding="utf-8") as lf:
+        lf.write("$ " + " ".join(cmd) + "\n")
+        lf.flush()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while proc.poll() is None:
+                time.sleep(0.5)
+                transfer()
+                if args.timeout and time.time() - t_start > args.timeout:
+                    log(f"[bench] {tag}: over --timeout {args.timeout:g} s; stopping it")
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    try:
+                        proc.wait(30)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        proc.wait()
+        except KeyboardInterrupt:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            except ProcessLookupError:
+                pass
+            raise
+    transfer()
+    if proc.returncode:
+        tail = logf.read_text(errors="replace").splitlines()[-12:]
+        log(f"[bench] {tag}: pipeline exited {proc.returncode}; last log lines:\n    " + "\n    ".join(tail))
+    elif seen != n_expected:
+        log(f"[bench] {tag}: expected {n_expected} rows, got {seen}")
+    log(f"[bench] {tag}: done in {time.time() - t_start:.0f} s")
+    return proc.returncode
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    log = (lambda s: print(s, file=sys.stderr, flush=True))
+    # Ctrl-C and SIGTERM stop the running launch (its whole process group) and the bench, also when the
+    # bench was started in the background (where SIGINT is inherited as ignored)
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _main(args, log)
+    except BenchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("[bench] interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(args, log) -> int:
+    from config.run_config import DEFAULT, ConfigError, MODES as VALID, apply_overrides
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in VALID for m in modes):
+        raise BenchError(f"--modes {args.modes!r}: choose from {', '.join(VALID)}")
+    if len(set(modes)) != len(modes):
+        raise BenchError("--modes lists a mode twice")
+    for o in args.overrides:
+        if o.split("=", 1)[0].strip() in ("trace", "comm.trace", "trace_dir", "comm.trace_dir", "mode", "gen.mode"):
+            raise BenchError(f"override {o!r} is set by the bench itself")
+    try:
+        cfg = apply_overrides(DEFAULT, args.overrides)
+    except ConfigError as e:
+        raise BenchError(str(e)) from None
+
+    # prompts
+    if args.prompt_ids and args.prompts_file:
+        raise BenchError("give --prompts-file or --prompt-ids, not both")
+    if args.summarize_only:
+        prompt_args, n_prompts, prompts_desc = [], 0, ""
+    elif args.prompt_ids:
+        prompt_args = [a for p in args.prompt_ids for a in ("--prompt-ids", p)]
+        n_prompts = len(args.prompt_ids)
+        prompts_desc = f"{n_prompts} raw token-id prompt(s)"
+    elif args.prompts_file:
+        from pipeline.prompts import PromptError, load_questions
+        if args.num_prompts < 1 or args.begin < 0:
+            raise BenchError("-n must be >= 1 and --begin >= 0")
+        try:
+            recs = load_questions(args.prompts_file, args.begin, args.begin + args.num_prompts)
+        except PromptError as e:
+            raise BenchError(str(e)) from None
+        if not recs:
+            raise BenchError(f"{args.prompts_file} has no records from {args.begin}")
+        n_prompts = len(recs)
+        if n_prompts < args.num_prompts:
+            log(f"[bench] {args.prompts_file} has only {n_prompts} records from {args.begin}")
+        prompt_args = ["--prompts-file", str(Path(args.prompts_file).resolve()), "--begin", str(args.begin),
+                       "--end", str(args.begin + n_prompts), "--first-turn-only"]
+        prompts_desc = f"first turns of records [{args.begin}, {args.begin + n_prompts}) of `{args.prompts_file}`"
+    else:
+        raise BenchError("no prompts: pass --prompts-file FILE (FastChat question.jsonl, e.g. MT-bench's) or --prompt-ids")
+
+    # world
+    from model.stage_format import StageDirError, read_manifest
+    from pipeline.run import DEFAULT_HEAD_DIR, DEFAULT_STAGE_DIR
+    stage_root = Path(cfg.model.stage_dir) if cfg.model.stage_dir else DEFAULT_STAGE_DIR
+    if not cfg.model.stage_dir and not (DEFAULT_STAGE_DIR / "manifest.json").is_file() and not args.summarize_only:
+        from model.default_model import ensure_default_stages
+        stage_root = Path(ensure_default_stages())
+    world = args.world
+    if not world and not args.summarize_only:
+        try:
+            world = len(read_manifest(stage_root)["split"])
+        except StageDirError as e:
+            raise BenchError(str(e)) from None
+    head = cfg.model.head_dir or (str(DEFAULT_HEAD_DIR) if stage_root.resolve() == DEFAULT_STAGE_DIR.resolve()
+                                  else "untrained random head")
+
+    out_dir = Path(args.out_dir)
+    rows_path = out_dir / "rows.jsonl"
+    meta = {"stage_dir": str(stage_root), "head_dir": head, "world": world, "prompts": prompts_desc,
+            "max_new_tokens": cfg.gen.max_new_tokens, "temperature": cfg.gen.temperature, "warmup": args.warmup,
+            "launch": args.launch, "modes": modes, "overrides": args.overrides, "cpus": os.cpu_count()}
+    if args.summarize_only:
+        if not (out_dir / "meta.json").is_file():
+            raise BenchError(f"{out_dir} holds no bench results (meta.json)")
+        meta = json.loads((out_dir / "meta.json").read_text())
+        args.launch, args.warmup = meta["launch"], meta["warmup"]
+        modes = [m for m in modes if m in meta["modes"]]
+        for old in list(out_dir.glob("gantt_*.png")) + list(out_dir.glob("timeline_*.csv")):
+            old.unlink()
+    else:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        rows_path.unlink(missing_ok=True)
+        for old in (out_dir / "traces", out_dir / "tmp"):
+            shutil.rmtree(old, ignore_errors=True)
+        for old in list(out_dir.glob("gantt_*.png")) + list(out_dir.glob("timeline_*.csv")):
+            old.unlink()
+        (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+
+    groups = [(m, [m]) for m in modes] if args.launch == "per-mode" else [("all", modes)]
+    failures = []
+    t0 = time.time()
+    for i, (tag, ms) in enumerate([] if args.summarize_only else groups, 1):
+        tdir = out_dir / "traces" / tag
+        run_args = [*args.overrides, "comm.trace=true", f"comm.trace_dir={tdir.resolve()}", *prompt_args]
+        log(f"[bench] ({i}/{len(groups)})")
+        rc = launch(tag, ms, run_args, world, out_dir, rows_path, n_prompts * len(ms), args, log)
+        if rc:
+            failures.append(f"{tag} (exit {rc})")
+    shutil.rmtree(out_dir / "tmp", ignore_errors=True)
+
+    rows = [json.loads(l) for l in rows_path.read_text().splitlines() if l.strip()] if rows_path.is_file() else []
+    agg = aggregate(rows, modes)
+    trace_util, gantts = {}, {}
+    for mi, m in enumerate(modes):
+        if m not in agg:
+            continue
+        tdir = out_dir / "traces" / (m if args.launch == "per-mode" else "all")
+        trace_util[m] = analyze_traces(tdir, m, mi, len(modes), agg[m]["generations"], args.warmup, args, out_dir,
+                                       agg[m]["tps"])
+        if trace_util[m]["png"]:
+            gantts[m] = trace_util[m]["png"]
+    mismatch = find_mismatches(rows)
+    md, csv_text = summarize(agg, trace_util, mismatch, meta, gantts)
+    (out_dir / "summary.md").write_text(md, encoding="utf-8")
+    (out_dir / "summary.csv").write_text(csv_text, encoding="utf-8")
+    print(md)
+    log(f"[bench] {len(rows)} rows in {time.time() - t0:.0f} s -> {out_dir}/summary.md, summary.csv, rows.jsonl"
+        + (f", {len(gantts)} Gantt chart(s)" if gantts else ""))
+    code = 0
+    if failures or any(m not in agg for m in modes):
+        missing = [m for m in modes if m not in agg]
+        log("[bench] FAILED launches: " + ", ".join(failures) + (f"; modes without rows: {', '.join(missing)}" if missing else ""))
+        code = 2
+    if mismatch[0] and cfg.gen.temperature == 0:
+        bar = "!" * 78
+        log(f"{bar}\n[bench] LOSSLESSNESS MISMATCH at T=0: {len(mismatch[0])} generation(s) differ from ar:\n  "
+            + "\n  ".join(mismatch[0]) + f"\n{bar}")
+        code = 3
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
