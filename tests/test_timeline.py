@@ -165,7 +165,9 @@ def test_bench_tiny_model_end_to_end(tiny_stages, tmp_path):
         png = out / f"gantt_{m}.png"
         assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
         win = list(csv.DictReader((out / f"timeline_{m}.csv").open()))
-        assert len(win) == 3 and float(win[0]["window_end_s"]) - float(win[0]["window_start_s"]) == pytest.approx(0.05, abs=1e-5)
+        # the window is --gantt-window wide, or the whole decode when that is shorter (fast hosts)
+        width = float(win[0]["window_end_s"]) - float(win[0]["window_start_s"])
+        assert len(win) == 3 and 0 < width <= 0.05 + 1e-5
     table = list(csv.DictReader((out / "summary.csv").open()))
     assert [r["mode"] for r in table] == list(bench.MODES)
     for r in table:
