@@ -38,3 +38,25 @@ def test_quantized_stage(stages, quant, kind, max_err):
     assert torch.isfinite(y).all()
     err = float((y - y0).norm() / y0.norm())
     assert err < max_err, err
+
+
+def test_quant_report_helpers(stages):
+    from pipeline.quant_report import agreement, compare, weight_bytes
+    assert agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 0.5
+    assert agreement([1, 2, 3, 4], [1, 2]) == 0.5           # stopped early
+    assert agreement([1, 2], [1, 2, 5]) == 1.0              # the reference is a prefix: all of it agrees
+    ref = [{"question_id": 0, "output_ids": [1, 2, 3], "accept_lengths": [1], "new_tokens": 3, "decode_s": 1.0},
+           {"question_id": 1, "output_ids": [4, 5, 6, 7], "accept_lengths": [1], "new_tokens": 4, "decode_s": 1.0}]
+    rows = [{"question_id": 0, "output_ids": [1, 2, 3], "accept_lengths": [2, 1], "new_tokens": 3, "decode_s": 0.5},
+            {"question_id": 1, "output_ids": [4, 9, 6, 7], "accept_lengths": [3, 1, 1], "new_tokens": 4,
+             "decode_s": 0.5}]
+    c = compare(ref, rows)
+    assert (c["answers"], c["exact"], c["exact_rate"]) == (2, 1, 0.5)
+    assert c["prefix_agreement"] == pytest.approx((1.0 + 0.25) / 2)
+    assert c["tau"] == pytest.approx(8 / 5) and c["tps"] == pytest.approx(7.0)
+    full = load_stage(stages, 1, 2, torch.float32)
+    assert weight_bytes(full) == sum(t.numel() * t.element_size() for t in list(full.parameters()) + list(full.buffers()))
+    for quant, ratio in (("int8", 0.4), ("nf4", 0.3)):
+        q = load_stage(stages, 1, 2, torch.float32, quant=quant)
+        assert 0 < weight_bytes(q) < ratio * weight_bytes(full)
