@@ -1,10 +1,20 @@
 """Optional bitsandbytes quantization of a stage's linear layers (8-bit or 4-bit nf4/fp4)."""
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
 QUANT_MODES = ("none", "int8", "nf4", "fp4")
+
+
+class _DropCastNotice(logging.Filter):
+    """bitsandbytes logs "MatMul8bitLt: inputs will be cast ... to float16" on *every* int8 matmul with
+    float32 inputs (the documented behaviour of its int8 path); keep it out of the ranks' stderr."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "inputs will be cast" not in record.getMessage()
 
 
 def quantize_linears(module: nn.Module, mode: str, compute_dtype: torch.dtype, device: str) -> None:
@@ -15,6 +25,9 @@ def quantize_linears(module: nn.Module, mode: str, compute_dtype: torch.dtype, d
         import bitsandbytes as bnb
     except ImportError:
         raise RuntimeError("quant needs bitsandbytes: pip install bitsandbytes") from None
+    bnb_log = logging.getLogger("bitsandbytes.autograd._functions")
+    if not any(isinstance(f, _DropCastNotice) for f in bnb_log.filters):
+        bnb_log.addFilter(_DropCastNotice())
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
             bias = child.bias is not None

@@ -43,6 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="config overrides key=value for pipeline.run")
     p.add_argument("--prompts-file", required=True, help="FastChat question.jsonl (first turns are asked)")
     p.add_argument("-n", "--num-prompts", type=int, default=20, help="records of --prompts-file to use")
+    p.add_argument("--begin", type=int, default=0, help="first record of --prompts-file (0-based)")
     p.add_argument("--quants", default="none,int8,nf4", help="comma-separated; 'none' is the reference")
     p.add_argument("--out-dir", default=str(REPO / "outputs" / "quant"), help="results folder")
     p.add_argument("--memory-stage-dir", default=None,
@@ -146,7 +147,8 @@ def run_one(quant: str, args, stage_dir: Path, world: int, out: Path) -> list[di
     cmd = [str(tr)] if tr.is_file() else [sys.executable, "-m", "torch.distributed.run"]
     cmd += ["--standalone", f"--nproc_per_node={world}", "-m", "pipeline.run", f"model.stage_dir={stage_dir}",
             *args.overrides, f"quant={quant}", "gen.temperature=0", "--prompts-file", args.prompts_file,
-            "--end", str(args.num_prompts), "--first-turn-only", "--output", str(out), "--quiet"]
+            "--begin", str(args.begin),
+            "--end", str(args.begin + args.num_prompts), "--first-turn-only", "--output", str(out), "--quiet"]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     print(f"[quant] {quant}: {' '.join(cmd)}", flush=True)
@@ -190,7 +192,7 @@ def main(argv=None) -> int:
     mem_world = len(table[0]["stage_mib"])
     lines = [f"Stages run: `{stage_dir}` ({world} ranks); memory of `{mem_root}` ({mem_world} stages, rank 0 = "
              f"draft stage, full precision). Overrides: `{' '.join(args.overrides) or '-'}`; {args.num_prompts} "
-             f"first turns of `{args.prompts_file}`, T=0.", "",
+             f"first turns of `{args.prompts_file}` from record {args.begin}, T=0.", "",
              "| quant | answers | exact match | mean agreeing prefix | τ | tok/s | "
              + " | ".join(f"stage {r} MiB" for r in range(mem_world)) + " | total MiB |",
              "|---|---|---|---|---|---|" + "---|" * mem_world + "---|"]
