@@ -182,12 +182,38 @@ class SetupError(RuntimeError):
     pass
 
 
+def make_drafter(cfg, stage_root: Path, model, dtype, device: str):
+    """Rank 0's drafter for ``cfg.model.head_dir`` (the default head for the default split, a test drafter
+    ``oracle:``/``adversary:<full model dir>``, or, with no head at all, a clearly labelled untrained head)."""
+    from draft.drafter import Drafter
+    from draft.eagle import HeadError, init_untrained_head, load_eagle_head
+
+    head_dir = Path(cfg.model.head_dir) if cfg.model.head_dir else None
+    if head_dir is None and stage_root.resolve() == DEFAULT_STAGE_DIR.resolve() and DEFAULT_HEAD_DIR.is_dir():
+        head_dir = DEFAULT_HEAD_DIR
+    try:
+        if head_dir is not None and str(cfg.model.head_dir).split(":")[0] in ("oracle", "adversary"):
+            from draft.oracle import OracleDrafter
+            kind, path = cfg.model.head_dir.split(":", 1)
+            print(f"[rank 0] using the {kind} drafter (full model {path}); for tests and ablations", file=sys.stderr)
+            return OracleDrafter(path, adversarial=(kind == "adversary"), dtype=dtype)
+        if head_dir is None:
+            print("[rank 0] WARNING: no draft head given: using an UNTRAINED random head "
+                  "(acceptance near zero; output stays exact). Set head_dir=... for real speed-ups.",
+                  file=sys.stderr)
+            head = init_untrained_head(model.config).to(device=device, dtype=dtype).eval()
+            head.embed_tokens.weight.data.copy_(model.embed_tokens.weight.data)
+        else:
+            head = load_eagle_head(head_dir, model.config, model.embed_tokens.weight.data, dtype, device)
+        return Drafter(head, model.lm_head, cfg.model.max_seq_len + 64)
+    except HeadError as e:
+        raise SetupError(str(e)) from None
+
+
 def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from draft.drafter import Drafter
-    from draft.eagle import HeadError, init_untrained_head, load_eagle_head
     from model.stage_format import stage_dir
     from pipeline.engine import Engine, timed_generation
     from pipeline.modes import DECODERS
@@ -229,29 +255,7 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
         eos = gen_cfg.get("eos_token_id", getattr(model.config, "eos_token_id", None))
         stop_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
-    drafter = None
-    if any(m != "ar" for m in modes):
-        head_dir = Path(cfg.model.head_dir) if cfg.model.head_dir else None
-        if head_dir is None and stage_root.resolve() == DEFAULT_STAGE_DIR.resolve() and DEFAULT_HEAD_DIR.is_dir():
-            head_dir = DEFAULT_HEAD_DIR
-        try:
-            if head_dir is not None and str(cfg.model.head_dir).split(":")[0] in ("oracle", "adversary"):
-                from draft.oracle import OracleDrafter
-                kind, path = cfg.model.head_dir.split(":", 1)
-                print(f"[rank 0] using the {kind} drafter (full model {path}); for tests and ablations", file=sys.stderr)
-                drafter = OracleDrafter(path, adversarial=(kind == "adversary"), dtype=dtype)
-            elif head_dir is None:
-                print("[rank 0] WARNING: no draft head given: using an UNTRAINED random head "
-                      "(acceptance near zero; output stays exact). Set head_dir=... for real speed-ups.",
-                      file=sys.stderr)
-                head = init_untrained_head(model.config).to(device=device, dtype=dtype).eval()
-                head.embed_tokens.weight.data.copy_(model.embed_tokens.weight.data)
-            else:
-                head = load_eagle_head(head_dir, model.config, model.embed_tokens.weight.data, dtype, device)
-            if drafter is None:
-                drafter = Drafter(head, model.lm_head, cfg.model.max_seq_len + 64)
-        except HeadError as e:
-            raise SetupError(str(e)) from None
+    drafter = make_drafter(cfg, stage_root, model, dtype, device) if any(m != "ar" for m in modes) else None
 
     gen = torch.Generator(device="cpu")
     sampler = Sampler(cfg.gen.temperature, cfg.gen.top_p, cfg.gen.top_k_sampling, gen)
