@@ -526,6 +526,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stage-dir", default="", help="split checkpoint of the recorded run (default: embedded SmolLM2)")
     p.add_argument("--head-dir", default="", help="EAGLE head of the recorded run (default: the default head)")
     p.add_argument("--out-dir", default=str(REPO / "outputs" / "sim"), help="predictions.jsonl, summary.md/csv")
+    p.add_argument("--no-plots", action="store_true", help="skip the paper-style plots")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     args.overrides = [a for a in args.rows if "=" in a and not Path(a).exists()]
@@ -638,7 +639,10 @@ def _main(args) -> int:
             f.write(json.dumps(p) + "\n")
     table = summarize(preds)
     write_summary(table, out_dir, profile.name)
+    paper = write_paper_tables(preds, out_dir, profile.name, args) if any(p.get("dataset") for p in preds) else []
     print((out_dir / "summary.md").read_text())
+    for path in paper:
+        print(f"[simulate] paper-style table: {path}", file=sys.stderr)
     return 0
 
 
@@ -698,7 +702,7 @@ def _prediction(g: Replayed, t: float, prof: Profile, bw, args, stage_scale: flo
            "temperature": row.get("temperature", 0.0), "mode": g.mode, "stages": g.stages, "profile": prof.name,
            "bandwidth_mbps": prof.link.bandwidth_mbps, "stage_cost_scale": round(stage_scale, 6),
            "time_scale": args.time_scale, "new_tokens": n, "tau": round(tau, 4),
-           "steps": len(g.accept_lengths), "pipeline_steps": g.pipeline_steps,
+           "steps": len(g.accept_lengths), "pipeline_steps": g.pipeline_steps, "accept_lengths": g.accept_lengths,
            "pred_decode_s": round(t, 6), "overhead_s": overhead,
            "pred_tokens_per_s": round(n / t * args.time_scale, 3) if t > 0 else None}
     if same_run:
@@ -767,6 +771,39 @@ def write_summary(table: list[dict], out_dir: Path, profile: str) -> None:
     for row in table:
         lines.append("| " + " | ".join(_fmt(row.get(k)) for k in COLUMNS) + " |")
     (out_dir / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def write_paper_tables(preds: list[dict], out_dir: Path, profile: str, args) -> list[Path]:
+    """The evaluation sweep's paper-style summary (ξ, SR vs naive, τ per dataset, plots) of the predictions, one
+    folder per (stages, bandwidth): ``paper_s<stages>_bw<mbps>/``."""
+    from pipeline.eval import DATASETS, MODES, plot, summarize as eval_summary
+    groups: dict[tuple, list[dict]] = {}
+    for p in preds:
+        if p.get("dataset"):
+            groups.setdefault((p["stages"], p["bandwidth_mbps"]), []).append(p)
+    written = []
+    for (stages, bw), ps in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+        rows = [{"dataset": p["dataset"], "mode": p["mode"], "temperature": p["temperature"],
+                 "question_id": p["question_id"], "turn": p["turn"], "new_tokens": p["new_tokens"],
+                 "decode_s": p["pred_decode_s"], "emu_time_scale": p["time_scale"],
+                 "accept_lengths": p["accept_lengths"]} for p in ps]
+        datasets = [d for d in DATASETS if any(r["dataset"] == d for r in rows)]
+        datasets += sorted({r["dataset"] for r in rows} - set(datasets))
+        modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+        temps = sorted({float(r["temperature"]) for r in rows})
+        meta = {"profile": f"{profile} (simulated: {stages} layer stages, {bw:g} Mbit/s)" if bw else profile,
+                "time_scale": args.time_scale, "world": stages + 1, "overrides": args.overrides,
+                "max_new_tokens": max(r["new_tokens"] for r in rows), "stage_dir": args.stage_dir or None,
+                "begin": "recorded", "end": "recorded"}
+        md, csv_text = eval_summary(rows, datasets, modes, temps, meta, ([], 0, 0))
+        d = out_dir / f"paper_s{stages}_bw{bw:g}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "summary.md").write_text(md, encoding="utf-8")
+        (d / "summary.csv").write_text(csv_text, encoding="utf-8")
+        if not args.no_plots:
+            plot(rows, datasets, modes, temps, d)
+        written.append(d / "summary.md")
+    return written
 
 
 def _fmt(v) -> str:
