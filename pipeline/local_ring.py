@@ -12,6 +12,8 @@ Used by the protocol tests (``tests/threaded_ring.py``) and by the what-if simul
 from __future__ import annotations
 
 import queue
+import threading
+from contextlib import contextmanager
 
 from pipeline.messages import Message, decode, encode
 from pipeline.trace import Tracer
@@ -71,3 +73,30 @@ class LocalComm:
         if self.observer is not None:
             self.observer.on_bcast_recv(self.rank)
         return got
+
+
+@contextmanager
+def stage_threads(world: int, run_stage):
+    """Run ``run_stage(r)`` for ranks 1..world-1 in daemon threads for the duration of the block.
+
+    Yields the list that collects the threads' exceptions; the block must end the stages (``Shutdown``) unless
+    one failed. On exit the threads are joined and the first stage error, if any, is raised.
+    """
+    errors: list[BaseException] = []
+
+    def guarded(r: int) -> None:
+        try:
+            run_stage(r)
+        except BaseException as e:  # surfaced by the calling thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(r,), daemon=True) for r in range(1, world)]
+    for t in threads:
+        t.start()
+    try:
+        yield errors
+    finally:
+        for t in threads:
+            t.join(timeout=30)
+    if errors:
+        raise errors[0]

@@ -27,7 +27,8 @@ the real bookkeeping: tree building, verification, pruning, message encoding).
 emulated testbed's semantics (``pipeline/emulation.py``): a compute op takes the profile's modeled time, a
 message serialises on its link (bytes / bandwidth) and arrives ``latency_s`` later without blocking the
 sender, a receive waits for its message, rank 0 issues a decision broadcast after ``latency + (N-1) x
-transfer`` and a stage takes it no earlier; host work takes its measured time. Predictions are in the
+transfer``, a stage takes it no earlier, and (as with gloo) the broadcast returns on rank 0 only once every
+stage has entered it; host work takes its measured time. Predictions are in the
 profile's time (``time_scale`` dilates modeled durations like ``emu.time_scale``).
 
 **Exactness.** At T = 0 the replay reproduces the recorded run's acceptance (τ, steps, rows per segment) for the
@@ -35,10 +36,11 @@ recorded stage count, and for another stage count it is what that run would do (
 on the split). At T > 0 a run with another schedule would sample another text from the same law; a replayed
 text is still a valid sample of the mode's behaviour, so predictions are exact in distribution over many
 generations. Feature values come from one full forward rather than the pipeline's tree forwards, so a draft
-near-tie can rarely flip (the summary reports how often replayed τ differs from the recorded τ).
-Not modeled by default: the transport's own per-message cost (gloo, process wake-ups; ``--msg-overhead-s`` adds
-a fixed cost per received message and broadcast) and rank-0 overruns of a real emulated run (the simulator times
-rank 0 exactly as the profile says, so it predicts what a host fast enough for the profile would measure).
+near-tie can rarely flip (the summary shows the recorded τ beside the replayed one).
+Not modeled by default: the transport's own per-message cost (gloo, process wake-ups; ``--msg-overhead-s``,
+``--op-overhead-s``, or ``--calibrate ar`` to fit one per-event cost on recorded ar rows) and overruns of a real
+emulated run (the simulator times every op exactly as the profile says, so it predicts what a host fast enough
+for the profile would measure).
 """
 from __future__ import annotations
 
@@ -47,7 +49,6 @@ import csv
 import json
 import math
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -280,7 +281,7 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
            features: TargetFeatures, progress=None) -> Session:
     """Replay ``rows`` (recorded generations) through ``mode`` on ``stages`` layer stages; returns the op logs."""
     from pipeline.engine import timed_generation
-    from pipeline.local_ring import LocalComm, LocalRing
+    from pipeline.local_ring import LocalComm, LocalRing, stage_threads
     from pipeline.modes import DECODERS
     from pipeline.verify import Sampler
     from pipeline.worker import StageWorker
@@ -288,55 +289,42 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
     world = stages + 1
     ring, rec, committed = LocalRing(world), Recorder(world), Committed()
     session = Session(stages, mode, rec.logs)
-    errors: list[BaseException] = []
     max_len = max(len(r["prompt_ids"]) + len(r["output_ids"]) for r in rows) + 1024
 
     def stage(r: int) -> None:
         rec.logs[r].last = time.thread_time()
-        try:
-            worker = StageWorker(ReplayStage(r, committed, rec.logs[r]), LocalComm(ring, r, observer=rec),
-                                 max_len, torch.float64, "cpu")
-            worker.run()
-        except BaseException as e:  # surfaced by the calling thread
-            errors.append(e)
+        StageWorker(ReplayStage(r, committed, rec.logs[r]), LocalComm(ring, r, observer=rec), max_len,
+                    torch.float64, "cpu").run()
 
-    threads = [threading.Thread(target=stage, args=(r,), daemon=True) for r in range(1, world)]
-    for t in threads:
-        t.start()
     log0 = rec.logs[0]
     comm0 = LocalComm(ring, 0, tracer=_MarkTracer(log0), observer=rec)
-    engine_cls = _make_replay_engine()
-    stub = torch.nn.Linear(1, 1)
     rdrafter = None
     if drafter is not None:
         rdrafter = ReplayDrafter(drafter, committed)
         _record_drafter(drafter, log0)
-    engine = engine_cls(stub, comm0, rdrafter, Sampler(float(cfg.gen.temperature), 1.0, 0, torch.Generator()),
-                        set(), cfg)
+    engine = _make_replay_engine()(torch.nn.Linear(1, 1), comm0, rdrafter,
+                                   Sampler(float(cfg.gen.temperature), 1.0, 0, torch.Generator()), set(), cfg)
     engine.vocab_size, engine.committed, engine.log = vocab_size, committed, log0
-    log0.last = time.thread_time()
-    try:
-        for row in rows:
-            prompt, output = list(row["prompt_ids"]), list(row["output_ids"])
-            committed.seq = prompt + output
-            committed.features = features(committed.seq)
-            # the recorded answer ends where it ended: exactly len(output) tokens, no stop token needed
-            engine.cfg = replace(cfg, gen=replace(cfg.gen, max_new_tokens=len(output)))
-            res = timed_generation(engine, prompt, DECODERS[mode])
-            if res.output_ids != output:
-                raise AssertionError(f"replay of question {row.get('question_id')} diverged from its recorded output")
-            session.gens.append(Replayed(row, mode, stages, res.accept_lengths, res.output_ids, res.pipeline_steps))
-            if progress is not None:
-                progress.update(1)
-            if errors:
-                break
-    finally:
-        if not errors:
-            engine.shutdown()
-        for t in threads:
-            t.join(timeout=30)
-    if errors:
-        raise errors[0]
+    with stage_threads(world, stage) as errors:
+        log0.last = time.thread_time()
+        try:
+            for row in rows:
+                prompt, output = list(row["prompt_ids"]), list(row["output_ids"])
+                committed.seq = prompt + output
+                committed.features = features(committed.seq)
+                # the recorded answer ends where it ended: exactly len(output) tokens, no stop token needed
+                engine.cfg = replace(cfg, gen=replace(cfg.gen, max_new_tokens=len(output)))
+                res = timed_generation(engine, prompt, DECODERS[mode])
+                if res.output_ids != output:
+                    raise AssertionError(f"replay of question {row.get('question_id')} diverged from its "
+                                         "recorded output")
+                session.gens.append(Replayed(row, mode, stages, res.accept_lengths, res.output_ids,
+                                             res.pipeline_steps))
+                if progress is not None:
+                    progress.update(1)
+        finally:
+            if not errors:
+                engine.shutdown()
     return session
 
 

@@ -6,7 +6,6 @@ It lets the tests sweep many world sizes and tree shapes quickly; the real multi
 """
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import torch
@@ -16,7 +15,7 @@ from draft.drafter import Drafter
 from draft.eagle import init_untrained_head
 from model.stage_model import load_stage
 from pipeline.engine import Engine, timed_generation
-from pipeline.local_ring import LocalComm, LocalRing
+from pipeline.local_ring import LocalComm, LocalRing, stage_threads
 from pipeline.modes import DECODERS
 from pipeline.verify import Sampler
 from pipeline.worker import StageWorker
@@ -33,17 +32,10 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
     cfg = apply_overrides(DEFAULT, overrides)
     ring = LocalRing(world)
     models = [load_stage(stage_root, r, world, dtype) for r in range(world)]
-    errors: list[BaseException] = []
 
     def stage(r: int) -> None:
-        try:
-            StageWorker(models[r], LocalComm(ring, r), cfg.model.max_seq_len, dtype, "cpu").run()
-        except BaseException as e:  # surfaced by the main thread
-            errors.append(e)
+        StageWorker(models[r], LocalComm(ring, r), cfg.model.max_seq_len, dtype, "cpu").run()
 
-    threads = [threading.Thread(target=stage, args=(r,), daemon=True) for r in range(1, world)]
-    for t in threads:
-        t.start()
     comm0 = LocalComm(ring, 0)
     if drafter is None:
         head = init_untrained_head(models[0].config).to(dtype).eval()
@@ -60,14 +52,11 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
     sampler = Sampler(cfg.gen.temperature, cfg.gen.top_p, cfg.gen.top_k_sampling, torch.Generator())
     engine = Engine(models[0], comm0, d, sampler, stop_ids, cfg)
     results: dict[str, list] = {}
-    try:
-        for mode in modes:
-            results[mode] = [timed_generation(engine, p, DECODERS[mode]) for p in prompts]
-    finally:
-        if not errors:
-            engine.shutdown()
-        for t in threads:
-            t.join(timeout=10)
-    if errors:
-        raise errors[0]
+    with stage_threads(world, stage) as errors:
+        try:
+            for mode in modes:
+                results[mode] = [timed_generation(engine, p, DECODERS[mode]) for p in prompts]
+        finally:
+            if not errors:
+                engine.shutdown()
     return results
