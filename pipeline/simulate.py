@@ -460,6 +460,52 @@ def simulate_timing(logs: list[list[tuple]], tc: TimingConfig,
     return marks
 
 
+SPAN_KIND = {"compute": "compute", "lm_head": "lm_head", "draft": "draft", "recv": "recv", "bcast_recv": "broadcast",
+             "bcast": "broadcast", "host": "host"}
+
+
+def to_timeline(timeline: list, world: int):
+    """The simulated op timeline as a :class:`pipeline.timeline.Timeline` (Gantt charts, utilization). Rank-0 host
+    work (tree building, verification, pruning) is the span kind ``host``."""
+    from pipeline.timeline import RankTrace, Timeline
+    ranks = {r: RankTrace(r, 0.0) for r in range(world)}
+    for r, op, a, b in timeline:
+        kind = SPAN_KIND.get(op[0])
+        if op[0] == "mark":
+            ranks[r].marks.append((op[1], a, {}))
+        elif kind is not None and b > a:
+            ranks[r].spans.setdefault(kind, []).append((a, b))
+    for rt in ranks.values():
+        rt.n_events = sum(len(v) for v in rt.spans.values())
+    return Timeline(ranks, "simulated")
+
+
+def stage_utilization(tl, windows: list[tuple[float, float]]) -> list[list[float]]:
+    """Per generation window: each rank's busy fraction (rank 0: lm_head, draft head and host work; stages:
+    their layer computations)."""
+    from pipeline.timeline import _clipped, union_length
+    out = []
+    for lo, hi in windows:
+        fr = []
+        for r in sorted(tl.ranks):
+            kinds = ("lm_head", "draft", "host") if r == 0 else ("compute",)
+            iv = [x for k in kinds for x in _clipped(tl.ranks[r].spans.get(k, []), lo, hi)]
+            fr.append(round(union_length(iv) / (hi - lo), 4) if hi > lo else 0.0)
+        out.append(fr)
+    return out
+
+
+def decode_windows(marks: list[tuple[str, float]]) -> list[tuple[float, float]]:
+    out, begin = [], None
+    for name, t in marks:
+        if name == "decode_begin":
+            begin = t
+        elif name == "gen_end" and begin is not None:
+            out.append((begin, t))
+            begin = None
+    return out
+
+
 def decode_times(marks: list[tuple[str, float]]) -> list[float]:
     """Decode seconds of each generation: from its ``decode_begin`` mark to its ``gen_end`` mark."""
     out, begin = [], None
@@ -515,6 +561,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dir", default="", help="EAGLE head of the recorded run (default: the default head)")
     p.add_argument("--out-dir", default=str(REPO / "outputs" / "sim"), help="predictions.jsonl, summary.md/csv")
     p.add_argument("--no-plots", action="store_true", help="skip the paper-style plots")
+    p.add_argument("--gantt", type=int, default=-1, metavar="N",
+                   help="draw a Gantt chart of the N-th replayed generation of every mode/stages/bandwidth (-1: none)")
+    p.add_argument("--gantt-window", type=float, default=1.5, help="seconds of decode shown in each Gantt chart")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     args.overrides = [a for a in args.rows if "=" in a and not Path(a).exists()]
@@ -619,9 +668,21 @@ def _main(args) -> int:
         for bw in bandwidths:
             prof = _with_link(profile, bw, args.latency_s)
             tc = timing(session.stages, prof, overhead)
-            times = decode_times(simulate_timing([l.ops for l in session.logs], tc))
-            for g, t in zip(session.gens, times):
-                preds.append(_prediction(g, t, prof, bw, args, tc.stage_cost_scale, overhead))
+            events: list = []
+            windows = decode_windows(simulate_timing([l.ops for l in session.logs], tc, events))
+            tl = to_timeline(events, session.stages + 1)
+            util = stage_utilization(tl, windows)
+            for g, (lo, hi), u in zip(session.gens, windows, util):
+                pred = _prediction(g, hi - lo, prof, bw, args, tc.stage_cost_scale, overhead)
+                pred["busy_fraction"] = u
+                preds.append(pred)
+            if args.gantt >= 0 and args.gantt < len(windows):
+                from pipeline.timeline import gantt
+                lo, hi = windows[args.gantt]
+                hi = min(hi, lo + args.gantt_window * args.time_scale)
+                name = f"gantt_{session.mode}_s{session.stages}_bw{prof.link.bandwidth_mbps or 0:g}.png"
+                gantt(tl, lo, hi, out_dir / name, title=f"simulated {session.mode}: {session.stages} stages, "
+                      f"{profile.name}, {prof.link.bandwidth_mbps or 0:g} Mbit/s (generation {args.gantt})")
     with open(out_dir / "predictions.jsonl", "w", encoding="utf-8") as f:
         for p in preds:
             f.write(json.dumps(p) + "\n")
@@ -719,6 +780,12 @@ def summarize(preds: list[dict]) -> list[dict]:
                "generations": len(ps),
                "new_tokens": toks, "tau": round(sum(p["tau"] * p["steps"] for p in ps) / max(1, sum(p["steps"] for p in ps)), 3),
                "pred_xi": round(toks / secs * scale, 3) if secs else None}
+        if all(p.get("busy_fraction") for p in ps):   # time-weighted over the generations
+            fr = [sum(p["busy_fraction"][r] * p["pred_decode_s"] for p in ps) / secs
+                  for r in range(len(ps[0]["busy_fraction"]))] if secs else []
+            row["rank0_busy"] = round(fr[0], 3) if fr else None
+            row["stage_busy_mean"] = round(sum(fr[1:]) / max(1, len(fr) - 1), 3) if fr else None
+            row["stage_busy_min"] = round(min(fr[1:]), 3) if len(fr) > 1 else None
         if rec:
             rs = sum(p["recorded_decode_s"] for p in rec)
             ps_ = sum(p["pred_decode_s"] for p in rec)
@@ -740,7 +807,7 @@ def summarize(preds: list[dict]) -> list[dict]:
 
 _MODE_ORDER = {"ar": 0, "naive": 1, "pruned": 2, "pipedec": 3, "continuous": 4}
 COLUMNS = ["temperature", "stages", "bandwidth_mbps", "dataset", "mode", "generations", "new_tokens", "tau", "pred_xi",
-           "sr_vs_naive", "sr_vs_ar", "recorded_xi", "error_total", "error_mean_abs", "recorded_tau", "flagged"]
+           "sr_vs_naive", "sr_vs_ar", "rank0_busy", "stage_busy_mean", "stage_busy_min", "recorded_xi", "error_total", "error_mean_abs", "recorded_tau", "flagged"]
 
 
 def write_summary(table: list[dict], out_dir: Path, profile: str) -> None:
@@ -751,7 +818,9 @@ def write_summary(table: list[dict], out_dir: Path, profile: str) -> None:
             w.writerow({k: row.get(k, "") for k in COLUMNS})
     lines = [f"# Simulated decode throughput (profile `{profile}`)", "",
              "ξ = predicted decode tokens/s (all tokens / all decode seconds); SR = ξ / ξ(naive) of the same "
-             "temperature, stages, bandwidth and dataset; τ = tokens per verification step incl. bonus (replayed). "
+             "temperature, stages, bandwidth and dataset; τ = tokens per verification step incl. bonus (replayed); "
+             "busy = share of decode time a rank computes (rank 0: lm_head, draft head, tree work; stages: "
+             "layers), time-weighted over generations. "
              "Where rows were recorded under the same profile and stage count: their measured ξ, the total "
              "prediction error (predicted / measured decode seconds − 1), the mean per-generation |error|, "
              "and how many of them the emulation flagged for overruns.", "",
