@@ -160,9 +160,13 @@ def test_simulator_reproduces_an_emulated_run(tmp_path):
     # what-if: a faster link and twice the stages never make the same answers slower to decode in ar
     out2 = tmp_path / "sim2"
     assert main([str(rows_path), *common, "--profile", str(prof), "--modes", "ar,naive", "--stages", "2,4",
-                 "--bandwidth-mbps", "150,1000", "--out-dir", str(out2), "--quiet"]) == 0
+                 "--bandwidth-mbps", "150,1000", "--gantt", "0", "--out-dir", str(out2), "--quiet"]) == 0
     t2 = _csv(out2 / "summary.csv")
     assert len(t2) == 2 * 2 * 2
+    assert (out2 / "gantt_naive_s4_bw1000.png").stat().st_size > 10_000
+    for r in t2:
+        assert 0 < float(r["stage_busy_min"]) <= float(r["stage_busy_mean"]) <= 1.0, r
+        assert 0 < float(r["rank0_busy"]) <= 1.0, r
     xi = {(int(r["stages"]), float(r["bandwidth_mbps"]), r["mode"]): float(r["pred_xi"]) for r in t2}
     assert xi[(2, 1000.0, "ar")] >= xi[(2, 150.0, "ar")]
 
