@@ -565,7 +565,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="draw a Gantt chart of the N-th replayed generation of every mode/stages/bandwidth (-1: none)")
     p.add_argument("--gantt-window", type=float, default=1.5, help="seconds of decode shown in each Gantt chart")
     p.add_argument("--quiet", action="store_true")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     args.overrides = [a for a in args.rows if "=" in a and not Path(a).exists()]
     args.rows = [a for a in args.rows if a not in args.overrides]
     if not args.rows:
