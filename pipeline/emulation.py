@@ -174,13 +174,10 @@ class LinkModel:
 
     def message_bytes(self, msg) -> float:
         """Modeled bytes of a ring message (see the module docstring)."""
-        total = self.header_bytes
-        for t in msg.tensors():
-            if self.hidden_bytes_per_token and t.is_floating_point() and t.dim() == 3:
-                total += t.shape[1] * self.hidden_bytes_per_token    # hidden [1, n, H]
-            else:
-                total += t.numel() * t.element_size()
-        return total
+        if not self.hidden_bytes_per_token:
+            return self.header_bytes + sum(t.numel() * t.element_size() for t in msg.tensors())
+        rows, other = message_parts(msg)
+        return self.header_bytes + rows * self.hidden_bytes_per_token + other
 
     @classmethod
     def parse(cls, raw: dict, where: str) -> "LinkModel":
@@ -376,7 +373,7 @@ class Emulator:
                 t0 = time.perf_counter()
                 out = orig_logits(hidden)
                 with engine.tracer.span("lm_head", emu_pad=True):
-                    emu.pad(t0, prof.lm_head.time(_rows(hidden), 0))
+                    emu.pad(t0, prof.lm_head.time(hidden_rows(hidden), 0))
                 return out
             engine.logits = logits
         drafter = engine.drafter
@@ -388,7 +385,7 @@ class Emulator:
             def logprobs(hidden):
                 t0 = time.perf_counter()
                 out = orig_lp(hidden)
-                emu.pad(t0, prof.lm_head.time(_rows(hidden), 0))
+                emu.pad(t0, prof.lm_head.time(hidden_rows(hidden), 0))
                 return out
             drafter.logprobs = logprobs
         head = getattr(drafter, "head", None)
@@ -405,7 +402,19 @@ class Emulator:
             head.forward = forward
 
 
-def _rows(hidden) -> int:
+def message_parts(msg) -> tuple[int, int]:
+    """(rows of hidden-state tensors ``[1, n, H]``, real bytes of every other tensor) of a ring message."""
+    rows, other = 0, 0
+    for t in msg.tensors():
+        if t.is_floating_point() and t.dim() == 3:
+            rows += int(t.shape[1])
+        else:
+            other += t.numel() * t.element_size()
+    return rows, other
+
+
+def hidden_rows(hidden) -> int:
+    """Rows of a hidden-state tensor (``[H]``, ``[n, H]`` or ``[1, n, H]``): what an lm_head cost is charged on."""
     return 1 if hidden.dim() == 1 else int(hidden.reshape(-1, hidden.shape[-1]).shape[0])
 
 

@@ -58,7 +58,7 @@ from types import SimpleNamespace
 import torch
 
 from model.kv_cache import KVCache
-from pipeline.emulation import EmulationError, LinkModel, Profile, load_profile
+from pipeline.emulation import EmulationError, LinkModel, Profile, hidden_rows, load_profile, message_parts
 
 REPO = Path(__file__).resolve().parent.parent
 NEG = -1.0e4      # logit of every token but the committed one: softmax gives exactly one-hot in float32
@@ -76,12 +76,11 @@ class OpLog:
     def __init__(self) -> None:
         self.ops: list[tuple] = []
         self.last = time.thread_time()
-        self.host_scale = 1.0
 
     def _host(self) -> None:
         now = time.thread_time()
         if now > self.last:
-            self.ops.append(("host", (now - self.last) * self.host_scale))
+            self.ops.append(("host", now - self.last))
         self.last = now
 
     def add(self, *op) -> None:
@@ -101,17 +100,6 @@ class OpLog:
             self.last = now
 
 
-def message_size(msg) -> tuple[int, int]:
-    """(hidden-state rows, other bytes) of a message: what :meth:`LinkModel.message_bytes` charges."""
-    rows, other = 0, 0
-    for t in msg.tensors():
-        if t.is_floating_point() and t.dim() == 3:
-            rows += int(t.shape[1])
-        else:
-            other += t.numel() * t.element_size()
-    return rows, other
-
-
 class Recorder:
     """The ring observer: per-rank :class:`OpLog` entries for every send, receive and broadcast."""
 
@@ -119,13 +107,13 @@ class Recorder:
         self.logs = [OpLog() for _ in range(world)]
 
     def on_send(self, rank, dst, msg) -> None:
-        self.logs[rank].add("send", dst, *message_size(msg))
+        self.logs[rank].add("send", dst, *message_parts(msg))
 
     def on_recv(self, rank, src) -> None:
         self.logs[rank].add("recv", src)
 
     def on_bcast_root(self, msg) -> None:
-        self.logs[0].add("bcast", message_size(msg)[1])
+        self.logs[0].add("bcast", message_parts(msg)[1])
 
     def on_bcast_recv(self, rank) -> None:
         self.logs[rank].add("bcast_recv")
@@ -238,13 +226,13 @@ def _make_replay_engine():
 # -- replay -------------------------------------------------------------------------------------------
 @dataclass
 class Replayed:
-    """One replayed generation: its op logs are shared with the session (``gen`` indexes the decode windows)."""
+    """One replayed generation (its output is ``row["output_ids"]``: the replay checks it). Its operations live
+    in the session's logs; the i-th generation of a session is its i-th decode window."""
 
     row: dict
     mode: str
     stages: int
     accept_lengths: list[int]
-    output_ids: list[int]
     pipeline_steps: int
 
 
@@ -263,13 +251,13 @@ class TargetFeatures:
         from model.stage_format import read_manifest
         from model.stage_model import load_stage
         world = len(read_manifest(stage_root)["split"])
-        self.stages = [load_stage(stage_root, r, world, dtype) for r in range(world)]
+        self.stages = [load_stage(stage_root, r, world, dtype) for r in range(1, world)]   # layer stages
         self.dtype = dtype
 
     @torch.no_grad()
     def __call__(self, ids: list[int]) -> torch.Tensor:
         x = torch.tensor([ids])
-        for m in self.stages[1:]:
+        for m in self.stages:
             cache = m.block.new_cache(len(ids), self.dtype, "cpu") if m.block is not None else None
             pos, mask = (cache.context_inputs(len(ids), self.dtype) if cache is not None else
                          (torch.arange(len(ids))[None], None))
@@ -318,8 +306,7 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
                 if res.output_ids != output:
                     raise AssertionError(f"replay of question {row.get('question_id')} diverged from its "
                                          "recorded output")
-                session.gens.append(Replayed(row, mode, stages, res.accept_lengths, res.output_ids,
-                                             res.pipeline_steps))
+                session.gens.append(Replayed(row, mode, stages, res.accept_lengths, res.pipeline_steps))
                 if progress is not None:
                     progress.update(1)
         finally:
@@ -338,8 +325,7 @@ def _record_drafter(drafter, log: OpLog) -> None:
     orig_lp = drafter.logprobs
 
     def logprobs(hidden):
-        rows = 1 if hidden.dim() == 1 else int(hidden.reshape(-1, hidden.shape[-1]).shape[0])
-        with holder[0].modeled("lm_head", rows):
+        with holder[0].modeled("lm_head", hidden_rows(hidden)):
             return orig_lp(hidden)
     drafter.logprobs = logprobs
     head = getattr(drafter, "head", None)
@@ -366,7 +352,6 @@ class TimingConfig:
     msg_overhead_s: float = 0.0         # transport cost per received message or broadcast (every rank)
     model_rank0: bool = True
     real_hidden_bytes: float = 0.0      # bytes per hidden row of the real model (profiles that count payloads)
-    host_scale: float = 1.0             # measured host work x this (e.g. a slower rank-0 CPU)
     op_overhead_s: float = 0.0          # added to every modeled op (e.g. the testbed's padding overhead)
 
 
@@ -421,7 +406,7 @@ def simulate_timing(logs: list[list[tuple]], tc: TimingConfig,
                     t = max(t, issued[k]) + tc.msg_overhead_s
                     bread[r] += 1
                 elif kind == "host":
-                    t += op[1] * tc.host_scale
+                    t += op[1]
                 elif kind == "compute":
                     t += prof.stage_model(r).time(op[1], op[2]) * tc.stage_cost_scale * s + tc.op_overhead_s
                 elif kind == "lm_head":
@@ -496,6 +481,7 @@ def stage_utilization(tl, windows: list[tuple[float, float]]) -> list[list[float
 
 
 def decode_windows(marks: list[tuple[str, float]]) -> list[tuple[float, float]]:
+    """Each generation's decode window ``(decode_begin, gen_end)`` on rank 0's clock."""
     out, begin = [], None
     for name, t in marks:
         if name == "decode_begin":
@@ -508,14 +494,7 @@ def decode_windows(marks: list[tuple[str, float]]) -> list[tuple[float, float]]:
 
 def decode_times(marks: list[tuple[str, float]]) -> list[float]:
     """Decode seconds of each generation: from its ``decode_begin`` mark to its ``gen_end`` mark."""
-    out, begin = [], None
-    for name, t in marks:
-        if name == "decode_begin":
-            begin = t
-        elif name == "gen_end" and begin is not None:
-            out.append(t - begin)
-            begin = None
-    return out
+    return [hi - lo for lo, hi in decode_windows(marks)]
 
 
 # -- CLI ------------------------------------------------------------------------------------------------
@@ -581,15 +560,18 @@ def load_rows(paths: list[str], temperature: str, limit: int) -> list[dict]:
     rows = []
     for path in paths:
         got = []
-        for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines()):
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        for i, line in enumerate(lines):
             if not line.strip():
                 continue
             try:
                 r = json.loads(line)
             except json.JSONDecodeError:
-                continue            # a torn last line of an interrupted sweep
+                if i == len(lines) - 1:
+                    continue        # a torn last line of an interrupted sweep
+                raise ValueError(f"{path}:{i + 1} is not a JSON line") from None
             if "prompt_ids" not in r or "output_ids" not in r:
-                raise SystemExit(f"error: {path}:{i + 1} has no prompt_ids/output_ids (not a pipeline row)")
+                raise ValueError(f"{path}:{i + 1} has no prompt_ids/output_ids (not a pipeline row)")
             if temperature != "all" and float(r.get("temperature", 0)) != float(temperature):
                 continue
             got.append(r)
@@ -603,7 +585,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         return _main(args)
-    except (EmulationError, FileNotFoundError, ValueError) as e:
+    except (EmulationError, OSError, UnicodeDecodeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -655,8 +637,9 @@ def _main(args) -> int:
 
     def timing(n: int, prof: Profile, overhead: float) -> TimingConfig:
         scale = (recorded_world - 1) / n if args.stage_cost_scale == "auto" else float(args.stage_cost_scale)
-        return TimingConfig(prof, args.time_scale, scale, args.msg_overhead_s + overhead, not args.no_model_rank0,
-                            real_hidden_bytes, op_overhead_s=args.op_overhead_s + overhead)
+        return TimingConfig(prof, time_scale=args.time_scale, stage_cost_scale=scale,
+                            msg_overhead_s=args.msg_overhead_s + overhead, model_rank0=not args.no_model_rank0,
+                            real_hidden_bytes=real_hidden_bytes, op_overhead_s=args.op_overhead_s + overhead)
 
     overhead = 0.0
     if args.calibrate:
@@ -745,7 +728,7 @@ def calibrate(sessions: list, mode: str, profile: Profile, make_tc, args) -> flo
 def _prediction(g: Replayed, t: float, prof: Profile, bw, args, stage_scale: float, overhead: float = 0.0) -> dict:
     row = g.row
     same_run = _same_run(g, prof, bw, args)
-    n = len(g.output_ids)
+    n = len(g.row["output_ids"])
     tau = sum(g.accept_lengths) / max(1, len(g.accept_lengths))
     out = {"question_id": row.get("question_id"), "turn": row.get("turn", 0), "dataset": row.get("dataset"),
            "temperature": row.get("temperature", 0.0), "mode": g.mode, "stages": g.stages, "profile": prof.name,

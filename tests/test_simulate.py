@@ -84,8 +84,8 @@ def test_replay_equals_real_runs_on_other_stage_counts(tmp_path):
     prompt = chat_prompt_ids(tok, ["List three uses of copper."], [])
     stages_3 = Path(split_checkpoint(DEFAULT_ROOT, tmp_path / "s3", [0, 15, 15], progress=False))
     over = ["max_new_tokens=20", "dtype=float32"]
-    real = {4: run_threaded(STAGES_5, [prompt], MODES, over, set(), f"head:{HEAD}", torch.float32),
-            2: run_threaded(stages_3, [prompt], MODES, over, set(), f"head:{HEAD}", torch.float32)}
+    real = {4: run_threaded(STAGES_5, [prompt], MODES, over, set(), str(HEAD), torch.float32),
+            2: run_threaded(stages_3, [prompt], MODES, over, set(), str(HEAD), torch.float32)}
     output = real[4]["naive"][0].output_ids
     row = {"prompt_ids": prompt, "output_ids": output, "mode": "naive", "world_size": 5}
 

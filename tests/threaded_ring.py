@@ -11,12 +11,11 @@ from pathlib import Path
 import torch
 
 from config.run_config import DEFAULT, apply_overrides
-from draft.drafter import Drafter
-from draft.eagle import init_untrained_head
 from model.stage_model import load_stage
 from pipeline.engine import Engine, timed_generation
 from pipeline.local_ring import LocalComm, LocalRing, stage_threads
 from pipeline.modes import DECODERS
+from pipeline.run import make_drafter
 from pipeline.verify import Sampler
 from pipeline.worker import StageWorker
 
@@ -25,7 +24,8 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
                  stop_ids: set[int], drafter: str | None = None, dtype=torch.float64) -> dict[str, list]:
     """Generate every prompt in every mode; returns ``{mode: [GenResult, ...]}``.
 
-    ``drafter``: None (untrained EAGLE head), ``oracle:<dir>``, ``adversary:<dir>`` or ``head:<EAGLE head dir>``.
+    ``drafter``: a ``model.head_dir`` value, chosen exactly as ``pipeline.run`` does (an EAGLE head directory,
+    ``oracle:<dir>``, ``adversary:<dir>``); None = the untrained head.
     """
     from model.stage_format import read_manifest
     world = len(read_manifest(stage_root)["split"])
@@ -37,18 +37,9 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
         StageWorker(models[r], LocalComm(ring, r), cfg.model.max_seq_len, dtype, "cpu").run()
 
     comm0 = LocalComm(ring, 0)
-    if drafter is None:
-        head = init_untrained_head(models[0].config).to(dtype).eval()
-        head.embed_tokens.weight.data.copy_(models[0].embed_tokens.weight.data)
-        d = Drafter(head, models[0].lm_head, cfg.model.max_seq_len + 64)
-    elif drafter.startswith("head:"):
-        from draft.eagle import load_eagle_head
-        head = load_eagle_head(drafter[5:], models[0].config, models[0].embed_tokens.weight.data, dtype)
-        d = Drafter(head, models[0].lm_head, cfg.model.max_seq_len + 64)
-    else:
-        from draft.oracle import OracleDrafter
-        kind, path = drafter.split(":", 1)
-        d = OracleDrafter(path, adversarial=(kind == "adversary"), dtype=dtype)
+    if drafter is not None:
+        cfg.model.head_dir = drafter
+    d = make_drafter(cfg, stage_root, models[0], dtype, "cpu")
     sampler = Sampler(cfg.gen.temperature, cfg.gen.top_p, cfg.gen.top_k_sampling, torch.Generator())
     engine = Engine(models[0], comm0, d, sampler, stop_ids, cfg)
     results: dict[str, list] = {}
