@@ -39,13 +39,22 @@ class GenResult:
 
 
 class OutputBuffer:
-    """Committed new tokens; stops exactly like HF generate (stop token included, max_new_tokens)."""
+    """Committed new tokens; stops exactly like HF generate (stop token included, max_new_tokens).
 
-    def __init__(self, stop_ids: set[int], max_new_tokens: int) -> None:
+    Serving hooks (both optional, both used only inside :meth:`extend`): ``on_commit(tokens)`` is called
+    with the tokens each ``extend`` took; ``cancel`` (anything with ``is_set()``, e.g. a
+    ``threading.Event`` set by another thread) ends the generation at the next commit by setting
+    ``finished``, so every mode leaves through its normal round-ending path and the stages stay consistent.
+    """
+
+    def __init__(self, stop_ids: set[int], max_new_tokens: int, on_commit=None, cancel=None) -> None:
         self.ids: list[int] = []
         self.stop_ids = stop_ids
         self.max_new = max_new_tokens
         self.finished = False
+        self.on_commit = on_commit
+        self.cancel = cancel
+        self.cancelled = False
 
     def extend(self, tokens: list[int]) -> int:
         """Append until a stop condition; returns how many tokens were taken."""
@@ -57,6 +66,10 @@ class OutputBuffer:
             taken += 1
             if int(t) in self.stop_ids or len(self.ids) >= self.max_new:
                 self.finished = True
+        if taken and self.on_commit is not None:
+            self.on_commit(self.ids[-taken:])
+        if self.cancel is not None and self.cancel.is_set() and not self.finished:
+            self.finished = self.cancelled = True
         return taken
 
 
@@ -71,6 +84,8 @@ class Engine:
         self.dtype = next(model.parameters()).dtype
         self.emu = getattr(comm, "emu", None)   # pipeline.emulation.Emulator when emu.profile is set
         self.last_emu: dict = {}
+        self.on_commit = None  # serving (pipeline/serve.py): per-generation OutputBuffer hooks
+        self.cancel = None
         if self.emu is not None:
             self.emu.install_rank0(self)
 
@@ -133,7 +148,7 @@ def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn) -> GenRes
     prefill_emu = engine.collect_emu()  # emulation only: split prefill from decode fidelity (untimed)
     t1b = time.perf_counter()
     engine.tracer.mark("decode_begin")
-    out = OutputBuffer(engine.stop_ids, engine.cfg.gen.max_new_tokens)
+    out = OutputBuffer(engine.stop_ids, engine.cfg.gen.max_new_tokens, engine.on_commit, engine.cancel)
     engine.sampler.generator.manual_seed(engine.cfg.gen.seed)
     rounds, accepts, steps = decode_fn(engine, logits, features, prompt_ids, out)
     t2 = time.perf_counter()
