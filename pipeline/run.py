@@ -59,11 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_intermixed_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run this rank; returns its exit code (or leaves with ``os._exit`` once the process group exists)."""
+def main(argv: list[str] | None = None, rank0=None) -> int:
+    """Run this rank; returns its exit code (or leaves with ``os._exit`` once the process group exists).
+    ``rank0`` replaces :func:`run_rank0` (same arguments; ``pipeline.serve`` passes its serving loop)."""
     rank = os.environ.get("RANK", "0")
     try:
-        return _main(argv)
+        return _main(argv, rank0)
     except SystemExit:
         raise
     except BaseException as e:  # every failure: one line, peers told, non-zero exit
@@ -102,7 +103,7 @@ def _is_user_error(e: BaseException) -> bool:
     return any(c.__name__ in USER_ERRORS for c in type(e).__mro__)
 
 
-def _main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None = None, rank0=None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -168,7 +169,7 @@ def _main(argv: list[str] | None = None) -> int:
         raise SetupError(f"cannot load stage {rank} from {stage_dir(stage_root, rank)}: "
                          f"{type(e).__name__}: {first}") from None
     if rank == 0:
-        code = run_rank0(args, cfg, modes, comm, model, stage_root, dtype, device)
+        code = (rank0 or run_rank0)(args, cfg, modes, comm, model, stage_root, dtype, device)
     else:
         from pipeline.worker import StageWorker
         StageWorker(model, comm, cfg.model.max_seq_len, dtype, device).run()
