@@ -20,6 +20,7 @@ for a in "$@"; do
   case "$a" in
     model.stage_dir=*|stage_dir=*) stage_dir="${a#*=}" ;;
     -h|--help) exec "$PY" -m pipeline.run --help ;;
+    --print-config) exec "$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)" -m pipeline.run "$@" ;;
   esac
 done
 if [[ -z "$stage_dir" ]]; then

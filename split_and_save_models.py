@@ -283,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description="Split a Hugging Face LLaMA-family checkpoint (llama, mistral, qwen2) into FlowSpec pipeline "
                     "stages: stage 0 is the draft stage (embedding + lm_head, no layers), stages 1.. hold the "
-                    "decoder layers.")
+                    "decoder layers.",
+        epilog="Example: python split_and_save_models.py --model default --split 0+8+8+7+7 "
+               "--out checkpoints/SmolLM2-135M-Instruct/stages_0+8+8+7+7")
     ap.add_argument("--model", required=True,
                     help="HF checkpoint directory (safetensors or .bin, single or sharded), or 'default' for the "
                          "embedded SmolLM2-135M-Instruct (converted on first use)")

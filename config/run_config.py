@@ -1,8 +1,16 @@
 """Run configuration: edit the defaults below, or override any field on the command line.
 
 Overrides are ``key=value`` words, e.g. ``mode=continuous max_new_tokens=64 tree.init_depth=5``.
-A key is ``section.field`` or a bare ``field`` when the name is unique across sections. Unknown keys and
-bad values fail with one message listing the valid choices.
+A key is ``section.field`` or a bare ``field`` when the name is unique across sections; a bare name that
+two sections share (``top_k``: ``tree.top_k`` the draft tree's beam width, ``gen.top_k`` sampling top-k) is an
+error naming both. An unknown key fails with a did-you-mean suggestion; a bad value names the expected type.
+``python -m pipeline.run --print-config [overrides]`` prints the effective configuration.
+
+HF ``generate`` names: ``do_sample=false`` forces ``temperature=0`` (``do_sample=true`` with temperature 0 is
+an error: give a temperature); ``gen.top_k``/``top_p``/``temperature``/``max_new_tokens`` mean what they
+mean there; ``top_k_sampling`` is a deprecated alias of ``gen.top_k``. ``repetition_penalty`` and stop
+strings (``stop``) are not implemented and fail with one clear line (they would change the target
+distribution that every mode's lossless verification reproduces, so they need work in every mode).
 
 Tree parameters follow the FlowSpec paper's code (``init_*`` for a round's first tree, ``expand_*`` for
 dynamic expansion). ``total_token`` counts the root, as in EAGLE (60 = 59 drafted tokens + root).
@@ -60,10 +68,19 @@ class GenerationConfig:
     max_new_tokens: int = 128
     temperature: float = 0.0     # 0 = greedy
     top_p: float = 1.0
-    top_k_sampling: int = 0      # 0 = off
+    top_k: int = 0               # sampling top-k, 0 = off (``top_k_sampling`` is a deprecated alias)
     seed: int = 0
     prefill_chunk: int = 64      # prompt tokens per prefill message (chunked, pipelined prefill)
     system_prompt: str = ""
+
+    @property
+    def top_k_sampling(self) -> int:
+        """Deprecated name of ``top_k`` (sampling top-k), kept for old code and command lines."""
+        return self.top_k
+
+    @top_k_sampling.setter
+    def top_k_sampling(self, value: int) -> None:
+        self.top_k = value
 
 
 @dataclass
@@ -131,8 +148,22 @@ class RunConfig:
         return self
 
 
+ALIASES = {"top_k_sampling": "gen.top_k", "gen.top_k_sampling": "gen.top_k"}   # deprecated names
+# HF generate() names with no counterpart here: one clear error instead of "unknown key"
+UNSUPPORTED = {
+    "repetition_penalty": "repetition_penalty is not implemented: it changes the target distribution, which "
+                          "every speculative mode's verification reproduces exactly; leave it out",
+    "stop": "stop strings (gen.stop) are not implemented (the output stops at the model's stop tokens and "
+            "max_new_tokens); cut the text after generation",
+    "num_beams": "num_beams (beam search) is not implemented; this decoder is greedy (temperature=0) or samples",
+}
+# keys handled by apply_overrides itself rather than a dataclass field
+SPECIAL = ("do_sample", "gen.do_sample")
+
+
 def _keys(cfg: RunConfig) -> dict[str, tuple[str, str]]:
-    """Every accepted key -> (section, field)."""
+    """Every accepted key -> (section, field): ``section.field`` always, a bare ``field`` only when exactly
+    one section has it (see :func:`ambiguous_keys`), and the deprecated :data:`ALIASES`."""
     out, seen = {}, {}
     for sec in fields(cfg):
         for f in fields(getattr(cfg, sec.name)):
@@ -141,10 +172,43 @@ def _keys(cfg: RunConfig) -> dict[str, tuple[str, str]]:
     for name, secs in seen.items():
         if len(secs) == 1:
             out[name] = (secs[0], name)
+    for alias, target in ALIASES.items():
+        out[alias] = out[target]
     return out
 
 
+def ambiguous_keys(cfg: RunConfig) -> dict[str, list[str]]:
+    """Bare names that more than one section has -> their qualified keys (``top_k`` -> tree.top_k, gen.top_k)."""
+    seen: dict[str, list[str]] = {}
+    for sec in fields(cfg):
+        for f in fields(getattr(cfg, sec.name)):
+            seen.setdefault(f.name, []).append(f"{sec.name}.{f.name}")
+    return {k: v for k, v in seen.items() if len(v) > 1}
+
+
+def _unknown(key: str, keys: dict) -> ConfigError:
+    """The error for a key nobody has: a did-you-mean (difflib) instead of the list of every key."""
+    import difflib
+    bare = key.split(".", 1)[-1]
+    if bare in UNSUPPORTED:
+        return ConfigError(UNSUPPORTED[bare])
+    candidates = sorted(set(keys) | set(SPECIAL))
+    close = difflib.get_close_matches(key, candidates, n=6, cutoff=0.6)
+    if not close and "." in key:
+        close = difflib.get_close_matches(bare, candidates, n=6, cutoff=0.6)
+    picked, targets = [], set()
+    for c in close:  # one suggestion per field (``max_new_tokens`` and ``gen.max_new_tokens`` are one key)
+        target = keys.get(c, c)
+        if target not in targets:
+            targets.add(target)
+            picked.append(c)
+    close = picked[:3]
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    return ConfigError(f"unknown config key {key!r}{hint} (python -m pipeline.run --print-config lists every key)")
+
+
 def _convert(raw: str, current):
+    """``raw`` (command-line text) as the type of ``current``; ValueError when it does not parse."""
     if isinstance(current, bool):
         low = raw.lower()
         if low in ("1", "true", "yes", "on"):
@@ -160,14 +224,26 @@ def _convert(raw: str, current):
 
 
 def apply_overrides(cfg: RunConfig, overrides: list[str] | dict) -> RunConfig:
-    """Return a copy of ``cfg`` with ``key=value`` overrides applied and validated."""
+    """Return a copy of ``cfg`` with ``key=value`` overrides applied and validated (``cfg`` is unchanged).
+
+    Later words win over earlier ones; ``do_sample`` is applied after all the others, so its place on the
+    command line does not matter."""
     cfg = dataclasses.replace(cfg, **{s.name: dataclasses.replace(getattr(cfg, s.name)) for s in fields(cfg)})
     keys = _keys(cfg)
+    ambiguous = ambiguous_keys(cfg)
     items = overrides.items() if isinstance(overrides, dict) else [_split(o) for o in overrides]
+    do_sample = None
     for key, raw in items:
+        if key in SPECIAL:
+            try:
+                do_sample = raw if isinstance(raw, bool) else _convert(str(raw), True)
+            except ValueError:
+                raise ConfigError(f"bad value {raw!r} for {key} (expected true/false)") from None
+            continue
+        if key in ambiguous:
+            raise ConfigError(f"config key {key!r} is ambiguous: write {' or '.join(ambiguous[key])}")
         if key not in keys:
-            valid = sorted(k for k in keys if "." in k)
-            raise ConfigError(f"unknown config key {key!r}; valid keys: {', '.join(valid)}")
+            raise _unknown(key, keys)
         sec, name = keys[key]
         section = getattr(cfg, sec)
         current = getattr(section, name)
@@ -176,6 +252,10 @@ def apply_overrides(cfg: RunConfig, overrides: list[str] | dict) -> RunConfig:
         except ValueError:
             raise ConfigError(f"bad value {raw!r} for {key} (expected {type(current).__name__})") from None
         setattr(section, name, value)
+    if do_sample is False:
+        cfg.gen.temperature = 0.0
+    elif do_sample is True and cfg.gen.temperature == 0:
+        raise ConfigError("do_sample=true needs a temperature > 0 (temperature=0 is greedy decoding)")
     return cfg.validate()
 
 
@@ -184,6 +264,20 @@ def _split(word: str) -> tuple[str, str]:
         raise ConfigError(f"override {word!r} must look like key=value")
     k, v = word.split("=", 1)
     return k.strip(), v
+
+
+def format_config(cfg: RunConfig, base: RunConfig | None = None) -> str:
+    """``section.key = value`` lines of every field, ``# default: X`` after the ones that differ from
+    ``base`` (default: a fresh :class:`RunConfig`)."""
+    base = base if base is not None else RunConfig()
+    lines = []
+    for sec in fields(cfg):
+        cur, ref = getattr(cfg, sec.name), getattr(base, sec.name)
+        for f in fields(cur):
+            v, d = getattr(cur, f.name), getattr(ref, f.name)
+            mark = f"   # default: {d!r}" if v != d else ""
+            lines.append(f"{sec.name}.{f.name} = {v!r}{mark}")
+    return "\n".join(lines)
 
 
 def to_dict(cfg: RunConfig) -> dict:

@@ -40,7 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "DIR/<dataset>/question.jsonl, FastChat question format. Nothing is downloaded.",
         epilog="Public sources of the six sets (EAGLE's and FlowSpec's repositories ship 80-record "
                "question.jsonl files built from them): " + "; ".join(SOURCES.values()) + ". Downloading "
-               "them is not implemented: fetch the files yourself and pass their folder with --from.",
+               "them is not implemented: fetch the files yourself and pass their folder with --from.\n\n"
+               "Example: python -m data.prepare --from /path/to/eagle_data --datasets mt_bench,gsm8k",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--from", dest="src", help="directory holding <dataset>/question.jsonl")
     p.add_argument("--out", default=str(HERE), help="destination (default: the repo's data/)")

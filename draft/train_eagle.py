@@ -1191,7 +1191,9 @@ def cmd_train(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m draft.train_eagle", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="Example: python -m draft.train_eagle data --self-prompts 2000 --out "
+                                        "outputs/eagle_data && python -m draft.train_eagle train --help")
     sub = ap.add_subparsers(dest="cmd", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--target", default=None,

@@ -48,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "(naive) and τ as Markdown, CSV and plots. At T=0 every mode's output must equal ar's.",
         epilog="Extra key=value words are config overrides passed to every pipeline run (see "
                "config/run_config.py), e.g. tree.init_depth=5. Prepare the datasets with "
-               "`python -m data.prepare --from DIR` (DIR/<dataset>/question.jsonl).",
+               "`python -m data.prepare --from DIR` (DIR/<dataset>/question.jsonl). Example: ./run_eval.sh "
+               "--datasets mt_bench,gsm8k --modes ar,naive,continuous --temperatures 0 --begin 30 --end 33",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("overrides", nargs="*", help="config overrides key=value for pipeline.run")
     p.add_argument("--datasets", default=",".join(DATASETS), help="comma-separated dataset folders")
@@ -470,6 +471,15 @@ def _main(args, log) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows_path = out_dir / "rows.jsonl"
     data_dir = Path(args.data_dir)
+    # datasets before meta.json: a start that fails on a missing dataset must leave no meta.json behind,
+    # or the corrected rerun into the same folder would be refused as "another configuration"
+    records = {ds: load_dataset(data_dir, ds, args.begin, args.end) for ds in datasets}
+    if not args.summarize_only:  # likewise a typo in an override
+        from config.run_config import DEFAULT, ConfigError, apply_overrides
+        try:
+            apply_overrides(DEFAULT, list(args.overrides))
+        except ConfigError as e:
+            raise EvalError(str(e)) from None
 
     stage_dir = str(Path(args.stage_dir).resolve()) if args.stage_dir else ""
     world = args.world
@@ -503,7 +513,6 @@ def _main(args, log) -> int:
         meta_path.write_text(json.dumps(meta, indent=1))
     meta.update(begin=args.begin, end=args.end, first_turn_only=args.first_turn_only)
 
-    records = {ds: load_dataset(data_dir, ds, args.begin, args.end) for ds in datasets}
     rows = load_rows(rows_path, log=log)
     done = {_key(r) for r in rows}
     failures = []

@@ -38,7 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="Run the pipeline with full-precision and bitsandbytes-quantized stages on the same prompts "
                     "and report greedy agreement with full precision, τ, tokens/s and weight memory per stage.",
         epilog="Extra key=value words are config overrides for every run (see config/run_config.py), e.g. "
-               "mode=naive max_new_tokens=64 model.stage_dir=DIR.",
+               "mode=naive max_new_tokens=64 model.stage_dir=DIR. Example: python -m pipeline.quant_report "
+               "--prompts-file data/mt_bench/question.jsonl -n 5 --quants none,int8 max_new_tokens=64",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("overrides", nargs="*", help="config overrides key=value for pipeline.run")
     p.add_argument("--prompts-file", required=True, help="FastChat question.jsonl (first turns are asked)")

@@ -40,9 +40,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m pipeline.run",
         description="Distributed (pipeline-parallel) speculative decoding. Launch one process per rank "
                     "with torchrun; rank 0 drafts and verifies, ranks 1..N hold the decoder layers.",
-        epilog="Config overrides are key=value words (see config/run_config.py), e.g. mode=continuous "
-               "max_new_tokens=64 tree.init_depth=5.")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Config overrides are key=value words (config/run_config.py): section.key, or a bare key\n"
+               "when only one section has it (top_k is ambiguous: tree.top_k = draft beam width, gen.top_k =\n"
+               "sampling top-k). HF names: do_sample=false, gen.top_k, top_p, temperature, max_new_tokens.\n\n"
+               "Examples:\n"
+               "  python -m pipeline.run --print-config mode=continuous tree.init_depth=5\n"
+               "  torchrun --standalone --nproc_per_node=5 -m pipeline.run mode=continuous max_new_tokens=64 \\\n"
+               "      --prompt 'Write a haiku about rivers.' --output rows.jsonl --answer-file answers.jsonl")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the effective configuration (section.key = value, non-defaults marked) and exit; "
+                        "needs no torchrun")
     p.add_argument("--prompt", action="append", default=[], help="a user prompt (repeatable)")
     p.add_argument("--prompt-ids", action="append", default=[],
                    help="a raw prompt as comma-separated token ids (repeatable; no chat template)")
@@ -51,11 +60,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--end", type=int, default=None, help="end record (exclusive)")
     p.add_argument("--first-turn-only", action="store_true", help="ask only the first turn of each record")
     p.add_argument("--modes", default=None, help="comma-separated modes to run in turn (default: config mode)")
-    p.add_argument("--output", help="append one JSON line per generation to this file")
-    p.add_argument("--template", default="auto", help="auto (tokenizer's own, else vicuna) | raw | fschat name")
+    p.add_argument("--output", help="one JSON line per generation, with provenance; an existing file of the "
+                                    "same configuration is resumed (done (question, turn, mode) skipped), one "
+                                    "of another configuration refused")
+    p.add_argument("--answer-file", help="FastChat llm_judge / EAGLE answer file: one line per question "
+                                         "(question_id, answer_id, model_id, choices[{index, turns}], tstamp); "
+                                         "with several --modes put {mode} in the path")
+    p.add_argument("--model-id", help="model_id of --answer-file lines (default: <model>-<mode>)")
+    p.add_argument("--template", default="auto", help="auto (tokenizer's own, else vicuna) | raw | fschat name "
+                                                      "(default: auto)")
     p.add_argument("--quiet", action="store_true", help="print only the summary lines")
     p.add_argument("--warmup", type=int, default=0,
-                   help="untimed, unrecorded warm-up generations per mode (first prompt, <= 32 new tokens)")
+                   help="untimed, unrecorded warm-up generations per mode (first prompt, <= 32 new tokens; "
+                        "default: 0)")
     return p.parse_intermixed_args(argv)
 
 
@@ -123,6 +140,16 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
                 raise ConfigError(f"unknown mode {m!r}; choose one of {', '.join(MODES)}")
     except ConfigError as e:
         return fail(str(e))
+    if args.print_config:  # standalone (no torchrun, no torch): the configuration every rank would use
+        if rank == 0:
+            from config.run_config import format_config
+            print(f"# effective configuration ('# default: X' marks overrides); modes: {','.join(modes)}")
+            print(format_config(cfg))
+            if not cfg.model.stage_dir:
+                print(f"# model.stage_dir '' = {DEFAULT_STAGE_DIR}")
+        return 0
+    if args.answer_file and len(modes) > 1 and "{mode}" not in args.answer_file:
+        return fail("--answer-file with several --modes needs {mode} in its path (one answer file per mode)")
     if world < 2:
         return fail("needs at least 2 ranks (rank 0 drafts, ranks 1..N hold layers); launch with torchrun "
                     "--nproc_per_node=<stages>")
@@ -136,7 +163,7 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
     from model.stage_format import StageDirError, check_world, stage_dir
     stage_root = Path(cfg.model.stage_dir or DEFAULT_STAGE_DIR)
     try:
-        check_world(stage_root, world)  # before importing torch: a wrong root or world fails at once
+        manifest = check_world(stage_root, world)  # before importing torch: a wrong root or world fails at once
     except StageDirError as e:
         return fail(str(e))
 
@@ -159,6 +186,7 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
     from pipeline.emulation import install as install_emulation
     install_emulation(comm, cfg, device)  # emulated edge testbed when emu.profile is set (else a no-op)
     # from here on every error goes through main()'s _fail: one line, peers told, os._exit
+    print(loading_line(rank, manifest, stage_root), file=sys.stderr, flush=True)
     try:
         model = load_stage(stage_root, rank, world, dtype, device, cfg.model.verify_checksums,
                            cfg.model.quant if rank > 0 else "none")
@@ -181,6 +209,25 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
 
 class SetupError(RuntimeError):
     pass
+
+
+def loading_line(rank: int, manifest: dict, stage_root: Path) -> str:
+    """The one line a rank prints (to stderr) before loading its stage; nothing else follows on success."""
+    split = manifest.get("split", [])
+    start = sum(split[:rank])
+    what = "embeddings + lm_head + draft head" if rank == 0 else f"layers {start}-{start + split[rank] - 1}"
+    size = sum(int(v.get("bytes", 0)) for k, v in manifest.get("files", {}).items()
+               if k.startswith(f"stage_model_{rank}/"))
+    return f"[rank {rank}] loading stage {rank} ({what}, {size / 1e6:.0f} MB) ..."
+
+
+def _head_choice(cfg, stage_root: Path) -> Path | None:
+    """The head folder ``make_drafter`` loads (None = untrained head); for provenance only."""
+    if cfg.model.head_dir:
+        return Path(cfg.model.head_dir)
+    if stage_root.resolve() == DEFAULT_STAGE_DIR.resolve() and DEFAULT_HEAD_DIR.is_dir():
+        return DEFAULT_HEAD_DIR
+    return None
 
 
 def make_drafter(cfg, stage_root: Path, model, dtype, device: str):
@@ -256,10 +303,25 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
         eos = gen_cfg.get("eos_token_id", getattr(model.config, "eos_token_id", None))
         stop_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
-    drafter = make_drafter(cfg, stage_root, model, dtype, device) if any(m != "ar" for m in modes) else None
+    from pipeline.outputs import AnswerFile, OutputFileError, head_identity, provenance, resume_rows
+    needs_head = any(m != "ar" for m in modes)
+    prov = provenance(cfg, stage_root, head_identity(cfg.model.head_dir, _head_choice(cfg, stage_root), needs_head),
+                      args.template, comm.world)
+    try:  # an --output of another configuration is refused before the draft head loads
+        done = resume_rows(Path(args.output), prov) if args.output else {}
+        answer_files = {m: AnswerFile(args.answer_file.replace("{mode}", m),
+                                      args.model_id or f"{_model_name(stage_root)}-{m}")
+                        for m in modes} if args.answer_file else {}
+    except OutputFileError as e:
+        raise SetupError(str(e)) from None
+    if done:
+        print(f"[rank 0] resuming {args.output}: {len(done)} generation(s) already there are skipped",
+              file=sys.stderr, flush=True)
+
+    drafter = make_drafter(cfg, stage_root, model, dtype, device) if needs_head else None
 
     gen = torch.Generator(device="cpu")
-    sampler = Sampler(cfg.gen.temperature, cfg.gen.top_p, cfg.gen.top_k_sampling, gen)
+    sampler = Sampler(cfg.gen.temperature, cfg.gen.top_p, cfg.gen.top_k, gen)
     engine = Engine(model, comm, drafter, sampler, stop_ids, cfg)
 
 
@@ -302,6 +364,10 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
             for rec in records:
                 answers: list[str] = []
                 for ti, _ in enumerate(rec["turns"][:turns_limit]):
+                    old = done.get((rec.get("question_id"), ti, mode))
+                    if old is not None:  # resumed: this turn's answer is fed back as when it was generated
+                        answers.append(str(old.get("text", "")).strip())
+                        continue
                     ids = prompt_ids(rec["turns"][:ti + 1], answers)
                     check_len(ids, rec.get("question_id"))
                     res = timed_generation(engine, ids, decode)
@@ -317,15 +383,27 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
                            "tokens_per_s": round(res.new_tokens / res.decode_s, 3) if res.decode_s else None,
                            "busy_fraction": [round(b, 4) for b in res.busy_fraction], "world_size": comm.world}
                     row.update(res.emu)  # emu_* fidelity fields when the emulated testbed is on
+                    row.update(prov)
                     if out_f:
                         out_f.write(json.dumps(row) + "\n")
                         out_f.flush()
                     print_result(row, str(rec["turns"][ti]), args.quiet)
+                if mode in answer_files and tokenizer is not None:
+                    answer_files[mode].add(rec.get("question_id"), answers)
     finally:
         if out_f:
             out_f.close()
     engine.shutdown()
     return 0
+
+
+def _model_name(stage_root: Path) -> str:
+    """The split's source model folder name (``SmolLM2-135M-Instruct``), for answer-file model ids."""
+    try:
+        src = json.loads((Path(stage_root) / "manifest.json").read_text()).get("source") or ""
+    except (OSError, ValueError):
+        src = ""
+    return Path(src).name or Path(stage_root).resolve().name
 
 
 def print_result(row: dict, prompt: str, quiet: bool) -> None:

@@ -1,0 +1,137 @@
+"""The command line: config keys (ambiguity, did-you-mean, HF names, deprecated alias), --print-config without
+torch, an ``Example`` in every entry point's --help, and run_eval.sh's rerun after a failed start."""
+import io
+import json
+import subprocess
+import sys
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from config.run_config import DEFAULT, ConfigError, apply_overrides, format_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _err(words) -> str:
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(DEFAULT, words)
+    return str(e.value)
+
+
+def test_bare_key_of_two_sections_is_an_error_naming_both():
+    msg = _err(["top_k=5"])
+    assert "ambiguous" in msg and "tree.top_k" in msg and "gen.top_k" in msg
+    cfg = apply_overrides(DEFAULT, ["tree.top_k=7", "gen.top_k=5"])
+    assert (cfg.tree.top_k, cfg.gen.top_k) == (7, 5)
+    assert DEFAULT.tree.top_k == 10 and DEFAULT.gen.top_k == 0  # the default is untouched
+
+
+def test_deprecated_top_k_sampling_alias_still_sets_sampling_top_k():
+    for key in ("top_k_sampling", "gen.top_k_sampling"):
+        cfg = apply_overrides(DEFAULT, [f"{key}=9"])
+        assert cfg.gen.top_k == 9 and cfg.gen.top_k_sampling == 9 and cfg.tree.top_k == DEFAULT.tree.top_k
+
+
+def test_typos_get_a_did_you_mean_not_a_wall_of_keys():
+    msg = _err(["max_new_token=5"])
+    assert "did you mean max_new_tokens" in msg
+    assert "gen.max_new_tokens" not in msg  # one suggestion per field
+    assert len(msg) < 200 and "tree.expand_subseq_token" not in msg
+    assert "did you mean gen.top_k" in _err(["gen.topk=3"])
+    assert "did you mean temperature" in _err(["temprature=1"])
+    assert "did you mean" not in _err(["zzzzzz=1"])
+    assert "expected int" in _err(["max_new_tokens=many"])
+
+
+def test_hf_sampling_names():
+    cfg = apply_overrides(DEFAULT, ["temperature=0.8", "do_sample=false"])  # place does not matter
+    assert cfg.gen.temperature == 0.0
+    cfg = apply_overrides(DEFAULT, ["do_sample=true", "temperature=0.7", "gen.top_k=40", "top_p=0.9"])
+    assert (cfg.gen.temperature, cfg.gen.top_k, cfg.gen.top_p) == (0.7, 40, 0.9)
+    assert "temperature" in _err(["do_sample=true"])
+    assert "true/false" in _err(["do_sample=maybe"])
+    for word in ("repetition_penalty=1.1", "gen.repetition_penalty=1.2"):
+        assert "repetition_penalty is not implemented" in _err([word])
+    assert "stop strings" in _err(["stop=###"]) and "stop strings" in _err(["gen.stop=a,b"])
+
+
+def test_format_config_marks_non_defaults():
+    text = format_config(apply_overrides(DEFAULT, ["mode=continuous", "tree.init_depth=4"]))
+    lines = text.splitlines()
+    assert "gen.mode = 'continuous'   # default: 'naive'" in lines
+    assert "tree.init_depth = 4   # default: 6" in lines
+    assert "gen.top_k = 0" in lines and "tree.top_k = 10" in lines
+    assert sum("# default:" in l for l in lines) == 2
+
+
+def test_print_config_runs_standalone_without_torch():
+    code = ("import sys; from pipeline.run import main; rc = main(['--print-config', 'mode=continuous', "
+            "'gen.top_k=5']); assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "gen.mode = 'continuous'   # default: 'naive'" in res.stdout
+    assert "gen.top_k = 5   # default: 0" in res.stdout
+    res = subprocess.run([sys.executable, "-m", "pipeline.run", "--print-config", "top_k=5"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip().count("\n") == 0 and "tree.top_k" in res.stderr and "gen.top_k" in res.stderr
+
+
+def test_run_pipe_print_config_does_not_launch():
+    res = subprocess.run(["bash", "run_pipe.sh", "--print-config", "mode=pruned"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "gen.mode = 'pruned'" in res.stdout and "[rank" not in res.stderr
+
+
+ENTRY_POINTS = ["pipeline.run", "pipeline.bench", "pipeline.eval", "pipeline.simulate", "pipeline.timeline",
+                "pipeline.profile", "pipeline.quant_report", "split_and_save_models", "draft.train_eagle",
+                "data.prepare"]
+
+
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_every_entry_point_help_has_an_example(module):
+    import importlib
+    mod = importlib.import_module(module)
+    buf = io.StringIO()
+    with redirect_stdout(buf), pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0
+    text = buf.getvalue()
+    assert "Example" in text, f"{module} --help has no example"
+    assert "usage:" in text
+
+
+# -- run_eval.sh: a failed start leaves no meta.json --------------------------------------------------------
+def _eval(tmp_path, data_dir, *extra):
+    from pipeline.eval import main
+    return main(["--datasets", "mt_bench", "--modes", "ar", "--temperatures", "0", "--begin", "0", "--end", "1",
+                 "--first-turn-only", "--profile", "none", "--world", "2", "--stage-dir", str(tmp_path / "stages"),
+                 "--out-dir", str(tmp_path / "out"), "--data-dir", str(data_dir), "--no-plots", "--quiet", *extra])
+
+
+def test_eval_rerun_after_a_failed_start(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    # every generation the corrected command asks for is already there, so it launches nothing
+    row = {"dataset": "mt_bench", "question_id": 7, "turn": 0, "mode": "ar", "temperature": 0.0, "new_tokens": 3,
+           "decode_s": 0.5, "accept_lengths": [1, 1, 1], "prompt_ids": [1, 2], "output_ids": [5, 6, 2], "tau": 1.0}
+    (out / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    assert _eval(tmp_path, tmp_path / "nowhere", "--max-new-tokens", "16") == 2
+    assert "dataset 'mt_bench' is missing" in capsys.readouterr().err
+    assert not (out / "meta.json").exists(), "a failed start wrote meta.json"
+    assert _eval(tmp_path, tmp_path / "nowhere", "--max-new-tokens", "16", "max_new_token=3") == 2
+    assert not (out / "meta.json").exists()
+    data = tmp_path / "data" / "mt_bench"
+    data.mkdir(parents=True)
+    (data / "question.jsonl").write_text(json.dumps({"question_id": 7, "turns": ["hello"]}) + "\n")
+    # the corrected rerun (other data dir, another max_new_tokens) is accepted, not "another configuration"
+    assert _eval(tmp_path, data.parent, "--max-new-tokens", "32") == 0
+    err = capsys.readouterr().err
+    assert "another configuration" not in err and "nothing to run" in err
+    assert json.loads((out / "meta.json").read_text())["max_new_tokens"] == 32
+    # a really different configuration is still refused afterwards
+    assert _eval(tmp_path, data.parent, "--max-new-tokens", "64") == 2
+    assert "another configuration" in capsys.readouterr().err
