@@ -38,7 +38,7 @@ DEFAULT_HEAD_DIR = REPO / "draft" / "heads" / "SmolLM2-135M-Instruct"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m pipeline.run",
-        description="Distributed (pipeline-parallel) speculative decoding. Launch one process per rank "
+        description="Distributed (pipeline-parallel) speculative decoding. Launch one process per rank\n"
                     "with torchrun; rank 0 drafts and verifies, ranks 1..N hold the decoder layers.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Config overrides are key=value words (config/run_config.py): section.key, or a bare key\n"
@@ -141,7 +141,7 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
     except ConfigError as e:
         return fail(str(e))
     if args.print_config:  # standalone (no torchrun, no torch): the configuration every rank would use
-        if rank == 0:
+        if rank == 0 and not globals().get("_check_only"):  # not from pipeline.launch's pre-check
             from config.run_config import format_config
             print(f"# effective configuration ('# default: X' marks overrides); modes: {','.join(modes)}")
             print(format_config(cfg))

@@ -1,6 +1,7 @@
 """Per-rank timeline of a traced run: Gantt chart, utilization table and CSV.
 
 ``python -m pipeline.timeline TRACE_DIR [--out gantt.png] [--start S --end E | --generation K] [--window W]``
+``python -m pipeline.timeline TRACE_DIR --chrome trace.json``   (Chrome / Perfetto trace, see :func:`chrome_trace`)
 
 Reads every ``trace_rank<r>.json`` written by a run with ``comm.trace=true comm.trace_dir=TRACE_DIR``
 (see ``pipeline/trace.py``), puts the ranks on one time axis, and
@@ -307,6 +308,43 @@ def gantt(tl: Timeline, lo: float, hi: float, out: str | Path, title: str = "", 
     return out
 
 
+def chrome_trace(tl: Timeline, lo: float | None = None, hi: float | None = None) -> dict:
+    """The timeline in Chrome's Trace Event Format (loads in Perfetto, chrome://tracing, speedscope):
+    ``{"traceEvents": [...], "displayTimeUnit": "ms"}`` with one complete event (``ph: "X"``) per span,
+    ``pid`` = rank (named ``rank r (...)`` by ``process_name`` metadata events), ``tid`` 0, ``ts``/``dur`` in
+    microseconds on the aligned axis, ``name`` = span name (compute, lm_head, recv, ...), ``cat`` = busy /
+    wait / send / other; rank 0's generation marks are instant events (``ph: "i"``). Only what lies in
+    [lo, hi] is kept (default: everything), clipped to it."""
+    lo0, hi0 = tl.extent
+    lo = lo0 if lo is None else lo
+    hi = hi0 if hi is None else hi
+    us = lambda t: round(1e6 * t, 3)
+    events = []
+    for r, rt in sorted(tl.ranks.items()):
+        label = "draft+verify" if r == 0 else f"stage {r}"
+        events.append({"name": "process_name", "ph": "M", "pid": r, "tid": 0, "args": {"name": f"rank {r} ({label})"}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0, "args": {"sort_index": r}})
+        for kind, iv in rt.spans.items():
+            cat = "busy" if kind in BUSY else "wait" if kind in WAIT else "send" if kind == "send" else "other"
+            for a, b in _clipped(iv, lo, hi):
+                events.append({"name": kind, "cat": cat, "ph": "X", "pid": r, "tid": 0, "ts": us(a),
+                               "dur": us(max(0.0, b - a))})
+        for name, t, meta in rt.marks:
+            if lo <= t <= hi:
+                events.append({"name": name, "cat": "mark", "ph": "i", "s": "p", "pid": r, "tid": 0, "ts": us(t),
+                               "args": {k: v for k, v in meta.items() if isinstance(v, (int, float, str))}})
+    events.sort(key=lambda e: (e.get("ts", -1), e["pid"]))
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"alignment": tl.alignment, "window_s": [lo, hi]}}
+
+
+def write_chrome(tl: Timeline, path: str | Path, lo: float | None = None, hi: float | None = None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chrome_trace(tl, lo, hi)))
+    return path
+
+
 def analyze(trace_dir, out_png=None, out_csv=None, start=None, end=None, generation=None, window=None,
             phase="decode", title="") -> dict:
     """Load, choose the window, compute utilization, write the PNG and CSV (either may be None = skip)."""
@@ -327,7 +365,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="Gantt chart and per-rank utilization of a traced pipeline run (trace_rank*.json files "
                     "written with comm.trace=true comm.trace_dir=DIR). Busy = compute/verify/lm_head/draft/"
                     "expand/prune, wait = recv/broadcast, other = outside any span.",
-        epilog="Example: python -m pipeline.timeline traces --generation 1 --window 1.5 --out gantt.png")
+        epilog="Examples: python -m pipeline.timeline traces --generation 1 --window 1.5 --out gantt.png; "
+               "python -m pipeline.timeline traces --chrome trace.json (open it in https://ui.perfetto.dev)")
     p.add_argument("trace_dir", help="folder holding trace_rank<r>.json of one run")
     p.add_argument("--out", help="Gantt PNG [TRACE_DIR/gantt.png]")
     p.add_argument("--csv", help="utilization CSV [TRACE_DIR/utilization.csv]")
@@ -340,6 +379,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--window", type=float, help="keep only this many seconds centred in the selection")
     p.add_argument("--title", default="", help="chart title")
     p.add_argument("--list", action="store_true", help="list rank 0's generations and exit")
+    p.add_argument("--chrome", help="write a Chrome/Perfetto trace (JSON) of the window to this path; then the "
+                                    "Gantt PNG and CSV are written only when --out/--csv ask for them")
     return p.parse_args(argv)
 
 
@@ -353,6 +394,15 @@ def main(argv=None) -> int:
                       f"{g['end']:.3f} s, {g.get('new_tokens')} new tokens")
             return 0
         d = Path(args.trace_dir)
+        if args.chrome:
+            tl = load(d)
+            whole = args.start is None and args.end is None and args.generation is None and args.window is None
+            lo, hi = (None, None) if whole else choose_window(tl, args.start, args.end, args.generation,
+                                                             args.window, args.phase)
+            path = write_chrome(tl, args.chrome, lo, hi)
+            print(f"wrote {path} (Chrome trace format: open in https://ui.perfetto.dev or chrome://tracing)")
+            if not args.out and not args.csv:
+                return 0
         res = analyze(d, args.out or d / "gantt.png", args.csv or d / "utilization.csv", args.start, args.end,
                       args.generation, args.window, args.phase, args.title)
     except TimelineError as e:
