@@ -12,7 +12,8 @@
 # from every host; IFACE is the interface carrying that address (sets GLOO_SOCKET_IFNAME and
 # NCCL_SOCKET_IFNAME). Flags override the environment:
 #   --node-rank R --nnodes N --master-addr A --master-port P --iface IF --stage-dir D --python PY
-# Remaining arguments go to `python -m pipeline.run` (only rank 0 uses prompts/outputs).
+# Remaining arguments go to `python -m pipeline.run` (only rank 0 uses prompts/outputs; ENTRY=pipeline.serve
+# serves HTTP from host 0 instead, see run_serve.sh).
 # No bootstrap here: install requirements_jetson.txt (see README) and set PYTHON if not `python3`.
 # Optional link shaping for experiments: scripts/shape_link.sh (tc netem/tbf, needs root on that host).
 set -euo pipefail
@@ -52,4 +53,4 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 cd "$ROOT"
 exec "$PY" -m pipeline.launch --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node=1 \
   --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
-  -m pipeline.run "model.stage_dir=$STAGE_DIR" "model.num_threads=${OMP_NUM_THREADS}" "${pass[@]}"
+  -m "${ENTRY:-pipeline.run}" "model.stage_dir=$STAGE_DIR" "model.num_threads=${OMP_NUM_THREADS}" "${pass[@]}"

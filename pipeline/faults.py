@@ -42,6 +42,16 @@ def set_peer_hook(fn: Callable[[str, int | None], None] | None, probe: Callable[
     _peer_hook, _loss_probe = fn, probe
 
 
+_pre_exit: list[Callable[[str], None]] = []
+
+
+def on_fatal(fn: Callable[[str], None]) -> None:
+    """Register ``fn(reason)`` to run in :func:`fatal` before the peers are told and the process exits
+    (the server answers its requests in flight with 503). It must return within a few seconds; its errors
+    are ignored."""
+    _pre_exit.append(fn)
+
+
 def peer_failed() -> bool:
     """Whether a peer has already recorded a failure of its own (so it has printed the cause itself);
     a peer stopped by a signal does not count."""
@@ -65,6 +75,11 @@ def fatal(line: str, code: int, reason: str | None = None, lost: int | None = No
         try:
             print(line, file=sys.stderr, flush=True)
         except Exception:
+            pass
+    for fn in list(_pre_exit):
+        try:
+            fn(reason if reason is not None else line)
+        except BaseException:
             pass
     hook = _peer_hook
     if hook is not None:

@@ -1,0 +1,921 @@
+"""Serve the pipeline: an OpenAI-compatible HTTP endpoint, a live page and an in-process request API.
+
+``./run_serve.sh [key=value ...] [--host 127.0.0.1] [--port 8000]`` launches every rank as
+``python -m pipeline.launch --standalone --nproc_per_node=N -m pipeline.serve ...``. Ranks 1..N run the
+unchanged :class:`pipeline.worker.StageWorker`; rank 0 builds the engine and drafter once (as
+``pipeline.run`` does) and then
+
+* its **main thread** runs the pipeline: it takes requests one at a time (batch 1, the pipeline's design)
+  from a bounded FIFO queue and runs :func:`pipeline.engine.timed_generation` with the request's mode and
+  sampling settings; while idle it sends a no-op message around the ring every few seconds so the stage
+  ranks' receives never reach ``comm.timeout_s``;
+* a **uvicorn thread** serves the FastAPI app (``/v1/chat/completions``, ``/v1/completions``,
+  ``/v1/models``, ``/health``, ``/metrics``, ``/`` the live page), bound to 127.0.0.1 by default;
+* the **in-process API** (:class:`RequestManager`: ``submit(prompt or messages, **sampling) -> Request``,
+  iterate a request's committed tokens, read its stats) is what the HTTP layer uses; Python code can use it
+  directly through ``main(argv, client=fn)`` (``fn(manager)`` runs in a thread of rank 0).
+
+Invariants:
+
+* requests start in submission order (``seq``); each is answered exactly once (a result, or an error);
+  the queue holds at most ``--queue-size`` waiting requests (more: HTTP 429);
+* every request gets a fresh :class:`pipeline.verify.Sampler` with its own generator seeded with its seed,
+  so sampling at T > 0 stays the modes' lossless rule and a seeded request is reproducible;
+* a cancel (client disconnect, stop string) sets the :class:`pipeline.engine.OutputBuffer` cancel flag; the
+  generation ends at its next commit through the mode's normal round ending, so every stage's KV cache stays
+  consistent, and the next request's prefill resets the caches anyway;
+* a fatal error on rank 0 (a lost rank, Ctrl-C) answers every pending request with 503 before the process
+  exits (:func:`pipeline.faults.on_fatal`); the existing fault machinery then stops every rank within
+  ``comm.timeout_s``, naming the lost rank.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import itertools
+import json
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from starlette.requests import Request as HTTPRequest  # module level: FastAPI resolves handler annotations here
+
+STATIC = Path(__file__).resolve().parent / "static"
+ALL_MODES = "ar,naive,pruned,pipedec,continuous"
+
+EXAMPLES = """examples:
+  ./run_serve.sh --port 8000                              # default SmolLM2 pipeline, 5 ranks, every mode
+  ./run_serve.sh mode=continuous --queue-size 8 --port 8001
+  curl -s localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
+       -d '{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
+Config overrides are key=value words as for pipeline.run (mode= sets the default mode of requests)."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline.serve",
+        description="Serve the pipeline over HTTP from rank 0 (OpenAI-compatible API, live page). Launch one "
+                    "process per rank (./run_serve.sh does).",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="config overrides key=value")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port; the URL is printed)")
+    p.add_argument("--queue-size", type=int, default=64, help="max waiting requests; more get HTTP 429")
+    p.add_argument("--modes", default=ALL_MODES,
+                   help=f"modes a request may ask for (default {ALL_MODES}); the draft head loads unless only ar")
+    p.add_argument("--template", default="auto", help="chat formatting: auto (tokenizer's own, else vicuna) | "
+                                                      "raw | an fschat template name")
+    p.add_argument("--model-name", default=None, help="model id in /v1/models (default: the checkpoint's name)")
+    p.add_argument("--warmup", type=int, default=0, help="untimed warm-up generations per mode before serving")
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn access log)")
+    p.add_argument("--no-http", action="store_true", help="no HTTP server (in-process API only: main(client=...))")
+    args = p.parse_intermixed_args(argv)
+    if not 0 <= args.port < 65536:
+        p.error(f"--port {args.port} is not a TCP port")
+    if args.queue_size < 1:
+        p.error("--queue-size must be >= 1")
+    return args
+
+
+# -- the in-process API ---------------------------------------------------------------------------------
+class RequestError(ValueError):
+    """A bad request (HTTP 400). ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+class QueueFull(RuntimeError):
+    """The FIFO queue is full (HTTP 429)."""
+
+
+class Unavailable(RuntimeError):
+    """The server is stopping or the pipeline failed (HTTP 503)."""
+
+
+@dataclass
+class Params:
+    """Per-request settings. ``seed`` is always set (drawn at random when the client gave none)."""
+    mode: str
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: list[str] = field(default_factory=list)
+
+
+class Request:
+    """One generation. Written by rank 0's main thread (commits, result), read by any thread.
+
+    ``ids`` are the committed new tokens; ``text`` the decoded text that is safe to show: it only ever grows
+    (an incomplete UTF-8 character, or a possible stop string's first characters, are held back until the
+    end). Iterating a request yields the new token ids of each commit until it is done; ``wait()`` blocks
+    until it is; ``stats`` is the ``speculative`` object of the HTTP responses.
+    """
+
+    def __init__(self, seq: int, prompt_ids: list[int], params: Params, decode, stop_ids: set[int]) -> None:
+        self.seq, self.prompt_ids, self.params = seq, prompt_ids, params
+        self._decode, self._stop_ids = decode, stop_ids
+        self.created = time.time()
+        self.t_submit = time.perf_counter()
+        self.t_start: float | None = None
+        self.t_first: float | None = None
+        self.t_end: float | None = None
+        self.order: int | None = None          # position in the service order (0-based)
+        self.state = "queued"                  # queued | running | done | cancelled | failed
+        self.ids: list[int] = []
+        self.text = ""
+        self.commits = 0                       # OutputBuffer commits (the first one is the prefill token)
+        self.finish_reason: str | None = None
+        self.result = None                     # pipeline.engine.GenResult once done
+        self.error: tuple[int, str] | None = None  # (HTTP status, message) when failed
+        self.cancel_event = threading.Event()
+        self.delivered = threading.Event()     # the HTTP layer has sent the final response
+        self.http = False
+        self._stop_at: int | None = None       # text index of the first stop string
+        self._cond = threading.Condition()
+        self._waiters: list = []               # (event loop, asyncio.Event) of async readers
+        self.version = 0
+
+    # -- reading ------------------------------------------------------------------------------------
+    @property
+    def final(self) -> bool:
+        return self.state in ("done", "cancelled", "failed")
+
+    def cancel(self) -> None:
+        """Stop this request: dropped if still queued, else ended at the generation's next commit."""
+        self.cancel_event.set()
+
+    def wait(self, timeout: float | None = None) -> "Request":
+        with self._cond:
+            self._cond.wait_for(lambda: self.final, timeout)
+        return self
+
+    def __iter__(self):
+        seen = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: len(self.ids) > seen or self.final)
+                new, final = self.ids[seen:], self.final
+            seen += len(new)
+            if new:
+                yield new
+            if final:
+                return
+
+    async def changes(self):
+        """Async generator: yields (nothing) once per change of this request, from any event loop thread."""
+        loop = asyncio.get_running_loop()
+        ev = asyncio.Event()
+        entry = (loop, ev)
+        with self._cond:
+            self._waiters.append(entry)
+        try:
+            seen = -1
+            while True:
+                ev.clear()
+                v = self.version
+                if v != seen:
+                    seen = v
+                    yield
+                    if self.final:
+                        return
+                    continue
+                if self.final:
+                    return
+                await ev.wait()
+        finally:
+            with self._cond:
+                self._waiters.remove(entry)
+
+    @property
+    def stats(self) -> dict:
+        """The ``speculative`` object: final statistics once done, progress so far before."""
+        p = self.params
+        out = {"mode": p.mode, "seq": self.seq, "order": self.order, "seed": p.seed,
+               "new_tokens": len(self.ids)}
+        r = self.result
+        if r is not None:
+            out.update(steps=len(r.accept_lengths), tau=round(r.tau, 4), accept_lengths=r.accept_lengths,
+                       decode_s=round(r.decode_s, 6), prefill_s=round(r.prefill_s, 6), rounds=r.rounds,
+                       pipeline_steps=r.pipeline_steps, busy_fraction=[round(b, 4) for b in r.busy_fraction])
+        else:
+            steps = max(0, self.commits - 1)
+            out.update(steps=steps, tau=round((len(self.ids) - 1) / steps, 4) if steps else None)
+        if self.t_start is not None:
+            out["queue_s"] = round(self.t_start - self.t_submit, 6)
+            if self.t_first is not None:
+                out["ttft_s"] = round(self.t_first - self.t_submit, 6)
+            out["elapsed_s"] = round((self.t_end or time.perf_counter()) - self.t_start, 6)
+        return out
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.ids),
+                "total_tokens": len(self.prompt_ids) + len(self.ids)}
+
+    # -- writing (rank 0's threads) -------------------------------------------------------------------
+    def _notify(self) -> None:
+        self.version += 1
+        self._cond.notify_all()
+        for loop, ev in list(self._waiters):
+            try:
+                loop.call_soon_threadsafe(ev.set)
+            except RuntimeError:  # that loop is closed
+                pass
+
+    def _full_text(self) -> str:
+        return self._decode([t for t in self.ids if t not in self._stop_ids])
+
+    def _commit(self, tokens: list[int]) -> None:
+        """OutputBuffer's ``on_commit`` (main thread): record tokens, update the safe text, stop strings."""
+        now = time.perf_counter()
+        with self._cond:
+            self.ids.extend(int(t) for t in tokens)
+            self.commits += 1
+            if self.t_first is None:
+                self.t_first = now
+            if self._stop_at is None:
+                full = self._full_text()
+                stops = self.params.stop
+                if stops:
+                    hits = [i for i in (full.find(s) for s in stops) if i >= 0]
+                    if hits:
+                        self._stop_at = min(hits)
+                        self.cancel_event.set()   # stop string: end the generation at the next commit
+                        safe = full[:self._stop_at]
+                    else:
+                        safe = full[:max(0, len(full) - max(len(s) for s in stops) + 1)]
+                else:
+                    safe = full
+                safe = safe.rstrip("\ufffd")      # an incomplete UTF-8 sequence: wait for its next bytes
+                if len(safe) > len(self.text) and safe.startswith(self.text):
+                    self.text = safe
+            self._notify()
+
+    def _start(self, order: int) -> None:
+        with self._cond:
+            self.state, self.order, self.t_start = "running", order, time.perf_counter()
+            self._notify()
+
+    def _finish(self, result, cancelled: bool) -> None:
+        with self._cond:
+            self.result, self.t_end = result, time.perf_counter()
+            full = self._full_text()
+            if self._stop_at is not None:
+                full, self.finish_reason = full[:self._stop_at], "stop"
+            elif self.ids and self.ids[-1] in self._stop_ids:
+                self.finish_reason = "stop"
+            elif len(self.ids) >= self.params.max_tokens:
+                self.finish_reason = "length"
+            else:
+                self.finish_reason = "cancelled"
+            if full.startswith(self.text):
+                self.text = full
+            self.state = "cancelled" if self.finish_reason == "cancelled" and cancelled else "done"
+            self._notify()
+
+    def _fail(self, status: int, message: str) -> None:
+        with self._cond:
+            if self.final:
+                return
+            self.error, self.state, self.t_end = (status, message), "failed", time.perf_counter()
+            self._notify()
+
+
+class RequestManager:
+    """Validates and queues requests (thread-safe); rank 0's main thread serves them in FIFO order.
+
+    ``submit`` raises :class:`RequestError` (bad input), :class:`QueueFull` or :class:`Unavailable`.
+    """
+
+    def __init__(self, tokenizer, stop_ids: set[int], modes: list[str], default_mode: str, cfg, model_config,
+                 world: int, queue_size: int, model_name: str, template: str = "auto") -> None:
+        self.tokenizer, self.stop_ids = tokenizer, stop_ids
+        self.modes, self.default_mode, self.cfg = modes, default_mode, cfg
+        self.world, self.queue_size, self.model_name, self.template = world, queue_size, model_name, template
+        self.vocab = model_config.vocab_size
+        self.max_positions = getattr(model_config, "max_position_embeddings", None) or (1 << 30)
+        t = cfg.tree
+        self.tree_room = max(t.total_token, t.init_total_token + 4 * t.expand_total_token,
+                             t.pipedec_topk * (world + 4)) + 8
+        self._queue: collections.deque[Request] = collections.deque()
+        self._cond = threading.Condition()
+        self._seq = itertools.count()
+        self._order = itertools.count()
+        self.current: Request | None = None
+        self.stopping = False
+        self.failed: str | None = None
+        self.started = time.time()
+        self.m = collections.Counter()         # metrics counters
+        self.busy_weighted = [0.0] * world     # sum of busy fraction x generation wall time
+        self.busy_wall = 0.0
+        self.last_busy = [0.0] * world
+        self.live: list[Request] = []          # every request not yet final (for the fatal hook)
+
+    # -- submission -----------------------------------------------------------------------------------
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def prompt_ids(self, prompt=None, messages=None) -> list[int]:
+        from pipeline.prompts import chat_prompt_ids
+        if (prompt is None) == (messages is None):
+            raise RequestError("give exactly one of prompt or messages", "prompt" if prompt is None else "messages")
+        if messages is not None:
+            if not isinstance(messages, list) or not messages:
+                raise RequestError("messages must be a non-empty list", "messages")
+            system, turns, answers = self.cfg.gen.system_prompt, [], []
+            for i, m in enumerate(messages):
+                if not isinstance(m, dict) or set(m) - {"role", "content", "name"} or "role" not in m:
+                    raise RequestError(f"messages[{i}] must be an object with role and content", "messages")
+                role, content = m["role"], _content_text(m.get("content"), i)
+                if role in ("system", "developer") and i == 0:
+                    system = content
+                elif role == "user" and len(turns) == len(answers):
+                    turns.append(content)
+                elif role == "assistant" and len(turns) == len(answers) + 1:
+                    answers.append(content)
+                else:
+                    raise RequestError(f"messages[{i}]: role {role!r} out of place; expected an optional system "
+                                       "message, then user and assistant turns alternating, ending with user",
+                                       "messages")
+            if len(turns) != len(answers) + 1:
+                raise RequestError("the last message must be the user's", "messages")
+            if not turns[-1].strip():
+                raise RequestError("the last user message is empty", "messages")
+            return chat_prompt_ids(self.tokenizer, turns, answers, system, self.template)
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise RequestError("prompt is empty", "prompt")
+            return list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if min(prompt) < 0 or max(prompt) >= self.vocab:
+                raise RequestError(f"prompt token ids must be in [0, {self.vocab})", "prompt")
+            return list(prompt)
+        raise RequestError("prompt must be a string or a non-empty list of token ids (one prompt per request)",
+                           "prompt")
+
+    def params(self, mode=None, max_tokens=None, temperature=None, top_p=None, top_k=None, seed=None,
+               stop=None) -> Params:
+        mode = self.default_mode if mode is None else mode
+        if mode not in self.modes:
+            raise RequestError(f"mode {mode!r} is not served; choose one of {', '.join(self.modes)}", "mode")
+        max_tokens = self.cfg.gen.max_new_tokens if max_tokens is None else max_tokens
+        if not _is_int(max_tokens) or max_tokens < 1:
+            raise RequestError("max_tokens must be an integer >= 1", "max_tokens")
+        temperature = 0.0 if temperature is None else temperature
+        if not _is_num(temperature) or not 0 <= temperature <= 100:
+            raise RequestError("temperature must be a number in [0, 100]", "temperature")
+        top_p = 1.0 if top_p is None else top_p
+        if not _is_num(top_p) or not 0 < top_p <= 1:
+            raise RequestError("top_p must be a number in (0, 1]", "top_p")
+        top_k = 0 if top_k is None or top_k == -1 else top_k
+        if not _is_int(top_k) or top_k < 0:
+            raise RequestError("top_k must be an integer >= 0 (0 or -1: off)", "top_k")
+        if seed is None:
+            seed = secrets.randbits(63)
+        elif not _is_int(seed) or not -(1 << 63) <= seed < (1 << 64):
+            raise RequestError("seed must be a 64-bit integer", "seed")
+        stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+            raise RequestError("stop must be a non-empty string or a list of at most 4 of them", "stop")
+        return Params(mode, int(max_tokens), float(temperature), float(top_p), int(top_k), int(seed) % (1 << 64),
+                      list(stop))
+
+    def check_length(self, ids: list[int], max_tokens: int, param: str) -> None:
+        need = len(ids) + max_tokens
+        if need > self.max_positions:
+            raise RequestError(f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the model's "
+                               f"{self.max_positions} positions", param, "context_length_exceeded")
+        if need + self.tree_room > self.cfg.model.max_seq_len:
+            raise RequestError(f"{len(ids)} prompt tokens + max_tokens {max_tokens} + tree room {self.tree_room} "
+                               f"exceed max_seq_len={self.cfg.model.max_seq_len} (the stages' KV slots)",
+                               param, "context_length_exceeded")
+
+    def submit(self, prompt=None, messages=None, **sampling) -> Request:
+        """Queue a generation of ``prompt`` (text or token ids; no chat template) or ``messages`` (OpenAI
+        chat messages, formatted with the chat template). ``sampling``: mode, max_tokens, temperature,
+        top_p, top_k, seed, stop. Returns at once; the request is served in FIFO order."""
+        try:
+            params = self.params(**sampling)
+        except TypeError as e:
+            raise RequestError(str(e)) from None
+        ids = self.prompt_ids(prompt, messages)
+        self.check_length(ids, params.max_tokens, "messages" if messages is not None else "prompt")
+        with self._cond:
+            if self.stopping or self.failed:
+                raise Unavailable(self.failed or "the server is stopping")
+            if len(self._queue) >= self.queue_size:
+                self.m["rejected_queue_full"] += 1
+                raise QueueFull(f"the request queue is full ({self.queue_size} waiting); retry later")
+            req = Request(next(self._seq), ids, params, self.decode, self.stop_ids)
+            self._queue.append(req)
+            self.live.append(req)
+            self._cond.notify_all()
+        return req
+
+    # -- the serving side (rank 0's main thread) -------------------------------------------------------
+    def next(self, timeout: float) -> Request | None:
+        """The oldest waiting request not cancelled (cancelled ones are answered and dropped), or None
+        after ``timeout`` seconds / when stopping."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                while self._queue:
+                    req = self._queue.popleft()
+                    if req.cancel_event.is_set():
+                        self.m["cancelled"] += 1
+                        self._retire(req)
+                        req._finish(None, True)
+                        continue
+                    self.current = req
+                    req._start(next(self._order))
+                    return req
+                left = deadline - time.monotonic()
+                if self.stopping or left <= 0:
+                    return None
+                self._cond.wait(left)
+
+    def _retire(self, req: Request) -> None:
+        if req in self.live:
+            self.live.remove(req)
+
+    def record(self, req: Request) -> None:
+        """Account a finished generation in the metrics."""
+        r = req.result
+        with self._cond:
+            self.current = None
+            self._retire(req)
+            self.m["cancelled" if req.state == "cancelled" else "completed"] += 1
+            self.m["prompt_tokens"] += len(req.prompt_ids)
+            self.m["generated_tokens"] += len(req.ids)
+            if r is not None:
+                self.m["verification_steps"] += len(r.accept_lengths)
+                self.m["accepted_tokens"] += sum(r.accept_lengths)
+                self.m["decode_s"] += r.decode_s
+                self.m["prefill_s"] += r.prefill_s
+                wall = r.decode_s + r.prefill_s
+                self.last_busy = list(r.busy_fraction)
+                for i, b in enumerate(r.busy_fraction[:self.world]):
+                    self.busy_weighted[i] += b * wall
+                self.busy_wall += wall
+            if req.t_first is not None:
+                self.m["ttft_s"] += req.t_first - req.t_submit
+                self.m["ttft_n"] += 1
+
+    def queue_length(self) -> int:
+        with self._cond:
+            return sum(not r.cancel_event.is_set() for r in self._queue)
+
+    def stop(self) -> None:
+        """Finish the request in flight, answer the waiting ones with 503, end the serving loop."""
+        with self._cond:
+            self.stopping = True
+            waiting = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+        for r in waiting:
+            self._retire(r)
+            r._fail(503, "the server is stopping")
+
+    def fail_all(self, reason: str, wait_s: float = 2.0) -> None:
+        """The pipeline is going down: answer every pending request 503, give HTTP a moment to send it."""
+        with self._cond:
+            self.failed = reason or "the pipeline stopped"
+            pending = list(self.live)
+            self._queue.clear()
+            self._cond.notify_all()
+        for r in pending:
+            r._fail(503, f"the pipeline failed: {self.failed}")
+        deadline = time.monotonic() + wait_s
+        for r in pending:
+            if r.http:
+                r.delivered.wait(max(0.0, deadline - time.monotonic()))
+
+    def busy_mean(self) -> list[float]:
+        return [b / self.busy_wall if self.busy_wall > 0 else 0.0 for b in self.busy_weighted]
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+
+def _content_text(content, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise RequestError(f"messages[{i}].content must be a string or a list of text parts", "messages")
+
+
+# -- rank 0's serving loop -------------------------------------------------------------------------------
+def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, dtype, device) -> int:
+    """Rank 0 (``pipeline.run.main``'s ``rank0`` hook): build the engine, start HTTP, serve until stopped."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from model.stage_format import stage_dir
+    from pipeline import faults
+    from pipeline.engine import Engine, timed_generation
+    from pipeline.modes import DECODERS
+    from pipeline.prompts import stop_token_ids
+    from pipeline.run import SetupError, make_drafter
+    from pipeline.verify import Sampler
+
+    sock = None
+    if not sargs.no_http:  # bind first: a taken port fails before anything else loads
+        try:
+            sock = socket.socket(socket.AF_INET6 if ":" in sargs.host else socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((sargs.host, sargs.port))
+            sock.listen(128)
+        except OSError as e:
+            raise SetupError(f"cannot listen on {sargs.host}:{sargs.port}: {e.strerror or e}") from None
+    sdir = stage_dir(stage_root, 0)
+    gen_cfg_path = sdir / "generation_config.json"
+    gen_cfg = json.loads(gen_cfg_path.read_text()) if gen_cfg_path.is_file() else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(sdir)
+    except Exception as e:
+        raise SetupError(f"no usable tokenizer in {sdir}: {str(e).splitlines()[0][:200]}") from None
+    stop_ids = stop_token_ids(tokenizer, gen_cfg)
+    drafter = make_drafter(cfg, stage_root, model, dtype, device) if any(m != "ar" for m in modes) else None
+    engine = Engine(model, comm, drafter, Sampler(0.0, 1.0, 0, torch.Generator(device="cpu")), stop_ids, cfg)
+    default_mode = cfg.gen.mode if cfg.gen.mode in modes else modes[0]
+    name = sargs.model_name or _model_name(stage_root, sdir)
+    manager = RequestManager(tokenizer, stop_ids, modes, default_mode, cfg, model.config, comm.world,
+                             sargs.queue_size, name, sargs.template)
+    faults.on_fatal(manager.fail_all)
+    keep_max = cfg.gen.max_new_tokens
+
+    def generate(req: Request) -> None:
+        p = req.params
+        engine.sampler = Sampler(p.temperature, p.top_p, p.top_k, torch.Generator(device="cpu"))
+        cfg.gen.max_new_tokens, cfg.gen.seed = p.max_tokens, p.seed
+        engine.on_commit, engine.cancel = req._commit, req.cancel_event
+        try:
+            res = timed_generation(engine, req.prompt_ids, DECODERS[p.mode])
+        finally:
+            engine.on_commit = engine.cancel = None
+            cfg.gen.max_new_tokens = keep_max
+        req._finish(res, req.cancel_event.is_set())
+        manager.record(req)
+
+    for mode in modes:  # warm-up: untimed, unrecorded
+        for _ in range(sargs.warmup):
+            warm = Request(-1, manager.prompt_ids(messages=[{"role": "user", "content": "Hello"}]),
+                           Params(mode, min(16, keep_max)), manager.decode, stop_ids)
+            generate(warm)
+    for k in list(manager.m):
+        del manager.m[k]
+
+    server = None
+    if sock is not None:
+        server = _start_http(manager, sock, sargs.access_log)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        print(f"[serve] ready: http://{shown}:{port}/ (OpenAI API at /v1, {comm.world} ranks, modes "
+              f"{','.join(modes)}, default {default_mode}, queue {sargs.queue_size}); Ctrl-C stops every rank",
+              file=sys.stderr, flush=True)
+    if client is not None:
+        def run_client() -> None:
+            try:
+                client(manager)
+            except Exception as e:  # the user's code: report it and stop serving
+                print(f"[serve] client function failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                manager.stop()
+        threading.Thread(target=run_client, daemon=True, name="flowspec-client").start()
+
+    from pipeline.messages import Stats
+    keepalive_s = max(0.2, min(5.0, cfg.comm.timeout_s / 4))
+    last_ring = time.monotonic()
+    while True:
+        req = manager.next(timeout=max(0.05, keepalive_s - (time.monotonic() - last_ring)))
+        if req is not None:
+            generate(req)
+            last_ring = time.monotonic()
+        elif manager.stopping:
+            break
+        elif time.monotonic() - last_ring >= keepalive_s:  # idle: keep the stages' receives alive
+            comm.send_next(Stats(torch.zeros(comm.world, dtype=torch.float64), None, emu_only=True))
+            comm.recv_prev()
+            last_ring = time.monotonic()
+    if server is not None:
+        server.should_exit = True
+        server.thread.join(5)
+    engine.shutdown()
+    return 0
+
+
+def _model_name(stage_root: Path, sdir: Path) -> str:
+    try:
+        cfg = json.loads((sdir / "config.json").read_text())
+        src = cfg.get("_name_or_path") or ""
+    except (OSError, ValueError):
+        src = ""
+    name = Path(src).name if src else ""
+    if not name or name.startswith("stage_model"):
+        name = stage_root.resolve().parent.name if stage_root.name.startswith("stages") else stage_root.name
+    return name
+
+
+def _start_http(manager: RequestManager, sock: socket.socket, access_log: bool):
+    import uvicorn
+    app = make_app(manager)
+    config = uvicorn.Config(app, log_level="warning", access_log=access_log, lifespan="off",
+                            timeout_graceful_shutdown=2, timeout_keep_alive=5)
+    server = uvicorn.Server(config)
+    server.thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
+                                     name="flowspec-http")
+    server.thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and server.thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if not server.started:
+        from pipeline.run import SetupError
+        raise SetupError("the HTTP server did not start")
+    return server
+
+
+# -- HTTP ----------------------------------------------------------------------------------------------
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+                 "stream_options", "n", "user", "mode", "presence_penalty", "frequency_penalty",
+                 "return_token_ids"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+
+
+def make_app(manager: RequestManager):
+    """The FastAPI app over ``manager`` (all endpoints; errors are OpenAI-style JSON bodies)."""
+    from fastapi import FastAPI
+    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.background import BackgroundTask
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    app = FastAPI(title="FlowSpec pipeline server", docs_url=None, redoc_url=None, openapi_url=None)
+    page = (STATIC / "serve.html").read_text(encoding="utf-8")
+
+    def error(status: int, message: str, type_: str, param=None, code=None) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                            status_code=status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc):
+        return error(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500
+                     else "server_error", None, "not_found" if exc.status_code == 404 else None)
+
+    async def parse(request: HTTPRequest, allowed: set[str]):
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise RequestError("the request body is not valid JSON", None, "invalid_json") from None
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object", None, "invalid_json")
+        unknown = sorted(set(body) - allowed)
+        if unknown:
+            raise RequestError(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0],
+                               "unknown_parameter")
+        if body.get("model") not in (None, manager.model_name):
+            raise RequestError(f"The model {body.get('model')!r} does not exist; this server serves "
+                               f"{manager.model_name!r}", "model", "model_not_found")
+        if body.get("n", 1) != 1:
+            raise RequestError("only n=1 is supported (batch 1)", "n")
+        for k in ("presence_penalty", "frequency_penalty"):
+            if body.get(k, 0) not in (0, 0.0, None):
+                raise RequestError(f"{k} is not supported (only 0)", k)
+        if not isinstance(body.get("stream", False), bool):
+            raise RequestError("stream must be a boolean", "stream")
+        so = body.get("stream_options")
+        if so is not None and (not isinstance(so, dict) or set(so) - {"include_usage"}):
+            raise RequestError("stream_options may only hold include_usage", "stream_options")
+        return body
+
+    async def complete(request: HTTPRequest, chat: bool):
+        try:
+            body = await parse(request, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+            max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens")
+            sampling = dict(mode=body.get("mode"), max_tokens=max_tokens, temperature=body.get("temperature"),
+                            top_p=body.get("top_p"), top_k=body.get("top_k"), seed=body.get("seed"),
+                            stop=body.get("stop"))
+            if chat:
+                req = manager.submit(messages=body.get("messages"), **sampling) if "messages" in body else None
+                if req is None:
+                    raise RequestError("messages is required", "messages")
+            else:
+                if "prompt" not in body:
+                    raise RequestError("prompt is required", "prompt")
+                req = manager.submit(prompt=body["prompt"], **sampling)
+        except RequestError as e:
+            manager.m["bad_requests"] += 1
+            return error(400, str(e), "invalid_request_error", e.param, e.code)
+        except QueueFull as e:
+            return error(429, str(e), "rate_limit_error", None, "queue_full")
+        except Unavailable as e:
+            return error(503, str(e), "server_error", None, "unavailable")
+        req.http = True
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.seq}"
+        base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(req.created), "model": manager.model_name}
+        with_ids = bool(body.get("return_token_ids"))
+
+        def speculative() -> dict:
+            s = req.stats
+            if with_ids:
+                s["prompt_ids"], s["output_ids"] = req.prompt_ids, list(req.ids)
+            return s
+
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+            def chunk(delta: str | None, finish=None, role=False) -> str:
+                if chat:
+                    d = {} if delta is None else {"content": delta}
+                    if role:
+                        d = {"role": "assistant", "content": ""}
+                    choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+                else:
+                    choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+                return "data: " + json.dumps({**base, "choices": [choice], "speculative": speculative()}) + "\n\n"
+
+            async def events():
+                sent = 0
+                try:
+                    if chat:
+                        yield chunk(None, role=True)
+                    last_tokens = 0
+                    async for _ in req.changes():
+                        text, n = req.text, len(req.ids)
+                        if req.state == "failed":
+                            break
+                        if len(text) > sent or (n > last_tokens and not req.final):
+                            yield chunk(text[sent:])
+                            sent, last_tokens = len(text), n
+                        if req.final:
+                            break
+                    if req.state == "failed":
+                        status, message = req.error
+                        yield "data: " + json.dumps({"error": {"message": message, "type": "server_error",
+                                                               "param": None, "code": status}}) + "\n\n"
+                        yield "data: [DONE]\n\n"
+                        return
+                    yield chunk(None, finish=req.finish_reason)
+                    if include_usage:
+                        yield "data: " + json.dumps({**base, "choices": [], "usage": req.usage(),
+                                                     "speculative": speculative()}) + "\n\n"
+                    yield "data: [DONE]\n\n"
+                finally:
+                    if not req.final:
+                        req.cancel()   # the client went away (or the stream broke): stop at the next commit
+
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                     background=BackgroundTask(req.delivered.set))
+
+        # not streamed: wait for the result, cancelling when the client disconnects
+        async def until_final():
+            async for _ in req.changes():
+                pass
+        waiter = asyncio.ensure_future(until_final())
+        try:
+            while not waiter.done():
+                done, _ = await asyncio.wait({waiter}, timeout=0.25)
+                if not done and await request.is_disconnected():
+                    req.cancel()
+                    waiter.cancel()
+                    req.delivered.set()
+                    return PlainTextResponse("", status_code=499)
+        finally:
+            if not waiter.done():
+                waiter.cancel()
+        bg = BackgroundTask(req.delivered.set)
+        if req.state == "failed":
+            status, message = req.error
+            resp = error(status, message, "server_error", None, "unavailable" if status == 503 else None)
+            resp.background = bg
+            return resp
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": req.text}, "logprobs": None,
+                      "finish_reason": req.finish_reason}
+        else:
+            choice = {"index": 0, "text": req.text, "logprobs": None, "finish_reason": req.finish_reason}
+        out = {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+               "usage": req.usage(), "speculative": speculative()}
+        return JSONResponse(out, background=bg)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HTTPRequest):
+        return await complete(request, True)
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest):
+        return await complete(request, False)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": manager.model_name, "object": "model",
+                                            "created": int(manager.started), "owned_by": "flowspec"}]}
+
+    @app.get("/health")
+    async def health():
+        if manager.failed:
+            return error(503, manager.failed, "server_error", None, "unavailable")
+        return {"status": "ok", "model": manager.model_name, "world_size": manager.world, "modes": manager.modes,
+                "default_mode": manager.default_mode, "queue_length": manager.queue_length(),
+                "queue_size": manager.queue_size, "busy": manager.current is not None}
+
+    @app.get("/stats")
+    async def stats():
+        """JSON numbers for the live page."""
+        cur = manager.current
+        return {"queue_length": manager.queue_length(), "in_flight": cur.stats if cur is not None else None,
+                "last_busy": manager.last_busy, "busy_mean": manager.busy_mean(), "world_size": manager.world,
+                "modes": manager.modes, "default_mode": manager.default_mode, "model": manager.model_name,
+                "completed": manager.m["completed"]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(manager), media_type="text/plain; version=0.0.4")
+
+    @app.get("/")
+    async def index():
+        return HTMLResponse(page)
+
+    return app
+
+
+def prometheus_text(manager: RequestManager) -> str:
+    """Prometheus exposition format (text 0.0.4) of the server's counters and gauges."""
+    m = manager.m
+    steps, acc = m["verification_steps"], m["accepted_tokens"]
+    rows = [
+        ("flowspec_requests_total", "counter", "Requests by outcome",
+         [({"outcome": k}, m[k]) for k in ("completed", "cancelled", "rejected_queue_full", "bad_requests")]),
+        ("flowspec_prompt_tokens_total", "counter", "Prompt tokens prefilled", [({}, m["prompt_tokens"])]),
+        ("flowspec_generated_tokens_total", "counter", "Tokens generated", [({}, m["generated_tokens"])]),
+        ("flowspec_verification_steps_total", "counter", "Verification steps that committed tokens",
+         [({}, steps)]),
+        ("flowspec_accepted_tokens_total", "counter", "Tokens committed by verification steps (incl. bonus)",
+         [({}, acc)]),
+        ("flowspec_tau", "gauge", "Mean tokens committed per verification step (incl. bonus), all requests",
+         [({}, acc / steps if steps else 0.0)]),
+        ("flowspec_decode_seconds_total", "counter", "Decode time", [({}, m["decode_s"])]),
+        ("flowspec_prefill_seconds_total", "counter", "Prefill time", [({}, m["prefill_s"])]),
+        ("flowspec_time_to_first_token_seconds_sum", "counter", "Submit to first token, summed",
+         [({}, m["ttft_s"])]),
+        ("flowspec_time_to_first_token_seconds_count", "counter", "Requests with a first token",
+         [({}, m["ttft_n"])]),
+        ("flowspec_rank_busy_fraction", "gauge", "Busy share of each rank over all generations (time-weighted)",
+         [({"rank": str(r)}, b) for r, b in enumerate(manager.busy_mean())]),
+        ("flowspec_queue_length", "gauge", "Requests waiting", [({}, manager.queue_length())]),
+        ("flowspec_requests_running", "gauge", "Requests being generated",
+         [({}, int(manager.current is not None))]),
+    ]
+    lines = []
+    for name, kind, help_, samples in rows:
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+        for labels, value in samples:
+            lab = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+            lines.append(f"{name}{lab} {float(value):.6g}")
+    return "\n".join(lines) + "\n"
+
+
+# -- entry point -----------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None, client=None) -> int:
+    """Run this rank of the server. ``client(manager)``, if given, runs in a thread of rank 0 once serving
+    starts (the in-process API: ``manager.submit(...)``; call ``manager.stop()`` to end the job)."""
+    from pipeline import run
+    sargs = parse_args(sys.argv[1:] if argv is None else argv)
+    run_argv = [*sargs.overrides, "--modes", sargs.modes, "--template", sargs.template]
+
+    def rank0(args, cfg, modes, comm, model, stage_root, dtype, device):
+        return serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root, dtype, device)
+
+    return run.main(run_argv, rank0=rank0)
+
+
+def entry(argv: list[str] | None = None, client=None) -> int:
+    """What ``python -m pipeline.serve`` runs: signals handled like ``pipeline.run`` (Ctrl-C stops every rank)."""
+    from pipeline import run
+    if not run.debug():
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    run._exit_on_signals()
+    return main(argv, client)
+
+
+if __name__ == "__main__":
+    sys.exit(entry())
