@@ -18,6 +18,7 @@ dynamic expansion). ``total_token`` counts the root, as in EAGLE (60 = 59 drafte
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields
 
 MODES = ("ar", "naive", "pruned", "pipedec", "continuous")
@@ -125,20 +126,35 @@ class RunConfig:
                     "init_topk": self.tree.init_topk, "expand_topk": self.tree.expand_topk,
                     "pipedec_topk": self.tree.pipedec_topk, "subseq_token": self.tree.subseq_token,
                     "num_threads": self.model.num_threads}
+        for sec in fields(self):  # every number finite (nan/inf pass a plain range check)
+            for f in fields(getattr(self, sec.name)):
+                v = getattr(getattr(self, sec.name), f.name)
+                if isinstance(v, float) and not math.isfinite(v):
+                    raise ConfigError(f"{sec.name}.{f.name}={v} must be a finite number")
         for k, v in positive.items():
             if v < 1:
                 raise ConfigError(f"{k}={v} must be >= 1")
-        for k in ("depth", "init_depth", "expand_depth", "expand_total_token"):
+        for k in ("depth", "init_depth", "expand_depth", "expand_total_token", "none_expand_size",
+                  "none_expand_depth"):
             if getattr(self.tree, k) < 0:
-                raise ConfigError(f"{k} must be >= 0")
-        if self.gen.temperature < 0 or not 0 < self.gen.top_p <= 1:
-            raise ConfigError("temperature must be >= 0 and top_p in (0, 1]")
+                raise ConfigError(f"{k}={getattr(self.tree, k)} must be >= 0")
+        if self.tree.expand_subseq_token < 1 and self.tree.expand_subseq_token != -1:
+            raise ConfigError(f"expand_subseq_token={self.tree.expand_subseq_token} must be >= 1 or -1 (all)")
+        if self.gen.temperature < 0:
+            raise ConfigError(f"temperature={self.gen.temperature} must be >= 0")
+        if not 0 < self.gen.top_p <= 1:
+            raise ConfigError(f"top_p={self.gen.top_p} must be in (0, 1]")
+        if self.gen.top_k < 0:
+            raise ConfigError(f"gen.top_k={self.gen.top_k} must be >= 0 (0 = off)")
         if self.comm.timeout_s <= 0:
-            raise ConfigError("timeout_s must be > 0")
+            raise ConfigError(f"timeout_s={self.comm.timeout_s} must be > 0")
+        if not 0 < self.comm.heartbeat_s < self.comm.timeout_s:
+            raise ConfigError(f"heartbeat_s={self.comm.heartbeat_s} must be > 0 and below timeout_s="
+                              f"{self.comm.timeout_s} (a rank is declared lost after timeout_s without heartbeats)")
         if self.emu.flag_threshold < 0:
-            raise ConfigError("emu.flag_threshold must be >= 0")
+            raise ConfigError(f"emu.flag_threshold={self.emu.flag_threshold} must be >= 0")
         if self.emu.time_scale <= 0:
-            raise ConfigError("emu.time_scale must be > 0")
+            raise ConfigError(f"emu.time_scale={self.emu.time_scale} must be > 0")
         if self.emu.profile:
             from pipeline.emulation import EmulationError, load_profile
             try:

@@ -47,8 +47,35 @@ class RendezvousError(RuntimeError):
 
 
 def store_on_rank0() -> bool:
-    """True when rank 0 hosts the rendezvous store (env launch); False under torchrun's agent store."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    """True when rank 0 hosts the rendezvous store (env launch); False under pipeline.launch (its node 0
+    launcher hosts it) and torchrun's agent store."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and not launcher_store()
+
+
+def launcher_store() -> bool:
+    """Launched by :mod:`pipeline.launch`: the store is node 0's launcher's, the ranks are its clients."""
+    return os.environ.get("FLOWSPEC_LAUNCH_STORE") == "1"
+
+
+_store = None  # the raw store client under pipeline.launch (the launcher writes failure records in it)
+
+
+def _watch_records(store, rank: int, world: int, done: threading.Event, every: float) -> None:
+    """Before the process group exists: a rank whose launcher recorded it as failed (it died or exited while
+    the others wait to connect) ends the wait at once, naming it."""
+    while not done.wait(every):
+        try:
+            for r in range(world):
+                if r != rank and store.check([FAIL_PREFIX + str(r)]):
+                    root, _, reason = store.get(FAIL_PREFIX + str(r)).decode().partition("|")
+                    if done.is_set():
+                        return
+                    who = f"rank {root}" if root.lstrip("-").isdigit() and int(root) >= 0 else "a peer rank"
+                    faults.fatal(f"[rank {rank}] error: lost {who} before the process group formed: {reason}", 3)
+        except Exception:
+            if done.is_set():
+                return
+            faults.fatal(f"[rank {rank}] error: lost rank 0: the rendezvous store of its launcher is gone", 3)
 
 
 def init_process_group(backend: str, timeout_s: float) -> None:
@@ -66,7 +93,15 @@ def init_process_group(backend: str, timeout_s: float) -> None:
 
     threading.Thread(target=backstop, daemon=True, name="flowspec-rendezvous").start()
     try:
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        if launcher_store():
+            global _store
+            td = datetime.timedelta(seconds=timeout_s)
+            _store = dist.TCPStore(os.environ["MASTER_ADDR"], int(port), None, False, td, wait_for_workers=False)
+            threading.Thread(target=_watch_records, args=(_store, rank, int(world), done, 0.2), daemon=True,
+                             name="flowspec-prejoin").start()
+            dist.init_process_group(backend=backend, store=_store, rank=rank, world_size=int(world), timeout=td)
+        else:
+            dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     except Exception as e:
         text = str(e)
         first = next((l.strip() for l in text.splitlines() if l.strip()), type(e).__name__)[:200]
@@ -101,7 +136,7 @@ class Comm:
         self._pending: list = []
         self._closing = False
         self._failing = False
-        self.store = dist.distributed_c10d._get_default_store()
+        self.store = _store if _store is not None else dist.distributed_c10d._get_default_store()
         self._hb_count = 0
         self._seen: dict[int, tuple[str, float]] = {}
         self.store.set(HB_PREFIX + str(self.rank), "0")
@@ -267,6 +302,8 @@ class Comm:
     def _store_lost(self) -> PeerLost:
         if store_on_rank0() and self.rank != 0:
             return PeerLost(0, "its process stopped (the rendezvous store it hosted is gone)")
+        if os.environ.get("GROUP_RANK", "0") != "0":  # node 0's launcher (agent) hosted it: node 0 is gone
+            return PeerLost(0, "its host's launcher stopped (the rendezvous store it hosted is gone)")
         return PeerLost(None, "the rendezvous store is gone (the launcher stopped)")
 
     def _failed_peers(self) -> list[tuple[int, int | None, str]]:
@@ -286,6 +323,8 @@ class Comm:
             return None
         failed.sort(key=lambda f: (f[1] != f[0], f[1] is None))
         reporter, root, reason = failed[0]
+        if root == reporter and reason.startswith("its process"):  # written by its launcher
+            return PeerLost(root, reason)
         if root == reporter:
             return PeerLost(root, f"it failed ({reason})")
         return PeerLost(root, f"{reason} (reported by rank {reporter})")

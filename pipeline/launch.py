@@ -1,48 +1,435 @@
-"""``torchrun`` without its traceback wall: ``python -m pipeline.launch <torchrun arguments>``.
+"""The project's launcher (instead of torchrun's agent): ``python -m pipeline.launch [options] -m pipeline.run ...``.
 
-Every rank of ``pipeline.run`` already prints one ``[rank r] error: ...`` line when something fails;
-torchrun's agent would add a long ``ChildFailedError`` traceback and a root-cause table. This wrapper
-runs the same agent (``torch.distributed.run.main``), keeps its logging at ERROR, and turns a failure
-into one line naming the first failed rank plus a meaningful exit code. ``FLOWSPEC_DEBUG=1`` restores
-torchrun's full output.
+One host:        python -m pipeline.launch --standalone --nproc-per-node=3 -m pipeline.run model.stage_dir=DIR
+Several hosts:   python -m pipeline.launch --nnodes=3 --node-rank=1 --master-addr=10.0.0.1 --master-port=29500 \\
+                     -m pipeline.run model.stage_dir=DIR        (the same command on every host, own --node-rank)
+
+Options (torchrun's spellings, ``--nproc_per_node`` and ``--nproc-per-node`` alike): ``--standalone``,
+``--nnodes N`` (1), ``--node-rank K`` (0), ``--nproc-per-node P`` (1), ``--master-addr A`` (127.0.0.1),
+``--master-port PORT`` (29500; a free port with ``--standalone``). Global rank = K * P + local rank.
+
+What the launcher guarantees (invariants the tests in tests/test_launchers.py check):
+
+* Arguments are checked once, before any rank starts (``pipeline.run.check_args``): a bad key, value, mode,
+  prompt or stage root / world is one ``[launch] error: ...`` line and exit 2.
+* Startup is bounded by ``comm.timeout_s``: node 0's launcher hosts the rendezvous store (a TCPStore; a
+  taken port is one line), the others connect to it; every launcher waits for all ``--nnodes`` launchers,
+  and gives up naming the node ranks that never joined (exit 3). A foreign program on the port, or no
+  node 0, ends in one line on every host too.
+* Whichever rank dies (signal, error, frozen), the launcher writes a failure record for it in the store
+  (``flowspec/fail/<rank>``, unless the rank wrote its own), so every surviving rank prints one line naming
+  it and the cause (pipeline/comm.py); the launcher then prints one summary line. A rank that survivors
+  report as lost but that is still there (frozen) is killed at once; the others get a short grace to
+  print and are then killed: the launcher returns within ``comm.timeout_s`` + a few seconds.
+* Every process a launcher starts ends when the launcher ends: children run under ``PR_SET_PDEATHSIG``
+  = SIGKILL (Linux), so even ``kill -9`` of the launcher takes its ranks along. SIGINT / SIGTERM to the
+  launcher are passed on to its ranks, which stop with one line each.
+* Node 0's launcher keeps the store up (briefly, bounded) until the other hosts' ranks have read the
+  failure records, so a lost rank 0 is named as such on every host.
+
+Exit codes: 0 every rank succeeded; 2 bad input (a rank's own ``error:``, or the argument check); 3 a rank
+was lost (killed, frozen, lost a peer) or a node never joined; 1 an unexpected exception in a rank;
+128+N the launcher was stopped by signal N (130 Ctrl-C, 143 SIGTERM).
 """
 from __future__ import annotations
 
-import logging
 import os
 import signal
+import socket
+import subprocess
 import sys
+import threading
+import time
 
-PEER_CODES = (3, -signal.SIGTERM, 128 + signal.SIGTERM)  # ranks that only reacted to another's failure
+FAIL_PREFIX = "flowspec/fail/"      # shared with pipeline/comm.py
+DONE_PREFIX = "flowspec/done/"
+NODE_PREFIX = "flowspec/launch/node/"
+ABORT_KEY = "flowspec/launch/abort"
+PR_SET_PDEATHSIG = 1
+POLL_S = 0.05
+
+
+class LaunchError(Exception):
+    def __init__(self, text: str, code: int) -> None:
+        super().__init__(text)
+        self.code = code
+
+
+# -- arguments ----------------------------------------------------------------------------------------
+OPTIONS = {"nnodes": int, "node_rank": int, "nproc_per_node": int, "master_addr": str, "master_port": int}
+
+
+def parse(argv: list[str]) -> tuple[dict, str, list[str]]:
+    """``(options, module, module_args)``; torchrun's option spellings, ``-m MODULE`` ends the options."""
+    opts: dict = {"standalone": False, "nnodes": 1, "node_rank": 0, "nproc_per_node": 1,
+                  "master_addr": "127.0.0.1", "master_port": None}
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "-m":
+            if i + 1 >= len(argv):
+                raise LaunchError("-m needs a module (e.g. -m pipeline.run)", 2)
+            return opts, argv[i + 1], argv[i + 2:]
+        if a == "--standalone":
+            opts["standalone"] = True
+            i += 1
+            continue
+        if not a.startswith("--"):
+            raise LaunchError(f"unexpected argument {a!r} before -m MODULE", 2)
+        name, eq, value = a[2:].partition("=")
+        name = name.replace("-", "_")
+        if name not in OPTIONS:
+            raise LaunchError(f"unknown option {a.split('=')[0]} (see --help)", 2)
+        if not eq:
+            if i + 1 >= len(argv):
+                raise LaunchError(f"{a} needs a value", 2)
+            value = argv[i + 1]
+            i += 1
+        try:
+            opts[name] = OPTIONS[name](value)
+        except ValueError:
+            raise LaunchError(f"--{name.replace('_', '-')} takes {OPTIONS[name].__name__}, got {value!r}", 2) from None
+        i += 1
+    raise LaunchError("missing -m MODULE (e.g. -m pipeline.run)", 2)
+
+
+def check_options(o: dict) -> None:
+    if o["nnodes"] < 1 or o["nproc_per_node"] < 1:
+        raise LaunchError(f"--nnodes ({o['nnodes']}) and --nproc-per-node ({o['nproc_per_node']}) must be >= 1", 2)
+    if not 0 <= o["node_rank"] < o["nnodes"]:
+        raise LaunchError(f"--node-rank {o['node_rank']} is not in [0, {o['nnodes']})", 2)
+    if o["standalone"] and o["nnodes"] != 1:
+        raise LaunchError("--standalone runs on one host: drop it or --nnodes", 2)
+    if o["master_port"] is None:
+        o["master_port"] = 0 if o["standalone"] else 29500
+    if not 0 <= o["master_port"] < 65536 or (o["master_port"] == 0 and o["nnodes"] > 1):
+        raise LaunchError(f"--master-port {o['master_port']} must be in [1, 65535]", 2)
+
+
+# -- child side ----------------------------------------------------------------------------------------
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """``prctl(PR_SET_PDEATHSIG, sig)`` for this process (Linux; False elsewhere or on failure)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except Exception:
+        return False
+
+
+def child(module: str, args: list[str]) -> None:
+    """A rank: die with the launcher (parent-death signal, and a check that it is still our parent, since
+    it may have died before the signal was armed), then run ``module`` as ``__main__``."""
+    set_parent_death_signal()
+    parent = os.environ.get("FLOWSPEC_LAUNCHER_PID")
+    if parent and os.getppid() != int(parent):
+        os._exit(128 + signal.SIGKILL)
+    import runpy
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+# -- store ---------------------------------------------------------------------------------------------
+def _bounded(fn, seconds: float):
+    """``fn()`` in a daemon thread; ``(result, error)``, or ``(None, TimeoutError)`` after ``seconds``
+    (torch's TCPStore client can wait forever on a port that another program holds)."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["r"] = fn()
+        except BaseException as e:  # noqa: BLE001 - reported by the caller
+            box["e"] = e
+
+    t = threading.Thread(target=run, daemon=True, name="flowspec-launch-store")
+    t.start()
+    t.join(max(0.1, seconds))
+    if t.is_alive():
+        return None, TimeoutError()
+    return box.get("r"), box.get("e")
+
+
+def open_store(o: dict, timeout_s: float, deadline: float, tag: str):
+    """Node 0: the store server (``LaunchError`` if the port is taken); others: a client of node 0's."""
+    import datetime
+    from torch.distributed import TCPStore
+    addr, port = o["master_addr"], o["master_port"]
+    td = datetime.timedelta(seconds=timeout_s)
+    if o["node_rank"] == 0:
+        host = "127.0.0.1" if o["standalone"] else addr
+        store, err = _bounded(lambda: TCPStore(host, port, None, True, td, wait_for_workers=False), timeout_s)
+        if err is not None:
+            text = str(err)
+            if "EADDRINUSE" in text or "in use" in text:
+                raise LaunchError(f"cannot open the rendezvous on port {port}: it is already in use by another "
+                                  f"program or job; choose a free MASTER_PORT", 2)
+            first = next((l.strip() for l in text.splitlines() if l.strip()), type(err).__name__)[:200]
+            raise LaunchError(f"cannot open the rendezvous at {host}:{port}: {first}", 2)
+        return store
+    left = max(0.5, deadline - time.monotonic())
+    store, err = _bounded(lambda: TCPStore(addr, port, None, False, datetime.timedelta(seconds=left),
+                                           wait_for_workers=False), left + 1.0)
+    if err is not None:
+        raise LaunchError(f"no rendezvous at {addr}:{port} within {timeout_s:g}s: node 0 did not answer (not "
+                          f"started, unreachable, or another program holds port {port})", 3)
+    return store
+
+
+def node_rendezvous(store, o: dict, deadline: float, timeout_s: float) -> None:
+    """Every launcher registers and waits for all ``nnodes``; node 0 decides when to give up."""
+    k, n = o["node_rank"], o["nnodes"]
+    me = f"{n},{o['nproc_per_node']},{socket.gethostname()}"
+    if store.add(NODE_PREFIX + f"count/{k}", 1) > 1:
+        raise LaunchError(f"node rank {k} joined twice: give every host its own NODE_RANK", 2)
+    store.set(NODE_PREFIX + str(k), me)
+    keys = [NODE_PREFIX + str(r) for r in range(n)]
+    while True:
+        present = [r for r in range(n) if store.check([keys[r]])]
+        if len(present) == n:
+            break
+        if k != 0 and store.check([ABORT_KEY]):
+            missing = store.get(ABORT_KEY).decode()
+            raise LaunchError(f"node(s) {missing} never joined the rendezvous within {timeout_s:g}s "
+                              f"(not started, or cannot reach {o['master_addr']}:{o['master_port']}); giving up", 3)
+        if time.monotonic() > deadline + (0 if k == 0 else 2.0):
+            missing = ", ".join(str(r) for r in range(n) if r not in present)
+            if k == 0:
+                store.set(ABORT_KEY, missing)
+                _linger(store, [NODE_PREFIX + f"ack/{r}" for r in present if r != 0], 2.0)
+            raise LaunchError(f"node(s) {missing} never joined the rendezvous within {timeout_s:g}s "
+                              f"(not started, or cannot reach {o['master_addr']}:{o['master_port']}); giving up", 3)
+        time.sleep(0.1)
+    for r in range(n):
+        info = store.get(keys[r]).decode().split(",")
+        if info[:2] != me.split(",")[:2]:
+            raise LaunchError(f"node {r} ({info[2]}) runs --nnodes {info[0]} --nproc-per-node {info[1]}, this node "
+                              f"{n} and {o['nproc_per_node']}: start every host with the same values", 2)
+
+
+def _linger(store, keys: list[str], seconds: float) -> None:
+    """Keep this process (and the store it hosts) up until every key exists, ``seconds`` at most."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            if all(store.check([key]) for key in keys):
+                return
+        except Exception:
+            return
+        time.sleep(POLL_S)
+
+
+def read_records(store, world: int) -> dict[int, tuple[int | None, str]]:
+    """``{reporter: (root cause rank or None, reason)}`` of the failure records in the store."""
+    out = {}
+    for r in range(world):
+        try:
+            if store.check([FAIL_PREFIX + str(r)]):
+                root, _, reason = store.get(FAIL_PREFIX + str(r)).decode().partition("|")
+                out[r] = (int(root) if root.lstrip("-").isdigit() else None, reason)
+        except Exception:
+            break
+    return out
+
+
+def root_cause(records: dict[int, tuple[int | None, str]]) -> tuple[int | None, str] | None:
+    """The rank really lost: a rank's own failure first (as pipeline.comm does), else the most blamed."""
+    own = sorted(r for r, (root, _) in records.items() if root == r)
+    interrupted = [r for r in own if "interrupted by SIG" in records[r][1]]
+    for r in [r for r in own if r not in interrupted] + interrupted:
+        return r, records[r][1]
+    blamed = [root for root, _ in records.values() if root is not None]
+    if blamed:
+        root = max(set(blamed), key=blamed.count)
+        return root, next(reason for rt, reason in records.values() if rt == root)
+    return None
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"its process was killed by {name}"
+    return f"its process exited with code {code}"
+
+
+# -- the launcher --------------------------------------------------------------------------------------
+class Launcher:
+    def __init__(self, o: dict, module: str, args: list[str], timeout_s: float, heartbeat_s: float) -> None:
+        self.o, self.module, self.args = o, module, args
+        self.timeout_s, self.heartbeat_s = timeout_s, heartbeat_s
+        self.world = o["nnodes"] * o["nproc_per_node"]
+        self.first_rank = o["node_rank"] * o["nproc_per_node"]
+        self.tag = "[launch]" if o["nnodes"] == 1 else f"[launch node {o['node_rank']}]"
+        self.grace = max(3.0, min(timeout_s, 10 * heartbeat_s))  # survivors' time to name a lost rank
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.codes: dict[int, int] = {}
+        self.killed: set[int] = set()       # ranks this launcher had to kill
+        self.stop_signal: int | None = None
+        self.store = None
+
+    def _on_signal(self, sig, _frame) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = sig
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    p.send_signal(sig)
+                except OSError:
+                    pass
+
+    def run(self) -> int:
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, self._on_signal)
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        self.store = open_store(self.o, self.timeout_s, deadline, self.tag)
+        port = self.store.port if self.o["node_rank"] == 0 else self.o["master_port"]
+        if self.stop_signal is None:
+            node_rendezvous(self.store, self.o, deadline, self.timeout_s)
+            if self.o["node_rank"] != 0:
+                self.store.set(NODE_PREFIX + f"ack/{self.o['node_rank']}", "1")
+        if self.stop_signal is not None:
+            return 128 + self.stop_signal
+        env = dict(os.environ, MASTER_ADDR=self.o["master_addr"], MASTER_PORT=str(port),
+                   WORLD_SIZE=str(self.world), LOCAL_WORLD_SIZE=str(self.o["nproc_per_node"]),
+                   GROUP_RANK=str(self.o["node_rank"]), NODE_RANK=str(self.o["node_rank"]),
+                   FLOWSPEC_LAUNCH_STORE="1", FLOWSPEC_LAUNCHER_PID=str(os.getpid()))
+        for v in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID"):
+            env.pop(v, None)
+        for local in range(self.o["nproc_per_node"]):
+            rank = self.first_rank + local
+            e = dict(env, RANK=str(rank), LOCAL_RANK=str(local))
+            self.procs[rank] = subprocess.Popen(
+                [sys.executable, "-m", "pipeline.launch", "--child", self.module, *self.args], env=e)
+        return self.watch()
+
+    def _record(self, rank: int, reason: str) -> None:
+        """Write ``rank``'s failure record unless the rank wrote its own before exiting."""
+        try:
+            if not self.store.check([FAIL_PREFIX + str(rank)]):
+                self.store.set(FAIL_PREFIX + str(rank), f"{rank}|{reason}")
+        except Exception:
+            pass
+
+    def watch(self) -> int:
+        kill_at: float | None = None
+        while True:
+            now = time.monotonic()
+            for rank, p in self.procs.items():
+                if rank in self.codes or p.poll() is None:
+                    continue
+                code = self.codes[rank] = p.returncode
+                if code != 0:
+                    if rank not in self.killed:
+                        self._record(rank, describe_exit(code))
+                    kill_at = min(kill_at or float("inf"), now + self.grace)
+                elif kill_at is None:  # a clean exit: the others follow through close()'s barriers
+                    kill_at = now + self.timeout_s + self.grace
+            alive = [r for r in self.procs if r not in self.codes]
+            if not alive:
+                break
+            if self.stop_signal is not None and kill_at is None:
+                kill_at = now + self.grace
+            if kill_at is not None:
+                records = read_records(self.store, self.world) if self.store is not None else {}
+                blamed = {root for reporter, (root, _) in records.items() if root != reporter}
+                for r in alive:  # reported lost but still here: frozen (SIGSTOP, a hung call): stop it now
+                    if (r in blamed or now >= kill_at) and r not in self.killed:
+                        self.killed.add(r)
+                        if r in blamed:
+                            self._record(r, records[next(k for k, v in records.items() if v[0] == r)][1])
+                        try:
+                            self.procs[r].kill()
+                        except OSError:
+                            pass
+            time.sleep(POLL_S)
+        return self.finish()
+
+    def finish(self) -> int:
+        records = read_records(self.store, self.world) if self.store is not None else {}
+        if self.o["node_rank"] == 0 and self.o["nnodes"] > 1 and self.store is not None:
+            # hold the store until the other hosts' ranks have read the records (or finished)
+            end = time.monotonic() + (self.grace if (records or any(self.codes.values())) else self.timeout_s)
+            while time.monotonic() < end:
+                try:
+                    if all(self.store.check([FAIL_PREFIX + str(r)]) or self.store.check([DONE_PREFIX + str(r)])
+                           for r in range(self.o["nproc_per_node"], self.world)):
+                        break
+                except Exception:
+                    break
+                time.sleep(POLL_S)
+        if self.stop_signal is not None:
+            name = signal.Signals(self.stop_signal).name
+            print(f"{self.tag} stopped by {name}: every rank of this host ended", file=sys.stderr, flush=True)
+            return 128 + self.stop_signal
+        if not any(self.codes.values()):
+            return 0
+        cause = root_cause(records)
+        local = {r: c for r, c in self.codes.items() if c != 0}
+        if cause is None:  # no store (gone with node 0): what the local exits say
+            r, c = min(local.items())
+            cause = (r, describe_exit(c)) if c not in (3, 2, 1) else (None, f"rank {r} exited with code {c}")
+        root, reason = cause
+        who = f"rank {root}" if root is not None else "a rank"
+        own = root in local and self.codes[root] in (1, 2)
+        code = self.codes[root] if own else 3
+        others = sorted(r for r in local if r != root)
+        tail = f"; ranks {', '.join(map(str, others))} stopped" if others else ""
+        if own:
+            msg = f"{self.tag} {who} failed ({reason}){tail}; exit {code}"
+        else:
+            msg = f"{self.tag} lost {who}: {reason}{tail}; exit {code}"
+        print(msg, file=sys.stderr, flush=True)
+        return code
+
+
+def read_timeouts(module: str, args: list[str], world: int, tag: str) -> tuple[float, float]:
+    """``(comm.timeout_s, comm.heartbeat_s)`` of a ``pipeline.run`` command line, whose arguments are
+    checked here, once, before any rank starts (:func:`pipeline.run.check_args` prints the reason)."""
+    if module != "pipeline.run":
+        return 30.0, 0.5
+    from pipeline.run import check_args, parse_args
+    code = check_args(args, world, tag)
+    if code:
+        raise LaunchError("", code)
+    from config.run_config import DEFAULT, apply_overrides
+    cfg = apply_overrides(DEFAULT, parse_args(args).overrides)
+    return float(cfg.comm.timeout_s), float(cfg.comm.heartbeat_s)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--child":
+        child(argv[1], argv[2:])
+        return 0
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0
-    from torch.distributed.run import main as torchrun_main
-    if os.environ.get("FLOWSPEC_DEBUG", "") in ("", "0"):
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        try:
-            torchrun_main(argv)
-        except ChildFailedError as e:
-            failures = sorted(e.failures.items())
-            first_rank, first = e.get_first_failure()
-            code = first.exitcode
-            if code < 0:
-                print(f"[launch] rank {first.global_rank if first.global_rank is not None else first_rank} "
-                      f"died from signal {signal.Signals(-code).name}", file=sys.stderr, flush=True)
-            own = [f.exitcode for _, f in failures if f.exitcode not in PEER_CODES and f.exitcode > 0]
-            return own[0] if own and own[0] < 256 else 1
-        except SignalException as e:
-            return 128 + int(e.sigval)
-        return 0
-    torchrun_main(argv)
-    return 0
+    tag = "[launch]"
+    try:
+        o, module, args = parse(argv)
+        check_options(o)
+        tag = "[launch]" if o["nnodes"] == 1 else f"[launch node {o['node_rank']}]"
+        if {"-h", "--help", "--print-config"} & set(args):  # nothing to launch: the module answers itself
+            os.execv(sys.executable, [sys.executable, "-m", module, *args])
+        timeout_s, heartbeat_s = read_timeouts(module, args, o["nnodes"] * o["nproc_per_node"], tag)
+        launcher = Launcher(o, module, args, timeout_s, heartbeat_s)
+        return launcher.run()
+    except LaunchError as e:
+        if str(e):
+            print(f"{tag} error: {e}", file=sys.stderr, flush=True)
+        return e.code
+    except KeyboardInterrupt:
+        print(f"{tag} interrupted; exiting", file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no atexit / TCPStore teardown that could wait on a dead peer

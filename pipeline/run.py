@@ -76,6 +76,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_intermixed_args(argv)
 
 
+_check_only: str = ""  # set by check_args (the launcher's tag): _main stops before torch and the process group
+
+
+def check_args(argv: list[str], world: int, tag: str = "[launch]") -> int:
+    """Every rank's shared checks (arguments, config values, modes, prompts, stage root against ``world``),
+    run once by :mod:`pipeline.launch` before any rank starts, so the reason cannot be lost in a race
+    between ranks: prints one ``<tag> error: ...`` line and returns 2, or returns 0. No torch import."""
+    global _check_only
+    os.environ["WORLD_SIZE"] = str(world)
+    _check_only = tag
+    try:
+        return _main(list(argv))
+    finally:
+        _check_only = ""
+
+
 def main(argv: list[str] | None = None, rank0=None) -> int:
     """Run this rank; returns its exit code (or leaves with ``os._exit`` once the process group exists).
     ``rank0`` replaces :func:`run_rank0` (same arguments; ``pipeline.serve`` passes its serving loop)."""
@@ -128,7 +144,7 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
 
     def fail(text: str, code: int = 2) -> int:
         if speak:
-            print(f"[rank {rank}] error: {text}", file=sys.stderr, flush=True)
+            print(f"{_check_only or f'[rank {rank}]'} error: {text}", file=sys.stderr, flush=True)
         return code
 
     from config.run_config import DEFAULT, ConfigError, MODES, apply_overrides
@@ -166,6 +182,8 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
         manifest = check_world(stage_root, world)  # before importing torch: a wrong root or world fails at once
     except StageDirError as e:
         return fail(str(e))
+    if _check_only:  # pipeline.launch checking the arguments once, before any rank starts
+        return 0
 
     import torch
     from model.stage_model import DTYPES, load_stage
