@@ -191,6 +191,7 @@ def node_rendezvous(store, o: dict, deadline: float, timeout_s: float) -> None:
             break
         if k != 0 and store.check([ABORT_KEY]):
             missing = store.get(ABORT_KEY).decode()
+            store.set(NODE_PREFIX + f"ack/{k}", "1")
             raise LaunchError(f"node(s) {missing} never joined the rendezvous within {timeout_s:g}s "
                               f"(not started, or cannot reach {o['master_addr']}:{o['master_port']}); giving up", 3)
         if time.monotonic() > deadline + (0 if k == 0 else 2.0):
@@ -270,6 +271,7 @@ class Launcher:
         self.killed: set[int] = set()       # ranks this launcher had to kill
         self.stop_signal: int | None = None
         self.store = None
+        self.records: dict = {}
 
     def _on_signal(self, sig, _frame) -> None:
         if self.stop_signal is None:
@@ -323,6 +325,8 @@ class Launcher:
                 if rank in self.codes or p.poll() is None:
                     continue
                 code = self.codes[rank] = p.returncode
+                if code != 0 and self.store is not None:  # read now: node 0's store may not outlive the job
+                    self.records = read_records(self.store, self.world) or self.records
                 if code != 0:
                     if rank not in self.killed:
                         self._record(rank, describe_exit(code))
@@ -351,17 +355,16 @@ class Launcher:
 
     def finish(self) -> int:
         records = read_records(self.store, self.world) if self.store is not None else {}
-        if self.o["node_rank"] == 0 and self.o["nnodes"] > 1 and self.store is not None:
-            # hold the store until the other hosts' ranks have read the records (or finished)
-            end = time.monotonic() + (self.grace if (records or any(self.codes.values())) else self.timeout_s)
-            while time.monotonic() < end:
+        records = records or self.records
+        if self.o["nnodes"] > 1 and self.store is not None:
+            k = self.o["node_rank"]
+            if k != 0:  # tell node 0 this host has read what it needs
                 try:
-                    if all(self.store.check([FAIL_PREFIX + str(r)]) or self.store.check([DONE_PREFIX + str(r)])
-                           for r in range(self.o["nproc_per_node"], self.world)):
-                        break
+                    self.store.set(NODE_PREFIX + f"end/{k}", "1")
                 except Exception:
-                    break
-                time.sleep(POLL_S)
+                    pass
+            else:  # hold the store until the other hosts' launchers have read the records (bounded)
+                _linger(self.store, [NODE_PREFIX + f"end/{r}" for r in range(1, self.o["nnodes"])], self.grace)
         if self.stop_signal is not None:
             name = signal.Signals(self.stop_signal).name
             print(f"{self.tag} stopped by {name}: every rank of this host ended", file=sys.stderr, flush=True)
@@ -372,13 +375,17 @@ class Launcher:
         local = {r: c for r, c in self.codes.items() if c != 0}
         if cause is None:  # no store (gone with node 0): what the local exits say
             r, c = min(local.items())
-            cause = (r, describe_exit(c)) if c not in (3, 2, 1) else (None, f"rank {r} exited with code {c}")
+            if c == 3:
+                msg = f"{self.tag} rank {r} stopped: it lost a peer rank (its line above names it); exit 3"
+                print(msg, file=sys.stderr, flush=True)
+                return 3
+            cause = (r, describe_exit(c) if c < 0 or c > 3 else f"its process exited with code {c}")
         root, reason = cause
         who = f"rank {root}" if root is not None else "a rank"
         own = root in local and self.codes[root] in (1, 2)
         code = self.codes[root] if own else 3
         others = sorted(r for r in local if r != root)
-        tail = f"; ranks {', '.join(map(str, others))} stopped" if others else ""
+        tail = f"; rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} stopped" if others else ""
         if own:
             msg = f"{self.tag} {who} failed ({reason}){tail}; exit {code}"
         else:
@@ -403,6 +410,8 @@ def read_timeouts(module: str, args: list[str], world: int, tag: str) -> tuple[f
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if os.environ.get("FLOWSPEC_DEBUG", "") in ("", "0"):
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d's C++ warnings carry stack dumps
     if argv and argv[0] == "--child":
         child(argv[1], argv[2:])
         return 0
