@@ -18,7 +18,7 @@ cd "$ROOT"
 for a in "$@"; do
   case "$a" in
     -h|--help)
-      PY="$ROOT/.venv/bin/python"; [[ -x "$PY" ]] || PY="$(bash scripts/bootstrap.sh)"
+      PY="${FLOWSPEC_VENV:-$ROOT/.venv}/bin/python"; [[ -x "$PY" ]] || PY="${PYTHON:-python3}"  # no bootstrap
       exec "$PY" -m pipeline.eval --help ;;
   esac
 done

@@ -34,7 +34,7 @@ while [[ $# -gt 0 ]]; do
     --iface) IFACE="$2"; shift 2 ;;
     --stage-dir) STAGE_DIR="$2"; shift 2 ;;
     --python) PY="$2"; shift 2 ;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) awk 'NR == 1 { next } /^#/ { sub(/^# ?/, ""); print; next } { exit }' "$0"; exit 0 ;;
     *) pass+=("$1"); shift ;;
   esac
 done
