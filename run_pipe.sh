@@ -13,14 +13,20 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
+for a in "$@"; do  # --help and --print-config need no bootstrap: the venv's python when there is one, else python3 (no torch needed)
+  case "$a" in
+    -h|--help|--print-config)
+      HPY="${FLOWSPEC_VENV:-$ROOT/.venv}/bin/python"; [[ -x "$HPY" ]] || HPY="${PYTHON:-python3}"
+      [[ "$a" == --print-config ]] && exec "$HPY" -m pipeline.run "$@"
+      exec "$HPY" -m pipeline.run --help ;;
+  esac
+done
 PY="$(bash scripts/bootstrap.sh)"
 
 stage_dir=""
 for a in "$@"; do
   case "$a" in
     model.stage_dir=*|stage_dir=*) stage_dir="${a#*=}" ;;
-    -h|--help) exec "$PY" -m pipeline.run --help ;;
-    --print-config) exec "$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)" -m pipeline.run "$@" ;;
   esac
 done
 if [[ -z "$stage_dir" ]]; then

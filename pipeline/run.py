@@ -336,6 +336,11 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
         print(f"[rank 0] resuming {args.output}: {len(done)} generation(s) already there are skipped",
               file=sys.stderr, flush=True)
 
+    if not args.quiet:  # say which mode runs and, when nobody chose it, why it is the default
+        chosen = args.modes or any(o.split("=", 1)[0] in ("mode", "gen.mode") for o in args.overrides)
+        why = ("chosen" if chosen else "the default; FlowSpec is mode=continuous and becomes the default once it "
+               "is the fastest speculative mode on the default setup, see README Results")
+        print(f"[rank 0] mode={','.join(modes)} ({why})", file=sys.stderr, flush=True)
     drafter = make_drafter(cfg, stage_root, model, dtype, device) if needs_head else None
 
     gen = torch.Generator(device="cpu")
