@@ -1063,7 +1063,11 @@ def cmd_train(args) -> int:
     metrics_path = out / "metrics.jsonl"
     elapsed_before = 0.0
     if args.resume and ckpt_path.is_file():
-        st = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        try:  # tensors and plain containers only: a replaced file in the output folder cannot run code
+            st = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            sys.exit(f"[train] error: cannot resume from {ckpt_path}: {str(e).strip().splitlines()[0][:200]} "
+                     f"(delete it to start over)")
         head.load_state_dict(st["head"])
         opt.load_state_dict(st["optimizer"])
         sched.load_state_dict(st["scheduler"])

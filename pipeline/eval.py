@@ -169,8 +169,22 @@ def plan(records: dict, modes: list[str], temps: list[float], done: set, first_t
 
 
 def torchrun_cmd() -> list[str]:
-    tr = Path(sys.executable).with_name("torchrun")
-    return [str(tr)] if tr.is_file() else [sys.executable, "-m", "torch.distributed.run"]
+    """The job launcher: pipeline.launch (torchrun's options; one line per failure, bounded, no orphans)."""
+    return [sys.executable, "-m", "pipeline.launch"]
+
+
+def stop_job(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM the job's process group (launcher and ranks), SIGKILL what is left after ``grace_s``."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def run_chunk(chunk, args, common: list[str], world: int, out_dir: Path, sink: RowSink, log) -> int:
@@ -189,7 +203,9 @@ def run_chunk(chunk, args, common: list[str], world: int, out_dir: Path, sink: R
            "--output", str(part), "--quiet", "--warmup", str(args.warmup)]
     if args.first_turn_only:
         cmd.append("--first-turn-only")
+    # FLOWSPEC_PARENT_PID: the launcher stops its job when this driver dies, even by kill -9 (parent-death signal)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               FLOWSPEC_PARENT_PID=str(os.getpid()),
                PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     n_turns = sum(1 if args.first_turn_only else len(r["turns"]) for r in recs) * len(modes)
     log(f"[eval] {tag}: {len(recs)} records, {n_turns} generations (log: {logs / (tag + '.log')})")
@@ -221,10 +237,14 @@ def run_chunk(chunk, args, common: list[str], world: int, out_dir: Path, sink: R
             while proc.poll() is None:
                 time.sleep(1.0)
                 transfer()
-        except KeyboardInterrupt:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait()
+        except KeyboardInterrupt:  # Ctrl-C (the job runs in its own session: the driver stops it)
+            stop_job(proc)
             transfer()
+            print(f"[eval] interrupted: stopped the {tag} job; rows so far are kept, rerun the same command to "
+                  f"resume", file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
+        except BaseException:
+            stop_job(proc)
             raise
     transfer()
     if proc.returncode:
@@ -567,4 +587,8 @@ def _main(args, log) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("[eval] interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)

@@ -418,6 +418,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0
+    parent = os.environ.pop("FLOWSPEC_PARENT_PID", "")
+    if parent:  # started by a driver (pipeline.eval): stop the job (SIGTERM, passed on) when the driver dies
+        set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != int(parent):
+            return 128 + signal.SIGTERM
     tag = "[launch]"
     try:
         o, module, args = parse(argv)

@@ -34,6 +34,10 @@ def load_questions(path: str | Path, begin: int | None = None, end: int | None =
             raise PromptError(f"{path}:{i} is not a JSON object line") from None
         if not isinstance(rec, dict) or not isinstance(rec.get("turns"), list) or not rec["turns"]:
             raise PromptError(f"{path}:{i} lacks a non-empty 'turns' list (FastChat question format)")
+        for j, turn in enumerate(rec["turns"]):
+            if not isinstance(turn, str):
+                raise PromptError(f"{path}:{i}: turn {j + 1} is {type(turn).__name__} {json.dumps(turn)[:40]}, "
+                                  f"expected a string (FastChat question format)")
         records.append(rec)
     return records[begin:end]
 

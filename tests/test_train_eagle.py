@@ -279,7 +279,7 @@ def test_train_cli_end_to_end_with_resume(target, target_dir, tmp_path):
             "--batch-size", "4", "--val-count", "4", "--val-every", "3", "--log-every", "1", "--ckpt-every", "2",
             "--lr", "2e-3", "--no-progress", "--save-dtype", "bfloat16"]
     assert te.main(base + ["--max-steps", "4"]) == 0
-    st = torch.load(out / "train_state" / "checkpoint.pt", weights_only=False)
+    st = torch.load(out / "train_state" / "checkpoint.pt", weights_only=True)
     assert st["step"] == 4
     assert te.main(base + ["--max-steps", "4", "--resume"]) == 0  # already done: no new steps
     rows = te.read_jsonl(out / "metrics.jsonl")
