@@ -1,0 +1,401 @@
+"""The HTTP server (pipeline/serve.py) through real processes and real HTTP: no mocks.
+
+One stories260K server (3 ranks, oracle drafter: long accepted paths) is shared by most tests; separate jobs
+cover a killed stage rank (503, every rank exits) and the SmolLM2 default through ./run_serve.sh (with Ctrl-C).
+Greedy answers are compared with HF ``generate`` on the unsplit model (the reference pipeline.run is tested
+against in test_e2e.py), token for token.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from split_and_save_models import split_checkpoint
+from tests.helpers import REPO, STORIES, free_port, hf_greedy
+
+MODES = ("ar", "naive", "pruned", "pipedec", "continuous")
+STOP = {2}
+pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason="../shared/models/stories260K is not available")
+
+
+class Server:
+    """``./run_serve.sh ... --port P`` in its own process group; stderr goes to ``log``."""
+
+    def __init__(self, args: list[str], log: Path, env: dict | None = None, timeout: float = 120) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+        e.pop("FLOWSPEC_DEBUG", None)
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen([str(REPO / "run_serve.sh"), *args, "--port", str(self.port)], cwd=REPO,
+                                         env=e, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited {self.proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise AssertionError(f"server not ready after {timeout}s:\n{log.read_text()[-3000:]}")
+
+    def stop(self, sig=signal.SIGINT, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def stories_stages(tmp_path_factory):
+    return split_checkpoint(STORIES, tmp_path_factory.mktemp("serve") / "stages", [0, 3, 2], progress=False)
+
+
+@pytest.fixture(scope="module")
+def server(stories_stages, tmp_path_factory):
+    s = Server([f"model.stage_dir={stories_stages}", f"head_dir=oracle:{STORIES}", "max_new_tokens=24",
+                "comm.timeout_s=20", "--queue-size", "16"], tmp_path_factory.mktemp("serve_log") / "server.log")
+    yield s
+    code = s.stop()
+    assert code == 130, f"Ctrl-C should end the job with 130, got {code}:\n{s.log.read_text()[-2000:]}"
+    assert s.proc.poll() is not None
+
+
+def model_id(server) -> str:
+    return httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+
+
+def post(server, path: str, body: dict, **kw) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=kw.pop("timeout", 120), **kw)
+
+
+def sse(lines) -> list[dict]:
+    out = []
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[6:]))
+    return out
+
+
+_tok = None
+
+
+def tokenizer():
+    global _tok
+    if _tok is None:
+        from transformers import AutoTokenizer
+        _tok = AutoTokenizer.from_pretrained(STORIES)
+    return _tok
+
+
+def reference(prompt_ids: list[int], max_new: int) -> list[int]:
+    return hf_greedy(STORIES, prompt_ids, max_new, STOP, torch.float32)
+
+
+def text_of(ids: list[int]) -> str:
+    return tokenizer().decode([t for t in ids if t not in STOP], skip_special_tokens=True)
+
+
+def test_openai_client_and_httpx_every_mode_equal_hf(server):
+    """Both clients, chat and completions, streamed and not, every mode: greedy ids equal HF's."""
+    from openai import OpenAI
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    name = model_id(server)
+    messages = [{"role": "user", "content": "Tell me a story about a cat."}]
+    for mode in MODES:
+        r = client.chat.completions.create(model=name, messages=messages, max_tokens=20, temperature=0,
+                                           extra_body={"mode": mode, "return_token_ids": True})
+        spec = r.model_extra["speculative"]
+        assert spec["mode"] == mode and spec["output_ids"] == reference(spec["prompt_ids"], 20), mode
+        assert r.choices[0].message.content == text_of(spec["output_ids"])
+        assert r.usage.completion_tokens == len(spec["output_ids"]) == spec["new_tokens"]
+        assert r.choices[0].finish_reason in ("stop", "length")
+        assert spec["steps"] == len(spec["accept_lengths"]) and spec["decode_s"] > 0 and spec["prefill_s"] > 0
+        assert spec["tau"] == pytest.approx(sum(spec["accept_lengths"]) / max(1, spec["steps"]), abs=1e-3)
+        if mode in ("naive", "pruned", "continuous"):  # the oracle drafter: long accepted paths (pipedec: 1/step)
+            assert spec["tau"] > 1.5, spec
+        stream = client.chat.completions.create(model=name, messages=messages, max_tokens=20, stream=True,
+                                                stream_options={"include_usage": True}, extra_body={"mode": mode})
+        parts, chunks = [], list(stream)
+        for c in chunks:
+            if c.choices and c.choices[0].delta.content:
+                parts.append(c.choices[0].delta.content)
+        assert "".join(parts) == r.choices[0].message.content, mode
+        assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+        assert chunks[-1].model_extra["speculative"]["accept_lengths"] == spec["accept_lengths"]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+
+        # plain httpx, /v1/completions with a raw text prompt and with token ids
+        body = {"model": name, "prompt": "Once upon a time", "max_tokens": 16, "mode": mode, "return_token_ids": True}
+        j = post(server, "/v1/completions", body).json()
+        ids = j["speculative"]["prompt_ids"]
+        assert ids == tokenizer()("Once upon a time")["input_ids"]
+        assert j["speculative"]["output_ids"] == reference(ids, 16), mode
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True, "prompt": ids},
+                          timeout=120) as resp:
+            assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+            lines = [l for l in resp.iter_lines() if l]
+        assert lines[-1] == "data: [DONE]"
+        events = sse(lines)
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == j["choices"][0]["text"]
+        assert events[-1]["speculative"]["output_ids"] == j["speculative"]["output_ids"]
+
+
+def test_sixteen_concurrent_clients_fifo_once_each(server):
+    """16 clients x 4 requests: each answered once, served in arrival order, answers equal sequential ones."""
+    prompts = ["Once upon a time", "The little dog", "Lily and Tom went to", "One day, a bird"]
+    body = lambda i, k: {"prompt": prompts[(i + k) % 4], "max_tokens": 12, "mode": MODES[(i + k) % 5]}
+    sequential = {}
+    for p in range(4):
+        for m in range(5):
+            r = post(server, "/v1/completions", {"prompt": prompts[p], "max_tokens": 12, "mode": MODES[m]}).json()
+            sequential[(p, m)] = r["choices"][0]["text"]
+    assert len({sequential[(p, m)] for p in range(4) for m in range(5)}) == 4  # every mode agrees
+    results, errors = [], []
+
+    def client(i: int) -> None:
+        with httpx.Client(timeout=300) as c:
+            for k in range(4):
+                try:
+                    r = c.post(server.url + "/v1/completions", json=body(i, k))
+                    assert r.status_code == 200, r.text
+                    j = r.json()
+                    results.append(((i + k) % 4, (i + k) % 5, j["id"], j["speculative"]["seq"],
+                                    j["speculative"]["order"], j["choices"][0]["text"]))
+                except Exception as e:  # noqa: BLE001 - reported below
+                    errors.append(repr(e))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors[:3]
+    assert len(results) == 64 and len({r[2] for r in results}) == 64 and len({r[3] for r in results}) == 64
+    by_arrival = sorted(results, key=lambda r: r[3])
+    assert [r[4] for r in by_arrival] == sorted(r[4] for r in results), "not served in arrival order"
+    for p, m, _, _, _, text in results:
+        assert text == sequential[(p, m)]
+
+
+def test_queue_overflow_429_then_disconnects_cancel(server):
+    """A burst beyond --queue-size 16 gets 429s; closing the streams cancels them; the next answer is right."""
+    name = model_id(server)
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as c:
+            reqs = [c.build_request("POST", server.url + "/v1/completions",
+                                    json={"model": name, "prompt": f"Story {i}", "max_tokens": 400, "mode": "ar",
+                                          "stream": True}) for i in range(26)]
+            resps = await asyncio.gather(*(c.send(r, stream=True) for r in reqs))
+            codes = [r.status_code for r in resps]
+            for r in resps:
+                if r.status_code == 429:
+                    err = json.loads(await r.aread())["error"]
+                    assert err["code"] == "queue_full" and err["message"]
+                await r.aclose()   # the client goes away: queued requests are dropped, the running one stops
+            return codes
+
+    before = httpx.get(server.url + "/metrics").text
+    codes = asyncio.run(burst())
+    assert codes.count(429) >= 26 - 16 - 1 and set(codes) == {200, 429}, codes
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        h = httpx.get(server.url + "/health").json()
+        if h["queue_length"] == 0 and not h["busy"]:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"the cancelled requests did not drain: {h}")
+    after = httpx.get(server.url + "/metrics").text
+    assert metric(after, 'flowspec_requests_total{outcome="cancelled"}') - \
+        metric(before, 'flowspec_requests_total{outcome="cancelled"}') == codes.count(200)
+    assert metric(after, 'flowspec_requests_total{outcome="rejected_queue_full"}') >= codes.count(429)
+    j = post(server, "/v1/completions", {"prompt": "The dog ran", "max_tokens": 16, "mode": "continuous",
+                                         "return_token_ids": True}).json()
+    assert j["speculative"]["output_ids"] == reference(j["speculative"]["prompt_ids"], 16)
+
+
+def test_disconnect_mid_stream_then_correct_answer(server):
+    body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 300, "stream": True}
+    for mode in ("naive", "continuous"):
+        before = metric(httpx.get(server.url + "/metrics").text, 'flowspec_generated_tokens_total')
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "mode": mode}, timeout=60) as r:
+            got = 0
+            for line in r.iter_lines():
+                if line.startswith("data: ") and '"content": "' in line:
+                    got += 1
+                    if got == 2:
+                        break   # leave mid-stream
+        j = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Sing a song."}],
+                                                  "max_tokens": 20, "mode": mode, "return_token_ids": True}).json()
+        assert j["speculative"]["output_ids"] == reference(j["speculative"]["prompt_ids"], 20), mode
+        generated = metric(httpx.get(server.url + "/metrics").text, 'flowspec_generated_tokens_total') - before
+        assert generated - len(j["speculative"]["output_ids"]) < 200, "the abandoned generation was not cancelled"
+
+
+def test_bad_requests_400_and_server_keeps_serving(server):
+    cases = [
+        (b"{not json", None), (b"[1, 2]", None),
+        ({"prompt": "x", "bogus": 1}, "bogus"),
+        ({"prompt": "x", "mode": "fast"}, "mode"),
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "model": "gpt-4"}, "model"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": [1, 2, 10 ** 6]}, "prompt"),
+        ({"prompt": "x " * 600, "max_tokens": 16}, "prompt"),     # longer than stories260K's 512 positions
+        ({"max_tokens": 3}, "prompt"),
+    ]
+    for body, param in cases:
+        kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+        r = httpx.post(server.url + "/v1/completions", timeout=30, **kw)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["param"] == param, err
+    for msgs in ([], [{"role": "assistant", "content": "hi"}], [{"role": "user"}], "hello",
+                 [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]):
+        r = post(server, "/v1/chat/completions", {"messages": msgs})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", (msgs, r.text)
+    r = httpx.get(server.url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "system", "content": "Be brief."},
+                                                           {"role": "user", "content": "Hi"}], "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_sampling_seeded_and_stop_strings(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0, "top_p": 0.9, "seed": 7,
+            "mode": "continuous", "return_token_ids": True}
+    a = post(server, "/v1/completions", body).json()
+    b = post(server, "/v1/completions", body).json()
+    assert a["speculative"]["output_ids"] == b["speculative"]["output_ids"] and a["speculative"]["seed"] == 7
+    greedy = post(server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 24}).json()
+    text = greedy["choices"][0]["text"]
+    stop = text[8:12]
+    s = post(server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 24, "stop": [stop]}).json()
+    assert s["choices"][0]["text"] == text[:text.find(stop)] and s["choices"][0]["finish_reason"] == "stop"
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search("^" + re.escape(name) + r" (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def test_models_health_metrics(server):
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["object"] == "model"
+    post(server, "/v1/completions", {"prompt": "A bird", "max_tokens": 8, "mode": "naive"})
+    text = httpx.get(server.url + "/metrics").text
+    steps, acc = metric(text, "flowspec_verification_steps_total"), metric(text, "flowspec_accepted_tokens_total")
+    assert steps > 0 and metric(text, "flowspec_tau") == pytest.approx(acc / steps, rel=1e-4)
+    assert metric(text, "flowspec_generated_tokens_total") >= acc
+    assert metric(text, 'flowspec_rank_busy_fraction{rank="0"}') > 0
+    assert metric(text, 'flowspec_rank_busy_fraction{rank="2"}') > 0
+    assert metric(text, "flowspec_queue_length") == 0
+    assert "# TYPE flowspec_requests_total counter" in text
+
+
+def test_page_in_headless_chromium(server, tmp_path):
+    """The page (no internet asset) streams an answer and shows τ and tokens/s; screenshot kept."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium not found (Debian: apt-get install chromium)")
+    page = httpx.get(server.url + "/").text
+    assert "http://" not in page and "https://" not in page, "the page must not load internet assets"
+    shot = tmp_path / "serve_page.png"
+    url = server.url + "/?prompt=Tell%20a%20story&autostart=1&max_tokens=24&mode=continuous"
+    res = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                          "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                          f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=120000",
+                          "--window-size=1000,700", f"--screenshot={shot}", "--dump-dom", url],
+                         capture_output=True, text=True, timeout=120)
+    dom = res.stdout
+    answer = re.search(r'id="answer">([^<]*)<', dom)
+    assert answer and 'data-done="1"' in dom, dom[-2000:] + res.stderr[-1000:]
+    ref = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a story"}],
+                                                "max_tokens": 24, "mode": "continuous"}).json()
+    import html
+    assert html.unescape(answer.group(1)) == ref["choices"][0]["message"]["content"]
+    tau = re.search(r'id="tau">([\d.]+)<', dom)
+    tps = re.search(r'id="tps">([\d.]+)<', dom)
+    assert tau and float(tau.group(1)) == pytest.approx(ref["speculative"]["tau"], abs=0.01)
+    assert tps and float(tps.group(1)) > 0
+    assert len(re.findall(r'id="bar\d"', dom)) == 3
+    assert shot.is_file() and shot.stat().st_size > 5000
+    print(f"\npage screenshot: {shot}")
+
+
+def test_killed_stage_rank_answers_503_and_every_rank_exits(stories_stages, tmp_path):
+    """SIGKILL rank 2 mid-request: the request gets 503, the job exits non-zero within comm.timeout_s."""
+    s = Server([f"model.stage_dir={stories_stages}", f"head_dir=oracle:{STORIES}", "comm.timeout_s=5",
+                "comm.heartbeat_s=0.2"], tmp_path / "server.log",
+               env={"FLOWSPEC_FAULT": "rank=2,at=segment,count=3"})
+    try:
+        t0 = time.monotonic()
+        r = post(s, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}],
+                                            "max_tokens": 24, "mode": "naive"}, timeout=60)
+        assert r.status_code == 503, r.text
+        err = r.json()["error"]
+        assert err["code"] == "unavailable" and "pipeline failed" in err["message"], err
+        s.proc.wait(5 + 10)
+        elapsed = time.monotonic() - t0
+    finally:
+        code = s.stop(timeout=5)
+    log = s.log.read_text()
+    assert code != 0 and elapsed < 15, (code, elapsed, log[-2000:])
+    assert "rank 2" in log, log[-2000:]
+
+
+def test_smollm2_default_through_run_serve_sh(tmp_path):
+    """The embedded default (5 ranks) via ./run_serve.sh: greedy chat answers equal HF's; Ctrl-C ends it."""
+    from transformers import AutoTokenizer
+    from model.default_model import ensure_default_checkpoint
+    from pipeline.prompts import chat_prompt_ids, stop_token_ids
+    full = ensure_default_checkpoint()
+    s = Server(["max_new_tokens=16"], tmp_path / "server.log", timeout=240)
+    try:
+        from openai import OpenAI
+        client = OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        name = client.models.list().data[0].id
+        messages = [{"role": "user", "content": "Name three colors."}]
+        r = client.chat.completions.create(model=name, messages=messages, max_tokens=12,
+                                           extra_body={"mode": "continuous", "return_token_ids": True})
+        tok = AutoTokenizer.from_pretrained(full)
+        ids = chat_prompt_ids(tok, ["Name three colors."], [])
+        stop = stop_token_ids(tok, json.loads((Path(full) / "generation_config.json").read_text()))
+        spec = r.model_extra["speculative"]
+        assert spec["prompt_ids"] == ids
+        ref = hf_greedy(full, ids, 12, stop, torch.float32)
+        assert spec["output_ids"] == ref
+        parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=name, messages=messages, max_tokens=12, stream=True, extra_body={"mode": "naive"}) if c.choices]
+        assert "".join(parts) == r.choices[0].message.content
+    finally:
+        t0 = time.monotonic()
+        code = s.stop(signal.SIGINT, timeout=30)
+    assert code == 130 and time.monotonic() - t0 < 15, (code, s.log.read_text()[-2000:])
