@@ -72,7 +72,7 @@ VPY="$VENV/bin/python"
 if [[ -x "$VPY" ]]; then check_python "$VPY"; else check_python "$PY"; fi
 
 want="$( { cat "$REQ"; [[ "$REQ" -ef "$ROOT/requirements.txt" ]] || cat "$ROOT/requirements.txt"
-          echo "$TORCH_SPEC ${FLOWSPEC_TORCH_INDEX:-}"; } | sha256sum | cut -d' ' -f1)"
+          echo "$TORCH_SPEC ${FLOWSPEC_TORCH_INDEX:-}"; } | { sha256sum 2>/dev/null || shasum -a 256; } | cut -d' ' -f1)"
 if [[ -x "$VPY" && -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   echo "$VPY"; exit 0
 fi
