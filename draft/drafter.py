@@ -11,6 +11,7 @@ import torch
 
 from draft.eagle import EagleHead
 from draft.tree import DraftTree, select_top_nodes
+from model.devices import HOST
 
 Tensor = torch.Tensor
 
@@ -29,7 +30,7 @@ class Drafter:
     def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
         """New generation: entries pair each prompt token's feature with the token after it."""
         self.reset()
-        return self.commit(torch.tensor(prompt_ids[1:] + [first_token]), features)
+        return self.commit(torch.tensor(prompt_ids[1:] + [first_token], device=HOST), features)
 
     @torch.no_grad()
     def logprobs(self, hidden: Tensor) -> Tensor:
@@ -78,17 +79,22 @@ class Drafter:
         width ``top_k`` runs for ``depth`` expansions after the first level; all ``top_k + depth * top_k**2``
         candidates compete for ``total_token - 1`` places by cumulative log-prob (root included in
         ``total_token``, as in EAGLE). The draft is deterministic: top-k, never sampled.
+
+        Placement (``model/devices.py``): the beam's candidates stay on the draft head's device; per level
+        only the ``top_k`` chosen parent rows go to the host (the draft cache's tree bookkeeping), and the
+        candidates cross once at the end, where :func:`select_top_nodes` re-ranks them on the host.
         """
         if total_token <= 1:
             return DraftTree.single(root_token)
         lp = self.logprobs(root_hidden)
+        dev = lp.device
         k = min(top_k, lp.numel())
         s, t = torch.topk(lp, k)
-        cand_tokens, cand_parents, cand_scores = [t], [torch.full((k,), -1)], [s]
-        frontier_ids = torch.arange(k)            # candidate indices of the frontier
+        cand_tokens, cand_parents, cand_scores = [t], [torch.full((k,), -1, device=dev)], [s]
+        frontier_ids = torch.arange(k, device=dev)       # candidate indices of the frontier
         frontier_tok, frontier_score = t, s
         frontier_feat = root_hidden.expand(k, -1)
-        frontier_cache_parent = torch.full((k,), -1)  # parent slot in the draft cache tree
+        frontier_cache_parent = torch.full((k,), -1, device=HOST)  # parent slot in the draft cache tree
         n_cand = k
         for _ in range(depth):
             start = self.tree_size
@@ -106,7 +112,7 @@ class Drafter:
             frontier_tok = ct.reshape(-1)[best]
             frontier_score = cum[best]
             frontier_feat = out[parent_row]
-            frontier_cache_parent = start + parent_row
+            frontier_cache_parent = start + parent_row.to(HOST)            # the one transfer of this level
         self.drop_tree()
-        return select_top_nodes(root_token, torch.cat(cand_tokens), torch.cat(cand_parents),
-                                torch.cat(cand_scores), total_token)
+        return select_top_nodes(root_token, torch.cat(cand_tokens).to(HOST), torch.cat(cand_parents).to(HOST),
+                                torch.cat(cand_scores).to(HOST), total_token)

@@ -11,14 +11,17 @@ from __future__ import annotations
 import torch
 
 from draft.drafter import Drafter
+from model.devices import HOST
 
 Tensor = torch.Tensor
 
 
 class OracleDrafter(Drafter):
-    def __init__(self, model_dir: str, adversarial: bool = False, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, model_dir: str, adversarial: bool = False, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
         from transformers import AutoModelForCausalLM
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        self.device = torch.device(device)
         self.adversarial = adversarial
         self.context: list[int] = []
         self.tree_tokens: list[int] = []
@@ -30,7 +33,7 @@ class OracleDrafter(Drafter):
     def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
         self.reset()
         self.context = list(prompt_ids)
-        return self.commit(torch.tensor([first_token]), features)
+        return self.commit(torch.tensor([first_token], device=HOST), features)
 
     @torch.no_grad()
     def _dist(self, sequences: list[list[int]]) -> Tensor:
@@ -40,7 +43,7 @@ class OracleDrafter(Drafter):
             by_len.setdefault(len(s), []).append(i)
         res: dict[int, Tensor] = {}
         for _, idx in by_len.items():
-            batch = torch.tensor([sequences[i] for i in idx])
+            batch = torch.tensor([sequences[i] for i in idx], device=self.device)
             logits = self.model(batch).logits[:, -1].double()
             lp = torch.log_softmax(-logits if self.adversarial else logits, dim=-1)
             for j, i in enumerate(idx):

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model.devices import HOST
+
 Tensor = torch.Tensor
 
 
@@ -28,12 +30,12 @@ def depths_from_parents(parents: Tensor, base_depths: Tensor | None = None) -> T
     ``parents`` describes new nodes appended after ``len(base_depths)`` existing ones).
     """
     offset = 0 if base_depths is None else len(base_depths)
-    out = torch.empty(len(parents), dtype=torch.long)
+    out = torch.empty(len(parents), dtype=torch.long, device=HOST)
     base = [] if base_depths is None else base_depths.tolist()
     d = base + [0] * len(parents)
     for i, p in enumerate(parents.tolist()):
         d[offset + i] = 0 if p < 0 else d[p] + 1
-    out[:] = torch.tensor(d[offset:], dtype=torch.long) if len(parents) else out
+    out[:] = torch.tensor(d[offset:], dtype=torch.long, device=HOST) if len(parents) else out
     return out
 
 
@@ -45,7 +47,7 @@ def ancestor_matrix(parents: Tensor, base: Tensor | None = None) -> Tensor:
     """
     m = 0 if base is None else base.shape[0]
     n = len(parents)
-    out = torch.zeros(m + n, m + n, dtype=torch.bool)
+    out = torch.zeros(m + n, m + n, dtype=torch.bool, device=HOST)
     if m:
         out[:m, :m] = base
     for i, p in enumerate(parents.tolist()):
@@ -79,7 +81,7 @@ class DraftTree:
 
     @staticmethod
     def single(token: int) -> "DraftTree":
-        return DraftTree(torch.tensor([token]), torch.tensor([-1]), torch.zeros(1))
+        return DraftTree(torch.tensor([token], device=HOST), torch.tensor([-1], device=HOST), torch.zeros(1, device=HOST))
 
     def children(self, node: int) -> list[int]:
         """Children of ``node`` in index order (index order = score order for built trees)."""
@@ -104,7 +106,7 @@ def check_tree(tree: DraftTree) -> None:
     n = len(tree)
     if n == 0 or int(tree.parents[0]) != -1:
         raise ValueError("node 0 must be the root (parent -1)")
-    idx = torch.arange(n)
+    idx = torch.arange(n, device=HOST)
     if n > 1 and not bool(((tree.parents[1:] >= 0) & (tree.parents[1:] < idx[1:])).all()):
         raise ValueError("every non-root node needs an earlier parent")
     pairs = set()
@@ -138,7 +140,8 @@ def select_top_nodes(root_token: int, cand_tokens: Tensor, cand_parents: Tensor,
         parents.append(0 if p < 0 else new_index[p])
     tokens = [root_token] + cand_tokens[order].tolist()
     sc = [0.0] + cand_scores[order].tolist()
-    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(sc))
+    return DraftTree(torch.tensor(tokens, device=HOST), torch.tensor(parents, device=HOST),
+                     torch.tensor(sc, device=HOST))
 
 
 def split_sizes(n_nodes: int, n_parts: int, cap: int) -> list[int]:
@@ -168,7 +171,7 @@ def keep_indices_for(tree: DraftTree, accepted: list[int], new_root: int | None)
         anc = ancestor_matrix(tree.parents)
         sub = anc[:, new_root].nonzero().flatten().tolist()
         keep += sub
-    out = torch.tensor(keep, dtype=torch.long)
+    out = torch.tensor(keep, dtype=torch.long, device=HOST)
     if len(keep) > 1 and not bool((out[1:] > out[:-1]).all()):
         raise AssertionError("keep-list must be strictly increasing")
     return out
@@ -191,7 +194,8 @@ def remap_parents(parents: Tensor, node_ids: Tensor, keep: Tensor, accepted_len:
         if keep_row:
             mapped = old_to_new.get(p, -1) if p >= 0 else -1
             new_par.append(mapped if mapped >= 0 else -1)
-    return torch.tensor(rows, dtype=torch.bool), torch.tensor(new_par, dtype=torch.long)
+    return (torch.tensor(rows, dtype=torch.bool, device=HOST),
+            torch.tensor(new_par, dtype=torch.long, device=HOST))
 
 
 def reroot(tree: DraftTree, keep: Tensor, accepted_len: int) -> DraftTree:
@@ -229,7 +233,7 @@ def merge_trees(tree: DraftTree, extra: DraftTree) -> tuple[DraftTree, int]:
         mapped[j] = hit
     if not tokens:
         return tree, 0
-    merged = DraftTree(torch.cat([tree.tokens, torch.tensor(tokens)]),
-                       torch.cat([tree.parents, torch.tensor(parents)]),
-                       torch.cat([tree.scores, torch.tensor(scores)]))
+    merged = DraftTree(torch.cat([tree.tokens, torch.tensor(tokens, device=HOST)]),
+                       torch.cat([tree.parents, torch.tensor(parents, device=HOST)]),
+                       torch.cat([tree.scores, torch.tensor(scores, device=HOST)]))
     return merged, len(tokens)

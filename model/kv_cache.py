@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from draft.tree import ancestor_matrix, depths_from_parents
+from model.devices import HOST
 
 Tensor = torch.Tensor
 
@@ -47,8 +48,8 @@ class KVCache:
         self.context_len = 0
         self.length = 0
         self._pending = 0
-        self.tree_anc = torch.zeros(0, 0, dtype=torch.bool)
-        self.tree_depth = torch.zeros(0, dtype=torch.long)
+        self.tree_anc = torch.zeros(0, 0, dtype=torch.bool, device=HOST)
+        self.tree_depth = torch.zeros(0, dtype=torch.long, device=HOST)
 
     @property
     def num_tree(self) -> int:
@@ -76,8 +77,8 @@ class KVCache:
         if self.num_tree:
             raise RuntimeError("context tokens can only be appended when no tree nodes are cached")
         self._check_room(n)
-        pos = torch.arange(self.length, self.length + n)
-        allowed = torch.ones(n, self.length + n, dtype=torch.bool).tril(self.length)
+        pos = torch.arange(self.length, self.length + n, device=HOST)
+        allowed = torch.ones(n, self.length + n, dtype=torch.bool, device=HOST).tril(self.length)
         return pos[None], _additive(allowed, dtype)
 
     def tree_inputs(self, parents: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -92,7 +93,7 @@ class KVCache:
         anc = ancestor_matrix(parents, self.tree_anc)
         depth = torch.cat([self.tree_depth, depths_from_parents(parents, self.tree_depth)])
         m = self.num_tree
-        allowed = torch.cat([torch.ones(n, self.context_len, dtype=torch.bool), anc[m:, :]], dim=1)
+        allowed = torch.cat([torch.ones(n, self.context_len, dtype=torch.bool, device=HOST), anc[m:, :]], dim=1)
         pos = self.context_len + depth[m:]
         return pos[None], _additive(allowed, dtype), anc, depth
 
@@ -127,10 +128,10 @@ class KVCache:
 
     def truncate_tree(self) -> None:
         """Drop every cached tree node (keep the committed context)."""
-        self.apply_keep(torch.zeros(0, dtype=torch.long), 0)
+        self.apply_keep(torch.zeros(0, dtype=torch.long, device=HOST), 0)
 
 
 def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
-    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=HOST)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]

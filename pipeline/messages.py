@@ -20,6 +20,8 @@ from enum import IntEnum
 
 import torch
 
+from model.devices import HOST
+
 Tensor = torch.Tensor
 
 HEADER_LEN = 48
@@ -58,7 +60,7 @@ class Decision:
     accepted_len: int = 0
     new_token: int = -1
     finished: bool = False
-    keep_indices: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    keep_indices: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long, device=HOST))
 
     kind = Kind.DECISION
 
@@ -175,12 +177,12 @@ def encode(msg: Message) -> tuple[Tensor, Tensor]:
         t = t.detach().contiguous().cpu()
         shape = list(t.shape) + [0] * (4 - t.dim())
         head += [_CODE[t.dtype], t.dim()] + shape
-        chunks.append(t.reshape(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8))
+        chunks.append(t.reshape(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8, device=HOST))
     if len(head) > HEADER_LEN:
         raise ValueError("header overflow")
-    header = torch.zeros(HEADER_LEN, dtype=torch.long)
-    header[:len(head)] = torch.tensor(head, dtype=torch.long)
-    payload = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8)
+    header = torch.zeros(HEADER_LEN, dtype=torch.long, device=HOST)
+    header[:len(head)] = torch.tensor(head, dtype=torch.long, device=HOST)
+    payload = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8, device=HOST)
     return header, payload
 
 
@@ -195,7 +197,7 @@ def payload_size(header: Tensor) -> int:
         numel = 1
         for s in shape:
             numel *= s
-        total += numel * torch.empty(0, dtype=dt).element_size()
+        total += numel * dt.itemsize
         pos += 6
     return total
 
@@ -214,9 +216,9 @@ def decode(header: Tensor, payload: Tensor) -> Message:
         numel = 1
         for s in shape:
             numel *= s
-        nbytes = numel * torch.empty(0, dtype=dt).element_size()
+        nbytes = numel * dt.itemsize
         raw = payload[off:off + nbytes]
-        tensors.append(raw.clone().view(dt).reshape(shape) if numel else torch.zeros(shape, dtype=dt))
+        tensors.append(raw.clone().view(dt).reshape(shape) if numel else torch.zeros(shape, dtype=dt, device=HOST))
         off += nbytes
         pos += 6
     return _CLASSES[kind].build(ints, tensors)

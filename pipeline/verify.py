@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from draft.tree import DraftTree
+from model.devices import HOST
 
 Tensor = torch.Tensor
 
@@ -77,7 +78,8 @@ class Sampler:
         return torch.softmax(x, dim=-1).double()
 
     def uniform(self) -> float:
-        return float(torch.rand((), generator=self.generator, dtype=torch.float64))
+        return float(torch.rand((), generator=self.generator, dtype=torch.float64,
+                                device=self.generator.device if self.generator is not None else HOST))
 
     def accept(self, prob: float) -> bool:
         """One Bernoulli(prob) draw: the only way ``walk_tree`` spends randomness besides ``draw``."""

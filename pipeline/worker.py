@@ -15,6 +15,7 @@ import time
 import torch
 
 from draft.tree import remap_parents
+from model.devices import HOST
 from model.kv_cache import KVCache
 from model.stage_model import StageModel
 from pipeline.comm import Comm
@@ -29,7 +30,7 @@ def apply_decision(cache: KVCache, decision: Decision, seg: Segment | None = Non
     cache.apply_keep(decision.keep_indices, decision.accepted_len)
     if seg is None or seg.n == 0:
         return seg
-    node_ids = torch.arange(m_before, m_before + seg.n)
+    node_ids = torch.arange(m_before, m_before + seg.n, device=HOST)
     rows, parents = remap_parents(seg.parents, node_ids, decision.keep_indices, decision.accepted_len)
     seg.x = seg.x[:, rows]
     seg.parents = parents
@@ -70,7 +71,7 @@ class StageWorker:
                     msg.busy_s[self.rank] = self.tracer.busy_s
                     self.tracer.reset_counters()
                 if msg.emu is not None and self.emu is not None:
-                    msg.emu[self.rank] = torch.tensor(self.emu.take(), dtype=torch.float64)
+                    msg.emu[self.rank] = torch.tensor(self.emu.take(), dtype=torch.float64, device=HOST)
                 comm.send_next(msg)
             elif isinstance(msg, Context):
                 if msg.reset:
@@ -99,5 +100,5 @@ class StageWorker:
             out = self._compute(seg.x, pos, mask)
             self.cache.commit_forward(seg.n, as_context=False, anc=anc, depth=depth)
         elif out.dim() == 2 and self.rank == 1:  # empty id segment -> empty hidden
-            out = torch.zeros(1, 0, self.model.config.hidden_size, dtype=self.dtype)
+            out = torch.zeros(1, 0, self.model.config.hidden_size, dtype=self.dtype, device=HOST)
         self.comm.send_next(Segment(out, seg.parents, seg.round_id, seg.seg_id, seg.decide_from_rank, seg.prior))

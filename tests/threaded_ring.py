@@ -6,6 +6,7 @@ It lets the tests sweep many world sizes and tree shapes quickly; the real multi
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -21,11 +22,14 @@ from pipeline.worker import StageWorker
 
 
 def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], overrides: list[str],
-                 stop_ids: set[int], drafter: str | None = None, dtype=torch.float64) -> dict[str, list]:
+                 stop_ids: set[int], drafter: str | None = None, dtype=torch.float64,
+                 guard=nullcontext) -> dict[str, list]:
     """Generate every prompt in every mode; returns ``{mode: [GenResult, ...]}``.
 
     ``drafter``: a ``model.head_dir`` value, chosen exactly as ``pipeline.run`` does (an EAGLE head directory,
-    ``oracle:<dir>``, ``adversary:<dir>``); None = the untrained head.
+    ``oracle:<dir>``, ``adversary:<dir>``); None = the untrained head. ``guard()``: a context manager that every
+    rank's thread enters around its decode work once the models are loaded (``tests/test_device_guard.py``
+    passes ``lambda: torch.device("meta")``).
     """
     from model.stage_format import read_manifest
     world = len(read_manifest(stage_root)["split"])
@@ -34,7 +38,9 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
     models = [load_stage(stage_root, r, world, dtype) for r in range(world)]
 
     def stage(r: int) -> None:
-        StageWorker(models[r], LocalComm(ring, r), cfg.model.max_seq_len, dtype, "cpu").run()
+        worker = StageWorker(models[r], LocalComm(ring, r), cfg.model.max_seq_len, dtype, "cpu")
+        with guard():
+            worker.run()
 
     comm0 = LocalComm(ring, 0)
     if drafter is not None:
@@ -45,8 +51,9 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
     results: dict[str, list] = {}
     with stage_threads(world, stage) as errors:
         try:
-            for mode in modes:
-                results[mode] = [timed_generation(engine, p, DECODERS[mode]) for p in prompts]
+            with guard():
+                for mode in modes:
+                    results[mode] = [timed_generation(engine, p, DECODERS[mode]) for p in prompts]
         finally:
             if not errors:
                 engine.shutdown()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from model.devices import HOST
 from pipeline.engine import Engine, OutputBuffer
 from pipeline.messages import Context
 
@@ -13,7 +14,7 @@ def ar_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, prom
     out.extend([x])
     accepts = []
     while not out.finished:
-        engine.comm.send_next(Context(torch.tensor([[x]])))
+        engine.comm.send_next(Context(torch.tensor([[x]], device=HOST)))
         hidden = engine.comm.recv_prev().x[0]
         x = engine.sampler.choose(engine.logits(hidden)[-1])
         accepts.append(out.extend([x]))

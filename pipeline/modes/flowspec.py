@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from draft.tree import DraftTree, keep_indices_for, merge_trees, reroot, split_sizes
+from model.devices import HOST
 from pipeline.engine import Engine, OutputBuffer
 from pipeline.messages import Decision, Segment, Status
 from pipeline.verify import walk_tree
@@ -87,7 +88,7 @@ class LockstepMode:
                 committed = tree.tokens[path[1:]].tolist() + [new_token]
                 accepts.append(out.extend(committed))
                 if out.finished or new_root is None:
-                    status, keep = Status.TRUNCATE, torch.tensor(path)
+                    status, keep = Status.TRUNCATE, torch.tensor(path, device=HOST)
                 else:
                     status, keep = Status.CONTINUE, keep_indices_for(tree, path, new_root)
                 decision = Decision(round_id, step, status, len(path), new_token, out.finished, keep)
@@ -120,7 +121,7 @@ class LockstepMode:
     @staticmethod
     def _commit(engine: Engine, tokens: list[int], feats: list[torch.Tensor]) -> torch.Tensor:
         with engine.tracer.span("draft"):
-            return engine.drafter.commit(torch.tensor(tokens), torch.cat(feats))
+            return engine.drafter.commit(torch.tensor(tokens, device=HOST), torch.cat(feats))
 
 
 class PrunedMode(LockstepMode):

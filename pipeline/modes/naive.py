@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from draft.tree import split_sizes
+from model.devices import HOST
 from pipeline.engine import Engine, OutputBuffer
 from pipeline.messages import Decision, Segment, Status
 from pipeline.verify import walk_tree
@@ -39,8 +40,8 @@ def naive_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, p
             path, x, _ = walk_tree(tree, len(tree), logits, engine.sampler)
         committed = tree.tokens[path[1:]].tolist() + [x]
         accepts.append(out.extend(committed))
-        prior = Decision(rounds, 0, Status.TRUNCATE, len(path), x, out.finished, torch.tensor(path))
+        prior = Decision(rounds, 0, Status.TRUNCATE, len(path), x, out.finished, torch.tensor(path, device=HOST))
         if not out.finished:
             with engine.tracer.span("draft"):
-                root_hidden = drafter.commit(torch.tensor(committed), hidden[path])
+                root_hidden = drafter.commit(torch.tensor(committed, device=HOST), hidden[path])
     return rounds, accepts, steps

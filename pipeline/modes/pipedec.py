@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from draft.tree import DraftTree
+from model.devices import HOST
 from pipeline.engine import Engine
 from pipeline.modes.flowspec import LockstepMode
 
@@ -31,29 +32,30 @@ class PipeDecMode(LockstepMode):
         return [int((depths == d).sum()) for d in range(int(depths.max()) + 1)]
 
     def on_reroot(self, keep: torch.Tensor, accepted_len: int) -> None:
-        self.feat_in = self.feat_in[keep[accepted_len:]]
+        self.feat_in = self.feat_in[keep[accepted_len:].to(self.feat_in.device)]
 
     def grow(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor, verified: bool) -> DraftTree:
         drafter, k = engine.drafter, engine.cfg.tree.pipedec_topk
         with engine.tracer.span("expand"):
-            depths = tree.depths
-            self.feat_in[depths == 1] = root_hidden.to(self.feat_in.dtype)
+            depths = tree.depths                                  # host bookkeeping (model/devices.py)
+            dev = self.feat_in.device                             # the draft head's device
+            self.feat_in[(depths == 1).to(dev)] = root_hidden.to(self.feat_in.dtype)
             if len(tree) == 1:
-                frontier, outs = torch.tensor([0]), root_hidden[None]
+                frontier, outs = torch.tensor([0], device=HOST), root_hidden[None]
             else:
-                body = torch.arange(1, len(tree))
+                body = torch.arange(1, len(tree), device=HOST)
                 parents = tree.parents[body] - 1          # the root is the drafter's last context entry
-                out = drafter.tree_forward(tree.tokens[body], self.feat_in[body], parents)
+                out = drafter.tree_forward(tree.tokens[body], self.feat_in[body.to(dev)], parents)
                 drafter.drop_tree()
                 frontier = (depths == depths.max()).nonzero().flatten()
-                outs = out[frontier - 1]
-            lp = drafter.logprobs(outs)                           # [F, V]
+                outs = out[(frontier - 1).to(out.device)]
+            lp = drafter.logprobs(outs)                           # [F, V] on the device
             kk = min(k, lp.shape[-1])
-            cs, ct = torch.topk(lp, kk, dim=-1)
+            cs, ct = (x.to(HOST) for x in torch.topk(lp, kk, dim=-1))  # the step's one device->host copy
             cum = (tree.scores[frontier][:, None] + cs).reshape(-1)
             best = torch.sort(-cum.double(), stable=True).indices[:k]
             par = frontier[best // kk]
             tree = DraftTree(torch.cat([tree.tokens, ct.reshape(-1)[best]]), torch.cat([tree.parents, par]),
                              torch.cat([tree.scores, cum[best]]))
-            self.feat_in = torch.cat([self.feat_in, outs[best // kk].to(self.feat_in.dtype)])
+            self.feat_in = torch.cat([self.feat_in, outs[(best // kk).to(outs.device)].to(self.feat_in.dtype)])
         return tree
