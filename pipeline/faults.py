@@ -16,6 +16,7 @@ Fault injection (tests only)
     ``segment``          a tree segment (``Segment``) sent or received (mid-round of a tree mode)
     ``broadcast``        entering a decision broadcast (rank 0 before sending, the others before
                          receiving): the peers are left with a broadcast pending
+    ``load``             about to load its stage (the process group exists, the peers are loading too)
 
     Several faults are separated by ``;``. Unset (the normal case), :func:`hit` is one dict lookup.
 """
@@ -28,7 +29,7 @@ import threading
 import time
 from typing import Callable, NoReturn
 
-POINTS = ("send", "recv", "prefill", "segment", "broadcast")
+POINTS = ("send", "recv", "prefill", "segment", "broadcast", "load")
 
 _exit_lock = threading.Lock()
 _peer_hook: Callable[[str, int | None], None] | None = None

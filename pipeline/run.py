@@ -213,6 +213,8 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
     except (OSError, ValueError) as e:  # e.g. a garbage config.json
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise SetupError(f"cannot load stage {rank} from {stage_dir(stage_root, rank)}: "
+    from pipeline import faults
+    faults.hit("load")  # test-only fault injection point (FLOWSPEC_FAULT=rank=R,at=load)
                          f"{type(e).__name__}: {first}") from None
     if rank == 0:
         code = (rank0 or run_rank0)(args, cfg, modes, comm, model, stage_root, dtype, device)
