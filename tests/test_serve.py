@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -123,10 +124,10 @@ def test_openai_client_and_httpx_every_mode_equal_hf(server):
     name = model_id(server)
     messages = [{"role": "user", "content": "Tell me a story about a cat."}]
     for mode in MODES:
-        r = client.chat.completions.create(model=name, messages=messages, max_tokens=20, temperature=0,
+        r = client.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0,
                                            extra_body={"mode": mode, "return_token_ids": True})
         spec = r.model_extra["speculative"]
-        assert spec["mode"] == mode and spec["output_ids"] == reference(spec["prompt_ids"], 20), mode
+        assert spec["mode"] == mode and spec["output_ids"] == reference(spec["prompt_ids"], 12), mode
         assert r.choices[0].message.content == text_of(spec["output_ids"])
         assert r.usage.completion_tokens == len(spec["output_ids"]) == spec["new_tokens"]
         assert r.choices[0].finish_reason in ("stop", "length")
@@ -134,7 +135,7 @@ def test_openai_client_and_httpx_every_mode_equal_hf(server):
         assert spec["tau"] == pytest.approx(sum(spec["accept_lengths"]) / max(1, spec["steps"]), abs=1e-3)
         if mode in ("naive", "pruned", "continuous"):  # the oracle drafter: long accepted paths (pipedec: 1/step)
             assert spec["tau"] > 1.5, spec
-        stream = client.chat.completions.create(model=name, messages=messages, max_tokens=20, stream=True,
+        stream = client.chat.completions.create(model=name, messages=messages, max_tokens=12, stream=True,
                                                 stream_options={"include_usage": True}, extra_body={"mode": mode})
         parts, chunks = [], list(stream)
         for c in chunks:
@@ -164,11 +165,11 @@ def test_openai_client_and_httpx_every_mode_equal_hf(server):
 def test_sixteen_concurrent_clients_fifo_once_each(server):
     """16 clients x 4 requests: each answered once, served in arrival order, answers equal sequential ones."""
     prompts = ["Once upon a time", "The little dog", "Lily and Tom went to", "One day, a bird"]
-    body = lambda i, k: {"prompt": prompts[(i + k) % 4], "max_tokens": 12, "mode": MODES[(i + k) % 5]}
+    body = lambda i, k: {"prompt": prompts[(i + k) % 4], "max_tokens": 8, "mode": MODES[(i + k) % 5]}
     sequential = {}
     for p in range(4):
         for m in range(5):
-            r = post(server, "/v1/completions", {"prompt": prompts[p], "max_tokens": 12, "mode": MODES[m]}).json()
+            r = post(server, "/v1/completions", {"prompt": prompts[p], "max_tokens": 8, "mode": MODES[m]}).json()
             sequential[(p, m)] = r["choices"][0]["text"]
     assert len({sequential[(p, m)] for p in range(4) for m in range(5)}) == 4  # every mode agrees
     results, errors = [], []
@@ -399,3 +400,23 @@ def test_smollm2_default_through_run_serve_sh(tmp_path):
         t0 = time.monotonic()
         code = s.stop(signal.SIGINT, timeout=30)
     assert code == 130 and time.monotonic() - t0 < 15, (code, s.log.read_text()[-2000:])
+
+
+def test_in_process_request_api(stories_stages, tmp_path):
+    """RequestManager on rank 0 (no HTTP): submit, iterate committed tokens, stats, cancel, bad input, stop."""
+    out = tmp_path / "inproc.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("FLOWSPEC_DEBUG", None)
+    res = subprocess.run([sys.executable, "-m", "pipeline.launch", "--standalone", "--nproc_per_node=3",
+                          "-m", "tests.serve_inproc_client", str(out), f"model.stage_dir={stories_stages}",
+                          f"head_dir=oracle:{STORIES}", "--no-http"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    j = json.loads(out.read_text())
+    first = j["first"]
+    assert first["ids"] == reference(first["prompt_ids"], 16) == [t for c in j["chunks"] for t in c]
+    assert 1 <= len(j["chunks"]) <= first["stats"]["steps"] + 1   # commits (a slow reader may get several at once)
+    assert first["text"] == text_of(first["ids"]) and first["state"] == "done"
+    assert j["cancelled"]["state"] == "cancelled" and j["cancelled"]["n"] < 300
+    assert j["bad"]["param"] == "mode"
+    assert j["again"] == first["ids"]

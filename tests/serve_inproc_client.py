@@ -1,0 +1,38 @@
+"""Every rank of test_serve's in-process API job runs this script (``pipeline.serve.entry`` with a client).
+
+``python -m pipeline.launch --standalone --nproc_per_node=3 -m tests.serve_inproc_client OUT.json [serve args]``:
+rank 0's client submits requests through :class:`pipeline.serve.RequestManager`, writes what it saw to
+OUT.json and stops the server (every rank then exits 0).
+"""
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pipeline import serve  # noqa: E402
+
+
+def client(manager) -> None:
+    out = {}
+    req = manager.submit(prompt="Once upon a time", max_tokens=16, mode="continuous")
+    out["chunks"] = [list(t) for t in req]
+    out["first"] = {"prompt_ids": req.prompt_ids, "ids": req.ids, "text": req.text, "stats": req.stats,
+                    "finish_reason": req.finish_reason, "state": req.state}
+    long = manager.submit(prompt="The little dog", max_tokens=300, mode="naive")
+    next(iter(long))            # its first commit...
+    long.cancel()               # ...then cancel: it ends at the next commit
+    long.wait(60)
+    out["cancelled"] = {"state": long.state, "n": len(long.ids)}
+    try:
+        manager.submit(prompt="x", mode="warp")
+        out["bad"] = None
+    except serve.RequestError as e:
+        out["bad"] = {"message": str(e), "param": e.param}
+    again = manager.submit(prompt="Once upon a time", max_tokens=16, mode="pipedec").wait(60)
+    out["again"] = again.ids
+    Path(sys.argv[1]).write_text(json.dumps(out))
+    manager.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(serve.entry(sys.argv[2:], client=client))
