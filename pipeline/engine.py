@@ -133,6 +133,23 @@ class Engine:
         msg.emu[0] = torch.tensor(self.emu.take(), dtype=torch.float64)
         return msg.emu.tolist()
 
+    def start_decode_window(self) -> list | None:
+        """One untimed ring trip between prefill and decode: every rank restarts its busy counter, so that
+        busy fractions cover the decode window only (the definition: :func:`pipeline.trace.busy_fraction`),
+        and, with emulation on, hands in its prefill counters (returned; None when emulation is off)."""
+        world = self.comm.world
+        emu_table = None
+        if self.emu is not None:
+            from pipeline.emulation import K
+            emu_table = torch.zeros(world, K, dtype=torch.float64)
+        self.comm.send_next(Stats(torch.zeros(world, dtype=torch.float64), emu_table))
+        msg = self.comm.recv_prev()
+        self.tracer.reset_counters()
+        if emu_table is None or msg.emu is None:
+            return None
+        msg.emu[0] = torch.tensor(self.emu.take(), dtype=torch.float64)
+        return msg.emu.tolist()
+
     def shutdown(self) -> None:
         self.comm.send_next(Shutdown())
         self.comm.recv_prev()
@@ -145,7 +162,7 @@ def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn) -> GenRes
     t0 = time.perf_counter()
     logits, features = engine.prefill(prompt_ids)
     t1 = time.perf_counter()
-    prefill_emu = engine.collect_emu()  # emulation only: split prefill from decode fidelity (untimed)
+    prefill_emu = engine.start_decode_window()  # untimed: busy counters restart, prefill emulation counters
     t1b = time.perf_counter()
     engine.tracer.mark("decode_begin")
     out = OutputBuffer(engine.stop_ids, engine.cfg.gen.max_new_tokens, engine.on_commit, engine.cancel)
@@ -153,7 +170,7 @@ def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn) -> GenRes
     rounds, accepts, steps = decode_fn(engine, logits, features, prompt_ids, out)
     t2 = time.perf_counter()
     engine.tracer.mark("gen_end", new_tokens=len(out.ids))
-    busy = engine.collect_busy(t2 - t0 - (t1b - t1))
+    busy = engine.collect_busy(t2 - t1b)  # decode window: pipeline.trace.busy_fraction's definition
     emu = dict(engine.last_emu)
     if prefill_emu is not None:
         from pipeline.emulation import prefill_fields

@@ -466,18 +466,11 @@ def to_timeline(timeline: list, world: int):
 
 
 def stage_utilization(tl, windows: list[tuple[float, float]]) -> list[list[float]]:
-    """Per generation window: each rank's busy fraction (rank 0: lm_head, draft head and host work; stages:
-    their layer computations)."""
-    from pipeline.timeline import _clipped, union_length
-    out = []
-    for lo, hi in windows:
-        fr = []
-        for r in sorted(tl.ranks):
-            kinds = ("lm_head", "draft", "host") if r == 0 else ("compute",)
-            iv = [x for k in kinds for x in _clipped(tl.ranks[r].spans.get(k, []), lo, hi)]
-            fr.append(round(union_length(iv) / (hi - lo), 4) if hi > lo else 0.0)
-        out.append(fr)
-    return out
+    """Per generation (decode) window: each rank's busy fraction, :func:`pipeline.trace.busy_fraction` (rank 0:
+    lm_head, draft head and ``host`` work; stages: their layer computations)."""
+    from pipeline.timeline import _clipped
+    from pipeline.trace import busy_fraction
+    return [[round(busy_fraction(tl.ranks[r].spans, lo, hi, _clipped), 4) for r in sorted(tl.ranks)] for lo, hi in windows]
 
 
 def decode_windows(marks: list[tuple[str, float]]) -> list[tuple[float, float]]:

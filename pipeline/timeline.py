@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.trace import BUSY
+from pipeline.trace import BUSY, busy_fraction, union_length  # noqa: F401 (union_length: re-exported)
 
 WAIT = {"recv", "broadcast"}
 MARKS = ("gen_begin", "decode_begin", "gen_end")
@@ -190,25 +190,9 @@ def _clipped(iv, lo: float, hi: float) -> list[tuple[float, float]]:
     return [(max(a, lo), min(b, hi)) for a, b in iv[i:j] if b > lo]
 
 
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(intervals):
-        if e <= s:
-            continue
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total
-
-
 def utilization(tl: Timeline, windows: list[tuple[float, float]]) -> list[dict]:
     """Per rank over the union of ``windows`` (disjoint): seconds and fractions busy / wait / other, and
-    seconds per kind."""
+    seconds per kind. Busy is :func:`pipeline.trace.busy_fraction` (the one definition of busy)."""
     rows = []
     length = sum(hi - lo for lo, hi in windows)
     for r, rt in sorted(tl.ranks.items()):
@@ -217,7 +201,7 @@ def utilization(tl: Timeline, windows: list[tuple[float, float]]) -> list[dict]:
             clipped = {k: _clipped(iv, lo, hi) for k, iv in rt.spans.items()}
             for k, c in clipped.items():
                 per_kind[k] = per_kind.get(k, 0.0) + union_length(c)
-            busy += union_length([x for k, c in clipped.items() if k in BUSY for x in c])
+            busy += busy_fraction(rt.spans, lo, hi, _clipped) * (hi - lo)
             wait += union_length([x for k, c in clipped.items() if k in WAIT for x in c])
             anyspan += union_length([x for c in clipped.values() for x in c])
         frac = (lambda v: v / length if length > 0 else 0.0)

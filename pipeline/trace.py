@@ -1,7 +1,8 @@
 """Per-rank timeline: timestamped spans (recv, compute, send, verify, prune, draft, broadcast...).
 
-Spans always feed the busy-time counter (a rank's busy fraction = time in ``BUSY`` spans / wall time);
-the full event list is kept and written to ``<dir>/trace_rank<r>.json`` only when tracing is enabled.
+Spans always feed the busy-time counter (the union of this rank's ``BUSY`` spans: nested or overlapping
+busy spans count once; see :func:`busy_fraction` for the one definition of "busy" every report uses); the
+full event list is kept and written to ``<dir>/trace_rank<r>.json`` only when tracing is enabled.
 
 Event times are seconds since the tracer's ``t0`` (this rank's ``time.perf_counter()`` at start). The dump
 also carries clock anchors so that ``pipeline/timeline.py`` can put every rank on one time axis:
@@ -19,7 +20,45 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-BUSY = {"compute", "verify", "draft", "expand", "prune", "lm_head"}
+# span kinds that count as busy; "host" is the simulator's rank-0 tree/verification work (pipeline/simulate.py)
+BUSY = {"compute", "verify", "draft", "expand", "prune", "lm_head", "host"}
+
+
+def union_length(intervals) -> float:
+    """Total length covered by ``(start, end)`` intervals (overlaps counted once; empty ones ignored)."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(intervals):
+        if e <= s:
+            continue
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def busy_fraction(spans: dict, lo: float, hi: float, clip=None) -> float:
+    """THE definition of a rank's "busy" (pipeline.run rows' ``busy_fraction``, ``pipeline.timeline``'s
+    utilization table and Gantt labels, ``pipeline.bench``, ``pipeline.simulate``'s predictions):
+
+        busy = |union of the rank's spans of a BUSY kind, clipped to [lo, hi]| / (hi - lo)
+
+    where [lo, hi] is a generation's *decode window* (rank 0's ``decode_begin`` -> ``gen_end``; prefill is
+    excluded) and BUSY = compute, verify, draft, expand, prune, lm_head (and the simulator's ``host``).
+    Overlapping or nested busy spans (``lm_head`` inside ``verify``) count once; waiting (recv, broadcast)
+    and sending are not busy. ``spans``: kind -> iterable of (start, end); ``clip(intervals, lo, hi)``, when
+    given, returns the intervals clipped to [lo, hi] faster (``pipeline.timeline._clipped``). The live counter of
+    :class:`Tracer` measures the same quantity without keeping events: the engine restarts every rank's
+    counter when decode begins and reads it when the generation ends."""
+    if hi <= lo:
+        return 0.0
+    if clip is None:
+        clip = lambda v, lo, hi: [(max(a, lo), min(b, hi)) for a, b in v if b > lo and a < hi]  # noqa: E731
+    return union_length([x for k, v in spans.items() if k in BUSY for x in clip(v, lo, hi)]) / (hi - lo)
 
 
 class Tracer:
@@ -28,21 +67,31 @@ class Tracer:
         self.enabled = enabled
         self.events: list[dict] = []
         self.busy_s = 0.0
+        self._busy_depth, self._busy_start = 0, 0.0   # open busy spans (any thread): union, not sum
         self.t0 = time.perf_counter()
         self.t0_wall = time.time()
 
     def reset_counters(self) -> None:
         self.busy_s = 0.0
+        if self._busy_depth:   # a busy span is open: count only its part after the reset
+            self._busy_start = time.perf_counter()
 
     @contextmanager
     def span(self, name: str, **meta):
         start = time.perf_counter()
+        busy = name in BUSY
+        if busy:
+            if self._busy_depth == 0:
+                self._busy_start = start
+            self._busy_depth += 1
         try:
             yield
         finally:
             end = time.perf_counter()
-            if name in BUSY:
-                self.busy_s += end - start
+            if busy:
+                self._busy_depth -= 1
+                if self._busy_depth == 0:   # the outermost busy span closed: count the covered time once
+                    self.busy_s += end - self._busy_start
             if self.enabled:
                 self.events.append({"name": name, "start": start - self.t0, "end": end - self.t0, **meta})
 

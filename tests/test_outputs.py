@@ -114,3 +114,35 @@ def test_chrome_trace_export(run, tmp_path):
     assert main([str(run["root"] / "traces"), "--chrome", str(part), "--generation", "1"]) == 0
     win = [e for e in json.loads(part.read_text())["traceEvents"] if e["ph"] == "X"]
     assert 0 < len(win) < len(spans)
+
+
+def test_one_definition_of_busy_row_equals_trace(run):
+    """A row's busy_fraction (live counters) equals the timeline's busy over that generation's decode window
+    (traces), both being pipeline.trace.busy_fraction."""
+    from pipeline.timeline import load, utilization
+    tl = load(run["root"] / "traces")
+    gens = tl.generations()
+    rows = run["rows_first"]
+    assert len(gens) == len(rows)
+    for g, row in zip(gens, rows):
+        util = utilization(tl, [(g["decode_begin"], g["end"])])
+        for r, u in enumerate(util):
+            assert abs(u["busy_frac"] - row["busy_fraction"][r]) < 0.03, (r, u["busy_frac"], row["busy_fraction"])
+
+
+def test_busy_fraction_counts_nested_spans_once():
+    import time
+    from pipeline.simulate import stage_utilization
+    from pipeline.timeline import RankTrace, Timeline
+    from pipeline.trace import Tracer, busy_fraction
+    spans = {"verify": [(1.0, 3.0)], "lm_head": [(1.5, 2.0)], "recv": [(3.0, 4.0)], "compute": [(3.5, 4.5)]}
+    assert busy_fraction(spans, 0.0, 4.0) == pytest.approx(2.5 / 4.0)
+    assert busy_fraction(spans, 2.0, 2.0) == 0.0
+    tl = Timeline({0: RankTrace(0, 0.0, spans=spans)}, "none")
+    assert stage_utilization(tl, [(0.0, 4.0)]) == [[round(2.5 / 4.0, 4)]]
+    tr = Tracer(0)
+    with tr.span("verify"):
+        with tr.span("lm_head"):
+            time.sleep(0.02)
+        time.sleep(0.02)
+    assert 0.04 <= tr.busy_s < 0.07  # the nested lm_head is not counted twice
