@@ -1,11 +1,13 @@
 """Every rank of test_serve's in-process API job runs this script (``pipeline.serve.entry`` with a client).
 
 ``python -m pipeline.launch --standalone --nproc_per_node=3 -m tests.serve_inproc_client OUT.json [serve args]``:
-rank 0's client submits requests through :class:`pipeline.serve.RequestManager`, writes what it saw to
-OUT.json and stops the server (every rank then exits 0).
+rank 0's client submits requests through :class:`pipeline.serve.RequestManager` and writes what it saw to
+OUT.json; HTTP keeps serving until the file OUT.json.stop appears (at once with ``--no-http``), then the client
+calls ``manager.stop()``: the request in flight finishes, every rank exits 0.
 """
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -30,7 +32,10 @@ def client(manager) -> None:
         out["bad"] = {"message": str(e), "param": e.param}
     again = manager.submit(prompt="Once upon a time", max_tokens=16, mode="pipedec").wait(60)
     out["again"] = again.ids
-    Path(sys.argv[1]).write_text(json.dumps(out))
+    Path(sys.argv[1] + ".tmp").write_text(json.dumps(out))
+    Path(sys.argv[1] + ".tmp").rename(sys.argv[1])
+    while "--no-http" not in sys.argv and not Path(sys.argv[1] + ".stop").exists():
+        time.sleep(0.2)
     manager.stop()
 
 

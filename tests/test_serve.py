@@ -32,16 +32,17 @@ pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason="../shared/models/s
 
 
 class Server:
-    """``./run_serve.sh ... --port P`` in its own process group; stderr goes to ``log``."""
+    """``./run_serve.sh ... --port P`` (or ``cmd ... --port P``) in its own process group; output goes to ``log``."""
 
-    def __init__(self, args: list[str], log: Path, env: dict | None = None, timeout: float = 120) -> None:
+    def __init__(self, args: list[str], log: Path, env: dict | None = None, timeout: float = 120,
+                 cmd: list[str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
         e.pop("FLOWSPEC_DEBUG", None)
         with open(log, "w") as f:
-            self.proc = subprocess.Popen([str(REPO / "run_serve.sh"), *args, "--port", str(self.port)], cwd=REPO,
+            self.proc = subprocess.Popen([*(cmd or [str(REPO / "run_serve.sh")]), *args, "--port", str(self.port)], cwd=REPO,
                                          env=e, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -74,12 +75,25 @@ def stories_stages(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(stories_stages, tmp_path_factory):
-    s = Server([f"model.stage_dir={stories_stages}", f"head_dir=oracle:{STORIES}", "max_new_tokens=24",
-                "comm.timeout_s=20", "--queue-size", "16"], tmp_path_factory.mktemp("serve_log") / "server.log")
+    """The shared stories260K server (3 ranks). It is launched through tests/serve_inproc_client.py, whose rank-0
+    client exercises the in-process API first (see test_in_process_request_api) and then leaves HTTP serving."""
+    tmp = tmp_path_factory.mktemp("serve_log")
+    inproc = tmp / "inproc.json"
+    s = Server([str(inproc), f"model.stage_dir={stories_stages}", f"head_dir=oracle:{STORIES}", "max_new_tokens=24",
+                "comm.timeout_s=20", "--queue-size", "16"], tmp / "server.log",
+               cmd=[sys.executable, "-m", "pipeline.launch", "--standalone", "--nproc_per_node=3", "-m",
+                    "tests.serve_inproc_client"])
+    s.inproc = inproc
+    deadline = time.monotonic() + 120
+    while not inproc.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
     yield s
-    code = s.stop()
-    assert code == 130, f"Ctrl-C should end the job with 130, got {code}:\n{s.log.read_text()[-2000:]}"
-    assert s.proc.poll() is not None
+    Path(str(inproc) + ".stop").touch()   # the in-process client calls manager.stop(): a clean exit of every rank
+    try:
+        code = s.proc.wait(60)
+    finally:
+        s.stop(signal.SIGKILL)
+    assert code == 0, f"manager.stop() should end the job with 0, got {code}:\n{s.log.read_text()[-2000:]}"
 
 
 def model_id(server) -> str:
@@ -402,16 +416,11 @@ def test_smollm2_default_through_run_serve_sh(tmp_path):
     assert code == 130 and time.monotonic() - t0 < 15, (code, s.log.read_text()[-2000:])
 
 
-def test_in_process_request_api(stories_stages, tmp_path):
-    """RequestManager on rank 0 (no HTTP): submit, iterate committed tokens, stats, cancel, bad input, stop."""
-    out = tmp_path / "inproc.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("FLOWSPEC_DEBUG", None)
-    res = subprocess.run([sys.executable, "-m", "pipeline.launch", "--standalone", "--nproc_per_node=3",
-                          "-m", "tests.serve_inproc_client", str(out), f"model.stage_dir={stories_stages}",
-                          f"head_dir=oracle:{STORIES}", "--no-http"], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=180)
-    assert res.returncode == 0, res.stderr[-3000:]
+def test_in_process_request_api(server):
+    """RequestManager on rank 0: submit, iterate committed tokens, stats, cancel, bad input (the shared server's
+    in-process client ran these before any HTTP traffic; its manager.stop() ends that server in the fixture)."""
+    out = server.inproc
+    assert out.exists(), server.log.read_text()[-3000:]
     j = json.loads(out.read_text())
     first = j["first"]
     assert first["ids"] == reference(first["prompt_ids"], 16) == [t for c in j["chunks"] for t in c]
