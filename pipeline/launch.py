@@ -19,8 +19,9 @@ What the launcher guarantees (invariants the tests in tests/test_launchers.py ch
 * Whichever rank dies (signal, error, frozen), the launcher writes a failure record for it in the store
   (``flowspec/fail/<rank>``, unless the rank wrote its own), so every surviving rank prints one line naming
   it and the cause (pipeline/comm.py); the launcher then prints one summary line. A rank that survivors
-  report as lost but that is still there (frozen) is killed at once; the others get a short grace to
-  print and are then killed: the launcher returns within ``comm.timeout_s`` + a few seconds.
+  report silent (no heartbeat for ``comm.timeout_s``) but that is still there (frozen) is killed at once;
+  the others get a short grace (``max(3 s, min(timeout_s, 10 heartbeats))``) to print and are then
+  killed: the launcher returns within ``comm.timeout_s`` + a few seconds of the fault.
 * Every process a launcher starts ends when the launcher ends: children run under ``PR_SET_PDEATHSIG``
   = SIGKILL (Linux), so even ``kill -9`` of the launcher takes its ranks along. SIGINT / SIGTERM to the
   launcher are passed on to its ranks, which stop with one line each.
@@ -340,8 +341,9 @@ class Launcher:
                 kill_at = now + self.grace
             if kill_at is not None:
                 records = read_records(self.store, self.world) if self.store is not None else {}
-                blamed = {root for reporter, (root, _) in records.items() if root != reporter}
-                for r in alive:  # reported lost but still here: frozen (SIGSTOP, a hung call): stop it now
+                blamed = {root for reporter, (root, why) in records.items()
+                          if root != reporter and "no heartbeat" in why}
+                for r in alive:  # reported silent but still here: frozen (SIGSTOP, a hung call): stop it now
                     if (r in blamed or now >= kill_at) and r not in self.killed:
                         self.killed.add(r)
                         if r in blamed:
