@@ -320,8 +320,10 @@ class Launcher:
 
     def watch(self) -> int:
         kill_at: float | None = None
+        polls = 0
         while True:
             now = time.monotonic()
+            polls += 1
             for rank, p in self.procs.items():
                 if rank in self.codes or p.poll() is None:
                     continue
@@ -339,6 +341,11 @@ class Launcher:
                 break
             if self.stop_signal is not None and kill_at is None:
                 kill_at = now + self.grace
+            if kill_at is None and self.store is not None and polls % 10 == 0:
+                # a failure on another host: this host's ranks should follow within the grace (and a rank of
+                # this host reported silent, e.g. frozen, is stopped below)
+                if read_records(self.store, self.world):
+                    kill_at = now + self.grace
             if kill_at is not None:
                 records = read_records(self.store, self.world) if self.store is not None else {}
                 blamed = {root for reporter, (root, why) in records.items()
