@@ -98,7 +98,8 @@ def aggregate(rows: list[dict], modes: list[str]) -> dict[str, dict]:
                   "tps": tokens / decode if decode > 0 else 0.0,
                   "tau": sum(acc) / len(acc) if acc else 0.0,
                   "tokens_per_step": tokens / steps if steps else 0.0, "busy": busy,
-                  "prefill_s": sum(r.get("prefill_s") or 0.0 for r in rs)}
+                  "prefill_s": sum(r.get("prefill_s") or 0.0 for r in rs),
+                  "flagged": sum(bool(r.get("emu_flag")) for r in rs)}
     for m, a in out.items():
         for base in ("naive", "ar"):
             b = out.get(base)
@@ -150,13 +151,17 @@ def summarize(agg: dict, trace_util: dict, mismatch: tuple, meta: dict, gantts: 
     w("- tok/s = Σ new tokens / Σ decode s (prefill excluded); × naive / × ar = speed-up of that throughput; "
       "τ = mean tokens committed per verification incl. the bonus token; tok/step = Σ new tokens / Σ pipeline "
       "steps (messages rank 0 received during decode); busy r = mean fraction of each generation rank r spent in "
-      "compute/verify/draft/expand/prune/lm_head (run's own counters)\n\n")
+      "compute/verify/draft/expand/prune/lm_head during decode (pipeline.trace.busy_fraction; run's own "
+      "counters)" + ("; * = some of the mode's rows were flagged by the emulation for overruns (the host did not "
+                     "keep the modeled times: that tok/s is not the testbed's)" if any(a.get("flagged") for a in
+                                                                                      agg.values()) else "")
+      + "\n\n")
     busy_cols = "".join(f" busy r{i} |" for i in range(world))
     w("| mode | method | generations | new tokens | decode s | tok/s | × naive | × ar | τ | tok/step |" + busy_cols + "\n")
     w("|---" * (10 + world) + "|\n")
     for m, a in agg.items():
         w(f"| `{m}` | {LABELS.get(m, m)} | {a['generations']} | {a['new_tokens']} | {a['decode_s']:.2f} | "
-          f"{a['tps']:.2f} | {_f(a['speedup_naive'])} | {_f(a['speedup_ar'])} | "
+          f"{a['tps']:.2f}{' *' if a.get('flagged') else ''} | {_f(a['speedup_naive'])} | {_f(a['speedup_ar'])} | "
           f"{_f(a['tau']) if m != 'ar' else '1.00'} | {a['tokens_per_step']:.2f} |"
           + "".join(f" {b:.0%} |" for b in a["busy"]) + "\n")
     if any(trace_util.get(m, {}).get("decode") for m in agg):

@@ -274,9 +274,9 @@ def aggregate(rows: list[dict]) -> dict:
         a["decode_s"] += r["decode_s"] / _scale(r)
         a["acc_sum"] += sum(r.get("accept_lengths") or [])
         a["acc_n"] += len(r.get("accept_lengths") or [])
+        a["flagged"] += bool(r.get("emu_flag"))   # also simulate's predictions of flagged recorded rows
         if "emu_profile" in r:
             a["emu"] = True
-            a["flagged"] += bool(r.get("emu_flag"))
             a["over_s"] += r.get("emu_overrun_s", 0.0)
             a["model_s"] += r.get("emu_modeled_s", 0.0) + r.get("emu_link_modeled_s", 0.0)
             a["over_ops"] += r.get("emu_overrun_ops", 0)
@@ -408,6 +408,9 @@ def summarize(rows: list[dict], datasets: list[str], modes: list[str], temps: li
 
 
 def plot(rows: list[dict], datasets: list[str], modes: list[str], temps: list[float], out_dir: Path) -> list[Path]:
+    """Bar charts ξ, SR, τ per dataset and mode. A bar whose rows include any the emulation flagged for
+    overruns (``emu_flag``: the host could not keep the modeled times, so its ξ is not the testbed's) is
+    hatched and starred, with a legend note."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -420,10 +423,14 @@ def plot(rows: list[dict], datasets: list[str], modes: list[str], temps: list[fl
         fig, axes = plt.subplots(1, len(temps), figsize=(max(6, 1.3 * len(cols) + 2) * len(temps), 4.2), squeeze=False)
         for ax, t in zip(axes[0], temps):
             width = 0.8 / max(1, len(show))
+            any_flagged = False
             for i, m in enumerate(show):
-                vals = []
+                vals, flagged = [], []
                 for d in cols:
                     ds = datasets if d == "Mean" else [d]
+                    flagged.append(sum(agg[(t, m, x)]["flagged"] for x in ds if (t, m, x) in agg)
+                                   + (sum(agg[(t, "naive", x)]["flagged"] for x in ds if (t, "naive", x) in agg)
+                                      if metric == "sr" else 0))
                     if not all((t, m, x) in agg for x in ds):
                         vals.append(0.0)
                         continue
@@ -436,15 +443,27 @@ def plot(rows: list[dict], datasets: list[str], modes: list[str], temps: list[fl
                         vals.append(num / den if den else 0.0)
                     else:
                         vals.append(sum(agg[(t, m, x)][metric] for x in ds) / len(ds))
-                ax.bar([j + (i - (len(show) - 1) / 2) * width for j in range(len(cols))], vals, width,
-                       label=LABELS.get(m, m))
+                bars = ax.bar([j + (i - (len(show) - 1) / 2) * width for j in range(len(cols))], vals, width,
+                              label=LABELS.get(m, m))
+                for bar, nf in zip(bars, flagged):
+                    if nf and bar.get_height() > 0:
+                        any_flagged = True
+                        bar.set_hatch("///")
+                        bar.set_edgecolor("black")
+                        ax.annotate("*", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                                    va="bottom", fontsize=11, fontweight="bold")
             if metric == "sr":
                 ax.axhline(1.0, color="grey", lw=0.8, ls="--")
             ax.set_xticks(range(len(cols)))
             ax.set_xticklabels([DATASET_LABELS.get(d, d) for d in cols], rotation=20)
             ax.set_title(f"T = {t:g}")
             ax.set_ylabel(ylabel)
-            ax.legend(fontsize=8)
+            handles, _ = ax.get_legend_handles_labels()
+            if any_flagged:
+                from matplotlib.patches import Patch
+                handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
+                                     label="* emulation flagged overruns\n  (host slower than modeled)"))
+            ax.legend(handles=handles, fontsize=8)
         fig.tight_layout()
         path = out_dir / fname
         fig.savefig(path, dpi=110)

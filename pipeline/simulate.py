@@ -819,7 +819,8 @@ def write_paper_tables(preds: list[dict], out_dir: Path, profile: str, args) -> 
         rows = [{"dataset": p["dataset"], "mode": p["mode"], "temperature": p["temperature"],
                  "question_id": p["question_id"], "turn": p["turn"], "new_tokens": p["new_tokens"],
                  "decode_s": p["pred_decode_s"], "emu_time_scale": p["time_scale"],
-                 "accept_lengths": p["accept_lengths"]} for p in ps]
+                 "accept_lengths": p["accept_lengths"],
+                 "emu_flag": bool(p.get("recorded_emu_flag"))} for p in ps]   # plots mark flagged recordings
         datasets = [d for d in DATASETS if any(r["dataset"] == d for r in rows)]
         datasets += sorted({r["dataset"] for r in rows} - set(datasets))
         modes = [m for m in MODES if any(r["mode"] == m for r in rows)]

@@ -130,8 +130,7 @@ def test_one_definition_of_busy_row_equals_trace(run):
             assert abs(u["busy_frac"] - row["busy_fraction"][r]) < 0.03, (r, u["busy_frac"], row["busy_fraction"])
 
 
-def test_busy_fraction_counts_nested_spans_once():
-    import time
+def test_busy_fraction_counts_nested_spans_once(monkeypatch):
     from pipeline.simulate import stage_utilization
     from pipeline.timeline import RankTrace, Timeline
     from pipeline.trace import Tracer, busy_fraction
@@ -140,9 +139,33 @@ def test_busy_fraction_counts_nested_spans_once():
     assert busy_fraction(spans, 2.0, 2.0) == 0.0
     tl = Timeline({0: RankTrace(0, 0.0, spans=spans)}, "none")
     assert stage_utilization(tl, [(0.0, 4.0)]) == [[round(2.5 / 4.0, 4)]]
-    tr = Tracer(0)
-    with tr.span("verify"):
-        with tr.span("lm_head"):
-            time.sleep(0.02)
-        time.sleep(0.02)
-    assert 0.04 <= tr.busy_s < 0.07  # the nested lm_head is not counted twice
+    import pipeline.trace as trace_mod
+    import itertools
+    clock = itertools.count(0.0, 1.0)
+    monkeypatch.setattr(trace_mod.time, "perf_counter", lambda: next(clock))
+    tr = Tracer(0)                       # t0 = 0
+    with tr.span("verify"):              # 1 .. 4
+        with tr.span("lm_head"):         # 2 .. 3
+            pass
+    with tr.span("recv"):                # 5 .. 6: not busy
+        pass
+    assert tr.busy_s == 3.0  # the nested lm_head is not counted twice
+
+
+def test_plots_and_tables_mark_rows_the_emulation_flagged(tmp_path, monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from pipeline import bench, eval as ev
+    rows = [{"dataset": ds, "mode": m, "temperature": 0.0, "question_id": 1, "turn": 0, "new_tokens": 10,
+             "decode_s": 1.0, "accept_lengths": [2] * 5, "emu_flag": m == "continuous" and ds == "gsm8k"}
+            for ds in ("mt_bench", "gsm8k") for m in ("ar", "naive", "continuous")]  # simulate-style: no emu_profile
+    figs = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))
+    ev.plot(rows, ["mt_bench", "gsm8k"], ["ar", "naive", "continuous"], [0.0], tmp_path)
+    xi = figs[0].axes[0]
+    hatched = [p for p in xi.patches if p.get_hatch()]
+    assert len(hatched) == 2  # gsm8k and Mean of continuous, nothing else
+    assert any("flagged" in t.get_text() for t in xi.get_legend().get_texts())
+    agg = bench.aggregate(rows, ["ar", "continuous"])
+    assert agg["continuous"]["flagged"] == 1 and agg["ar"]["flagged"] == 0
