@@ -44,6 +44,7 @@ class BenchError(RuntimeError):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from pipeline.cli import DefaultsOnce  # each default shown once
     p = argparse.ArgumentParser(
         prog="python -m pipeline.bench",
         description="Run every decoding mode side by side on the same prompts through the pipeline (one torchrun "
@@ -53,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog="Extra key=value words are config overrides passed to every launch (see config/run_config.py), "
                "e.g. max_new_tokens=64 tree.subseq_token=8 model.stage_dir=DIR. Example: python -m pipeline.bench "
                "--prompts-file data/mt_bench/question.jsonl -n 20 --out-dir outputs/bench_mtbench max_new_tokens=128",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsOnce)
     p.add_argument("overrides", nargs="*", help="config overrides key=value for pipeline.run")
     p.add_argument("--prompts-file", help="FastChat question.jsonl (first turns are asked), e.g. MT-bench's")
     p.add_argument("-n", "--num-prompts", type=int, default=20, help="records of --prompts-file to use")

@@ -41,6 +41,7 @@ class EvalError(RuntimeError):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from pipeline.cli import DefaultsOnce  # each default shown once
     p = argparse.ArgumentParser(
         prog="run_eval.sh",
         description="Sweep decoding modes x datasets x temperatures through the pipeline (optionally on the "
@@ -50,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                "config/run_config.py), e.g. tree.init_depth=5. Prepare the datasets with "
                "`python -m data.prepare --from DIR` (DIR/<dataset>/question.jsonl). Example: ./run_eval.sh "
                "--datasets mt_bench,gsm8k --modes ar,naive,continuous --temperatures 0 --begin 30 --end 33",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsOnce)
     p.add_argument("overrides", nargs="*", help="config overrides key=value for pipeline.run")
     p.add_argument("--datasets", default=",".join(DATASETS), help="comma-separated dataset folders")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")

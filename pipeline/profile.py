@@ -30,13 +30,14 @@ DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from pipeline.cli import DefaultsOnce  # each default shown once
     p = argparse.ArgumentParser(
         prog="python -m pipeline.profile",
         description="Measure t(w, ctx) of one pipeline stage (random weights, the project's LayerBlock + KVCache) "
                     "and write an emulation profile JSON (use it with emu.profile=<file>).",
         epilog="Example: python -m pipeline.profile --like checkpoints/SmolLM2-135M-Instruct --layers 8 "
                "--out profiles/my_host.json",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsOnce)
     g = p.add_argument_group("stage shape (default: 8 LLaMA-7B layers)")
     g.add_argument("--like", help="take hidden/intermediate/heads/kv-heads/vocab/family from this HF config.json "
                                   "(or a directory holding one); explicit options still win")

@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from pipeline.cli import DefaultsOnce  # each default shown once
     p = argparse.ArgumentParser(
         prog="python -m pipeline.quant_report",
         description="Run the pipeline with full-precision and bitsandbytes-quantized stages on the same prompts "
@@ -40,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog="Extra key=value words are config overrides for every run (see config/run_config.py), e.g. "
                "mode=naive max_new_tokens=64 model.stage_dir=DIR. Example: python -m pipeline.quant_report "
                "--prompts-file data/mt_bench/question.jsonl -n 5 --quants none,int8 max_new_tokens=64",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsOnce)
     p.add_argument("overrides", nargs="*", help="config overrides key=value for pipeline.run")
     p.add_argument("--prompts-file", required=True, help="FastChat question.jsonl (first turns are asked)")
     p.add_argument("-n", "--num-prompts", type=int, default=20, help="records of --prompts-file to use")

@@ -492,6 +492,7 @@ def decode_times(marks: list[tuple[str, float]]) -> list[float]:
 
 # -- CLI ------------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
+    from pipeline.cli import DefaultsOnce  # each default shown once
     p = argparse.ArgumentParser(
         prog="python -m pipeline.simulate",
         description="Predict decode time, throughput (ξ) and speed-ups of recorded generations for other stage "
@@ -502,7 +503,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog="Extra key=value words are config overrides (tree parameters etc.; use the ones of the recorded "
                "run). Example: python -m pipeline.simulate outputs/eval/edge_orin_7b/rows.jsonl "
                "--stages 2,4,8 --bandwidth-mbps 150,1000 --out-dir outputs/sim",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsOnce)
     p.add_argument("rows", nargs="+", help="JSONL rows with prompt_ids and output_ids (pipeline.run --output, "
                    "bench or eval rows), and key=value config overrides")
     p.add_argument("--modes", default="recorded",

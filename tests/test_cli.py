@@ -102,6 +102,9 @@ def test_every_entry_point_help_has_an_example(module):
     text = buf.getvalue()
     assert "Example" in text, f"{module} --help has no example"
     assert "usage:" in text
+    flat = " ".join(text.split())
+    assert "(default: None)" not in flat and "] (default:" not in flat and "(default: )" not in flat, \
+        f"{module} --help shows a default twice or a meaningless one"
 
 
 # -- run_eval.sh: a failed start leaves no meta.json --------------------------------------------------------
