@@ -45,8 +45,8 @@ class RankResult:
     t_exit: float        # seconds since launch when the exit was seen
 
     @property
-    def lines(self) -> list[str]:  # what the user reads, minus the untrained-head notice
-        return [l for l in self.err.splitlines() if l.strip() and "WARNING" not in l]
+    def lines(self) -> list[str]:  # what the user reads, minus the untrained-head notice and the loading line
+        return [l for l in self.err.splitlines() if l.strip() and "WARNING" not in l and "loading stage" not in l]
 
 
 def rank_env(r: int, world: int, port: int, extra: dict | None) -> dict:
