@@ -37,7 +37,8 @@ class ModelConfig:
     stage_dir: str = ""          # split checkpoint root ("" = the embedded default SmolLM2 split 0+8+8+7+7)
     head_dir: str = ""           # EAGLE-1/2 draft head ("" = the default head for the default model)
     dtype: str = "float32"       # compute dtype of every stage
-    device: str = "cpu"          # cpu | cuda (each rank uses cuda:<local_rank % device_count>)
+    device: str = "cpu"          # cpu | cuda (each rank uses cuda:<local_rank % device_count>, or model.devices)
+    devices: str = ""            # cuda only: GPU index per rank, rank 0 first, e.g. "0,0,1,1,2" (model/devices.py)
     quant: str = "none"          # none | int8 | nf4 | fp4 (bitsandbytes, verification stages only)
     max_seq_len: int = 2048      # KV slots per stage (prompt + new tokens + tree nodes)
     verify_checksums: bool = True

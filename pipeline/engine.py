@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draft.drafter import Drafter
+from model.devices import HOST
 from model.stage_model import StageModel
 from pipeline.comm import Comm
 from pipeline.messages import Context, Shutdown, Stats
@@ -91,12 +92,14 @@ class Engine:
 
     @torch.no_grad()
     def logits(self, hidden: Tensor) -> Tensor:
+        """Target logits of ``hidden`` rows as float32 on the host: the one device->host copy of a
+        verification step (``walk_tree`` and the sampler read them node by node on the host)."""
         with self.tracer.span("lm_head", rows=int(hidden.shape[0])):
-            return self.model.lm_head(hidden.to(self.model.lm_head.weight.device, self.dtype)).float()
+            return self.model.lm_head(hidden.to(self.model.lm_head.weight.device, self.dtype)).float().to(HOST)
 
     def prefill(self, prompt_ids: list[int]) -> tuple[Tensor, Tensor]:
         """Chunked, pipelined prefill. Returns (logits of the last prompt token, features of all prompt tokens)."""
-        ids = torch.tensor(prompt_ids, dtype=torch.long)[None]
+        ids = torch.tensor(prompt_ids, dtype=torch.long, device=HOST)[None]
         chunk = self.cfg.gen.prefill_chunk
         pieces = list(torch.split(ids, chunk, dim=1))
         for i, piece in enumerate(pieces):
@@ -109,12 +112,12 @@ class Engine:
         emu_table = None
         if self.emu is not None:
             from pipeline.emulation import K
-            emu_table = torch.zeros(self.comm.world, K, dtype=torch.float64)
-        self.comm.send_next(Stats(torch.zeros(self.comm.world, dtype=torch.float64), emu_table))
+            emu_table = torch.zeros(self.comm.world, K, dtype=torch.float64, device=HOST)
+        self.comm.send_next(Stats(torch.zeros(self.comm.world, dtype=torch.float64, device=HOST), emu_table))
         msg = self.comm.recv_prev()
         if self.emu is not None and msg.emu is not None:
             from pipeline.emulation import fidelity_fields
-            msg.emu[0] = torch.tensor(self.emu.take(), dtype=torch.float64)
+            msg.emu[0] = torch.tensor(self.emu.take(), dtype=torch.float64, device=HOST)
             self.last_emu = fidelity_fields(msg.emu.tolist(), self.emu)
         busy = msg.busy_s.tolist()
         busy[0] = self.tracer.busy_s
@@ -127,10 +130,10 @@ class Engine:
             return None
         from pipeline.emulation import K
         world = self.comm.world
-        self.comm.send_next(Stats(torch.zeros(world, dtype=torch.float64),
-                                  torch.zeros(world, K, dtype=torch.float64), emu_only=True))
+        self.comm.send_next(Stats(torch.zeros(world, dtype=torch.float64, device=HOST),
+                                  torch.zeros(world, K, dtype=torch.float64, device=HOST), emu_only=True))
         msg = self.comm.recv_prev()
-        msg.emu[0] = torch.tensor(self.emu.take(), dtype=torch.float64)
+        msg.emu[0] = torch.tensor(self.emu.take(), dtype=torch.float64, device=HOST)
         return msg.emu.tolist()
 
     def start_decode_window(self) -> list | None:
@@ -141,13 +144,13 @@ class Engine:
         emu_table = None
         if self.emu is not None:
             from pipeline.emulation import K
-            emu_table = torch.zeros(world, K, dtype=torch.float64)
-        self.comm.send_next(Stats(torch.zeros(world, dtype=torch.float64), emu_table))
+            emu_table = torch.zeros(world, K, dtype=torch.float64, device=HOST)
+        self.comm.send_next(Stats(torch.zeros(world, dtype=torch.float64, device=HOST), emu_table))
         msg = self.comm.recv_prev()
         self.tracer.reset_counters()
         if emu_table is None or msg.emu is None:
             return None
-        msg.emu[0] = torch.tensor(self.emu.take(), dtype=torch.float64)
+        msg.emu[0] = torch.tensor(self.emu.take(), dtype=torch.float64, device=HOST)
         return msg.emu.tolist()
 
     def shutdown(self) -> None:

@@ -189,12 +189,20 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
     from model.stage_model import DTYPES, load_stage
     torch.set_num_threads(cfg.model.num_threads)
     device = cfg.model.device
+    if cfg.comm.backend == "nccl" and device != "cuda":
+        return fail("comm.backend=nccl needs device=cuda (NCCL moves CUDA tensors); use comm.backend=gloo on CPU")
     if device == "cuda":
         if not torch.cuda.is_available():
             return fail("device=cuda but CUDA is not available")
-        local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
-        torch.cuda.set_device(local)
-        device = f"cuda:{local}"
+        from model.devices import DevicePlanError, rank_devices
+        try:  # every rank of a host computes the same plan: a bad one fails here, before anyone connects
+            index = rank_devices(cfg.comm.backend, rank, int(os.environ.get("LOCAL_RANK", "0")),
+                                 int(os.environ.get("LOCAL_WORLD_SIZE", str(world))), world,
+                                 torch.cuda.device_count(), cfg.model.devices)
+        except DevicePlanError as e:
+            return fail(str(e))
+        torch.cuda.set_device(index)
+        device = f"cuda:{index}"
     dtype = DTYPES[cfg.model.dtype]
 
     from pipeline.comm import Comm
@@ -205,6 +213,8 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
     install_emulation(comm, cfg, device)  # emulated edge testbed when emu.profile is set (else a no-op)
     # from here on every error goes through main()'s _fail: one line, peers told, os._exit
     print(loading_line(rank, manifest, stage_root), file=sys.stderr, flush=True)
+    from pipeline import faults
+    faults.hit("load")  # test-only fault injection point (FLOWSPEC_FAULT=rank=R,at=load)
     try:
         model = load_stage(stage_root, rank, world, dtype, device, cfg.model.verify_checksums,
                            cfg.model.quant if rank > 0 else "none")
@@ -213,8 +223,6 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
     except (OSError, ValueError) as e:  # e.g. a garbage config.json
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise SetupError(f"cannot load stage {rank} from {stage_dir(stage_root, rank)}: "
-    from pipeline import faults
-    faults.hit("load")  # test-only fault injection point (FLOWSPEC_FAULT=rank=R,at=load)
                          f"{type(e).__name__}: {first}") from None
     if rank == 0:
         code = (rank0 or run_rank0)(args, cfg, modes, comm, model, stage_root, dtype, device)
@@ -264,7 +272,7 @@ def make_drafter(cfg, stage_root: Path, model, dtype, device: str):
             from draft.oracle import OracleDrafter
             kind, path = cfg.model.head_dir.split(":", 1)
             print(f"[rank 0] using the {kind} drafter (full model {path}); for tests and ablations", file=sys.stderr)
-            return OracleDrafter(path, adversarial=(kind == "adversary"), dtype=dtype)
+            return OracleDrafter(path, adversarial=(kind == "adversary"), dtype=dtype, device=device)
         if head_dir is None:
             print("[rank 0] WARNING: no draft head given: using an UNTRAINED random head "
                   "(acceptance near zero; output stays exact). Set head_dir=... for real speed-ups.",

@@ -57,6 +57,7 @@ from types import SimpleNamespace
 
 import torch
 
+from model.devices import HOST
 from model.kv_cache import KVCache
 from pipeline.emulation import EmulationError, LinkModel, Profile, hidden_rows, load_profile, message_parts
 
@@ -169,7 +170,7 @@ class ReplayStage:
             seq = self.committed.seq
             tok = x.reshape(-1).tolist()
             match = torch.tensor([float(p < len(seq) and seq[p] == t) for p, t in zip(pos.tolist(), tok)],
-                                 dtype=torch.float64)
+                                 dtype=torch.float64, device=HOST)
             length, ctx = cache.length, cache.context_len
             cache.update(match.view(1, 1, -1, 1), match.view(1, 1, -1, 1), 0)
             allowed = (mask[0, 0] == 0)[:, ctx:length + len(tok)]       # tree ancestors + self
@@ -212,7 +213,7 @@ def _make_replay_engine():
         def logits(self, hidden):
             rows = hidden.reshape(-1, 2)
             with self.log.modeled("lm_head", int(rows.shape[0])):
-                out = torch.full((rows.shape[0], self.vocab_size), NEG, dtype=torch.float32)
+                out = torch.full((rows.shape[0], self.vocab_size), NEG, dtype=torch.float32, device=HOST)
                 seq = self.committed.seq
                 for i, (flag, p) in enumerate(rows.tolist()):
                     nxt = int(p) + 1
@@ -605,7 +606,11 @@ def _main(args) -> int:
     stage_root = Path(cfg.model.stage_dir or DEFAULT_STAGE_DIR)
     recorded_world = len(read_manifest(stage_root)["split"])
     dtype = DTYPES[cfg.model.dtype]
-    model0 = load_stage(stage_root, 0, recorded_world, dtype)
+    device = "cuda" if cfg.model.device == "cuda" else "cpu"   # rank 0's drafter; stand-ins stay on the host
+    if device == "cuda" and not torch.cuda.is_available():
+        print("error: device=cuda but CUDA is not available", file=sys.stderr)
+        return 2
+    model0 = load_stage(stage_root, 0, recorded_world, dtype, device)
     features = TargetFeatures(stage_root, dtype)
     real_hidden_bytes = model0.config.hidden_size * torch.empty(0, dtype=dtype).element_size()
 
@@ -619,7 +624,7 @@ def _main(args) -> int:
                 groups.setdefault((m, n), []).append(r)
     drafter = None
     if any(m != "ar" for m, _ in groups):
-        drafter = make_drafter(cfg, stage_root, model0, dtype, "cpu")
+        drafter = make_drafter(cfg, stage_root, model0, dtype, device)
     bandwidths = [float(b) for b in args.bandwidth_mbps.split(",") if b.strip()] or [None]
 
     out_dir = Path(args.out_dir)
