@@ -106,3 +106,22 @@ def test_smollm2_default_all_modes_equal_hf(tmp_path):
     stop = stop_token_ids(tok, json.loads((Path(full) / "generation_config.json").read_text()))
     rows = _run(5, stages, tmp_path / "out.jsonl", prompts, 20, (), dtype="float32")
     _check_against_hf(rows, full, 20, stop, torch.float32, 5 * len(prompts))
+
+
+@pytest.mark.skipif(not STORIES.is_dir(), reason="../shared is not available")
+def test_plain_torchrun_still_launches_the_ranks(tmp_path):
+    """The launchers use pipeline.launch, but the ranks stay plain torch.distributed programs: torchrun's own
+    agent runs them too (the design card's launch path), and the answer equals HF greedy."""
+    import subprocess
+    import sys
+    stages = split_checkpoint(STORIES, tmp_path / "stages", [0, 3, 2], progress=False)
+    out = tmp_path / "out.jsonl"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun) if torchrun.is_file() else sys.executable, *([] if torchrun.is_file() else
+           ["-m", "torch.distributed.run"]), "--standalone", "--nproc_per_node=3", "-m", "pipeline.run",
+           f"model.stage_dir={stages}", "max_new_tokens=16", "--modes", "ar,continuous", "--quiet",
+           "--output", str(out), "--prompt-ids", "1,5,9,13,22,7"]
+    res = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    _check_against_hf(read_jsonl(out), STORIES, 16, {2}, torch.float32, 2)
