@@ -3,7 +3,7 @@
 ``python -m pipeline.bench --prompts-file question.jsonl -n 20 --out-dir outputs/bench [key=value ...]``
 
 Runs ``ar``, ``naive``, ``pruned``, ``pipedec`` and ``continuous`` on the same first turns, each in its own
-``torchrun ... -m pipeline.run`` launch (fresh processes, same settings, tracing on, one trace folder per
+``python -m pipeline.launch ... -m pipeline.run`` launch (fresh processes, same settings, tracing on, one trace folder per
 mode; ``--launch single`` runs all modes in one launch instead and attributes rank 0's generation marks to
 modes in order), one untimed warm-up generation per mode. Then it writes to ``--out-dir``:
 
@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     from pipeline.cli import DefaultsOnce  # each default shown once
     p = argparse.ArgumentParser(
         prog="python -m pipeline.bench",
-        description="Run every decoding mode side by side on the same prompts through the pipeline (one torchrun "
+        description="Run every decoding mode side by side on the same prompts through the pipeline (one pipeline.launch "
                     "launch per mode, tracing on) and report decode throughput, speed-ups over naive and ar, τ, "
                     "accepted tokens per pipeline step, per-rank utilization and a Gantt chart per mode. At T=0 "
                     "every mode's output must equal ar's.",
@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--world", type=int, default=0, help="ranks (default: from the stage manifest)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per mode")
     p.add_argument("--launch", choices=("per-mode", "single"), default="per-mode",
-                   help="one torchrun launch per mode, or all modes in one launch")
+                   help="one launch per mode, or all modes in one launch")
     p.add_argument("--gantt-window", type=float, default=1.5, help="seconds of decode shown in each Gantt chart")
     p.add_argument("--gantt-generation", type=int, default=0,
                    help="which recorded generation of each mode the Gantt window is taken from (0-based)")
@@ -145,7 +145,7 @@ def summarize(agg: dict, trace_util: dict, mismatch: tuple, meta: dict, gantts: 
     w(f"- model: `{meta['stage_dir']}`, draft head: `{meta['head_dir']}`, world {meta['world']} ranks\n")
     w(f"- prompts: {meta['prompts']}; max_new_tokens {meta['max_new_tokens']}, temperature {meta['temperature']:g}, "
       f"{meta['warmup']} untimed warm-up generation(s) per mode, "
-      + ("one torchrun launch per mode" if meta["launch"] == "per-mode" else "all modes in one torchrun launch") + "\n")
+      + ("one launch per mode" if meta["launch"] == "per-mode" else "all modes in one launch") + "\n")
     if meta.get("overrides"):
         w(f"- overrides: `{' '.join(meta['overrides'])}`\n")
     w(f"- host: {meta['cpus']} CPU core(s) for {meta['world']} ranks (absolute speed reflects that contention)\n")
@@ -250,8 +250,8 @@ def analyze_traces(trace_dir: Path, mode: str, mode_index: int, n_modes: int, n_
 
 # -- launching ------------------------------------------------------------------------------------------
 def _torchrun() -> list[str]:
-    tr = Path(sys.executable).with_name("torchrun")
-    return [str(tr)] if tr.is_file() else [sys.executable, "-m", "torch.distributed.run"]
+    from pipeline.launch import command
+    return command()
 
 
 def launch(tag: str, modes: list[str], run_args: list[str], world: int, out_dir: Path, rows_path: Path,

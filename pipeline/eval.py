@@ -1,6 +1,6 @@
 """Evaluation sweep (``./run_eval.sh`` or ``python -m pipeline.eval``): modes x datasets x temperatures.
 
-For every dataset and temperature the driver launches one ``torchrun ... -m pipeline.run`` with the records
+For every dataset and temperature the driver launches one ``python -m pipeline.launch ... -m pipeline.run`` with the records
 still missing (``--prompts-file`` holding just those, every MT-bench turn asked with the previous answer fed
 back, one untimed warm-up generation per mode) and copies each generation's JSON line into
 ``<out-dir>/rows.jsonl`` as soon as it appears, adding ``dataset``. A row's key is (dataset, question_id,
@@ -171,7 +171,8 @@ def plan(records: dict, modes: list[str], temps: list[float], done: set, first_t
 
 def torchrun_cmd() -> list[str]:
     """The job launcher: pipeline.launch (torchrun's options; one line per failure, bounded, no orphans)."""
-    return [sys.executable, "-m", "pipeline.launch"]
+    from pipeline.launch import command
+    return command()
 
 
 def stop_job(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

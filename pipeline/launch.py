@@ -56,6 +56,11 @@ class LaunchError(Exception):
         self.code = code
 
 
+def command() -> list[str]:
+    """How tools start a job: this launcher under the current interpreter (bench, eval, quant_report)."""
+    return [sys.executable, "-m", "pipeline.launch"]
+
+
 # -- arguments ----------------------------------------------------------------------------------------
 OPTIONS = {"nnodes": int, "node_rank": int, "nproc_per_node": int, "master_addr": str, "master_port": int}
 

@@ -3,7 +3,7 @@
 ``python -m pipeline.quant_report --prompts-file question.jsonl -n 20 --out-dir outputs/quant [key=value ...]``
 
 For each ``--quants`` entry (``none`` first: it is the reference) the script launches one
-``torchrun ... -m pipeline.run quant=<q>`` over the first turns of ``-n`` records (rows in
+``python -m pipeline.launch ... -m pipeline.run quant=<q>`` over the first turns of ``-n`` records (rows in
 ``<out-dir>/<q>.jsonl``; a complete file is reused, so a rerun only does what is missing). Then it reports,
 per quantization:
 
@@ -145,9 +145,8 @@ def run_one(quant: str, args, stage_dir: Path, world: int, out: Path) -> list[di
         print(f"[quant] {quant}: reusing {out} ({len(rows)} rows)", flush=True)
         return rows
     out.unlink(missing_ok=True)
-    tr = Path(sys.executable).with_name("torchrun")
-    cmd = [str(tr)] if tr.is_file() else [sys.executable, "-m", "torch.distributed.run"]
-    cmd += ["--standalone", f"--nproc_per_node={world}", "-m", "pipeline.run", f"model.stage_dir={stage_dir}",
+    from pipeline.launch import command
+    cmd = command() + ["--standalone", f"--nproc_per_node={world}", "-m", "pipeline.run", f"model.stage_dir={stage_dir}",
             *args.overrides, f"quant={quant}", "gen.temperature=0", "--prompts-file", args.prompts_file,
             "--begin", str(args.begin),
             "--end", str(args.begin + args.num_prompts), "--first-turn-only", "--output", str(out), "--quiet"]

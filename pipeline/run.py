@@ -1,4 +1,4 @@
-"""Entry point of every rank (launched by torchrun): ``python -m pipeline.run [key=value ...] [options]``.
+"""Entry point of every rank (launched by ``pipeline.launch``, which ``run_pipe.sh`` uses, or by plain torchrun): ``python -m pipeline.run [key=value ...] [options]``.
 
 Rank 0 holds the draft head and ``lm_head``, formats prompts, runs the chosen mode(s) and prints/writes
 results; ranks 1..N run the mode-agnostic stage worker.
@@ -39,14 +39,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m pipeline.run",
         description="Distributed (pipeline-parallel) speculative decoding. Launch one process per rank\n"
-                    "with torchrun; rank 0 drafts and verifies, ranks 1..N hold the decoder layers.",
+                    "with python -m pipeline.launch (or torchrun); rank 0 drafts and verifies, ranks 1..N hold the decoder layers.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Config overrides are key=value words (config/run_config.py): section.key, or a bare key\n"
                "when only one section has it (top_k is ambiguous: tree.top_k = draft beam width, gen.top_k =\n"
                "sampling top-k). HF names: do_sample=false, gen.top_k, top_p, temperature, max_new_tokens.\n\n"
                "Examples:\n"
                "  python -m pipeline.run --print-config mode=continuous tree.init_depth=5\n"
-               "  torchrun --standalone --nproc_per_node=5 -m pipeline.run mode=continuous max_new_tokens=64 \\\n"
+               "  python -m pipeline.launch --standalone --nproc_per_node=5 -m pipeline.run mode=continuous max_new_tokens=64 \\\n"
                "      --prompt 'Write a haiku about rivers.' --output rows.jsonl --answer-file answers.jsonl")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     p.add_argument("--print-config", action="store_true",
@@ -167,8 +167,8 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
     if args.answer_file and len(modes) > 1 and "{mode}" not in args.answer_file:
         return fail("--answer-file with several --modes needs {mode} in its path (one answer file per mode)")
     if world < 2:
-        return fail("needs at least 2 ranks (rank 0 drafts, ranks 1..N hold layers); launch with torchrun "
-                    "--nproc_per_node=<stages>")
+        return fail("needs at least 2 ranks (rank 0 drafts, ranks 1..N hold layers); launch with ./run_pipe.sh or "
+                    "python -m pipeline.launch --nproc_per_node=<stages> -m pipeline.run")
     for i, text in enumerate(args.prompt):  # argv is the same on every rank: check before connecting
         if not text.strip():
             return fail(f"--prompt number {i + 1} is empty")
