@@ -8,9 +8,9 @@ error naming both. An unknown key fails with a did-you-mean suggestion; a bad va
 
 HF ``generate`` names: ``do_sample=false`` forces ``temperature=0`` (``do_sample=true`` with temperature 0 is
 an error: give a temperature); ``gen.top_k``/``top_p``/``temperature``/``max_new_tokens`` mean what they
-mean there; ``top_k_sampling`` is a deprecated alias of ``gen.top_k``. ``repetition_penalty`` and stop
-strings (``stop``) are not implemented and fail with one clear line (they would change the target
-distribution that every mode's lossless verification reproduces, so they need work in every mode).
+mean there; ``top_k_sampling`` is a deprecated alias of ``gen.top_k``; ``stop`` (HF's ``stop_strings``) is ``gen.stop``.
+``repetition_penalty`` is not implemented and fails with one clear line (it would change the target
+distribution that every mode's lossless verification reproduces).
 
 Tree parameters follow the FlowSpec paper's code (``init_*`` for a round's first tree, ``expand_*`` for
 dynamic expansion). ``total_token`` counts the root, as in EAGLE (60 = 59 drafted tokens + root).
@@ -74,6 +74,23 @@ class GenerationConfig:
     seed: int = 0
     prefill_chunk: int = 64      # prompt tokens per prefill message (chunked, pipelined prefill)
     system_prompt: str = ""
+    stop: str = ""               # stop strings: one string, or a JSON list '["###", "\\n\\n"]' (see stop_strings)
+
+    def stop_strings(self) -> list[str]:
+        """``stop`` as a list: ``""`` -> none, a JSON list -> its strings, anything else -> that one string."""
+        text = self.stop
+        if not text:
+            return []
+        if text.lstrip().startswith("["):
+            import json
+            try:
+                items = json.loads(text)
+            except ValueError:
+                raise ConfigError(f"gen.stop={text!r}: a JSON list of strings, e.g. '[\"###\", \"END\"]'") from None
+            if not isinstance(items, list) or not all(isinstance(x, str) and x for x in items):
+                raise ConfigError(f"gen.stop={text!r}: a JSON list of non-empty strings")
+            return items
+        return [text]
 
     @property
     def top_k_sampling(self) -> int:
@@ -162,6 +179,7 @@ class RunConfig:
                 load_profile(self.emu.profile)
             except EmulationError as e:
                 raise ConfigError(str(e)) from None
+        self.gen.stop_strings()    # a malformed stop list is a ConfigError here
         return self
 
 
@@ -170,8 +188,6 @@ ALIASES = {"top_k_sampling": "gen.top_k", "gen.top_k_sampling": "gen.top_k"}   #
 UNSUPPORTED = {
     "repetition_penalty": "repetition_penalty is not implemented: it changes the target distribution, which "
                           "every speculative mode's verification reproduces exactly; leave it out",
-    "stop": "stop strings (gen.stop) are not implemented (the output stops at the model's stop tokens and "
-            "max_new_tokens); cut the text after generation",
     "num_beams": "num_beams (beam search) is not implemented; this decoder is greedy (temperature=0) or samples",
 }
 # keys handled by apply_overrides itself rather than a dataclass field

@@ -46,9 +46,16 @@ class OutputBuffer:
     with the tokens each ``extend`` took; ``cancel`` (anything with ``is_set()``, e.g. a
     ``threading.Event`` set by another thread) ends the generation at the next commit by setting
     ``finished``, so every mode leaves through its normal round-ending path and the stages stay consistent.
+
+    Stop strings (``stop_text``, optional): a pure function of the committed ids, asked after every appended
+    token (in order), that says whether the text now contains a stop string. The buffer finishes on the
+    first token that completes one, so the cut depends only on the token sequence: every mode, whatever
+    its verification granularity, stops at the same token as ``ar`` (and the target's law is untouched:
+    stopping is a function of the tokens already drawn).
     """
 
-    def __init__(self, stop_ids: set[int], max_new_tokens: int, on_commit=None, cancel=None) -> None:
+    def __init__(self, stop_ids: set[int], max_new_tokens: int, on_commit=None, cancel=None,
+                 stop_text=None) -> None:
         self.ids: list[int] = []
         self.stop_ids = stop_ids
         self.max_new = max_new_tokens
@@ -56,6 +63,7 @@ class OutputBuffer:
         self.on_commit = on_commit
         self.cancel = cancel
         self.cancelled = False
+        self.stop_text = stop_text
 
     def extend(self, tokens: list[int]) -> int:
         """Append until a stop condition; returns how many tokens were taken."""
@@ -66,6 +74,8 @@ class OutputBuffer:
             self.ids.append(int(t))
             taken += 1
             if int(t) in self.stop_ids or len(self.ids) >= self.max_new:
+                self.finished = True
+            elif self.stop_text is not None and self.stop_text(self.ids):
                 self.finished = True
         if taken and self.on_commit is not None:
             self.on_commit(self.ids[-taken:])
@@ -86,6 +96,7 @@ class Engine:
         self.emu = getattr(comm, "emu", None)   # pipeline.emulation.Emulator when emu.profile is set
         self.last_emu: dict = {}
         self.on_commit = None  # serving (pipeline/serve.py): per-generation OutputBuffer hooks
+        self.stop_text = None  # stop strings (gen.stop): see OutputBuffer and pipeline.prompts.StopText
         self.cancel = None
         if self.emu is not None:
             self.emu.install_rank0(self)
@@ -168,7 +179,8 @@ def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn) -> GenRes
     prefill_emu = engine.start_decode_window()  # untimed: busy counters restart, prefill emulation counters
     t1b = time.perf_counter()
     engine.tracer.mark("decode_begin")
-    out = OutputBuffer(engine.stop_ids, engine.cfg.gen.max_new_tokens, engine.on_commit, engine.cancel)
+    out = OutputBuffer(engine.stop_ids, engine.cfg.gen.max_new_tokens, engine.on_commit, engine.cancel,
+                       getattr(engine, "stop_text", None))
     engine.sampler.generator.manual_seed(engine.cfg.gen.seed)
     rounds, accepts, steps = decode_fn(engine, logits, features, prompt_ids, out)
     t2 = time.perf_counter()

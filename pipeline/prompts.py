@@ -89,3 +89,23 @@ def stop_token_ids(tokenizer, generation_config: dict | None = None) -> set[int]
         if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None and tid >= 0:
             ids.add(tid)
     return ids
+
+
+class StopText:
+    """``gen.stop`` as a predicate on committed ids: does the text end in a way that contains a stop string?
+
+    Asked after every appended token, it decodes only the last ``window`` tokens (a stop string of L
+    characters spans at most L tokens; the window adds slack for multi-byte characters), so its cost does not
+    grow with the answer. Because it is asked token by token, the first ``True`` is the token that
+    completes the first occurrence, in every mode alike.
+    """
+
+    def __init__(self, tokenizer, strings: list[str]) -> None:
+        if not strings:
+            raise ValueError("StopText needs at least one string")
+        self.tokenizer, self.strings = tokenizer, list(strings)
+        self.window = max(len(x) for x in self.strings) + 8
+
+    def __call__(self, ids: list[int]) -> bool:
+        tail = self.tokenizer.decode(ids[-self.window:], skip_special_tokens=True)
+        return any(x in tail for x in self.strings)

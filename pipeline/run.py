@@ -356,6 +356,11 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
     gen = torch.Generator(device="cpu")
     sampler = Sampler(cfg.gen.temperature, cfg.gen.top_p, cfg.gen.top_k, gen)
     engine = Engine(model, comm, drafter, sampler, stop_ids, cfg)
+    if cfg.gen.stop_strings():
+        if tokenizer is None:
+            raise SetupError("gen.stop needs text: it cannot be used with --prompt-ids (no tokenizer)")
+        from pipeline.prompts import StopText
+        engine.stop_text = StopText(tokenizer, cfg.gen.stop_strings())
 
 
     max_positions = getattr(model.config, "max_position_embeddings", 1 << 30)

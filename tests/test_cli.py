@@ -54,7 +54,10 @@ def test_hf_sampling_names():
     assert "true/false" in _err(["do_sample=maybe"])
     for word in ("repetition_penalty=1.1", "gen.repetition_penalty=1.2"):
         assert "repetition_penalty is not implemented" in _err([word])
-    assert "stop strings" in _err(["stop=###"]) and "stop strings" in _err(["gen.stop=a,b"])
+    # stop strings (HF's stop_strings): one string, or a JSON list; a malformed list is one line
+    assert apply_overrides(DEFAULT, ["stop=###"]).gen.stop_strings() == ["###"]
+    assert apply_overrides(DEFAULT, ['gen.stop=["a,b", "END"]']).gen.stop_strings() == ["a,b", "END"]
+    assert "JSON list" in _err(["stop=[oops"]) and "non-empty strings" in _err(['stop=["", 3]'])
 
 
 def test_format_config_marks_non_defaults():

@@ -125,3 +125,26 @@ def test_plain_torchrun_still_launches_the_ranks(tmp_path):
                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
     _check_against_hf(read_jsonl(out), STORIES, 16, {2}, torch.float32, 2)
+
+
+@pytest.mark.skipif(not STORIES.is_dir(), reason="../shared is not available")
+def test_stop_strings_cut_every_mode_at_the_same_token(tmp_path):
+    """gen.stop ends the answer on the token that completes the first stop string, identically in every mode:
+    the cut equals the one computed independently on the unstopped ar answer (full decode, token by token)."""
+    from transformers import AutoTokenizer
+    stages = split_checkpoint(STORIES, tmp_path / "stages", [0, 3, 2], progress=False)
+    tok = AutoTokenizer.from_pretrained(STORIES)
+    base = ["model.stage_dir=" + str(stages), f"head_dir=oracle:{STORIES}", "max_new_tokens=48", "--quiet",
+            "--template", "raw", "--prompt", "Once upon a time, there was a little girl named Lily. She"]
+    launch(3, [*base, "--modes", "ar", "--output", str(tmp_path / "free.jsonl")], timeout=600)
+    free = read_jsonl(tmp_path / "free.jsonl")[0]["output_ids"]
+    text = tok.decode(free, skip_special_tokens=True)
+    words = [w for w in text.split() if len(w) >= 3]
+    assert len(words) > 4, text
+    stop = words[len(words) // 2]        # a word from the middle of the free answer
+    cut = next(i for i in range(1, len(free) + 1) if stop in tok.decode(free[:i], skip_special_tokens=True))
+    launch(3, [*base, f"gen.stop={stop}", "--modes", ALL_MODES, "--output", str(tmp_path / "stop.jsonl")], timeout=600)
+    rows = read_jsonl(tmp_path / "stop.jsonl")
+    assert len(rows) == 5
+    for r in rows:
+        assert r["output_ids"] == free[:cut], (r["mode"], stop)
