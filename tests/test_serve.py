@@ -429,3 +429,42 @@ def test_in_process_request_api(server):
     assert j["cancelled"]["state"] == "cancelled" and j["cancelled"]["n"] < 300
     assert j["bad"]["param"] == "mode"
     assert j["again"] == first["ids"]
+
+
+def test_several_hosts_through_run_serve_sh(stories_stages, tmp_path):
+    """run_serve.sh with NODE_RANK (one launcher per host, here three on localhost, each with its own copy of the
+    stage root): host 0 serves, greedy answers equal HF's in a speculative mode, Ctrl-C on host 0 ends every host."""
+    import shutil
+    mport = free_port()
+    common = dict(NNODES="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(mport))
+    others = []
+    for k in (1, 2):
+        root = tmp_path / f"host{k}"
+        shutil.copytree(stories_stages, root)
+        log = open(tmp_path / f"host{k}.log", "w")
+        others.append(subprocess.Popen([str(REPO / "run_serve.sh"), f"head_dir=oracle:{STORIES}", "comm.timeout_s=20"],
+                                       cwd=REPO, env=dict(os.environ, **common, NODE_RANK=str(k), STAGE_DIR=str(root), OMP_NUM_THREADS="1"),
+                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    s = None
+    try:
+        s = Server([f"head_dir=oracle:{STORIES}", "comm.timeout_s=20"], tmp_path / "host0.log", timeout=180,
+                   env={**common, "NODE_RANK": "0", "STAGE_DIR": str(stories_stages)})
+        body = {"model": model_id(s), "prompt": "Once upon a time", "max_tokens": 16, "mode": "continuous",
+                "return_token_ids": True}
+        j = post(s, "/v1/completions", body).json()
+        assert j["speculative"]["output_ids"] == reference(j["speculative"]["prompt_ids"], 16)
+        assert j["speculative"]["tau"] > 1.5   # the oracle drafter: long accepted paths across hosts
+    finally:
+        t0 = time.monotonic()
+        code = s.stop(signal.SIGINT, timeout=40) if s is not None else None
+        rest = []
+        for p in others:
+            try:
+                rest.append(p.wait(40))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                rest.append("hung")
+        took = time.monotonic() - t0
+    logs = "\n".join((tmp_path / f"host{k}.log").read_text()[-1500:] for k in range(3))
+    assert code == 130 and all(c != "hung" for c in rest) and took < 40, (code, rest, took, logs)
+    assert "Traceback" not in logs
