@@ -5,7 +5,6 @@ step, exactly where a CUDA run would mix devices. Output must still equal the un
 This is what would have caught the CUDA crash of ``Drafter.grow_tree`` (CPU index tensors concatenated with
 top-k results on the device) on a machine without a GPU.
 """
-from pathlib import Path
 
 import pytest
 import torch
