@@ -9,16 +9,18 @@
 #
 # Every argument is passed to `python -m pipeline.run` (see `./run_pipe.sh --help`): config overrides
 # key=value (config/run_config.py) and the options --prompt, --prompts-file, --modes, --output, ...
-# The number of processes follows the stage root's manifest (set NPROC to force it).
+# The number of processes follows the stage root's manifest (set NPROC to force it). ENTRY=pipeline.serve runs
+# the HTTP server's entry instead (run_serve.sh does that).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
+ENTRY="${ENTRY:-pipeline.run}"
 for a in "$@"; do  # --help and --print-config need no bootstrap: the venv's python when there is one, else python3 (no torch needed)
   case "$a" in
     -h|--help|--print-config)
       HPY="${FLOWSPEC_VENV:-$ROOT/.venv}/bin/python"; [[ -x "$HPY" ]] || HPY="${PYTHON:-python3}"
       [[ "$a" == --print-config ]] && exec "$HPY" -m pipeline.run "$@"
-      exec "$HPY" -m pipeline.run --help ;;
+      exec "$HPY" -m "$ENTRY" --help ;;
   esac
 done
 PY="$(bash scripts/bootstrap.sh)"
@@ -40,4 +42,4 @@ fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # pipeline.launch: checks the arguments once, starts the ranks (torchrun's options, not its agent); a lost rank
 # is named by every survivor and by the launcher's summary line, and no rank outlives the launcher.
-exec "$PY" -m pipeline.launch --standalone --nproc_per_node="$nproc" -m pipeline.run "$@"
+exec "$PY" -m pipeline.launch --standalone --nproc_per_node="$nproc" -m "$ENTRY" "$@"

@@ -13,25 +13,11 @@
 # The number of local processes follows the stage root's manifest (set NPROC to force it).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-cd "$ROOT"
-for a in "$@"; do
-  case "$a" in -h|--help) PY="$(bash scripts/bootstrap.sh)"; exec "$PY" -m pipeline.serve --help ;; esac
+for a in "$@"; do  # help needs no bootstrap (run_pipe.sh's rule)
+  case "$a" in -h|--help) ENTRY=pipeline.serve exec "$ROOT/run_pipe.sh" --help ;; esac
 done
 if [[ -n "${NODE_RANK:-}" ]]; then
   ENTRY=pipeline.serve exec "$ROOT/run_jetson.sh" "$@"
 fi
-PY="$(bash scripts/bootstrap.sh)"
-stage_dir=""
-for a in "$@"; do
-  case "$a" in model.stage_dir=*|stage_dir=*) stage_dir="${a#*=}" ;; esac
-done
-if [[ -z "$stage_dir" ]]; then
-  stage_dir="$("$PY" -m model.default_model | tail -n 1)"
-fi
-if [[ -z "${NPROC:-}" ]]; then
-  nproc="$("$PY" -m model.stage_format "$stage_dir" --world)" || exit 2
-else
-  nproc="$NPROC"
-fi
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "$PY" -m pipeline.launch --standalone --nproc_per_node="$nproc" -m pipeline.serve "$@"
+# one host: run_pipe.sh's bootstrap, default stages and process count, with the server's entry point
+ENTRY=pipeline.serve exec "$ROOT/run_pipe.sh" "$@"

@@ -44,7 +44,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from starlette.requests import Request as HTTPRequest  # module level: FastAPI resolves handler annotations here
+try:  # module level: FastAPI resolves handler annotations here (absent only where --help runs without the venv)
+    from starlette.requests import Request as HTTPRequest
+except ImportError:
+    HTTPRequest = None
 
 STATIC = Path(__file__).resolve().parent / "static"
 ALL_MODES = "ar,naive,pruned,pipedec,continuous"
