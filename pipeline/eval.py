@@ -88,20 +88,12 @@ def _key(row: dict) -> tuple:
 def load_rows(path: Path, repair: bool = True, log=print) -> list[dict]:
     """Rows of a JSONL results file; a partial last line (a crash mid-write) is dropped and, with
     ``repair``, cut from the file so that appends start on a fresh line. Corrupt lines are skipped."""
-    if not path.is_file():
-        return []
-    data = path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        cut = data.rfind(b"\n") + 1
-        log(f"[eval] {path}: dropping a partially written last line ({len(data) - cut} bytes)")
-        data = data[:cut]
-        if repair:
-            with open(path, "r+b") as f:
-                f.truncate(cut)
+    from pipeline.outputs import jsonl_lines
+    lines, dropped = jsonl_lines(path, repair)
+    if dropped:
+        log(f"[eval] {path}: dropping a partially written last line ({dropped} bytes)")
     rows = []
-    for i, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
+    for i, line in lines:
         try:
             row = json.loads(line)
             _key(row)

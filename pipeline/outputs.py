@@ -103,21 +103,35 @@ def provenance(cfg, stage_root: Path, head: tuple[str, str | None], template: st
     return prov
 
 
-def read_rows(path: Path) -> list[dict]:
-    """Rows of an existing output file; a partly written last line is cut from the file first."""
+def jsonl_lines(path: Path, repair: bool = True) -> tuple[list[tuple[int, str]], int]:
+    """``([(line_number, line), ...], dropped_bytes)`` of a JSONL file that a crash may have cut mid-write.
+
+    A partly written last line (no final newline) is dropped and, with ``repair``, cut from the file so that
+    appends start on a fresh line; blank lines are skipped. The one torn-line rule of every results reader
+    (``pipeline.run --output`` here, ``run_eval.sh``'s rows in :func:`pipeline.eval.load_rows`).
+    """
     path = Path(path)
     if not path.is_file():
-        return []
+        return [], 0
     data = path.read_bytes()
+    dropped = 0
     if data and not data.endswith(b"\n"):
         cut = data.rfind(b"\n") + 1
-        with open(path, "r+b") as f:
-            f.truncate(cut)
+        dropped = len(data) - cut
+        if repair:
+            with open(path, "r+b") as f:
+                f.truncate(cut)
         data = data[:cut]
+    lines = [(i, line) for i, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1)
+             if line.strip()]
+    return lines, dropped
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Rows of an existing output file; a partly written last line is cut from the file first. A line that is
+    not a JSON object refuses the file (one line)."""
     rows = []
-    for i, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
+    for i, line in jsonl_lines(path)[0]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
