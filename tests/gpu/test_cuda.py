@@ -22,6 +22,7 @@ import torch
 
 from split_and_save_models import split_checkpoint
 from tests.helpers import DATA, DATASETS, REPO, STORIES, launch, read_jsonl, tiny_llama
+from tests.test_e2e import _dataset_prompts
 
 ALL_MODES = "ar,naive,pruned,continuous,pipedec"
 REPORT = Path(os.environ.get("FLOWSPEC_GPU_REPORT", REPO / "outputs" / "gpu_report.jsonl"))
@@ -86,14 +87,6 @@ def test_tiny_float64_all_modes_equal_hf_on_cuda(tiny, tmp_path, world, drafter)
     head = () if drafter == "untrained" else (f"head_dir=oracle:{full}",)
     rows, _ = run_cuda(world, splits[world], tmp_path / "o.jsonl", TINY_PROMPTS, 16, "float64", head)
     assert_equal_hf(rows, full, 16, {2}, "float64", 5 * len(TINY_PROMPTS), f"tiny/{world}/{drafter}")
-
-
-def _dataset_prompts(tok, n_tokens):
-    out = []
-    for ds in DATASETS:
-        rec = [json.loads(l) for l in (DATA / ds / "question.jsonl").read_text().splitlines() if l.strip()][30]
-        out.append(tok(rec["turns"][0])["input_ids"][:n_tokens])
-    return out
 
 
 @pytest.mark.skipif(not STORIES.is_dir() or not DATA.is_dir(), reason="../shared is not available")
