@@ -81,6 +81,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple, Sequence
 
 KINDS = ("stage", "hop", "draft_level", "verify")
+MIN_PERIOD_S = 1e-9   # floor of a step's time: with all-zero costs every node is free and rates stay finite
 
 
 # -- affine fits ----------------------------------------------------------------------------------------
@@ -239,6 +240,7 @@ class StepCosts:
     ring_time: Callable[[int, int], float] | None = None
     rank0_overhead_s: float = 0.0
     source: str = ""
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)   # (what, w, ...) -> seconds
 
     def __post_init__(self) -> None:
         if self.n_stages < 1:
@@ -261,17 +263,29 @@ class StepCosts:
         return ring + self.verify_time(w) + self.rank0_overhead_s
 
     def ring_period(self, w: int, in_flight: int | None = None, ctx: int | None = None) -> float:
-        """Step time that everything but rank 0's busy time imposes (see the module docstring)."""
+        """Step time that everything but rank 0's busy time imposes (see the module docstring). Memoised per
+        ``(w, in_flight, ctx)``: the cost callables must not change once a ``StepCosts`` is built."""
         c = self.ctx if ctx is None else ctx
         k = in_flight or self.in_flight_default()
-        return max(self.stage_time(w, c), self.busy_link(w), self.loop_time(w, c) / k)
+        key = ("ring", w, k, c)
+        t = self._memo.get(key)
+        if t is None:
+            if len(self._memo) > 8192:        # a caller passing a growing ctx: keep the memo bounded
+                self._memo.clear()
+            t = self._memo[key] = max(self.stage_time(w, c), self.busy_link(w), self.loop_time(w, c) / k)
+        return t
 
     def rank0_time(self, w: int, draft_s: float = 0.0) -> float:
-        return self.verify_time(w) + draft_s + self.rank0_overhead_s
+        key = ("verify", w)
+        t = self._memo.get(key)
+        if t is None:
+            t = self._memo[key] = self.verify_time(w)
+        return t + draft_s + self.rank0_overhead_s
 
     def period(self, w: int, draft_s: float = 0.0, in_flight: int | None = None, ctx: int | None = None) -> float:
-        """Seconds per pipeline step when every segment carries ``w`` nodes and rank 0 drafts ``draft_s``."""
-        return max(self.ring_period(w, in_flight, ctx), self.rank0_time(w, draft_s))
+        """Seconds per pipeline step when every segment carries ``w`` nodes and rank 0 drafts ``draft_s``
+        (at least :data:`MIN_PERIOD_S`)."""
+        return max(self.ring_period(w, in_flight, ctx), self.rank0_time(w, draft_s), MIN_PERIOD_S)
 
     def expansion_time(self, depth: int, top_k: int) -> float:
         """Rank 0's drafting per step: commit + root log-probs, then ``depth`` levels of ``top_k`` rows."""
@@ -298,7 +312,7 @@ class StepCosts:
         for s, d, lm in links:
             if s != 0 and not (hidden_bytes_per_token or lm.hidden_bytes_per_token):
                 raise ValueError(f"link {s}->{d} of profile {profile.name!r} counts real payload bytes "
-                                 "(hidden_bytes_per_token = 0): pass hidden_bytes_per_token")
+                                 "(hidden_bytes_per_token = 0): pass hidden_bytes_per_token (CLI: --hidden-bytes)")
 
         def row_bytes(src: int, lm) -> float:
             return 16.0 if src == 0 else (hidden_bytes_per_token or lm.hidden_bytes_per_token) + 8.0
@@ -556,20 +570,26 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=5, help="ranks in the ring (rank 0 + verification stages)")
     p.add_argument("--ctx", type=int, default=512, help="cached KV slots per stage")
     p.add_argument("--alpha", type=float, nargs="+", default=[0.5, 0.7, 0.9],
-                   help="per-level acceptance rates of the synthetic patterns (and of the expansion)")
+                   help="per-level acceptance rates of the synthetic patterns and of their expansion (the "
+                        "flat / zero patterns are expanded with the largest)")
     p.add_argument("--waiting", type=int, default=128, help="nodes waiting on rank 0 in each pattern")
     p.add_argument("--max-size", type=int, default=None, help="cap on nodes per segment (default: no cap)")
+    p.add_argument("--hidden-bytes", type=float, default=None,
+                   help="bytes per hidden-state row on a hop, for profiles that count real payloads (e.g. zero)")
     p.add_argument("--rank0-overhead-ms", type=float, default=0.0, help="unmodeled rank-0 time per step")
     args = p.parse_args(argv)
     try:
         from pipeline.emulation import EmulationError, load_profile
         if args.world < 2:
             raise ValueError(f"--world {args.world} must be >= 2")
-        if args.waiting < 2 or args.ctx < 0 or args.rank0_overhead_ms < 0:
-            raise ValueError("--waiting must be >= 2, --ctx and --rank0-overhead-ms >= 0")
+        if args.waiting < 2 or args.ctx < 0 or args.rank0_overhead_ms < 0 or (args.hidden_bytes or 0) < 0:
+            raise ValueError("--waiting must be >= 2; --ctx, --hidden-bytes and --rank0-overhead-ms >= 0")
+        if args.max_size is not None and args.max_size < 1:
+            raise ValueError(f"--max-size {args.max_size} must be >= 1")
         if any(not 0.0 <= a <= 1.0 for a in args.alpha):
             raise ValueError("--alpha values must be in [0, 1]")
         costs = StepCosts.from_profile(load_profile(args.profile), args.world, args.ctx,
+                                       hidden_bytes_per_token=args.hidden_bytes,
                                        rank0_overhead_s=args.rank0_overhead_ms / 1e3)
         print(f"{costs.source}: {costs.n_stages} stages, ctx {costs.ctx}, {costs.n_stages + 1} segments in flight")
         print(f"{'rows':>5} {'stage ms':>9} {'link ms':>8} {'hop ms':>7} {'verify ms':>9} {'level ms':>9} "
@@ -584,13 +604,12 @@ def main(argv=None) -> int:
         print(f"{'pattern':<20} {'alpha':>5} {'w':>4} {'total':>5} {'depth':>5} {'top_k':>5} {'draft ms':>8} "
               f"{'period ms':>9} {'tok/step':>8} {'tok/s':>7}")
         for name, probs in patterns(args.waiting, args.alpha):
-            alphas = [float(name.split("=")[1])] if "alpha=" in name else [max(args.alpha)]
-            for a in alphas:
-                plan = plan_step(probs, costs, a, max_size=args.max_size)
-                e = plan.expansion
-                print(f"{name:<20} {a:5.2f} {plan.segment_size:4d} {e.total_nodes:5d} {e.depth:5d} {e.top_k:5d} "
-                      f"{plan.draft_s * 1e3:8.2f} {plan.period_s * 1e3:9.2f} {plan.tokens_per_step:8.2f} "
-                      f"{plan.tokens_per_s:7.1f}")
+            a = float(name.split("=")[1]) if "alpha=" in name else max(args.alpha)
+            plan = plan_step(probs, costs, a, max_size=args.max_size)
+            e = plan.expansion
+            rate = f"{plan.tokens_per_s:7.1f}" if plan.period_s > MIN_PERIOD_S else "    inf"
+            print(f"{name:<20} {a:5.2f} {plan.segment_size:4d} {e.total_nodes:5d} {e.depth:5d} {e.top_k:5d} "
+                  f"{plan.draft_s * 1e3:8.2f} {plan.period_s * 1e3:9.2f} {plan.tokens_per_step:8.2f} {rate}")
         return 0
     except (EmulationError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
