@@ -34,9 +34,10 @@ nodes (in send order; ancestors first, so every prefix is sendable) that maximis
 
     rate(w) = V(w) / period(w)        over 1 <= w <= min(waiting, max_size).
 
-Equivalently: node ``w`` joins the segment when its value pays for the time it adds at the current rate,
-``p_w >= rate * (period(w) - period(w - 1))``. A node whose row is free on the bottleneck (flat stage cost, link
-not limiting) is sent whenever ``p > 0``; a zero-probability node is never worth a positive extra time.
+At the chosen ``w`` the last node pays for the time it adds at the rate achieved,
+``p_w >= rate(w) * (period(w) - period(w - 1))`` (the same inequality as ``rate(w) >= rate(w - 1)``). A node
+whose row is free on the bottleneck (flat stage cost, link not limiting) is sent whenever ``p > 0``; a
+zero-probability node is never worth a positive extra time.
 
 Edge cases: nothing waiting -> 0; never more than what waits (nor ``max_size``); at least 1 when something waits
 (an empty segment idles the ring for a whole step while a one-node segment still returns the bonus token);
@@ -59,10 +60,10 @@ Properties (tested in ``tests/test_budget.py``):
 The rule (expansion)
 --------------------
 Rank 0 drafts while the stages compute, so its drafting must fit in the time the rest of the ring takes per
-step: ``budget = period_without_rank0(w) - verify_time(w) - overhead``. One EAGLE expansion of ``depth`` levels
-with beam width ``top_k`` (``Drafter.grow_tree``) costs ``expansion_time = draft_level_time(1) + depth *
-draft_level_time(top_k)`` (the commit of the accepted tokens plus the root's log-probs, then one head forward
-and one lm_head call on ``top_k`` rows per level). With a measured per-level acceptance ``alpha`` (the chance the
+step: ``budget = ring_period(w) - verify_time(w) - overhead`` (``ring_period`` = ``period`` without rank 0's
+term). One EAGLE expansion of ``depth`` levels with beam width ``top_k`` (``Drafter.grow_tree``) costs
+``expansion_time = draft_level_time(1) + depth * draft_level_time(top_k)`` (the commit of the accepted tokens
+plus the root's log-probs, then one head forward and one lm_head call on ``top_k`` rows per level). With a measured per-level acceptance ``alpha`` (the chance the
 target accepts the next draft token given the path so far), a tree level ``L`` is reached with probability
 ``alpha ** L``; levels are worth drafting while that is at least ``min_value``, so the useful number of levels is
 ``floor(log(min_value) / log(alpha))`` (deeper when acceptance is high), clamped to ``[1, max_depth + 1]``.
