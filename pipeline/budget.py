@@ -63,14 +63,19 @@ Rank 0 drafts while the stages compute, so its drafting must fit in the time the
 step: ``budget = ring_period(w) - verify_time(w) - overhead`` (``ring_period`` = ``period`` without rank 0's
 term). One EAGLE expansion of ``depth`` levels with beam width ``top_k`` (``Drafter.grow_tree``) costs
 ``expansion_time = draft_level_time(1) + depth * draft_level_time(top_k)`` (the commit of the accepted tokens
-plus the root's log-probs, then one head forward and one lm_head call on ``top_k`` rows per level). With a measured per-level acceptance ``alpha`` (the chance the
-target accepts the next draft token given the path so far), a tree level ``L`` is reached with probability
-``alpha ** L``; levels are worth drafting while that is at least ``min_value``, so the useful number of levels is
-``floor(log(min_value) / log(alpha))`` (deeper when acceptance is high), clamped to ``[1, max_depth + 1]``.
-:func:`choose_expansion` takes the useful depth with the widest beam (``top_k <= max_top_k``) that fits the
-budget; if even the narrowest beam cannot reach it, the deepest affordable tree (at least one level, so the
-tree keeps growing). ``total_nodes`` keeps the best ``top_k + depth * top_k**2`` candidates, capped at what
-the ring can take before the next re-root (``in_flight * w``), plus the root.
+plus the root's log-probs, then one head forward and one lm_head call on ``top_k`` rows per level). With a
+measured per-level acceptance ``alpha`` (the chance the target accepts the next draft token given the path so
+far), a tree level ``L`` is reached with probability ``alpha ** L``; levels are worth drafting while that is at
+least ``min_value``, so the useful number of levels is ``floor(log(min_value) / log(alpha))`` (deeper when
+acceptance is high), clamped to ``[1, max_depth + 1]``. :func:`choose_expansion` takes the useful depth with
+the widest beam (``top_k <= max_top_k``) that fits the budget; if even the narrowest beam cannot reach it, the
+deepest affordable tree (at least one level, so the tree keeps growing). ``total_nodes`` keeps the best
+``top_k + depth * top_k**2`` candidates, capped at what the ring can take before the next re-root
+(``in_flight * w``), plus the root.
+
+For incremental expansion (growing the kept frontier instead of re-drafting from the root), ``depth`` is the
+number of levels added per step; the frontier keeps its lookahead when that matches the expected advance of
+the root per step, ``1 + alpha / (1 - alpha)`` tokens for a deep tree (:meth:`AcceptanceStats.alpha_from_tau`).
 """
 from __future__ import annotations
 
