@@ -58,6 +58,8 @@ class TreeConfig:
     expand_depth: int = 6
     expand_topk: int = 10
     expand_subseq_token: int = -1  # max nodes sent per step after the fill (-1 = all waiting nodes)
+    expand_levels: int = 2       # continuous: levels grown per step below the best leaves, tree kept to
+                                 # expand_total_token nodes (0 = redraft expand_depth levels from each new root)
     none_expand: bool = False    # continuous: when nothing was verified, deepen the waiting frontier
     none_expand_size: int = 48
     none_expand_depth: int = 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from draft.eagle import EagleHead
-from draft.tree import DraftTree, select_top_nodes
+from draft.tree import DraftTree, select_top_nodes, top_node_order
 from model.devices import HOST
 
 Tensor = torch.Tensor
@@ -84,13 +84,21 @@ class Drafter:
         only the ``top_k`` chosen parent rows go to the host (the draft cache's tree bookkeeping), and the
         candidates cross once at the end, where :func:`select_top_nodes` re-ranks them on the host.
         """
+        return self.grow_tree_with_inputs(root_token, root_hidden, total_token, depth, top_k)[0]
+
+    @torch.no_grad()
+    def grow_tree_with_inputs(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int,
+                              top_k: int) -> tuple[DraftTree, Tensor]:
+        """:meth:`grow_tree`, plus each node's draft *input* feature (its parent's draft output; row 0, the
+        root's, is ``root_hidden``), on the head's device: what :meth:`extend_tree` re-feeds later."""
         if total_token <= 1:
-            return DraftTree.single(root_token)
+            return DraftTree.single(root_token), root_hidden[None]
         lp = self.logprobs(root_hidden)
         dev = lp.device
         k = min(top_k, lp.numel())
         s, t = torch.topk(lp, k)
         cand_tokens, cand_parents, cand_scores = [t], [torch.full((k,), -1, device=dev)], [s]
+        cand_inputs = [root_hidden.expand(k, -1)]
         frontier_ids = torch.arange(k, device=dev)       # candidate indices of the frontier
         frontier_tok, frontier_score = t, s
         frontier_feat = root_hidden.expand(k, -1)
@@ -105,6 +113,7 @@ class Drafter:
             cand_tokens.append(ct.reshape(-1))
             cand_parents.append(frontier_ids.repeat_interleave(k))
             cand_scores.append(cum)
+            cand_inputs.append(out.repeat_interleave(k, dim=0))
             best = torch.sort(-cum.double(), stable=True).indices[:k]
             parent_row = best // k
             frontier_ids = n_cand + best
@@ -114,5 +123,77 @@ class Drafter:
             frontier_feat = out[parent_row]
             frontier_cache_parent = start + parent_row.to(HOST)            # the one transfer of this level
         self.drop_tree()
-        return select_top_nodes(root_token, torch.cat(cand_tokens).to(HOST), torch.cat(cand_parents).to(HOST),
-                                torch.cat(cand_scores).to(HOST), total_token)
+        scores = torch.cat(cand_scores).to(HOST)
+        tree = select_top_nodes(root_token, torch.cat(cand_tokens).to(HOST), torch.cat(cand_parents).to(HOST),
+                                scores, total_token)
+        order = top_node_order(scores, total_token)                       # the candidates select_top_nodes kept
+        inputs = torch.cat([root_hidden[None].to(cand_inputs[0].dtype), torch.cat(cand_inputs)[order.to(dev)]])
+        return tree, inputs
+
+    @torch.no_grad()
+    def extend_tree(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor, levels: int, top_k: int,
+                    max_new: int) -> tuple[DraftTree, Tensor]:
+        """Incremental expansion: grow ``levels`` beam levels below the tree's best leaves, keep the best
+        ``max_new`` new nodes, and return the grown tree and its per-node input features.
+
+        The surviving tree is re-fed in one forward on top of the committed context (each node with its
+        remembered input feature; the root's children with the fresh ``root_hidden``), so every node's draft
+        output is known; the ``top_k`` leaves with the best cumulative score seed an EAGLE-2 beam of width
+        ``top_k`` that runs ``levels`` levels (one lm_head call per level, one head forward between levels).
+        New candidates are ranked by cumulative score (ties: generation order) and the best ``max_new`` are
+        appended in that order: a child never outranks its parent, so the appended set is ancestor-closed
+        and ancestors-first, and existing node indices do not change (what the protocol needs).
+        Cost per call: ``levels`` lm_head calls and ``levels`` head forwards (the first over the tree).
+        """
+        n = len(tree)
+        if levels <= 0 or max_new <= 0:
+            return tree, inputs
+        dev = inputs.device
+        inputs = inputs.clone()
+        depth1 = (tree.parents == 0).nonzero().flatten()
+        inputs[depth1.to(dev)] = root_hidden.to(inputs.dtype)
+        outs = root_hidden[None].to(inputs.dtype)
+        if n > 1:
+            body = torch.arange(1, n, device=HOST)
+            out = self.tree_forward(tree.tokens[body], inputs[1:], tree.parents[body] - 1)
+            outs = torch.cat([outs, out.to(inputs.dtype)])
+        slot = torch.arange(-1, n - 1, device=HOST)                        # draft-cache tree slot of each node
+        has_child = torch.zeros(n, dtype=torch.bool, device=HOST)
+        has_child[tree.parents[1:]] = True
+        leaves = (~has_child).nonzero().flatten()
+        k = min(top_k, leaves.numel())
+        order = torch.sort(-tree.scores[leaves].double(), stable=True).indices[:k]
+        frontier = leaves[order]                                          # tree node ids (host)
+        f_par_node, f_score = frontier, tree.scores[frontier]
+        f_out, f_slot = outs[frontier.to(dev)], slot[frontier]
+        cand_tok, cand_par, cand_score, cand_in = [], [], [], []          # parent: tree node or -(cand+2)
+        n_cand = 0
+        for level in range(levels):
+            lp = self.logprobs(f_out)
+            kk = min(top_k, lp.shape[-1])
+            cs, ct = (x.to(HOST) for x in torch.topk(lp, kk, dim=-1))     # one device->host copy per level
+            cum = (f_score[:, None] + cs).reshape(-1)
+            cand_tok.append(ct.reshape(-1))
+            cand_par.append(f_par_node.repeat_interleave(kk))
+            cand_score.append(cum)
+            cand_in.append(f_out.repeat_interleave(kk, dim=0))
+            if level == levels - 1:
+                break
+            best = torch.sort(-cum.double(), stable=True).indices[:top_k]
+            start = self.tree_size
+            f_out = self.tree_forward(ct.reshape(-1)[best], f_out[(best // kk).to(dev)],
+                                      f_slot[best // kk]).to(inputs.dtype)
+            f_slot = start + torch.arange(best.numel(), device=HOST)
+            f_par_node = -(n_cand + best + 2)                             # parents are these candidates
+            f_score = cum[best]
+            n_cand += cum.numel()
+        self.drop_tree()
+        scores = torch.cat(cand_score)
+        chosen = top_node_order(scores, max_new + 1)                      # + 1: the helper counts a root
+        par = torch.cat(cand_par)[chosen]
+        new_index = {int(c): n + i for i, c in enumerate(chosen.tolist())}
+        parents = [int(p) if p >= 0 else new_index[int(-p - 2)] for p in par.tolist()]  # ancestors-first
+        grown = DraftTree(torch.cat([tree.tokens, torch.cat(cand_tok)[chosen]]),
+                          torch.cat([tree.parents, torch.tensor(parents, dtype=torch.long, device=HOST)]),
+                          torch.cat([tree.scores, scores[chosen]]))
+        return grown, torch.cat([inputs, torch.cat(cand_in)[chosen.to(dev)]])

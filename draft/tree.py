@@ -126,10 +126,7 @@ def select_top_nodes(root_token: int, cand_tokens: Tensor, cand_parents: Tensor,
     the smaller index, every selected node's parent is selected too, even on ties (ancestor-closed),
     and the output is ordered ancestors-first.
     """
-    n_keep = max(0, min(total_token - 1, len(cand_tokens)))
-    scores = cand_scores.to(torch.float64)
-    # lexsort by (-score, index): stable sort on -score keeps index order among ties
-    order = torch.sort(-scores, stable=True).indices[:n_keep]
+    order = top_node_order(cand_scores, total_token)
     chosen = order.tolist()
     new_index = {c: i + 1 for i, c in enumerate(chosen)}
     parents = [-1]
@@ -142,6 +139,12 @@ def select_top_nodes(root_token: int, cand_tokens: Tensor, cand_parents: Tensor,
     sc = [0.0] + cand_scores[order].tolist()
     return DraftTree(torch.tensor(tokens, device=HOST), torch.tensor(parents, device=HOST),
                      torch.tensor(sc, device=HOST))
+
+
+def top_node_order(cand_scores: Tensor, total_token: int) -> Tensor:
+    """Indices of the best ``total_token - 1`` candidates: descending score, ties by index (stable)."""
+    n_keep = max(0, min(total_token - 1, len(cand_scores)))
+    return torch.sort(-cand_scores.to(torch.float64), stable=True).indices[:n_keep]
 
 
 def split_sizes(n_nodes: int, n_parts: int, cap: int) -> list[int]:
@@ -237,3 +240,71 @@ def merge_trees(tree: DraftTree, extra: DraftTree) -> tuple[DraftTree, int]:
                        torch.cat([tree.parents, torch.tensor(parents, device=HOST)]),
                        torch.cat([tree.scores, torch.tensor(scores, device=HOST)]))
     return merged, len(tokens)
+
+
+# -- a stage's view of the tree: node ids and decisions (the asynchronous protocol) ---------------------------
+#
+# Rank 0 numbers tree nodes with node ids (gids) in the order it sends them; a stage caches the nodes it has
+# computed in arrival order, so ``slot_gids[j]`` (the id at tree slot ``j`` of its KV cache) is increasing. A
+# decision names the accepted path and the surviving root by id, so a stage can apply it whatever it has
+# computed so far, and rows that arrive later are judged by their parent alone (:func:`admit_rows`).
+#
+# Why a parent test suffices (the protocol's invariant): rank 0 kills a node only in a decision issued after
+# verifying a result, and every stage computed that result's nodes before rank 0 received it. So when a stage
+# applies decision ``s``: (a) the accepted path is already cached; (b) a node is alive after ``s`` iff it is
+# the surviving root or descends from it, and since the surviving root's parent is on the accepted path, a
+# row arriving later is alive iff it is the pending root, its parent is an alive cached node or an alive
+# earlier row, or its parent is ``-1`` (a fresh root: rank 0 sends one only with every decision it depends
+# on already in the log of that or an earlier segment).
+
+def decision_keep(slot_gids: list[int], anc: Tensor, path: list[int], root: int) -> tuple[Tensor, int, int]:
+    """Keep-list (tree slots, strictly increasing) of a decision on a stage's cached tree.
+
+    ``slot_gids``: node id per cached tree slot; ``anc``: the cache's ancestor matrix over those slots;
+    ``path``: accepted node ids (root first, all cached: raises otherwise); ``root``: surviving root id or -1.
+    Returns ``(keep, accepted_len, pending_root)``: ``keep[:accepted_len]`` are the path's slots (they become
+    context), then the cached subtree of ``root``; ``pending_root`` is ``root`` when it is not cached yet
+    (it will arrive later and must be admitted), else -1.
+    """
+    slot_of = {g: j for j, g in enumerate(slot_gids)}
+    try:
+        keep = [slot_of[g] for g in path]
+    except KeyError:
+        raise RuntimeError("accepted path is not fully cached on this stage") from None
+    pending = -1
+    if root >= 0:
+        r = slot_of.get(root)
+        if r is None:
+            pending = root
+        else:
+            keep += anc[:, r].nonzero().flatten().tolist()
+    out = torch.tensor(keep, dtype=torch.long, device=HOST)
+    if len(keep) > 1 and not bool((out[1:] > out[:-1]).all()):
+        raise AssertionError("keep-list must be strictly increasing")
+    return out, len(path), pending
+
+
+def admit_rows(parents: Tensor, gids: Tensor, slot_gids: list[int], pending_root: int) -> tuple[Tensor, Tensor, int]:
+    """Which rows of an arriving segment are alive, and their parents as tree slots (-1 = the context).
+
+    New rows take slots ``len(slot_gids), ...`` in order. Returns ``(row_mask, parent_slots, pending_root)``
+    (``pending_root`` becomes -1 once the pending root is admitted). See the section comment for the rule.
+    """
+    slot_of = {g: j for j, g in enumerate(slot_gids)}
+    nxt = len(slot_gids)
+    rows, par = [], []
+    for p, g in zip(parents.tolist(), gids.tolist()):
+        if g == pending_root:
+            slot_p, pending_root = -1, -1
+        elif p < 0:
+            slot_p = -1
+        else:
+            slot_p = slot_of.get(p)
+        alive = slot_p is not None
+        rows.append(alive)
+        if alive:
+            par.append(slot_p)
+            slot_of[g] = nxt
+            nxt += 1
+    return (torch.tensor(rows, dtype=torch.bool, device=HOST), torch.tensor(par, dtype=torch.long, device=HOST),
+            pending_root)

@@ -1,8 +1,10 @@
-"""Point-to-point ring links and rank-0 broadcasts over ``torch.distributed``, with dead-rank detection.
+"""Point-to-point ring links and rank 0's direct decision links over ``torch.distributed``, with dead-rank
+detection. No collective runs in the decode loop.
 
 * One ordered channel per link: header on tag 0, payload on tag 1, sent with ``isend`` (never blocking
   the sender, so a ring where everyone sends before receiving cannot deadlock) and received in order.
-* Broadcasts (decisions) are issued from the main thread only, in the same order on every rank.
+* Direct links rank 0 -> stage r >= 2 carry decisions (and the final ``Shutdown``) the moment rank 0 makes
+  them; a stage keeps one receive posted and :meth:`Comm.poll_direct` hands over what arrived without waiting.
 * A heartbeat thread bumps a counter in the rendezvous store; a watchdog exits the process with a
   message naming the lost rank when a peer's counter stops moving for ``timeout_s`` or a peer reports
   a failure. Communication errors are turned into :class:`PeerLost` naming the lost rank.
@@ -26,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline import faults
-from pipeline.messages import HEADER_LEN, Context, Decision, Message, Segment, decode, encode, payload_size
+from pipeline.messages import HEADER_LEN, MAGIC, Context, Message, Segment, Shutdown, decode, encode, payload_size
 from pipeline.trace import Tracer
 
 HB_PREFIX = "flowspec/hb/"
@@ -134,6 +136,8 @@ class Comm:
         self.prev_rank = (self.rank - 1) % self.world
         self.tracer = tracer or Tracer(self.rank, enabled=False)
         self._pending: list = []
+        self._direct_header: torch.Tensor | None = None
+        self._direct_work = None
         self._closing = False
         self._failing = False
         self.store = _store if _store is not None else dist.distributed_c10d._get_default_store()
@@ -160,15 +164,18 @@ class Comm:
 
     def recv(self, src: int) -> Message:
         with self.tracer.span("recv", src=src):
-            header = torch.empty(HEADER_LEN, dtype=torch.long, device=self.wire_device)
-            self._guard(lambda: dist.recv(header, src, tag=0), src)
-            nbytes = payload_size(header.cpu())
-            payload = torch.empty(nbytes, dtype=torch.uint8, device=self.wire_device)
-            if nbytes:
-                self._guard(lambda: dist.recv(payload, src, tag=1), src)
-        msg = decode(header.cpu(), payload)
+            msg = self._recv_raw(src)
         self._fault_point("recv", msg)
         return msg
+
+    def _recv_raw(self, src: int) -> Message:
+        header = torch.empty(HEADER_LEN, dtype=torch.long, device=self.wire_device)
+        self._guard(lambda: dist.recv(header, src, tag=0), src)
+        nbytes = payload_size(header.cpu())
+        payload = torch.empty(nbytes, dtype=torch.uint8, device=self.wire_device)
+        if nbytes:
+            self._guard(lambda: dist.recv(payload, src, tag=1), src)
+        return decode(header.cpu(), payload)
 
     @staticmethod
     def _fault_point(point: str, msg: Message) -> None:
@@ -185,26 +192,53 @@ class Comm:
     def recv_prev(self) -> Message:
         return self.recv(self.prev_rank)
 
-    # -- broadcast -------------------------------------------------------------------------------
-    def broadcast(self, decision: Decision | None) -> Decision:
-        """Rank 0 passes the decision; every other rank passes ``None`` and gets it."""
+    # -- direct decision links (rank 0 -> stages 2..N) -----------------------------------------------
+    def send_direct(self, msg: Message) -> None:
+        """Rank 0: send ``msg`` to every stage that is not its ring successor (they get it on the ring)."""
         if faults._armed:
-            faults.hit("broadcast")
-        with self.tracer.span("broadcast"):
-            if self.rank == 0:
-                header, payload = encode(decision)
-                header = header.to(self.wire_device)
-                self._guard(lambda: dist.broadcast(header, 0), None)
-                if payload.numel():
-                    self._guard(lambda: dist.broadcast(payload.to(self.wire_device), 0), None)
-                return decision
-            header = torch.empty(HEADER_LEN, dtype=torch.long, device=self.wire_device)
-            self._guard(lambda: dist.broadcast(header, 0), 0)
-            nbytes = payload_size(header.cpu())
-            payload = torch.empty(nbytes, dtype=torch.uint8, device=self.wire_device)
+            faults.hit("decision")
+        for r in range(2, self.world):
+            self.send(r, msg)
+
+    def open_direct_inbox(self) -> None:
+        """Stages r >= 2: post the receive for rank 0's next direct message (gloo; with NCCL decisions travel
+        on the ring only, see :meth:`poll_direct`)."""
+        if self.rank < 2 or self.wire_device.type != "cpu" or self._direct_work is not None:
+            return
+        self._direct_header = torch.zeros(HEADER_LEN, dtype=torch.long)
+        self._direct_work = self._guard(lambda: dist.irecv(self._direct_header, 0, tag=0), 0)
+
+    def poll_direct(self) -> list[Message]:
+        """Direct messages from rank 0 that have arrived; never waits for one.
+
+        A receive stays posted between calls (a posted gloo receive has no deadline, unlike a blocking one,
+        so a quiet link is not an error); the header's magic number, written by gloo when the message lands,
+        says it has arrived, and ``wait`` then completes it at once.
+        """
+        out: list[Message] = []
+        while self._direct_work is not None and int(self._direct_header[0]) == MAGIC:
+            self._guard(self._direct_work.wait, 0)
+            header = self._direct_header.clone()
+            nbytes = payload_size(header)
+            payload = torch.empty(nbytes, dtype=torch.uint8)
             if nbytes:
-                self._guard(lambda: dist.broadcast(payload, 0), 0)
-            return decode(header.cpu(), payload)
+                self._guard(lambda: dist.recv(payload, 0, tag=1), 0)
+            msg = decode(header, payload)
+            self._direct_header.zero_()
+            self._direct_work = None
+            if not isinstance(msg, Shutdown):
+                self._direct_work = self._guard(lambda: dist.irecv(self._direct_header, 0, tag=0), 0)
+            out.append(msg)
+        if out and faults._armed:
+            faults.hit("decision")
+        return out
+
+    def _close_direct_inbox(self) -> None:
+        """Orderly end: take rank 0's final direct ``Shutdown`` so no receive is left posted."""
+        deadline = time.monotonic() + self.timeout_s
+        while self._direct_work is not None and time.monotonic() < deadline:
+            self.poll_direct()
+            time.sleep(0.001)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def _reap(self) -> None:
@@ -231,6 +265,7 @@ class Comm:
     def close(self) -> None:
         """Orderly end: flush sends, meet everyone, then stop watching."""
         self.flush()
+        self._close_direct_inbox()
         self.barrier()
         self._closing = True
         try:

@@ -12,9 +12,8 @@ outputs stay exact; the emulation only *adds waiting*:
 * **links** (:class:`LinkSender`): a message to rank ``d`` is handed to ``torch.distributed`` only when the
   modeled link would have delivered it: the link serialises messages (``bytes * 8 / bandwidth``) and adds
   ``latency_s``. A sender thread does the delayed ``isend``; sends on a link keep their order, and the caller
-  never blocks (as with a real NIC). Decision broadcasts are collective calls: rank 0 waits ``latency_s +
-  fanout * bytes * 8 / bandwidth`` before issuing one (the root of a one-to-all broadcast sends one copy per
-  receiver).
+  never blocks (as with a real NIC). Rank 0's direct decision messages to stages 2..N take the same path
+  over the modeled link ``0 -> r``.
 
 Per-hop bytes follow the *modeled* deployment: a message carrying hidden states counts
 ``hidden_bytes_per_token`` per row (e.g. 4096 x 2 B for a 7B model in fp16) instead of the small model's real
@@ -31,7 +30,7 @@ measured one (``pipeline.eval`` reports it so). Unmodeled host work (Python, tre
 encoding) is divided by ``s`` in that view, so keep ``s`` as small as the overruns allow.
 
 The emulation hooks in without changing the transport: :func:`install` wraps the ``Comm`` instance's
-``send``/``flush``/``broadcast``; the stage worker calls :meth:`Emulator.pad_stage`; the engine calls
+``send``/``flush``; the stage worker calls :meth:`Emulator.pad_stage`; the engine calls
 :meth:`Emulator.install_rank0` (which wraps the engine's ``logits`` and the drafter's ``logprobs`` and head).
 
 Profile JSON (see ``profiles/README.md``)::
@@ -339,26 +338,10 @@ class Emulator:
 
     # installation
     def install_comm(self, comm) -> None:
-        """Route ``comm.send`` through the link model and delay rank 0's decision broadcasts."""
+        """Route ``comm.send`` (ring and direct decision links alike) through the link model."""
         # the link thread must get the GIL soon after its wake-up time, not a 5 ms switch interval later
         sys.setswitchinterval(min(sys.getswitchinterval(), 2e-4))
         self.sender = LinkSender(self, comm)
-        orig_broadcast = comm.broadcast
-
-        def broadcast(decision):
-            if comm.rank == 0 and decision is not None:
-                link = self.profile.link_model(0, 1 % comm.world)
-                nbytes = link.message_bytes(decision)
-                delay = (link.latency_s + (comm.world - 1) * link.transfer_s(nbytes)) * self.scale
-                if delay > 0:
-                    t = time.perf_counter()
-                    time.sleep(delay)
-                    self._add("oversleep_s", max(0.0, time.perf_counter() - t - delay))
-                self._add("link_msgs")
-                self._add("link_modeled_s", delay)
-            return orig_broadcast(decision)
-
-        comm.broadcast = broadcast
         comm.emu = self
 
     def install_rank0(self, engine) -> None:

@@ -98,6 +98,7 @@ class Engine:
         self.on_commit = None  # serving (pipeline/serve.py): per-generation OutputBuffer hooks
         self.stop_text = None  # stop strings (gen.stop): see OutputBuffer and pipeline.prompts.StopText
         self.cancel = None
+        self.gen = 0           # generation number: stages ignore decisions of other generations
         if self.emu is not None:
             self.emu.install_rank0(self)
 
@@ -113,8 +114,9 @@ class Engine:
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=HOST)[None]
         chunk = self.cfg.gen.prefill_chunk
         pieces = list(torch.split(ids, chunk, dim=1))
+        self.gen += 1
         for i, piece in enumerate(pieces):
-            self.comm.send_next(Context(piece, reset=(i == 0)))
+            self.comm.send_next(Context(piece, self.gen, reset=(i == 0)))
         feats = [self.comm.recv_prev().x[0] for _ in pieces]
         features = torch.cat(feats)
         return self.logits(features[-1:])[0], features
@@ -165,6 +167,7 @@ class Engine:
         return msg.emu.tolist()
 
     def shutdown(self) -> None:
+        self.comm.send_direct(Shutdown())   # ends the stages' direct-decision inboxes
         self.comm.send_next(Shutdown())
         self.comm.recv_prev()
 

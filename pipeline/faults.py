@@ -14,8 +14,8 @@ Fault injection (tests only)
     ``send`` / ``recv``  any ring message sent / received (:mod:`pipeline.comm`)
     ``prefill``          a prompt chunk (``Context``) sent or received
     ``segment``          a tree segment (``Segment``) sent or received (mid-round of a tree mode)
-    ``broadcast``        entering a decision broadcast (rank 0 before sending, the others before
-                         receiving): the peers are left with a broadcast pending
+    ``decision``         rank 0 about to send a decision point to point; a stage taking direct decisions
+                         from its inbox (the others are left mid-decode)
     ``load``             about to load its stage (the process group exists, the peers are loading too)
 
     Several faults are separated by ``;``. Unset (the normal case), :func:`hit` is one dict lookup.
@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Callable, NoReturn
 
-POINTS = ("send", "recv", "prefill", "segment", "broadcast", "load")
+POINTS = ("send", "recv", "prefill", "segment", "decision", "load")
 
 _exit_lock = threading.Lock()
 _peer_hook: Callable[[str, int | None], None] | None = None

@@ -1,13 +1,15 @@
 """The whole ring in one process: one thread per rank, one FIFO queue per link.
 
 :class:`LocalComm` implements exactly the :class:`pipeline.comm.Comm` surface that the engine, the modes and
-the stage workers use (``rank``, ``world``, ``tracer``, ``emu``, ``send_next``, ``recv_prev``, ``broadcast``)
-with the same ordering guarantees as the real transport: one FIFO per link, broadcasts received in issue
-order. Messages go through the real wire codec (``pipeline.messages``), so a message cannot smuggle
+the stage workers use (``rank``, ``world``, ``tracer``, ``emu``, ``send_next``, ``recv_prev``, ``send_direct``,
+``open_direct_inbox``, ``poll_direct``) with the same ordering guarantees as the real transport: one FIFO per
+link, direct messages from rank 0 received in issue order. Messages go through the real wire codec (``pipeline.messages``), so a message cannot smuggle
 anything the real transport would drop.
 
 Used by the protocol tests (``tests/threaded_ring.py``) and by the what-if simulator
-(``pipeline/simulate.py``), which passes an ``observer`` to see every send, receive and broadcast.
+(``pipeline/simulate.py``), which passes an ``observer`` to see every send and receive, and turns direct
+decision delivery off (``direct=False``: decisions then reach the stages on the ring only, a schedule that
+does not depend on thread timing).
 """
 from __future__ import annotations
 
@@ -25,22 +27,22 @@ class LocalRing:
     def __init__(self, world: int) -> None:
         self.world = world
         self.links = [queue.Queue() for _ in range(world)]      # links[r]: r -> r+1
-        self.bcast = [queue.Queue() for _ in range(world)]      # bcast[r]: decisions for rank r
+        self.direct = [queue.Queue() for _ in range(world)]     # direct[r]: rank 0's direct messages to r
 
 
 class LocalComm:
     """Rank ``rank``'s end of a :class:`LocalRing`.
 
-    ``observer`` (optional) has ``on_send(rank, dst, msg)``, ``on_recv(rank, src)``, ``on_bcast_root(msg)``
-    and ``on_bcast_recv(rank)``; each is called from the calling rank's own thread, before a send or root
-    broadcast and after a receive.
+    ``observer`` (optional) has ``on_send(rank, dst, msg)`` and ``on_recv(rank, src)``; each is called from
+    the calling rank's own thread, before a send and after a receive.
     """
 
     emu = None
 
     def __init__(self, ring: LocalRing, rank: int, tracer: Tracer | None = None, observer=None,
-                 timeout_s: float = TIMEOUT_S) -> None:
+                 timeout_s: float = TIMEOUT_S, direct: bool = True) -> None:
         self.ring, self.rank, self.world = ring, rank, ring.world
+        self.direct = direct
         self.tracer = tracer or Tracer(rank, enabled=False)
         self.observer = observer
         self.timeout_s = timeout_s
@@ -62,17 +64,24 @@ class LocalComm:
             self.observer.on_recv(self.rank, (self.rank - 1) % self.world)
         return msg
 
-    def broadcast(self, decision):
-        if self.rank == 0:
+    def send_direct(self, msg: Message) -> None:
+        if not self.direct:
+            return
+        for r in range(2, self.world):
             if self.observer is not None:
-                self.observer.on_bcast_root(decision)
-            for r in range(1, self.world):
-                self.ring.bcast[r].put(self._wire(decision))
-            return decision
-        got = self.ring.bcast[self.rank].get(timeout=self.timeout_s)
-        if self.observer is not None:
-            self.observer.on_bcast_recv(self.rank)
-        return got
+                self.observer.on_send(self.rank, r, msg)
+            self.ring.direct[r].put(self._wire(msg))
+
+    def open_direct_inbox(self) -> None:
+        pass
+
+    def poll_direct(self) -> list[Message]:
+        out = []
+        while True:
+            try:
+                out.append(self.ring.direct[self.rank].get_nowait())
+            except queue.Empty:
+                return out
 
 
 @contextmanager

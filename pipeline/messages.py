@@ -5,13 +5,16 @@ holding its tensors' raw bytes, so every dtype (bf16, fp16, fp32, fp64, int32, i
 tensors round-trip exactly.
 
 Ring messages (rank r -> r+1, last -> 0):
-  * :class:`Context`  committed tokens (prefill chunks, ``ar`` tokens); ``reset`` starts a generation.
-  * :class:`Segment`  tree nodes with parent pointers; optionally carries a ``prior`` decision to apply
-    before computing (ring-borne commit, used by ``naive``) and ``decide_from_rank``: ranks ``>=`` it
-    must receive one broadcast :class:`Decision` before computing this segment (lock-step modes).
+  * :class:`Context`  committed tokens (prefill chunks, ``ar`` tokens); ``reset`` starts generation ``gen``.
+  * :class:`Segment`  draft-tree nodes named by *node ids* (``gids``: numbered by rank 0 in send order, never
+    reused within a generation) with their parents' node ids (``-1``: a child of the committed context).
+    It carries the decision log: every :class:`Decision` rank 0 issued since its previous segment, so a
+    stage always holds every decision a segment depends on when the segment arrives from its data source.
   * :class:`Stats` collects every rank's busy time after a generation.
   * :class:`Shutdown` ends the worker loop.
-Broadcast (rank 0 -> all): :class:`Decision`.
+Direct messages (rank 0 -> each stage r >= 2, point to point): the same :class:`Decision` objects, sent the
+moment they are made, so a stage can prune work it has not computed yet before the copy on the ring
+reaches it. No collective is used in the decode loop.
 """
 from __future__ import annotations
 
@@ -41,50 +44,68 @@ class Kind(IntEnum):
 
 
 class Status(IntEnum):
-    SKIP = 0       # nothing verified this step; stages change nothing
     CONTINUE = 1   # accepted path -> context, subtree of the new root survives
-    TRUNCATE = 2   # accepted path -> context, everything else dropped; the ring drains
+    TRUNCATE = 2   # accepted path -> context, everything else dropped; a fresh tree follows at once
 
 
 @dataclass
 class Decision:
-    """Rank 0's verdict after one verification step, applied by every stage at once.
+    """Rank 0's verdict after one verification step, numbered ``seq = 1, 2, ...`` within generation ``gen``.
 
-    ``keep_indices`` is strictly increasing in the tree index space before the decision; its first
-    ``accepted_len`` entries are the accepted path (root first), which becomes context.
+    Applying it (:func:`draft.tree.decision_keep`): the nodes ``path`` (node ids, root first) become committed
+    context, in that order; of the other tree nodes only the subtree of ``root`` survives (``root = -1``:
+    none: the new root has not been sent yet, or the round ended). Stages apply decisions in ``seq`` order,
+    each exactly once, whichever copy (direct or ring-borne) arrives first.
     """
 
-    round_id: int = 0
-    step: int = 0
-    status: Status = Status.SKIP
-    accepted_len: int = 0
-    new_token: int = -1
+    gen: int = 0
+    seq: int = 0
+    status: Status = Status.CONTINUE
+    root: int = -1
     finished: bool = False
-    keep_indices: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long, device=HOST))
+    path: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long, device=HOST))
 
     kind = Kind.DECISION
 
     def ints(self) -> list[int]:
-        return [self.round_id, self.step, int(self.status), self.accepted_len, self.new_token, int(self.finished)]
+        return [self.gen, self.seq, int(self.status), self.root, int(self.finished)]
 
     def tensors(self) -> list[Tensor]:
-        return [self.keep_indices]
+        return [self.path]
 
     @classmethod
     def build(cls, ints: list[int], tensors: list[Tensor]) -> "Decision":
-        return cls(ints[0], ints[1], Status(ints[2]), ints[3], ints[4], bool(ints[5]), tensors[0])
+        return cls(ints[0], ints[1], Status(ints[2]), ints[3], bool(ints[4]), tensors[0])
+
+
+def pack_log(decisions: list[Decision]) -> Tensor:
+    """Decisions as one int64 vector: per decision ``[gen, seq, status, root, finished, len(path), *path]``."""
+    out: list[int] = []
+    for d in decisions:
+        out += d.ints() + [d.path.numel()] + d.path.tolist()
+    return torch.tensor(out, dtype=torch.long, device=HOST)
+
+
+def unpack_log(log: Tensor) -> list[Decision]:
+    vals, out, i = log.tolist(), [], 0
+    while i < len(vals):
+        n = vals[i + 5]
+        out.append(Decision.build(vals[i:i + 5], [torch.tensor(vals[i + 6:i + 6 + n], dtype=torch.long,
+                                                                device=HOST)]))
+        i += 6 + n
+    return out
 
 
 @dataclass
 class Context:
     x: Tensor                 # token ids [1, n] (to rank 1) or hidden [1, n, H]
-    round_id: int = 0
+    gen: int = 0              # generation number (decisions of other generations are ignored)
     reset: bool = False
 
     kind = Kind.CONTEXT
 
     def ints(self) -> list[int]:
-        return [self.round_id, int(self.reset)]
+        return [self.gen, int(self.reset)]
 
     def tensors(self) -> list[Tensor]:
         return [self.x]
@@ -96,12 +117,20 @@ class Context:
 
 @dataclass
 class Segment:
+    """Draft-tree nodes on their way through the stages (and back to rank 0 as hidden states).
+
+    ``gids`` are the nodes' ids and ``parents`` their parents' ids (``-1``: child of the committed context).
+    ``epoch`` is the number of decisions rank 0 had issued when it sent the segment: a stage applies
+    decisions ``1..epoch`` before computing it (they are in this or an earlier segment's ``log``) and may
+    apply later ones it already holds, dropping rows they kill. Rows travel in send order.
+    """
+
     x: Tensor                 # token ids [1, n] or hidden [1, n, H]; n may be 0
-    parents: Tensor           # [n] tree indices, -1 = child of the context (the root)
-    round_id: int = 0
-    seg_id: int = 0
-    decide_from_rank: int = 1 << 30
-    prior: Decision | None = None
+    parents: Tensor           # [n] parent node ids, -1 = child of the committed context
+    gids: Tensor              # [n] node ids
+    gen: int = 0
+    epoch: int = 0
+    log: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long, device=HOST))
 
     kind = Kind.SEGMENT
 
@@ -109,17 +138,18 @@ class Segment:
     def n(self) -> int:
         return int(self.parents.numel())
 
+    def decisions(self) -> list[Decision]:
+        return unpack_log(self.log)
+
     def ints(self) -> list[int]:
-        head = [self.round_id, self.seg_id, self.decide_from_rank, int(self.prior is not None)]
-        return head + (self.prior.ints() if self.prior is not None else [])
+        return [self.gen, self.epoch]
 
     def tensors(self) -> list[Tensor]:
-        return [self.x, self.parents] + ([self.prior.keep_indices] if self.prior is not None else [])
+        return [self.x, self.parents, self.gids, self.log]
 
     @classmethod
     def build(cls, ints, tensors) -> "Segment":
-        prior = Decision.build(ints[4:], tensors[2:]) if ints[3] else None
-        return cls(tensors[0], tensors[1], ints[0], ints[1], ints[2], prior)
+        return cls(tensors[0], tensors[1], tensors[2], ints[0], ints[1], tensors[3])
 
 
 @dataclass

@@ -58,7 +58,7 @@ def _messages(rank: int, w: int, hidden: int):
         x = torch.ones(1, 1, dtype=torch.long, device=HOST) if rank == 0 else torch.ones(1, 1, hidden, device=HOST)
         return Context(x)
     x = torch.ones(1, w, dtype=torch.long, device=HOST) if rank == 0 else torch.ones(1, w, hidden, device=HOST)
-    return Segment(x, torch.arange(-1, w - 1, device=HOST), 1, 5, 1)
+    return Segment(x, torch.arange(-1, w - 1, device=HOST), torch.arange(w, device=HOST), 1, 5)
 
 
 def _worker(rank: int, world: int, port: int, args, out_q) -> None:

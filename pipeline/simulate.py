@@ -282,11 +282,11 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
 
     def stage(r: int) -> None:
         rec.logs[r].last = time.thread_time()
-        StageWorker(ReplayStage(r, committed, rec.logs[r]), LocalComm(ring, r, observer=rec), max_len,
-                    torch.float64, "cpu").run()
+        StageWorker(ReplayStage(r, committed, rec.logs[r]), LocalComm(ring, r, observer=rec, direct=False),
+                    max_len, torch.float64, "cpu").run()
 
     log0 = rec.logs[0]
-    comm0 = LocalComm(ring, 0, tracer=_MarkTracer(log0), observer=rec)
+    comm0 = LocalComm(ring, 0, tracer=_MarkTracer(log0), observer=rec, direct=False)
     rdrafter = None
     if drafter is not None:
         rdrafter = ReplayDrafter(drafter, committed)

@@ -1,12 +1,15 @@
 """The verification-stage loop (ranks 1..N). It is mode-agnostic: every mode is a rank-0 strategy.
 
-Per received message:
+Per received ring message:
   * ``Context``  -> (reset on a new generation) append committed rows, forward the hidden states;
-  * ``Segment``  -> apply the ring-borne ``prior`` decision if any; if this rank is at or past the
-    segment's ``decide_from_rank``, take part in one decision broadcast and apply it to the KV cache and
-    to this not-yet-computed segment (pruned rows are never computed); on ``TRUNCATE`` drop the segment
-    and send nothing (the ring drains); otherwise compute the surviving rows and forward them;
+  * ``Segment``  -> take its decision log, and every decision that already arrived point to point from rank 0,
+    and apply them in order (:class:`StageTree`): the accepted path becomes context, dead nodes leave the KV
+    cache, and rows of this segment that a decision killed are never computed; compute the surviving rows
+    and forward them (an emptied segment still travels on, with its log, so every stage sees every decision);
   * ``Stats``    -> add this rank's busy seconds, forward;  ``Shutdown`` -> forward and stop.
+
+A stage never waits for anything but its data source: the decisions a segment depends on travel in its
+log (or an earlier segment's); the direct copies only let a stage prune earlier.
 """
 from __future__ import annotations
 
@@ -14,27 +17,61 @@ import time
 
 import torch
 
-from draft.tree import remap_parents
+from draft.tree import admit_rows, decision_keep
 from model.devices import HOST
 from model.kv_cache import KVCache
 from model.stage_model import StageModel
 from pipeline.comm import Comm
-from pipeline.messages import Context, Decision, Segment, Shutdown, Stats, Status
+from pipeline.messages import Context, Decision, Segment, Shutdown, Stats
 
 
-def apply_decision(cache: KVCache, decision: Decision, seg: Segment | None = None) -> Segment | None:
-    """Apply ``decision`` to the cache and to an uncomputed segment whose rows follow the cached nodes."""
-    if decision.status == Status.SKIP:
-        return seg
-    m_before = cache.num_tree
-    cache.apply_keep(decision.keep_indices, decision.accepted_len)
-    if seg is None or seg.n == 0:
-        return seg
-    node_ids = torch.arange(m_before, m_before + seg.n, device=HOST)
-    rows, parents = remap_parents(seg.parents, node_ids, decision.keep_indices, decision.accepted_len)
-    seg.x = seg.x[:, rows]
-    seg.parents = parents
-    return seg
+class StageTree:
+    """A stage's decision state for one generation: which decisions it applied, the node id of every cached
+    tree slot (increasing), and a surviving root it has not computed yet.
+
+    Invariant: ``slot_gids`` is aligned with ``cache``'s tree slots; ``applied`` decisions (``1..applied``)
+    are reflected in the cache; ``early`` holds decisions received ahead of their turn.
+    """
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.reset(0)
+
+    def reset(self, gen: int) -> None:
+        self.gen, self.applied, self.pending_root = gen, 0, -1
+        self.slot_gids: list[int] = []
+        self.early: dict[int, Decision] = {}
+
+    def offer(self, decisions: list[Decision]) -> None:
+        """Hold decisions of this generation that are not applied yet (duplicates are ignored)."""
+        for d in decisions:
+            if d.gen == self.gen and d.seq > self.applied:
+                self.early.setdefault(d.seq, d)
+
+    def apply_ready(self) -> int:
+        """Apply every held decision whose turn has come (consecutive ``seq``); returns how many."""
+        n = 0
+        while self.applied + 1 in self.early:
+            self._apply(self.early.pop(self.applied + 1))
+            n += 1
+        return n
+
+    def _apply(self, d: Decision) -> None:
+        keep, acc, pending = decision_keep(self.slot_gids, self.cache.tree_anc, d.path.tolist(), d.root)
+        self.cache.apply_keep(keep, acc)
+        self.slot_gids = [self.slot_gids[j] for j in keep[acc:].tolist()]
+        self.pending_root = pending
+        self.applied = d.seq
+
+    def admit(self, seg: Segment) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of ``seg`` still alive and their parents as tree slots; the caller computes exactly those."""
+        if self.applied < seg.epoch:
+            raise RuntimeError(f"segment of epoch {seg.epoch} arrived before decision {self.applied + 1}")
+        rows, parents, self.pending_root = admit_rows(seg.parents, seg.gids, self.slot_gids, self.pending_root)
+        return rows, parents
+
+    def computed(self, gids: list[int]) -> None:
+        self.slot_gids += gids
 
 
 class StageWorker:
@@ -43,8 +80,10 @@ class StageWorker:
         self.dtype, self.device = dtype, device
         self.rank = comm.rank
         self.cache = model.block.new_cache(max_len, dtype, device) if model.block is not None else None
+        self.tree = StageTree(self.cache)
         self.tracer = comm.tracer
         self.emu = getattr(comm, "emu", None)   # pipeline.emulation.Emulator when emu.profile is set
+        comm.open_direct_inbox()                # rank 0's point-to-point decisions (ranks >= 2)
 
     @torch.no_grad()
     def _compute(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -76,29 +115,31 @@ class StageWorker:
             elif isinstance(msg, Context):
                 if msg.reset:
                     self.cache.reset()
+                    self.tree.reset(msg.gen)
                 n = msg.x.shape[1]
                 pos, mask = self.cache.context_inputs(n, self.dtype)
                 out = self._compute(msg.x, pos, mask)
                 self.cache.commit_forward(n, as_context=True)
-                comm.send_next(Context(out, msg.round_id, msg.reset))
+                comm.send_next(Context(out, msg.gen, msg.reset))
             elif isinstance(msg, Segment):
                 self._segment(msg)
 
     def _segment(self, seg: Segment) -> None:
-        if seg.prior is not None:
-            with self.tracer.span("prune"):
-                apply_decision(self.cache, seg.prior)
-        if self.rank >= seg.decide_from_rank:
-            decision = self.comm.broadcast(None)
-            with self.tracer.span("prune"):
-                seg = apply_decision(self.cache, decision, seg)
-            if decision.status == Status.TRUNCATE:
-                return
-        out = seg.x
-        if seg.n:
-            pos, mask, anc, depth = self.cache.tree_inputs(seg.parents, self.dtype)
-            out = self._compute(seg.x, pos, mask)
-            self.cache.commit_forward(seg.n, as_context=False, anc=anc, depth=depth)
-        elif out.dim() == 2 and self.rank == 1:  # empty id segment -> empty hidden
+        tree = self.tree
+        with self.tracer.span("prune"):
+            tree.offer(seg.decisions())
+            tree.offer([d for d in self.comm.poll_direct() if isinstance(d, Decision)])
+            tree.apply_ready()
+            rows, parents = tree.admit(seg)
+        x, gids, parent_gids = seg.x, seg.gids, seg.parents
+        if not bool(rows.all()):
+            x, gids, parent_gids = x[:, rows.to(x.device)], gids[rows], parent_gids[rows]
+        out = x
+        if gids.numel():
+            pos, mask, anc, depth = self.cache.tree_inputs(parents, self.dtype)
+            out = self._compute(x, pos, mask)
+            self.cache.commit_forward(int(gids.numel()), as_context=False, anc=anc, depth=depth)
+            tree.computed(gids.tolist())
+        elif out.dim() == 2:  # no ids left to embed: forward an empty hidden block
             out = torch.zeros(1, 0, self.model.config.hidden_size, dtype=self.dtype, device=HOST)
-        self.comm.send_next(Segment(out, seg.parents, seg.round_id, seg.seg_id, seg.decide_from_rank, seg.prior))
+        self.comm.send_next(Segment(out, parent_gids, gids, seg.gen, seg.epoch, seg.log))

@@ -61,7 +61,7 @@ CASES = [
     _case("pipe-kill-r0-decode", "pipe", 0, "rank=0,at=segment,count=10"),
     _case("pipe-kill-r1-decode", "pipe", 1, "rank=1,at=segment,count=15"),
     _case("pipe-kill-r2-decode", "pipe", 2, "rank=2,at=segment,count=15"),
-    _case("pipe-kill-r1-broadcast", "pipe", 1, "rank=1,at=broadcast,count=5"),
+    _case("pipe-kill-r2-decision", "pipe", 2, "rank=2,at=decision,count=5"),
     _case("pipe-term-r1-decode", "pipe", 1, "rank=1,at=segment,count=15,sig=TERM"),
     _case("pipe-term-r0-decode", "pipe", 0, "rank=0,at=segment,count=10,sig=TERM"),
     _case("pipe-frozen-r2-decode", "pipe", 2, "rank=2,at=segment,count=15,sig=STOP"),

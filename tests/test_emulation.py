@@ -113,8 +113,8 @@ def test_link_bytes_follow_the_modeled_deployment():
     link = LinkModel(hidden_bytes_per_token=8192, header_bytes=384)
     hidden = Context(torch.zeros(1, 16, 576))                     # small model's real payload: 36 KiB
     assert link.message_bytes(hidden) == 384 + 16 * 8192
-    ids = Segment(torch.zeros(1, 5, dtype=torch.long), torch.zeros(5, dtype=torch.long))
-    assert link.message_bytes(ids) == 384 + 5 * 8 + 5 * 8         # ids and parents count their real bytes
+    ids = Segment(torch.zeros(1, 5, dtype=torch.long), torch.zeros(5, dtype=torch.long), torch.arange(5))
+    assert link.message_bytes(ids) == 384 + 3 * 5 * 8             # ids, parents, node ids count their real bytes
 
 
 def test_stats_message_roundtrip():
@@ -140,7 +140,7 @@ def test_worker_compute_is_padded_to_modeled_time(tiny):
     model = load_stage(tiny.stages, 1, 3, torch.float64)
     step = 0.25                                                    # far above the real cost, even on a busy host
     emu = _emu({"stage": {"overhead_s": step}})
-    comm = SimpleNamespace(rank=1, tracer=Tracer(1), emu=emu)
+    comm = SimpleNamespace(rank=1, tracer=Tracer(1), emu=emu, open_direct_inbox=lambda: None)
     worker = StageWorker(model, comm, 64, torch.float64, "cpu")
     ids = torch.tensor([[1, 5, 9, 13]])
     pos, mask = worker.cache.context_inputs(4, torch.float64)

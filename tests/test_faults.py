@@ -1,7 +1,7 @@
 """Faults and bad inputs: every rank exits non-zero, fast, with one line and no traceback.
 
 * A real rank process is SIGKILLed (``FLOWSPEC_FAULT``, see pipeline/faults.py) during prefill, mid-round
-  of a decode and while a decision broadcast is pending, a stage rank and rank 0 alike: every survivor
+  of a decode and around rank 0's direct decisions, a stage rank and rank 0 alike: every survivor
   exits within ``comm.timeout_s`` (+ slack) naming the lost rank.
 * Ctrl-C (SIGINT to every rank, as a terminal does under torchrun) ends the job at once, quietly.
 * Bad inputs: unknown mode / key, bad value, empty prompt, missing / wrong-world / corrupt stage roots,
@@ -288,9 +288,9 @@ DECODE = ["max_new_tokens=120", "--modes", "continuous", "--prompt-ids", "1,5,9,
     (0, "prefill", 4, PREFILL),      # rank 0 while sending chunks (and hosting the rendezvous store)
     (2, "segment", 7, DECODE),       # mid-round: the last stage while tree segments are in flight
     (0, "segment", 7, DECODE),
-    (2, "broadcast", 4, DECODE),     # a decision broadcast pending on the others
-    (0, "broadcast", 4, DECODE),
-], ids=["stage-prefill", "rank0-prefill", "stage-decode", "rank0-decode", "stage-broadcast", "rank0-broadcast"])
+    (2, "decision", 4, DECODE),      # a stage taking rank 0's direct decisions
+    (0, "decision", 4, DECODE),      # rank 0 about to send one
+], ids=["stage-prefill", "rank0-prefill", "stage-decode", "rank0-decode", "stage-decision", "rank0-decision"])
 def test_killed_rank(zygote, roots, tmp_path, victim, point, count, args):
     job = Job(tmp_path, 3, [f"model.stage_dir={roots[3]}", *FAST, *args],
               env={"FLOWSPEC_FAULT": f"rank={victim},at={point},count={count}"}, zygote=zygote)

@@ -5,9 +5,9 @@ import torch
 from config.run_config import DEFAULT, ConfigError, apply_overrides
 from draft.tree import DraftTree, keep_indices_for
 from model.kv_cache import KVCache, compact_slots
-from pipeline.messages import Context, Decision, Segment, Shutdown, Stats, Status, decode, encode
+from pipeline.messages import Context, Decision, Segment, Shutdown, Stats, Status, decode, encode, pack_log
 from pipeline.verify import Sampler, walk_tree
-from pipeline.worker import apply_decision
+from pipeline.worker import StageTree
 
 
 def test_compact_slots_moves_kept_rows_in_order():
@@ -52,33 +52,110 @@ def test_cache_overflow_is_an_error():
         c.context_inputs(5, torch.float32)
 
 
-def test_apply_decision_prunes_uncomputed_segment():
-    c = KVCache(1, 1, 1, 32, torch.float32)
-    _, _, anc, depth = c.tree_inputs(torch.tensor([-1, 0, 0]), torch.float32)
-    c.commit_forward(3, False, anc, depth)
-    seg = Segment(torch.arange(3)[None], torch.tensor([1, 2, 1]))   # nodes 3, 4, 5
-    d = Decision(1, 1, Status.CONTINUE, 1, 7, False, torch.tensor([0, 1, 3, 5]))
-    seg = apply_decision(c, d, seg)
-    assert seg.x.tolist() == [[0, 2]] and seg.parents.tolist() == [0, 0]
-    assert c.context_len == 1 and c.num_tree == 1
+def _stage(slots=32):
+    return StageTree(KVCache(1, 1, 1, slots, torch.float32))
+
+
+def _seg(gids, parents, epoch=0, log=()):
+    g = torch.tensor(gids, dtype=torch.long)
+    return Segment(g[None], torch.tensor(parents, dtype=torch.long), g, 1, epoch, pack_log(list(log)))
+
+
+def _take(tree, seg, direct=()):
+    """The stage worker's admission step; returns the admitted node ids and their parents' slots."""
+    tree.offer(seg.decisions())
+    tree.offer(list(direct))
+    tree.apply_ready()
+    rows, parents = tree.admit(seg)
+    gids = seg.gids[rows]
+    c = tree.cache
+    _, _, anc, depth = c.tree_inputs(parents, torch.float32)
+    c.commit_forward(int(gids.numel()), False, anc, depth)
+    tree.computed(gids.tolist())
+    return gids.tolist(), parents.tolist()
+
+
+def _dec(seq, path, root, status=Status.CONTINUE):
+    return Decision(1, seq, status, root, False, torch.tensor(path, dtype=torch.long))
+
+
+def test_decision_before_the_segment_prunes_it_uncomputed():
+    """Tree 0 -> {1, 2}, 1 -> {3}, 2 -> {4}: segments [0, 1, 2] then [3, 4]. The stage computed the first;
+    decision 1 (path 0 -> 1, root 3) arrives directly before the second: only node 3 is computed, as a child
+    of the context, and the path became context."""
+    t = _stage()
+    t.reset(1)
+    assert _take(t, _seg([0, 1, 2], [-1, 0, 0])) == ([0, 1, 2], [-1, 0, 0])
+    d1 = _dec(1, [0, 1], 3)
+    assert _take(t, _seg([3, 4], [1, 2]), direct=[d1]) == ([3], [-1])
+    assert t.cache.context_len == 2 and t.slot_gids == [3] and t.applied == 1
+
+
+def test_late_decision_in_the_log_and_duplicates_are_applied_once():
+    t = _stage()
+    t.reset(1)
+    _take(t, _seg([0, 1, 2], [-1, 0, 0]))
+    _take(t, _seg([3, 4], [1, 2]))              # computed before the decision: both rows
+    d1 = _dec(1, [0, 1], 3)
+    assert _take(t, _seg([5], [3], epoch=1, log=[d1]), direct=[d1]) == ([5], [0])
+    assert t.slot_gids == [3, 5] and t.cache.context_len == 2 and t.applied == 1
+
+
+def test_truncate_then_fresh_root_and_stale_rows_dropped_where_they_stand():
+    t = _stage()
+    t.reset(1)
+    _take(t, _seg([0, 1], [-1, 0]))
+    d1 = _dec(1, [0], -1, Status.TRUNCATE)
+    # a stale segment (sent before the decision) arrives after it: all dead
+    assert _take(t, _seg([2, 3], [1, 2]), direct=[d1]) == ([], [])
+    # the next round's root (parent -1) and its child
+    assert _take(t, _seg([4, 5], [-1, 4], epoch=1, log=[d1])) == ([4, 5], [-1, 0])
+    assert t.cache.context_len == 1
+
+
+def test_pending_root_is_admitted_when_it_arrives():
+    """The surviving root was sent but is still upstream when the decision arrives."""
+    t = _stage()
+    t.reset(1)
+    _take(t, _seg([0, 1, 2], [-1, 0, 0]))
+    d1 = _dec(1, [0, 1], 4)                  # root 4 (child of 1) is in the next segment
+    assert _take(t, _seg([3, 4, 5, 6], [2, 1, 4, 3]), direct=[d1]) == ([4, 5], [-1, 0])
+    assert t.pending_root == -1
+
+
+def test_segment_ahead_of_its_decisions_is_an_error_not_a_wrong_answer():
+    t = _stage()
+    t.reset(1)
+    _take(t, _seg([0, 1], [-1, 0]))
+    with pytest.raises(RuntimeError, match="before decision 1"):
+        _take(t, _seg([2], [-1], epoch=1))       # its decision neither in the log nor direct
+
+
+def test_decisions_of_another_generation_are_ignored():
+    t = _stage()
+    t.reset(2)
+    t.offer([_dec(1, [0], -1)])                # gen 1
+    assert t.apply_ready() == 0 and t.applied == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int32,
                                    torch.int64, torch.bool])
 def test_message_roundtrip_every_dtype(dtype):
     x = (torch.randn(1, 3, 5) * 10).to(dtype)
-    for msg in (Context(x, 3, True), Segment(x, torch.tensor([-1, 0, 1]), 2, 7, 3),
-                Segment(x[:, :0], torch.zeros(0, dtype=torch.long), 1, 0, 1,
-                        Decision(1, 2, Status.TRUNCATE, 2, 9, True, torch.tensor([0, 4])))):
+    log = pack_log([Decision(1, 2, Status.TRUNCATE, -1, True, torch.tensor([0, 4])),
+                    Decision(1, 3, Status.CONTINUE, 9, False, torch.tensor([7]))])
+    for msg in (Context(x, 3, True), Segment(x, torch.tensor([-1, 0, 1]), torch.tensor([4, 5, 6]), 2, 7),
+                Segment(x[:, :0], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), 1, 3, log)):
         back = decode(*encode(msg))
         assert type(back) is type(msg)
         assert back.x.dtype == dtype and torch.equal(back.x, msg.x)
         if isinstance(msg, Segment):
-            assert torch.equal(back.parents, msg.parents) and back.decide_from_rank == msg.decide_from_rank
-            if msg.prior is not None:
-                assert back.prior.status == Status.TRUNCATE and back.prior.keep_indices.tolist() == [0, 4]
-    d = decode(*encode(Decision(5, 6, Status.SKIP)))
-    assert d.status == Status.SKIP and d.keep_indices.numel() == 0
+            assert torch.equal(back.parents, msg.parents) and torch.equal(back.gids, msg.gids)
+            assert (back.gen, back.epoch) == (msg.gen, msg.epoch)
+            assert [(d.seq, d.status, d.root, d.finished, d.path.tolist()) for d in back.decisions()] == \
+                   [(d.seq, d.status, d.root, d.finished, d.path.tolist()) for d in msg.decisions()]
+    d = decode(*encode(Decision(5, 6, Status.TRUNCATE)))
+    assert d.status == Status.TRUNCATE and d.path.numel() == 0 and d.root == -1
     assert isinstance(decode(*encode(Shutdown())), Shutdown)
     assert decode(*encode(Stats(torch.tensor([0.5, 1.0], dtype=torch.float64)))).busy_s.tolist() == [0.5, 1.0]
 

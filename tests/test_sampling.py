@@ -5,8 +5,8 @@ token only), so the joint law of the first K committed tokens is a product of kn
 enumerated. Trees come from the real EAGLE-2 builder (``Drafter.grow_tree`` -> ``select_top_nodes``) fed by a
 Markov "draft head"; decoding runs each mode's real rank-0 code (``ar_decode``, ``naive_decode``,
 ``PrunedMode``, ``ContinuousMode``, ``PipeDecMode``) against an in-process fake ring (:class:`FakeRing`) that
-prunes the in-flight segments with the broadcast decisions exactly as the stage workers do, so step-wise
-verification, SKIP steps, re-rooting, pruning and dynamic expansion happen as in the pipeline.
+prunes the in-flight segments with the stage's real decision code (``pipeline.worker.StageTree``), so step-wise
+verification, stale results, re-rooting, pruning and dynamic expansion happen as in the pipeline.
 
 Checks:
   1. exact law (the proof-grade check): the sampler's two random primitives, ``accept(prob)`` and
@@ -36,12 +36,14 @@ from config.run_config import DEFAULT, apply_overrides
 from draft.drafter import Drafter
 from draft.tree import keep_indices_for, merge_trees, reroot
 from pipeline.engine import OutputBuffer
-from pipeline.messages import Status
+from model.kv_cache import KVCache
+from pipeline.messages import Segment
 from pipeline.modes.ar import ar_decode
 from pipeline.modes.flowspec import ContinuousMode, PrunedMode
 from pipeline.modes.naive import naive_decode
 from pipeline.modes.pipedec import PipeDecMode
 from pipeline.verify import Sampler, walk_tree
+from pipeline.worker import StageTree
 
 V = 8          # vocabulary
 ROOT = 0       # the token every generation starts from (forced first token)
@@ -114,45 +116,62 @@ class MarkovDrafter(Drafter):
 
 
 class FakeRing:
-    """Rank 0's view of the ring, in one process. Stages are not simulated (the world is Markov: a node's
-    "hidden state" is its token); what matters is the protocol: every broadcast decision prunes the in-flight
-    segments like ``pipeline.worker.apply_decision``, TRUNCATE drains the ring, and a received lock-step
-    segment must hold exactly nodes ``[0, n)`` of rank 0's current tree."""
+    """Rank 0's view of the ring, in one process. Layers are not simulated (the world is Markov: a node's
+    "hidden state" is its token); what matters is the protocol, and it runs the stage's real decision code
+    (:class:`pipeline.worker.StageTree` on a one-slot-wide KV cache): every segment applies its decision log,
+    and, with ``early`` (default), every decision sent point to point before the segment is received, so
+    in-flight work is pruned and stale results come back as at the most eager stage; with ``early=False``
+    decisions reach the stage only on the ring. Rank 0 must cope with both."""
 
-    def __init__(self, world: int, lockstep: bool, live) -> None:
-        self.world, self.lockstep, self.live = world, lockstep, live
+    def __init__(self, world: int, lockstep: bool, live, early: bool = True) -> None:
+        self.world, self.lockstep, self.live, self.early = world, lockstep, live, early
         self.events: Counter = Counter()
         self.reset()
 
     def reset(self) -> None:
-        self.inflight: list[tuple[list[int], list[int]]] = []   # (node ids in the current tree, tokens)
-        self.next_id = 0
+        self.inflight: list = []
+        self.direct: list = []
+        self.tree = StageTree(KVCache(1, 1, 1, 4096, torch.float64))
 
     def send_next(self, msg) -> None:
-        if getattr(msg, "prior", None) is not None:   # naive: the previous round's decision rides along
-            self.next_id = 0
-        toks = msg.x[0].tolist()
-        self.inflight.append((list(range(self.next_id, self.next_id + len(toks))), toks))
-        self.next_id += len(toks)
+        if not self.early:
+            msg = self._compute(msg)
+        self.inflight.append(msg)
 
-    def recv_prev(self):
-        ids, toks = self.inflight.pop(0)
-        if self.lockstep:
-            assert ids == list(range(len(ids))), f"received nodes {ids} are not a prefix of the current tree"
-        return SimpleNamespace(n=len(toks), x=torch.tensor(toks, dtype=torch.float64).reshape(1, -1, 1))
-
-    def broadcast(self, d):
+    def send_direct(self, d) -> None:
         if self.live():
             self.events[d.status.name] += 1
-        if d.status == Status.TRUNCATE:
-            self.reset()
-        elif d.status == Status.CONTINUE:
-            keep, acc = d.keep_indices.tolist(), d.accepted_len
-            new = {k: i - acc for i, k in enumerate(keep) if i >= acc}
-            self.inflight = [([new[i] for i in ids if i in new], [t for i, t in zip(ids, toks) if i in new])
-                             for ids, toks in self.inflight]
-            self.next_id = sum(1 for k in keep[acc:] if k < self.next_id)
-        return d
+        self.direct.append(d)
+
+    def _compute(self, seg):
+        """The stage worker's segment step (pipeline.worker.StageWorker._segment) without layers."""
+        if not isinstance(seg, Segment):   # ar's Context: one token, its "hidden state" is the token
+            return SimpleNamespace(x=seg.x.double().reshape(1, -1, 1))
+        tree = self.tree
+        if seg.gen != tree.gen:
+            tree.reset(seg.gen)
+        if self.live():
+            for d in seg.decisions():
+                if d.seq > tree.applied and d.seq not in tree.early:
+                    self.events[d.status.name] += 1
+        tree.offer(seg.decisions())
+        if self.early:
+            tree.offer(self.direct)
+            self.direct = []
+        tree.apply_ready()
+        rows, parents = tree.admit(seg)
+        toks, gids, pg = seg.x[0][rows], seg.gids[rows], seg.parents[rows]
+        cache = tree.cache
+        pos, mask, anc, depth = cache.tree_inputs(parents, torch.float64)
+        cache.commit_forward(int(gids.numel()), as_context=False, anc=anc, depth=depth)
+        tree.computed(gids.tolist())
+        if gids.numel() == 0 and self.live():
+            self.events["EMPTY"] += 1
+        return Segment(toks.double().reshape(1, -1, 1), pg, gids, seg.gen, seg.epoch, seg.log)
+
+    def recv_prev(self):
+        msg = self.inflight.pop(0)
+        return self._compute(msg) if self.early else msg
 
 
 class CountingContinuous(ContinuousMode):
@@ -183,7 +202,8 @@ MODES = {
 }
 
 
-def make_runner(mode: str, world: int, tables, sampler: Sampler, horizon: int, overrides: dict):
+def make_runner(mode: str, world: int, tables, sampler: Sampler, horizon: int, overrides: dict,
+                early: bool = True):
     """``run() -> first `horizon` tokens after ROOT`` through the mode's real rank-0 code."""
     target, draft_logits = tables
     live = getattr(sampler, "live", lambda: True)
@@ -192,8 +212,8 @@ def make_runner(mode: str, world: int, tables, sampler: Sampler, horizon: int, o
     if mode == "continuous":
         cont = CountingContinuous()
         decode = cont.decode
-    ring = FakeRing(world, lockstep, live)
-    engine = SimpleNamespace(comm=ring, cfg=apply_overrides(DEFAULT, {**TREE, **overrides}),
+    ring = FakeRing(world, lockstep, live, early)
+    engine = SimpleNamespace(comm=ring, gen=1, cfg=apply_overrides(DEFAULT, {**TREE, **overrides}),
                              drafter=MarkovDrafter(draft_logits), sampler=sampler,
                              tracer=SimpleNamespace(span=lambda *a, **k: nullcontext()),
                              logits=lambda hidden: target[hidden[:, 0].long()])
@@ -298,11 +318,11 @@ EXACT_CASES = [
     ("naive", 3, 1.0, 1.0, 0, "random", 3, {}, ()),
     ("naive", 3, 0.3, 0.8, 0, "target", 2, {}, ()),
     ("naive", 2, 2.0, 1.0, 3, "onehot", 2, {}, ()),
-    ("pruned", 3, 1.0, 0.9, 0, "random", 3, {}, ("CONTINUE", "SKIP")),
+    ("pruned", 3, 1.0, 0.9, 0, "random", 3, {}, ("CONTINUE", "EMPTY")),
     ("pruned", 4, 2.0, 1.0, 0, "target", 2, {"tree.subseq_token": 2}, ("CONTINUE",)),
     ("pruned", 3, 0.3, 1.0, 0, "disjoint", 2, {}, ()),
     ("continuous", 3, 1.0, 1.0, 0, "target", 3, {"tree.none_expand": True, "tree.none_expand_size": 3},
-     ("CONTINUE", "SKIP", "expand")),
+     ("CONTINUE", "EMPTY", "expand")),
     ("continuous", 3, 0.3, 0.8, 4, "onehot", 2, {}, ("CONTINUE", "expand")),
     ("continuous", 4, 2.0, 0.9, 0, "random", 2, {"tree.none_expand": True}, ("CONTINUE", "expand")),
     ("continuous", 3, 1.0, 1.0, 0, "disjoint", 2, {"tree.none_expand": True}, ()),
@@ -313,12 +333,17 @@ EXACT_CASES = [
 ]
 
 
+@pytest.mark.parametrize("early", [True, False], ids=["direct-decisions", "ring-only-decisions"])
 @pytest.mark.parametrize("mode,world,temp,top_p,top_k,draft,horizon,overrides,events", EXACT_CASES,
                          ids=[f"{c[0]}-w{c[1]}-T{c[2]}-p{c[3]}-k{c[4]}-{c[5]}-K{c[6]}" for c in EXACT_CASES])
-def test_exact_law_every_mode(mode, world, temp, top_p, top_k, draft, horizon, overrides, events):
+def test_exact_law_every_mode(mode, world, temp, top_p, top_k, draft, horizon, overrides, events, early):
+    """``early``: decisions prune in-flight work at once (the eagerest stage) or only when the ring brings them
+    (the laziest): the law must be the target's either way."""
+    if not early and mode in ("ar", "naive"):
+        pytest.skip("nothing is in flight when ar/naive decide")
     tables = make_world(11, draft, 0.3 if temp < 1 else 1.5)   # T = 0.3 on flatter logits: still random
     sampler = BranchingSampler(temp, top_p, top_k, horizon)
-    run = make_runner(mode, world, tables, sampler, horizon, overrides)
+    run = make_runner(mode, world, tables, sampler, horizon, overrides, early)
     law, runs = exact_law(run, sampler)
     ref = target_law(sampler, tables[0], horizon)
     assert abs(sum(law.values()) - 1.0) < 1e-6
@@ -330,6 +355,8 @@ def test_exact_law_every_mode(mode, world, temp, top_p, top_k, draft, horizon, o
     if run.cont is not None:
         seen["expand"] = run.cont.appended
     for e in events:
+        if e == "EMPTY" and not early:
+            continue   # without early pruning a stale result still carries its (dead) rows
         assert seen.get(e, 0) > 0, f"no {e} event before the horizon: {seen}"
 
 

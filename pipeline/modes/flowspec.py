@@ -1,34 +1,35 @@
-"""FlowSpec (``continuous``) and its ``pruned`` ablation: the lock-step pipeline on rank 0.
+"""FlowSpec (``continuous``) and its ``pruned`` ablation: rank 0's asynchronous streaming loop.
 
-One round, as seen from rank 0 (ranks 1..N run :mod:`pipeline.worker`)::
+One round, as seen from rank 0 (ranks 1..N run :mod:`pipeline.worker`; the transport is :mod:`pipeline.outbox`)::
 
-    draft a tree from the root -> fill: send exactly world_size segments (empty ones pad), one per ring
-    link; nodes beyond that wait on rank 0
+    draft a tree from the root -> fill: send up to world_size segments of it (nodes beyond wait on rank 0)
     each step:
-      receive the oldest in-flight segment's hidden states (its nodes are [0, n) of the current tree)
+      receive the oldest segment in flight; its rows still in the tree are nodes [0, k) (none: a stale result)
       verify the prefix-closed subtree they complete (walk_tree)
-      broadcast one Decision: SKIP (empty segment) | CONTINUE (re-root at an already drafted child)
-                              | TRUNCATE (no such child, or finished: the ring drains, round ends)
-      every stage prunes its KV cache and its uncomputed segment with the same keep-list
-      CONTINUE: re-root the tree; expand (continuous) by drafting from the new root and merging
-      send the next waiting nodes (possibly none) as the next segment: one message per link again
+      issue one Decision: CONTINUE (re-root at a child the draft already has) | TRUNCATE (no such child, or
+        finished); it goes point to point to the stages at once and rides on the next segment
+      CONTINUE: re-root; send the nodes already drafted and waiting first, then commit the accepted tokens to
+        the drafter and expand (continuous) while the stages compute; send what the expansion added if a
+        link is free
+      TRUNCATE: the next round's tree follows at once; stale work in flight is dropped where it stands
 
-Message ``decide_from_rank``: a fill segment j is computed without decisions by ranks r <= N - j and
-with one decision per hop after that; segments sent during steps take a decision at every rank. So in
-every step each rank holds exactly one message and joins exactly one broadcast.
+No step waits for the stages to agree: a stage prunes with whatever decisions it holds when a segment reaches
+it, and the segments in flight keep at most ``world_size`` live ones (one per ring link) so that rank 0 never
+floods the ring with work a decision is about to kill.
 """
 from __future__ import annotations
 
 import torch
 
-from draft.tree import DraftTree, keep_indices_for, merge_trees, reroot, split_sizes
+from draft.tree import DraftTree, keep_indices_for, merge_trees, split_sizes
 from model.devices import HOST
 from pipeline.engine import Engine, OutputBuffer
-from pipeline.messages import Decision, Segment, Status
+from pipeline.messages import Status
+from pipeline.outbox import Outbox, RankTree
 from pipeline.verify import walk_tree
 
 
-class LockstepMode:
+class StreamingMode:
     """Shared FlowSpec step loop. Subclasses choose the first tree and how the tree grows per step."""
 
     commit_every_step = True  # feed accepted features to the drafter at every verified step
@@ -55,68 +56,79 @@ class LockstepMode:
         out.extend([x])
         with engine.tracer.span("draft"):
             root_hidden = engine.drafter.start(prompt_ids, x, features)
+        box = Outbox(engine)
         rounds, accepts, steps = 0, [], 0
         while not out.finished:
             rounds += 1
-            x, root_hidden, n_steps = self.run_round(engine, x, root_hidden, out, accepts, rounds)
+            x, root_hidden, n_steps = self.run_round(engine, box, x, root_hidden, out, accepts)
             steps += n_steps
+        steps += box.drain()
         return rounds, accepts, steps
 
-    def run_round(self, engine: Engine, root: int, root_hidden: torch.Tensor, out: OutputBuffer,
-                  accepts: list[int], round_id: int):
-        comm, world = engine.comm, engine.comm.world
-        tree = self.first_tree(engine, root, root_hidden)
-        sizes = self.fill_sizes(engine, tree)
-        sizes += [0] * (world - len(sizes))
-        sent = 0
-        for j, size in enumerate(sizes):
-            comm.send_next(self._segment(tree, sent, size, round_id, j, world - j))
-            sent += size
+    @staticmethod
+    def segment_target(engine: Engine) -> int:
+        """Waiting nodes that make a segment worth sending before drafting: a thinner pool (say the new root
+        alone) is sent after the expansion instead, so one segment carries the root and its best children
+        rather than splitting levels across two ring trips."""
+        t = engine.cfg.tree
+        return t.expand_subseq_token if t.expand_subseq_token > 0 else t.subseq_token
+
+    def top_up(self, engine: Engine, box: Outbox, state: RankTree) -> None:
+        """Send waiting nodes while fewer than ``world_size`` live segments are in flight."""
+        cap = engine.cfg.tree.expand_subseq_token
+        alive = state.alive_gids()
+        while state.waiting and box.live_inflight(alive) < engine.comm.world:
+            state.send(box, state.waiting if cap < 0 else min(cap, state.waiting))
+            alive = state.alive_gids()
+
+    def run_round(self, engine: Engine, box: Outbox, root: int, root_hidden: torch.Tensor, out: OutputBuffer,
+                  accepts: list[int]):
+        world = engine.comm.world
+        state = RankTree(self.first_tree(engine, root, root_hidden))
+        for size in self.fill_sizes(engine, state.tree):
+            if box.live_inflight(state.alive_gids()) >= world:
+                break
+            state.send(box, size)
         pending_tokens: list[int] = []
         pending_feats: list[torch.Tensor] = []
-        step = 0
-        cap = engine.cfg.tree.expand_subseq_token
+        steps = 0
         while True:
-            msg = comm.recv_prev()
-            step += 1
-            decision = Decision(round_id, step, Status.SKIP)
-            if msg.n:
-                hidden = msg.x[0]
-                logits = engine.logits(hidden)
-                with engine.tracer.span("verify"):
-                    path, new_token, new_root = walk_tree(tree, msg.n, logits, engine.sampler)
-                committed = tree.tokens[path[1:]].tolist() + [new_token]
-                accepts.append(out.extend(committed))
-                if out.finished or new_root is None:
-                    status, keep = Status.TRUNCATE, torch.tensor(path, device=HOST)
-                else:
-                    status, keep = Status.CONTINUE, keep_indices_for(tree, path, new_root)
-                decision = Decision(round_id, step, status, len(path), new_token, out.finished, keep)
-                pending_tokens += committed
-                pending_feats.append(hidden[path])
-            comm.broadcast(decision)
-            if decision.status == Status.TRUNCATE:
+            if not box.inflight:
+                raise RuntimeError("protocol stalled: nothing in flight and nothing to verify")
+            msg = box.receive()
+            steps += 1
+            rows, k = state.alive_rows(msg)
+            if k == 0:   # a stale result: nothing of the current tree was verified
+                state.set_tree(self.grow(engine, state.tree, root_hidden, False))
+                self.top_up(engine, box, state)
+                continue
+            hidden = msg.x[0][rows.to(msg.x.device)]
+            logits = engine.logits(hidden)
+            tree = state.tree
+            with engine.tracer.span("verify"):
+                path, new_token, new_root = walk_tree(tree, k, logits, engine.sampler)
+            committed = tree.tokens[path[1:]].tolist() + [new_token]
+            accepts.append(out.extend(committed))
+            pending_tokens += committed
+            pending_feats.append(hidden[path])
+            path_gids = state.gids[path].tolist()
+            if out.finished or new_root is None:
+                box.decide(Status.TRUNCATE, path_gids, -1, out.finished)
                 if not out.finished:
                     root_hidden = self._commit(engine, pending_tokens, pending_feats)
-                return decision.new_token, root_hidden, step
-            if decision.status == Status.CONTINUE:
-                with engine.tracer.span("prune"):
-                    acc = decision.accepted_len
-                    sent = int((keep[acc:] < sent).sum())
-                    tree = reroot(tree, keep, acc)
-                    self.on_reroot(keep, acc)
-                if self.commit_every_step:
-                    root_hidden = self._commit(engine, pending_tokens, pending_feats)
-                    pending_tokens, pending_feats = [], []
-            tree = self.grow(engine, tree, root_hidden, decision.status == Status.CONTINUE)
-            size = len(tree) - sent if cap < 0 else min(cap, len(tree) - sent)
-            comm.send_next(self._segment(tree, sent, size, round_id, world - 1 + step, 1))
-            sent += size
-
-    @staticmethod
-    def _segment(tree: DraftTree, start: int, size: int, round_id: int, seg_id: int, decide_from: int) -> Segment:
-        sl = slice(start, start + size)
-        return Segment(tree.tokens[sl][None], tree.parents[sl], round_id, seg_id, decide_from)
+                return new_token, root_hidden, steps
+            box.decide(Status.CONTINUE, path_gids, int(state.gids[new_root]), False)
+            with engine.tracer.span("prune"):
+                keep = keep_indices_for(tree, path, new_root)
+                state.reroot(keep, len(path))
+                self.on_reroot(keep, len(path))
+            if state.waiting >= self.segment_target(engine):
+                self.top_up(engine, box, state)      # what is already drafted goes out first
+            if self.commit_every_step:
+                root_hidden = self._commit(engine, pending_tokens, pending_feats)
+                pending_tokens, pending_feats = [], []
+            state.set_tree(self.grow(engine, state.tree, root_hidden, True))
+            self.top_up(engine, box, state)
 
     @staticmethod
     def _commit(engine: Engine, tokens: list[int], feats: list[torch.Tensor]) -> torch.Tensor:
@@ -124,14 +136,37 @@ class LockstepMode:
             return engine.drafter.commit(torch.tensor(tokens, device=HOST), torch.cat(feats))
 
 
-class PrunedMode(LockstepMode):
+class PrunedMode(StreamingMode):
     """Step-wise verification and pruning of one tree per round, no expansion."""
 
     commit_every_step = False
 
 
-class ContinuousMode(LockstepMode):
-    """FlowSpec: after each verified step, draft again from the new root and merge (dynamic expansion)."""
+class ContinuousMode(StreamingMode):
+    """FlowSpec: after each verified step the tree grows again (dynamic expansion).
+
+    ``tree.expand_levels > 0`` (default): incremental expansion (:meth:`draft.drafter.Drafter.extend_tree`):
+    the surviving tree keeps its drafted nodes and their draft inputs, and grows ``expand_levels`` levels below
+    its best leaves, up to ``expand_total_token`` nodes in all: the likely outcomes of the segments in flight
+    are drafted ahead, at a cost that does not grow with the tree's depth. ``expand_levels = 0``: the paper
+    code's expansion, a fresh ``expand_depth``-deep EAGLE-2 tree drafted from the new root and merged.
+    """
+
+    def __init__(self) -> None:
+        self.inputs: torch.Tensor | None = None   # draft input feature per tree node (incremental expansion)
+
+    def first_tree(self, engine: Engine, root: int, root_hidden: torch.Tensor) -> DraftTree:
+        t = engine.cfg.tree
+        if t.expand_levels <= 0:
+            return super().first_tree(engine, root, root_hidden)
+        with engine.tracer.span("draft"):
+            tree, self.inputs = engine.drafter.grow_tree_with_inputs(root, root_hidden, t.init_total_token,
+                                                                     t.init_depth, t.init_topk)
+        return tree
+
+    def on_reroot(self, keep: torch.Tensor, accepted_len: int) -> None:
+        if self.inputs is not None:
+            self.inputs = self.inputs[keep[accepted_len:].to(self.inputs.device)]
 
     def grow(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor, verified: bool) -> DraftTree:
         t = engine.cfg.tree
@@ -142,6 +177,12 @@ class ContinuousMode(LockstepMode):
         else:
             return tree
         with engine.tracer.span("expand"):
+            if t.expand_levels > 0:
+                levels = t.expand_levels if verified else t.none_expand_depth
+                room = max(total - len(tree), t.expand_topk if verified else t.none_expand_size)
+                tree, self.inputs = engine.drafter.extend_tree(tree, self.inputs, root_hidden, levels,
+                                                               t.expand_topk, room)
+                return tree
             extra = engine.drafter.grow_tree(int(tree.tokens[0]), root_hidden, total, depth, t.expand_topk)
             tree, _ = merge_trees(tree, extra)
         return tree

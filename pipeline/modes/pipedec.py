@@ -1,6 +1,6 @@
 """``pipedec`` (PipeDec baseline): the tree grows by one layer of ``pipedec_topk`` nodes per pipeline step.
 
-It reuses FlowSpec's lock-step loop; only the tree policy differs: a round starts with the root alone,
+It reuses FlowSpec's streaming loop; only the tree policy differs: a round starts with the root alone,
 the fill sends the root and then one new layer per segment, and every step appends one more layer
 below the deepest surviving layer (the best ``pipedec_topk`` children by cumulative draft score).
 To score a layer, the drafter re-feeds the surviving tree (whose draft inputs are remembered per node)
@@ -13,10 +13,10 @@ import torch
 from draft.tree import DraftTree
 from model.devices import HOST
 from pipeline.engine import Engine
-from pipeline.modes.flowspec import LockstepMode
+from pipeline.modes.flowspec import StreamingMode
 
 
-class PipeDecMode(LockstepMode):
+class PipeDecMode(StreamingMode):
     def __init__(self) -> None:
         self.feat_in: torch.Tensor | None = None  # draft input feature per node (row 0 unused)
 
