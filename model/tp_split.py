@@ -9,7 +9,7 @@ Layout (same manifest, checksums and stage directories as :mod:`model.stage_form
         q_proj                  output rows of query heads [t*hq, (t+1)*hq)   hq = heads / N
         k_proj, v_proj          output rows of the key/value heads those query heads read (tp_kv_heads)
         o_proj, down_proj       input columns of this rank's heads / FFN slice; a bias only on t = 0
-        gate_proj, up_proj      output rows [t*I/N, (t+1)*I/N)
+        gate_proj, up_proj      output rows of FFN slice t (I split near-evenly; need not divide)
         norms                   replicated
     config.json: the HF config with the *local* head counts and FFN width (so the family's own modules build
     at shard size), ``head_dim`` explicit, plus the stage fields and ``tp_size``, ``tp_rank``,
@@ -52,6 +52,13 @@ def kv_heads_for(t: int, n: int, heads: int, kv_heads: int) -> list[int]:
     return per_q
 
 
+def ffn_range(inter: int, n: int, t: int) -> tuple[int, int]:
+    """FFN rows of TP rank ``t``: ``inter`` split near-evenly (earlier ranks one more when it does not divide)."""
+    base, extra = divmod(inter, n)
+    start = t * base + min(t, extra)
+    return start, start + base + (t < extra)
+
+
 def check_tp(config: dict, n: int) -> None:
     """Raise ``ValueError`` (one line) unless ``n`` ranks can split this model."""
     heads = config.get("num_attention_heads")
@@ -61,8 +68,8 @@ def check_tp(config: dict, n: int) -> None:
     if heads % n:
         raise ValueError(f"--tp {n} does not divide the model's {heads} attention heads; choose one of "
                          f"{', '.join(str(d) for d in range(1, heads + 1) if heads % d == 0)}")
-    if inter % n:
-        raise ValueError(f"--tp {n} does not divide the model's intermediate_size {inter}")
+    if inter < n:
+        raise ValueError(f"--tp {n} exceeds the model's intermediate_size {inter}")
 
 
 def _plan_rank(keys: set[str], config: dict, n: int, t: int) -> list[tuple[str, str, str, object]]:
@@ -70,7 +77,7 @@ def _plan_rank(keys: set[str], config: dict, n: int, t: int) -> list[tuple[str, 
     layers = config["num_hidden_layers"]
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     hd = config.get("head_dim") or config["hidden_size"] // heads
-    hq, inter_l = heads // n, config["intermediate_size"] // n
+    hq = heads // n
     vocab = config["vocab_size"]
     per = -(-vocab // n)
     v0, v1 = min(vocab, t * per), min(vocab, (t + 1) * per)
@@ -82,7 +89,7 @@ def _plan_rank(keys: set[str], config: dict, n: int, t: int) -> list[tuple[str, 
         for s in REPLICATED:
             plan.append((f"layers.{i}.{s}", p + s, "full", None))
         q_rows = (t * hq * hd, (t + 1) * hq * hd)
-        ff_rows = (t * inter_l, (t + 1) * inter_l)
+        ff_rows = ffn_range(config["intermediate_size"], n, t)
         for mod, how, arg in (("self_attn.q_proj", "rows", q_rows), ("self_attn.k_proj", "kv", kv_list),
                               ("self_attn.v_proj", "kv", kv_list), ("mlp.gate_proj", "rows", ff_rows),
                               ("mlp.up_proj", "rows", ff_rows), ("self_attn.o_proj", "cols", q_rows),
@@ -126,9 +133,10 @@ def shard_config(config: dict, n: int, t: int) -> dict:
     vocab = config["vocab_size"]
     per = -(-vocab // n)
     kv_list = kv_heads_for(t, n, heads, kv)
+    ff0, ff1 = ffn_range(config["intermediate_size"], n, t)
     cfg = dict(config)
     cfg.update(num_attention_heads=heads // n, num_key_value_heads=len(kv_list), head_dim=hd,
-               intermediate_size=config["intermediate_size"] // n, tp_size=n, tp_rank=t,
+               intermediate_size=ff1 - ff0, tp_size=n, tp_rank=t,
                tp_vocab_range=[min(vocab, t * per), min(vocab, (t + 1) * per)], tp_kv_heads=kv_list,
                tp_full={"num_attention_heads": heads, "num_key_value_heads": kv,
                         "intermediate_size": config["intermediate_size"]})
