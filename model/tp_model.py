@@ -196,23 +196,34 @@ def ring_reduce_scatter(coll: Collectives, rows: list[int], part: Callable[[int]
 
 # -- collectives ------------------------------------------------------------------------------------------
 class DistCollectives:
-    """The TP group over ``torch.distributed``: global ranks ``first .. first + size - 1`` form ``group``."""
+    """The TP group over ``torch.distributed``: global ranks ``first .. first + size - 1`` form ``group``.
 
-    def __init__(self, group, first: int, size: int, rank: int) -> None:
+    With gloo (``host_staging``), tensors on a GPU are staged through host memory for every collective, as
+    :class:`pipeline.comm.Comm` does for its messages; NCCL moves them where they are."""
+
+    def __init__(self, group, first: int, size: int, rank: int, host_staging: bool = True) -> None:
         self.group, self.first, self.size, self.rank = group, first, size, rank
+        self.host_staging = host_staging
+
+    def _wire(self, t: Tensor) -> Tensor:
+        return t.cpu() if self.host_staging and t.device.type != "cpu" else t
 
     def all_reduce(self, t: Tensor) -> Tensor:
         if self.size > 1:
             import torch.distributed as dist
-            dist.all_reduce(t, group=self.group)
+            w = self._wire(t)
+            dist.all_reduce(w, group=self.group)
+            if w is not t:
+                t.copy_(w)
         return t
 
     def ring_start(self, send: Tensor, recv: Tensor):
         import torch.distributed as dist
         nxt = self.first + (self.rank + 1) % self.size
         prv = self.first + (self.rank - 1) % self.size
-        ops = [dist.P2POp(dist.isend, send, nxt, self.group), dist.P2POp(dist.irecv, recv, prv, self.group)]
-        return _Handles(dist.batch_isend_irecv(ops))
+        into = self._wire(recv)
+        ops = [dist.P2POp(dist.isend, self._wire(send), nxt, self.group), dist.P2POp(dist.irecv, into, prv, self.group)]
+        return _Handles(dist.batch_isend_irecv(ops), into, recv)
 
     def gather_to_first(self, t: Tensor, rows: list[int]) -> Tensor | None:
         if self.size == 1:
@@ -221,20 +232,35 @@ class DistCollectives:
         width = max(rows)
         padded = torch.zeros(1, width, t.shape[-1], dtype=t.dtype, device=t.device)
         padded[:, :t.shape[1]] = t
+        padded = self._wire(padded)
         bufs = [torch.empty_like(padded) for _ in rows] if self.rank == 0 else None
         dist.gather(padded, bufs, group_dst=0, group=self.group)
         if self.rank:
             return None
-        return torch.cat([b[:, :r] for b, r in zip(bufs, rows)], dim=1)
+        return torch.cat([b[:, :r] for b, r in zip(bufs, rows)], dim=1).to(t.device)
+
+    def all_gather_floats(self, value: float) -> list[float]:
+        """Every shard's ``value`` in shard order (host tensors; used once per generation for busy times)."""
+        if self.size == 1:
+            return [value]
+        import torch.distributed as dist
+        mine = torch.tensor([value], dtype=torch.float64)
+        if not self.host_staging:
+            mine = mine.cuda()
+        every = [torch.zeros_like(mine) for _ in range(self.size)]
+        dist.all_gather(every, mine, group=self.group)
+        return [float(v) for v in every]
 
 
 class _Handles:
-    def __init__(self, works) -> None:
-        self.works = works
+    def __init__(self, works, staged: Tensor | None = None, into: Tensor | None = None) -> None:
+        self.works, self.staged, self.into = works, staged, into
 
     def wait(self) -> None:
         for w in self.works:
             w.wait()
+        if self.staged is not None and self.staged is not self.into:
+            self.into.copy_(self.staged)
 
 
 class ThreadCollectives:

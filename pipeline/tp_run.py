@@ -92,16 +92,10 @@ class TPWorker:
                 self.comm.flush()
                 return
             if isinstance(msg, Stats):
-                busy = torch.tensor([self.tracer.busy_s], dtype=torch.float64, device=self.device)
-                every = [torch.zeros_like(busy) for _ in range(self.coll.size)]
-                if self.coll.size > 1:
-                    import torch.distributed as dist
-                    dist.all_gather(every, busy, group=self.coll.group)
-                else:
-                    every = [busy]
+                every = self.coll.all_gather_floats(self.tracer.busy_s)
                 if not msg.emu_only:
                     self.tracer.reset_counters()
-                    msg.busy_s[1:1 + self.coll.size] = torch.cat(every).to(HOST)
+                    msg.busy_s[1:1 + self.coll.size] = torch.tensor(every, dtype=torch.float64, device=HOST)
                 self._reply(msg)
             elif isinstance(msg, Context):
                 if msg.reset:
@@ -155,6 +149,6 @@ def run_tp_rank(args, cfg, modes, comm, stage_root, dtype, device, run_rank0) ->
     del t0
     if comm.rank == 0:
         return run_rank0(args, cfg, modes, GroupComm(comm), model, stage_root, dtype, device)
-    coll = DistCollectives(group, 1, n, comm.rank - 1)
+    coll = DistCollectives(group, 1, n, comm.rank - 1, host_staging=cfg.comm.backend != "nccl")
     TPWorker(model, comm, coll, cfg.model.max_seq_len, dtype, device).run()
     return 0

@@ -145,19 +145,22 @@ def decode_stats(session, tc, group: GroupCost | None = None) -> dict:
     return out
 
 
-def evaluate(s: Sessions, profile: Profile, bw: float | None, latency: float | None, args) -> list[dict]:
-    """One row per mode at one link setting."""
+def evaluate(s: Sessions, profile: Profile, bw: float | None, latency: float | None, args,
+             modes: tuple[str, ...] | None = None) -> list[dict]:
+    """One row per mode (``modes``: a subset of the pipeline modes and ``TP_MODES``; default all) at one link."""
     from pipeline.simulate import TimingConfig
     prof = with_link(profile, bw, latency)
     rows = []
     for mode, session in s.pipeline.items():
-        tc = TimingConfig(prof, stage_cost_scale=args.profile_stages / s.n, real_hidden_bytes=s.real_hidden_bytes)
-        rows.append({"mode": mode, **decode_stats(session, tc)})
+        if modes is None or mode in modes:
+            tc = TimingConfig(prof, stage_cost_scale=args.profile_stages / s.n, real_hidden_bytes=s.real_hidden_bytes)
+            rows.append({"mode": mode, **decode_stats(session, tc)})
     hb = prof.link.hidden_bytes_per_token or s.real_hidden_bytes
     for mode in TP_MODES:
-        tprof = tp_profile(prof, s.n, args.layers, args.profile_stages, mode, hb)
-        tc = TimingConfig(tprof, real_hidden_bytes=s.real_hidden_bytes)
-        rows.append({"mode": mode, **decode_stats(s.group, tc, tprof.stage)})
+        if modes is None or mode in modes:
+            tprof = tp_profile(prof, s.n, args.layers, args.profile_stages, mode, hb)
+            tc = TimingConfig(tprof, real_hidden_bytes=s.real_hidden_bytes)
+            rows.append({"mode": mode, **decode_stats(s.group, tc, tprof.stage)})
     naive = next((r["xi"] for r in rows if r["mode"] == "naive"), None)
     for r in rows:
         r.update(n=s.n, bandwidth_mbps=prof.link.bandwidth_mbps, latency_s=prof.link.latency_s,
@@ -167,20 +170,19 @@ def evaluate(s: Sessions, profile: Profile, bw: float | None, latency: float | N
 
 def crossover(s: Sessions, profile: Profile, latency: float | None, mode: str, args,
               lo: float = 1.0, hi: float = 1e6) -> float | None:
-    """Smallest bandwidth (Mbit/s) in ``[lo, hi]`` at which ``mode`` reaches the best pipeline mode's ξ, or None."""
+    """Smallest bandwidth (Mbit/s, within 1%) in ``[lo, hi]`` at which ``mode`` reaches the best pipeline mode's
+    ξ, or None when it never does (ξ of every mode grows with the bandwidth)."""
     def gap(bw: float) -> float:
-        rows = evaluate(s, profile, bw, latency, args)
+        rows = evaluate(s, profile, bw, latency, args, (*s.pipeline, mode))
         best = max(r["xi"] for r in rows if r["mode"] not in TP_MODES)
         return next(r["xi"] for r in rows if r["mode"] == mode) - best
     if gap(hi) < 0:
         return None
     if gap(lo) >= 0:
         return lo
-    for _ in range(30):
+    while hi / lo > 1.01:
         mid = math.sqrt(lo * hi)
         lo, hi = (lo, mid) if gap(mid) >= 0 else (mid, hi)
-        if hi / lo < 1.01:
-            break
     return hi
 
 
