@@ -16,10 +16,10 @@ Layout (same manifest, checksums and stage directories as :mod:`model.stage_form
     ``tp_vocab_range``, ``tp_kv_heads`` (source indices of the key/value heads held) and ``tp_full``.
 
 GQA. With ``K`` key/value heads and group size ``g = heads / K``, rank ``t``'s query heads read key/value
-heads ``(t*hq + j) // g``. When ``N`` divides ``K`` a rank holds ``K/N`` of them; when ``K`` divides ``N``...
-(generally: when each held key/value head serves the same number of this rank's query heads) it holds the
-distinct ones, replicated across ranks as needed; otherwise it holds one copy per query head (group size 1
-locally). Every case computes exactly the unsplit attention.
+heads ``(t*hq + j) // g``. When every head it needs serves the same number of its query heads, the rank holds
+each needed head once: ``K/N`` of them when ``N`` divides ``K``, one (replicated across ranks) when ``K < N``
+divides evenly. Otherwise (a rank's query heads straddle groups unevenly) it holds one copy per query head
+(local group size 1). Every case computes exactly the unsplit attention.
 
 Streaming: shards are written one at a time, each from tensors read one at a time, so the peak memory is
 about one shard plus one source tensor.

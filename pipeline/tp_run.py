@@ -15,8 +15,6 @@ Prefill uses the Megatron schedule in both modes (the answer is the same; only d
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 from model.devices import HOST
@@ -138,7 +136,6 @@ def run_tp_rank(args, cfg, modes, comm, stage_root, dtype, device, run_rank0) ->
     group = dist.new_group(list(range(1, comm.world)))   # every rank takes part in creating it
     what = "embeddings + lm_head + draft head" if comm.rank == 0 else f"TP shard {comm.rank - 1} of {n}"
     print(f"[rank {comm.rank}] loading {what} ...", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
     try:
         if comm.rank == 0:
             model = load_stage(stage_root, 0, comm.world, dtype, device, cfg.model.verify_checksums)
@@ -146,7 +143,6 @@ def run_tp_rank(args, cfg, modes, comm, stage_root, dtype, device, run_rank0) ->
             model = load_tp_shard(stage_root, comm.rank, comm.world, dtype, device, cfg.model.verify_checksums)
     except StageDirError as e:
         raise SetupError(str(e)) from None
-    del t0
     if comm.rank == 0:
         return run_rank0(args, cfg, modes, GroupComm(comm), model, stage_root, dtype, device)
     coll = DistCollectives(group, 1, n, comm.rank - 1, host_staging=cfg.comm.backend != "nccl")

@@ -68,7 +68,7 @@ class GroupCost:
     layers: int
     link: LinkModel
     hidden_bytes: float      # bytes per hidden row on the wire
-    schedule: str            # "tp" | "galaxy"
+    schedule: str            # "megatron" (mode tp) | "galaxy"
 
     def _xfer(self, nbytes: float) -> float:
         return self.link.latency_s + self.link.transfer_s(nbytes)
@@ -78,7 +78,7 @@ class GroupCost:
         n, L, h = self.n, self.layers, self.hidden_bytes
         if n == 1:
             return self.shard.time(w, ctx), 0.0
-        if self.schedule == "tp":
+        if self.schedule == "megatron":
             all_reduce = 2 * (n - 1) * self._xfer(w * h / n)
             return self.shard.time(w, ctx), (2 * L + 1) * all_reduce
         s = -(-w // n)
@@ -94,11 +94,14 @@ class GroupCost:
         return c + m
 
 
-def tp_profile(profile: Profile, n: int, layers: int, profile_stages: int, schedule: str,
+def tp_profile(profile: Profile, n: int, layers: int, profile_stages: int, mode: str,
                hidden_bytes: float) -> Profile:
-    """``profile`` with its one stage replaced by the TP group and the rank-0 link by the broadcast to ``n``."""
+    """``profile`` with its one stage replaced by the TP group of ``mode`` (tp or galaxy) and the rank-0 link by
+    the broadcast to ``n`` ranks."""
+    from pipeline.modes.tp import SCHEDULE_OF_MODE
     link = profile.link
-    group = GroupCost(shard_cost(profile.stage, profile_stages, n), n, layers, link, hidden_bytes, schedule)
+    group = GroupCost(shard_cost(profile.stage, profile_stages, n), n, layers, link, hidden_bytes,
+                      SCHEDULE_OF_MODE[mode])
     fan_out = replace(link, bandwidth_mbps=link.bandwidth_mbps / n if link.bandwidth_mbps else None)
     return replace(profile, stage=group, stages={}, links={(0, 1): fan_out, (1, 0): link})
 

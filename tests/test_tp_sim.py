@@ -21,7 +21,7 @@ def test_shard_cost_scales_streamed_bytes_not_launches():
 
 def test_megatron_is_compute_plus_ring_all_reduces():
     shard = CostModel(overhead_s=0.01)
-    g = GroupCost(shard, n=4, layers=3, link=LINK, hidden_bytes=H, schedule="tp")
+    g = GroupCost(shard, n=4, layers=3, link=LINK, hidden_bytes=H, schedule="megatron")
     per_all_reduce = 2 * 3 * (1e-3 + 8 * H / 4 * 8 / 100e6)
     assert g.parts(8, 0) == pytest.approx((0.01, 7 * per_all_reduce))
     one = GroupCost(shard, n=1, layers=3, link=LINK, hidden_bytes=H, schedule="galaxy")
@@ -30,7 +30,7 @@ def test_megatron_is_compute_plus_ring_all_reduces():
 
 def test_galaxy_moves_the_same_bytes_and_hides_compute_behind_the_link():
     free = CostModel()   # zero compute: only the collectives remain
-    tp = GroupCost(free, 4, 3, LINK, H, "tp")
+    tp = GroupCost(free, 4, 3, LINK, H, "megatron")
     gx = GroupCost(free, 4, 3, LINK, H, "galaxy")
     assert gx.time(8, 0) == pytest.approx(tp.time(8, 0))   # (4L + 2)(N - 1) = (2L + 1) 2(N - 1) steps of w/N rows
     slow = CostModel(overhead_s=0.001 * 12)   # per phase chunk 1 ms < one 2.3 ms step: hidden behind the link
