@@ -33,6 +33,7 @@ from pathlib import Path
 
 from model.stage_format import FORMAT, MANIFEST, WEIGHTS, StageDirError, sha256_file, stage_dir, stage_fields
 
+TP_MODES = ("tp", "galaxy")   # the modes that run on a tensor-parallel split (and only they)
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW = ("self_attn.o_proj", "mlp.down_proj")
@@ -218,3 +219,20 @@ def tp_size(manifest: dict) -> int:
     if not isinstance(n, int) or n < 0 or (n and len(manifest.get("split", [])) != n + 1):
         raise StageDirError(f"manifest field tp={n!r} does not match its split {manifest.get('split')}")
     return n
+
+
+def check_tp_modes(manifest: dict, modes: list[str], cfg) -> str | None:
+    """The one-line reason why ``modes`` cannot run on this stage root, or None (no torch needed)."""
+    n = tp_size(manifest)
+    tp_modes = [m for m in modes if m in TP_MODES]
+    if n and len(tp_modes) < len(modes):
+        other = next(m for m in modes if m not in TP_MODES)
+        return (f"mode {other} needs a pipeline split, but this stage root is a tensor-parallel split (--tp {n}); "
+                f"run modes {' or '.join(TP_MODES)} on it")
+    if tp_modes and not n:
+        return (f"mode {tp_modes[0]} needs a tensor-parallel split: python split_and_save_models.py --model <hf dir> "
+                f"--tp <N> --out <dir>, then launch N+1 ranks")
+    if tp_modes and cfg.emu.profile:
+        return ("emu.profile is not modeled for modes tp/galaxy; predict them with python -m pipeline.tp_sim "
+                "(the what-if simulator) instead")
+    return None

@@ -181,7 +181,7 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
         manifest = check_world(stage_root, world)  # before importing torch: a wrong root or world fails at once
     except StageDirError as e:
         return fail(str(e))
-    from pipeline.tp_run import check_tp_modes  # tensor-parallel splits run modes tp/galaxy (pipeline/tp_run.py)
+    from model.tp_split import check_tp_modes  # tensor-parallel splits run modes tp/galaxy (pipeline/tp_run.py)
     if (tp_error := check_tp_modes(manifest, modes, cfg)) is not None:
         return fail(tp_error)
     if _check_only:  # pipeline.launch checking the arguments once, before any rank starts

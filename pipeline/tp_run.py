@@ -22,26 +22,6 @@ from model.tp_model import SCHEDULES, DistCollectives, TPShard
 from pipeline.messages import Context, Segment, Shutdown, Stats
 from pipeline.worker import apply_decision
 
-TP_MODES = ("tp", "galaxy")
-
-
-def check_tp_modes(manifest: dict, modes: list[str], cfg) -> str | None:
-    """The one-line reason why ``modes`` cannot run on this stage root, or None (no torch needed)."""
-    from model.tp_split import tp_size
-    n = tp_size(manifest)
-    tp_modes = [m for m in modes if m in TP_MODES]
-    if n and len(tp_modes) < len(modes):
-        other = next(m for m in modes if m not in TP_MODES)
-        return (f"mode {other} needs a pipeline split, but this stage root is a tensor-parallel split (--tp {n}); "
-                f"run modes {' or '.join(TP_MODES)} on it")
-    if tp_modes and not n:
-        return (f"mode {tp_modes[0]} needs a tensor-parallel split: python split_and_save_models.py --model <hf dir> "
-                f"--tp <N> --out <dir>, then launch N+1 ranks")
-    if tp_modes and cfg.emu.profile:
-        return ("emu.profile is not modeled for modes tp/galaxy; predict them with python -m pipeline.tp_sim "
-                "(the what-if simulator) instead")
-    return None
-
 
 class GroupComm:
     """Rank 0's view of the TP group as one pipeline stage: ``send_next`` broadcasts to the group,

@@ -42,10 +42,10 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from model.tp_split import TP_MODES
 from pipeline.emulation import CostModel, EmulationError, LinkModel, Profile, load_profile
 
 REPO = Path(__file__).resolve().parent.parent
-TP_MODES = ("tp", "galaxy")
 
 
 def shard_cost(stage: CostModel, profile_stages: int, n: int) -> CostModel:
