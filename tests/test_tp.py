@@ -165,14 +165,24 @@ def test_tiny_tp_and_galaxy_equal_hf(tiny, tmp_path, n, drafter):
         assert max(r["tau"] for r in rows) > 2.0
 
 
-def test_modes_and_split_kinds_must_match(tiny, tmp_path):
-    full, roots = tiny
-    res = _launch(2, roots[2], tmp_path / "o.jsonl", [[1, 5, 9]], 4, modes="naive", check=False)
-    assert res.codes[0] == 2 and "tensor-parallel split (--tp 2); run modes tp or galaxy" in res.stderr
+def test_modes_and_split_kinds_must_match(tiny, tmp_path, capsys):
+    """pipeline.launch's one pre-check of every rank's arguments (pipeline.run.check_args) refuses mismatches."""
+    from pipeline.run import check_args
     from split_and_save_models import split_checkpoint
+    full, roots = tiny
     pipe = split_checkpoint(full, tmp_path / "pipe", [0, 2, 1], progress=False)
-    res = _launch(2, pipe, tmp_path / "o.jsonl", [[1, 5, 9]], 4, modes="tp", check=False)
-    assert res.codes[0] == 2 and "mode tp needs a tensor-parallel split" in res.stderr
+    for root, extra, line in [
+            (roots[2], ["mode=naive"], "mode naive needs a pipeline split, but this stage root is a tensor-parallel "
+                                       "split (--tp 2); run modes tp or galaxy on it"),
+            (pipe, ["mode=tp"], "mode tp needs a tensor-parallel split: python split_and_save_models.py"),
+            (roots[2], ["mode=galaxy", "emu.profile=edge_orin_7b"], "emu.profile is not modeled for modes tp/galaxy"),
+            (roots[2], ["mode=tp"], None)]:
+        code = check_args([f"model.stage_dir={root}", *extra, "--prompt-ids", "1,5"], 3)
+        err = capsys.readouterr().err
+        if line is None:
+            assert code == 0, err
+        else:
+            assert code == 2 and err.startswith("[launch] error: " + line), err
 
 
 @pytest.mark.skipif(not STORIES.is_dir(), reason="../shared is not available")
