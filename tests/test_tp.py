@@ -219,12 +219,13 @@ def test_sampling_follows_naive_path_by_path(tiny, tmp_path):
     """At T > 0 rank 0 draws exactly as in naive (same trees, same walk, same generator), so with the same seed
     tp, galaxy and naive sample the same tokens: the tested law of naive carries over."""
     from split_and_save_models import split_checkpoint
+    from tests.threaded_ring import run_threaded
     full, roots = tiny
     pipe = split_checkpoint(full, tmp_path / "pipe", [0, 2, 1], progress=False)
-    extra = ("temperature=1.0", "seed=7", f"head_dir=oracle:{full}")
+    extra = ("temperature=1.0", "seed=7", "tree.total_token=20", "tree.depth=3")
     prompts = [[1, 5, 9, 13, 22, 7]]
-    _launch(2, pipe, tmp_path / "naive.jsonl", prompts, 24, extra, modes="naive")
-    _launch(2, roots[2], tmp_path / "tp.jsonl", prompts, 24, extra)
-    ref = read_jsonl(tmp_path / "naive.jsonl")[0]["output_ids"]
-    assert ref != hf_greedy(full, prompts[0], 24, {2}, torch.float64)   # it did sample
+    naive = run_threaded(pipe, prompts, ["naive"], [*extra, "max_new_tokens=16"], {2}, f"oracle:{full}")
+    ref = naive["naive"][0].output_ids
+    _launch(2, roots[2], tmp_path / "tp.jsonl", prompts, 16, (*extra, f"head_dir=oracle:{full}"))
+    assert ref != hf_greedy(full, prompts[0], 16, {2}, torch.float64)   # it did sample
     assert [r["output_ids"] for r in read_jsonl(tmp_path / "tp.jsonl")] == [ref, ref]
