@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from model.devices import HOST
 from model.kv_cache import KVCache
 from model.layers import family_classes
 from model.stage_format import WEIGHTS, StageDirError, stage_dir, verify_stage_file
@@ -244,9 +245,8 @@ class DistCollectives:
         if self.size == 1:
             return [value]
         import torch.distributed as dist
-        mine = torch.tensor([value], dtype=torch.float64)
-        if not self.host_staging:
-            mine = mine.cuda()
+        device = HOST if self.host_staging else torch.device("cuda", torch.cuda.current_device())
+        mine = torch.tensor([value], dtype=torch.float64, device=device)
         every = [torch.zeros_like(mine) for _ in range(self.size)]
         dist.all_gather(every, mine, group=self.group)
         return [float(v) for v in every]
