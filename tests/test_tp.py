@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -79,9 +80,10 @@ def test_split_refuses_n_not_dividing_heads(tmp_path):
 
 
 # -- in-process forward against the unsplit model ---------------------------------------------------------
-def _run_shards(shards, schedule, chunks):
+def _run_shards(shards, schedule, chunks, guard=nullcontext):
     """Every shard in its own thread; returns shard 0's hidden states of each chunk (prefill rows, then a
-    tree segment whose rows see the context and their ancestors only)."""
+    tree segment whose rows see the context and their ancestors only). ``guard()`` is entered by every thread
+    around its forwards (``torch.device("meta")``: the device-placement guard of tests/test_device_guard.py)."""
     n = len(shards)
     board, outs, errors = ThreadCollectives.Board(n), [None] * n, []
 
@@ -90,15 +92,16 @@ def _run_shards(shards, schedule, chunks):
             sh = shards[t]
             cache = sh.new_cache(64, torch.float64, "cpu")
             got = []
-            for ids, parents in chunks:
-                if parents is None:
-                    pos, mask = cache.context_inputs(ids.shape[1], torch.float64)
-                    got.append(sh(ids, pos, mask, cache, ThreadCollectives(board, t), schedule))
-                    cache.commit_forward(ids.shape[1], as_context=True)
-                else:
-                    pos, mask, anc, depth = cache.tree_inputs(parents, torch.float64)
-                    got.append(sh(ids, pos, mask, cache, ThreadCollectives(board, t), schedule))
-                    cache.commit_forward(ids.shape[1], as_context=False, anc=anc, depth=depth)
+            with guard():
+                for ids, parents in chunks:
+                    if parents is None:
+                        pos, mask = cache.context_inputs(ids.shape[1], torch.float64)
+                        got.append(sh(ids, pos, mask, cache, ThreadCollectives(board, t), schedule))
+                        cache.commit_forward(ids.shape[1], as_context=True)
+                    else:
+                        pos, mask, anc, depth = cache.tree_inputs(parents, torch.float64)
+                        got.append(sh(ids, pos, mask, cache, ThreadCollectives(board, t), schedule))
+                        cache.commit_forward(ids.shape[1], as_context=False, anc=anc, depth=depth)
             outs[t] = got
         except BaseException as e:
             errors.append(e)
@@ -135,7 +138,8 @@ def test_shards_equal_unsplit_model_in_process(tmp_path, bias):
         root = split_checkpoint_tp(full, tmp_path / f"tp{n}", n, progress=False)
         shards = [load_tp_shard(root, r, n + 1, torch.float64) for r in range(1, n + 1)]
         for schedule in ("megatron", "galaxy"):
-            ctx, tree = _run_shards(shards, schedule, [(ids, None), (tree_tokens, parents)])
+            guard = (lambda: torch.device("meta")) if n == 3 else nullcontext   # no tensor on a default device
+            ctx, tree = _run_shards(shards, schedule, [(ids, None), (tree_tokens, parents)], guard)
             torch.testing.assert_close(ctx, ref_ctx, rtol=0, atol=1e-12, msg=f"N={n} {schedule} prefill")
             torch.testing.assert_close(tree[0], torch.stack(ref_tree), rtol=0, atol=1e-12,
                                        msg=f"N={n} {schedule} tree")
@@ -229,3 +233,22 @@ def test_sampling_follows_naive_path_by_path(tiny, tmp_path):
     _launch(2, roots[2], tmp_path / "tp.jsonl", prompts, 16, (*extra, f"head_dir=oracle:{full}"))
     assert ref != hf_greedy(full, prompts[0], 16, {2}, torch.float64)   # it did sample
     assert [r["output_ids"] for r in read_jsonl(tmp_path / "tp.jsonl")] == [ref, ref]
+
+
+def test_rank0_schedule_on_a_one_stage_ring_under_the_device_guard(tiny, tmp_path):
+    """Rank 0's tp/galaxy loop sees the group as one stage: on an in-process one-stage pipeline ring it equals
+    HF, and under torch.device("meta") (tests/test_device_guard.py) it creates no tensor on a default device."""
+    from split_and_save_models import split_checkpoint
+    from tests.threaded_ring import run_threaded
+    full, _ = tiny
+    one = split_checkpoint(full, tmp_path / "one", [0, 3], progress=False)
+    prompts = [[1, 5, 9, 13, 22, 7]]
+    for extra in (["temperature=0"], ["temperature=0.8", "seed=3"]):
+        over = ["max_new_tokens=10", "dtype=float64", *extra]
+        plain = run_threaded(one, prompts, ["tp", "galaxy"], over, {2}, f"oracle:{full}")
+        guarded = run_threaded(one, prompts, ["tp", "galaxy"], over, {2}, f"oracle:{full}",
+                               guard=lambda: torch.device("meta"))
+        for mode in ("tp", "galaxy"):
+            assert [r.output_ids for r in guarded[mode]] == [r.output_ids for r in plain[mode]], mode
+    ref = hf_greedy(full, prompts[0], 10, {2}, torch.float64)
+    assert run_threaded(one, prompts, ["tp"], ["max_new_tokens=10"], {2}, f"oracle:{full}")["tp"][0].output_ids == ref
