@@ -181,6 +181,9 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
         manifest = check_world(stage_root, world)  # before importing torch: a wrong root or world fails at once
     except StageDirError as e:
         return fail(str(e))
+    from model.tp_split import check_tp_modes  # tensor-parallel splits run modes tp/galaxy (pipeline/tp_run.py)
+    if (tp_error := check_tp_modes(manifest, modes, cfg)) is not None:
+        return fail(tp_error)
     if _check_only:  # pipeline.launch checking the arguments once, before any rank starts
         return 0
 
@@ -211,6 +214,12 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
     from pipeline.emulation import install as install_emulation
     install_emulation(comm, cfg, device)  # emulated edge testbed when emu.profile is set (else a no-op)
     # from here on every error goes through main()'s _fail: one line, peers told, os._exit
+    if manifest.get("tp"):
+        from pipeline.tp_run import run_tp_rank
+        code = run_tp_rank(args, cfg, modes, comm, stage_root, dtype, device, rank0 or run_rank0)
+        tracer.dump(cfg.comm.trace_dir)
+        comm.close()
+        return code
     print(loading_line(rank, manifest, stage_root), file=sys.stderr, flush=True)
     from pipeline import faults
     faults.hit("load")  # test-only fault injection point (FLOWSPEC_FAULT=rank=R,at=load)

@@ -1,0 +1,130 @@
+"""Ranks of a tensor-parallel run (modes ``tp`` and ``galaxy`` on a split written with ``--tp N``).
+
+World = ``N + 1``. Rank 0 is the draft stage exactly as in the pipeline modes (draft head, embeddings,
+``lm_head``; :func:`pipeline.run.run_rank0` runs it). Ranks ``1..N`` form the TP group (a
+``torch.distributed`` group, gloo or NCCL) and each hold every layer at ``1/N`` width (:mod:`model.tp_model`).
+
+Transport (all ``torch.distributed``, through :class:`pipeline.comm.Comm` for failure detection):
+
+* rank 0 -> group: every message (prefill ``Context``, tree ``Segment`` with the ring-borne commit decision,
+  ``Stats``, ``Shutdown``) is one broadcast on the default group (:class:`GroupComm.send_next`);
+* group -> rank 0: TP rank 0 (global rank 1) sends the final hidden states (``Comm.send``);
+* inside the group: all-reduce (``tp``) or ring all-gather / reduce-scatter (``galaxy``) per layer.
+
+Prefill uses the Megatron schedule in both modes (the answer is the same; only decode is compared).
+"""
+from __future__ import annotations
+
+import torch
+
+from model.devices import HOST
+from model.tp_model import SCHEDULES, DistCollectives, TPShard
+from pipeline.messages import Context, Segment, Shutdown, Stats
+from pipeline.worker import apply_decision
+
+
+class GroupComm:
+    """Rank 0's view of the TP group as one pipeline stage: ``send_next`` broadcasts to the group,
+    ``recv_prev`` receives from TP rank 0. ``world`` is the real world size (N + 1)."""
+
+    emu = None
+
+    def __init__(self, comm) -> None:
+        self.comm, self.rank, self.world, self.tracer = comm, comm.rank, comm.world, comm.tracer
+
+    def send_next(self, msg) -> None:
+        self.comm.broadcast(msg)
+
+    def recv_prev(self):
+        return self.comm.recv(1)
+
+    def broadcast(self, decision):
+        raise RuntimeError("modes tp/galaxy commit through the segment's prior decision, never a broadcast")
+
+
+class TPWorker:
+    """The loop of global rank ``1 + t``: take every rank-0 message, compute with the group, and (TP rank 0)
+    answer rank 0. Messages are handled as by :class:`pipeline.worker.StageWorker`."""
+
+    def __init__(self, model: TPShard, comm, coll: DistCollectives, max_len: int, dtype, device) -> None:
+        self.model, self.comm, self.coll = model, comm, coll
+        self.dtype, self.device = dtype, device
+        self.cache = model.new_cache(max_len, dtype, device)
+        self.tracer = comm.tracer
+        self.leader = coll.rank == 0
+
+    @torch.no_grad()
+    def _compute(self, ids: torch.Tensor, positions, mask, schedule: str) -> torch.Tensor | None:
+        with self.tracer.span("compute", rows=int(positions.numel())):
+            return self.model(ids.to(self.device), positions, mask, self.cache, self.coll, schedule)
+
+    def _reply(self, msg) -> None:
+        if self.leader:
+            self.comm.send(0, msg)
+
+    def run(self) -> None:
+        while True:
+            msg = self.comm.broadcast(None)
+            if isinstance(msg, Shutdown):
+                self._reply(msg)
+                self.comm.flush()
+                return
+            if isinstance(msg, Stats):
+                every = self.coll.all_gather_floats(self.tracer.busy_s)
+                if not msg.emu_only:
+                    self.tracer.reset_counters()
+                    msg.busy_s[1:1 + self.coll.size] = torch.tensor(every, dtype=torch.float64, device=HOST)
+                self._reply(msg)
+            elif isinstance(msg, Context):
+                if msg.reset:
+                    self.cache.reset()
+                n = msg.x.shape[1]
+                pos, mask = self.cache.context_inputs(n, self.dtype)
+                out = self._compute(msg.x, pos, mask, "megatron")
+                self.cache.commit_forward(n, as_context=True)
+                self._reply(Context(out, msg.round_id, msg.reset))
+            elif isinstance(msg, Segment):
+                self._segment(msg)
+
+    def _segment(self, seg: Segment) -> None:
+        if seg.prior is not None:
+            with self.tracer.span("prune"):
+                apply_decision(self.cache, seg.prior)
+        if seg.seg_id >= len(SCHEDULES):
+            raise RuntimeError(f"segment names unknown TP schedule {seg.seg_id}")
+        schedule = SCHEDULES[seg.seg_id]
+        out = torch.zeros(1, 0, self.model.config.hidden_size, dtype=self.dtype, device=HOST)
+        if seg.n:
+            pos, mask, anc, depth = self.cache.tree_inputs(seg.parents, self.dtype)
+            out = self._compute(seg.x, pos, mask, schedule)
+            self.cache.commit_forward(seg.n, as_context=False, anc=anc, depth=depth)
+        self._reply(Segment(out, seg.parents, seg.round_id, seg.seg_id, seg.decide_from_rank))
+
+
+def run_tp_rank(args, cfg, modes, comm, stage_root, dtype, device, run_rank0) -> int:
+    """Everything after the process group exists, for every rank of a TP run; returns the exit code."""
+    import sys
+
+    import torch.distributed as dist
+
+    from model.stage_format import StageDirError
+    from model.stage_model import load_stage
+    from model.tp_model import load_tp_shard
+    from pipeline.run import SetupError
+
+    n = comm.world - 1
+    group = dist.new_group(list(range(1, comm.world)))   # every rank takes part in creating it
+    what = "embeddings + lm_head + draft head" if comm.rank == 0 else f"TP shard {comm.rank - 1} of {n}"
+    print(f"[rank {comm.rank}] loading {what} ...", file=sys.stderr, flush=True)
+    try:
+        if comm.rank == 0:
+            model = load_stage(stage_root, 0, comm.world, dtype, device, cfg.model.verify_checksums)
+        else:
+            model = load_tp_shard(stage_root, comm.rank, comm.world, dtype, device, cfg.model.verify_checksums)
+    except StageDirError as e:
+        raise SetupError(str(e)) from None
+    if comm.rank == 0:
+        return run_rank0(args, cfg, modes, GroupComm(comm), model, stage_root, dtype, device)
+    coll = DistCollectives(group, 1, n, comm.rank - 1, host_staging=cfg.comm.backend != "nccl")
+    TPWorker(model, comm, coll, cfg.model.max_seq_len, dtype, device).run()
+    return 0
