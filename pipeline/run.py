@@ -258,6 +258,20 @@ def _head_choice(cfg, stage_root: Path) -> Path | None:
 
 
 def make_drafter(cfg, stage_root: Path, model, dtype, device: str):
+    """Rank 0's drafter: :func:`_head_drafter`, or with ``draft.sources`` several drafters merged into one tree
+    (``draft/merged.py``; ``eagle`` there is the head drafter)."""
+    if not cfg.draft.sources:
+        return _head_drafter(cfg, stage_root, model, dtype, device)
+    from draft.merged import SourceError, build_sources
+    try:
+        return build_sources(cfg, model.lm_head.out_features,
+                             lambda: _head_drafter(cfg, stage_root, model, dtype, device), dtype, device,
+                             sampling=cfg.gen.temperature > 0)
+    except SourceError as e:
+        raise SetupError(str(e)) from None
+
+
+def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
     """Rank 0's drafter for ``cfg.model.head_dir`` (the default head for the default split, a test drafter
     ``oracle:``/``adversary:<full model dir>``, or, with no head at all, a clearly labelled untrained head)."""
     from draft.drafter import Drafter

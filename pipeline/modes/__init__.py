@@ -3,6 +3,7 @@ from pipeline.modes.ar import ar_decode
 from pipeline.modes.flowspec import ContinuousMode, PrunedMode
 from pipeline.modes.naive import naive_decode
 from pipeline.modes.pipedec import PipeDecMode
+from pipeline.modes.sps import sps_decode
 
 DECODERS = {
     "ar": ar_decode,
@@ -10,4 +11,5 @@ DECODERS = {
     "pruned": PrunedMode().decode,
     "continuous": ContinuousMode().decode,
     "pipedec": PipeDecMode().decode,
+    "sps": sps_decode,
 }
