@@ -55,7 +55,11 @@ class MergedDrafter:
         return self._join([s.commit(tokens, features) for s in self.sources])
 
     def grow_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int) -> DraftTree:
-        trees = [s.grow_tree(root_token, h, total_token, depth, top_k)
+        """Every source drafts with the same arguments, except that a sampling source (``samples`` true) gets
+        ``1 + (total_token - 1) // len(sources)`` nodes: its draws are all kept by the merge, so it must leave
+        room for the others. Then :func:`merge_sources` under ``total_token``."""
+        share = 1 + (total_token - 1) // len(self.sources)
+        trees = [s.grow_tree(root_token, h, share if getattr(s, "samples", False) else total_token, depth, top_k)
                  for s, h in zip(self.sources, self._split(root_hidden))]
         return merge_sources(trees, total_token)
 

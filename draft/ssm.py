@@ -124,6 +124,11 @@ class SmallLMDrafter(Drafter):
         return hidden.double()
 
     # -- trees ----------------------------------------------------------------------------------------
+    @property
+    def samples(self) -> bool:
+        """True when ``grow_tree`` draws sampled proposals (``sample`` with a temperature > 0)."""
+        return self.sample and self.temperature > 0
+
     def _draw(self, q: Tensor) -> int:
         return int(torch.multinomial(q.float(), 1, generator=self.generator))
 
@@ -132,7 +137,7 @@ class SmallLMDrafter(Drafter):
         return torch.softmax(self.logprobs(hidden) / self.temperature, dim=-1)
 
     def grow_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int) -> DraftTree:
-        if not self.sample or self.temperature <= 0:
+        if not self.samples:
             return super().grow_tree(root_token, root_hidden, total_token, depth, top_k)
         return self.sampled_tree(root_token, root_hidden, total_token, depth, top_k)
 

@@ -8,8 +8,8 @@ decision riding on the next round's first segment. The target's distributions p_
 and after each draft token come back in one trip.
 
 Verification (:func:`verify_chain`), with the processed target law p (temperature, top-k, top-p as HF):
-  * ``google`` (Leviathan et al., Algorithm 1): draw the gamma acceptance coins up front, r_i ~ U(0, 1)
-    compared with p_i(x_i) / q_i(x_i); n = the number of leading accepted tokens;
+  * ``google`` (Leviathan et al., Algorithm 1): draw the gamma uniforms up front, r_i ~ U(0, 1), and
+    compare each with min(1, p_i(x_i) / q_i(x_i)); n = the number of leading accepted tokens;
   * ``deepmind`` (Chen et al., Algorithm 2): walk the chain and draw coin i only while all before it
     were accepted; stop at the first rejection.
 Then, if n < gamma, the next token is drawn from norm(max(0, p_{n+1} - q_{n+1})), else from p_{gamma+1}.
@@ -102,9 +102,9 @@ def verify_chain(tokens: list[int], qs: list[torch.Tensor], logits: torch.Tensor
         p, q = ps[i], qs[i]
         return min(1.0, float(p[x] / p.sum()) / float(q[x])) if float(q[x]) > 0 else 0.0
 
-    if variant == "google":
-        coins = [sampler.accept(ratio(i)) for i in range(gamma)]
-        n = coins.index(False) if False in coins else gamma
+    if variant == "google":      # r_1..r_gamma ~ U(0, 1) up front; n = leading r_i < min(1, p_i / q_i)
+        coins = [sampler.uniform() for _ in range(gamma)]
+        n = next((i for i in range(gamma) if not coins[i] < ratio(i)), gamma)
     elif variant == "deepmind":
         n = 0
         while n < gamma and sampler.accept(ratio(n)):
@@ -122,7 +122,7 @@ def sps_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, pro
                out: OutputBuffer) -> tuple[int, list[int], int]:
     comm, cfg = engine.comm, engine.cfg
     ssm = sps_drafter(engine)
-    temp = cfg.gen.temperature if cfg.draft.ssm_temperature < 0 else cfg.draft.ssm_temperature
+    temp = engine.sampler.temperature if cfg.draft.ssm_temperature < 0 else cfg.draft.ssm_temperature
     x = engine.sampler.choose(logits)
     out.extend([x])
     with engine.tracer.span("draft"):
