@@ -487,3 +487,39 @@ def test_sampled_merged_runs_are_seeded(tiny):
             for s in (5, 5, 6)]
     ids = [{m: r[0].output_ids for m, r in o.items()} for o in outs]
     assert ids[0] == ids[1] and ids[0] != ids[2]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. draft.train_ssm: the recipe on a tiny model (boost weights, outputs, the student drafts through the ring)
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_boost_weights_target_what_earlier_students_miss():
+    from draft.train_ssm import boost_weights
+    masks, labels = [[0, 1, 1, 1]], [[5, 6, 7, 8]]
+    earlier = [[[5, 6, 0, 0]], [[0, 0, 7, 0]]]             # student 1 gets t=1, student 2 gets t=2
+    assert boost_weights(masks, labels, earlier, 0.0) == [[0.0, 0.0, 0.0, 1.0]]
+    assert boost_weights(masks, labels, earlier[:1], 0.25) == [[0.0, 0.25, 1.0, 1.0]]
+
+
+def test_train_ssm_recipe_on_a_tiny_model(tiny, tmp_path, capsys):
+    import json
+    from draft.train_ssm import main
+    out = tmp_path / "ssm"
+    assert main(["--target", str(tiny.full), "--out", str(out), "--random-prompts", "8", "--gen-tokens", "8",
+                 "--layers", "1", "--models", "2", "--boost", "--steps", "3", "--quiet"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert [m["k"] for m in metrics["models"]] == [1, 2]
+    for m in metrics["models"]:
+        assert 0 <= m["alpha"] <= 1 and 1 <= m["sps_tokens_per_round"] <= 5 and m["positions"] > 0
+    assert metrics["models"][1]["coverage"] >= metrics["models"][0]["coverage"]
+    assert "alpha" in (out / "MODEL_CARD.md").read_text()
+    from transformers import AutoModelForCausalLM
+    student = AutoModelForCausalLM.from_pretrained(out / "ssm_2")
+    assert student.config.num_hidden_layers == 1
+    assert main(["--target", str(tmp_path / "nope"), "--out", str(out), "--random-prompts", "2"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    from tests.helpers import hf_greedy
+    from tests.threaded_ring import run_threaded
+    res = run_threaded(tiny.stages, E2E_PROMPTS[:1], ["sps"], ["max_new_tokens=10", "dtype=float64",
+                       f"sps.draft_dir={out / 'ssm_1'}", "sps.gamma=3"], {2})
+    assert res["sps"][0].output_ids == hf_greedy(tiny.full, E2E_PROMPTS[0], 10, {2}, torch.float64)
