@@ -480,6 +480,15 @@ def test_every_mode_with_merged_sources_equals_hf(tiny, sources, head):
         assert min(r.tau for r in res["sps"]) > 3 and min(r.tau for r in res["naive"]) > 2
 
 
+def test_every_drafter_has_the_protocol(tiny):
+    from draft.oracle import OracleDrafter
+    eagle_like = MarkovDrafter(torch.zeros(V, V))                  # a draft.drafter.Drafter
+    for d in (eagle_like, OracleDrafter(str(tiny.full), adversarial=True), LookupDrafter(V),
+              MergedDrafter([eagle_like, LookupDrafter(V)]), MarkovSSM(torch.zeros(V, V))):
+        assert is_tree_drafter(d), type(d).__name__
+    assert not is_tree_drafter(object())
+
+
 def test_sampled_merged_runs_are_seeded(tiny):
     from tests.threaded_ring import run_threaded
     args = ["max_new_tokens=12", "dtype=float64", "temperature=1.0", f"draft.sources=lookup,ssm:{tiny.ssm}"]
