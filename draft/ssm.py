@@ -65,7 +65,7 @@ class SmallLMDrafter(Drafter):
             return lp
         if v > self.vocab_size:
             return lp[..., :self.vocab_size]
-        pad = torch.full((*lp.shape[:-1], self.vocab_size - v), FLOOR, dtype=lp.dtype, device=HOST)
+        pad = torch.empty((*lp.shape[:-1], self.vocab_size - v), dtype=lp.dtype, device=HOST).fill_(FLOOR)
         return torch.cat([lp, pad], dim=-1)
 
     @torch.no_grad()
