@@ -514,8 +514,8 @@ def test_train_ssm_recipe_on_a_tiny_model(tiny, tmp_path, capsys):
     import json
     from draft.train_ssm import main
     out = tmp_path / "ssm"
-    assert main(["--target", str(tiny.full), "--out", str(out), "--random-prompts", "8", "--gen-tokens", "8",
-                 "--layers", "1", "--models", "2", "--boost", "--steps", "3", "--quiet"]) == 0
+    assert main(["--target", str(tiny.full), "--out", str(out), "--random-prompts", "6", "--gen-tokens", "6",
+                 "--layers", "1", "--models", "2", "--boost", "--steps", "2", "--quiet"]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert [m["k"] for m in metrics["models"]] == [1, 2]
     for m in metrics["models"]:
