@@ -153,6 +153,8 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
         for m in modes:
             if m not in MODES:
                 raise ConfigError(f"unknown mode {m!r}; choose one of {', '.join(MODES)}")
+        if "sps" in modes and not cfg.sps.draft_dir and "ssm:" not in cfg.draft.sources:
+            raise ConfigError("mode sps needs a small draft LM: sps.draft_dir=<dir> or draft.sources=...,ssm:<dir>")
     except ConfigError as e:
         return fail(str(e))
     if args.print_config:  # standalone (no torchrun, no torch): the configuration every rank would use

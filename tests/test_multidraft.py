@@ -532,3 +532,13 @@ def test_train_ssm_recipe_on_a_tiny_model(tiny, tmp_path, capsys):
     res = run_threaded(tiny.stages, E2E_PROMPTS[:1], ["sps"], ["max_new_tokens=10", "dtype=float64",
                        f"sps.draft_dir={out / 'ssm_1'}", "sps.gamma=3"], {2})
     assert res["sps"][0].output_ids == hf_greedy(tiny.full, E2E_PROMPTS[0], 10, {2}, torch.float64)
+
+
+def test_sps_without_a_small_lm_fails_before_launch():
+    import subprocess
+    import sys
+    from tests.helpers import REPO
+    res = subprocess.run([sys.executable, "-m", "pipeline.run", "--print-config", "mode=sps"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0 and "mode sps needs a small draft LM" in res.stderr
+    assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
