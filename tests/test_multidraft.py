@@ -542,3 +542,16 @@ def test_sps_without_a_small_lm_fails_before_launch():
                          capture_output=True, text=True, timeout=60)
     assert res.returncode != 0 and "mode sps needs a small draft LM" in res.stderr
     assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_merged_and_sps_decode_paths_create_no_tensor_on_the_default_device(tiny):
+    """The device-placement guard of tests/test_device_guard.py (rank 0 and the stages under
+    ``torch.device("meta")``) with every source merged and with sps, at T = 0 and T > 0."""
+    from tests.threaded_ring import run_threaded
+    modes = ["naive", "pruned", "continuous", "pipedec", "sps"]
+    for extra in (["temperature=0"], ["temperature=0.8", "seed=3"]):
+        over = ["max_new_tokens=8", "dtype=float64", f"draft.sources=eagle,lookup,ssm:{tiny.ssm}", *extra]
+        plain = run_threaded(tiny.stages, E2E_PROMPTS[:1], modes, over, {2})
+        guarded = run_threaded(tiny.stages, E2E_PROMPTS[:1], modes, over, {2}, guard=lambda: torch.device("meta"))
+        for m in modes:
+            assert guarded[m][0].output_ids == plain[m][0].output_ids, (m, extra)
