@@ -32,6 +32,10 @@ Exactness under pipelining (pruned / continuous / pipedec), i.e. why that provis
 ``tests/test_sampling.py`` checks the resulting law exactly (by enumerating every random branch of the real
 modes) and statistically (chi-square with the real generator).
 
+Trees whose children were *sampled* (a small LM at T > 0, several drafters merged, ``DraftTree.proposals``)
+are verified by :func:`walk_proposals` (SpecInfer's multi-step speculative sampling; its own exactness
+argument is in its docstring); ``walk_tree`` hands them over and is unchanged for deterministic trees.
+
 ``Sampler.probs`` reproduces HF ``generate`` bit for bit (float32 logits, temperature, top-k, top-p,
 softmax), and ``draw`` feeds the same float32 tensor to ``torch.multinomial``, so with a generator seeded
 like HF's global RNG, ``ar`` at T > 0 emits exactly HF's ``generate(do_sample=True)`` tokens.
