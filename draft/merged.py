@@ -3,7 +3,7 @@
 :class:`MergedDrafter` has the :class:`draft.protocol.TreeDrafter` methods, so every mode takes merged
 trees unchanged:
   * ``start``/``commit`` go to every source; the returned state is the concatenation of the sources' states
-    (each flattened, widened to float64, which is exact for float32/16 features), split again on the way in;
+    (each flattened, widened to their common dtype, which is exact), split again on the way in;
   * ``grow_tree`` asks every source for its own tree with the same arguments and merges them with
     :func:`draft.tree.merge_sources` under the one ``total_token`` budget (the rule: sampled proposals are
     kept whole, deterministic nodes survive by their best score over the sources, see there);
@@ -36,10 +36,19 @@ class MergedDrafter:
         self.names = list(names) if names else [type(s).__name__ for s in sources]
         self.widths: list[int] = []
 
-    def _join(self, states: list[Tensor]) -> Tensor:
+    @staticmethod
+    def _cat(states: list[Tensor]) -> Tensor:
+        """Concatenate along the last dim in the sources' common dtype (float32 for EAGLE + lookup: a smaller
+        vector to allocate per commit than float64; widening is exact either way)."""
+        dtype = states[0].dtype
+        for s in states[1:]:
+            dtype = torch.promote_types(dtype, s.dtype)
         dev = states[0].device
+        return torch.cat([s.to(dev, dtype) for s in states], dim=-1)
+
+    def _join(self, states: list[Tensor]) -> Tensor:
         self.widths = [int(s.shape[-1]) for s in states]
-        return torch.cat([s.to(dev, torch.float64) for s in states], dim=-1)
+        return self._cat(states)
 
     def _split(self, state: Tensor) -> list[Tensor]:
         return list(torch.split(state, self.widths, dim=-1))
@@ -64,9 +73,7 @@ class MergedDrafter:
         return merge_sources(trees, total_token)
 
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
-        outs = [s.tree_forward(tokens, f, parents) for s, f in zip(self.sources, self._split(features))]
-        dev = outs[0].device
-        return torch.cat([o.to(dev, torch.float64) for o in outs], dim=-1)
+        return self._cat([s.tree_forward(tokens, f, parents) for s, f in zip(self.sources, self._split(features))])
 
     def drop_tree(self) -> None:
         for s in self.sources:
