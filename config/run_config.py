@@ -209,6 +209,8 @@ class RunConfig:
             raise ConfigError("draft.lookup_min_ngram and lookup_max_ngram need 1 <= min <= max")
         if self.draft.lookup_max_matches < 1 or not 0 < self.draft.lookup_token_prob <= 1:
             raise ConfigError("draft.lookup_max_matches must be >= 1 and lookup_token_prob in (0, 1]")
+        if self.draft.ssm_temperature != -1 and self.draft.ssm_temperature <= 0:
+            raise ConfigError(f"draft.ssm_temperature={self.draft.ssm_temperature} must be > 0 (or -1: gen.temperature)")
         if self.draft.sources:
             from draft.merged import SourceError, parse_sources
             try:

@@ -163,6 +163,8 @@ def test_sources_config_errors_are_one_line():
         apply_overrides(DEFAULT, ["sps.variant=meta"])
     with pytest.raises(ConfigError, match="gamma"):
         apply_overrides(DEFAULT, ["sps.gamma=0"])
+    with pytest.raises(ConfigError, match="ssm_temperature"):
+        apply_overrides(DEFAULT, ["draft.ssm_temperature=0"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
