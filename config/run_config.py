@@ -21,7 +21,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 
-MODES = ("ar", "naive", "pruned", "pipedec", "continuous", "tp", "galaxy")  # tp/galaxy: a --tp split
+MODES = ("ar", "naive", "pruned", "pipedec", "continuous", "sps", "tp", "galaxy")  # tp/galaxy: a --tp split
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 DEVICES = ("cpu", "cuda")
 QUANTS = ("none", "int8", "nf4", "fp4")
@@ -124,12 +124,34 @@ class EmulationConfig:
 
 
 @dataclass
+class DraftConfig:
+    """Several drafters in one tree (draft/merged.py) and their knobs; "" = the EAGLE head alone (as before)."""
+    sources: str = ""            # e.g. eagle,lookup,ssm:<dir> (eagle = what model.head_dir selects)
+    lookup_max_ngram: int = 3    # prompt lookup: longest suffix n-gram searched (draft/lookup.py)
+    lookup_min_ngram: int = 1
+    lookup_max_matches: int = 8  # most recent occurrences whose continuations form the lookup tree
+    lookup_token_prob: float = 0.6  # prior probability that one copied token is right (its score)
+    ssm_sample: bool = True      # T > 0: small LMs draw sampled children (SpecInfer), verified by walk_proposals
+    ssm_temperature: float = -1.0  # temperature of the small LM's proposal q (-1 = gen.temperature)
+
+
+@dataclass
+class SpsConfig:
+    """Mode ``sps``: chain speculative sampling with a small LM (pipeline/modes/sps.py)."""
+    variant: str = "google"      # google (Leviathan et al.) | deepmind (Chen et al.): same law, see sps.py
+    gamma: int = 4               # draft tokens per chain
+    draft_dir: str = ""          # the small LM ("" = the first ssm:<dir> of draft.sources)
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
     gen: GenerationConfig = field(default_factory=GenerationConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     emu: EmulationConfig = field(default_factory=EmulationConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    sps: SpsConfig = field(default_factory=SpsConfig)
 
     def validate(self) -> "RunConfig":
         def choice(name, value, options):
@@ -182,6 +204,21 @@ class RunConfig:
             except EmulationError as e:
                 raise ConfigError(str(e)) from None
         self.gen.stop_strings()    # a malformed stop list is a ConfigError here
+        choice("sps.variant", self.sps.variant, ("google", "deepmind"))
+        if self.sps.gamma < 1:
+            raise ConfigError(f"sps.gamma={self.sps.gamma} must be >= 1")
+        if not 1 <= self.draft.lookup_min_ngram <= self.draft.lookup_max_ngram:
+            raise ConfigError("draft.lookup_min_ngram and lookup_max_ngram need 1 <= min <= max")
+        if self.draft.lookup_max_matches < 1 or not 0 < self.draft.lookup_token_prob <= 1:
+            raise ConfigError("draft.lookup_max_matches must be >= 1 and lookup_token_prob in (0, 1]")
+        if self.draft.ssm_temperature != -1 and self.draft.ssm_temperature <= 0:
+            raise ConfigError(f"draft.ssm_temperature={self.draft.ssm_temperature} must be > 0 (or -1: gen.temperature)")
+        if self.draft.sources:
+            from draft.merged import SourceError, parse_sources
+            try:
+                parse_sources(self.draft.sources)
+            except SourceError as e:
+                raise ConfigError(str(e)) from None
         return self
 
 

@@ -17,6 +17,7 @@ Tensor = torch.Tensor
 
 
 class Drafter:
+    supports_extend = True   # grow_tree is the EAGLE-2 search: extend_tree may continue its trees
     def __init__(self, head: EagleHead, lm_head: torch.nn.Linear, max_len: int) -> None:
         self.head = head
         self.lm_head = lm_head

@@ -68,6 +68,13 @@ class DraftTree:
     parents: Tensor
     scores: Tensor
     depths: Tensor = field(default=None)  # type: ignore[assignment]
+    # Sampled drafts only (``None`` = every node is a deterministic proposal, verified by ``walk_tree``'s
+    # q = 1 rule in child index order). Otherwise ``proposals[u]`` is node ``u``'s ordered list of
+    # ``(child, q)``: ``child`` a node whose parent is ``u``, ``q`` the [V] float64 distribution the child's
+    # token was drawn from, or ``None`` for a deterministic proposal. Every child of ``u`` appears at least
+    # once; a token drawn twice appears twice (one node). The list order is the try order
+    # (``pipeline.verify.walk_proposals``), and no step may reorder or filter it by drawn values.
+    proposals: list | None = None
 
     def __post_init__(self) -> None:
         self.tokens = self.tokens.to(torch.long).reshape(-1)
@@ -208,7 +215,11 @@ def reroot(tree: DraftTree, keep: Tensor, accepted_len: int) -> DraftTree:
         raise ValueError("reroot needs a surviving subtree")
     _, parents = remap_parents(tree.parents[rest], rest, keep, accepted_len)
     scores = tree.scores[rest] - tree.scores[rest[0]]
-    return DraftTree(tree.tokens[rest].clone(), parents, scores)
+    props = None
+    if tree.proposals is not None:   # the kept subtree is closed under children: lists map one to one
+        new = {int(k): i for i, k in enumerate(rest.tolist())}
+        props = [[(new[c], q) for c, q in tree.proposals[int(k)]] for k in rest.tolist()]
+    return DraftTree(tree.tokens[rest].clone(), parents, scores, proposals=props)
 
 
 def merge_trees(tree: DraftTree, extra: DraftTree) -> tuple[DraftTree, int]:
@@ -216,6 +227,10 @@ def merge_trees(tree: DraftTree, extra: DraftTree) -> tuple[DraftTree, int]:
 
     Existing node indices never change; nodes of ``extra`` that are new are appended in ``extra``'s
     order (ancestors first), so the result keeps ``parents[i] < i``. Returns ``(merged, n_appended)``.
+
+    Proposals (sampled drafts, see :class:`DraftTree`): when either tree has them, every proposal of
+    ``extra`` is appended, mapped, after the existing proposals of its parent, *also when its token hit an
+    existing node* (a drawn token is never dropped because of its value); existing lists keep their order.
     """
     if int(extra.tokens[0]) != int(tree.tokens[0]):
         raise ValueError("merge needs trees with the same root token")
@@ -234,11 +249,18 @@ def merge_trees(tree: DraftTree, extra: DraftTree) -> tuple[DraftTree, int]:
             parents.append(p)
             scores.append(float(extra.scores[j]))
         mapped[j] = hit
+    props = None
+    if tree.proposals is not None or extra.proposals is not None:
+        props = [list(l) for l in proposal_lists(tree)] + [[] for _ in tokens]
+        for u, lst in enumerate(proposal_lists(extra)):
+            props[mapped[u]] += [(mapped[c], q) for c, q in lst]
     if not tokens:
-        return tree, 0
+        if props is None:
+            return tree, 0
+        return DraftTree(tree.tokens, tree.parents, tree.scores, tree.depths, proposals=props), 0
     merged = DraftTree(torch.cat([tree.tokens, torch.tensor(tokens, device=HOST)]),
                        torch.cat([tree.parents, torch.tensor(parents, device=HOST)]),
-                       torch.cat([tree.scores, torch.tensor(scores, device=HOST)]))
+                       torch.cat([tree.scores, torch.tensor(scores, device=HOST)]), proposals=props)
     return merged, len(tokens)
 
 
@@ -308,3 +330,92 @@ def admit_rows(parents: Tensor, gids: Tensor, slot_gids: list[int], pending_root
             nxt += 1
     return (torch.tensor(rows, dtype=torch.bool, device=HOST), torch.tensor(par, dtype=torch.long, device=HOST),
             pending_root)
+
+
+def proposal_lists(tree: DraftTree) -> list:
+    """``tree.proposals``, or for a deterministic tree the equivalent lists: each node's children in index
+    order, each with ``q = None``."""
+    if tree.proposals is not None:
+        return tree.proposals
+    out: list = [[] for _ in range(len(tree))]
+    for i, p in enumerate(tree.parents.tolist()):
+        if p >= 0:
+            out[p].append((i, None))
+    return out
+
+
+def merge_sources(trees: list[DraftTree], total_token: int) -> DraftTree:
+    """Several drafters' trees (same root token) as one tree of at most ``total_token`` nodes (root included).
+
+    Nodes are identified by their token path (merged by (parent, token)). Which nodes survive:
+      * every node that carries a *sampled* proposal survives, with all its sampled proposals: they were
+        drawn at random, and keeping or dropping one by its value would bias the verifier
+        (``walk_proposals`` needs each drawn token to be a fresh draw from its q). Their number is fixed by
+        the sampling shape, so they take a value-independent share of the budget: ``total_token - 1`` minus
+        the *number of sampled proposals* (not of distinct nodes) is left for deterministic nodes;
+      * deterministic nodes compete for the rest by their **best deterministic score**: the maximum over
+        the sources that proposed the node of that source's cumulative draft log-score (EAGLE/SSM
+        log-probabilities, lookup's match score). Within one source a child never scores above its
+        parent, so the maximum keeps that property and the best-``n`` set (ties by union order, ancestors
+        first) is ancestor-closed. A node kept only as sampled keeps no deterministic proposal.
+    The output is ordered by best score over all sources (ties: union order), which keeps parents before
+    children; ``scores`` hold that best score. Sibling tokens stay distinct. ``proposals`` is ``None`` when
+    no source sampled (a plain deterministic tree, verified by ``walk_tree`` as before); otherwise each
+    node's list holds the surviving proposals, sources in the given order, each source's own order kept.
+    """
+    if not trees:
+        raise ValueError("merge_sources needs at least one tree")
+    root = int(trees[0].tokens[0])
+    if any(int(t.tokens[0]) != root for t in trees):
+        raise ValueError("merge needs trees with the same root token")
+    index: dict[tuple[int, int], int] = {}
+    tokens, parents = [root], [-1]
+    best = [0.0]                  # best score over all sources
+    best_det = [0.0]              # best score over deterministic proposals (-inf: none)
+    sampled = [False]
+    props: list[list] = [[]]      # per union node: (child, q, source) in source order
+    n_sampled = 0
+    for src, tree in enumerate(trees):
+        lists = proposal_lists(tree)
+        mapped = {0: 0}
+        tp, tt, ts = tree.parents.tolist(), tree.tokens.tolist(), tree.scores.tolist()
+        for j in range(1, len(tree)):
+            key = (mapped[tp[j]], tt[j])
+            u = index.get(key)
+            if u is None:
+                u = index[key] = len(tokens)
+                tokens.append(tt[j])
+                parents.append(key[0])
+                best.append(ts[j])
+                best_det.append(float("-inf"))
+                sampled.append(False)
+                props.append([])
+            else:
+                best[u] = max(best[u], ts[j])
+            mapped[j] = u
+        for j, lst in enumerate(lists):
+            for c, q in lst:
+                u = mapped[c]
+                props[mapped[j]].append((u, q))
+                if q is None:
+                    best_det[u] = max(best_det[u], ts[c])
+                else:
+                    sampled[u] = True
+                    n_sampled += 1
+    n = len(tokens)
+    budget = max(0, total_token - 1 - n_sampled)
+    det_order = sorted((u for u in range(1, n) if best_det[u] > float("-inf")), key=lambda u: (-best_det[u], u))
+    det_kept = set(det_order[:budget])
+    kept = [u for u in range(1, n) if sampled[u] or u in det_kept]
+    order = [0] + sorted(kept, key=lambda u: (-best[u], u))
+    new = {u: i for i, u in enumerate(order)}
+    out_parents = [-1] + [new[parents[u]] for u in order[1:]]
+    if any(p >= i for i, p in enumerate(out_parents) if i):
+        raise AssertionError("merged selection is not ancestor-closed")  # impossible by construction
+    out_props = None
+    if n_sampled:
+        out_props = [[(new[c], q) for c, q in props[u]
+                      if c in new and (q is not None or c in det_kept)] for u in order]
+    return DraftTree(torch.tensor([tokens[u] for u in order], device=HOST),
+                     torch.tensor(out_parents, device=HOST),
+                     torch.tensor([best[u] for u in order], device=HOST), proposals=out_props)

@@ -192,6 +192,28 @@ class Comm:
     def recv_prev(self) -> Message:
         return self.recv(self.prev_rank)
 
+    # -- broadcast (TP groups only: the pipeline modes use no collective in the decode loop) ------------
+    def broadcast(self, decision: Message | None) -> Message:
+        """Rank 0 passes the message; every other rank passes ``None`` and gets it (modes tp/galaxy)."""
+        if faults._armed:
+            faults.hit("decision")
+        with self.tracer.span("broadcast"):
+            if self.rank == 0:
+                header, payload = encode(decision)
+                header = header.to(self.wire_device)
+                self._guard(lambda: dist.broadcast(header, 0), None)
+                if payload.numel():
+                    self._guard(lambda: dist.broadcast(payload.to(self.wire_device), 0), None)
+                return decision
+            header = torch.empty(HEADER_LEN, dtype=torch.long, device=self.wire_device)
+            self._guard(lambda: dist.broadcast(header, 0), 0)
+            nbytes = payload_size(header.cpu())
+            payload = torch.empty(nbytes, dtype=torch.uint8, device=self.wire_device)
+            if nbytes:
+                self._guard(lambda: dist.broadcast(payload, 0), 0)
+            return decode(header.cpu(), payload)
+
+
     # -- direct decision links (rank 0 -> stages 2..N) -----------------------------------------------
     def send_direct(self, msg: Message) -> None:
         """Rank 0: send ``msg`` to every stage that is not its ring successor (they get it on the ring)."""

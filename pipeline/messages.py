@@ -131,6 +131,7 @@ class Segment:
     gen: int = 0
     epoch: int = 0
     log: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long, device=HOST))
+    tag: int = 0              # mode-specific (tp/galaxy: the group's schedule); stages forward it
 
     kind = Kind.SEGMENT
 
@@ -142,14 +143,14 @@ class Segment:
         return unpack_log(self.log)
 
     def ints(self) -> list[int]:
-        return [self.gen, self.epoch]
+        return [self.gen, self.epoch, self.tag]
 
     def tensors(self) -> list[Tensor]:
         return [self.x, self.parents, self.gids, self.log]
 
     @classmethod
     def build(cls, ints, tensors) -> "Segment":
-        return cls(tensors[0], tensors[1], tensors[2], ints[0], ints[1], tensors[3])
+        return cls(tensors[0], tensors[1], tensors[2], ints[0], ints[1], tensors[3], ints[2])
 
 
 @dataclass

@@ -30,12 +30,12 @@ class Outbox:
         self.log: list[Decision] = []             # issued, not yet attached to a segment
         self.inflight: deque[list[int]] = deque()  # node ids of every segment sent and not yet received back
 
-    def send(self, tokens: Tensor, parent_gids: Tensor) -> Tensor:
+    def send(self, tokens: Tensor, parent_gids: Tensor, tag: int = 0) -> Tensor:
         """Send nodes (token ids, parents' node ids) as one segment; returns their node ids."""
         n = int(tokens.numel())
         gids = torch.arange(self.next_gid, self.next_gid + n, device=HOST)
         self.next_gid += n
-        self.comm.send_next(Segment(tokens.reshape(1, -1), parent_gids, gids, self.gen, self.seq, pack_log(self.log)))
+        self.comm.send_next(Segment(tokens.reshape(1, -1), parent_gids, gids, self.gen, self.seq, pack_log(self.log), tag))
         self.log = []
         self.inflight.append(gids.tolist())
         return gids
@@ -83,13 +83,13 @@ class RankTree:
     def alive_gids(self) -> set[int]:
         return set(self.gids[:self.sent].tolist())
 
-    def send(self, box: Outbox, size: int) -> None:
+    def send(self, box: Outbox, size: int, tag: int = 0) -> None:
         """Send the next ``size`` waiting nodes (index order) as one segment."""
         sl = slice(self.sent, self.sent + size)
         self.gids[sl] = torch.arange(box.next_gid, box.next_gid + size, device=HOST)  # what box.send assigns
         parents = self.tree.parents[sl]
         pg = torch.where(parents >= 0, self.gids[parents.clamp(min=0)], torch.full_like(parents, -1))
-        if not torch.equal(box.send(self.tree.tokens[sl], pg), self.gids[sl]):
+        if not torch.equal(box.send(self.tree.tokens[sl], pg, tag), self.gids[sl]):
             raise AssertionError("node ids out of step with the outbox")
         self.sent += size
 

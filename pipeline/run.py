@@ -153,6 +153,8 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
         for m in modes:
             if m not in MODES:
                 raise ConfigError(f"unknown mode {m!r}; choose one of {', '.join(MODES)}")
+        if "sps" in modes and not cfg.sps.draft_dir and "ssm:" not in cfg.draft.sources:
+            raise ConfigError("mode sps needs a small draft LM: sps.draft_dir=<dir> or draft.sources=...,ssm:<dir>")
     except ConfigError as e:
         return fail(str(e))
     if args.print_config:  # standalone (no torchrun, no torch): the configuration every rank would use
@@ -267,6 +269,20 @@ def _head_choice(cfg, stage_root: Path) -> Path | None:
 
 
 def make_drafter(cfg, stage_root: Path, model, dtype, device: str):
+    """Rank 0's drafter: :func:`_head_drafter`, or with ``draft.sources`` several drafters merged into one tree
+    (``draft/merged.py``; ``eagle`` there is the head drafter)."""
+    if not cfg.draft.sources:
+        return _head_drafter(cfg, stage_root, model, dtype, device)
+    from draft.merged import SourceError, build_sources
+    try:
+        return build_sources(cfg, model.lm_head.out_features,
+                             lambda: _head_drafter(cfg, stage_root, model, dtype, device), dtype, device,
+                             sampling=cfg.gen.temperature > 0)
+    except SourceError as e:
+        raise SetupError(str(e)) from None
+
+
+def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
     """Rank 0's drafter for ``cfg.model.head_dir`` (the default head for the default split, a test drafter
     ``oracle:``/``adversary:<full model dir>``, or, with no head at all, a clearly labelled untrained head)."""
     from draft.drafter import Drafter

@@ -20,7 +20,7 @@ import torch
 from model.devices import HOST
 from model.tp_model import SCHEDULES, DistCollectives, TPShard
 from pipeline.messages import Context, Segment, Shutdown, Stats
-from pipeline.worker import apply_decision
+from pipeline.worker import StageTree
 
 
 class GroupComm:
@@ -38,8 +38,14 @@ class GroupComm:
     def recv_prev(self):
         return self.comm.recv(1)
 
-    def broadcast(self, decision):
-        raise RuntimeError("modes tp/galaxy commit through the segment's prior decision, never a broadcast")
+    def send_direct(self, msg) -> None:
+        """Nothing is ever in flight when tp/galaxy decide: decisions ride on the next segment only."""
+
+    def open_direct_inbox(self) -> None:
+        pass
+
+    def poll_direct(self) -> list:
+        return []
 
 
 class TPWorker:
@@ -50,6 +56,7 @@ class TPWorker:
         self.model, self.comm, self.coll = model, comm, coll
         self.dtype, self.device = dtype, device
         self.cache = model.new_cache(max_len, dtype, device)
+        self.tree = StageTree(self.cache)
         self.tracer = comm.tracer
         self.leader = coll.rank == 0
 
@@ -78,27 +85,30 @@ class TPWorker:
             elif isinstance(msg, Context):
                 if msg.reset:
                     self.cache.reset()
+                    self.tree.reset(msg.gen)
                 n = msg.x.shape[1]
                 pos, mask = self.cache.context_inputs(n, self.dtype)
                 out = self._compute(msg.x, pos, mask, "megatron")
                 self.cache.commit_forward(n, as_context=True)
-                self._reply(Context(out, msg.round_id, msg.reset))
+                self._reply(Context(out, msg.gen, msg.reset))
             elif isinstance(msg, Segment):
                 self._segment(msg)
 
     def _segment(self, seg: Segment) -> None:
-        if seg.prior is not None:
-            with self.tracer.span("prune"):
-                apply_decision(self.cache, seg.prior)
-        if seg.seg_id >= len(SCHEDULES):
-            raise RuntimeError(f"segment names unknown TP schedule {seg.seg_id}")
-        schedule = SCHEDULES[seg.seg_id]
+        with self.tracer.span("prune"):
+            self.tree.offer(seg.decisions())
+            self.tree.apply_ready()
+            rows, parents = self.tree.admit(seg)   # nothing is in flight: every row is alive
+        if seg.tag >= len(SCHEDULES):
+            raise RuntimeError(f"segment names unknown TP schedule {seg.tag}")
+        schedule = SCHEDULES[seg.tag]
         out = torch.zeros(1, 0, self.model.config.hidden_size, dtype=self.dtype, device=HOST)
         if seg.n:
-            pos, mask, anc, depth = self.cache.tree_inputs(seg.parents, self.dtype)
+            pos, mask, anc, depth = self.cache.tree_inputs(parents, self.dtype)
             out = self._compute(seg.x, pos, mask, schedule)
             self.cache.commit_forward(seg.n, as_context=False, anc=anc, depth=depth)
-        self._reply(Segment(out, seg.parents, seg.round_id, seg.seg_id, seg.decide_from_rank))
+            self.tree.computed(seg.gids.tolist())
+        self._reply(Segment(out, seg.parents, seg.gids, seg.gen, seg.epoch, seg.log, seg.tag))
 
 
 def run_tp_rank(args, cfg, modes, comm, stage_root, dtype, device, run_rank0) -> int:

@@ -32,6 +32,10 @@ Exactness under pipelining (pruned / continuous / pipedec), i.e. why that provis
 ``tests/test_sampling.py`` checks the resulting law exactly (by enumerating every random branch of the real
 modes) and statistically (chi-square with the real generator).
 
+Trees whose children were *sampled* (a small LM at T > 0, several drafters merged, ``DraftTree.proposals``)
+are verified by :func:`walk_proposals` (SpecInfer's multi-step speculative sampling; its own exactness
+argument is in its docstring); ``walk_tree`` hands them over and is unchanged for deterministic trees.
+
 ``Sampler.probs`` reproduces HF ``generate`` bit for bit (float32 logits, temperature, top-k, top-p,
 softmax), and ``draw`` feeds the same float32 tensor to ``torch.multinomial``, so with a generator seeded
 like HF's global RNG, ``ar`` at T > 0 emits exactly HF's ``generate(do_sample=True)`` tokens.
@@ -104,6 +108,8 @@ def walk_tree(tree: DraftTree, n_verified: int, logits: Tensor, sampler: Sampler
     Every node on the path (root included) is resolved here, once; the caller must drop them from the tree
     (truncate or re-root at ``new_root``) before growing it further. See the module docstring.
     """
+    if tree.proposals is not None:    # sampled drafts (several sources, sps): SpecInfer's rule
+        return walk_proposals(tree, n_verified, logits, sampler)
     if n_verified <= 0:
         return [], None, None
     path, cur = [0], 0
@@ -135,6 +141,80 @@ def walk_tree(tree: DraftTree, n_verified: int, logits: Tensor, sampler: Sampler
                 if rejected:
                     p[rejected] = 0.0
                 x = sampler.draw(p)  # torch.multinomial renormalises the residual
+            else:
+                x = tokens[child]
+        if child is None:
+            return path, x, None
+        if child >= n_verified:
+            return path, x, child
+        path.append(child)
+        cur = child
+
+
+def walk_proposals(tree: DraftTree, n_verified: int, logits: Tensor, sampler: Sampler
+                   ) -> tuple[list[int], int | None, int | None]:
+    """``walk_tree`` for trees with proposals (``DraftTree.proposals``): SpecInfer's multi-step speculative
+    sampling over children proposed by several drafters, each with its own proposal distribution.
+
+    Same contract and return value as :func:`walk_tree`. At a verified node with processed target law p,
+    the residual starts at r = p; the node's proposals ``(child, q)`` are tried in list order:
+      * sampled (q a distribution the child's token x was drawn from): accept with min(1, r(x) / q(x)),
+        where r is normalised; on rejection r <- max(0, r - q) (normalised on use);
+      * deterministic (q = None, i.e. q = the point mass at x): accept with r(x); on rejection r <- r with x
+        zeroed. This is the sampled rule with q = delta_x (min(1, r(x)/1) = r(x), max(0, r - delta_x) = r
+        without x), and it is exactly ``walk_tree``'s rule.
+    On acceptance the walk descends into ``child``; if every proposal is rejected, the token is drawn from
+    the final residual r. At T = 0 the walk is greedy: the argmax's node if some proposal carries it.
+
+    Why the committed token at a node has law exactly p. Lemma (one step): let r be a distribution and x a
+    token drawn from q independently of everything that produced r. Accept x with min(1, r(x)/q(x)); on
+    rejection continue with r' = norm(max(0, r - q)). Then P(accept and x = y) = q(y) min(1, r(y)/q(y)) =
+    min(q(y), r(y)); P(reject) = 1 - sum_y min(q, r)(y) = sum_y max(0, r - q)(y) =: beta; so the law of
+    "the accepted token, or else a token of law r'" is min(q, r) + beta r' = min(q, r) + max(0, r - q) = r.
+    For q = delta_x with x fixed the same identity reads r(x) delta_x + (1 - r(x)) r|_{not x} = r.
+    By induction over the list (the last residual is drawn from directly), the node commits a token of law
+    r_0 = p, *provided* (a) each sampled proposal's token is a fresh draw from its q given everything tried
+    before it at this node (the drafter draws i.i.d.; :func:`draft.tree.merge_sources` and
+    :func:`draft.tree.merge_trees` keep every drawn proposal, never filter or reorder them by their values,
+    and list deterministic proposals whose set is fixed independently of the draws), and (b) the list is
+    fixed before the node's first draw (frozen below; the pipelined modes only append below unresolved
+    nodes, see the module docstring). A child's own proposals were drawn from the draft conditioned on the
+    child's token only, so (a) holds again one level down once the walk descends: the path's joint law is
+    the target's autoregressive law. Several proposals may share one node (a token drawn twice): each is
+    tried on its own; once x was rejected by a deterministic proposal, r(x) = 0 and later ones of x are
+    accepted with probability 0 (they still shrink r by q, as the lemma requires).
+    """
+    if n_verified <= 0:
+        return [], None, None
+    path, cur = [0], 0
+    tokens = tree.tokens.tolist()
+    lists = [list(l) for l in tree.proposals]      # frozen before any draw of this call
+    while True:
+        plist = lists[cur]
+        if sampler.greedy:
+            x = int(torch.argmax(logits[cur]))
+            child = next((c for c, _ in plist if tokens[c] == x), None)
+        else:
+            r = sampler.probs(logits[cur])
+            child = None
+            for c, q in plist:
+                t = tokens[c]
+                mass = float(r.sum())
+                if q is None:
+                    if mass > 0 and sampler.accept(float(r[t]) / mass):
+                        child = c
+                        break
+                    r[t] = 0.0
+                else:
+                    rn = r / mass
+                    qt = float(q[t])
+                    if sampler.accept(min(1.0, float(rn[t]) / qt) if qt > 0 else 0.0):
+                        child = c
+                        break
+                    res = torch.clamp(rn - q.to(rn.dtype), min=0.0)
+                    r = res if float(res.sum()) > 0 else rn   # r = q exactly: unreachable (accepts surely)
+            if child is None:
+                x = sampler.draw(r)          # torch.multinomial normalises the residual
             else:
                 x = tokens[child]
         if child is None:

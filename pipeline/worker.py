@@ -142,4 +142,4 @@ class StageWorker:
             tree.computed(gids.tolist())
         elif out.dim() == 2:  # no ids left to embed: forward an empty hidden block
             out = torch.zeros(1, 0, self.model.config.hidden_size, dtype=self.dtype, device=HOST)
-        self.comm.send_next(Segment(out, parent_gids, gids, seg.gen, seg.epoch, seg.log))
+        self.comm.send_next(Segment(out, parent_gids, gids, seg.gen, seg.epoch, seg.log, seg.tag))

@@ -3,6 +3,7 @@ from pipeline.modes.ar import ar_decode
 from pipeline.modes.flowspec import ContinuousMode, PrunedMode
 from pipeline.modes.naive import naive_decode
 from pipeline.modes.pipedec import PipeDecMode
+from pipeline.modes.sps import sps_decode
 from pipeline.modes.tp import make_tp_decode
 
 DECODERS = {
@@ -11,6 +12,7 @@ DECODERS = {
     "pruned": PrunedMode().decode,
     "continuous": ContinuousMode().decode,
     "pipedec": PipeDecMode().decode,
+    "sps": sps_decode,
     "tp": make_tp_decode("tp"),
     "galaxy": make_tp_decode("galaxy"),
 }

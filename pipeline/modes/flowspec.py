@@ -155,9 +155,16 @@ class ContinuousMode(StreamingMode):
     def __init__(self) -> None:
         self.inputs: torch.Tensor | None = None   # draft input feature per tree node (incremental expansion)
 
+    @staticmethod
+    def incremental(engine: Engine) -> bool:
+        """Incremental expansion needs the EAGLE-2 search's per-node inputs (``Drafter.supports_extend``);
+        other drafters (merged sources, small LMs with sampled drafts) redraft from the root."""
+        return engine.cfg.tree.expand_levels > 0 and getattr(engine.drafter, "supports_extend", False)
+
     def first_tree(self, engine: Engine, root: int, root_hidden: torch.Tensor) -> DraftTree:
         t = engine.cfg.tree
-        if t.expand_levels <= 0:
+        if not self.incremental(engine):
+            self.inputs = None
             return super().first_tree(engine, root, root_hidden)
         with engine.tracer.span("draft"):
             tree, self.inputs = engine.drafter.grow_tree_with_inputs(root, root_hidden, t.init_total_token,
@@ -177,7 +184,7 @@ class ContinuousMode(StreamingMode):
         else:
             return tree
         with engine.tracer.span("expand"):
-            if t.expand_levels > 0:
+            if self.inputs is not None:
                 levels = t.expand_levels if verified else t.none_expand_depth
                 room = max(total - len(tree), t.expand_topk if verified else t.none_expand_size)
                 tree, self.inputs = engine.drafter.extend_tree(tree, self.inputs, root_hidden, levels,

@@ -5,7 +5,7 @@ that rides on the next round's segment.
 
 The rank-0 side sees the group as one stage (``comm.send_next`` / ``comm.recv_prev``; see
 :class:`pipeline.tp_run.GroupComm`), so this loop runs unchanged on an in-process one-stage ring (the
-what-if simulator, ``pipeline/tp_sim.py``). ``Segment.seg_id`` carries the group's schedule
+what-if simulator, ``pipeline/tp_sim.py``). ``Segment.tag`` carries the group's schedule
 (:data:`SCHEDULE_IDS`); a round has exactly one segment, so the field is otherwise unused.
 """
 from __future__ import annotations
@@ -14,10 +14,10 @@ import torch
 
 from model.devices import HOST
 from pipeline.engine import Engine, OutputBuffer
-from pipeline.messages import Decision, Segment, Status
+from pipeline.messages import Status
+from pipeline.outbox import Outbox, RankTree
 from pipeline.verify import walk_tree
 
-NEVER = 1 << 30
 SCHEDULE_IDS = {"megatron": 0, "galaxy": 1}
 SCHEDULE_OF_MODE = {"tp": "megatron", "galaxy": "galaxy"}
 
@@ -33,20 +33,21 @@ def make_tp_decode(mode: str):
         out.extend([x])
         with engine.tracer.span("draft"):
             root_hidden = drafter.start(prompt_ids, x, features)
-        prior, accepts, rounds = None, [], 0
+        box = Outbox(engine)
+        accepts, rounds = [], 0
         while not out.finished:
             rounds += 1
             with engine.tracer.span("draft"):
                 tree = drafter.grow_tree(x, root_hidden, tcfg.total_token, tcfg.depth, tcfg.top_k)
-            comm.send_next(Segment(tree.tokens[None], tree.parents, rounds, schedule_id, NEVER, prior))
-            hidden = comm.recv_prev().x[0]
+            state = RankTree(tree)
+            state.send(box, len(tree), tag=schedule_id)
+            hidden = box.receive().x[0]
             logits = engine.logits(hidden)
             with engine.tracer.span("verify"):
                 path, x, _ = walk_tree(tree, len(tree), logits, engine.sampler)
             committed = tree.tokens[path[1:]].tolist() + [x]
             accepts.append(out.extend(committed))
-            prior = Decision(rounds, 0, Status.TRUNCATE, len(path), x, out.finished,
-                             torch.tensor(path, device=HOST))
+            box.decide(Status.TRUNCATE, state.gids[path].tolist(), -1, out.finished)
             if not out.finished:
                 with engine.tracer.span("draft"):
                     root_hidden = drafter.commit(torch.tensor(committed, device=HOST), hidden[path])

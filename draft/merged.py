@@ -1,0 +1,145 @@
+"""Several drafters as one (``draft.sources=eagle,lookup,ssm:<dir>``): one merged token tree per call.
+
+:class:`MergedDrafter` has the :class:`draft.protocol.TreeDrafter` methods, so every mode takes merged
+trees unchanged:
+  * ``start``/``commit`` go to every source; the returned state is the concatenation of the sources' states
+    (each flattened, widened to their common dtype, which is exact), split again on the way in;
+  * ``grow_tree`` asks every source for its own tree with the same arguments and merges them with
+    :func:`draft.tree.merge_sources` under the one ``total_token`` budget (the rule: sampled proposals are
+    kept whole, deterministic nodes survive by their best score over the sources, see there);
+  * ``tree_forward``/``drop_tree``/``logprobs`` (PipeDec grows its layers through them): each source feeds
+    the same entries with its own slice of the features; ``logprobs`` of a merged state is the elementwise
+    **maximum** of the sources' log-scores, the same "best available score" rule as the tree merge.
+
+Sources are built by :func:`build_sources` from the ``draft.sources`` list: ``eagle`` (the drafter that
+``model.head_dir`` selects: the EAGLE head, or the oracle/adversary test drafters), ``lookup`` (prompt
+lookup, :mod:`draft.lookup`) and ``ssm:<dir>`` (a small causal LM, :mod:`draft.ssm`).
+"""
+from __future__ import annotations
+
+import torch
+
+from draft.tree import DraftTree, merge_sources
+
+Tensor = torch.Tensor
+
+
+class SourceError(ValueError):
+    pass
+
+
+class MergedDrafter:
+    def __init__(self, sources: list, names: list[str] | None = None) -> None:
+        if not sources:
+            raise SourceError("draft.sources needs at least one source")
+        self.sources = list(sources)
+        self.names = list(names) if names else [type(s).__name__ for s in sources]
+        self.widths: list[int] = []
+
+    @staticmethod
+    def _cat(states: list[Tensor]) -> Tensor:
+        """Concatenate along the last dim in the sources' common dtype (float32 for EAGLE + lookup: a smaller
+        vector to allocate per commit than float64; widening is exact either way)."""
+        dtype = states[0].dtype
+        for s in states[1:]:
+            dtype = torch.promote_types(dtype, s.dtype)
+        dev = states[0].device
+        return torch.cat([s.to(dev, dtype) for s in states], dim=-1)
+
+    def _join(self, states: list[Tensor]) -> Tensor:
+        self.widths = [int(s.shape[-1]) for s in states]
+        return self._cat(states)
+
+    def _split(self, state: Tensor) -> list[Tensor]:
+        return list(torch.split(state, self.widths, dim=-1))
+
+    def reset(self) -> None:
+        for s in self.sources:
+            s.reset()
+
+    def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
+        return self._join([s.start(prompt_ids, first_token, features) for s in self.sources])
+
+    def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
+        return self._join([s.commit(tokens, features) for s in self.sources])
+
+    def grow_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int) -> DraftTree:
+        """Every source drafts with the same arguments, except that a sampling source (``samples`` true) gets
+        ``1 + (total_token - 1) // len(sources)`` nodes: its draws are all kept by the merge, so it must leave
+        room for the others. Then :func:`merge_sources` under ``total_token``."""
+        share = 1 + (total_token - 1) // len(self.sources)
+        trees = [s.grow_tree(root_token, h, share if getattr(s, "samples", False) else total_token, depth, top_k)
+                 for s, h in zip(self.sources, self._split(root_hidden))]
+        return merge_sources(trees, total_token)
+
+    def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
+        return self._cat([s.tree_forward(tokens, f, parents) for s, f in zip(self.sources, self._split(features))])
+
+    def drop_tree(self) -> None:
+        for s in self.sources:
+            s.drop_tree()
+
+    @property
+    def tree_size(self) -> int:
+        return max(s.tree_size for s in self.sources)
+
+    def logprobs(self, hidden: Tensor) -> Tensor:
+        lps = [s.logprobs(h).double() for s, h in zip(self.sources, self._split(hidden))]
+        dev = lps[0].device
+        out = lps[0]
+        for lp in lps[1:]:
+            out = torch.maximum(out, lp.to(dev))
+        return out
+
+    def source(self, kind: type):
+        """The first source of class ``kind`` (e.g. the small LM for ``sps``), or None."""
+        return next((s for s in self.sources if isinstance(s, kind)), None)
+
+
+def parse_sources(text: str) -> list[tuple[str, str]]:
+    """``"eagle,lookup,ssm:/path"`` -> ``[("eagle", ""), ("lookup", ""), ("ssm", "/path")]``; SourceError on
+    anything else (unknown kind, ``ssm`` without a directory, duplicates of eagle/lookup)."""
+    out = []
+    for word in [w.strip() for w in text.split(",") if w.strip()]:
+        kind, _, arg = word.partition(":")
+        if kind not in ("eagle", "lookup", "ssm"):
+            raise SourceError(f"draft.sources: unknown source {word!r}; use eagle, lookup or ssm:<model dir>")
+        if kind == "ssm" and not arg:
+            raise SourceError("draft.sources: ssm needs a model directory, e.g. ssm:checkpoints/ssm_2l")
+        if kind != "ssm" and arg:
+            raise SourceError(f"draft.sources: {kind} takes no argument (got {word!r})")
+        if kind != "ssm" and any(k == kind for k, _ in out):
+            raise SourceError(f"draft.sources: {kind} is listed twice")
+        out.append((kind, arg))
+    if not out:
+        raise SourceError("draft.sources is empty")
+    return out
+
+
+def build_sources(cfg, vocab_size: int, eagle_factory, dtype, device, sampling: bool):
+    """The drafter for ``cfg.draft.sources`` (``eagle_factory()`` builds the ``eagle`` source as
+    ``model.head_dir`` says). One source is returned as itself (its trees are verified as they are)."""
+    import math
+    from pathlib import Path
+
+    from draft.lookup import LookupDrafter
+    from draft.ssm import SmallLMDrafter
+    d = cfg.draft
+    sources, names = [], []
+    for kind, arg in parse_sources(d.sources):
+        if kind == "eagle":
+            sources.append(eagle_factory())
+        elif kind == "lookup":
+            sources.append(LookupDrafter(vocab_size, d.lookup_max_ngram, d.lookup_min_ngram, d.lookup_max_matches,
+                                         math.log(d.lookup_token_prob)))
+        else:
+            if not (Path(arg) / "config.json").is_file():
+                raise SourceError(f"draft.sources: ssm:{arg}: no config.json there (a Hugging Face causal LM "
+                                  "directory, e.g. one written by python -m draft.train_ssm)")
+            temp = cfg.gen.temperature if d.ssm_temperature < 0 else d.ssm_temperature
+            sources.append(SmallLMDrafter(arg, vocab_size, dtype, device, sample=d.ssm_sample and sampling,
+                                          temperature=temp, seed=cfg.gen.seed))
+        names.append(kind if not arg else f"{kind}:{arg}")
+    if len(sources) == 1:
+        return sources[0]
+    return MergedDrafter(sources, names)

@@ -1,0 +1,74 @@
+"""The drafter interface every mode talks to, and what a drafter returns.
+
+A drafter lives on rank 0 and proposes continuations of the committed text. Every mode (``naive``,
+``pruned``, ``continuous``, ``pipedec``) only calls the methods of :class:`TreeDrafter`; today's EAGLE
+drafter (:class:`draft.drafter.Drafter`) already has exactly these methods, and so do the oracle/adversary
+test drafters (:mod:`draft.oracle`), the small causal LM (:mod:`draft.ssm`), prompt lookup
+(:mod:`draft.lookup`) and the merge of several of them (:mod:`draft.merged`).
+
+What a drafter returns: ``grow_tree`` returns a :class:`draft.tree.DraftTree` rooted at the last committed
+token (the root is *not* a guess: the target already chose it):
+  * ``tokens[i]`` and ``parents[i]`` (``-1`` for the root, else an earlier node: ancestors first);
+    sibling tokens are distinct (``check_tree``); at most ``total_token`` nodes, root included;
+  * ``scores[i]``: the node's cumulative draft score relative to the root (a log-probability for model
+    drafters, lookup's match score for prompt lookup); along a path scores never increase, which is what
+    ``select_top_nodes``/``merge_sources`` rely on to keep budgets ancestor-closed;
+  * for sampling, per node how its children were proposed (``DraftTree.proposals``): ``None`` means the
+    tree is **deterministic** (top-k/beam or lookup: each child is a fixed guess, q = point mass, verified
+    by ``pipeline.verify.walk_tree``); otherwise each node lists ``(child, q)`` in try order, where ``q`` is
+    the [V] float64 distribution the child's token was *drawn* from, or ``None`` for a deterministic
+    proposal (verified by ``pipeline.verify.walk_proposals``, SpecInfer's multi-step speculative sampling).
+
+The "hidden" values that ``start``/``commit``/``tree_forward`` return are the drafter's own opaque state
+for the next guess (EAGLE: the head's output feature; oracle/SSM/lookup: a log-probability vector over
+the vocabulary; merged: the concatenation of its sources' states). Modes never look inside; they only hand
+them back (``grow_tree``'s ``root_hidden``, PipeDec's per-node ``features``) and read ``logprobs`` of them.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from draft.tree import DraftTree
+
+Tensor = torch.Tensor
+
+
+@runtime_checkable
+class TreeDrafter(Protocol):
+    """What every mode calls on ``engine.drafter`` (see the module docstring for the return values)."""
+
+    def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
+        """New generation: forget everything, take the prompt and the target's first token as the committed
+        context. ``features``: the target's last-layer hidden state of every prompt token (EAGLE uses them;
+        others may ignore them). Returns the state after ``first_token`` (the next tree's ``root_hidden``)."""
+
+    def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
+        """Append committed ``tokens`` (accepted draft tokens, then the target's new token, which becomes the
+        next root). ``features[i]``: the target feature of the position *before* ``tokens[i]``. Drops any
+        temporary tree state. Returns the state after the last token."""
+
+    def grow_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int,
+                  top_k: int) -> DraftTree:
+        """A draft tree rooted at ``root_token`` of at most ``total_token`` nodes (root included), at most
+        ``depth + 1`` levels below the root, at most ``top_k`` children per node (lookup and merged trees may
+        have more children per node: their budget is ``total_token``). Leaves the drafter's committed state
+        unchanged."""
+
+    def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
+        """Temporary tree entries (kept until :meth:`drop_tree`): node ``i`` holds ``tokens[i]`` below
+        ``parents[i]`` (``-1``: below the last committed token; else an earlier entry of this tree, counted
+        from the first entry since the last ``drop_tree``). ``features[i]``: the state returned for the parent
+        (the root's for ``-1``). Returns each entry's state (rows, aligned with ``tokens``)."""
+
+    def drop_tree(self) -> None:
+        """Forget the temporary tree entries."""
+
+    def logprobs(self, hidden: Tensor) -> Tensor:
+        """Next-token log-scores ``[..., V]`` of states returned above (used to rank children)."""
+
+
+def is_tree_drafter(obj: object) -> bool:
+    """True when ``obj`` has every method of :class:`TreeDrafter` (a structural check, no inheritance)."""
+    return isinstance(obj, TreeDrafter)

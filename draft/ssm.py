@@ -1,0 +1,192 @@
+"""A small causal LM as drafter (SpecInfer's "SSM", the draft model of Leviathan/Chen speculative sampling).
+
+Any Hugging Face LLaMA-family causal LM that shares the target's tokenizer (same token ids; a smaller or
+larger vocabulary is cut or padded with a very low log-score) drafts on rank 0 with its **own KV cache**: the
+committed context (prompt + accepted tokens) lives in a ``DynamicCache``; tree entries are computed on top of
+a copy of it, each node from its path below the context, and thrown away by :meth:`drop_tree`.
+
+Two ways to draft a tree (``grow_tree``):
+  * deterministic (default, and always at T = 0): the EAGLE-2 beam (``Drafter.grow_tree``: top-k per level,
+    best ``total_token`` by cumulative log-prob) over this model's log-probabilities;
+  * sampled (``sample=True`` with a temperature > 0): ``top_k`` i.i.d. draws from the model's distribution
+    q at the root, each extended as a chain of further draws, ``min(depth + 1, (total_token - 1) // top_k)``
+    tokens long (a fixed shape, independent of the drawn values). Every draw is recorded as a proposal
+    ``(child, q)`` in draw order (``DraftTree.proposals``), which ``pipeline.verify.walk_proposals`` verifies
+    with SpecInfer's multi-step speculative sampling. ``q`` = softmax(logits / temperature).
+
+The "hidden" state returned to modes is the model's next-token log-probability vector (float64, target
+vocabulary size), so ``logprobs`` is the identity, as for the oracle drafter.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+from draft.drafter import Drafter
+from draft.tree import DraftTree
+from model.devices import HOST
+
+Tensor = torch.Tensor
+FLOOR = -1e4
+
+
+class SmallLMDrafter(Drafter):
+    """See the module docstring. ``model``: a loaded causal LM or a directory to load one from."""
+
+    supports_extend = False  # its trees may carry sampled draws: ContinuousMode redraws from the root
+
+    def __init__(self, model, vocab_size: int, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", sample: bool = False, temperature: float = 1.0,
+                 seed: int = 0) -> None:
+        if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+            from transformers import AutoModelForCausalLM
+            model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
+        self.model = model
+        self.device = torch.device(device)
+        self.vocab_size = vocab_size
+        self.sample, self.temperature, self.seed = sample, temperature, seed
+        self.generator = torch.Generator(device=HOST).manual_seed(seed)
+        self.draw = self._draw                  # tests swap in an enumerating draw
+        self.cache = None
+        self.ctx_len = 0
+        self.tree_paths: list[list[int]] = []   # per tree entry: its tokens below the context
+
+    # -- context ----------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        from transformers import DynamicCache
+        self.cache = DynamicCache()
+        self.ctx_len = 0
+        self.tree_paths = []
+
+    def _logprobs_of(self, logits: Tensor) -> Tensor:
+        lp = torch.log_softmax(logits.double(), dim=-1).to(HOST)
+        v = lp.shape[-1]
+        if v == self.vocab_size:
+            return lp
+        if v > self.vocab_size:
+            return lp[..., :self.vocab_size]
+        pad = torch.empty((*lp.shape[:-1], self.vocab_size - v), dtype=lp.dtype, device=HOST).fill_(FLOOR)
+        return torch.cat([lp, pad], dim=-1)
+
+    @torch.no_grad()
+    def _feed(self, tokens: list[int]) -> Tensor:
+        ids = torch.tensor([tokens], device=self.device)
+        pos = torch.arange(self.ctx_len, self.ctx_len + len(tokens), device=self.device)[None]
+        out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        self.ctx_len += len(tokens)
+        return self._logprobs_of(out.logits[0, -1])
+
+    def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
+        self.reset()
+        self.generator.manual_seed(self.seed)
+        return self._feed(list(prompt_ids) + [first_token])
+
+    def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
+        self.drop_tree()
+        return self._feed([int(t) for t in tokens.reshape(-1)])
+
+    # -- tree entries -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _paths_logprobs(self, paths: list[list[int]]) -> Tensor:
+        """Log-probs after context + each path (paths of equal length run as one batch on a cache copy)."""
+        out: list[Tensor | None] = [None] * len(paths)
+        by_len: dict[int, list[int]] = {}
+        for i, p in enumerate(paths):
+            by_len.setdefault(len(p), []).append(i)
+        for n, idx in by_len.items():
+            cache = copy.deepcopy(self.cache)
+            if len(idx) > 1:
+                cache.batch_repeat_interleave(len(idx))
+            ids = torch.tensor([paths[i] for i in idx], device=self.device)
+            pos = torch.arange(self.ctx_len, self.ctx_len + n, device=self.device)[None].expand(len(idx), -1)
+            logits = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits
+            lp = self._logprobs_of(logits[:, -1])
+            for j, i in enumerate(idx):
+                out[i] = lp[j]
+        return torch.stack(out)  # type: ignore[arg-type]
+
+    def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
+        new = []
+        for t, p in zip(tokens.reshape(-1).tolist(), parents.reshape(-1).tolist()):
+            new.append((self.tree_paths[p] if p >= 0 else []) + [int(t)])
+            self.tree_paths.append(new[-1])
+        return self._paths_logprobs(new)
+
+    def drop_tree(self) -> None:
+        self.tree_paths = []
+
+    @property
+    def tree_size(self) -> int:
+        return len(self.tree_paths)
+
+    def logprobs(self, hidden: Tensor) -> Tensor:
+        return hidden.double()
+
+    # -- trees ----------------------------------------------------------------------------------------
+    @property
+    def samples(self) -> bool:
+        """True when ``grow_tree`` draws sampled proposals (``sample`` with a temperature > 0)."""
+        return self.sample and self.temperature > 0
+
+    def _draw(self, q: Tensor) -> int:
+        return int(torch.multinomial(q.float(), 1, generator=self.generator))
+
+    def proposal(self, hidden: Tensor) -> Tensor:
+        """q: the distribution sampled drafts are drawn from (float64, sums to 1)."""
+        return torch.softmax(self.logprobs(hidden) / self.temperature, dim=-1)
+
+    def grow_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int) -> DraftTree:
+        if not self.samples:
+            return super().grow_tree(root_token, root_hidden, total_token, depth, top_k)
+        return self.sampled_tree(root_token, root_hidden, total_token, depth, top_k)
+
+    @torch.no_grad()
+    def sampled_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int,
+                     width: int) -> DraftTree:
+        """``width`` chains of i.i.d. draws (module docstring), merged by token path; proposals in draw order."""
+        width = max(1, min(width, total_token - 1))
+        length = min(depth + 1, (total_token - 1) // width) if total_token > 1 else 0
+        if length <= 0:
+            return DraftTree.single(root_token)
+        index: dict[tuple[int, int], int] = {}
+        tokens, parents, scores, props = [root_token], [-1], [0.0], [[]]
+        q_root = self.proposal(root_hidden)
+        chain_node = [0] * width           # current union node of each chain
+        chain_score = [0.0] * width
+        chain_q = [q_root] * width
+        for level in range(length):
+            drawn = []
+            for c in range(width):           # chain order, then level order: the draw order
+                x = self.draw(chain_q[c])
+                u = chain_node[c]
+                chain_score[c] += math.log(float(chain_q[c][x]))
+                key = (u, x)
+                v = index.get(key)
+                if v is None:
+                    v = index[key] = len(tokens)
+                    tokens.append(x)
+                    parents.append(u)
+                    scores.append(chain_score[c])
+                    props.append([])
+                else:
+                    scores[v] = max(scores[v], chain_score[c])
+                props[u].append((v, chain_q[c]))
+                chain_node[c] = v
+                drawn.append(x)
+            if level + 1 < length:         # one forward per level for all chains (on the chains' paths)
+                paths = [self._union_path(c_node, tokens, parents) for c_node in chain_node]
+                lp = self._paths_logprobs(paths)
+                chain_q = [self.proposal(lp[c]) for c in range(width)]
+        return DraftTree(torch.tensor(tokens, device=HOST), torch.tensor(parents, device=HOST),
+                         torch.tensor(scores, device=HOST), proposals=props)
+
+    @staticmethod
+    def _union_path(node: int, tokens: list[int], parents: list[int]) -> list[int]:
+        path = []
+        while node > 0:
+            path.append(tokens[node])
+            node = parents[node]
+        return path[::-1]

@@ -1,0 +1,152 @@
+"""``sps``: speculative sampling with a separate small draft LM (Leviathan et al. 2023; Chen et al. 2023).
+
+Each round rank 0 drafts a chain of ``sps.gamma`` tokens with the small LM (:class:`draft.ssm.SmallLMDrafter`):
+greedy at T = 0, else each token drawn from the LM's distribution q_i (softmax of its logits at the draft
+temperature). The chain goes through the ring exactly like a ``naive`` tree (a chain is a tree whose parents
+are ``-1, 0, 1, ...``): cut into one segment per link, the accepted path committed on every stage by the
+decision riding on the next round's first segment. The target's distributions p_1..p_{gamma+1} at the root
+and after each draft token come back in one trip.
+
+Verification (:func:`verify_chain`), with the processed target law p (temperature, top-k, top-p as HF):
+  * ``google`` (Leviathan et al., Algorithm 1): draw the gamma uniforms up front, r_i ~ U(0, 1), and
+    compare each with min(1, p_i(x_i) / q_i(x_i)); n = the number of leading accepted tokens;
+  * ``deepmind`` (Chen et al., Algorithm 2): walk the chain and draw coin i only while all before it
+    were accepted; stop at the first rejection.
+Then, if n < gamma, the next token is drawn from norm(max(0, p_{n+1} - q_{n+1})), else from p_{gamma+1}.
+Both variants accept the same prefix with the same probabilities (coins after the first rejection are never
+read), so their laws are identical and equal to the target's (the one-step lemma in
+``pipeline.verify.walk_proposals``: P(accept, x = y) + P(reject) * residual(y) = min(q, p)(y) + max(0, p - q)(y)
+= p(y)); they differ only in how much randomness a round consumes, so the same seed gives different samples.
+At T = 0 both accept while the target's argmax equals the draft token, then take the argmax: greedy-exact.
+"""
+from __future__ import annotations
+
+import torch
+
+from draft.tree import DraftTree, split_sizes
+from model.devices import HOST
+from pipeline.engine import Engine, OutputBuffer
+from pipeline.messages import Status
+from pipeline.outbox import Outbox, RankTree
+from pipeline.verify import Sampler
+
+
+
+class SpsError(ValueError):
+    pass
+
+
+def sps_drafter(engine: Engine):
+    """The small LM for ``sps``: ``sps.draft_dir``, else the engine's drafter if it is one, else the first
+    ``ssm:<dir>`` of ``draft.sources``. Loaded once per engine."""
+    cached = getattr(engine, "_sps_drafter", None)
+    if cached is not None:
+        return cached
+    from config.run_config import ConfigError
+    from draft.merged import MergedDrafter
+    from draft.ssm import SmallLMDrafter
+    cfg, d = engine.cfg, engine.drafter
+    if cfg.sps.draft_dir:
+        from pathlib import Path
+        if not (Path(cfg.sps.draft_dir) / "config.json").is_file():
+            raise ConfigError(f"sps.draft_dir={cfg.sps.draft_dir}: no config.json there (a Hugging Face causal LM)")
+        dev = engine.model.lm_head.weight.device
+        ssm = SmallLMDrafter(cfg.sps.draft_dir, engine.model.lm_head.out_features, engine.dtype, dev)
+    elif isinstance(d, SmallLMDrafter):
+        ssm = d
+    elif isinstance(d, MergedDrafter) and d.source(SmallLMDrafter) is not None:
+        ssm = d.source(SmallLMDrafter)
+    else:
+        raise ConfigError("mode sps needs a small draft LM: sps.draft_dir=<dir> or draft.sources=ssm:<dir>")
+    engine._sps_drafter = ssm
+    return ssm
+
+
+@torch.no_grad()
+def draft_chain(ssm, root: int, root_hidden: torch.Tensor, gamma: int, greedy: bool, temperature: float
+                ) -> tuple[DraftTree, list[torch.Tensor]]:
+    """A chain of ``gamma`` draft tokens below ``root`` and, when sampled, the law q_i each was drawn from
+    (``[]`` when greedy). The drafter's committed state is unchanged (its tree entries are dropped)."""
+    tokens, qs, hidden = [root], [], root_hidden
+    for i in range(gamma):
+        lp = ssm.logprobs(hidden)
+        if greedy:
+            x = int(torch.argmax(lp))
+        else:
+            q = torch.softmax(lp / temperature, dim=-1)
+            x = ssm.draw(q)
+            qs.append(q)
+        tokens.append(x)
+        if i + 1 < gamma:
+            hidden = ssm.tree_forward(torch.tensor([x], device=HOST), hidden[None], torch.tensor([i - 1], device=HOST))[0]
+    ssm.drop_tree()
+    n = len(tokens)
+    tree = DraftTree(torch.tensor(tokens, device=HOST), torch.arange(-1, n - 1, device=HOST), torch.zeros(n, device=HOST))
+    return tree, qs
+
+
+def verify_chain(tokens: list[int], qs: list[torch.Tensor], logits: torch.Tensor, sampler: Sampler,
+                 variant: str) -> tuple[int, int]:
+    """``(n_accepted, next_token)`` for the chain ``tokens = [root, x_1..x_gamma]`` (module docstring);
+    ``logits[i]``: target logits after ``tokens[:i + 1]``."""
+    gamma = len(tokens) - 1
+    if sampler.greedy:
+        n = 0
+        while n < gamma and int(torch.argmax(logits[n])) == tokens[n + 1]:
+            n += 1
+        return n, int(torch.argmax(logits[n]))
+    ps = [sampler.probs(logits[i]) for i in range(gamma + 1)]
+
+    def ratio(i: int) -> float:
+        x = tokens[i + 1]
+        p, q = ps[i], qs[i]
+        return min(1.0, float(p[x] / p.sum()) / float(q[x])) if float(q[x]) > 0 else 0.0
+
+    if variant == "google":      # r_1..r_gamma ~ U(0, 1) up front; n = leading r_i < min(1, p_i / q_i)
+        coins = [sampler.uniform() for _ in range(gamma)]
+        n = next((i for i in range(gamma) if not coins[i] < ratio(i)), gamma)
+    elif variant == "deepmind":
+        n = 0
+        while n < gamma and sampler.accept(ratio(n)):
+            n += 1
+    else:
+        raise ValueError(f"unknown sps variant {variant!r}")
+    if n == gamma:
+        return n, sampler.draw(ps[gamma])
+    p = ps[n] / ps[n].sum()
+    res = torch.clamp(p - qs[n].to(p.dtype), min=0.0)
+    return n, sampler.draw(res if float(res.sum()) > 0 else p)   # p = q exactly: unreachable
+
+
+def sps_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
+               out: OutputBuffer) -> tuple[int, list[int], int]:
+    comm, cfg = engine.comm, engine.cfg
+    ssm = sps_drafter(engine)
+    temp = engine.sampler.temperature if cfg.draft.ssm_temperature < 0 else cfg.draft.ssm_temperature
+    x = engine.sampler.choose(logits)
+    out.extend([x])
+    with engine.tracer.span("draft"):
+        root_hidden = ssm.start(prompt_ids, x, features)
+    box = Outbox(engine)
+    accepts, steps, rounds = [], 0, 0
+    while not out.finished:
+        rounds += 1
+        with engine.tracer.span("draft"):
+            chain, qs = draft_chain(ssm, x, root_hidden, cfg.sps.gamma, engine.sampler.greedy, temp)
+        state = RankTree(chain)
+        sizes = split_sizes(len(chain), comm.world, 0)
+        for size in sizes:
+            state.send(box, size)
+        hidden = torch.cat([box.receive().x[0] for _ in sizes])
+        steps += len(sizes)
+        tlogits = engine.logits(hidden)
+        with engine.tracer.span("verify"):
+            n, x = verify_chain(chain.tokens.tolist(), qs, tlogits, engine.sampler, cfg.sps.variant)
+        path = list(range(n + 1))
+        committed = chain.tokens[1:n + 1].tolist() + [x]
+        accepts.append(out.extend(committed))
+        box.decide(Status.TRUNCATE, state.gids[path].tolist(), -1, out.finished)
+        if not out.finished:
+            with engine.tracer.span("draft"):
+                root_hidden = ssm.commit(torch.tensor(committed, device=HOST), hidden[path])
+    return rounds, accepts, steps
