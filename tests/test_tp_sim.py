@@ -2,7 +2,6 @@
 import json
 
 import pytest
-import torch
 
 from pipeline.emulation import CostModel, LinkModel, load_profile
 from pipeline.tp_sim import GroupCost, main, shard_cost

@@ -28,7 +28,7 @@ def make_tp_decode(mode: str):
 
     def tp_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
                   out: OutputBuffer) -> tuple[int, list[int], int]:
-        comm, tcfg, drafter = engine.comm, engine.cfg.tree, engine.drafter
+        tcfg, drafter = engine.cfg.tree, engine.drafter
         x = engine.sampler.choose(logits)
         out.extend([x])
         with engine.tracer.span("draft"):
