@@ -54,12 +54,18 @@ class TreeConfig:
     init_depth: int = 6
     init_topk: int = 10
     subseq_token: int = 16       # max nodes per segment when filling the pipeline
+    first_levels: int = 2        # continuous (incremental): levels of a round's first tree drafted before its
+                                 # first segment (subseq_token nodes) goes out; the rest grows while it travels
+                                 # (0 = draft the whole first tree first)
     expand_total_token: int = 64  # continuous: tree drafted from each new root
     expand_depth: int = 6
     expand_topk: int = 10
     expand_subseq_token: int = -1  # max nodes sent per step after the fill (-1 = all waiting nodes)
     expand_levels: int = 2       # continuous: levels grown per step below the best leaves, tree kept to
                                  # expand_total_token nodes (0 = redraft expand_depth levels from each new root)
+    ahead_levels: int = 0        # continuous: when a ring link is free and nothing waits, grow this many levels
+                                 # below the best leaves and send them (draft ahead; 0 = off)
+    ahead_min_prob: float = 0.02  # ... only while the best new node's draft path probability is at least this
     none_expand: bool = False    # continuous: when nothing was verified, deepen the waiting frontier
     none_expand_size: int = 48
     none_expand_depth: int = 1
@@ -177,9 +183,11 @@ class RunConfig:
             if v < 1:
                 raise ConfigError(f"{k}={v} must be >= 1")
         for k in ("depth", "init_depth", "expand_depth", "expand_total_token", "none_expand_size",
-                  "none_expand_depth"):
+                  "none_expand_depth", "ahead_levels", "first_levels"):
             if getattr(self.tree, k) < 0:
                 raise ConfigError(f"{k}={getattr(self.tree, k)} must be >= 0")
+        if not 0 <= self.tree.ahead_min_prob <= 1:
+            raise ConfigError(f"tree.ahead_min_prob={self.tree.ahead_min_prob} must be in [0, 1]")
         if self.tree.expand_subseq_token < 1 and self.tree.expand_subseq_token != -1:
             raise ConfigError(f"expand_subseq_token={self.tree.expand_subseq_token} must be >= 1 or -1 (all)")
         if self.gen.temperature < 0:

@@ -49,6 +49,7 @@ import csv
 import json
 import math
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -135,6 +136,68 @@ class _MarkTracer:
 
     def reset_counters(self) -> None:
         pass
+
+
+class ScheduledDirect:
+    """Rank 0's point-to-point decisions in a replay, delivered to the stages on a schedule.
+
+    A replay runs every rank in real threads but times them afterwards (:func:`simulate_timing`), so whether a
+    decision reached a stage before it computed a segment is only known after a pass. The simulator therefore
+    replays in passes: pass 0 delivers no direct decision (ring-only: the copy riding on the next segment);
+    pass ``k + 1`` gives stage ``r``'s ``j``-th poll (one per segment, :meth:`pipeline.worker.StageWorker._segment`)
+    exactly the decisions that pass ``k``'s timing says had arrived by then (``upto[r][j]``: how many, in issue
+    order). Rank 0's operations do not depend on what the stages prune (it verifies the same rows and sends
+    the same segments), so every pass replays the same rank-0 schedule and only the stages' work shrinks.
+    No deadlock: waiting for decision ``i`` at poll ``j`` adds a dependency that pass ``k``'s time order
+    already satisfies, and the rest of the dependency graph is unchanged.
+    """
+
+    def __init__(self, world: int, upto: list[list[int]] | None = None, wait_s: float = 120.0) -> None:
+        self.cond = threading.Condition()
+        self.issued: list = []
+        self.upto = upto
+        self.taken = [0] * world
+        self.polls = [0] * world
+        self.wait_s = wait_s
+
+    def issue(self, msg) -> None:
+        with self.cond:
+            self.issued.append(msg)
+            self.cond.notify_all()
+
+    def take(self, rank: int) -> tuple[list, int]:
+        """The decisions stage ``rank`` receives at its next poll, and how many it has received in all."""
+        j = self.polls[rank]
+        self.polls[rank] += 1
+        n = self.taken[rank]
+        if self.upto is not None and rank >= 2 and j < len(self.upto[rank]):
+            n = max(n, self.upto[rank][j])
+        with self.cond:
+            if not self.cond.wait_for(lambda: len(self.issued) >= n, timeout=self.wait_s):
+                raise RuntimeError(f"replay: stage {rank} waited for direct decision {n} that rank 0 never issued")
+            out = self.issued[self.taken[rank]:n]
+        self.taken[rank] = n
+        return out, n
+
+
+def _sim_comm(ring, rank: int, rec: "Recorder", direct: ScheduledDirect, tracer=None):
+    """A :class:`pipeline.local_ring.LocalComm` whose direct decisions follow ``direct``'s schedule and are
+    logged: ``("dsend", dst, bytes)`` on rank 0, ``("poll", received so far)`` on a stage."""
+    from pipeline.local_ring import LocalComm
+
+    class SimComm(LocalComm):
+        def send_direct(self, msg) -> None:
+            wired = self._wire(msg)
+            for r in range(2, self.world):
+                rec.logs[self.rank].add("dsend", r, message_parts(msg)[1])
+            direct.issue(wired)
+
+        def poll_direct(self) -> list:
+            out, n = direct.take(self.rank)
+            rec.logs[self.rank].add("poll", n)
+            return out
+
+    return SimComm(ring, rank, tracer=tracer, observer=rec, direct=False)
 
 
 # -- stand-ins for the target ------------------------------------------------------------------------
@@ -267,26 +330,29 @@ class TargetFeatures:
 
 
 def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: int,
-           features: TargetFeatures, progress=None) -> Session:
-    """Replay ``rows`` (recorded generations) through ``mode`` on ``stages`` layer stages; returns the op logs."""
+           features: TargetFeatures, progress=None, direct_upto: list[list[int]] | None = None) -> Session:
+    """Replay ``rows`` (recorded generations) through ``mode`` on ``stages`` layer stages; returns the op logs.
+    ``direct_upto``: the direct-decision schedule of a later pass (:class:`ScheduledDirect`); ``None``:
+    decisions reach the stages on the ring only (pass 0)."""
     from pipeline.engine import timed_generation
-    from pipeline.local_ring import LocalComm, LocalRing, stage_threads
+    from pipeline.local_ring import LocalRing, stage_threads
     from pipeline.modes import DECODERS
     from pipeline.verify import Sampler
     from pipeline.worker import StageWorker
 
     world = stages + 1
     ring, rec, committed = LocalRing(world), Recorder(world), Committed()
+    direct = ScheduledDirect(world, direct_upto)
     session = Session(stages, mode, rec.logs)
     max_len = max(len(r["prompt_ids"]) + len(r["output_ids"]) for r in rows) + 1024
 
     def stage(r: int) -> None:
         rec.logs[r].last = time.thread_time()
-        StageWorker(ReplayStage(r, committed, rec.logs[r]), LocalComm(ring, r, observer=rec, direct=False),
+        StageWorker(ReplayStage(r, committed, rec.logs[r]), _sim_comm(ring, r, rec, direct),
                     max_len, torch.float64, "cpu").run()
 
     log0 = rec.logs[0]
-    comm0 = LocalComm(ring, 0, tracer=_MarkTracer(log0), observer=rec, direct=False)
+    comm0 = _sim_comm(ring, 0, rec, direct, tracer=_MarkTracer(log0))
     rdrafter = None
     if drafter is not None:
         rdrafter = ReplayDrafter(drafter, committed)
@@ -360,10 +426,40 @@ class Deadlock(RuntimeError):
     pass
 
 
+@dataclass
+class DirectTimes:
+    """Direct-decision timing of one simulated session: ``arrivals[r][i]`` = when decision ``i`` (issue order)
+    reached stage ``r``; ``polls[r][j]`` = ``(time, decisions received so far)`` of stage ``r``'s ``j``-th poll."""
+
+    arrivals: dict = field(default_factory=dict)
+    polls: dict = field(default_factory=dict)
+
+    def schedule(self, world: int) -> list[list[int]]:
+        """For the next pass: how many decisions had reached stage ``r`` by its ``j``-th poll."""
+        import bisect
+        return [[bisect.bisect_right(self.arrivals.get(r, []), t) for t, _ in self.polls.get(r, [])]
+                for r in range(world)]
+
+    def late(self) -> tuple[int, int]:
+        """(polls that received a decision before its modeled arrival, polls that received any): how far this
+        pass's delivery is from its own timing (0 for pass 0, which delivers none)."""
+        late = total = 0
+        for r, polls in self.polls.items():
+            arr = self.arrivals.get(r, [])
+            prev = 0
+            for t, n in polls:
+                if n > prev:
+                    total += 1
+                    late += arr[n - 1] > t + 1e-12
+                prev = n
+        return late, total
+
+
 def simulate_timing(logs: list[list[tuple]], tc: TimingConfig,
-                    timeline: list | None = None) -> list[tuple[str, float]]:
+                    timeline: list | None = None, direct: "DirectTimes | None" = None) -> list[tuple[str, float]]:
     """Discrete-event timing of per-rank op lists; returns the ``(mark, time)`` list (rank 0 writes the marks).
-    ``timeline``, when given, receives ``(rank, op, start, end)`` for every op (waits end at the arrival)."""
+    ``timeline``, when given, receives ``(rank, op, start, end)`` for every op (waits end at the arrival);
+    ``direct``, when given, receives when each direct decision reached each stage and when each stage polled."""
     prof, s = tc.profile, tc.time_scale
     world = len(logs)
     idx, clock = [0] * world, [0.0] * world
@@ -430,6 +526,17 @@ def simulate_timing(logs: list[list[tuple]], tc: TimingConfig,
                         break             # a gloo broadcast returns on the root once every stage has joined
                     t = max(issued[k], max(joins[k].values(), default=0.0))
                     done_bcasts.append(t)
+                elif kind == "dsend":     # a direct decision: its own link, does not block rank 0
+                    dst = op[1]
+                    link = prof.link_model(r, dst)
+                    start = max(t, link_free.get((r, dst), 0.0))
+                    done = start + link.transfer_s(nbytes(link, 0, op[2])) * s
+                    link_free[(r, dst)] = done
+                    if direct is not None:
+                        direct.arrivals.setdefault(dst, []).append(done + link.latency_s * s)
+                elif kind == "poll":      # a stage looks at the direct decisions it holds (no time)
+                    if direct is not None:
+                        direct.polls.setdefault(r, []).append((t, op[1]))
                 elif kind == "mark":
                     marks.append((op[1], t))
                 else:
@@ -535,6 +642,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dir", default="", help="EAGLE head of the recorded run (default: the default head)")
     p.add_argument("--out-dir", default=str(REPO / "outputs" / "sim"), help="predictions.jsonl, summary.md/csv")
     p.add_argument("--no-plots", action="store_true", help="skip the paper-style plots")
+    p.add_argument("--direct-passes", type=int, default=1, metavar="K",
+                   help="replay passes that deliver rank 0's point-to-point decisions on the previous pass's "
+                        "timing (ScheduledDirect), so stages prune work in flight as they would; 0 = decisions "
+                        "on the ring only (pass 0, the pre-2026-11-23 model)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads while replaying: rank 0's host work (Python tree bookkeeping between "
+                        "modeled ops) is timed as thread CPU time, which several threads' spin-waits inflate by up "
+                        "to 2x on a loaded machine; 1 keeps it reproducible (0 = torch's default)")
     p.add_argument("--gantt", type=int, default=-1, metavar="N",
                    help="draw a Gantt chart of the N-th replayed generation of every mode/stages/bandwidth (-1: none)")
     p.add_argument("--gantt-window", type=float, default=1.5, help="seconds of decode shown in each Gantt chart")
@@ -593,6 +708,8 @@ def _main(args) -> int:
     from model.stage_model import DTYPES, load_stage
     from pipeline.run import DEFAULT_STAGE_DIR, make_drafter
 
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     profile = load_profile(args.profile)
     rows = load_rows(args.rows, args.temperature, args.limit)
     if not rows:
@@ -629,10 +746,11 @@ def _main(args) -> int:
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=sum(len(v) for v in groups.values()), desc="replaying", disable=args.quiet)
-    sessions = [replay(grows, mode, n, cfg, drafter, model0.config.vocab_size, features, bar)
+    passes = max(0, args.direct_passes)
+    bar = tqdm(total=sum(len(v) * (1 + (passes * len(bandwidths) if m != "ar" else 0)) for (m, _), v in groups.items()),
+               desc="replaying", disable=args.quiet)
+    sessions = [(replay(grows, mode, n, cfg, drafter, model0.config.vocab_size, features, bar), grows)
                 for (mode, n), grows in sorted(groups.items())]
-    bar.close()
 
     def timing(n: int, prof: Profile, overhead: float) -> TimingConfig:
         scale = (recorded_world - 1) / n if args.stage_cost_scale == "auto" else float(args.stage_cost_scale)
@@ -642,21 +760,33 @@ def _main(args) -> int:
 
     overhead = 0.0
     if args.calibrate:
-        overhead = calibrate(sessions, args.calibrate, profile, lambda n, o: timing(n, profile, o), args)
+        overhead = calibrate([s for s, _ in sessions], args.calibrate, profile,
+                             lambda n, o: timing(n, profile, o), args)
         print(f"[simulate] calibrated testbed overhead: {overhead * 1e3:.3f} ms per modeled op and per received "
               f"message (fitted on the recorded {args.calibrate} rows)", file=sys.stderr)
     preds = []
-    for session in sessions:
+    for base, grows in sessions:
         for bw in bandwidths:
             prof = _with_link(profile, bw, args.latency_s)
-            tc = timing(session.stages, prof, overhead)
+            tc = timing(base.stages, prof, overhead)
+            session, late = base, None
+            for _ in range(passes if base.mode != "ar" else 0):
+                direct = DirectTimes()
+                simulate_timing([l.ops for l in session.logs], tc, None, direct)
+                if not direct.arrivals:       # this mode issued no direct decision
+                    break
+                session = replay(grows, base.mode, base.stages, cfg, drafter, model0.config.vocab_size, features,
+                                 bar, direct.schedule(base.stages + 1))
             events: list = []
-            windows = decode_windows(simulate_timing([l.ops for l in session.logs], tc, events))
+            direct = DirectTimes()
+            windows = decode_windows(simulate_timing([l.ops for l in session.logs], tc, events, direct))
+            late = direct.late()
             tl = to_timeline(events, session.stages + 1)
             util = stage_utilization(tl, windows)
             for g, (lo, hi), u in zip(session.gens, windows, util):
                 pred = _prediction(g, hi - lo, prof, bw, args, tc.stage_cost_scale, overhead)
                 pred["busy_fraction"] = u
+                pred["direct_polls_late"] = list(late)
                 preds.append(pred)
             if args.gantt >= 0 and args.gantt < len(windows):
                 from pipeline.timeline import gantt
@@ -665,6 +795,7 @@ def _main(args) -> int:
                 name = f"gantt_{session.mode}_s{session.stages}_bw{prof.link.bandwidth_mbps or 0:g}.png"
                 gantt(tl, lo, hi, out_dir / name, title=f"simulated {session.mode}: {session.stages} stages, "
                       f"{profile.name}, {prof.link.bandwidth_mbps or 0:g} Mbit/s (generation {args.gantt})")
+    bar.close()
     with open(out_dir / "predictions.jsonl", "w", encoding="utf-8") as f:
         for p in preds:
             f.write(json.dumps(p) + "\n")

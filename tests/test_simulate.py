@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from pipeline.emulation import Profile
-from pipeline.simulate import Deadlock, TimingConfig, decode_times, main, simulate_timing
+from pipeline.simulate import (Deadlock, DirectTimes, ScheduledDirect, TimingConfig, decode_times, main,
+                               simulate_timing)
 from split_and_save_models import split_checkpoint
 from tests.helpers import REPO, hf_greedy, launch, read_jsonl, tiny_llama
 
@@ -60,6 +61,37 @@ def test_deadlock_is_reported():
         simulate_timing([[("recv", 1)], [("recv", 0)]], TimingConfig(PROF))
 
 
+def test_direct_decisions_timing_and_schedule():
+    # rank 0 issues two direct decisions to stage 2 (100 B each: 100 us on the 8 Mbit/s link, 1 ms latency) at
+    # t = 0 and t = 5 ms; stage 2 polls at 0.5 ms, 3 ms and 7 ms
+    logs = [[("dsend", 2, 100), ("host", 0.005), ("dsend", 2, 100), ("mark", "decode_begin")],
+            [],
+            [("host", 0.0005), ("poll", 0), ("host", 0.0025), ("poll", 1), ("host", 0.004), ("poll", 2)]]
+    d = DirectTimes()
+    simulate_timing(logs, TimingConfig(PROF), None, d)
+    assert d.arrivals[2] == [pytest.approx(0.0011), pytest.approx(0.0061)]
+    assert [t for t, _ in d.polls[2]] == [pytest.approx(0.0005), pytest.approx(0.003), pytest.approx(0.007)]
+    assert d.schedule(3) == [[], [], [0, 1, 2]]     # what had arrived by each poll: the next pass's delivery
+    assert d.late() == (0, 2)                        # decisions 1 and 2 were received after their arrival
+    early = DirectTimes()
+    simulate_timing([logs[0], [], [("poll", 1), ("host", 0.01), ("poll", 2)]], TimingConfig(PROF), None, early)
+    assert early.late() == (1, 2)                    # the first poll took decision 1 before it could arrive
+
+
+def test_scheduled_direct_delivers_on_schedule():
+    sd = ScheduledDirect(4, upto=[[], [], [0, 2, 2], [1]], wait_s=0.2)
+    sd.issue("d1")
+    sd.issue("d2")
+    assert sd.take(2) == ([], 0)
+    assert sd.take(2) == (["d1", "d2"], 2)
+    assert sd.take(2) == ([], 2)                      # nothing new: delivered decisions are never repeated
+    assert sd.take(2) == ([], 2)                      # beyond the schedule: nothing more (ring copies only)
+    assert sd.take(1) == ([], 0)                      # stage 1 gets every decision on the ring
+    sd3 = ScheduledDirect(4, upto=[[], [], [], [3]], wait_s=0.2)
+    with pytest.raises(RuntimeError, match="never issued"):
+        sd3.take(3)
+
+
 # -- replay exactness on the default model ------------------------------------------------------------------
 DEFAULT_ROOT = REPO / "checkpoints" / "SmolLM2-135M-Instruct"
 STAGES_5 = DEFAULT_ROOT / "stages_0+8+8+7+7"
@@ -77,6 +109,7 @@ def test_replay_equals_real_runs_on_other_stage_counts(tmp_path):
     from model.stage_model import load_stage
     from pipeline.prompts import chat_prompt_ids
     from pipeline.run import make_drafter
+    from pipeline.emulation import load_profile
     from pipeline.simulate import TargetFeatures, replay
     from tests.threaded_ring import run_threaded
 
@@ -93,6 +126,7 @@ def test_replay_equals_real_runs_on_other_stage_counts(tmp_path):
     model0 = load_stage(STAGES_5, 0, 5)
     drafter = make_drafter(cfg, STAGES_5, model0, torch.float32, "cpu")
     feats = TargetFeatures(STAGES_5)
+    pruned_rows = 0
     for stages in (4, 2):
         for mode in MODES:
             got = real[stages][mode][0]
@@ -101,7 +135,18 @@ def test_replay_equals_real_runs_on_other_stage_counts(tmp_path):
             (g,) = s.gens
             assert g.accept_lengths == got.accept_lengths, (stages, mode)
             assert g.pipeline_steps == got.pipeline_steps, (stages, mode)
+            if stages == 4 and mode in ("continuous", "pipedec"):
+                # a direct-decision pass: stages prune work in flight, rank 0's schedule is unchanged
+                d = DirectTimes()
+                simulate_timing([log.ops for log in s.logs], TimingConfig(load_profile("edge_orin_7b")), None, d)
+                s2 = replay([row], mode, stages, cfg, drafter, model0.config.vocab_size, feats, None,
+                            d.schedule(stages + 1))
+                assert s2.gens[0].accept_lengths == got.accept_lengths
+                rows = [sum(op[1] for op in log.ops if op[0] == "compute") for log in (s.logs[2], s2.logs[2])]
+                assert rows[1] <= rows[0], (mode, rows)
+                pruned_rows += rows[0] - rows[1]
     assert max(r[0].tau for r in real[4].values()) > 1.5     # the head really drafts (not a trivial case)
+    assert pruned_rows > 0                                   # direct decisions spared stage 2 some rows
 
 
 # -- agreement with a real emulated run -----------------------------------------------------------------------

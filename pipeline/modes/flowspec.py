@@ -40,10 +40,15 @@ class StreamingMode:
         with engine.tracer.span("draft"):
             return engine.drafter.grow_tree(root, root_hidden, t.init_total_token, t.init_depth, t.init_topk)
 
-    def fill_sizes(self, engine: Engine, tree: DraftTree) -> list[int]:
-        return split_sizes(len(tree), engine.comm.world, engine.cfg.tree.subseq_token)
+    def fill_sizes(self, engine: Engine, state: RankTree) -> list[int]:
+        """Segment sizes for the waiting nodes when (re)filling the ring; nodes beyond their sum keep waiting."""
+        return split_sizes(state.waiting, engine.comm.world, engine.cfg.tree.subseq_token)
 
     def grow(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor, verified: bool) -> DraftTree:
+        return tree
+
+    def finish_first_tree(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor) -> DraftTree:
+        """Called once per round after the fill: complete a first tree that :meth:`first_tree` started small."""
         return tree
 
     def on_reroot(self, keep: torch.Tensor, accepted_len: int) -> None:
@@ -73,22 +78,37 @@ class StreamingMode:
         t = engine.cfg.tree
         return t.expand_subseq_token if t.expand_subseq_token > 0 else t.subseq_token
 
-    def top_up(self, engine: Engine, box: Outbox, state: RankTree) -> None:
-        """Send waiting nodes while fewer than ``world_size`` live segments are in flight."""
+    def deepen(self, engine: Engine, state: RankTree, root_hidden: torch.Tensor) -> bool:
+        """Draft ahead: grow the tree so that a free ring link has nodes to carry. Returns whether nodes were
+        added (the base class never drafts ahead)."""
+        return False
+
+    def top_up(self, engine: Engine, box: Outbox, state: RankTree, root_hidden: torch.Tensor | None = None) -> None:
+        """Keep ``world_size`` live segments in flight: send waiting nodes, and when none wait and a link is
+        free, draft ahead (:meth:`deepen`, given ``root_hidden``) and send what that added."""
         cap = engine.cfg.tree.expand_subseq_token
         alive = state.alive_gids()
-        while state.waiting and box.live_inflight(alive) < engine.comm.world:
+        while box.live_inflight(alive) < engine.comm.world:
+            if not state.waiting and (root_hidden is None or not self.deepen(engine, state, root_hidden)):
+                break
             state.send(box, state.waiting if cap < 0 else min(cap, state.waiting))
             alive = state.alive_gids()
 
-    def run_round(self, engine: Engine, box: Outbox, root: int, root_hidden: torch.Tensor, out: OutputBuffer,
-                  accepts: list[int]):
-        world = engine.comm.world
-        state = RankTree(self.first_tree(engine, root, root_hidden))
-        for size in self.fill_sizes(engine, state.tree):
-            if box.live_inflight(state.alive_gids()) >= world:
+    def fill(self, engine: Engine, box: Outbox, state: RankTree) -> None:
+        """Send the waiting nodes in up to ``world_size`` segments (:meth:`fill_sizes`) while links are free."""
+        for size in self.fill_sizes(engine, state):
+            if box.live_inflight(state.alive_gids()) >= engine.comm.world:
                 break
             state.send(box, size)
+
+    def run_round(self, engine: Engine, box: Outbox, root: int, root_hidden: torch.Tensor, out: OutputBuffer,
+                  accepts: list[int]):
+        state = RankTree(self.first_tree(engine, root, root_hidden))
+        self.fill(engine, box, state)
+        grown = self.finish_first_tree(engine, state.tree, root_hidden)
+        if len(grown) > len(state.tree):
+            state.set_tree(grown)
+            self.fill(engine, box, state)
         pending_tokens: list[int] = []
         pending_feats: list[torch.Tensor] = []
         steps = 0
@@ -100,7 +120,7 @@ class StreamingMode:
             rows, k = state.alive_rows(msg)
             if k == 0:   # a stale result: nothing of the current tree was verified
                 state.set_tree(self.grow(engine, state.tree, root_hidden, False))
-                self.top_up(engine, box, state)
+                self.top_up(engine, box, state, root_hidden)
                 continue
             hidden = msg.x[0][rows.to(msg.x.device)]
             logits = engine.logits(hidden)
@@ -128,7 +148,7 @@ class StreamingMode:
                 root_hidden = self._commit(engine, pending_tokens, pending_feats)
                 pending_tokens, pending_feats = [], []
             state.set_tree(self.grow(engine, state.tree, root_hidden, True))
-            self.top_up(engine, box, state)
+            self.top_up(engine, box, state, root_hidden)
 
     @staticmethod
     def _commit(engine: Engine, tokens: list[int], feats: list[torch.Tensor]) -> torch.Tensor:
@@ -162,13 +182,34 @@ class ContinuousMode(StreamingMode):
         return engine.cfg.tree.expand_levels > 0 and getattr(engine.drafter, "supports_extend", False)
 
     def first_tree(self, engine: Engine, root: int, root_hidden: torch.Tensor) -> DraftTree:
+        """A round's first tree. Incremental expansion with ``tree.first_levels > 0``: only the best
+        ``subseq_token`` nodes of its first ``first_levels`` levels, so the first segment goes out after
+        ``first_levels`` draft steps instead of ``init_depth + 1``; :meth:`finish_first_tree` grows the rest
+        while that segment travels."""
         t = engine.cfg.tree
         if not self.incremental(engine):
             self.inputs = None
             return super().first_tree(engine, root, root_hidden)
+        quick = 0 < t.first_levels <= t.init_depth
+        total = min(t.init_total_token, t.subseq_token + 1) if quick else t.init_total_token
+        depth = t.first_levels - 1 if quick else t.init_depth
         with engine.tracer.span("draft"):
-            tree, self.inputs = engine.drafter.grow_tree_with_inputs(root, root_hidden, t.init_total_token,
-                                                                     t.init_depth, t.init_topk)
+            tree, self.inputs = engine.drafter.grow_tree_with_inputs(root, root_hidden, total, depth, t.init_topk)
+        return tree
+
+    def finish_first_tree(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor) -> DraftTree:
+        """Grow a quick-started first tree to its full ``init_depth + 1`` levels and ``init_total_token`` nodes
+        (:meth:`draft.drafter.Drafter.extend_tree` below its best leaves; appended nodes keep the tree
+        ancestors-first, so the segments already sent stay a prefix)."""
+        t = engine.cfg.tree
+        if self.inputs is None or not 0 < t.first_levels <= t.init_depth:
+            return tree
+        room = t.init_total_token - len(tree)
+        if room <= 0:
+            return tree
+        with engine.tracer.span("draft"):
+            tree, self.inputs = engine.drafter.extend_tree(tree, self.inputs, root_hidden,
+                                                           t.init_depth + 1 - t.first_levels, t.init_topk, room)
         return tree
 
     def on_reroot(self, keep: torch.Tensor, accepted_len: int) -> None:
@@ -193,3 +234,32 @@ class ContinuousMode(StreamingMode):
             extra = engine.drafter.grow_tree(int(tree.tokens[0]), root_hidden, total, depth, t.expand_topk)
             tree, _ = merge_trees(tree, extra)
         return tree
+
+    def deepen(self, engine: Engine, state: RankTree, root_hidden: torch.Tensor) -> bool:
+        """Draft ahead for the likely outcomes of the segments in flight (incremental expansion only).
+
+        Called when a ring link is free and every drafted node has been sent: grow ``tree.ahead_levels`` levels
+        below the best leaves (:meth:`draft.drafter.Drafter.extend_tree`) and keep the new nodes whose draft
+        path probability from the current root, ``exp(score)``, is at least ``tree.ahead_min_prob``, at most
+        ``tree.subseq_token`` of them. New nodes come in descending score order and a child never outranks its
+        parent, so every prefix of them is ancestor-closed (sendable). Without this a result that verifies
+        nothing new, or a re-root that kills most of the work in flight, leaves links idle until a full ring
+        trip brings the next result; with it rank 0 spends that idle time drafting the next levels, which is
+        worth doing while the path is likely (the threshold) and free while rank 0 would otherwise wait.
+        """
+        t = engine.cfg.tree
+        if t.ahead_levels <= 0 or self.inputs is None or state.waiting:
+            return False
+        n = len(state.tree)
+        with engine.tracer.span("expand"):
+            tree, inputs = engine.drafter.extend_tree(state.tree, self.inputs, root_hidden, t.ahead_levels,
+                                                      t.expand_topk, t.subseq_token)
+        worth = int((tree.scores[n:].exp() >= t.ahead_min_prob).sum())   # a prefix: scores descend
+        if worth == 0:
+            return False
+        keep = n + worth
+        tree = DraftTree(tree.tokens[:keep], tree.parents[:keep], tree.scores[:keep])
+        self.inputs = inputs[:keep]
+        state.set_tree(tree)
+        return True
+

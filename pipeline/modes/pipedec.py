@@ -27,9 +27,10 @@ class PipeDecMode(StreamingMode):
             tree = self.grow(engine, tree, root_hidden, False)
         return tree
 
-    def fill_sizes(self, engine: Engine, tree: DraftTree) -> list[int]:
-        depths = tree.depths
-        return [int((depths == d).sum()) for d in range(int(depths.max()) + 1)]
+    def fill_sizes(self, engine: Engine, state) -> list[int]:
+        """One segment per tree level of the waiting nodes (levels are contiguous: the tree grows by levels)."""
+        depths = state.tree.depths[state.sent:]
+        return [n for n in torch.bincount(depths).tolist() if n] if depths.numel() else []
 
     def on_reroot(self, keep: torch.Tensor, accepted_len: int) -> None:
         self.feat_in = self.feat_in[keep[accepted_len:].to(self.feat_in.device)]
