@@ -54,6 +54,8 @@ class TreeConfig:
     init_depth: int = 6
     init_topk: int = 10
     subseq_token: int = 16       # max nodes per segment when filling the pipeline
+    budget: str = ""             # pruned/continuous: emulation profile (name or JSON path) whose costs size
+                                 # every segment (pipeline/budget.py: choose_segment_size); "" = fixed sizes
     first_levels: int = 2        # continuous (incremental): levels of a round's first tree drafted before its
                                  # first segment (subseq_token nodes) goes out; the rest grows while it travels
                                  # (0 = draft the whole first tree first)
@@ -205,12 +207,13 @@ class RunConfig:
             raise ConfigError(f"emu.flag_threshold={self.emu.flag_threshold} must be >= 0")
         if self.emu.time_scale <= 0:
             raise ConfigError(f"emu.time_scale={self.emu.time_scale} must be > 0")
-        if self.emu.profile:
-            from pipeline.emulation import EmulationError, load_profile
-            try:
-                load_profile(self.emu.profile)
-            except EmulationError as e:
-                raise ConfigError(str(e)) from None
+        for key, name in (("emu.profile", self.emu.profile), ("tree.budget", self.tree.budget)):
+            if name:
+                from pipeline.emulation import EmulationError, load_profile
+                try:
+                    load_profile(name)
+                except EmulationError as e:
+                    raise ConfigError(f"{key}: {e}") from None
         self.gen.stop_strings()    # a malformed stop list is a ConfigError here
         choice("sps.variant", self.sps.variant, ("google", "deepmind"))
         if self.sps.gamma < 1:

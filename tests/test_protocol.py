@@ -57,6 +57,10 @@ def test_worlds_and_drafters(tiny, world, drafter):
      "tree.expand_depth=1", "tree.pipedec_topk=1"],
     # no expansion budget at all, and deepening when nothing was verified
     ["tree.expand_total_token=0", "tree.none_expand=true", "tree.none_expand_size=8"],
+    # quick-started first trees with one level, drafting ahead whatever the probability, small segments
+    ["tree.first_levels=1", "tree.ahead_levels=2", "tree.ahead_min_prob=0", "tree.subseq_token=3"],
+    # the whole first tree before the first send; cost-aware segment sizes from a profile
+    ["tree.first_levels=0", "tree.budget=edge_orin_7b"],
 ])
 def test_tree_shapes(tiny, overrides):
     full, splits = tiny

@@ -42,7 +42,25 @@ class StreamingMode:
 
     def fill_sizes(self, engine: Engine, state: RankTree) -> list[int]:
         """Segment sizes for the waiting nodes when (re)filling the ring; nodes beyond their sum keep waiting."""
-        return split_sizes(state.waiting, engine.comm.world, engine.cfg.tree.subseq_token)
+        cap = self.budget_size(engine, state)
+        return split_sizes(state.waiting, engine.comm.world, cap or engine.cfg.tree.subseq_token)
+
+    def budget_size(self, engine: Engine, state: RankTree) -> int | None:
+        """Cost-aware segment size when ``tree.budget`` names a profile (``None`` otherwise): the prefix of the
+        waiting nodes, in send order, that maximises expected tokens per second of the step's bottleneck,
+        each node worth its draft path probability ``exp(score)`` (:func:`pipeline.budget.choose_segment_size`
+        states the rule and its properties)."""
+        name = engine.cfg.tree.budget
+        if not name or not state.waiting:
+            return None
+        key = (name, engine.comm.world)
+        if getattr(self, "_costs_key", None) != key:
+            from pipeline.budget import StepCosts
+            from pipeline.emulation import load_profile
+            self._costs = StepCosts.from_profile(load_profile(name), engine.comm.world)
+            self._costs_key = key
+        from pipeline.budget import choose_segment_size, path_probs
+        return choose_segment_size(path_probs(state.tree.scores[state.sent:]), self._costs)
 
     def grow(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor, verified: bool) -> DraftTree:
         return tree
@@ -86,11 +104,11 @@ class StreamingMode:
     def top_up(self, engine: Engine, box: Outbox, state: RankTree, root_hidden: torch.Tensor | None = None) -> None:
         """Keep ``world_size`` live segments in flight: send waiting nodes, and when none wait and a link is
         free, draft ahead (:meth:`deepen`, given ``root_hidden``) and send what that added."""
-        cap = engine.cfg.tree.expand_subseq_token
         alive = state.alive_gids()
         while box.live_inflight(alive) < engine.comm.world:
             if not state.waiting and (root_hidden is None or not self.deepen(engine, state, root_hidden)):
                 break
+            cap = self.budget_size(engine, state) or engine.cfg.tree.expand_subseq_token
             state.send(box, state.waiting if cap < 0 else min(cap, state.waiting))
             alive = state.alive_gids()
 

@@ -27,6 +27,10 @@ class PipeDecMode(StreamingMode):
             tree = self.grow(engine, tree, root_hidden, False)
         return tree
 
+    def budget_size(self, engine: Engine, state) -> None:
+        """PipeDec keeps its own policy (one tree layer per step) whatever ``tree.budget`` says."""
+        return None
+
     def fill_sizes(self, engine: Engine, state) -> list[int]:
         """One segment per tree level of the waiting nodes (levels are contiguous: the tree grows by levels)."""
         depths = state.tree.depths[state.sent:]
