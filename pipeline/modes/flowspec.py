@@ -201,9 +201,9 @@ class ContinuousMode(StreamingMode):
 
     def first_tree(self, engine: Engine, root: int, root_hidden: torch.Tensor) -> DraftTree:
         """A round's first tree. Incremental expansion with ``tree.first_levels > 0``: only the best
-        ``subseq_token`` nodes of its first ``first_levels`` levels, so the first segment goes out after
-        ``first_levels`` draft steps instead of ``init_depth + 1``; :meth:`finish_first_tree` grows the rest
-        while that segment travels."""
+        ``subseq_token + 1`` nodes of its first ``first_levels`` levels, so the fill (those nodes split over the
+        ring's links, best first) goes out after ``first_levels`` draft steps instead of ``init_depth + 1``;
+        :meth:`finish_first_tree` grows the rest while they travel, and it leaves as links free up."""
         t = engine.cfg.tree
         if not self.incremental(engine):
             self.inputs = None
