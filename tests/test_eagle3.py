@@ -232,3 +232,75 @@ def test_head_and_taps_must_agree(tiny):
     with pytest.raises(SetupError, match="model.eagle3_taps=1,2,3"):
         run_threaded(splits[3], PROMPTS[:1], ["naive"], ["max_new_tokens=4", "model.eagle3_taps=none"], {2},
                      str(heads["full"]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training (draft/train_eagle3.py)
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_training_time_test_matches_tree_drafting(tiny):
+    """Unrolled step j at row t computes exactly what the drafter computes for the node j levels below the entry
+    of token[t+1] (the committed context up to t, then a chain of tree nodes fed the head's own outputs)."""
+    from transformers import AutoModelForCausalLM
+    from draft.train_eagle3 import target_pass, ttt_forward
+    full, cfg, _, heads = tiny
+    model = AutoModelForCausalLM.from_pretrained(full, dtype=torch.float64)
+    head = load_eagle_head(heads["reduced"], cfg, model.model.embed_tokens.weight.data, torch.float64)
+    ids = torch.tensor([[1, 5, 9, 13, 22, 7, 40, 41, 3, 17, 60, 8]])
+    fused, _ = target_pass(model, ids, head.aux_layers, head.vocab_map)
+    with torch.no_grad():
+        outs = list(ttt_forward(head, ids, fused, 4))
+    d = Drafter(head, torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False).double(), 64)
+    for t in (0, 3, 6):
+        d.reset()
+        h = d.commit(ids[0, 1:t + 2], fused[0, :t + 1])
+        torch.testing.assert_close(h, outs[0][0, t])
+        parent = -1
+        for j in range(1, 4):
+            h = d.tree_forward(ids[0, t + 1 + j:t + 2 + j], h[None], torch.tensor([parent]))[0]
+            torch.testing.assert_close(h, outs[j][0, t])
+            parent += 1
+        d.drop_tree()
+
+
+def test_train_eagle3_cli(tiny, tmp_path):
+    from draft import train_eagle as te
+    full, cfg, _, _ = tiny
+    g = torch.Generator().manual_seed(1)
+    data = tmp_path / "d.jsonl"
+    with open(data, "w") as fh:
+        for i in range(10):
+            n = 12 + i
+            ids = torch.randint(4, 60, (n,), generator=g).tolist()   # ids >= 60 never occur: outside the vocabulary
+            fh.write(json.dumps({"pid": i, "input_ids": ids, "loss_mask": [0] * 4 + [1] * (n - 4)}) + "\n")
+    out = tmp_path / "head3"
+    argv = ["train", "--arch", "eagle3", "--target", str(full), "--data", str(data), "--out", str(out), "--device",
+            "cpu", "--batch-size", "4", "--val-count", "2", "--log-every", "1", "--max-steps", "6", "--lr", "3e-3",
+            "--draft-vocab", "40", "--ttt-steps", "3", "--no-progress", "--cache-features", "cpu"]
+    assert te.main(argv) == 0
+    rows = te.read_jsonl(out / "metrics.jsonl")
+    train = [r for r in rows if r["kind"] == "train"]
+    assert len(train) == 6 and len(train[0]["step_loss"]) == 3
+    head = load_eagle_head(out, cfg, torch.zeros(cfg.vocab_size, cfg.hidden_size))
+    assert isinstance(head, Eagle3Head) and head.draft_vocab == 40 and int(head.vocab_map.max()) < 60
+    assert stage_taps("auto", out, LAYERS) == [1, 2, 3]
+
+
+def test_broad_prompts_cover_every_kind(monkeypatch):
+    from draft import broad_prompts as bp
+    from draft import train_eagle as te
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "The river floods every spring. Farmers plant rice after the water recedes and the soil is " \
+                   "rich. Dams were built in 1962. Many birds live on the banks."
+
+    monkeypatch.setattr(te, "chat_prompt_ids", lambda *a, **k: [1, 2, 3])
+    monkeypatch.setattr(te, "stop_token_ids", lambda *a, **k: {2})
+    monkeypatch.setattr(te, "_generate_all", lambda model, prompts, *a, **k: [[5, 6]] * len(prompts))
+    convs = bp.broad_prompts(None, Tok(), 64, ["rivers", "farming"], seed=1, progress=False)
+    kinds = {c["source"].split(":")[1] for c in convs}
+    assert kinds == set(bp.KINDS), kinds
+    assert len({json.dumps(c["turns"]) for c in convs}) == len(convs)          # deduplicated
+    assert any(len(c["turns"]) == 2 for c in convs)                            # multi-turn
+    assert any("quote" in c["turns"][0] and "floods" in c["turns"][0] for c in convs)   # RAG over the passage
