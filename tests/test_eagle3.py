@@ -197,7 +197,7 @@ def test_stages_forward_the_tapped_layers(tiny, world):
     (2, "reduced", []),
     (3, "full", ["tree.subseq_token=2", "tree.expand_subseq_token=3"]),
     (5, "reduced", ["tree.subseq_token=1", "tree.init_total_token=12", "tree.total_token=9"]),
-    (3, "reduced", ["tree.expand_levels=3", "tree.none_expand=true"]),
+    (3, "reduced", ["tree.expand_levels=3", "tree.none_expand=true", "prefill_chunk=4"]),
 ])
 def test_eagle3_all_modes_equal_hf(tiny, world, vocab, overrides):
     full, _, splits, heads = tiny
@@ -304,3 +304,23 @@ def test_broad_prompts_cover_every_kind(monkeypatch):
     assert len({json.dumps(c["turns"]) for c in convs}) == len(convs)          # deduplicated
     assert any(len(c["turns"]) == 2 for c in convs)                            # multi-turn
     assert any("quote" in c["turns"][0] and "floods" in c["turns"][0] for c in convs)   # RAG over the passage
+
+
+def test_multiprocess_ranks_tap_from_the_head_config(tiny, tmp_path):
+    """``python -m pipeline.run`` on 3 processes: every rank derives the taps from model.head_dir (auto), output
+    equals HF; with model.eagle3_taps=none the run fails with one clear line on rank 0."""
+    from tests.helpers import launch, read_jsonl
+    full, _, splits, heads = tiny
+    out = tmp_path / "rows.jsonl"
+    args = [f"model.stage_dir={splits[3]}", "dtype=float64", "max_new_tokens=10", "comm.timeout_s=60",
+            f"head_dir={heads['reduced']}", "--modes", "naive,continuous", "--output", str(out), "--quiet",
+            "--prompt-ids", ",".join(map(str, PROMPTS[1]))]
+    launch(3, args, timeout=300)
+    rows = read_jsonl(out)
+    ref = hf_greedy(full, PROMPTS[1], 10, {2}, torch.float64)
+    assert len(rows) == 2 and all(r["output_ids"] == ref for r in rows)
+    args[args.index(str(out))] = str(tmp_path / "bad.jsonl")
+    bad = launch(3, args + ["model.eagle3_taps=none"], timeout=300, check=False)
+    assert bad.codes[0] != 0
+    lines = [l for l in bad.stderr.splitlines() if "model.eagle3_taps=1,2,3" in l]
+    assert len(lines) == 1, bad.stderr[-2000:]
