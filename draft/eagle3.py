@@ -83,10 +83,12 @@ class Eagle3MidLayer(nn.Module):
         self.hidden_norm = norm_cls(h, eps=config.rms_norm_eps)
         self.input_layernorm = norm_cls(h, eps=config.rms_norm_eps)
         self.post_attention_layernorm = norm_cls(h, eps=config.rms_norm_eps)
+        self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))   # some SpecForge heads
 
     def forward(self, emb: Tensor, hidden: Tensor, pos_emb, mask: Tensor, cache) -> Tensor:
-        residual = hidden
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(emb), normed], dim=-1)
         out = self.self_attn(hidden_states=x, position_embeddings=pos_emb, attention_mask=mask,
                              past_key_values=cache)
         hidden = residual + (out[0] if isinstance(out, tuple) else out)

@@ -206,7 +206,7 @@ def train_eagle3(args) -> int:
             sched.step()
             step += 1
             if step % args.log_every == 0:
-                row = {"kind": "train", "step": step, "loss": round(float(loss), 4), "step_loss": [round(x, 4) for x in ls],
+                row = {"kind": "train", "step": step, "loss": round(float(loss.detach()), 4), "step_loss": [round(x, 4) for x in ls],
                        "top1": [round(x, 4) for x in acc], "s": round(time.time() - t0, 1)}
                 metrics.write(json.dumps(row) + "\n")
                 metrics.flush()

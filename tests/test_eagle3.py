@@ -307,20 +307,15 @@ def test_broad_prompts_cover_every_kind(monkeypatch):
 
 
 def test_multiprocess_ranks_tap_from_the_head_config(tiny, tmp_path):
-    """``python -m pipeline.run`` on 3 processes: every rank derives the taps from model.head_dir (auto), output
-    equals HF; with model.eagle3_taps=none the run fails with one clear line on rank 0."""
+    """``python -m pipeline.run`` on 3 processes: every rank derives the taps from model.head_dir (auto) and the
+    output equals HF (the mismatch error is checked in-process by test_head_and_taps_must_agree)."""
     from tests.helpers import launch, read_jsonl
     full, _, splits, heads = tiny
     out = tmp_path / "rows.jsonl"
     args = [f"model.stage_dir={splits[3]}", "dtype=float64", "max_new_tokens=10", "comm.timeout_s=60",
-            f"head_dir={heads['reduced']}", "--modes", "naive,continuous", "--output", str(out), "--quiet",
+            f"head_dir={heads['reduced']}", "--modes", "continuous", "--output", str(out), "--quiet",
             "--prompt-ids", ",".join(map(str, PROMPTS[1]))]
     launch(3, args, timeout=300)
     rows = read_jsonl(out)
     ref = hf_greedy(full, PROMPTS[1], 10, {2}, torch.float64)
-    assert len(rows) == 2 and all(r["output_ids"] == ref for r in rows)
-    args[args.index(str(out))] = str(tmp_path / "bad.jsonl")
-    bad = launch(3, args + ["model.eagle3_taps=none"], timeout=300, check=False)
-    assert bad.codes[0] != 0
-    lines = [l for l in bad.stderr.splitlines() if "model.eagle3_taps=1,2,3" in l]
-    assert len(lines) == 1, bad.stderr[-2000:]
+    assert len(rows) == 1 and all(r["output_ids"] == ref for r in rows)
