@@ -43,6 +43,7 @@ class ModelConfig:
     max_seq_len: int = 2048      # KV slots per stage (prompt + new tokens + tree nodes)
     verify_checksums: bool = True
     num_threads: int = 1         # torch threads per rank on CPU (several ranks share the cores)
+    eagle3_taps: str = "auto"    # layer outputs the stages forward for an EAGLE-3 head: auto (from head_dir) | none | 1,14,26
 
 
 @dataclass

@@ -1,5 +1,10 @@
 """Rank 0's drafter: the EAGLE head with its own KV cache, and EAGLE-2 dynamic tree building.
 
+EAGLE-3 heads (:class:`draft.eagle3.Eagle3Head`) run through the same code: their committed entries take the
+target's fused tapped-layer features (the wide rows the stages send), tree entries the head's own output; their
+log-probs come from the head's own ``norm``/``lm_head`` over the draft vocabulary, mapped to target ids by
+``vocab_map`` (a reduced vocabulary: top-k runs in the draft vocabulary, target ids outside it get -inf).
+
 Draft cache entries pair a token with the feature of the position before it: entry ``t`` is
 ``(token[t+1], feature[t])`` at position ``t``. The cache's committed context only ever holds entries
 whose feature came from the *target* (accepted tokens); tree search adds temporary tree entries whose
@@ -23,7 +28,9 @@ class Drafter:
         self.lm_head = lm_head
         p = next(head.parameters())
         self.dtype, self.device = p.dtype, p.device
-        self.cache = head.block.new_cache(max_len, self.dtype, self.device)
+        new_cache = getattr(head, "new_cache", None) or head.block.new_cache
+        self.cache = new_cache(max_len, self.dtype, self.device)
+        self.vocab_map = getattr(head, "vocab_map", None)   # EAGLE-3 reduced vocabulary: draft id -> target id
 
     def reset(self) -> None:
         self.cache.reset()
@@ -34,8 +41,30 @@ class Drafter:
         return self.commit(torch.tensor(prompt_ids[1:] + [first_token], device=HOST), features)
 
     @torch.no_grad()
-    def logprobs(self, hidden: Tensor) -> Tensor:
+    def draft_logprobs(self, hidden: Tensor) -> Tensor:
+        """Log-probs over the *draft* vocabulary (the target's, except for a reduced EAGLE-3 vocabulary)."""
+        if hasattr(self.head, "draft_logits"):
+            return torch.log_softmax(self.head.draft_logits(hidden.to(self.dtype)).float(), dim=-1)
         return torch.log_softmax(self.lm_head(hidden.to(self.lm_head.weight.dtype)).float(), dim=-1)
+
+    @torch.no_grad()
+    def logprobs(self, hidden: Tensor) -> Tensor:
+        """Log-probs over the target vocabulary (-inf outside a reduced draft vocabulary)."""
+        lp = self.draft_logprobs(hidden)
+        if self.vocab_map is None:
+            return lp
+        full = torch.full((*lp.shape[:-1], self.lm_head.out_features), float("-inf"), dtype=lp.dtype,
+                          device=lp.device)
+        full[..., self.vocab_map.to(lp.device)] = lp
+        return full
+
+    def _topk(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Best ``min(k, draft vocabulary)`` (log-prob, target token) per row of ``hidden``; for a reduced
+        vocabulary the search runs over the draft vocabulary and only the winners are mapped to target ids."""
+        vm = getattr(self, "vocab_map", None)
+        lp = self.logprobs(hidden) if vm is None else self.draft_logprobs(hidden)
+        s, t = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+        return (s, t) if vm is None else (s, vm.to(t.device)[t])
 
     @torch.no_grad()
     def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
@@ -94,10 +123,9 @@ class Drafter:
         root's, is ``root_hidden``), on the head's device: what :meth:`extend_tree` re-feeds later."""
         if total_token <= 1:
             return DraftTree.single(root_token), root_hidden[None]
-        lp = self.logprobs(root_hidden)
-        dev = lp.device
-        k = min(top_k, lp.numel())
-        s, t = torch.topk(lp, k)
+        s, t = self._topk(root_hidden, top_k)
+        dev = s.device
+        k = s.numel()
         cand_tokens, cand_parents, cand_scores = [t], [torch.full((k,), -1, device=dev)], [s]
         cand_inputs = [root_hidden.expand(k, -1)]
         frontier_ids = torch.arange(k, device=dev)       # candidate indices of the frontier
@@ -108,8 +136,7 @@ class Drafter:
         for _ in range(depth):
             start = self.tree_size
             out = self.tree_forward(frontier_tok, frontier_feat, frontier_cache_parent)
-            lp = self.logprobs(out)                                       # [k, V]
-            cs, ct = torch.topk(lp, k, dim=-1)                            # [k, k]
+            cs, ct = self._topk(out, k)                                   # [k, k]
             cum = (frontier_score[:, None] + cs).reshape(-1)
             cand_tokens.append(ct.reshape(-1))
             cand_parents.append(frontier_ids.repeat_interleave(k))
@@ -170,9 +197,8 @@ class Drafter:
         cand_tok, cand_par, cand_score, cand_in = [], [], [], []          # parent: tree node or -(cand+2)
         n_cand = 0
         for level in range(levels):
-            lp = self.logprobs(f_out)
-            kk = min(top_k, lp.shape[-1])
-            cs, ct = (x.to(HOST) for x in torch.topk(lp, kk, dim=-1))     # one device->host copy per level
+            cs, ct = (x.to(HOST) for x in self._topk(f_out, top_k))       # one device->host copy per level
+            kk = cs.shape[-1]
             cum = (f_score[:, None] + cs).reshape(-1)
             cand_tok.append(ct.reshape(-1))
             cand_par.append(f_par_node.repeat_interleave(kk))

@@ -109,11 +109,18 @@ def _read_weights(head_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def load_eagle_head(head_dir: str | Path, target_config, target_embed: torch.Tensor | None = None,
-                    dtype: torch.dtype = torch.float32, device: str = "cpu") -> EagleHead:
-    """Load a published EAGLE-1/2 head and check it fits the target (hidden size, vocabulary)."""
+                    dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """Load a published EAGLE-1/2 head and check it fits the target (hidden size, vocabulary).
+
+    An EAGLE-3 head directory (``draft_vocab_size`` / ``eagle_config`` in its config) is handed to
+    :func:`draft.eagle3.load_eagle3_head` and comes back as an :class:`draft.eagle3.Eagle3Head`.
+    """
     head_dir = Path(head_dir)
     if not (head_dir / "config.json").is_file():
         raise HeadError(f"draft head directory {head_dir} has no config.json")
+    from draft.eagle3 import is_eagle3_config, load_eagle3_head, read_head_config
+    if is_eagle3_config(read_head_config(head_dir)):
+        return load_eagle3_head(head_dir, target_config, target_embed, dtype, device)
     try:
         cfg = AutoConfig.from_pretrained(head_dir)
     except Exception as e:
@@ -128,7 +135,7 @@ def load_eagle_head(head_dir: str | Path, target_config, target_embed: torch.Ten
         raise HeadError(f"{head_dir}: only one-layer EAGLE-1/2 heads are supported")
     state = _read_weights(head_dir)
     if any(k.startswith("midlayer.") for k in state):
-        raise HeadError(f"{head_dir} is an EAGLE-3 head; only EAGLE-1/2 heads are supported")
+        raise HeadError(f"{head_dir} has EAGLE-3 weights (midlayer.*) but its config.json lacks draft_vocab_size")
     state = {k: v for k, v in state.items() if k != "layers.0.input_layernorm.weight"}
     cfg._attn_implementation = "sdpa"
     head = EagleHead(cfg, bias="fc.bias" in state)

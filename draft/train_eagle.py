@@ -543,6 +543,12 @@ def cmd_data(args) -> int:
             convs += self_prompts(model, tok, args.self_prompts, seed=args.seed, batch_size=args.batch_size,
                                   max_new_tokens=args.prompt_max_new_tokens, system=args.system,
                                   template=args.template, progress=not args.no_progress)
+        if args.broad:
+            from draft.broad_prompts import broad_prompts
+            model = model or load_target(target, dev, getattr(torch, args.dtype))
+            convs += broad_prompts(model, tok, args.broad, TOPICS, seed=args.seed, batch_size=args.batch_size,
+                                   max_new_tokens=args.prompt_max_new_tokens, system=args.system,
+                                   template=args.template, progress=not args.no_progress)
         n0 = len(convs)
         convs = [c for c in convs if not is_excluded(c["turns"], excluded)]
         if n0 != len(convs):
@@ -559,7 +565,7 @@ def cmd_data(args) -> int:
         if out.exists():
             out.unlink()
     if not convs:
-        print("error: no prompts (give --prompts FILE and/or --self-prompts N)", file=sys.stderr)
+        print("error: no prompts (give --prompts FILE, --self-prompts N and/or --broad N)", file=sys.stderr)
         return 2
     done = {r["pid"] for r in read_jsonl(out)} if out.is_file() else set()
     todo = [c for c in convs if c["pid"] not in done]
@@ -993,6 +999,9 @@ def _save_plot(metrics_path: Path, png: Path) -> None:
 
 
 def cmd_train(args) -> int:
+    if getattr(args, "arch", "eagle") == "eagle3":
+        from draft.train_eagle3 import train_eagle3
+        return train_eagle3(args)
     from tqdm import tqdm
     from transformers import AutoConfig
     t_start = time.time()
@@ -1197,7 +1206,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m draft.train_eagle", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Example: python -m draft.train_eagle data --self-prompts 2000 --out "
-                                        "outputs/eagle_data && python -m draft.train_eagle train --help")
+                                        "outputs/eagle_data && python -m draft.train_eagle train --help\n"
+                                        "EAGLE-3: python -m draft.train_eagle data --broad 800 --out outputs/e3.jsonl && "
+                                        "python -m draft.train_eagle train --arch eagle3 --draft-vocab 8192 "
+                                        "--data outputs/e3.jsonl --out outputs/eagle3_head")
     sub = ap.add_subparsers(dest="cmd", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--target", default=None,
@@ -1215,6 +1227,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "text with one prompt a line")
     d.add_argument("--self-prompts", type=int, default=0, metavar="N",
                    help="add N prompts built from this module's topic lists, mostly written by the target")
+    d.add_argument("--broad", type=int, default=0, metavar="N",
+                   help="add N prompts of broader kinds (translation, summarisation, RAG with quotes, extraction, "
+                        "math, code, multi-turn, role-play; draft/broad_prompts.py), passages written by the target")
     d.add_argument("--exclude", action="append", default=[], metavar="FILE:BEGIN:END",
                    help="drop prompts equal to the turns of these FastChat records (repeatable; e.g. an eval split)")
     d.add_argument("--max-turns", type=int, default=2, help="user turns kept per source conversation")
@@ -1288,6 +1303,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype the target runs in for on-the-fly features")
     t.add_argument("--save-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     t.add_argument("--no-bias", action="store_true", help="fc without bias")
+    t.add_argument("--arch", default="eagle", choices=["eagle", "eagle3"],
+                   help="eagle: EAGLE-1/2 head (default); eagle3: EAGLE-3 head (fused taps, token-level loss with "
+                        "training-time test, optional --draft-vocab; draft/train_eagle3.py)")
+    t.add_argument("--ttt-steps", type=int, default=7, help="eagle3: unrolled steps of the training-time test")
+    t.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="eagle3: reduced draft vocabulary of the N most frequent training tokens (0 = full)")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=cmd_train)
     return ap

@@ -17,12 +17,28 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "float64": torch.float64}
 
 
+class SliceLinear(nn.Linear):
+    """rank 0's ``lm_head``: a plain ``Linear`` that reads only the first ``in_features`` columns, so rows that
+    carry tapped-layer features as extra columns (EAGLE-3, see :meth:`StageModel.set_taps`) go through unchanged
+    (a no-op for ordinary ``[.., H]`` rows)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            x = x[..., :self.in_features]
+        return super().forward(x)
+
+
 class StageModel(nn.Module):
     """Rank ``r``'s slice of the base model.
 
     Rank 0 (draft stage) has ``embed_tokens`` (for the draft head) and ``lm_head``, no layers.
     Rank 1 embeds token ids; the last rank applies the final norm, so it emits the normalized
     hidden states that are both the ``lm_head`` input and EAGLE's feature.
+
+    Feature taps (EAGLE-3, :meth:`set_taps`): rows travel as ``[.., H * (1 + m)]``: the first ``H`` columns are
+    the hidden state, then the outputs of the ``m`` tapped layers already passed, in layer order. A stage runs
+    its layers (and the final norm) on the first ``H`` columns only, passes the extra columns through untouched
+    and appends the outputs of the tapped layers it holds. With no taps nothing changes (``[.., H]`` rows).
     """
 
     def __init__(self, config) -> None:
@@ -37,7 +53,17 @@ class StageModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, h) if config.has_embedding else None
         self.block = LayerBlock(config, self.num_layers) if self.num_layers else None
         self.norm = norm_cls(h, eps=config.rms_norm_eps) if config.has_final_norm else None
-        self.lm_head = nn.Linear(h, config.vocab_size, bias=False) if config.has_lm_head else None
+        self.lm_head = SliceLinear(h, config.vocab_size, bias=False) if config.has_lm_head else None
+        self.set_taps([])
+
+    def set_taps(self, layers: list[int]) -> None:
+        """Tap the outputs of global decoder layers ``layers`` (every rank gets the same list, e.g. from
+        :func:`draft.eagle3.stage_taps`). Invariant: :attr:`out_width` = ``H * (1 + taps before this stage's
+        end)``, the width of every row this stage emits."""
+        start, end = self.config.layer_range
+        self.taps = sorted(int(i) for i in layers)
+        self.local_taps = [i - start for i in self.taps if start <= i < end]
+        self.out_width = self.config.hidden_size * (1 + sum(1 for i in self.taps if i < end))
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         mapped = {}
@@ -55,11 +81,33 @@ class StageModel(nn.Module):
         """``x``: token ids ``[1, n]`` on the first layer stage, hidden ``[1, n, H]`` elsewhere."""
         if self.rank == 1:
             x = self.embed_tokens(x)
+        h = self.config.hidden_size
+        extra = None
+        if x.shape[-1] != h:                       # tapped features of earlier stages ride along
+            x, extra = x[..., :h], x[..., h:]
+        tapped: list[torch.Tensor] = []
         if self.block is not None:
-            x = self.block(x, positions, mask, cache)
+            x = self._layers(x, positions, mask, cache, tapped) if self.local_taps else \
+                self.block(x, positions, mask, cache)
         if self.norm is not None:
             x = self.norm(x)
-        return x
+        if extra is None and not tapped:
+            return x
+        return torch.cat([x] + ([extra] if extra is not None else []) + tapped, dim=-1)
+
+    def _layers(self, hidden, positions, mask, cache, tapped: list) -> torch.Tensor:
+        """``LayerBlock.forward`` that also collects the outputs of :attr:`local_taps` into ``tapped``."""
+        block = self.block
+        positions = positions.to(hidden.device)
+        mask = mask.to(device=hidden.device, dtype=hidden.dtype)
+        pos_emb = block.rotary_emb(hidden, positions)
+        for i, layer in enumerate(block.layers):
+            out = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                        use_cache=True, position_embeddings=pos_emb)
+            hidden = out[0] if isinstance(out, tuple) else out
+            if i in self.local_taps:
+                tapped.append(hidden)
+        return hidden
 
 
 def load_stage_config(root: str | Path, rank: int):

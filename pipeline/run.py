@@ -234,6 +234,11 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise SetupError(f"cannot load stage {rank} from {stage_dir(stage_root, rank)}: "
                          f"{type(e).__name__}: {first}") from None
+    from draft.eagle3 import HeadError, stage_taps
+    try:  # EAGLE-3: every rank derives the same tapped layers (model.eagle3_taps; auto = the head's own)
+        model.set_taps(stage_taps(cfg.model.eagle3_taps, _head_choice(cfg, stage_root), model.config.num_hidden_layers))
+    except HeadError as e:
+        raise SetupError(str(e)) from None
     if rank == 0:
         code = (rank0 or run_rank0)(args, cfg, modes, comm, model, stage_root, dtype, device)
     else:
@@ -305,9 +310,20 @@ def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
             head.embed_tokens.weight.data.copy_(model.embed_tokens.weight.data)
         else:
             head = load_eagle_head(head_dir, model.config, model.embed_tokens.weight.data, dtype, device)
+        check_taps(head, getattr(model, "taps", []))
         return Drafter(head, model.lm_head, cfg.model.max_seq_len + 64)
     except HeadError as e:
         raise SetupError(str(e)) from None
+
+
+def check_taps(head, taps: list[int]) -> None:
+    """The stages must forward exactly the layers an EAGLE-3 head fuses, and nothing for other heads."""
+    from draft.eagle import HeadError
+    want = list(getattr(head, "aux_layers", []))
+    if list(taps) != want:
+        raise HeadError(f"the draft head needs the outputs of layers {want or 'none'} forwarded but the stages tap "
+                        f"{list(taps) or 'none'}: set model.eagle3_taps={','.join(map(str, want)) or 'none'} "
+                        "(the same on every rank)")
 
 
 def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) -> int:

@@ -140,6 +140,8 @@ class StageWorker:
             out = self._compute(x, pos, mask)
             self.cache.commit_forward(int(gids.numel()), as_context=False, anc=anc, depth=depth)
             tree.computed(gids.tolist())
-        elif out.dim() == 2:  # no ids left to embed: forward an empty hidden block
-            out = torch.zeros(1, 0, self.model.config.hidden_size, dtype=self.dtype, device=HOST)
+        elif out.dim() == 2 or out.shape[-1] != getattr(self.model, "out_width", out.shape[-1]):
+            # nothing computed: forward an empty block of this stage's row width (EAGLE-3 taps widen rows)
+            out = torch.zeros(1, 0, getattr(self.model, "out_width", self.model.config.hidden_size),
+                              dtype=self.dtype, device=HOST)
         self.comm.send_next(Segment(out, parent_gids, gids, seg.gen, seg.epoch, seg.log, seg.tag))

@@ -115,6 +115,25 @@ class MarkovDrafter(Drafter):
         return self.memo[key]
 
 
+class ReducedVocabDrafter(MarkovDrafter):
+    """An EAGLE-3-style reduced draft vocabulary on the Markov world: the draft's law lives on ``vocab`` only
+    (zero mass elsewhere); the real ``Drafter`` search runs top-k over the draft vocabulary and maps the winners
+    to target ids through ``vocab_map`` (:meth:`Drafter._topk`), and ``logprobs`` is -inf outside it."""
+
+    def __init__(self, draft_logits: torch.Tensor, vocab: list[int]) -> None:
+        super().__init__(draft_logits)
+        self.vocab_map = torch.tensor(vocab)
+        self.reduced = torch.log_softmax(draft_logits.float()[:, self.vocab_map], dim=-1)   # [V, Vd]
+
+    def draft_logprobs(self, hidden):
+        return self.reduced[hidden[..., 0].long()]
+
+    def logprobs(self, hidden):
+        lp = torch.full((*hidden.shape[:-1], V), float("-inf"))
+        lp[..., self.vocab_map] = self.draft_logprobs(hidden)
+        return lp
+
+
 class FakeRing:
     """Rank 0's view of the ring, in one process. Layers are not simulated (the world is Markov: a node's
     "hidden state" is its token); what matters is the protocol, and it runs the stage's real decision code
@@ -203,7 +222,7 @@ MODES = {
 
 
 def make_runner(mode: str, world: int, tables, sampler: Sampler, horizon: int, overrides: dict,
-                early: bool = True):
+                early: bool = True, drafter=None):
     """``run() -> first `horizon` tokens after ROOT`` through the mode's real rank-0 code."""
     target, draft_logits = tables
     live = getattr(sampler, "live", lambda: True)
@@ -214,7 +233,7 @@ def make_runner(mode: str, world: int, tables, sampler: Sampler, horizon: int, o
         decode = cont.decode
     ring = FakeRing(world, lockstep, live, early)
     engine = SimpleNamespace(comm=ring, gen=1, cfg=apply_overrides(DEFAULT, {**TREE, **overrides}),
-                             drafter=MarkovDrafter(draft_logits), sampler=sampler,
+                             drafter=drafter or MarkovDrafter(draft_logits), sampler=sampler,
                              tracer=SimpleNamespace(span=lambda *a, **k: nullcontext()),
                              logits=lambda hidden: target[hidden[:, 0].long()])
     first = torch.full((V,), -1e9)
@@ -360,6 +379,68 @@ def test_exact_law_every_mode(mode, world, temp, top_p, top_k, draft, horizon, o
         if e == "EMPTY" and not early:
             continue   # without early pruning a stale result still carries its (dead) rows
         assert seen.get(e, 0) > 0, f"no {e} event before the horizon: {seen}"
+
+
+# Reduced draft vocabulary (EAGLE-3 d2t/t2d). Why verification stays lossless: the EAGLE tree is deterministic
+# (top-k), so every child is a point-mass proposal and walk_tree never reads the draft's probabilities. At a node
+# it tries the children in order, accepting child x with the *target's* residual probability p'(x) and, on
+# rejection, setting p'(x) = 0 and renormalising; if all are rejected it draws from the residual p' over the
+# *whole target vocabulary*. By induction over the children, P(emit x) = p(x) for every x whatever the proposed
+# set, so tokens the draft gives zero mass (outside its vocabulary) are simply never proposed and keep their full
+# target probability through the residual draw. (For a sampled draft, walk_proposals accepts with min(1, p/q) only
+# at tokens drawn from q, where q > 0, and its residual max(0, p - q) equals p outside the draft vocabulary.)
+# The planted bug below restricts the residual draw to the draft vocabulary: the law must then differ.
+REDUCED_VOCAB = [0, 2, 3, 5, 6]
+
+
+@pytest.mark.parametrize("mode,world,temp,draft,overrides", [
+    ("naive", 3, 1.0, "target", {}),
+    ("continuous", 3, 1.0, "random", {"tree.none_expand": True}),
+    ("pruned", 3, 2.0, "target", {}),
+    ("pipedec", 3, 1.0, "random", {}),
+])
+def test_exact_law_reduced_draft_vocabulary(mode, world, temp, draft, overrides):
+    tables = make_world(11, draft)
+    sampler = BranchingSampler(temp, 1.0, 0, 2)
+    d = ReducedVocabDrafter(tables[1], REDUCED_VOCAB)
+    run = make_runner(mode, world, tables, sampler, 2, overrides, drafter=d)
+    law, _ = exact_law(run, sampler)
+    ref = target_law(sampler, tables[0], 2)
+    worst = max(abs(law.get(k, 0.0) - w) for k, w in ref.items())
+    assert worst < 1e-6, f"{mode}: |law - target| up to {worst:.3g}"
+    assert any(x not in REDUCED_VOCAB for seq in law for x in seq), "tokens outside the draft vocabulary vanished"
+    tree = d.grow_tree(ROOT, enc(ROOT), 7, 2, 3)
+    assert set(tree.tokens[1:].tolist()) <= set(REDUCED_VOCAB)      # the draft proposes its vocabulary only
+
+
+def test_residual_restricted_to_draft_vocabulary_fails_exact_law(monkeypatch):
+    """Planted bug: a verifier that treats the draft vocabulary as the support of the target (masks the residual
+    draw to it) is caught by the exact-law check."""
+    from pipeline import verify
+    real = verify.walk_tree
+    outside = torch.tensor([t not in REDUCED_VOCAB for t in range(V)])
+
+    class Masking:
+        def __init__(self, s):
+            self.s = s
+
+        def __getattr__(self, name):
+            return getattr(self.s, name)
+
+        def draw(self, p):
+            p = p.clone()
+            p[outside] = 0.0
+            return self.s.draw(p / p.sum())
+
+    def bad_walk(tree, n_verified, logits, sampler):
+        return real(tree, n_verified, logits, Masking(sampler))
+
+    monkeypatch.setattr("pipeline.modes.naive.walk_tree", bad_walk)
+    tables = make_world(11, "target")
+    sampler = BranchingSampler(1.0, 1.0, 0, 2)
+    run = make_runner("naive", 3, tables, sampler, 2, {}, drafter=ReducedVocabDrafter(tables[1], REDUCED_VOCAB))
+    law, _ = exact_law(run, sampler)
+    assert total_variation(law, target_law(sampler, tables[0], 2)) > 0.02
 
 
 # ---------------------------------------------------------------------------------------------------------------

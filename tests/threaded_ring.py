@@ -36,6 +36,10 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
     cfg = apply_overrides(DEFAULT, overrides)
     ring = LocalRing(world)
     models = [load_stage(stage_root, r, world, dtype) for r in range(world)]
+    from draft.eagle3 import stage_taps   # as pipeline.run does on every rank (EAGLE-3 heads: tapped layers)
+    taps = stage_taps(cfg.model.eagle3_taps, Path(drafter) if drafter else None, models[0].config.num_hidden_layers)
+    for m in models:
+        m.set_taps(taps)
 
     def stage(r: int) -> None:
         worker = StageWorker(models[r], LocalComm(ring, r), cfg.model.max_seq_len, dtype, "cpu")

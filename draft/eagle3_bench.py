@@ -1,0 +1,138 @@
+"""Measure draft heads: tau (naive mode, T=0) per prompt category through the in-process ring, and rank 0's
+drafting time per tree (``Drafter.grow_tree``) for EAGLE-1/2 vs EAGLE-3 heads, full vs reduced vocabulary.
+
+Example::
+
+    python -m draft.eagle3_bench tau --head draft/heads/SmolLM2-135M-Instruct --head /tmp/e3/head \\
+        --records 2 --max-new-tokens 48
+    python -m draft.eagle3_bench draft-time --draft-vocab 8192 --trees 20
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
+# held-out prompt kinds that the six evaluation sets do not have (written here; not used for training)
+HELDOUT = {
+    "translation": ["Translate into French: The library opens at nine and closes at six on weekdays.",
+                    "Translate this German sentence into English: Ich habe gestern einen langen Brief an meine "
+                    "Großmutter geschrieben."],
+    "rag": ["Passage: The Nile is about 6,650 km long and flows north through eleven countries before reaching "
+            "the Mediterranean Sea. Its two main tributaries are the White Nile and the Blue Nile.\n\nUsing only the "
+            "passage, answer and quote it: how long is the Nile and where does it end?",
+            "Passage: Honeybees communicate the location of flowers with a 'waggle dance'. The angle of the dance "
+            "shows the direction relative to the sun, and its length shows the distance.\n\nUsing only the passage, "
+            "answer and quote it: what does the length of the dance tell other bees?"],
+    "extraction": ["Extract every person and city from this text as a JSON list: Maria flew from Madrid to Oslo "
+                   "to meet Tom, and then they took a train to Bergen with their friend Aiko.",
+                   "List all dates and amounts in this text: On 3 March we paid $120 for repairs, and on 15 April "
+                   "another $75 for new tyres."],
+    "roleplay": ["Let's role-play. You are a lighthouse keeper on a stormy night. A sailor knocks on your door. "
+                 "What do you say?",
+                 "Pretend you are a tour guide in ancient Rome. Describe what I see in the Forum."],
+}
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    from pipeline.prompts import chat_prompt_ids
+    return chat_prompt_ids(tok, [text], [], "", "auto")
+
+
+def cmd_tau(args) -> int:
+    from pipeline.prompts import stop_token_ids
+    from pipeline.run import DEFAULT_STAGE_DIR
+    from tests.threaded_ring import run_threaded
+    from transformers import AutoTokenizer
+    torch.set_num_threads(args.threads)
+    stage_root = Path(args.stage_dir) if args.stage_dir else DEFAULT_STAGE_DIR
+    tok = AutoTokenizer.from_pretrained(str(stage_root / "stage_model_0"))
+    stops = stop_token_ids(tok, None)
+    cats: dict[str, list[list[int]]] = {}
+    for k, texts in HELDOUT.items():
+        cats[k] = [chat_ids(tok, t) for t in texts[:args.records]]
+    for s in SETS:
+        rows = [json.loads(l) for l in (Path(args.data) / s / "question.jsonl").read_text().splitlines() if l.strip()]
+        cats[s] = [chat_ids(tok, r["turns"][0]) for r in rows[30:30 + args.records]]
+    table = {}
+    for head in args.head:
+        res = {}
+        for k, prompts in cats.items():
+            out = run_threaded(stage_root, prompts, ["naive"], [f"max_new_tokens={args.max_new_tokens}",
+                               "tree.total_token=60", "tree.depth=5", "tree.top_k=10", "dtype=float32"],
+                               stops, head, dtype=torch.float32)["naive"]
+            res[k] = sum(len(r.output_ids) - 1 for r in out) / max(1, sum(len(r.accept_lengths) for r in out))
+            print(f"{head} {k}: tau {res[k]:.2f}", file=sys.stderr, flush=True)
+        table[head] = res
+    print(json.dumps(table, indent=1))
+    return 0
+
+
+def cmd_draft_time(args) -> int:
+    """Median seconds per ``grow_tree`` (60/5/10) for: the shipped EAGLE-1/2 head, an EAGLE-3 head with the full
+    vocabulary and one with ``--draft-vocab`` (random weights: timing only; the tree shape is fixed)."""
+    from draft.drafter import Drafter
+    from draft.eagle import load_eagle_head
+    from draft.eagle3 import init_eagle3_head
+    from model.stage_model import load_stage
+    from pipeline.run import DEFAULT_HEAD_DIR, DEFAULT_STAGE_DIR
+    torch.set_num_threads(args.threads)
+    m0 = load_stage(DEFAULT_STAGE_DIR, 0, 5, torch.float32)
+    cfg = m0.config
+    heads = {"eagle1/2 (shipped)": load_eagle_head(DEFAULT_HEAD_DIR, cfg, m0.embed_tokens.weight.data)}
+    if args.eagle3_head:
+        heads["eagle3 (trained)"] = load_eagle_head(args.eagle3_head, cfg, m0.embed_tokens.weight.data)
+    heads["eagle3 full vocab"] = init_eagle3_head(cfg)
+    heads[f"eagle3 vocab {args.draft_vocab}"] = init_eagle3_head(cfg, vocab_map=torch.arange(args.draft_vocab))
+    rows = {}
+    g = torch.Generator().manual_seed(0)
+    for name, head in heads.items():
+        head = head.float().eval()
+        if hasattr(head, "aux_layers"):
+            head.embed_tokens.weight.data.copy_(m0.embed_tokens.weight.data)
+        d = Drafter(head, m0.lm_head, 1024)
+        width = cfg.hidden_size * 4 if hasattr(head, "aux_layers") else cfg.hidden_size
+        feats = torch.randn(200, width, generator=g)
+        root = d.start(list(range(1, 201)), 5, feats)
+        times = []
+        for i in range(args.trees + 2):
+            t0 = time.perf_counter()
+            d.grow_tree(5, root, 60, 5, 10)
+            times.append(time.perf_counter() - t0)
+        times = sorted(times[2:])
+        rows[name] = round(times[len(times) // 2] * 1000, 2)
+        print(f"{name}: {rows[name]} ms per tree", file=sys.stderr, flush=True)
+    print(json.dumps({"ms_per_tree_median": rows, "threads": args.threads}, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m draft.eagle3_bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("tau", help="tau per category (held-out kinds + the six sets' records [30, 30+N))")
+    t.add_argument("--head", action="append", required=True, help="head directory (repeatable)")
+    t.add_argument("--records", type=int, default=2, help="prompts per category")
+    t.add_argument("--max-new-tokens", type=int, default=48)
+    t.add_argument("--stage-dir", default=None)
+    t.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
+    t.add_argument("--threads", type=int, default=1)
+    t.set_defaults(func=cmd_tau)
+    d = sub.add_parser("draft-time", help="rank 0's drafting time per 60/5/10 tree")
+    d.add_argument("--draft-vocab", type=int, default=8192)
+    d.add_argument("--eagle3-head", default=None)
+    d.add_argument("--trees", type=int, default=20)
+    d.add_argument("--threads", type=int, default=1)
+    d.set_defaults(func=cmd_draft_time)
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
