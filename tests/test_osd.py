@@ -46,8 +46,8 @@ def test_divergences_are_nonnegative_zero_at_equality_and_trainable(kind):
     s = torch.randn(6, 10, generator=g).requires_grad_(True)
     before = divergence(tb, student_buckets(s, idx), kind)
     assert (before > 1e-4).all()
-    opt = torch.optim.SGD([s], lr=2.0)
-    for _ in range(150):
+    opt = torch.optim.SGD([s], lr=4.0)
+    for _ in range(60):
         opt.zero_grad()
         divergence(tb, student_buckets(s, idx), kind).sum().backward()
         opt.step()
@@ -255,9 +255,9 @@ def test_learner_reduces_the_distillation_loss(tiny, loss, source):
     rec = Record(toks, feats, first_gen=4)
     L._ensure_teacher(rec)
     first = [L.train_step([rec]) for _ in range(3)]
-    for _ in range(25):
+    for _ in range(12):
         last = L.train_step([rec])
-    assert last < 0.7 * first[0], (first, last)
+    assert last < 0.8 * first[0], (first, last)
 
 
 def test_sync_learner_publishes_and_saved_head_loads(tiny, tmp_path):
@@ -265,7 +265,7 @@ def test_sync_learner_publishes_and_saved_head_loads(tiny, tmp_path):
     token (learnable); the inline learner publishes a version that agrees better on held-out requests, it is
     swapped in at the next start, and save() writes a head that load_eagle_head reads back."""
     _, cfg, lm_head = tiny
-    od = _online(cfg, lm_head, scale=1.0, lr=1e-2, steps=10, update_interval=20, batch_tokens=200)
+    od = _online(cfg, lm_head, scale=1.0, lr=2e-2, steps=5, update_interval=20, batch_tokens=200)
     table = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(9), dtype=D)
     g = torch.Generator().manual_seed(4)
     for i in range(6):
