@@ -10,7 +10,7 @@ import torch
 from config.run_config import DEFAULT, ConfigError, apply_overrides
 from draft.drafter import Drafter
 from draft.eagle import init_untrained_head, load_eagle_head
-from draft.osd import (OnlineDrafter, OsdSettings, Record, ReplayBuffer, divergence, head_state, load_head_state,
+from draft.osd import (OnlineDrafter, OsdSettings, Record, ReplayBuffer, divergence, head_state,
                        rollback_due, rollout_levels, rollout_mask, should_publish, should_update, student_buckets,
                        teacher_topk)
 from tests.helpers import hf_greedy, tiny_llama
@@ -346,3 +346,26 @@ def test_greedy_output_equals_hf_while_the_head_changes(tiny, tmp_path, monkeypa
         for p, g in zip(prompts, gens):
             assert g.output_ids == hf_greedy(full, p, 12, {2}, D), (mode, p)
     od.close()
+
+
+def test_osd_report_writes_png_csv_and_rejects_bad_input(tmp_path, capsys):
+    import json as _json
+
+    from pipeline.osd_report import main
+    def rows(taus, versions):
+        return "".join(_json.dumps({"question_id": i, "category": ("stream" if i < 3 else "eval") + f":x:{i}",
+                                    "tau": t, "accept_lengths": [int(t)] * 4, "new_tokens": 8, "drafter_version": v})
+                       + "\n" for i, (t, v) in enumerate(zip(taus, versions)))
+    (tmp_path / "s.jsonl").write_text(rows([2, 2, 2, 2, 2], [0] * 5))
+    (tmp_path / "o.jsonl").write_text(rows([2, 3, 3, 3, 3], [0, 1, 1, 2, 2]))
+    out = tmp_path / "rep"
+    assert main([str(tmp_path / "s.jsonl"), str(tmp_path / "o.jsonl"), "--labels", "static,online",
+                 "--out-dir", str(out)]) == 0
+    assert (out / "osd_curve.png").stat().st_size > 1000
+    summ = {(r["run"], r["group"]): r for r in __import__("csv").DictReader(open(out / "osd_summary.csv"))}
+    assert float(summ[("online", "eval")]["vs_static"]) == 1.5 and float(summ[("static", "eval")]["tau"]) == 2.0
+    assert len(open(out / "osd_rows.csv").read().splitlines()) == 11
+    (tmp_path / "bad.jsonl").write_text('{"no_tau": 1}\n')
+    assert main([str(tmp_path / "bad.jsonl"), "--out-dir", str(out)]) == 2
+    assert main([str(tmp_path / "missing.jsonl")]) == 2
+    assert "error" in capsys.readouterr().err
