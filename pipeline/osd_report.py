@@ -170,7 +170,14 @@ def cmd_replay(args) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows = load(Path(args.rows)) if Path(args.rows).is_file() else None
+    if not Path(args.rows).is_file():
+        print(f"error: {args.rows} does not exist", file=sys.stderr)
+        return 2
+    try:
+        rows = load(Path(args.rows))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not rows:
         print(f"error: {args.rows} has no rows", file=sys.stderr)
         return 2
