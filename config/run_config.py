@@ -165,6 +165,7 @@ class OsdConfig:
     window: int = 4              # requests per version before the rollback check
     rollback_tol: float = 0.1    # roll back when tau falls below (1 - tol) x the previous version's
     swap_at: str = "generation"  # generation (OnlineDrafter.start) | commit (round boundary, cache rebuilt)
+    on_reject: str = "keep"      # keep training a rejected candidate | restart the next one from the live weights
     train_prompt: bool = False   # also learn on prompt positions (default: generated tokens only, as OSD)
     sync: bool = False           # learn inline at request boundaries instead of a background thread
     save_dir: str = ""           # save the live head there at exit (EAGLE layout, loadable as model.head_dir)
@@ -255,7 +256,8 @@ class RunConfig:
         for name, value, options in (("osd.loss", o.loss, ("fkl", "rkl", "jsd")),
                                      ("osd.sample_source", o.sample_source,
                                       ("teacher", "student", "mix_token", "mix_request")),
-                                     ("osd.swap_at", o.swap_at, ("generation", "commit"))):
+                                     ("osd.swap_at", o.swap_at, ("generation", "commit")),
+                                     ("osd.on_reject", o.on_reject, ("keep", "restart"))):
             if value not in options:
                 raise ConfigError(f"{name}={value!r} is not valid; choose one of {', '.join(options)}")
         for name in ("teacher_topk", "buffer_tokens", "update_interval", "steps", "batch_tokens", "rollout",

@@ -27,7 +27,8 @@ Data flow (all on rank 0):
    ``osd.update_interval`` new generated tokens arrived since the last attempt and the learner's busy share of
    wall time is at most ``osd.max_busy``; the candidate replaces the live weights only when its held-out
    agreement with the target (the newest ``osd.holdout`` requests, never trained on before this test) beats
-   the live weights' by at least ``osd.min_gain``.
+   the live weights' by at least ``osd.min_gain``. A rejected candidate keeps training (``osd.on_reject=keep``)
+   or is dropped, the next one starting again from the live weights (``restart``).
 4. **Swap** (double buffer): the learner publishes a snapshot (version ``v``); the serving thread copies it
    into the live head *only* at ``OnlineDrafter.start`` (``osd.swap_at=generation``: before the new prompt's
    entries are fed, so one request is drafted by one version) or, with ``osd.swap_at=commit``, at the top of
@@ -274,6 +275,7 @@ class OsdSettings:
     window: int = 4
     rollback_tol: float = 0.1
     swap_at: str = "generation"
+    on_reject: str = "keep"
     train_prompt: bool = False
     sync: bool = False
     save_dir: str = ""
@@ -425,6 +427,9 @@ class Learner:
             self.floor_restores += 1
             self.live = self.shipped
             load_head_state(self.net, self.shipped)
+            self._new_opt()
+        elif s.on_reject == "restart":     # the rejected candidate is dropped: the next one starts from live
+            load_head_state(self.net, self.live)
             self._new_opt()
         if reason:
             version = self.publish(self.live, reason)

@@ -369,3 +369,15 @@ def test_osd_report_writes_png_csv_and_rejects_bad_input(tmp_path, capsys):
     assert main([str(tmp_path / "bad.jsonl"), "--out-dir", str(out)]) == 2
     assert main([str(tmp_path / "missing.jsonl")]) == 2
     assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("on_reject", ["keep", "restart"])
+def test_rejected_candidate_is_kept_or_dropped(tiny, on_reject):
+    _, cfg, lm_head = tiny
+    od = _online(cfg, lm_head, scale=1.0, lr=1e-2, steps=2, update_interval=4, min_gain=2.0, on_reject=on_reject)
+    for i in range(3):
+        _fake_request(od, cfg, i)
+    L = od.learner
+    assert L.updates >= 1 and not any(e["published"] for e in L.log) and od.version == 0
+    same = all(torch.equal(v, L.live[k].to(v.dtype)) for k, v in head_state(L.net).items())
+    assert same == (on_reject == "restart")
