@@ -153,6 +153,34 @@ class SpsConfig:
 
 
 @dataclass
+class OsdConfig:
+    """Online speculative decoding (draft/osd.py, docs/osd.md): the EAGLE head learns from served traffic."""
+    enabled: bool = False        # wrap the EAGLE drafter in draft.osd.OnlineDrafter (output stays exact)
+    loss: str = "fkl"            # fkl KL(p||q) | rkl KL(q||p) | jsd (generalised, jsd_beta) on top-k buckets
+    sample_source: str = "teacher"  # teacher | student | mix_token | mix_request (draft.osd.rollout_levels)
+    mix_ratio: float = 0.5       # mix_*: probability of the student's own state (per token / per request)
+    jsd_beta: float = 0.5
+    teacher_topk: int = 32       # teacher distribution kept as its top-k log-probs + the tail mass
+    buffer_tokens: int = 16384   # replay buffer capacity in entries (FIFO of whole requests)
+    update_interval: int = 128   # new generated tokens before an update is attempted (cost gate)
+    steps: int = 4               # optimizer steps per update
+    batch_tokens: int = 512      # entries per optimizer step (whole requests, at least one)
+    lr: float = 1e-4
+    rollout: int = 2             # levels of the head's own rollout for student / mix sources (depth 1..rollout)
+    holdout: int = 1             # newest requests held out to score candidate vs live weights
+    min_gain: float = 0.0        # publish only if held-out agreement gains at least this (and strictly > 0)
+    max_busy: float = 0.5        # the learner thread's busy share of wall time is kept at most this
+    feature_weight: float = 1.0  # + this x SmoothL1 feature regression (EAGLE's term)
+    window: int = 4              # requests per version before the rollback check
+    rollback_tol: float = 0.1    # roll back when tau falls below (1 - tol) x the previous version's
+    swap_at: str = "generation"  # generation (OnlineDrafter.start) | commit (round boundary, cache rebuilt)
+    on_reject: str = "keep"      # keep training a rejected candidate | restart the next one from the live weights
+    train_prompt: bool = False   # also learn on prompt positions (default: generated tokens only, as OSD)
+    sync: bool = False           # learn inline at request boundaries instead of a background thread
+    save_dir: str = ""           # save the live head there at exit (EAGLE layout, loadable as model.head_dir)
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
@@ -161,6 +189,7 @@ class RunConfig:
     emu: EmulationConfig = field(default_factory=EmulationConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     sps: SpsConfig = field(default_factory=SpsConfig)
+    osd: OsdConfig = field(default_factory=OsdConfig)
 
     def validate(self) -> "RunConfig":
         def choice(name, value, options):
@@ -225,6 +254,7 @@ class RunConfig:
             raise ConfigError("draft.lookup_max_matches must be >= 1 and lookup_token_prob in (0, 1]")
         if self.draft.ssm_temperature != -1 and self.draft.ssm_temperature <= 0:
             raise ConfigError(f"draft.ssm_temperature={self.draft.ssm_temperature} must be > 0 (or -1: gen.temperature)")
+        self._validate_osd()
         if self.draft.sources:
             from draft.merged import SourceError, parse_sources
             try:
@@ -232,6 +262,32 @@ class RunConfig:
             except SourceError as e:
                 raise ConfigError(str(e)) from None
         return self
+
+    def _validate_osd(self) -> None:
+        o = self.osd
+        for name, value, options in (("osd.loss", o.loss, ("fkl", "rkl", "jsd")),
+                                     ("osd.sample_source", o.sample_source,
+                                      ("teacher", "student", "mix_token", "mix_request")),
+                                     ("osd.swap_at", o.swap_at, ("generation", "commit")),
+                                     ("osd.on_reject", o.on_reject, ("keep", "restart"))):
+            if value not in options:
+                raise ConfigError(f"{name}={value!r} is not valid; choose one of {', '.join(options)}")
+        for name in ("teacher_topk", "buffer_tokens", "update_interval", "steps", "batch_tokens", "rollout",
+                     "holdout", "window"):
+            if getattr(o, name) < 1:
+                raise ConfigError(f"osd.{name}={getattr(o, name)} must be >= 1")
+        if not 0 <= o.mix_ratio <= 1:
+            raise ConfigError(f"osd.mix_ratio={o.mix_ratio} must be in [0, 1]")
+        if not 0 < o.jsd_beta < 1:
+            raise ConfigError(f"osd.jsd_beta={o.jsd_beta} must be in (0, 1)")
+        if o.lr <= 0:
+            raise ConfigError(f"osd.lr={o.lr} must be > 0")
+        if not 0 < o.max_busy <= 1:
+            raise ConfigError(f"osd.max_busy={o.max_busy} must be in (0, 1]")
+        if o.min_gain < 0 or o.feature_weight < 0 or not 0 <= o.rollback_tol < 1:
+            raise ConfigError("osd.min_gain and osd.feature_weight must be >= 0, osd.rollback_tol in [0, 1)")
+        if o.enabled and self.draft.sources:
+            raise ConfigError("osd.enabled learns the EAGLE head alone; it cannot be combined with draft.sources yet")
 
 
 ALIASES = {"top_k_sampling": "gen.top_k", "gen.top_k_sampling": "gen.top_k"}   # deprecated names

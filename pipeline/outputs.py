@@ -74,6 +74,16 @@ def head_identity(head_setting: str, chosen: Path | None, needs_head: bool) -> t
     return str(chosen.resolve()), None
 
 
+def drafter_fields(drafter) -> dict:
+    """Per-row drafter identity: ``drafter_version`` (0 = the weights loaded at start; an online drafter,
+    ``draft/osd.py``, counts its published updates and adds ``drafter_versions`` and an ``osd`` summary).
+    Rows of ``ar`` runs (no drafter) get ``drafter_version`` None."""
+    if drafter is None:
+        return {"drafter_version": None}
+    fields = getattr(drafter, "row_fields", None)
+    return fields() if callable(fields) else {"drafter_version": 0}
+
+
 def flat_config(cfg) -> dict:
     out = {}
     for sec in dataclasses.fields(cfg):

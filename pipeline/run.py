@@ -275,7 +275,10 @@ def _head_choice(cfg, stage_root: Path) -> Path | None:
 
 def make_drafter(cfg, stage_root: Path, model, dtype, device: str):
     """Rank 0's drafter: :func:`_head_drafter`, or with ``draft.sources`` several drafters merged into one tree
-    (``draft/merged.py``; ``eagle`` there is the head drafter)."""
+    (``draft/merged.py``; ``eagle`` there is the head drafter). With ``osd.enabled`` the head drafter is wrapped
+    in :class:`draft.osd.OnlineDrafter` (online learning from the served traffic; output unchanged)."""
+    if cfg.osd.enabled:
+        return _online_drafter(cfg, _head_drafter(cfg, stage_root, model, dtype, device), model)
     if not cfg.draft.sources:
         return _head_drafter(cfg, stage_root, model, dtype, device)
     from draft.merged import SourceError, build_sources
@@ -285,6 +288,22 @@ def make_drafter(cfg, stage_root: Path, model, dtype, device: str):
                              sampling=cfg.gen.temperature > 0)
     except SourceError as e:
         raise SetupError(str(e)) from None
+
+
+def _online_drafter(cfg, inner, model):
+    """``osd.enabled``: the EAGLE drafter wrapped for online learning; the learner stops (and ``osd.save_dir`` is
+    written) at exit."""
+    import atexit
+
+    from draft.osd import OnlineDrafter, OsdSettings
+    if getattr(inner, "head", None) is None:
+        raise SetupError("osd.enabled needs an EAGLE head drafter (model.head_dir), not a test drafter")
+    od = OnlineDrafter(inner, model.lm_head, OsdSettings.from_config(cfg.osd))
+    atexit.register(od.close)
+    print(f"[rank 0] online speculative decoding: loss={cfg.osd.loss} sample_source={cfg.osd.sample_source} "
+          f"update_interval={cfg.osd.update_interval} lr={cfg.osd.lr} "
+          f"({'inline' if cfg.osd.sync else 'background thread'}, swap at {cfg.osd.swap_at})", file=sys.stderr)
+    return od
 
 
 def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
@@ -371,7 +390,8 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
         eos = gen_cfg.get("eos_token_id", getattr(model.config, "eos_token_id", None))
         stop_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
-    from pipeline.outputs import AnswerFile, OutputFileError, head_identity, provenance, resume_rows
+    from pipeline.outputs import (AnswerFile, OutputFileError, drafter_fields, head_identity, provenance,
+                                  resume_rows)
     needs_head = any(m != "ar" for m in modes)
     prov = provenance(cfg, stage_root, head_identity(cfg.model.head_dir, _head_choice(cfg, stage_root), needs_head),
                       args.template, comm.world)
@@ -461,6 +481,7 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
                            "tokens_per_s": round(res.new_tokens / res.decode_s, 3) if res.decode_s else None,
                            "busy_fraction": [round(b, 4) for b in res.busy_fraction], "world_size": comm.world}
                     row.update(res.emu)  # emu_* fidelity fields when the emulated testbed is on
+                    row.update(drafter_fields(drafter))  # drafter_version (online learning: draft/osd.py)
                     row.update(prov)
                     if out_f:
                         out_f.write(json.dumps(row) + "\n")

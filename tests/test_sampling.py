@@ -723,3 +723,132 @@ def test_ar_processed_sampling_equals_hf_generate(e2e):
                            f"top_p={top_p}", f"seed={seed}", f"max_new_tokens={E2E_NEW}", "dtype=float64"], {2})
         for p, r in zip(E2E_PROMPTS, res["ar"]):
             assert r.output_ids == hf_sample(e2e.full, p, seed, temp, top_k, top_p), (temp, top_k, top_p)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. Online learning (draft/osd.py): the drafter's weights change between rounds, the law does not
+# ---------------------------------------------------------------------------------------------------------------
+
+class _TableHead(torch.nn.Module):
+    """The Markov draft's "weights": one [V, V] logits table (what OnlineDrafter swaps)."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(1, 1)          # unused; OnlineDrafter only swaps named parameters
+        self.table = torch.nn.Parameter(table.clone().float(), requires_grad=False)
+
+
+class SwappableMarkovDrafter(MarkovDrafter):
+    """A MarkovDrafter whose table lives in ``head`` (so OnlineDrafter can swap it); no tree memo."""
+
+    def __init__(self, draft_logits: torch.Tensor) -> None:
+        super().__init__(draft_logits)
+        self.head = _TableHead(draft_logits)
+
+    def logprobs(self, hidden):
+        return torch.log_softmax(self.head.table, dim=-1)[hidden[..., 0].long()]
+
+    def reset(self) -> None:
+        self.n_tree = 0
+
+    def grow_tree(self, root_token, root_hidden, total_token, depth, top_k):
+        return Drafter.grow_tree(self, root_token, root_hidden, total_token, depth, top_k)
+
+
+def _draft_tables(seed: int, k: int = 3) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(V, V, generator=g) * 2.0 for _ in range(k)]
+
+
+def make_online_runner(mode: str, world: int, target: torch.Tensor, tables: list[torch.Tensor], sampler: Sampler,
+                       horizon: int, overrides: dict, swap_at: str = "commit"):
+    """``make_runner`` with the drafter wrapped in ``draft.osd.OnlineDrafter``: at every commit a new table is
+    published, chosen by the committed history (so enumeration replays are consistent), and swapped in by that
+    commit (``swap_at=commit``): every round after the first drafts with other weights."""
+    from draft.osd import OnlineDrafter, OsdSettings
+    live = getattr(sampler, "live", lambda: True)
+    decode = ContinuousMode().decode if mode == "continuous" else MODES[mode][0]
+    ring = FakeRing(world, MODES[mode][1], live, True)
+    od = OnlineDrafter(SwappableMarkovDrafter(tables[0]), None, OsdSettings(swap_at=swap_at), learn=False)
+    inner_commit = od.commit
+    seen: list[int] = []
+
+    def commit(tokens, features):   # published before the commit: swapped in by this very commit
+        seen.extend(int(t) for t in tokens.reshape(-1).tolist())
+        od.publish({"table": tables[(sum(seen) + len(seen)) % len(tables)]})
+        return inner_commit(tokens, features)
+    od.commit = commit
+    engine = SimpleNamespace(comm=ring, gen=1, cfg=apply_overrides(DEFAULT, {**TREE, **overrides}), drafter=od,
+                             sampler=sampler, tracer=SimpleNamespace(span=lambda *a, **k: nullcontext()),
+                             logits=lambda hidden: target[hidden[:, 0].long()])
+    first = torch.full((V,), -1e9)
+    first[ROOT] = 0.0
+
+    def run() -> tuple[int, ...]:
+        ring.reset()
+        seen.clear()
+        od.publish({"table": tables[0]})      # every run starts from the same weights
+        out = OutputBuffer(set(), horizon + 1)
+        decode(engine, first, None, [ROOT], out)
+        assert out.finished and out.ids[0] == ROOT and len(out.ids) == horizon + 1
+        return tuple(out.ids[1:])
+
+    run.od = od
+    return run
+
+
+@pytest.mark.parametrize("mode,world,temp,top_p,horizon", [("naive", 3, 1.0, 1.0, 2), ("continuous", 3, 1.0, 0.9, 2),
+                                                           ("pruned", 3, 2.0, 1.0, 2)])
+def test_exact_law_with_a_drafter_that_changes_between_rounds(mode, world, temp, top_p, horizon):
+    target = make_world(11, "random", 1.5)[0]
+    sampler = BranchingSampler(temp, top_p, 0, horizon)
+    run = make_online_runner(mode, world, target, _draft_tables(4), sampler, horizon, {})
+    law, runs = exact_law(run, sampler)
+    ref = target_law(sampler, target, horizon)
+    assert run.od.swaps > runs, "the head did not change between rounds"
+    worst = max(abs(law.get(k, 0.0) - w) for k, w in ref.items())
+    assert worst < 1e-6, f"{mode}: |law - target| up to {worst:.3g}"
+
+
+def test_broken_verifier_fails_exact_law_with_a_changing_drafter(monkeypatch):
+    target = make_world(11, "target")[0]
+    tables = [target.clone()] + _draft_tables(4, 2)
+    bad = _broken_walk("no_renorm", tables[0])
+    monkeypatch.setattr("pipeline.modes.naive.walk_tree", bad)
+    sampler = BranchingSampler(1.0, 1.0, 0, 2)
+    law, _ = exact_law(make_online_runner("naive", 3, target, tables, sampler, 2, {}), sampler)
+    assert total_variation(law, target_law(sampler, target, 2)) > 0.02
+
+
+def monte_carlo_changing(target, tables, sampler: Sampler, n: int, horizon: int, walker=walk_tree) -> Counter:
+    """The naive pattern with the real generator, the draft table switching after every round as a function of
+    the committed history (trees built by the real EAGLE-2 search, cached per (table, root))."""
+    drafters = [MarkovDrafter(t) for t in tables]
+    cache: dict = {}
+    counts: Counter = Counter()
+    for _ in range(n):
+        out, x = [], ROOT
+        while len(out) < horizon:
+            k = (sum(out) + len(out)) % len(tables)
+            if (k, x) not in cache:
+                tree = drafters[k].grow_tree(x, enc(x), 7, 2, 3)
+                cache[(k, x)] = (tree, target[tree.tokens].contiguous(), tree.tokens.tolist())
+            tree, logits, toks = cache[(k, x)]
+            path, x, _ = walker(tree, len(tree), logits, sampler)
+            out += [toks[i] for i in path[1:]] + [x]
+        counts[tuple(out[:horizon])] += 1
+    return counts
+
+
+def test_chi_square_with_a_drafter_that_changes_between_rounds():
+    target = make_world(5, "random", 0.5)[0]
+    tables = _draft_tables(6)
+    sampler = MemoSampler(2.0, 1.0, 0, torch.Generator().manual_seed(4321))
+    law = target_law(sampler, target, 2)
+    n = 15000
+    assert power_against_one_percent_tv(law, n) > 0.9
+    pval = chi_square_pvalue(monte_carlo_changing(target, tables, sampler, n, 2), law, n)
+    assert pval > ALPHA, f"chi-square p = {pval:.3g}"
+    bad = monte_carlo_changing(target, tables, MemoSampler(1.0, 1.0, 0, torch.Generator().manual_seed(99)), 4000, 2,
+                               walker=_broken_walk("draft_ratio", tables[0]))
+    assert chi_square_pvalue(bad, target_law(MemoSampler(1.0, 1.0, 0, None), target, 2), 4000) < 1e-6
