@@ -139,6 +139,7 @@ class Request:
         self.commits = 0                       # OutputBuffer commits (the first one is the prefill token)
         self.finish_reason: str | None = None
         self.result = None                     # pipeline.engine.GenResult once done
+        self.drafter: dict = {}                # pipeline.outputs.drafter_fields of the drafter that served it
         self.error: tuple[int, str] | None = None  # (HTTP status, message) when failed
         self.cancel_event = threading.Event()
         self.delivered = threading.Event()     # the HTTP layer has sent the final response
@@ -209,7 +210,8 @@ class Request:
         if r is not None:
             out.update(steps=len(r.accept_lengths), tau=round(r.tau, 4), accept_lengths=r.accept_lengths,
                        decode_s=round(r.decode_s, 6), prefill_s=round(r.prefill_s, 6), rounds=r.rounds,
-                       pipeline_steps=r.pipeline_steps, busy_fraction=[round(b, 4) for b in r.busy_fraction])
+                       pipeline_steps=r.pipeline_steps, busy_fraction=[round(b, 4) for b in r.busy_fraction],
+                       **self.drafter)
         else:
             steps = max(0, self.commits - 1)
             out.update(steps=steps, tau=round((len(self.ids) - 1) / steps, 4) if steps else None)
@@ -535,6 +537,7 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     from pipeline import faults
     from pipeline.engine import Engine, timed_generation
     from pipeline.modes import DECODERS
+    from pipeline.outputs import drafter_fields
     from pipeline.prompts import stop_token_ids
     from pipeline.run import SetupError, make_drafter
     from pipeline.verify import Sampler
@@ -575,6 +578,7 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
         finally:
             engine.on_commit = engine.cancel = None
             cfg.gen.max_new_tokens = keep_max
+        req.drafter = drafter_fields(engine.drafter) if p.mode != "ar" else {"drafter_version": None}
         req._finish(res, req.cancel_event.is_set())
         manager.record(req)
 

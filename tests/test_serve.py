@@ -147,6 +147,7 @@ def test_openai_client_and_httpx_every_mode_equal_hf(server):
         assert r.choices[0].finish_reason in ("stop", "length")
         assert spec["steps"] == len(spec["accept_lengths"]) and spec["decode_s"] > 0 and spec["prefill_s"] > 0
         assert spec["tau"] == pytest.approx(sum(spec["accept_lengths"]) / max(1, spec["steps"]), abs=1e-3)
+        assert spec["drafter_version"] == (None if mode == "ar" else 0), mode   # no online learning here
         if mode in ("naive", "pruned", "continuous"):  # the oracle drafter: long accepted paths (pipedec: 1/step)
             assert spec["tau"] > 1.5, spec
         stream = client.chat.completions.create(model=name, messages=messages, max_tokens=12, stream=True,
