@@ -23,17 +23,20 @@ import os
 import re
 import threading
 import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
 
 from pipeline import faults
-from pipeline.messages import HEADER_LEN, MAGIC, Context, Message, Segment, Shutdown, decode, encode, payload_size
+from pipeline.messages import (HEADER_LEN, MAGIC, Context, Message, Segment, Shutdown, decode, encode, layout,
+                               payload_size, write_payload)
 from pipeline.trace import Tracer
 
 HB_PREFIX = "flowspec/hb/"
 FAIL_PREFIX = "flowspec/fail/"
 DONE_PREFIX = "flowspec/done/"
+MAX_PENDING = 64   # sends per destination kept in flight before the oldest is waited for (see Comm.send)
 
 
 class PeerLost(RuntimeError):
@@ -135,7 +138,12 @@ class Comm:
         self.next_rank = (self.rank + 1) % self.world
         self.prev_rank = (self.rank - 1) % self.world
         self.tracer = tracer or Tracer(self.rank, enabled=False)
-        self._pending: list = []
+        # per destination: (works, header, payload buffer) of sends not waited for yet, oldest first
+        self._pending: dict[int, deque] = {}
+        self._free: list[tuple[torch.Tensor, torch.Tensor]] = []   # recycled (header, payload) send buffers
+        self._cpu_wire = self.wire_device.type == "cpu"
+        self._rx_header = torch.zeros(HEADER_LEN, dtype=torch.long)  # reused: decoded before the next receive
+        self._pg = dist.distributed_c10d._get_default_group()
         self._direct_header: torch.Tensor | None = None
         self._direct_work = None
         self._closing = False
@@ -151,31 +159,105 @@ class Comm:
 
     # -- ring ------------------------------------------------------------------------------------
     def send(self, dst: int, msg: Message) -> None:
-        self._fault_point("send", msg)
-        header, payload = encode(msg)
-        with self.tracer.span("send", dst=dst, bytes=int(payload.numel())):
-            self._reap()
+        """Post ``msg`` to ``dst`` without waiting for it to be received.
+
+        Lean path (gloo): the header and payload bytes are written into a recycled pair of host buffers (no
+        codec tensors, no concatenation) and posted with ``isend`` on the process group directly. A gloo send
+        completes only once the receiver has posted its receive, and its work object never reports completion
+        before ``wait``; so the sends to each destination are kept in a FIFO and the oldest is waited for
+        (and its buffers recycled) once more than :data:`MAX_PENDING` are outstanding: bounded memory, O(1) per
+        send. That wait blocks only while ``dst`` lags ``MAX_PENDING`` messages behind on this link; a ring
+        could deadlock on it only with more than ``MAX_PENDING`` unreceived messages on every link at once
+        (rank 0 bounds what it has in flight, prefill included: :meth:`pipeline.engine.Engine.prefill`).
+        """
+        if faults._armed:
+            self._fault_point("send", msg)
+        tracer = self.tracer
+        if tracer.enabled:
+            with tracer.span("send", dst=dst):
+                self._send(dst, msg)
+        else:
+            self._send(dst, msg)
+
+    def _send(self, dst: int, msg: Message) -> None:
+        if not self._cpu_wire:   # NCCL: codec tensors moved to the device
+            header, payload = encode(msg)
             header = header.to(self.wire_device)
-            reqs = [self._guard(lambda: dist.isend(header, dst, tag=0), dst)]  # raises at once on a closed link
+            reqs = [self._guard(lambda: dist.isend(header, dst, tag=0), dst)]
             if payload.numel():
                 payload = payload.to(self.wire_device)
                 reqs.append(self._guard(lambda: dist.isend(payload, dst, tag=1), dst))
-            self._pending.append((dst, reqs, header, payload))
+            self._queue(dst, reqs, header, payload)
+            return
+        head, tensors, nbytes = layout(msg)
+        header, buf = self._free.pop() if self._free else (torch.zeros(HEADER_LEN, dtype=torch.long),
+                                                            torch.empty(0, dtype=torch.uint8))
+        hv = header.numpy()
+        hv[len(head):] = 0
+        hv[:len(head)] = head
+        pg = self._pg
+        try:
+            reqs = [pg.send([header], dst, 0)]   # raises at once on a closed link
+            if nbytes:
+                if buf.numel() < nbytes:
+                    buf = torch.empty(max(nbytes, 2 * buf.numel()), dtype=torch.uint8)
+                payload = buf[:nbytes]
+                write_payload(tensors, payload)
+                reqs.append(pg.send([payload], dst, 1))
+        except Exception as e:
+            if self._closing:
+                raise
+            raise self.diagnose(dst, e) from None
+        self._queue(dst, reqs, header, buf)
+
+    def _queue(self, dst: int, reqs: list, header: torch.Tensor, buf: torch.Tensor) -> None:
+        q = self._pending.get(dst)
+        if q is None:
+            q = self._pending[dst] = deque()
+        q.append((reqs, header, buf))
+        if len(q) > MAX_PENDING:
+            self._retire(dst, q)
+
+    def _retire(self, dst: int, q: deque) -> None:
+        """Wait for the oldest send to ``dst`` (surfacing its error) and recycle its buffers."""
+        reqs, header, buf = q.popleft()
+        for r in reqs:
+            self._guard(r.wait, dst)
+        if self._cpu_wire:
+            self._free.append((header, buf))
 
     def recv(self, src: int) -> Message:
-        with self.tracer.span("recv", src=src):
+        tracer = self.tracer
+        if tracer.enabled:
+            with tracer.span("recv", src=src):
+                msg = self._recv_raw(src)
+        else:
             msg = self._recv_raw(src)
-        self._fault_point("recv", msg)
+        if faults._armed:
+            self._fault_point("recv", msg)
         return msg
 
     def _recv_raw(self, src: int) -> Message:
-        header = torch.empty(HEADER_LEN, dtype=torch.long, device=self.wire_device)
-        self._guard(lambda: dist.recv(header, src, tag=0), src)
-        nbytes = payload_size(header.cpu())
-        payload = torch.empty(nbytes, dtype=torch.uint8, device=self.wire_device)
-        if nbytes:
-            self._guard(lambda: dist.recv(payload, src, tag=1), src)
-        return decode(header.cpu(), payload)
+        if not self._cpu_wire:
+            header = torch.empty(HEADER_LEN, dtype=torch.long, device=self.wire_device)
+            self._guard(lambda: dist.recv(header, src, tag=0), src)
+            nbytes = payload_size(header.cpu())
+            payload = torch.empty(nbytes, dtype=torch.uint8, device=self.wire_device)
+            if nbytes:
+                self._guard(lambda: dist.recv(payload, src, tag=1), src)
+            return decode(header.cpu(), payload)
+        header, pg = self._rx_header, self._pg
+        try:
+            pg.recv([header], src, 0).wait()
+            nbytes = payload_size(header)
+            payload = torch.empty(nbytes, dtype=torch.uint8)
+            if nbytes:
+                pg.recv([payload], src, 1).wait()
+        except Exception as e:
+            if self._closing:
+                raise
+            raise self.diagnose(src, e) from None
+        return decode(header, payload, share=True)   # the fresh payload is the message's storage
 
     @staticmethod
     def _fault_point(point: str, msg: Message) -> None:
@@ -245,7 +327,7 @@ class Comm:
             payload = torch.empty(nbytes, dtype=torch.uint8)
             if nbytes:
                 self._guard(lambda: dist.recv(payload, 0, tag=1), 0)
-            msg = decode(header, payload)
+            msg = decode(header, payload, share=True)
             self._direct_header.zero_()
             self._direct_work = None
             if not isinstance(msg, Shutdown):
@@ -263,23 +345,11 @@ class Comm:
             time.sleep(0.001)
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def _reap(self) -> None:
-        """Wait for completed sends (surfacing their errors) and drop them."""
-        still = []
-        for item in self._pending:
-            dst, reqs = item[0], item[1]
-            if all(r.is_completed() for r in reqs):
-                for r in reqs:
-                    self._guard(r.wait, dst)
-            else:
-                still.append(item)
-        self._pending = still
-
     def flush(self) -> None:
-        for dst, reqs, *_ in self._pending:
-            for r in reqs:
-                self._guard(r.wait, dst)
-        self._pending = []
+        """Wait for every posted send (surfacing errors)."""
+        for dst, q in self._pending.items():
+            while q:
+                self._retire(dst, q)
 
     def barrier(self) -> None:
         self._guard(lambda: dist.barrier(), None)
