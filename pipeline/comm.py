@@ -37,6 +37,17 @@ HB_PREFIX = "flowspec/hb/"
 FAIL_PREFIX = "flowspec/fail/"
 DONE_PREFIX = "flowspec/done/"
 MAX_PENDING = 64   # sends per destination kept in flight before the oldest is waited for (see Comm.send)
+HEADER_BYTES = HEADER_LEN * 8
+FRAME_BYTES = 256 * 1024   # gloo wire: a message whose header + payload fit travels as one frame (see Comm.send)
+
+
+def wire_sizes(payload_bytes: int) -> list[int]:
+    """Bytes of each gloo message that carries a message of ``payload_bytes`` payload (CPU wire): one frame
+    (header then payload) when it fits in :data:`FRAME_BYTES`, else the header (tag 0) and the payload (tag 1).
+    Sender and receiver apply the same rule to the header, so no flag is needed."""
+    if HEADER_BYTES + payload_bytes <= FRAME_BYTES:
+        return [HEADER_BYTES + payload_bytes]
+    return [HEADER_BYTES, payload_bytes]
 
 
 class PeerLost(RuntimeError):
@@ -138,12 +149,14 @@ class Comm:
         self.next_rank = (self.rank + 1) % self.world
         self.prev_rank = (self.rank - 1) % self.world
         self.tracer = tracer or Tracer(self.rank, enabled=False)
-        # per destination: (works, header, payload buffer) of sends not waited for yet, oldest first
+        # per destination: (works, send buffer) of sends not waited for yet, oldest first
         self._pending: dict[int, deque] = {}
-        self._free: list[tuple[torch.Tensor, torch.Tensor]] = []   # recycled (header, payload) send buffers
+        self._free: list[torch.Tensor] = []   # recycled uint8 send buffers (header bytes, then payload bytes)
         self._cpu_wire = self.wire_device.type == "cpu"
-        self._rx_header = torch.zeros(HEADER_LEN, dtype=torch.long)  # reused: decoded before the next receive
+        self._rx_frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)  # reused: decoded before the next receive
+        self._rx_header = self._rx_frame[:HEADER_BYTES].view(torch.long)
         self._pg = dist.distributed_c10d._get_default_group()
+        self._direct_frame: torch.Tensor | None = None
         self._direct_header: torch.Tensor | None = None
         self._direct_work = None
         self._closing = False
@@ -161,14 +174,19 @@ class Comm:
     def send(self, dst: int, msg: Message) -> None:
         """Post ``msg`` to ``dst`` without waiting for it to be received.
 
-        Lean path (gloo): the header and payload bytes are written into a recycled pair of host buffers (no
-        codec tensors, no concatenation) and posted with ``isend`` on the process group directly. A gloo send
-        completes only once the receiver has posted its receive, and its work object never reports completion
-        before ``wait``; so the sends to each destination are kept in a FIFO and the oldest is waited for
-        (and its buffers recycled) once more than :data:`MAX_PENDING` are outstanding: bounded memory, O(1) per
-        send. That wait blocks only while ``dst`` lags ``MAX_PENDING`` messages behind on this link; a ring
-        could deadlock on it only with more than ``MAX_PENDING`` unreceived messages on every link at once
-        (rank 0 bounds what it has in flight, prefill included: :meth:`pipeline.engine.Engine.prefill`).
+        Lean path (gloo, host wire): header and payload bytes are written into one recycled host buffer (no
+        codec tensors, no concatenation) and posted with ``isend`` on the process group directly, as one frame
+        when they fit in :data:`FRAME_BYTES` (the receiver posts a frame-sized receive; gloo accepts a shorter
+        message), else as header (tag 0) then payload (tag 1): :func:`wire_sizes`. Every gloo message costs a
+        rendezvous (a send completes only once the receiver has posted its receive), so one frame per hop
+        instead of two halves the wake-ups per hop.
+
+        A gloo send's work object never reports completion before ``wait``, so the sends to each destination
+        are kept in a FIFO and the oldest is waited for (its buffer recycled) once more than
+        :data:`MAX_PENDING` are outstanding: bounded memory, O(1) per send. That wait blocks only while
+        ``dst`` lags ``MAX_PENDING`` messages behind on this link; a ring could deadlock on it only with more
+        than ``MAX_PENDING`` unreceived messages on every link at once (rank 0 bounds what it has in flight,
+        prefill included: :meth:`pipeline.engine.Engine.prefill`).
         """
         if faults._armed:
             self._fault_point("send", msg)
@@ -187,44 +205,45 @@ class Comm:
             if payload.numel():
                 payload = payload.to(self.wire_device)
                 reqs.append(self._guard(lambda: dist.isend(payload, dst, tag=1), dst))
-            self._queue(dst, reqs, header, payload)
+            self._queue(dst, reqs, (header, payload))
             return
         head, tensors, nbytes = layout(msg)
-        header, buf = self._free.pop() if self._free else (torch.zeros(HEADER_LEN, dtype=torch.long),
-                                                            torch.empty(0, dtype=torch.uint8))
-        hv = header.numpy()
+        total = HEADER_BYTES + nbytes
+        buf = self._free.pop() if self._free else torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        if buf.numel() < total:
+            buf = torch.empty(max(total, 2 * buf.numel()), dtype=torch.uint8)
+        hv = buf[:HEADER_BYTES].view(torch.long).numpy()
         hv[len(head):] = 0
         hv[:len(head)] = head
+        if nbytes:
+            write_payload(tensors, buf[HEADER_BYTES:total])
         pg = self._pg
         try:
-            reqs = [pg.send([header], dst, 0)]   # raises at once on a closed link
-            if nbytes:
-                if buf.numel() < nbytes:
-                    buf = torch.empty(max(nbytes, 2 * buf.numel()), dtype=torch.uint8)
-                payload = buf[:nbytes]
-                write_payload(tensors, payload)
-                reqs.append(pg.send([payload], dst, 1))
+            if total <= FRAME_BYTES:   # one frame (wire_sizes)
+                reqs = [pg.send([buf[:total]], dst, 0)]   # raises at once on a closed link
+            else:
+                reqs = [pg.send([buf[:HEADER_BYTES]], dst, 0), pg.send([buf[HEADER_BYTES:total]], dst, 1)]
         except Exception as e:
             if self._closing:
                 raise
             raise self.diagnose(dst, e) from None
-        self._queue(dst, reqs, header, buf)
+        self._queue(dst, reqs, buf)
 
-    def _queue(self, dst: int, reqs: list, header: torch.Tensor, buf: torch.Tensor) -> None:
+    def _queue(self, dst: int, reqs: list, buf) -> None:
         q = self._pending.get(dst)
         if q is None:
             q = self._pending[dst] = deque()
-        q.append((reqs, header, buf))
+        q.append((reqs, buf))
         if len(q) > MAX_PENDING:
             self._retire(dst, q)
 
     def _retire(self, dst: int, q: deque) -> None:
         """Wait for the oldest send to ``dst`` (surfacing its error) and recycle its buffers."""
-        reqs, header, buf = q.popleft()
+        reqs, buf = q.popleft()
         for r in reqs:
             self._guard(r.wait, dst)
         if self._cpu_wire:
-            self._free.append((header, buf))
+            self._free.append(buf)
 
     def recv(self, src: int) -> Message:
         tracer = self.tracer
@@ -246,18 +265,24 @@ class Comm:
             if nbytes:
                 self._guard(lambda: dist.recv(payload, src, tag=1), src)
             return decode(header.cpu(), payload)
-        header, pg = self._rx_header, self._pg
         try:
-            pg.recv([header], src, 0).wait()
-            nbytes = payload_size(header)
-            payload = torch.empty(nbytes, dtype=torch.uint8)
-            if nbytes:
-                pg.recv([payload], src, 1).wait()
+            self._pg.recv([self._rx_frame], src, 0).wait()
+            return self._take_frame(self._rx_header, self._rx_frame, src)
         except Exception as e:
-            if self._closing:
+            if self._closing or isinstance(e, ValueError):   # ValueError: a corrupt header
                 raise
             raise self.diagnose(src, e) from None
-        return decode(header, payload, share=True)   # the fresh payload is the message's storage
+
+    def _take_frame(self, header: torch.Tensor, frame: torch.Tensor, src: int) -> Message:
+        """The message whose header landed in ``frame`` (its payload follows in the frame, or arrives next on
+        tag 1: :func:`wire_sizes`). The payload is copied out once; the message's tensors are views of that copy."""
+        nbytes = payload_size(header)
+        if HEADER_BYTES + nbytes <= FRAME_BYTES:
+            payload = frame[HEADER_BYTES:HEADER_BYTES + nbytes].clone()
+        else:
+            payload = torch.empty(nbytes, dtype=torch.uint8)
+            self._pg.recv([payload], src, 1).wait()
+        return decode(header, payload, share=True)
 
     @staticmethod
     def _fault_point(point: str, msg: Message) -> None:
@@ -309,8 +334,9 @@ class Comm:
         on the ring only, see :meth:`poll_direct`)."""
         if self.rank < 2 or self.wire_device.type != "cpu" or self._direct_work is not None:
             return
-        self._direct_header = torch.zeros(HEADER_LEN, dtype=torch.long)
-        self._direct_work = self._guard(lambda: dist.irecv(self._direct_header, 0, tag=0), 0)
+        self._direct_frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+        self._direct_header = self._direct_frame[:HEADER_BYTES].view(torch.long)
+        self._direct_work = self._guard(lambda: self._pg.recv([self._direct_frame], 0, 0), 0)
 
     def poll_direct(self) -> list[Message]:
         """Direct messages from rank 0 that have arrived; never waits for one.
@@ -322,16 +348,16 @@ class Comm:
         out: list[Message] = []
         while self._direct_work is not None and int(self._direct_header[0]) == MAGIC:
             self._guard(self._direct_work.wait, 0)
-            header = self._direct_header.clone()
-            nbytes = payload_size(header)
-            payload = torch.empty(nbytes, dtype=torch.uint8)
-            if nbytes:
-                self._guard(lambda: dist.recv(payload, 0, tag=1), 0)
-            msg = decode(header, payload, share=True)
-            self._direct_header.zero_()
+            try:
+                msg = self._take_frame(self._direct_header, self._direct_frame, 0)
+            except Exception as e:
+                if self._closing or isinstance(e, ValueError):   # ValueError: a corrupt header
+                    raise
+                raise self.diagnose(0, e) from None
+            self._direct_header[0] = 0
             self._direct_work = None
             if not isinstance(msg, Shutdown):
-                self._direct_work = self._guard(lambda: dist.irecv(self._direct_header, 0, tag=0), 0)
+                self._direct_work = self._guard(lambda: self._pg.recv([self._direct_frame], 0, 0), 0)
             out.append(msg)
         if out and faults._armed:
             faults.hit("decision")
