@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline import faults
-from pipeline.messages import (HEADER_LEN, MAGIC, Context, Message, Segment, Shutdown, decode, encode, layout,
-                               payload_size, write_payload)
+from pipeline.messages import (HEADER_LEN, MAGIC, Context, Message, Segment, Shutdown, decode, decode_at, encode,
+                               layout, payload_size, shapes, write_at)
 from pipeline.trace import Tracer
 
 HB_PREFIX = "flowspec/hb/"
@@ -151,10 +151,12 @@ class Comm:
         self.tracer = tracer or Tracer(self.rank, enabled=False)
         # per destination: (works, send buffer) of sends not waited for yet, oldest first
         self._pending: dict[int, deque] = {}
-        self._free: list[torch.Tensor] = []   # recycled uint8 send buffers (header bytes, then payload bytes)
+        # recycled send buffers: (uint8 tensor, its int64 header view as numpy, its address)
+        self._free: list[tuple] = []
         self._cpu_wire = self.wire_device.type == "cpu"
         self._rx_frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)  # reused: decoded before the next receive
         self._rx_header = self._rx_frame[:HEADER_BYTES].view(torch.long)
+        self._rx_hnp = self._rx_header.numpy()
         self._pg = dist.distributed_c10d._get_default_group()
         self._direct_frame: torch.Tensor | None = None
         self._direct_header: torch.Tensor | None = None
@@ -209,14 +211,16 @@ class Comm:
             return
         head, tensors, nbytes = layout(msg)
         total = HEADER_BYTES + nbytes
-        buf = self._free.pop() if self._free else torch.empty(HEADER_BYTES, dtype=torch.uint8)
-        if buf.numel() < total:
-            buf = torch.empty(max(total, 2 * buf.numel()), dtype=torch.uint8)
-        hv = buf[:HEADER_BYTES].view(torch.long).numpy()
+        slot = self._free.pop() if self._free else None
+        if slot is None or slot[0].numel() < total:
+            size = max(total, 2 * slot[0].numel()) if slot is not None else max(total, 4096)
+            buf = torch.empty(size, dtype=torch.uint8)
+            slot = (buf, buf[:HEADER_BYTES].view(torch.long).numpy(), buf.data_ptr())
+        buf, hv, address = slot
         hv[len(head):] = 0
         hv[:len(head)] = head
         if nbytes:
-            write_payload(tensors, buf[HEADER_BYTES:total])
+            write_at(tensors, address + HEADER_BYTES)
         pg = self._pg
         try:
             if total <= FRAME_BYTES:   # one frame (wire_sizes)
@@ -227,7 +231,7 @@ class Comm:
             if self._closing:
                 raise
             raise self.diagnose(dst, e) from None
-        self._queue(dst, reqs, buf)
+        self._queue(dst, reqs, slot)
 
     def _queue(self, dst: int, reqs: list, buf) -> None:
         q = self._pending.get(dst)
@@ -267,22 +271,21 @@ class Comm:
             return decode(header.cpu(), payload)
         try:
             self._pg.recv([self._rx_frame], src, 0).wait()
-            return self._take_frame(self._rx_header, self._rx_frame, src)
+            return self._take_frame(self._rx_hnp.tolist(), self._rx_frame, src)
         except Exception as e:
             if self._closing or isinstance(e, ValueError):   # ValueError: a corrupt header
                 raise
             raise self.diagnose(src, e) from None
 
-    def _take_frame(self, header: torch.Tensor, frame: torch.Tensor, src: int) -> Message:
-        """The message whose header landed in ``frame`` (its payload follows in the frame, or arrives next on
-        tag 1: :func:`wire_sizes`). The payload is copied out once; the message's tensors are views of that copy."""
-        nbytes = payload_size(header)
+    def _take_frame(self, h: list[int], frame: torch.Tensor, src: int) -> Message:
+        """The message whose header ints ``h`` landed in ``frame``: its payload follows in the frame, or
+        arrives next on tag 1 (:func:`wire_sizes`). Each tensor is allocated once and filled by one copy."""
+        nbytes = shapes(h)[1]
         if HEADER_BYTES + nbytes <= FRAME_BYTES:
-            payload = frame[HEADER_BYTES:HEADER_BYTES + nbytes].clone()
-        else:
-            payload = torch.empty(nbytes, dtype=torch.uint8)
-            self._pg.recv([payload], src, 1).wait()
-        return decode(header, payload, share=True)
+            return decode_at(h, frame.data_ptr() + HEADER_BYTES)
+        payload = torch.empty(nbytes, dtype=torch.uint8)
+        self._pg.recv([payload], src, 1).wait()
+        return decode_at(h, payload.data_ptr())
 
     @staticmethod
     def _fault_point(point: str, msg: Message) -> None:
@@ -349,7 +352,7 @@ class Comm:
         while self._direct_work is not None and int(self._direct_header[0]) == MAGIC:
             self._guard(self._direct_work.wait, 0)
             try:
-                msg = self._take_frame(self._direct_header, self._direct_frame, 0)
+                msg = self._take_frame(self._direct_header.tolist(), self._direct_frame, 0)
             except Exception as e:
                 if self._closing or isinstance(e, ValueError):   # ValueError: a corrupt header
                     raise

@@ -18,6 +18,7 @@ reaches it. No collective is used in the decode loop.
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -244,17 +245,23 @@ def encode(msg: Message) -> tuple[Tensor, Tensor]:
     return header, payload
 
 
-def _shapes(h: list[int]) -> tuple[list, int]:
+def shapes(h: list[int]) -> tuple[list, int]:
     """``([(dtype, shape, nbytes)], total bytes)`` of a header's tensors; checks the magic number."""
     if h[0] != MAGIC:
         raise ValueError("corrupt message header (bad magic)")
     n_t = h[3]
     pos, total, out = 4 + h[2], 0, []
+    if not (0 <= h[2] and 0 <= n_t <= MAX_TENSORS and pos + 6 * n_t <= HEADER_LEN):
+        raise ValueError("corrupt message header (counts)")
     for _ in range(n_t):
-        dt, nd = _DTYPES[h[pos]], h[pos + 1]
-        shape = h[pos + 2:pos + 2 + nd]
+        code, nd = h[pos], h[pos + 1]
+        if not (0 <= code < len(_DTYPES) and 0 <= nd <= 4):
+            raise ValueError("corrupt message header (dtype or rank)")
+        dt, shape = _DTYPES[code], h[pos + 2:pos + 2 + nd]
         numel = 1
         for s in shape:
+            if s < 0:
+                raise ValueError("corrupt message header (negative size)")
             numel *= s
         nbytes = numel * dt.itemsize
         out.append((dt, shape, nbytes))
@@ -264,7 +271,33 @@ def _shapes(h: list[int]) -> tuple[list, int]:
 
 
 def payload_size(header: Tensor) -> int:
-    return _shapes(header.tolist())[1]
+    return shapes(header.tolist())[1]
+
+
+def decode_at(h: list[int], address: int) -> Message:
+    """The message of header ints ``h`` whose payload bytes start at host memory ``address`` (a frame the
+    caller owns and has sized by :func:`payload_size`): every tensor is allocated once and filled by one
+    memory copy, with no intermediate payload tensor (the transport's receive path)."""
+    specs, _ = shapes(h)
+    kind, n_ints = Kind(h[1]), h[2]
+    tensors = []
+    for dt, shape, nbytes in specs:
+        t = torch.empty(shape, dtype=dt, device=HOST)
+        if nbytes:
+            ctypes.memmove(t.data_ptr(), address, nbytes)
+            address += nbytes
+        tensors.append(t)
+    return _CLASSES[kind].build(h[4:4 + n_ints], tensors)
+
+
+def write_at(tensors: list[Tensor], address: int) -> None:
+    """Copy the (contiguous, host) tensors' raw bytes, in order, to host memory at ``address`` (the
+    transport's send buffer, sized by :func:`layout`)."""
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if n:
+            ctypes.memmove(address, t.data_ptr(), n)
+            address += n
 
 
 def decode(header: Tensor, payload: Tensor, share: bool = False) -> Message:
@@ -272,7 +305,7 @@ def decode(header: Tensor, payload: Tensor, share: bool = False) -> Message:
     caller hands the payload over and never reuses it), views of ``payload`` wherever the bytes are aligned
     for their dtype (no copy)."""
     h = header.tolist()
-    specs, _ = _shapes(h)
+    specs, _ = shapes(h)
     kind, n_ints = Kind(h[1]), h[2]
     ints = h[4:4 + n_ints]
     if payload.device.type != "cpu":
