@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from draft.tree import ancestor_matrix, depths_from_parents
 from model.devices import HOST
 
 Tensor = torch.Tensor
@@ -90,12 +89,49 @@ class KVCache:
         """
         n = len(parents)
         self._check_room(n)
-        anc = ancestor_matrix(parents, self.tree_anc)
-        depth = torch.cat([self.tree_depth, depths_from_parents(parents, self.tree_depth)])
+        anc, depth = self.extend_tree(parents)
         m = self.num_tree
         allowed = torch.cat([torch.ones(n, self.context_len, dtype=torch.bool, device=HOST), anc[m:, :]], dim=1)
         pos = self.context_len + depth[m:]
         return pos[None], _additive(allowed, dtype), anc, depth
+
+    def extend_tree(self, parents: Tensor) -> tuple[Tensor, Tensor]:
+        """The cached tree's ancestor matrix and depths extended by new nodes ``m..m+n-1`` with ``parents``
+        (tree indices; ``-1`` = a child of the context; a parent must be an earlier node). Equal to
+        ``ancestor_matrix(parents, tree_anc)`` and ``cat(tree_depth, depths_from_parents(parents, tree_depth))``
+        (:mod:`draft.tree`), built with a few tensor ops instead of one indexing op per row: each new row is
+        its chain's first cached ancestor's row (gathered at once) plus a small new-by-new block."""
+        m, par = self.num_tree, parents.tolist()
+        n = len(par)
+        base_depth = self.tree_depth.tolist() if m else []
+        anchor, new_depth = [0] * n, [0] * n        # anchor: the cached node a new node's chain enters (-1: none)
+        block = [[False] * n for _ in range(n)]      # new-by-new ancestor block
+        for i, p in enumerate(par):
+            row = block[i]
+            if p < 0:
+                anchor[i] = -1
+            elif p < m:
+                anchor[i], new_depth[i] = p, base_depth[p] + 1
+            elif p < m + i:
+                j = p - m
+                anchor[i], new_depth[i] = anchor[j], new_depth[j] + 1
+                row[:i] = block[j][:i]
+            else:
+                raise ValueError(f"parent {p} of node {m + i} is not an earlier node")
+            row[i] = True
+        anc = torch.zeros(m + n, m + n, dtype=torch.bool, device=HOST)
+        if m:
+            anc[:m, :m] = self.tree_anc
+            if any(a >= 0 for a in anchor):
+                idx = torch.tensor([max(a, 0) for a in anchor], dtype=torch.long, device=HOST)
+                rows = self.tree_anc.index_select(0, idx)
+                if min(anchor) < 0:
+                    rows[torch.tensor([a < 0 for a in anchor], device=HOST)] = False
+                anc[m:, :m] = rows
+        if n:
+            anc[m:, m:] = torch.tensor(block, dtype=torch.bool, device=HOST)
+        depth = torch.tensor(base_depth + new_depth, dtype=torch.long, device=HOST)
+        return anc, depth
 
     def commit_forward(self, n: int, as_context: bool, anc: Tensor | None = None,
                        depth: Tensor | None = None) -> None:

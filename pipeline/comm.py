@@ -23,17 +23,31 @@ import os
 import re
 import threading
 import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
 
 from pipeline import faults
-from pipeline.messages import HEADER_LEN, MAGIC, Context, Message, Segment, Shutdown, decode, encode, payload_size
+from pipeline.messages import (HEADER_LEN, MAGIC, Context, Message, Segment, Shutdown, decode, decode_at, encode,
+                               layout, payload_size, shapes, write_at)
 from pipeline.trace import Tracer
 
 HB_PREFIX = "flowspec/hb/"
 FAIL_PREFIX = "flowspec/fail/"
 DONE_PREFIX = "flowspec/done/"
+MAX_PENDING = 64   # sends per destination kept in flight before the oldest is waited for (see Comm.send)
+HEADER_BYTES = HEADER_LEN * 8
+FRAME_BYTES = 256 * 1024   # gloo wire: a message whose header + payload fit travels as one frame (see Comm.send)
+
+
+def wire_sizes(payload_bytes: int) -> list[int]:
+    """Bytes of each gloo message that carries a message of ``payload_bytes`` payload (CPU wire): one frame
+    (header then payload) when it fits in :data:`FRAME_BYTES`, else the header (tag 0) and the payload (tag 1).
+    Sender and receiver apply the same rule to the header, so no flag is needed."""
+    if HEADER_BYTES + payload_bytes <= FRAME_BYTES:
+        return [HEADER_BYTES + payload_bytes]
+    return [HEADER_BYTES, payload_bytes]
 
 
 class PeerLost(RuntimeError):
@@ -135,7 +149,16 @@ class Comm:
         self.next_rank = (self.rank + 1) % self.world
         self.prev_rank = (self.rank - 1) % self.world
         self.tracer = tracer or Tracer(self.rank, enabled=False)
-        self._pending: list = []
+        # per destination: (works, send buffer) of sends not waited for yet, oldest first
+        self._pending: dict[int, deque] = {}
+        # recycled send buffers: (uint8 tensor, its int64 header view as numpy, its address)
+        self._free: list[tuple] = []
+        self._cpu_wire = self.wire_device.type == "cpu"
+        self._rx_frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)  # reused: decoded before the next receive
+        self._rx_header = self._rx_frame[:HEADER_BYTES].view(torch.long)
+        self._rx_hnp = self._rx_header.numpy()
+        self._pg = dist.distributed_c10d._get_default_group()
+        self._direct_frame: torch.Tensor | None = None
         self._direct_header: torch.Tensor | None = None
         self._direct_work = None
         self._closing = False
@@ -151,31 +174,118 @@ class Comm:
 
     # -- ring ------------------------------------------------------------------------------------
     def send(self, dst: int, msg: Message) -> None:
-        self._fault_point("send", msg)
-        header, payload = encode(msg)
-        with self.tracer.span("send", dst=dst, bytes=int(payload.numel())):
-            self._reap()
+        """Post ``msg`` to ``dst`` without waiting for it to be received.
+
+        Lean path (gloo, host wire): header and payload bytes are written into one recycled host buffer (no
+        codec tensors, no concatenation) and posted with ``isend`` on the process group directly, as one frame
+        when they fit in :data:`FRAME_BYTES` (the receiver posts a frame-sized receive; gloo accepts a shorter
+        message), else as header (tag 0) then payload (tag 1): :func:`wire_sizes`. Every gloo message costs a
+        rendezvous (a send completes only once the receiver has posted its receive), so one frame per hop
+        instead of two halves the wake-ups per hop.
+
+        A gloo send's work object never reports completion before ``wait``, so the sends to each destination
+        are kept in a FIFO and the oldest is waited for (its buffer recycled) once more than
+        :data:`MAX_PENDING` are outstanding: bounded memory, O(1) per send. That wait blocks only while
+        ``dst`` lags ``MAX_PENDING`` messages behind on this link; a ring could deadlock on it only with more
+        than ``MAX_PENDING`` unreceived messages on every link at once (rank 0 bounds what it has in flight,
+        prefill included: :meth:`pipeline.engine.Engine.prefill`).
+        """
+        if faults._armed:
+            self._fault_point("send", msg)
+        tracer = self.tracer
+        if tracer.enabled:
+            with tracer.span("send", dst=dst):
+                self._send(dst, msg)
+        else:
+            self._send(dst, msg)
+
+    def _send(self, dst: int, msg: Message) -> None:
+        if not self._cpu_wire:   # NCCL: codec tensors moved to the device
+            header, payload = encode(msg)
             header = header.to(self.wire_device)
-            reqs = [self._guard(lambda: dist.isend(header, dst, tag=0), dst)]  # raises at once on a closed link
+            reqs = [self._guard(lambda: dist.isend(header, dst, tag=0), dst)]
             if payload.numel():
                 payload = payload.to(self.wire_device)
                 reqs.append(self._guard(lambda: dist.isend(payload, dst, tag=1), dst))
-            self._pending.append((dst, reqs, header, payload))
+            self._queue(dst, reqs, (header, payload))
+            return
+        head, tensors, nbytes = layout(msg)
+        total = HEADER_BYTES + nbytes
+        slot = self._free.pop() if self._free else None
+        if slot is None or slot[0].numel() < total:
+            size = max(total, 2 * slot[0].numel()) if slot is not None else max(total, 4096)
+            buf = torch.empty(size, dtype=torch.uint8)
+            slot = (buf, buf[:HEADER_BYTES].view(torch.long).numpy(), buf.data_ptr())
+        buf, hv, address = slot
+        hv[len(head):] = 0
+        hv[:len(head)] = head
+        if nbytes:
+            write_at(tensors, address + HEADER_BYTES)
+        pg = self._pg
+        try:
+            if total <= FRAME_BYTES:   # one frame (wire_sizes)
+                reqs = [pg.send([buf[:total]], dst, 0)]   # raises at once on a closed link
+            else:
+                reqs = [pg.send([buf[:HEADER_BYTES]], dst, 0), pg.send([buf[HEADER_BYTES:total]], dst, 1)]
+        except Exception as e:
+            if self._closing:
+                raise
+            raise self.diagnose(dst, e) from None
+        self._queue(dst, reqs, slot)
+
+    def _queue(self, dst: int, reqs: list, buf) -> None:
+        q = self._pending.get(dst)
+        if q is None:
+            q = self._pending[dst] = deque()
+        q.append((reqs, buf))
+        if len(q) > MAX_PENDING:
+            self._retire(dst, q)
+
+    def _retire(self, dst: int, q: deque) -> None:
+        """Wait for the oldest send to ``dst`` (surfacing its error) and recycle its buffers."""
+        reqs, buf = q.popleft()
+        for r in reqs:
+            self._guard(r.wait, dst)
+        if self._cpu_wire:
+            self._free.append(buf)
 
     def recv(self, src: int) -> Message:
-        with self.tracer.span("recv", src=src):
+        tracer = self.tracer
+        if tracer.enabled:
+            with tracer.span("recv", src=src):
+                msg = self._recv_raw(src)
+        else:
             msg = self._recv_raw(src)
-        self._fault_point("recv", msg)
+        if faults._armed:
+            self._fault_point("recv", msg)
         return msg
 
     def _recv_raw(self, src: int) -> Message:
-        header = torch.empty(HEADER_LEN, dtype=torch.long, device=self.wire_device)
-        self._guard(lambda: dist.recv(header, src, tag=0), src)
-        nbytes = payload_size(header.cpu())
-        payload = torch.empty(nbytes, dtype=torch.uint8, device=self.wire_device)
-        if nbytes:
-            self._guard(lambda: dist.recv(payload, src, tag=1), src)
-        return decode(header.cpu(), payload)
+        if not self._cpu_wire:
+            header = torch.empty(HEADER_LEN, dtype=torch.long, device=self.wire_device)
+            self._guard(lambda: dist.recv(header, src, tag=0), src)
+            nbytes = payload_size(header.cpu())
+            payload = torch.empty(nbytes, dtype=torch.uint8, device=self.wire_device)
+            if nbytes:
+                self._guard(lambda: dist.recv(payload, src, tag=1), src)
+            return decode(header.cpu(), payload)
+        try:
+            self._pg.recv([self._rx_frame], src, 0).wait()
+            return self._take_frame(self._rx_hnp.tolist(), self._rx_frame, src)
+        except Exception as e:
+            if self._closing or isinstance(e, ValueError):   # ValueError: a corrupt header
+                raise
+            raise self.diagnose(src, e) from None
+
+    def _take_frame(self, h: list[int], frame: torch.Tensor, src: int) -> Message:
+        """The message whose header ints ``h`` landed in ``frame``: its payload follows in the frame, or
+        arrives next on tag 1 (:func:`wire_sizes`). Each tensor is allocated once and filled by one copy."""
+        nbytes = shapes(h)[1]
+        if HEADER_BYTES + nbytes <= FRAME_BYTES:
+            return decode_at(h, frame.data_ptr() + HEADER_BYTES)
+        payload = torch.empty(nbytes, dtype=torch.uint8)
+        self._pg.recv([payload], src, 1).wait()
+        return decode_at(h, payload.data_ptr())
 
     @staticmethod
     def _fault_point(point: str, msg: Message) -> None:
@@ -227,8 +337,9 @@ class Comm:
         on the ring only, see :meth:`poll_direct`)."""
         if self.rank < 2 or self.wire_device.type != "cpu" or self._direct_work is not None:
             return
-        self._direct_header = torch.zeros(HEADER_LEN, dtype=torch.long)
-        self._direct_work = self._guard(lambda: dist.irecv(self._direct_header, 0, tag=0), 0)
+        self._direct_frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)
+        self._direct_header = self._direct_frame[:HEADER_BYTES].view(torch.long)
+        self._direct_work = self._guard(lambda: self._pg.recv([self._direct_frame], 0, 0), 0)
 
     def poll_direct(self) -> list[Message]:
         """Direct messages from rank 0 that have arrived; never waits for one.
@@ -240,16 +351,16 @@ class Comm:
         out: list[Message] = []
         while self._direct_work is not None and int(self._direct_header[0]) == MAGIC:
             self._guard(self._direct_work.wait, 0)
-            header = self._direct_header.clone()
-            nbytes = payload_size(header)
-            payload = torch.empty(nbytes, dtype=torch.uint8)
-            if nbytes:
-                self._guard(lambda: dist.recv(payload, 0, tag=1), 0)
-            msg = decode(header, payload)
-            self._direct_header.zero_()
+            try:
+                msg = self._take_frame(self._direct_header.tolist(), self._direct_frame, 0)
+            except Exception as e:
+                if self._closing or isinstance(e, ValueError):   # ValueError: a corrupt header
+                    raise
+                raise self.diagnose(0, e) from None
+            self._direct_header[0] = 0
             self._direct_work = None
             if not isinstance(msg, Shutdown):
-                self._direct_work = self._guard(lambda: dist.irecv(self._direct_header, 0, tag=0), 0)
+                self._direct_work = self._guard(lambda: self._pg.recv([self._direct_frame], 0, 0), 0)
             out.append(msg)
         if out and faults._armed:
             faults.hit("decision")
@@ -263,23 +374,11 @@ class Comm:
             time.sleep(0.001)
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def _reap(self) -> None:
-        """Wait for completed sends (surfacing their errors) and drop them."""
-        still = []
-        for item in self._pending:
-            dst, reqs = item[0], item[1]
-            if all(r.is_completed() for r in reqs):
-                for r in reqs:
-                    self._guard(r.wait, dst)
-            else:
-                still.append(item)
-        self._pending = still
-
     def flush(self) -> None:
-        for dst, reqs, *_ in self._pending:
-            for r in reqs:
-                self._guard(r.wait, dst)
-        self._pending = []
+        """Wait for every posted send (surfacing errors)."""
+        for dst, q in self._pending.items():
+            while q:
+                self._retire(dst, q)
 
     def barrier(self) -> None:
         self._guard(lambda: dist.barrier(), None)

@@ -14,6 +14,7 @@ from pipeline.messages import Context, Shutdown, Stats
 from pipeline.verify import Sampler
 
 Tensor = torch.Tensor
+PREFILL_WINDOW = 16   # prefill chunks rank 0 keeps in flight (well below pipeline.comm.MAX_PENDING)
 
 
 @dataclass
@@ -115,9 +116,13 @@ class Engine:
         chunk = self.cfg.gen.prefill_chunk
         pieces = list(torch.split(ids, chunk, dim=1))
         self.gen += 1
-        for i, piece in enumerate(pieces):
+        feats = []
+        for i, piece in enumerate(pieces):   # pipelined, at most PREFILL_WINDOW chunks in flight (see Comm.send)
+            if i >= PREFILL_WINDOW:
+                feats.append(self.comm.recv_prev().x[0])
             self.comm.send_next(Context(piece, self.gen, reset=(i == 0)))
-        feats = [self.comm.recv_prev().x[0] for _ in pieces]
+        while len(feats) < len(pieces):
+            feats.append(self.comm.recv_prev().x[0])
         features = torch.cat(feats)
         return self.logits(features[-1:])[0], features
 

@@ -49,8 +49,8 @@ class LocalComm:
 
     @staticmethod
     def _wire(msg: Message) -> Message:
-        header, payload = encode(msg)
-        return decode(header.clone(), payload.clone())
+        header, payload = encode(msg)   # fresh tensors: the decoded message may own them (no copy)
+        return decode(header, payload, share=True)
 
     def send_next(self, msg: Message) -> None:
         dst = (self.rank + 1) % self.world

@@ -18,6 +18,7 @@ reaches it. No collective is used in the decode loop.
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -195,61 +196,128 @@ _CLASSES = {Kind.CONTEXT: Context, Kind.SEGMENT: Segment, Kind.SHUTDOWN: Shutdow
 Message = Context | Segment | Shutdown | Decision | Stats
 
 
-def encode(msg: Message) -> tuple[Tensor, Tensor]:
-    """-> ``(header int64[HEADER_LEN], payload uint8[nbytes])``."""
+def layout(msg: Message) -> tuple[list[int], list[Tensor], int]:
+    """``(header ints, the tensors as contiguous host tensors, payload bytes)`` of ``msg``: what
+    :func:`encode` writes. The header ints are ``[MAGIC, kind, n_ints, n_tensors, *ints]`` followed, per
+    tensor, by ``[dtype code, ndim, *shape padded to 4]``; the payload is the tensors' raw bytes in order."""
     ints, tensors = msg.ints(), msg.tensors()
     if len(tensors) > MAX_TENSORS:
         raise ValueError("too many tensors in one message")
-    head = [MAGIC, int(msg.kind), len(ints), len(tensors)] + ints
-    chunks = []
+    head = [MAGIC, int(msg.kind), len(ints), len(tensors), *ints]
+    ts, nbytes = [], 0
     for t in tensors:
-        if t.dim() > 4:
+        nd = t.dim()
+        if nd > 4:
             raise ValueError("tensors of at most 4 dims")
-        t = t.detach().contiguous().cpu()
-        shape = list(t.shape) + [0] * (4 - t.dim())
-        head += [_CODE[t.dtype], t.dim()] + shape
-        chunks.append(t.reshape(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8, device=HOST))
+        if t.device.type != "cpu":
+            t = t.detach().cpu()     # the one device->host copy of a message (no-op for host tensors)
+        elif not t.is_contiguous():
+            t = t.contiguous()
+        head += (_CODE[t.dtype], nd, *t.shape, *_PAD[nd])
+        ts.append(t)
+        nbytes += t.numel() * t.element_size()
     if len(head) > HEADER_LEN:
         raise ValueError("header overflow")
+    return head, ts, nbytes
+
+
+_PAD = [(0,) * (4 - i) for i in range(5)]
+
+
+def write_payload(tensors: list[Tensor], payload: Tensor) -> None:
+    """Copy the tensors' raw bytes, in order, into the front of the uint8 ``payload``."""
+    off = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if n:
+            payload[off:off + n].copy_(t.detach().reshape(-1).view(torch.uint8))
+            off += n
+
+
+def encode(msg: Message) -> tuple[Tensor, Tensor]:
+    """-> ``(header int64[HEADER_LEN], payload uint8[nbytes])`` (fresh tensors; :class:`pipeline.comm.Comm`
+    writes the same bytes into preallocated buffers instead)."""
+    head, ts, nbytes = layout(msg)
     header = torch.zeros(HEADER_LEN, dtype=torch.long, device=HOST)
-    header[:len(head)] = torch.tensor(head, dtype=torch.long, device=HOST)
-    payload = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8, device=HOST)
+    header.numpy()[:len(head)] = head
+    payload = torch.empty(nbytes, dtype=torch.uint8, device=HOST)
+    write_payload(ts, payload)
     return header, payload
 
 
-def payload_size(header: Tensor) -> int:
-    h = header.tolist()
+def shapes(h: list[int]) -> tuple[list, int]:
+    """``([(dtype, shape, nbytes)], total bytes)`` of a header's tensors; checks the magic number."""
     if h[0] != MAGIC:
         raise ValueError("corrupt message header (bad magic)")
-    n_ints, n_t = h[2], h[3]
-    pos, total = 4 + n_ints, 0
+    n_t = h[3]
+    pos, total, out = 4 + h[2], 0, []
+    if not (0 <= h[2] and 0 <= n_t <= MAX_TENSORS and pos + 6 * n_t <= HEADER_LEN):
+        raise ValueError("corrupt message header (counts)")
     for _ in range(n_t):
-        dt, nd, shape = _DTYPES[h[pos]], h[pos + 1], h[pos + 2:pos + 2 + h[pos + 1]]
+        code, nd = h[pos], h[pos + 1]
+        if not (0 <= code < len(_DTYPES) and 0 <= nd <= 4):
+            raise ValueError("corrupt message header (dtype or rank)")
+        dt, shape = _DTYPES[code], h[pos + 2:pos + 2 + nd]
         numel = 1
         for s in shape:
-            numel *= s
-        total += numel * dt.itemsize
-        pos += 6
-    return total
-
-
-def decode(header: Tensor, payload: Tensor) -> Message:
-    h = header.tolist()
-    if h[0] != MAGIC:
-        raise ValueError("corrupt message header (bad magic)")
-    kind, n_ints, n_t = Kind(h[1]), h[2], h[3]
-    ints = h[4:4 + n_ints]
-    pos, off, tensors = 4 + n_ints, 0, []
-    payload = payload.cpu()
-    for _ in range(n_t):
-        dt, nd = _DTYPES[h[pos]], h[pos + 1]
-        shape = h[pos + 2:pos + 2 + nd]
-        numel = 1
-        for s in shape:
+            if s < 0:
+                raise ValueError("corrupt message header (negative size)")
             numel *= s
         nbytes = numel * dt.itemsize
-        raw = payload[off:off + nbytes]
-        tensors.append(raw.clone().view(dt).reshape(shape) if numel else torch.zeros(shape, dtype=dt, device=HOST))
-        off += nbytes
+        out.append((dt, shape, nbytes))
+        total += nbytes
         pos += 6
+    return out, total
+
+
+def payload_size(header: Tensor) -> int:
+    return shapes(header.tolist())[1]
+
+
+def decode_at(h: list[int], address: int) -> Message:
+    """The message of header ints ``h`` whose payload bytes start at host memory ``address`` (a frame the
+    caller owns and has sized by :func:`payload_size`): every tensor is allocated once and filled by one
+    memory copy, with no intermediate payload tensor (the transport's receive path)."""
+    specs, _ = shapes(h)
+    kind, n_ints = Kind(h[1]), h[2]
+    tensors = []
+    for dt, shape, nbytes in specs:
+        t = torch.empty(shape, dtype=dt, device=HOST)
+        if nbytes:
+            ctypes.memmove(t.data_ptr(), address, nbytes)
+            address += nbytes
+        tensors.append(t)
+    return _CLASSES[kind].build(h[4:4 + n_ints], tensors)
+
+
+def write_at(tensors: list[Tensor], address: int) -> None:
+    """Copy the (contiguous, host) tensors' raw bytes, in order, to host memory at ``address`` (the
+    transport's send buffer, sized by :func:`layout`)."""
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if n:
+            ctypes.memmove(address, t.data_ptr(), n)
+            address += n
+
+
+def decode(header: Tensor, payload: Tensor, share: bool = False) -> Message:
+    """The message of ``header`` and ``payload``. Its tensors are copies, or, with ``share=True`` (the
+    caller hands the payload over and never reuses it), views of ``payload`` wherever the bytes are aligned
+    for their dtype (no copy)."""
+    h = header.tolist()
+    specs, _ = shapes(h)
+    kind, n_ints = Kind(h[1]), h[2]
+    ints = h[4:4 + n_ints]
+    if payload.device.type != "cpu":
+        payload = payload.cpu()
+    off, tensors = 0, []
+    for dt, shape, nbytes in specs:
+        if nbytes:
+            raw = payload[off:off + nbytes]
+            if not share or off % dt.itemsize:
+                raw = raw.clone()
+            tensors.append(raw.view(dt).reshape(shape))
+        else:
+            tensors.append(torch.zeros(shape, dtype=dt, device=HOST))
+        off += nbytes
     return _CLASSES[kind].build(ints, tensors)

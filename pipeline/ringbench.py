@@ -3,13 +3,16 @@
 Starts ``--world`` local gloo processes and, for each message shape the decode loop sends, times
 ring trips (rank 0 -> 1 -> ... -> N-1 -> 0) two ways on the same process group:
 
-* **bare**: preallocated header (int64[HEADER_LEN]) and payload tensors of exactly the project's wire sizes,
-  ``dist.send`` / ``dist.recv`` and nothing else: the floor the host and gloo allow;
+* **bare**: preallocated buffers of exactly the project's gloo messages (:func:`pipeline.comm.wire_sizes`: one
+  frame of header + payload bytes, or header and payload when the frame would exceed ``FRAME_BYTES``; received
+  into a frame-sized buffer as the project does), ``dist.send`` / ``dist.recv`` and nothing else: the floor the
+  host and gloo allow for those messages;
 * **project**: the messages the modes really send, through :class:`pipeline.comm.Comm` (``send_next`` /
   ``recv_prev``: the wire codec, tracing off, the watchdog running), token ids from rank 0 and hidden rows
   from the stages, as in ``ar`` (w = 1) and a step-wise segment (w rows with parents).
 
-Per-hop time = trip time / world. The last line reads ``overhead ratio R`` = project per-hop / bare per-hop
+The two methods alternate in blocks of trips (load drift on a shared host hits both alike). Per-hop time =
+median trip time / world. The last line reads ``overhead ratio R`` = project per-hop / bare per-hop
 for the ``ar`` shape (issue 15's goal: R <= 2). No model, no compute: transport only.
 
 Example::
@@ -68,7 +71,7 @@ def _worker(rank: int, world: int, port: int, args, out_q) -> None:
     import torch.distributed as dist
 
     from model.devices import HOST
-    from pipeline.comm import Comm
+    from pipeline.comm import FRAME_BYTES, Comm, wire_sizes
     from pipeline.messages import encode
     torch.set_num_threads(1)
     comm = Comm("gloo", 60.0, 0.5, "cpu")
@@ -76,23 +79,23 @@ def _worker(rank: int, world: int, port: int, args, out_q) -> None:
     results = {}
     for w in args.rows:
         msg = _messages(rank, w, args.hidden)
-        header, payload = encode(msg)
+        out_msgs = [torch.ones(n, dtype=torch.uint8, device=HOST) for n in wire_sizes(encode(msg)[1].numel())]
         # what the previous rank sends us: same codec, so same sizes
-        in_header, in_payload = encode(_messages(prv, w, args.hidden))
-        rh = torch.empty_like(in_header, device=HOST)
-        rp = torch.empty_like(in_payload, device=HOST)
+        in_sizes = wire_sizes(encode(_messages(prv, w, args.hidden))[1].numel())
+        in_msgs = [torch.empty(FRAME_BYTES, dtype=torch.uint8, device=HOST)] + \
+                  [torch.empty(n, dtype=torch.uint8, device=HOST) for n in in_sizes[1:]]
 
         def bare_trip() -> None:
             if rank == 0:
-                dist.send(header, nxt, tag=0)
-                dist.send(payload, nxt, tag=1)
-                dist.recv(rh, prv, tag=0)
-                dist.recv(rp, prv, tag=1)
+                for tag, t in enumerate(out_msgs):
+                    dist.send(t, nxt, tag=tag)
+                for tag, t in enumerate(in_msgs):
+                    dist.recv(t, prv, tag=tag)
             else:
-                dist.recv(rh, prv, tag=0)
-                dist.recv(rp, prv, tag=1)
-                dist.send(header, nxt, tag=0)
-                dist.send(payload, nxt, tag=1)
+                for tag, t in enumerate(in_msgs):
+                    dist.recv(t, prv, tag=tag)
+                for tag, t in enumerate(out_msgs):
+                    dist.send(t, nxt, tag=tag)
 
         def project_trip() -> None:
             if rank == 0:
@@ -102,20 +105,26 @@ def _worker(rank: int, world: int, port: int, args, out_q) -> None:
                 comm.recv_prev()
                 comm.send_next(msg)
 
-        for name, trip in (("bare", bare_trip), ("project", project_trip)):
-            dist.barrier()
+        times: dict[str, list[float]] = {"bare": [], "project": []}
+        dist.barrier()
+        for trip in (bare_trip, project_trip):
             for _ in range(args.warmup):
                 trip()
-            dist.barrier()
-            times = []
-            for _ in range(args.trips):
-                t0 = time.perf_counter()
-                trip()
-                times.append(time.perf_counter() - t0)
-            if rank == 0:
-                sh, sp = encode(_messages(1, w, args.hidden))      # a stage's message: the larger one
-                results[(name, w)] = (statistics.median(times), statistics.mean(times),
-                                      int(sh.numel() * 8 + sp.numel()))
+        # the two methods alternate in blocks, so that load drifting on a shared host hits both alike
+        blocks = max(1, min(10, args.trips // 10))
+        for b in range(blocks):
+            n = args.trips // blocks + (1 if b < args.trips % blocks else 0)
+            for name, trip in (("bare", bare_trip), ("project", project_trip)):
+                dist.barrier()
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    trip()
+                    times[name].append(time.perf_counter() - t0)
+        if rank == 0:
+            sh, sp = encode(_messages(1, w, args.hidden))      # a stage's message: the larger one
+            for name, ts in times.items():
+                results[(name, w)] = (statistics.median(ts), statistics.mean(ts),
+                                      int(sh.numel() * 8 + sp.numel()), len(wire_sizes(sp.numel())))
     dist.barrier()
     if rank == 0:
         out_q.put(results)
@@ -149,15 +158,15 @@ def main(argv=None) -> int:
         p.join(timeout=30)
     print(f"ring of {args.world} processes (gloo, loopback), hidden {args.hidden}, {args.trips} trips per row "
           f"(median per trip; per hop = trip / {args.world})")
-    print(f"{'rows':>5} {'stage msg B':>11} {'bare trip ms':>13} {'project trip ms':>16} {'bare hop ms':>12} "
+    print(f"{'rows':>5} {'stage msg B':>11} {'gloo msgs':>9} {'bare trip ms':>13} {'project trip ms':>16} {'bare hop ms':>12} "
           f"{'project hop ms':>15} {'ratio':>6}")
     table = []
     for w in args.rows:
         b, pj = results[("bare", w)], results[("project", w)]
         ratio = pj[0] / b[0] if b[0] > 0 else float("inf")
-        table.append({"rows": w, "bytes": pj[2], "bare_trip_s": b[0], "project_trip_s": pj[0],
+        table.append({"rows": w, "bytes": pj[2], "gloo_messages_per_hop": pj[3], "bare_trip_s": b[0], "project_trip_s": pj[0],
                       "bare_hop_s": b[0] / args.world, "project_hop_s": pj[0] / args.world, "ratio": ratio})
-        print(f"{w:>5} {pj[2]:>11} {b[0] * 1e3:>13.3f} {pj[0] * 1e3:>16.3f} {b[0] / args.world * 1e3:>12.3f} "
+        print(f"{w:>5} {pj[2]:>11} {pj[3]:>9} {b[0] * 1e3:>13.3f} {pj[0] * 1e3:>16.3f} {b[0] / args.world * 1e3:>12.3f} "
               f"{pj[0] / args.world * 1e3:>15.3f} {ratio:>6.2f}")
     if args.json:
         with open(args.json, "w") as f:

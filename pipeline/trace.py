@@ -17,7 +17,6 @@ import json
 import os
 import socket
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 # span kinds that count as busy; "host" is the simulator's rank-0 tree/verification work (pipeline/simulate.py)
@@ -76,24 +75,14 @@ class Tracer:
         if self._busy_depth:   # a busy span is open: count only its part after the reset
             self._busy_start = time.perf_counter()
 
-    @contextmanager
     def span(self, name: str, **meta):
-        start = time.perf_counter()
-        busy = name in BUSY
-        if busy:
-            if self._busy_depth == 0:
-                self._busy_start = start
-            self._busy_depth += 1
-        try:
-            yield
-        finally:
-            end = time.perf_counter()
-            if busy:
-                self._busy_depth -= 1
-                if self._busy_depth == 0:   # the outermost busy span closed: count the covered time once
-                    self.busy_s += end - self._busy_start
-            if self.enabled:
-                self.events.append({"name": name, "start": start - self.t0, "end": end - self.t0, **meta})
+        """Context manager timing one span. With tracing off a non-busy span costs nothing (a shared no-op
+        context) and a busy one only feeds the busy counter (no event is kept)."""
+        if name in BUSY:
+            return _Span(self, name, True, meta)
+        if self.enabled:
+            return _Span(self, name, False, meta)
+        return _NULL
 
     def mark(self, name: str, **meta) -> None:
         if self.enabled:
@@ -110,3 +99,45 @@ class Tracer:
                 "pid": os.getpid()}
         path.write_text(json.dumps({**head, "events": self.events, **(extra or {})}))
         return path
+
+
+class _NullSpan:
+    __slots__ = ()
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+_NULL = _NullSpan()
+
+
+class _Span:
+    """One open span of a :class:`Tracer` (busy spans: union-counted via the tracer's depth counter)."""
+
+    __slots__ = ("tracer", "name", "busy", "meta", "start")
+
+    def __init__(self, tracer: Tracer, name: str, busy: bool, meta: dict) -> None:
+        self.tracer, self.name, self.busy, self.meta = tracer, name, busy, meta
+
+    def __enter__(self):
+        tr = self.tracer
+        self.start = start = time.perf_counter()
+        if self.busy:
+            if tr._busy_depth == 0:
+                tr._busy_start = start
+            tr._busy_depth += 1
+        return None
+
+    def __exit__(self, *exc) -> bool:
+        tr = self.tracer
+        end = time.perf_counter()
+        if self.busy:
+            tr._busy_depth -= 1
+            if tr._busy_depth == 0:   # the outermost busy span closed: count the covered time once
+                tr.busy_s += end - tr._busy_start
+        if tr.enabled:
+            tr.events.append({"name": self.name, "start": self.start - tr.t0, "end": end - tr.t0, **self.meta})
+        return False
