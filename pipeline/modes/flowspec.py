@@ -192,6 +192,7 @@ class ContinuousMode(StreamingMode):
 
     def __init__(self) -> None:
         self.inputs: torch.Tensor | None = None   # draft input feature per tree node (incremental expansion)
+        self.quick_fill = False                   # the round's quick-started first tree is not sent yet
 
     @staticmethod
     def incremental(engine: Engine) -> bool:
@@ -201,19 +202,28 @@ class ContinuousMode(StreamingMode):
 
     def first_tree(self, engine: Engine, root: int, root_hidden: torch.Tensor) -> DraftTree:
         """A round's first tree. Incremental expansion with ``tree.first_levels > 0``: only the best
-        ``subseq_token + 1`` nodes of its first ``first_levels`` levels, so the fill (those nodes split over the
-        ring's links, best first) goes out after ``first_levels`` draft steps instead of ``init_depth + 1``;
-        :meth:`finish_first_tree` grows the rest while they travel, and it leaves as links free up."""
+        ``subseq_token + 1`` nodes of its first ``first_levels`` levels, sent as one segment after
+        ``first_levels`` draft steps instead of ``init_depth + 1``; :meth:`finish_first_tree` grows the rest
+        while it travels, and the rest fills the other links."""
         t = engine.cfg.tree
         if not self.incremental(engine):
             self.inputs = None
             return super().first_tree(engine, root, root_hidden)
         quick = 0 < t.first_levels <= t.init_depth
+        self.quick_fill = quick
         total = min(t.init_total_token, t.subseq_token + 1) if quick else t.init_total_token
         depth = t.first_levels - 1 if quick else t.init_depth
         with engine.tracer.span("draft"):
             tree, self.inputs = engine.drafter.grow_tree_with_inputs(root, root_hidden, total, depth, t.init_topk)
         return tree
+
+    def fill_sizes(self, engine: Engine, state: RankTree) -> list[int]:
+        """A quick-started first tree goes out as one segment (its best nodes stay together); later fills as
+        usual."""
+        if self.quick_fill:
+            self.quick_fill = False
+            return [state.waiting]
+        return super().fill_sizes(engine, state)
 
     def finish_first_tree(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor) -> DraftTree:
         """Grow a quick-started first tree to its full ``init_depth + 1`` levels and ``init_total_token`` nodes
