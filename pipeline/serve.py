@@ -925,4 +925,5 @@ def entry(argv: list[str] | None = None, client=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(entry())
+    from pipeline.run import exit_now
+    exit_now(entry())
