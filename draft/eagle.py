@@ -66,7 +66,11 @@ def init_untrained_head(target_config, seed: int = 0, bias: bool = True) -> Eagl
     """A randomly initialised head (acceptance near zero; output stays exact)."""
     g = torch.manual_seed(seed)
     head = EagleHead(head_config_from_target(target_config, bias))
-    std = getattr(target_config, "initializer_range", 0.02)
+    return init_head_weights(head, getattr(target_config, "initializer_range", 0.02), g)
+
+
+def init_head_weights(head: nn.Module, std: float, g: torch.Generator) -> nn.Module:
+    """Random head weights: norms 1, biases 0, everything else N(0, std) drawn from ``g`` in parameter order."""
     with torch.no_grad():
         for name, p in head.named_parameters():
             if "norm" in name:

@@ -205,16 +205,8 @@ def init_eagle3_head(target_config, seed: int = 0, aux_layers: list[int] | None 
     cfg = eagle3_config_from_target(target_config, vd, layers)
     head = Eagle3Head(cfg, target_config.hidden_size, layers, vocab_map, target_config.vocab_size)
     g = torch.Generator().manual_seed(seed)
-    std = getattr(target_config, "initializer_range", 0.02)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, std, generator=g)
-    return head
+    from draft.eagle import init_head_weights
+    return init_head_weights(head, getattr(target_config, "initializer_range", 0.02), g)
 
 
 def save_eagle3_head(head: Eagle3Head, out_dir: str | Path, extra_config: dict | None = None,
