@@ -19,9 +19,9 @@ for a in "$@"; do
   case "$a" in
     -h|--help)
       PY="${FLOWSPEC_VENV:-$ROOT/.venv}/bin/python"; [[ -x "$PY" ]] || PY="${PYTHON:-python3}"  # no bootstrap
-      exec "$PY" -m pipeline.eval --help ;;
+      exec "$PY" -m pipeline.tools.eval --help ;;
   esac
 done
 PY="$(bash scripts/bootstrap.sh)"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "$PY" -m pipeline.eval "$@"
+exec "$PY" -m pipeline.tools.eval "$@"

@@ -51,6 +51,6 @@ if [[ -n "$IFACE" ]]; then
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 cd "$ROOT"
-exec "$PY" -m pipeline.launch --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node=1 \
+exec "$PY" -m pipeline.tools.launch --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node=1 \
   --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
   -m "${ENTRY:-pipeline.run}" "model.stage_dir=$STAGE_DIR" "model.num_threads=${OMP_NUM_THREADS}" "${pass[@]}"

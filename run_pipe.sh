@@ -40,6 +40,6 @@ else
   nproc="$NPROC"
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-# pipeline.launch: checks the arguments once, starts the ranks (torchrun's options, not its agent); a lost rank
+# pipeline.tools.launch: checks the arguments once, starts the ranks (torchrun's options, not its agent); a lost rank
 # is named by every survivor and by the launcher's summary line, and no rank outlives the launcher.
-exec "$PY" -m pipeline.launch --standalone --nproc_per_node="$nproc" -m "$ENTRY" "$@"
+exec "$PY" -m pipeline.tools.launch --standalone --nproc_per_node="$nproc" -m "$ENTRY" "$@"

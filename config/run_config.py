@@ -239,7 +239,7 @@ class RunConfig:
             raise ConfigError(f"emu.time_scale={self.emu.time_scale} must be > 0")
         for key, name in (("emu.profile", self.emu.profile), ("tree.budget", self.tree.budget)):
             if name:
-                from pipeline.emulation import EmulationError, load_profile
+                from config.profiles import EmulationError, load_profile
                 try:
                     load_profile(name)
                 except EmulationError as e:
@@ -256,7 +256,6 @@ class RunConfig:
             raise ConfigError(f"draft.ssm_temperature={self.draft.ssm_temperature} must be > 0 (or -1: gen.temperature)")
         self._validate_osd()
         if self.draft.sources:
-            from draft.merged import SourceError, parse_sources
             try:
                 parse_sources(self.draft.sources)
             except SourceError as e:
@@ -420,8 +419,28 @@ def format_config(cfg: RunConfig, base: RunConfig | None = None) -> str:
     return "\n".join(lines)
 
 
-def to_dict(cfg: RunConfig) -> dict:
-    return dataclasses.asdict(cfg)
+class SourceError(ValueError):
+    """A ``draft.sources`` setting that does not parse (draft/merged.py builds the drafters it names)."""
+
+
+def parse_sources(text: str) -> list[tuple[str, str]]:
+    """``"eagle,lookup,ssm:/path"`` -> ``[("eagle", ""), ("lookup", ""), ("ssm", "/path")]``; SourceError on
+    anything else (unknown kind, ``ssm`` without a directory, duplicates of eagle/lookup)."""
+    out = []
+    for word in [w.strip() for w in text.split(",") if w.strip()]:
+        kind, _, arg = word.partition(":")
+        if kind not in ("eagle", "lookup", "ssm"):
+            raise SourceError(f"draft.sources: unknown source {word!r}; use eagle, lookup or ssm:<model dir>")
+        if kind == "ssm" and not arg:
+            raise SourceError("draft.sources: ssm needs a model directory, e.g. ssm:checkpoints/ssm_2l")
+        if kind != "ssm" and arg:
+            raise SourceError(f"draft.sources: {kind} takes no argument (got {word!r})")
+        if kind != "ssm" and any(k == kind for k, _ in out):
+            raise SourceError(f"draft.sources: {kind} is listed twice")
+        out.append((kind, arg))
+    if not out:
+        raise SourceError("draft.sources is empty")
+    return out
 
 
 # The configuration used when nothing is overridden. Edit here to change defaults.

@@ -12,15 +12,13 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoConfig
 
+from draft.head_io import (HeadError, head_config_from_target, init_head_weights, is_eagle3_config,
+                           read_head_config, read_head_weights)
 from model.layers import LayerBlock
-
-
-class HeadError(ValueError):
-    """A draft head that is missing, unreadable or does not fit the target."""
 
 
 class EagleHead(nn.Module):
@@ -50,36 +48,11 @@ class EagleHead(nn.Module):
         return out
 
 
-def head_config_from_target(target_config, bias: bool = True):
-    """A head config derived from the target's: same widths, one layer."""
-    d = target_config.to_dict()
-    for key in ("stage_index", "num_stages", "split", "layer_range", "has_embedding", "has_lm_head",
-                "has_final_norm", "quantization_config", "source_model"):
-        d.pop(key, None)
-    d.update(num_hidden_layers=1, bias=bias, architectures=["LlamaForCausalLM"])
-    cfg = type(target_config).from_dict(d)
-    cfg._attn_implementation = "sdpa"
-    return cfg
-
-
 def init_untrained_head(target_config, seed: int = 0, bias: bool = True) -> EagleHead:
     """A randomly initialised head (acceptance near zero; output stays exact)."""
     g = torch.manual_seed(seed)
     head = EagleHead(head_config_from_target(target_config, bias))
     return init_head_weights(head, getattr(target_config, "initializer_range", 0.02), g)
-
-
-def init_head_weights(head: nn.Module, std: float, g: torch.Generator) -> nn.Module:
-    """Random head weights: norms 1, biases 0, everything else N(0, std) drawn from ``g`` in parameter order."""
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, std, generator=g)
-    return head
 
 
 def save_eagle_head(head: EagleHead, out_dir: str | Path, extra_config: dict | None = None,
@@ -100,31 +73,17 @@ def save_eagle_head(head: EagleHead, out_dir: str | Path, extra_config: dict | N
     return out
 
 
-def _read_weights(head_dir: Path) -> dict[str, torch.Tensor]:
-    st, binf = head_dir / "model.safetensors", head_dir / "pytorch_model.bin"
-    try:
-        if st.is_file():
-            return load_file(str(st))
-        if binf.is_file():
-            return torch.load(str(binf), map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise HeadError(f"cannot read draft head weights in {head_dir}: {e}") from None
-    raise HeadError(f"{head_dir} has neither model.safetensors nor pytorch_model.bin")
-
-
 def load_eagle_head(head_dir: str | Path, target_config, target_embed: torch.Tensor | None = None,
                     dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """Load a published EAGLE-1/2 head and check it fits the target (hidden size, vocabulary).
 
-    An EAGLE-3 head directory (``draft_vocab_size`` / ``eagle_config`` in its config) is handed to
-    :func:`draft.eagle3.load_eagle3_head` and comes back as an :class:`draft.eagle3.Eagle3Head`.
+    Any head directory, EAGLE-3 included, loads through :func:`draft.load_head.load_draft_head`.
     """
     head_dir = Path(head_dir)
     if not (head_dir / "config.json").is_file():
         raise HeadError(f"draft head directory {head_dir} has no config.json")
-    from draft.eagle3 import is_eagle3_config, load_eagle3_head, read_head_config
     if is_eagle3_config(read_head_config(head_dir)):
-        return load_eagle3_head(head_dir, target_config, target_embed, dtype, device)
+        raise HeadError(f"{head_dir} is an EAGLE-3 head: load it with draft.load_head.load_draft_head")
     try:
         cfg = AutoConfig.from_pretrained(head_dir)
     except Exception as e:
@@ -137,7 +96,7 @@ def load_eagle_head(head_dir: str | Path, target_config, target_embed: torch.Ten
                         f"{target_config.vocab_size}: it was trained for another model")
     if getattr(cfg, "num_hidden_layers", 1) != 1:
         raise HeadError(f"{head_dir}: only one-layer EAGLE-1/2 heads are supported")
-    state = _read_weights(head_dir)
+    state = read_head_weights(head_dir)
     if any(k.startswith("midlayer.") for k in state):
         raise HeadError(f"{head_dir} has EAGLE-3 weights (midlayer.*) but its config.json lacks draft_vocab_size")
     state = {k: v for k, v in state.items() if k != "layers.0.input_layernorm.weight"}

@@ -39,7 +39,8 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoConfig
 
-from draft.eagle import HeadError, _read_weights, head_config_from_target
+from draft.head_io import (HeadError, head_config_from_target, init_head_weights, is_eagle3_config,
+                           read_head_config, read_head_weights)
 from model.kv_cache import KVCache
 from model.layers import family_classes
 
@@ -205,7 +206,6 @@ def init_eagle3_head(target_config, seed: int = 0, aux_layers: list[int] | None 
     cfg = eagle3_config_from_target(target_config, vd, layers)
     head = Eagle3Head(cfg, target_config.hidden_size, layers, vocab_map, target_config.vocab_size)
     g = torch.Generator().manual_seed(seed)
-    from draft.eagle import init_head_weights
     return init_head_weights(head, getattr(target_config, "initializer_range", 0.02), g)
 
 
@@ -227,22 +227,6 @@ def save_eagle3_head(head: Eagle3Head, out_dir: str | Path, extra_config: dict |
         state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
-
-
-def read_head_config(head_dir: str | Path) -> dict | None:
-    """The raw ``config.json`` of a head directory, or None when there is none / it is unreadable."""
-    p = Path(head_dir) / "config.json"
-    try:
-        return json.loads(p.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def is_eagle3_config(raw: dict | None) -> bool:
-    if not raw:
-        return False
-    arch = " ".join(raw.get("architectures") or [])
-    return "draft_vocab_size" in raw or "eagle3" in arch.lower() or "eagle_config" in raw
 
 
 def load_eagle3_head(head_dir: str | Path, target_config, target_embed: Tensor | None = None,
@@ -269,7 +253,7 @@ def load_eagle3_head(head_dir: str | Path, target_config, target_embed: Tensor |
     vd = int(raw.get("draft_vocab_size") or V)
     cfg.draft_vocab_size = vd
     layers = aux_layers_of(raw, L)
-    state = _read_weights(head_dir)
+    state = read_head_weights(head_dir)
     if vd != V and "d2t" not in state:
         raise HeadError(f"EAGLE-3 head {head_dir} has a reduced vocabulary ({vd} of {V}) but no d2t map")
     vocab_map = None

@@ -19,13 +19,10 @@ from __future__ import annotations
 
 import torch
 
+from config.run_config import SourceError, parse_sources
 from draft.tree import DraftTree, merge_sources
 
 Tensor = torch.Tensor
-
-
-class SourceError(ValueError):
-    pass
 
 
 class MergedDrafter:
@@ -94,26 +91,6 @@ class MergedDrafter:
     def source(self, kind: type):
         """The first source of class ``kind`` (e.g. the small LM for ``sps``), or None."""
         return next((s for s in self.sources if isinstance(s, kind)), None)
-
-
-def parse_sources(text: str) -> list[tuple[str, str]]:
-    """``"eagle,lookup,ssm:/path"`` -> ``[("eagle", ""), ("lookup", ""), ("ssm", "/path")]``; SourceError on
-    anything else (unknown kind, ``ssm`` without a directory, duplicates of eagle/lookup)."""
-    out = []
-    for word in [w.strip() for w in text.split(",") if w.strip()]:
-        kind, _, arg = word.partition(":")
-        if kind not in ("eagle", "lookup", "ssm"):
-            raise SourceError(f"draft.sources: unknown source {word!r}; use eagle, lookup or ssm:<model dir>")
-        if kind == "ssm" and not arg:
-            raise SourceError("draft.sources: ssm needs a model directory, e.g. ssm:checkpoints/ssm_2l")
-        if kind != "ssm" and arg:
-            raise SourceError(f"draft.sources: {kind} takes no argument (got {word!r})")
-        if kind != "ssm" and any(k == kind for k, _ in out):
-            raise SourceError(f"draft.sources: {kind} is listed twice")
-        out.append((kind, arg))
-    if not out:
-        raise SourceError("draft.sources is empty")
-    return out
 
 
 def build_sources(cfg, vocab_size: int, eagle_factory, dtype, device, sampling: bool):

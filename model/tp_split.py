@@ -147,7 +147,7 @@ def shard_config(config: dict, n: int, t: int) -> dict:
 def split_checkpoint_tp(model_dir: str | Path, out_dir: str | Path, n: int, dtype: str | None = None,
                         force: bool = False, progress: bool = True) -> Path:
     """Write a tensor-parallel split of ``model_dir`` for ``n`` TP ranks (world ``n + 1``) into ``out_dir``."""
-    from split_and_save_models import (DTYPE_NAMES, TOKENIZER_FILES, _prepare_out, _read_config, _torch_dtype,
+    from model.split import (DTYPE_NAMES, TOKENIZER_FILES, _prepare_out, _read_config, _torch_dtype,
                                        _WeightSource)
     model_dir, out = Path(model_dir), Path(out_dir)
     config = _read_config(model_dir)
@@ -233,6 +233,6 @@ def check_tp_modes(manifest: dict, modes: list[str], cfg) -> str | None:
         return (f"mode {tp_modes[0]} needs a tensor-parallel split: python split_and_save_models.py --model <hf dir> "
                 f"--tp <N> --out <dir>, then launch N+1 ranks")
     if tp_modes and cfg.emu.profile:
-        return ("emu.profile is not modeled for modes tp/galaxy; predict them with python -m pipeline.tp_sim "
+        return ("emu.profile is not modeled for modes tp/galaxy; predict them with python -m pipeline.tools.tp_sim "
                 "(the what-if simulator) instead")
     return None

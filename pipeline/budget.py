@@ -301,7 +301,7 @@ class StepCosts:
     @classmethod
     def from_profile(cls, profile, world: int, ctx: int = 0, hidden_bytes_per_token: float | None = None,
                      rank0_overhead_s: float = 0.0) -> "StepCosts":
-        """Costs of a ``world``-rank ring (rank 0 + ``world - 1`` stages) under a ``pipeline.emulation.Profile``.
+        """Costs of a ``world``-rank ring (rank 0 + ``world - 1`` stages) under a ``config.profiles.Profile``.
 
         Bytes per hop follow the emulation's accounting: the 0->1 hop carries token ids and parents (two int64
         per row), every other hop hidden states (``hidden_bytes_per_token`` per row, from the profile's link
@@ -585,7 +585,7 @@ def main(argv=None) -> int:
     p.add_argument("--rank0-overhead-ms", type=float, default=0.0, help="unmodeled rank-0 time per step")
     args = p.parse_args(argv)
     try:
-        from pipeline.emulation import EmulationError, load_profile
+        from config.profiles import EmulationError, load_profile
         if args.world < 2:
             raise ValueError(f"--world {args.world} must be >= 2")
         if args.waiting < 2 or args.ctx < 0 or args.rank0_overhead_ms < 0 or (args.hidden_bytes or 0) < 0:

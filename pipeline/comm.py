@@ -63,17 +63,17 @@ class RendezvousError(RuntimeError):
 
 
 def store_on_rank0() -> bool:
-    """True when rank 0 hosts the rendezvous store (env launch); False under pipeline.launch (its node 0
+    """True when rank 0 hosts the rendezvous store (env launch); False under pipeline.tools.launch (its node 0
     launcher hosts it) and torchrun's agent store."""
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and not launcher_store()
 
 
 def launcher_store() -> bool:
-    """Launched by :mod:`pipeline.launch`: the store is node 0's launcher's, the ranks are its clients."""
+    """Launched by :mod:`pipeline.tools.launch`: the store is node 0's launcher's, the ranks are its clients."""
     return os.environ.get("FLOWSPEC_LAUNCH_STORE") == "1"
 
 
-_store = None  # the raw store client under pipeline.launch (the launcher writes failure records in it)
+_store = None  # the raw store client under pipeline.tools.launch (the launcher writes failure records in it)
 
 
 def _watch_records(store, rank: int, world: int, done: threading.Event, every: float) -> None:

@@ -26,258 +26,30 @@ prefill, untimed, one after decode) and :func:`fidelity_fields` / :func:`prefill
 
 Time dilation (``emu.time_scale=s``): every modeled duration is multiplied by ``s``, so a host slower than
 the modeled devices can still keep up (no overruns); throughput in modeled time is then ``s`` times the
-measured one (``pipeline.eval`` reports it so). Unmodeled host work (Python, tree bookkeeping, message
+measured one (``pipeline.tools.eval`` reports it so). Unmodeled host work (Python, tree bookkeeping, message
 encoding) is divided by ``s`` in that view, so keep ``s`` as small as the overruns allow.
 
 The emulation hooks in without changing the transport: :func:`install` wraps the ``Comm`` instance's
 ``send``/``flush``; the stage worker calls :meth:`Emulator.pad_stage`; the engine calls
 :meth:`Emulator.install_rank0` (which wraps the engine's ``logits`` and the drafter's ``logprobs`` and head).
 
-Profile JSON (see ``profiles/README.md``)::
-
-    {"name": ..., "description": ...,
-     "stage":  COST,                      # default for every layer stage
-     "stages": {"3": COST},               # optional per-rank overrides
-     "rank0":  {"draft_forward": COST, "lm_head": COST},   # optional
-     "link":   {"latency_s": 3e-4, "bandwidth_mbps": 150, "hidden_bytes_per_token": 8192, "header_bytes": 384},
-     "links":  {"0->1": LINK}}            # optional per-hop overrides
-    COST = {"model": "analytic", "weight_bytes", "kv_bytes_per_ctx", "mem_bw_Bps", "mem_efficiency",
-            "flops_per_token", "attn_flops_per_token_ctx", "peak_flops", "compute_efficiency", "overhead_s"}
-         | {"model": "table", "w": [...], "ctx": [...], "t_s": [[t for each ctx] for each w]}
-
-Analytic: ``t = max(bytes / (mem_bw * mem_eff), flops / (peak * comp_eff)) + overhead_s`` with
-``bytes = weight_bytes + kv_bytes_per_ctx * (ctx + w)`` and ``flops = w * flops_per_token +
-attn_flops_per_token_ctx * w * (ctx + w)`` (a zero bandwidth or peak drops that term). Table: bilinear
-interpolation over ``w`` and ``ctx``; below the smallest ``w`` the first row is used, beyond the table the
-edge segments are extended linearly (never below zero).
+Profiles (JSON, their cost and link models) are read by ``config/profiles.py``.
 """
 from __future__ import annotations
 
-import bisect
-import json
 import math
 import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-PROFILE_DIR = REPO / "profiles"
+from config.profiles import Profile, load_profile
 
 # per-rank counters shipped in Stats.emu[rank]
 COUNTERS = ("ops", "modeled_s", "overrun_ops", "overrun_s", "link_msgs", "link_modeled_s", "link_late_msgs",
             "link_late_s", "oversleep_s")
 K = len(COUNTERS)
 LATE_TOLERANCE_S = 5e-4   # a message handed over this much after its modeled delivery counts as late
-_TEXT_KEYS = {"notes", "derivation", "description", "source"}
-
-
-class EmulationError(ValueError):
-    pass
-
-
-# -- cost models ------------------------------------------------------------------------------------
-def interp1(xs: list[float], ys: list[float], x: float, clamp_low: bool = False) -> float:
-    """Piecewise-linear ``y(x)``; the edge segments extend beyond the table (``clamp_low``: hold below)."""
-    if len(xs) == 1:
-        return ys[0]
-    if x <= xs[0] and clamp_low:
-        return ys[0]
-    i = bisect.bisect_right(xs, x) - 1
-    i = min(max(i, 0), len(xs) - 2)
-    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-
-
-@dataclass
-class CostModel:
-    """Modeled seconds of one operation on ``w`` rows over ``ctx`` cached KV slots."""
-
-    model: str = "analytic"
-    weight_bytes: float = 0.0
-    kv_bytes_per_ctx: float = 0.0
-    mem_bw_Bps: float = 0.0
-    mem_efficiency: float = 1.0
-    flops_per_token: float = 0.0
-    attn_flops_per_token_ctx: float = 0.0
-    peak_flops: float = 0.0
-    compute_efficiency: float = 1.0
-    overhead_s: float = 0.0
-    w: list = field(default_factory=list)
-    ctx: list = field(default_factory=list)
-    t_s: list = field(default_factory=list)
-
-    def time(self, w: int, ctx: int = 0) -> float:
-        if self.model == "table":
-            row = [interp1(self.ctx, r, ctx) for r in self.t_s]
-            return max(0.0, interp1(self.w, row, w, clamp_low=True))
-        span = ctx + w
-        t_mem = t_cmp = 0.0
-        if self.mem_bw_Bps > 0:
-            t_mem = (self.weight_bytes + self.kv_bytes_per_ctx * span) / (self.mem_bw_Bps * self.mem_efficiency)
-        if self.peak_flops > 0:
-            flops = w * self.flops_per_token + self.attn_flops_per_token_ctx * w * span
-            t_cmp = flops / (self.peak_flops * self.compute_efficiency)
-        return max(t_mem, t_cmp) + self.overhead_s
-
-    @classmethod
-    def parse(cls, raw: dict, where: str) -> "CostModel":
-        if not isinstance(raw, dict):
-            raise EmulationError(f"{where} must be an object")
-        names = {f for f in cls.__dataclass_fields__}
-        bad = [k for k in raw if k not in names and k not in _TEXT_KEYS and not k.startswith("_")]
-        if bad:
-            raise EmulationError(f"{where}: unknown keys {bad}; valid: {sorted(names)}")
-        kw = {k: v for k, v in raw.items() if k in names}
-        cm = cls(**kw)
-        if cm.model not in ("analytic", "table"):
-            raise EmulationError(f"{where}.model must be 'analytic' or 'table', not {cm.model!r}")
-        if cm.model == "table":
-            try:
-                cm.w = [float(v) for v in cm.w]
-                cm.ctx = [float(v) for v in cm.ctx] or [0.0]
-                cm.t_s = [[float(v) for v in r] for r in cm.t_s]
-            except (TypeError, ValueError):
-                raise EmulationError(f"{where}: w, ctx and t_s must hold numbers") from None
-            if not cm.w or len(cm.t_s) != len(cm.w) or any(len(r) != len(cm.ctx) for r in cm.t_s):
-                raise EmulationError(f"{where}: t_s must be a {len(cm.w)} x {len(cm.ctx)} grid (one row per w)")
-            for axis, name in ((cm.w, "w"), (cm.ctx, "ctx")):
-                if any(b <= a for a, b in zip(axis, axis[1:])):
-                    raise EmulationError(f"{where}.{name} must be strictly increasing")
-            if any(v < 0 for r in cm.t_s for v in r):
-                raise EmulationError(f"{where}.t_s must be >= 0")
-        else:
-            for k in ("weight_bytes", "kv_bytes_per_ctx", "mem_bw_Bps", "flops_per_token",
-                      "attn_flops_per_token_ctx", "peak_flops", "overhead_s"):
-                if not isinstance(getattr(cm, k), (int, float)) or getattr(cm, k) < 0:
-                    raise EmulationError(f"{where}.{k} must be a number >= 0")
-            for k in ("mem_efficiency", "compute_efficiency"):
-                if not isinstance(getattr(cm, k), (int, float)) or not 0 < getattr(cm, k) <= 1:
-                    raise EmulationError(f"{where}.{k} must be in (0, 1]")
-        return cm
-
-
-@dataclass
-class LinkModel:
-    latency_s: float = 0.0
-    bandwidth_mbps: float | None = None     # None = unlimited
-    hidden_bytes_per_token: float = 0.0     # 0 = count the real payload of hidden-state tensors
-    header_bytes: float = 0.0
-
-    def transfer_s(self, nbytes: float) -> float:
-        if not self.bandwidth_mbps:
-            return 0.0
-        return nbytes * 8.0 / (self.bandwidth_mbps * 1e6)
-
-    def message_bytes(self, msg) -> float:
-        """Modeled bytes of a ring message (see the module docstring)."""
-        if not self.hidden_bytes_per_token:
-            return self.header_bytes + sum(t.numel() * t.element_size() for t in msg.tensors())
-        rows, other = message_parts(msg)
-        return self.header_bytes + rows * self.hidden_bytes_per_token + other
-
-    @classmethod
-    def parse(cls, raw: dict, where: str) -> "LinkModel":
-        if not isinstance(raw, dict):
-            raise EmulationError(f"{where} must be an object")
-        names = set(cls.__dataclass_fields__)
-        bad = [k for k in raw if k not in names and k not in _TEXT_KEYS and not k.startswith("_")]
-        if bad:
-            raise EmulationError(f"{where}: unknown keys {bad}; valid: {sorted(names)}")
-        lm = cls(**{k: v for k, v in raw.items() if k in names})
-        for k in ("latency_s", "hidden_bytes_per_token", "header_bytes"):
-            if not isinstance(getattr(lm, k), (int, float)) or getattr(lm, k) < 0:
-                raise EmulationError(f"{where}.{k} must be a number >= 0")
-        if lm.bandwidth_mbps is not None and (not isinstance(lm.bandwidth_mbps, (int, float)) or lm.bandwidth_mbps <= 0):
-            raise EmulationError(f"{where}.bandwidth_mbps must be > 0 (or null for unlimited)")
-        return lm
-
-
-@dataclass
-class Profile:
-    name: str
-    description: str
-    stage: CostModel
-    stages: dict = field(default_factory=dict)        # rank -> CostModel
-    draft_forward: CostModel | None = None
-    lm_head: CostModel | None = None
-    link: LinkModel = field(default_factory=LinkModel)
-    links: dict = field(default_factory=dict)         # (src, dst) -> LinkModel
-    path: str = ""
-
-    def stage_model(self, rank: int) -> CostModel:
-        return self.stages.get(rank, self.stage)
-
-    def link_model(self, src: int, dst: int) -> LinkModel:
-        return self.links.get((src, dst), self.link)
-
-    @property
-    def models_rank0(self) -> bool:
-        return self.draft_forward is not None or self.lm_head is not None
-
-    @classmethod
-    def from_dict(cls, raw: dict, path: str = "") -> "Profile":
-        where = path or "profile"
-        if not isinstance(raw, dict):
-            raise EmulationError(f"{where}: a profile is a JSON object")
-        known = {"name", "description", "stage", "stages", "rank0", "link", "links", "measured"} | _TEXT_KEYS
-        bad = [k for k in raw if k not in known and not k.startswith("_")]
-        if bad:
-            raise EmulationError(f"{where}: unknown keys {bad}; valid: {sorted(known)}")
-        if "stage" not in raw:
-            raise EmulationError(f"{where}: missing 'stage' (the layer-stage cost model)")
-        stages = {}
-        for k, v in (raw.get("stages") or {}).items():
-            try:
-                r = int(k)
-            except ValueError:
-                raise EmulationError(f"{where}: stages keys are ranks (1..N), not {k!r}") from None
-            stages[r] = CostModel.parse(v, f"{where}.stages.{k}")
-        r0 = raw.get("rank0") or {}
-        bad = [k for k in r0 if k not in ("draft_forward", "lm_head") and k not in _TEXT_KEYS and not k.startswith("_")]
-        if bad:
-            raise EmulationError(f"{where}.rank0: unknown keys {bad}; valid: draft_forward, lm_head")
-        links = {}
-        for k, v in (raw.get("links") or {}).items():
-            try:
-                s, d = (int(p) for p in k.split("->"))
-            except ValueError:
-                raise EmulationError(f"{where}: links keys look like '0->1', not {k!r}") from None
-            links[(s, d)] = LinkModel.parse(v, f"{where}.links.{k}")
-        return cls(name=str(raw.get("name") or Path(path).stem or "profile"),
-                   description=str(raw.get("description", "")),
-                   stage=CostModel.parse(raw["stage"], f"{where}.stage"), stages=stages,
-                   draft_forward=CostModel.parse(r0["draft_forward"], f"{where}.rank0.draft_forward")
-                   if "draft_forward" in r0 else None,
-                   lm_head=CostModel.parse(r0["lm_head"], f"{where}.rank0.lm_head") if "lm_head" in r0 else None,
-                   link=LinkModel.parse(raw.get("link", {}), f"{where}.link"), links=links, path=path)
-
-
-def builtin_profiles() -> list[str]:
-    return sorted(p.stem for p in PROFILE_DIR.glob("*.json")) if PROFILE_DIR.is_dir() else []
-
-
-def resolve_profile(spec: str) -> Path:
-    p = Path(spec)
-    if p.is_file():
-        return p
-    if "/" not in spec and not spec.endswith(".json") and (PROFILE_DIR / f"{spec}.json").is_file():
-        return PROFILE_DIR / f"{spec}.json"
-    raise EmulationError(f"emulation profile {spec!r} is neither a file nor a builtin profile "
-                         f"(builtins: {', '.join(builtin_profiles()) or 'none'}; write one with python -m pipeline.profile)")
-
-
-def load_profile(spec: str) -> Profile:
-    path = resolve_profile(spec)
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise EmulationError(f"cannot read emulation profile {path}: {e}") from None
-    except json.JSONDecodeError as e:
-        raise EmulationError(f"emulation profile {path} is not valid JSON: {e}") from None
-    return Profile.from_dict(raw, str(path))
 
 
 # -- the per-rank emulator ----------------------------------------------------------------------------
@@ -299,6 +71,21 @@ class Emulator:
     def _add(self, name: str, value: float = 1.0) -> None:
         with self.lock:
             self.counters[COUNTERS.index(name)] += value
+
+    # the engine's view: rank 0 gathers every rank's counters and turns them into output-row fields
+    @property
+    def counter_width(self) -> int:
+        """Counters per rank in a ``Stats.emu`` table (``len(COUNTERS)``)."""
+        return K
+
+    def row_fields(self, table) -> dict:
+        """Decode-phase ``emu_*`` fields of an output row from a gathered counter table."""
+        return fidelity_fields(table, self)
+
+    @staticmethod
+    def prefill_row_fields(table) -> dict:
+        """Prefill-phase ``emu_prefill_*`` fields from the counter table gathered right after prefill."""
+        return prefill_fields(table)
 
     def take(self) -> list[float]:
         """This rank's counters since the last call (then reset)."""
@@ -383,17 +170,6 @@ class Emulator:
                 emu.pad(t0, prof.draft_forward.time(int(tokens.shape[-1]), ctx))
                 return out
             head.forward = forward
-
-
-def message_parts(msg) -> tuple[int, int]:
-    """(rows of hidden-state tensors ``[1, n, H]``, real bytes of every other tensor) of a ring message."""
-    rows, other = 0, 0
-    for t in msg.tensors():
-        if t.is_floating_point() and t.dim() == 3:
-            rows += int(t.shape[1])
-        else:
-            other += t.numel() * t.element_size()
-    return rows, other
 
 
 def hidden_rows(hidden) -> int:

@@ -97,7 +97,7 @@ class Engine:
         self.emu = getattr(comm, "emu", None)   # pipeline.emulation.Emulator when emu.profile is set
         self.last_emu: dict = {}
         self.on_commit = None  # serving (pipeline/serve.py): per-generation OutputBuffer hooks
-        self.stop_text = None  # stop strings (gen.stop): see OutputBuffer and pipeline.prompts.StopText
+        self.stop_text = None  # stop strings (gen.stop): see OutputBuffer and model.prompts.StopText
         self.cancel = None
         self.gen = 0           # generation number: stages ignore decisions of other generations
         if self.emu is not None:
@@ -129,14 +129,12 @@ class Engine:
     def collect_busy(self, wall_s: float) -> list[float]:
         emu_table = None
         if self.emu is not None:
-            from pipeline.emulation import K
-            emu_table = torch.zeros(self.comm.world, K, dtype=torch.float64, device=HOST)
+            emu_table = torch.zeros(self.comm.world, self.emu.counter_width, dtype=torch.float64, device=HOST)
         self.comm.send_next(Stats(torch.zeros(self.comm.world, dtype=torch.float64, device=HOST), emu_table))
         msg = self.comm.recv_prev()
         if self.emu is not None and msg.emu is not None:
-            from pipeline.emulation import fidelity_fields
             msg.emu[0] = torch.tensor(self.emu.take(), dtype=torch.float64, device=HOST)
-            self.last_emu = fidelity_fields(msg.emu.tolist(), self.emu)
+            self.last_emu = self.emu.row_fields(msg.emu.tolist())
         busy = msg.busy_s.tolist()
         busy[0] = self.tracer.busy_s
         self.tracer.reset_counters()
@@ -146,10 +144,10 @@ class Engine:
         """Emulation counters of every rank since the last collection (one ring trip); None when off."""
         if self.emu is None:
             return None
-        from pipeline.emulation import K
         world = self.comm.world
         self.comm.send_next(Stats(torch.zeros(world, dtype=torch.float64, device=HOST),
-                                  torch.zeros(world, K, dtype=torch.float64, device=HOST), emu_only=True))
+                                  torch.zeros(world, self.emu.counter_width, dtype=torch.float64, device=HOST),
+                                  emu_only=True))
         msg = self.comm.recv_prev()
         msg.emu[0] = torch.tensor(self.emu.take(), dtype=torch.float64, device=HOST)
         return msg.emu.tolist()
@@ -161,8 +159,7 @@ class Engine:
         world = self.comm.world
         emu_table = None
         if self.emu is not None:
-            from pipeline.emulation import K
-            emu_table = torch.zeros(world, K, dtype=torch.float64, device=HOST)
+            emu_table = torch.zeros(world, self.emu.counter_width, dtype=torch.float64, device=HOST)
         self.comm.send_next(Stats(torch.zeros(world, dtype=torch.float64, device=HOST), emu_table))
         msg = self.comm.recv_prev()
         self.tracer.reset_counters()
@@ -196,6 +193,5 @@ def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn) -> GenRes
     busy = engine.collect_busy(t2 - t1b)  # decode window: pipeline.trace.busy_fraction's definition
     emu = dict(engine.last_emu)
     if prefill_emu is not None:
-        from pipeline.emulation import prefill_fields
-        emu.update(prefill_fields(prefill_emu))
+        emu.update(engine.emu.prefill_row_fields(prefill_emu))
     return GenResult(out.ids, t1 - t0, t2 - t1b, rounds, accepts, steps, busy, emu)

@@ -7,7 +7,7 @@ link, direct messages from rank 0 received in issue order. Messages go through t
 anything the real transport would drop.
 
 Used by the protocol tests (``tests/threaded_ring.py``) and by the what-if simulator
-(``pipeline/simulate.py``), which passes an ``observer`` to see every send and receive, and turns direct
+(``pipeline/tools/simulate.py``), which passes an ``observer`` to see every send and receive, and turns direct
 decision delivery off (``direct=False``: decisions then reach the stages on the ring only, a schedule that
 does not depend on thread timing).
 """

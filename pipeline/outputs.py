@@ -22,6 +22,7 @@ mid-write) is cut off first, as ``run_eval.sh`` does.
 """
 from __future__ import annotations
 
+from config.paths import REPO
 import dataclasses
 import hashlib
 import json
@@ -31,7 +32,6 @@ import time
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
 HEAD_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 # settings that do not change what is generated or how long it takes
 NOT_HASHED = {"gen.mode", "comm.timeout_s", "comm.heartbeat_s", "comm.trace", "comm.trace_dir",
@@ -61,7 +61,7 @@ def git_commit(repo: Path = REPO) -> str:
 
 
 def head_identity(head_setting: str, chosen: Path | None, needs_head: bool) -> tuple[str, str | None]:
-    """(head_dir label, sha256 of its weights) for the drafter ``pipeline.run.make_drafter`` picks."""
+    """(head_dir label, sha256 of its weights) for the drafter ``pipeline.build.make_drafter`` picks."""
     if not needs_head:
         return "none", None
     if head_setting.split(":")[0] in ("oracle", "adversary"):
@@ -118,7 +118,7 @@ def jsonl_lines(path: Path, repair: bool = True) -> tuple[list[tuple[int, str]],
 
     A partly written last line (no final newline) is dropped and, with ``repair``, cut from the file so that
     appends start on a fresh line; blank lines are skipped. The one torn-line rule of every results reader
-    (``pipeline.run --output`` here, ``run_eval.sh``'s rows in :func:`pipeline.eval.load_rows`).
+    (``pipeline.run --output`` here, ``run_eval.sh``'s rows in :func:`pipeline.tools.eval.load_rows`).
     """
     path = Path(path)
     if not path.is_file():

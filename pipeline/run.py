@@ -1,4 +1,4 @@
-"""Entry point of every rank (launched by ``pipeline.launch``, which ``run_pipe.sh`` uses, or by plain torchrun): ``python -m pipeline.run [key=value ...] [options]``.
+"""Entry point of every rank (launched by ``pipeline.tools.launch``, which ``run_pipe.sh`` uses, or by plain torchrun): ``python -m pipeline.run [key=value ...] [options]``.
 
 Rank 0 holds the draft head and ``lm_head``, formats prompts, runs the chosen mode(s) and prints/writes
 results; ranks 1..N run the mode-agnostic stage worker.
@@ -24,28 +24,29 @@ import os
 import sys
 from pathlib import Path
 
+from config.paths import DEFAULT_STAGE_DIR
+from pipeline.build import (SetupError, generation_config, head_choice, load_rank_stage, load_tokenizer,
+                            loading_line, make_engine)
+
 def debug() -> bool:
     """``FLOWSPEC_DEBUG=1``: full tracebacks, all-thread stacks on Ctrl-C, torch's C++ warnings."""
     return os.environ.get("FLOWSPEC_DEBUG", "") not in ("", "0")
 
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_STAGE_DIR = REPO / "checkpoints" / "SmolLM2-135M-Instruct" / "stages_0+8+8+7+7"
-DEFAULT_HEAD_DIR = REPO / "draft" / "heads" / "SmolLM2-135M-Instruct"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m pipeline.run",
         description="Distributed (pipeline-parallel) speculative decoding. Launch one process per rank\n"
-                    "with python -m pipeline.launch (or torchrun); rank 0 drafts and verifies, ranks 1..N hold the decoder layers.",
+                    "with python -m pipeline.tools.launch (or torchrun); rank 0 drafts and verifies, ranks 1..N hold the decoder layers.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Config overrides are key=value words (config/run_config.py): section.key, or a bare key\n"
                "when only one section has it (top_k is ambiguous: tree.top_k = draft beam width, gen.top_k =\n"
                "sampling top-k). HF names: do_sample=false, gen.top_k, top_p, temperature, max_new_tokens.\n\n"
                "Examples:\n"
                "  python -m pipeline.run --print-config mode=continuous tree.init_depth=5\n"
-               "  python -m pipeline.launch --standalone --nproc_per_node=5 -m pipeline.run mode=continuous max_new_tokens=64 \\\n"
+               "  python -m pipeline.tools.launch --standalone --nproc_per_node=5 -m pipeline.run mode=continuous max_new_tokens=64 \\\n"
                "      --prompt 'Write a haiku about rivers.' --output rows.jsonl --answer-file answers.jsonl")
     p.add_argument("overrides", nargs="*", help="config overrides key=value")
     p.add_argument("--print-config", action="store_true",
@@ -80,7 +81,7 @@ _check_only: str = ""  # set by check_args (the launcher's tag): _main stops bef
 
 def check_args(argv: list[str], world: int, tag: str = "[launch]") -> int:
     """Every rank's shared checks (arguments, config values, modes, prompts, stage root against ``world``),
-    run once by :mod:`pipeline.launch` before any rank starts, so the reason cannot be lost in a race
+    run once by :mod:`pipeline.tools.launch` before any rank starts, so the reason cannot be lost in a race
     between ranks: prints one ``<tag> error: ...`` line and returns 2, or returns 0. No torch import."""
     global _check_only
     os.environ["WORLD_SIZE"] = str(world)
@@ -158,7 +159,7 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
     except ConfigError as e:
         return fail(str(e))
     if args.print_config:  # standalone (no torchrun, no torch): the configuration every rank would use
-        if rank == 0 and not globals().get("_check_only"):  # not from pipeline.launch's pre-check
+        if rank == 0 and not globals().get("_check_only"):  # not from pipeline.tools.launch's pre-check
             from config.run_config import format_config
             print(f"# effective configuration ('# default: X' marks overrides); modes: {','.join(modes)}")
             print(format_config(cfg))
@@ -169,7 +170,7 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
         return fail("--answer-file with several --modes needs {mode} in its path (one answer file per mode)")
     if world < 2:
         return fail("needs at least 2 ranks (rank 0 drafts, ranks 1..N hold layers); launch with ./run_pipe.sh or "
-                    "python -m pipeline.launch --nproc_per_node=<stages> -m pipeline.run")
+                    "python -m pipeline.tools.launch --nproc_per_node=<stages> -m pipeline.run")
     for i, text in enumerate(args.prompt):  # argv is the same on every rank: check before connecting
         if not text.strip():
             return fail(f"--prompt number {i + 1} is empty")
@@ -177,7 +178,7 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
         if not all(t.strip().isdigit() for t in ids.split(",")):
             return fail(f"--prompt-ids takes comma-separated token ids, got {ids[:60]!r}")
 
-    from model.stage_format import StageDirError, check_world, stage_dir
+    from model.stage_format import StageDirError, check_world
     stage_root = Path(cfg.model.stage_dir or DEFAULT_STAGE_DIR)
     try:
         manifest = check_world(stage_root, world)  # before importing torch: a wrong root or world fails at once
@@ -186,11 +187,11 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
     from model.tp_split import check_tp_modes  # tensor-parallel splits run modes tp/galaxy (pipeline/tp_run.py)
     if (tp_error := check_tp_modes(manifest, modes, cfg)) is not None:
         return fail(tp_error)
-    if _check_only:  # pipeline.launch checking the arguments once, before any rank starts
+    if _check_only:  # pipeline.tools.launch checking the arguments once, before any rank starts
         return 0
 
     import torch
-    from model.stage_model import DTYPES, load_stage
+    from model.stage_model import DTYPES
     torch.set_num_threads(cfg.model.num_threads)
     device = cfg.model.device
     if cfg.comm.backend == "nccl" and device != "cuda":
@@ -225,20 +226,7 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
     print(loading_line(rank, manifest, stage_root), file=sys.stderr, flush=True)
     from pipeline import faults
     faults.hit("load")  # test-only fault injection point (FLOWSPEC_FAULT=rank=R,at=load)
-    try:
-        model = load_stage(stage_root, rank, world, dtype, device, cfg.model.verify_checksums,
-                           cfg.model.quant if rank > 0 else "none")
-    except StageDirError as e:
-        raise SetupError(str(e)) from None
-    except (OSError, ValueError) as e:  # e.g. a garbage config.json
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        raise SetupError(f"cannot load stage {rank} from {stage_dir(stage_root, rank)}: "
-                         f"{type(e).__name__}: {first}") from None
-    from draft.eagle3 import HeadError, stage_taps
-    try:  # EAGLE-3: every rank derives the same tapped layers (model.eagle3_taps; auto = the head's own)
-        model.set_taps(stage_taps(cfg.model.eagle3_taps, _head_choice(cfg, stage_root), model.config.num_hidden_layers))
-    except HeadError as e:
-        raise SetupError(str(e)) from None
+    model = load_rank_stage(cfg, stage_root, rank, world, dtype, device)
     if rank == 0:
         code = (rank0 or run_rank0)(args, cfg, modes, comm, model, stage_root, dtype, device)
     else:
@@ -250,110 +238,10 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
     return code
 
 
-class SetupError(RuntimeError):
-    pass
-
-
-def loading_line(rank: int, manifest: dict, stage_root: Path) -> str:
-    """The one line a rank prints (to stderr) before loading its stage; nothing else follows on success."""
-    split = manifest.get("split", [])
-    start = sum(split[:rank])
-    what = "embeddings + lm_head + draft head" if rank == 0 else f"layers {start}-{start + split[rank] - 1}"
-    size = sum(int(v.get("bytes", 0)) for k, v in manifest.get("files", {}).items()
-               if k.startswith(f"stage_model_{rank}/"))
-    return f"[rank {rank}] loading stage {rank} ({what}, {size / 1e6:.0f} MB) ..."
-
-
-def _head_choice(cfg, stage_root: Path) -> Path | None:
-    """The head folder ``make_drafter`` loads (None = untrained head); for provenance only."""
-    if cfg.model.head_dir:
-        return Path(cfg.model.head_dir)
-    if stage_root.resolve() == DEFAULT_STAGE_DIR.resolve() and DEFAULT_HEAD_DIR.is_dir():
-        return DEFAULT_HEAD_DIR
-    return None
-
-
-def make_drafter(cfg, stage_root: Path, model, dtype, device: str):
-    """Rank 0's drafter: :func:`_head_drafter`, or with ``draft.sources`` several drafters merged into one tree
-    (``draft/merged.py``; ``eagle`` there is the head drafter). With ``osd.enabled`` the head drafter is wrapped
-    in :class:`draft.osd.OnlineDrafter` (online learning from the served traffic; output unchanged)."""
-    if cfg.osd.enabled:
-        return _online_drafter(cfg, _head_drafter(cfg, stage_root, model, dtype, device), model)
-    if not cfg.draft.sources:
-        return _head_drafter(cfg, stage_root, model, dtype, device)
-    from draft.merged import SourceError, build_sources
-    try:
-        return build_sources(cfg, model.lm_head.out_features,
-                             lambda: _head_drafter(cfg, stage_root, model, dtype, device), dtype, device,
-                             sampling=cfg.gen.temperature > 0)
-    except SourceError as e:
-        raise SetupError(str(e)) from None
-
-
-def _online_drafter(cfg, inner, model):
-    """``osd.enabled``: the EAGLE drafter wrapped for online learning; the learner stops (and ``osd.save_dir`` is
-    written) at exit."""
-    import atexit
-
-    from draft.osd import OnlineDrafter, OsdSettings
-    if getattr(inner, "head", None) is None:
-        raise SetupError("osd.enabled needs an EAGLE head drafter (model.head_dir), not a test drafter")
-    od = OnlineDrafter(inner, model.lm_head, OsdSettings.from_config(cfg.osd))
-    atexit.register(od.close)
-    print(f"[rank 0] online speculative decoding: loss={cfg.osd.loss} sample_source={cfg.osd.sample_source} "
-          f"update_interval={cfg.osd.update_interval} lr={cfg.osd.lr} "
-          f"({'inline' if cfg.osd.sync else 'background thread'}, swap at {cfg.osd.swap_at})", file=sys.stderr)
-    return od
-
-
-def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
-    """Rank 0's drafter for ``cfg.model.head_dir`` (the default head for the default split, a test drafter
-    ``oracle:``/``adversary:<full model dir>``, or, with no head at all, a clearly labelled untrained head)."""
-    from draft.drafter import Drafter
-    from draft.eagle import HeadError, init_untrained_head, load_eagle_head
-
-    head_dir = Path(cfg.model.head_dir) if cfg.model.head_dir else None
-    if head_dir is None and stage_root.resolve() == DEFAULT_STAGE_DIR.resolve() and DEFAULT_HEAD_DIR.is_dir():
-        head_dir = DEFAULT_HEAD_DIR
-    try:
-        if head_dir is not None and str(cfg.model.head_dir).split(":")[0] in ("oracle", "adversary"):
-            from draft.oracle import OracleDrafter
-            kind, path = cfg.model.head_dir.split(":", 1)
-            print(f"[rank 0] using the {kind} drafter (full model {path}); for tests and ablations", file=sys.stderr)
-            return OracleDrafter(path, adversarial=(kind == "adversary"), dtype=dtype, device=device)
-        if head_dir is None:
-            print("[rank 0] WARNING: no draft head given: using an UNTRAINED random head "
-                  "(acceptance near zero; output stays exact). Set head_dir=... for real speed-ups.",
-                  file=sys.stderr)
-            head = init_untrained_head(model.config).to(device=device, dtype=dtype).eval()
-            head.embed_tokens.weight.data.copy_(model.embed_tokens.weight.data)
-        else:
-            head = load_eagle_head(head_dir, model.config, model.embed_tokens.weight.data, dtype, device)
-        check_taps(head, getattr(model, "taps", []))
-        return Drafter(head, model.lm_head, cfg.model.max_seq_len + 64)
-    except HeadError as e:
-        raise SetupError(str(e)) from None
-
-
-def check_taps(head, taps: list[int]) -> None:
-    """The stages must forward exactly the layers an EAGLE-3 head fuses, and nothing for other heads."""
-    from draft.eagle import HeadError
-    want = list(getattr(head, "aux_layers", []))
-    if list(taps) != want:
-        raise HeadError(f"the draft head needs the outputs of layers {want or 'none'} forwarded but the stages tap "
-                        f"{list(taps) or 'none'}: set model.eagle3_taps={','.join(map(str, want)) or 'none'} "
-                        "(the same on every rank)")
-
-
 def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) -> int:
-    import torch
-    from transformers import AutoTokenizer
-
-    from model.stage_format import stage_dir
-    from pipeline.engine import Engine, timed_generation
+    from model.prompts import PromptError, chat_prompt_ids, load_questions, stop_token_ids
+    from pipeline.engine import timed_generation
     from pipeline.modes import DECODERS
-    from pipeline.prompts import PromptError, chat_prompt_ids, load_questions, stop_token_ids
-    from pipeline.verify import Sampler
 
     try:  # prompts first: a bad prompt fails before tokenizer and draft head load
         if args.prompt_ids:
@@ -376,15 +264,10 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
             if not t or (isinstance(t, str) and not t.strip()):
                 raise SetupError(f"prompt {rec.get('question_id')} has an empty turn")
 
-    sdir = stage_dir(stage_root, 0)
-    gen_cfg_path = sdir / "generation_config.json"
-    gen_cfg = json.loads(gen_cfg_path.read_text()) if gen_cfg_path.is_file() else {}
+    gen_cfg = generation_config(stage_root)
     tokenizer = None
     if not args.prompt_ids:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(sdir)
-        except Exception as e:
-            raise SetupError(f"no usable tokenizer in {sdir}: {str(e).splitlines()[0][:200]}") from None
+        tokenizer = load_tokenizer(stage_root)
         stop_ids = stop_token_ids(tokenizer, gen_cfg)
     else:
         eos = gen_cfg.get("eos_token_id", getattr(model.config, "eos_token_id", None))
@@ -393,12 +276,12 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
     from pipeline.outputs import (AnswerFile, OutputFileError, drafter_fields, head_identity, provenance,
                                   resume_rows)
     needs_head = any(m != "ar" for m in modes)
-    prov = provenance(cfg, stage_root, head_identity(cfg.model.head_dir, _head_choice(cfg, stage_root), needs_head),
+    prov = provenance(cfg, stage_root, head_identity(cfg.model.head_dir, head_choice(cfg, stage_root), needs_head),
                       args.template, comm.world)
     try:  # an --output of another configuration is refused before the draft head loads
         done = resume_rows(Path(args.output), prov) if args.output else {}
         answer_files = {m: AnswerFile(args.answer_file.replace("{mode}", m),
-                                      args.model_id or f"{_model_name(stage_root)}-{m}")
+                                      args.model_id or f"{model_name(stage_root)}-{m}")
                         for m in modes} if args.answer_file else {}
     except OutputFileError as e:
         raise SetupError(str(e)) from None
@@ -411,15 +294,12 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
         why = ("chosen" if chosen else "the default; FlowSpec is mode=continuous and becomes the default once it "
                "is the fastest speculative mode on the default setup, see README Results")
         print(f"[rank 0] mode={','.join(modes)} ({why})", file=sys.stderr, flush=True)
-    drafter = make_drafter(cfg, stage_root, model, dtype, device) if needs_head else None
-
-    gen = torch.Generator(device="cpu")
-    sampler = Sampler(cfg.gen.temperature, cfg.gen.top_p, cfg.gen.top_k, gen)
-    engine = Engine(model, comm, drafter, sampler, stop_ids, cfg)
+    engine = make_engine(cfg, comm, model, stage_root, modes, stop_ids, dtype, device)
+    drafter = engine.drafter
     if cfg.gen.stop_strings():
         if tokenizer is None:
             raise SetupError("gen.stop needs text: it cannot be used with --prompt-ids (no tokenizer)")
-        from pipeline.prompts import StopText
+        from model.prompts import StopText
         engine.stop_text = StopText(tokenizer, cfg.gen.stop_strings())
 
 
@@ -496,7 +376,7 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
     return 0
 
 
-def _model_name(stage_root: Path) -> str:
+def model_name(stage_root: Path) -> str:
     """The split's source model folder name (``SmolLM2-135M-Instruct``), for answer-file model ids."""
     try:
         src = json.loads((Path(stage_root) / "manifest.json").read_text()).get("source") or ""

@@ -1,7 +1,7 @@
 """Serve the pipeline: an OpenAI-compatible HTTP endpoint, a live page and an in-process request API.
 
 ``./run_serve.sh [key=value ...] [--host 127.0.0.1] [--port 8000]`` launches every rank as
-``python -m pipeline.launch --standalone --nproc_per_node=N -m pipeline.serve ...``. Ranks 1..N run the
+``python -m pipeline.tools.launch --standalone --nproc_per_node=N -m pipeline.serve ...``. Ranks 1..N run the
 unchanged :class:`pipeline.worker.StageWorker`; rank 0 builds the engine and drafter once (as
 ``pipeline.run`` does) and then
 
@@ -330,7 +330,7 @@ class RequestManager:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def prompt_ids(self, prompt=None, messages=None) -> list[int]:
-        from pipeline.prompts import chat_prompt_ids
+        from model.prompts import chat_prompt_ids
         if (prompt is None) == (messages is None):
             raise RequestError("give exactly one of prompt or messages", "prompt" if prompt is None else "messages")
         if messages is not None:
@@ -531,15 +531,14 @@ def _content_text(content, i: int) -> str:
 def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, dtype, device) -> int:
     """Rank 0 (``pipeline.run.main``'s ``rank0`` hook): build the engine, start HTTP, serve until stopped."""
     import torch
-    from transformers import AutoTokenizer
 
+    from model.prompts import stop_token_ids
     from model.stage_format import stage_dir
     from pipeline import faults
-    from pipeline.engine import Engine, timed_generation
+    from pipeline.build import SetupError, generation_config, load_tokenizer, make_engine
+    from pipeline.engine import timed_generation
     from pipeline.modes import DECODERS
     from pipeline.outputs import drafter_fields
-    from pipeline.prompts import stop_token_ids
-    from pipeline.run import SetupError, make_drafter
     from pipeline.verify import Sampler
 
     sock = None
@@ -552,15 +551,10 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
         except OSError as e:
             raise SetupError(f"cannot listen on {sargs.host}:{sargs.port}: {e.strerror or e}") from None
     sdir = stage_dir(stage_root, 0)
-    gen_cfg_path = sdir / "generation_config.json"
-    gen_cfg = json.loads(gen_cfg_path.read_text()) if gen_cfg_path.is_file() else {}
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(sdir)
-    except Exception as e:
-        raise SetupError(f"no usable tokenizer in {sdir}: {str(e).splitlines()[0][:200]}") from None
-    stop_ids = stop_token_ids(tokenizer, gen_cfg)
-    drafter = make_drafter(cfg, stage_root, model, dtype, device) if any(m != "ar" for m in modes) else None
-    engine = Engine(model, comm, drafter, Sampler(0.0, 1.0, 0, torch.Generator(device="cpu")), stop_ids, cfg)
+    tokenizer = load_tokenizer(stage_root)
+    stop_ids = stop_token_ids(tokenizer, generation_config(stage_root))
+    engine = make_engine(cfg, comm, model, stage_root, modes, stop_ids, dtype, device,
+                         sampler=Sampler(0.0, 1.0, 0, torch.Generator(device="cpu")))
     default_mode = cfg.gen.mode if cfg.gen.mode in modes else modes[0]
     name = sargs.model_name or _model_name(stage_root, sdir)
     manager = RequestManager(tokenizer, stop_ids, modes, default_mode, cfg, model.config, comm.world,
@@ -653,7 +647,7 @@ def _start_http(manager: RequestManager, sock: socket.socket, access_log: bool):
     while not server.started and server.thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.02)
     if not server.started:
-        from pipeline.run import SetupError
+        from pipeline.build import SetupError
         raise SetupError("the HTTP server did not start")
     return server
 

@@ -120,7 +120,7 @@ def run_tp_rank(args, cfg, modes, comm, stage_root, dtype, device, run_rank0) ->
     from model.stage_format import StageDirError
     from model.stage_model import load_stage
     from model.tp_model import load_tp_shard
-    from pipeline.run import SetupError
+    from pipeline.build import SetupError
 
     n = comm.world - 1
     group = dist.new_group(list(range(1, comm.world)))   # every rank takes part in creating it

@@ -5,7 +5,7 @@ busy spans count once; see :func:`busy_fraction` for the one definition of "busy
 full event list is kept and written to ``<dir>/trace_rank<r>.json`` only when tracing is enabled.
 
 Event times are seconds since the tracer's ``t0`` (this rank's ``time.perf_counter()`` at start). The dump
-also carries clock anchors so that ``pipeline/timeline.py`` can put every rank on one time axis:
+also carries clock anchors so that ``pipeline/tools/timeline.py`` can put every rank on one time axis:
 ``t0_perf`` (the raw ``perf_counter`` value: CLOCK_MONOTONIC, shared by all processes of one host, so
 exact on one machine), ``t0_wall`` (``time.time()`` at the same instant: good to NTP accuracy across
 hosts) and ``host``. Rank 0 adds zero-length marks around every generation (``gen_begin``,
@@ -19,7 +19,7 @@ import socket
 import time
 from pathlib import Path
 
-# span kinds that count as busy; "host" is the simulator's rank-0 tree/verification work (pipeline/simulate.py)
+# span kinds that count as busy; "host" is the simulator's rank-0 tree/verification work (pipeline/tools/simulate.py)
 BUSY = {"compute", "verify", "draft", "expand", "prune", "lm_head", "host"}
 
 
@@ -41,8 +41,8 @@ def union_length(intervals) -> float:
 
 
 def busy_fraction(spans: dict, lo: float, hi: float, clip=None) -> float:
-    """THE definition of a rank's "busy" (pipeline.run rows' ``busy_fraction``, ``pipeline.timeline``'s
-    utilization table and Gantt labels, ``pipeline.bench``, ``pipeline.simulate``'s predictions):
+    """THE definition of a rank's "busy" (pipeline.run rows' ``busy_fraction``, ``pipeline.tools.timeline``'s
+    utilization table and Gantt labels, ``pipeline.tools.bench``, ``pipeline.tools.simulate``'s predictions):
 
         busy = |union of the rank's spans of a BUSY kind, clipped to [lo, hi]| / (hi - lo)
 
@@ -50,7 +50,7 @@ def busy_fraction(spans: dict, lo: float, hi: float, clip=None) -> float:
     excluded) and BUSY = compute, verify, draft, expand, prune, lm_head (and the simulator's ``host``).
     Overlapping or nested busy spans (``lm_head`` inside ``verify``) count once; waiting (recv, broadcast)
     and sending are not busy. ``spans``: kind -> iterable of (start, end); ``clip(intervals, lo, hi)``, when
-    given, returns the intervals clipped to [lo, hi] faster (``pipeline.timeline._clipped``). The live counter of
+    given, returns the intervals clipped to [lo, hi] faster (``pipeline.tools.timeline._clipped``). The live counter of
     :class:`Tracer` measures the same quantity without keeping events: the engine restarts every rank's
     counter when decode begins and reads it when the generation ends."""
     if hi <= lo:

@@ -113,9 +113,9 @@ def alive(pid: int) -> bool:
 
 
 def is_rank(pid: int) -> bool:
-    """A rank process started by pipeline.launch (``python -m pipeline.launch --child MODULE ...``)."""
+    """A rank process started by pipeline.tools.launch (``python -m pipeline.tools.launch --child MODULE ...``)."""
     try:
-        return b"pipeline.launch\0--child" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"pipeline.tools.launch\0--child" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
 
@@ -138,7 +138,7 @@ def make_stages(work: Path, world: int = 3) -> Path:
     root = work / f"stories_s{world}"
     if not (root / "manifest.json").is_file():
         sys.path.insert(0, str(REPO))
-        from split_and_save_models import split_checkpoint
+        from model.split import split_checkpoint
         split = {2: [0, 5], 3: [0, 2, 3], 4: [0, 2, 2, 1]}[world]
         split_checkpoint(STORIES, root, split, progress=False)
     return root

@@ -1,7 +1,7 @@
 """Rows for the what-if simulators without running the pipeline: HF greedy answers of the unsplit model.
 
 At T = 0 every mode's answer equals HF ``generate(do_sample=False)`` (the acceptance test of the suite), so
-these rows are what any mode would record; ``pipeline.simulate`` / ``pipeline.tp_sim`` replay them.
+these rows are what any mode would record; ``pipeline.tools.simulate`` / ``pipeline.tools.tp_sim`` replay them.
 
     python scripts/greedy_rows.py --out rows.jsonl --max-new-tokens 96       # record 30 of the six datasets
 """
@@ -18,7 +18,7 @@ sys.path.insert(0, str(REPO))
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Write pipeline-style rows (prompt_ids, output_ids) of HF greedy "
-                                            "answers, one per dataset, for pipeline.simulate / pipeline.tp_sim.",
+                                            "answers, one per dataset, for pipeline.tools.simulate / pipeline.tools.tp_sim.",
                                 epilog="Example: python scripts/greedy_rows.py --out rows.jsonl --max-new-tokens 96")
     p.add_argument("--model", default=str(REPO / "checkpoints" / "SmolLM2-135M-Instruct"), help="HF checkpoint")
     p.add_argument("--data", default=str(REPO.parent / "shared" / "data"), help="folder of <dataset>/question.jsonl")
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.prompts import chat_prompt_ids, stop_token_ids
+    from model.prompts import chat_prompt_ids, stop_token_ids
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     gen_cfg = model_dir / "generation_config.json"

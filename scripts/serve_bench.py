@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     import httpx
 
     from model.default_model import ensure_default_stages
-    from pipeline.prompts import load_questions
+    from model.prompts import load_questions
     from tests.helpers import free_port, read_jsonl
     stage = next((o.split("=", 1)[1] for o in args.overrides if o.split("=", 1)[0] in ("stage_dir", "model.stage_dir")),
                  None) or str(ensure_default_stages())
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     recs = load_questions(args.prompts_file, 0, args.n)
     modes = args.modes.split(",")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    launch = [sys.executable, "-m", "pipeline.launch", "--standalone", f"--nproc_per_node={nproc}"]
+    launch = [sys.executable, "-m", "pipeline.tools.launch", "--standalone", f"--nproc_per_node={nproc}"]
     with tempfile.TemporaryDirectory() as tmp:
         rows_path = Path(tmp) / "rows.jsonl"
         subprocess.run([*launch, "-m", "pipeline.run", *args.overrides, "--modes", args.modes, "--prompts-file",

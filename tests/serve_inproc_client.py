@@ -1,6 +1,6 @@
 """Every rank of test_serve's in-process API job runs this script (``pipeline.serve.entry`` with a client).
 
-``python -m pipeline.launch --standalone --nproc_per_node=3 -m tests.serve_inproc_client OUT.json [serve args]``:
+``python -m pipeline.tools.launch --standalone --nproc_per_node=3 -m tests.serve_inproc_client OUT.json [serve args]``:
 rank 0's client submits requests through :class:`pipeline.serve.RequestManager` and writes what it saw to
 OUT.json; HTTP keeps serving until the file OUT.json.stop appears (at once with ``--no-http``), then the client
 calls ``manager.stop()``: the request in flight finishes, every rank exits 0.

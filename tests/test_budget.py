@@ -11,7 +11,7 @@ import torch
 from pipeline.budget import (AcceptanceStats, Affine, Expansion, OnlineCosts, StepCosts, choose_expansion,
                              choose_segment_size, expected_rate, fit_affine, main, path_probs, plan_step,
                              useful_levels)
-from pipeline.emulation import load_profile
+from config.profiles import load_profile
 
 MS = 1e-3
 
@@ -299,7 +299,7 @@ def test_from_profile_edge_orin_7b():
 
 
 def test_from_profile_needs_hidden_bytes_when_the_profile_counts_real_payloads():
-    from pipeline.emulation import Profile
+    from config.profiles import Profile
     prof = Profile.from_dict({"name": "real", "stage": {"overhead_s": 0.01},
                               "link": {"bandwidth_mbps": 100, "latency_s": 0.001}})
     with pytest.raises(ValueError, match="hidden_bytes_per_token"):

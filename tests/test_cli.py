@@ -89,8 +89,8 @@ def test_run_pipe_print_config_does_not_launch():
     assert "gen.mode = 'pruned'" in res.stdout and "[rank" not in res.stderr
 
 
-ENTRY_POINTS = ["pipeline.run", "pipeline.bench", "pipeline.eval", "pipeline.simulate", "pipeline.timeline",
-                "pipeline.profile", "pipeline.quant_report", "split_and_save_models", "draft.train_eagle",
+ENTRY_POINTS = ["pipeline.run", "pipeline.tools.bench", "pipeline.tools.eval", "pipeline.tools.simulate", "pipeline.tools.timeline",
+                "pipeline.tools.profile", "pipeline.tools.quant_report", "split_and_save_models", "draft.train_eagle",
                 "data.prepare"]
 
 
@@ -112,7 +112,7 @@ def test_every_entry_point_help_has_an_example(module):
 
 # -- run_eval.sh: a failed start leaves no meta.json --------------------------------------------------------
 def _eval(tmp_path, data_dir, *extra):
-    from pipeline.eval import main
+    from pipeline.tools.eval import main
     return main(["--datasets", "mt_bench", "--modes", "ar", "--temperatures", "0", "--begin", "0", "--end", "1",
                  "--first-turn-only", "--profile", "none", "--world", "2", "--stage-dir", str(tmp_path / "stages"),
                  "--out-dir", str(tmp_path / "out"), "--data-dir", str(data_dir), "--no-plots", "--quiet", *extra])

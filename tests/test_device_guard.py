@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from model.devices import DevicePlanError, parse_devices, rank_devices
-from split_and_save_models import split_checkpoint
+from model.split import split_checkpoint
 from tests.helpers import tiny_llama
 from tests.threaded_ring import run_threaded
 
@@ -79,8 +79,8 @@ def test_simulator_replay_under_guard(tiny):
     """The simulator's rank 0 (the real drafter, tree ops and schedulers, its stand-in lm_head) under the guard."""
     from config.run_config import DEFAULT, apply_overrides
     from model.stage_model import load_stage
-    from pipeline.run import make_drafter
-    from pipeline.simulate import TargetFeatures, replay
+    from pipeline.build import make_drafter
+    from pipeline.tools.simulate import TargetFeatures, replay
     full, stages = tiny
     over = ["max_new_tokens=10", "dtype=float64"]
     plain = run_threaded(stages, PROMPTS[:1], MODES, over, {2}, f"oracle:{full}")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from split_and_save_models import split_checkpoint
+from model.split import split_checkpoint
 from tests.helpers import DATA, DATASETS, STORIES, hf_greedy, launch, read_jsonl, tiny_llama
 
 ALL_MODES = "ar,naive,pruned,continuous,pipedec"
@@ -97,7 +97,7 @@ def test_smollm2_default_all_modes_equal_hf(tmp_path):
         pytest.skip("../shared/data is not available")
     from transformers import AutoTokenizer
     from model.default_model import ensure_default_checkpoint, ensure_default_stages
-    from pipeline.prompts import chat_prompt_ids, stop_token_ids
+    from model.prompts import chat_prompt_ids, stop_token_ids
     full = ensure_default_checkpoint()
     stages = ensure_default_stages()
     tok = AutoTokenizer.from_pretrained(full)
@@ -113,7 +113,7 @@ def test_smollm2_default_all_modes_equal_hf(tmp_path):
 
 @pytest.mark.skipif(not STORIES.is_dir(), reason="../shared is not available")
 def test_plain_torchrun_still_launches_the_ranks(tmp_path):
-    """The launchers use pipeline.launch, but the ranks stay plain torch.distributed programs: torchrun's own
+    """The launchers use pipeline.tools.launch, but the ranks stay plain torch.distributed programs: torchrun's own
     agent runs them too (the design card's launch path), and the answer equals HF greedy."""
     import subprocess
     import sys

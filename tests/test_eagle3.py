@@ -14,11 +14,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draft.drafter import Drafter
-from draft.eagle import HeadError, init_untrained_head, load_eagle_head, save_eagle_head
+from draft.eagle import init_untrained_head, save_eagle_head
+from draft.head_io import HeadError
+from draft.load_head import load_draft_head
 from draft.eagle3 import (Eagle3Head, default_aux_layers, init_eagle3_head, save_eagle3_head, stage_taps,
                           vocab_from_ids)
 from model.stage_model import load_stage
-from split_and_save_models import split_checkpoint
+from model.split import split_checkpoint
 from tests.helpers import hf_greedy, tiny_llama
 from tests.threaded_ring import run_threaded
 
@@ -85,10 +87,10 @@ def test_published_layout_round_trip(tiny):
     assert torch.equal(st["d2t"] + torch.arange(V // 2), torch.arange(0, V, 2))
     assert "embed_tokens.weight" not in st and not any(k.startswith("rotary") for k in st)
     embed = torch.randn(V, H, dtype=torch.float64)
-    head = load_eagle_head(d, cfg, embed, torch.float64)
+    head = load_draft_head(d, cfg, embed, torch.float64)
     assert isinstance(head, Eagle3Head) and torch.equal(head.vocab_map, torch.arange(0, V, 2))
     torch.testing.assert_close(head.embed_tokens.weight.detach(), embed, rtol=0, atol=1e-6)
-    full_head = load_eagle_head(heads["full"], cfg, embed, torch.float64)
+    full_head = load_draft_head(heads["full"], cfg, embed, torch.float64)
     assert full_head.vocab_map is None and full_head.draft_vocab == V
 
 
@@ -127,7 +129,7 @@ def test_mismatched_head_is_one_clear_error(tiny, tmp_path, case, needle):
     }[case]
     d = _write_variant(heads["reduced"], tmp_path / case, *edits)
     with pytest.raises(HeadError) as e:
-        load_eagle_head(d, cfg, torch.zeros(cfg.vocab_size, cfg.hidden_size))
+        load_draft_head(d, cfg, torch.zeros(cfg.vocab_size, cfg.hidden_size))
     msg = str(e.value)
     assert needle in msg and "\n" not in msg, msg
 
@@ -135,7 +137,7 @@ def test_mismatched_head_is_one_clear_error(tiny, tmp_path, case, needle):
 def test_eagle12_heads_still_load(tiny, tmp_path):
     _, cfg, _, _ = tiny
     d = save_eagle_head(init_untrained_head(cfg), tmp_path / "e1")
-    head = load_eagle_head(d, cfg, torch.zeros(cfg.vocab_size, cfg.hidden_size))
+    head = load_draft_head(d, cfg, torch.zeros(cfg.vocab_size, cfg.hidden_size))
     assert not isinstance(head, Eagle3Head)
     assert stage_taps("auto", d, LAYERS) == []
 
@@ -209,7 +211,7 @@ def test_eagle3_all_modes_equal_hf(tiny, world, vocab, overrides):
 
 def test_reduced_vocab_drafts_only_its_vocabulary(tiny):
     _, cfg, _, heads = tiny
-    head = load_eagle_head(heads["reduced"], cfg, torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=torch.float64),
+    head = load_draft_head(heads["reduced"], cfg, torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=torch.float64),
                            torch.float64)
     lm = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False).double()
     d = Drafter(head, lm, 256)
@@ -227,7 +229,7 @@ def test_reduced_vocab_drafts_only_its_vocabulary(tiny):
 
 
 def test_head_and_taps_must_agree(tiny):
-    from pipeline.run import SetupError
+    from pipeline.build import SetupError
     full, _, splits, heads = tiny
     with pytest.raises(SetupError, match="model.eagle3_taps=1,2,3"):
         run_threaded(splits[3], PROMPTS[:1], ["naive"], ["max_new_tokens=4", "model.eagle3_taps=none"], {2},
@@ -245,7 +247,7 @@ def test_training_time_test_matches_tree_drafting(tiny):
     from draft.train_eagle3 import target_pass, ttt_forward
     full, cfg, _, heads = tiny
     model = AutoModelForCausalLM.from_pretrained(full, dtype=torch.float64)
-    head = load_eagle_head(heads["reduced"], cfg, model.model.embed_tokens.weight.data, torch.float64)
+    head = load_draft_head(heads["reduced"], cfg, model.model.embed_tokens.weight.data, torch.float64)
     ids = torch.tensor([[1, 5, 9, 13, 22, 7, 40, 41, 3, 17, 60, 8]])
     fused, _ = target_pass(model, ids, head.aux_layers, head.vocab_map)
     with torch.no_grad():
@@ -281,7 +283,7 @@ def test_train_eagle3_cli(tiny, tmp_path):
     rows = te.read_jsonl(out / "metrics.jsonl")
     train = [r for r in rows if r["kind"] == "train"]
     assert len(train) == 6 and len(train[0]["step_loss"]) == 3
-    head = load_eagle_head(out, cfg, torch.zeros(cfg.vocab_size, cfg.hidden_size))
+    head = load_draft_head(out, cfg, torch.zeros(cfg.vocab_size, cfg.hidden_size))
     assert isinstance(head, Eagle3Head) and head.draft_vocab == 40 and int(head.vocab_map.max()) < 60
     assert stage_taps("auto", out, LAYERS) == [1, 2, 3]
 

@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from split_and_save_models import split_checkpoint
+from model.split import split_checkpoint
 from tests.helpers import hf_greedy, launch, read_jsonl, tiny_llama
 
-from pipeline.emulation import (COUNTERS, CostModel, EmulationError, Emulator, LinkModel, LinkSender, Profile,
-                                fidelity_fields, interp1, load_profile)
+from config.profiles import CostModel, EmulationError, LinkModel, Profile, interp1, load_profile
+from pipeline.emulation import COUNTERS, Emulator, LinkSender, fidelity_fields
 
 STEP_S = 0.02
 T20 = {"name": "t20", "stage": {"model": "analytic", "overhead_s": STEP_S},
@@ -239,7 +239,7 @@ def _tiny_dataset(root: Path) -> Path:
 
 
 def _eval(tiny, data, out, capsys, *extra):
-    from pipeline.eval import main
+    from pipeline.tools.eval import main
     code = main(["--data-dir", str(data), "--datasets", "tiny", "--modes", "ar,naive", "--temperatures", "0",
                  "--begin", "0", "--end", "2", "--stage-dir", str(tiny.stages), "--profile", "zero",
                  "--max-new-tokens", "6", "--out-dir", str(out), "--no-plots", "--quiet", "dtype=float64",
@@ -284,7 +284,7 @@ def test_eval_driver_resumes_without_duplicates(tiny, tmp_path, capsys):
 
 
 def test_mismatch_is_reported_loudly(tmp_path, capsys):
-    from pipeline.eval import find_mismatches, main
+    from pipeline.tools.eval import find_mismatches, main
     data = _tiny_dataset(tmp_path)
     base = {"dataset": "tiny", "question_id": 7, "turn": 0, "temperature": 0.0, "prompt_ids": [1, 2],
             "new_tokens": 3, "decode_s": 0.5, "accept_lengths": [1, 2], "tau": 1.5}
@@ -304,7 +304,7 @@ def test_mismatch_is_reported_loudly(tmp_path, capsys):
 
 
 def test_eval_missing_dataset_names_the_prepare_command(tmp_path, capsys):
-    from pipeline.eval import main
+    from pipeline.tools.eval import main
     code = main(["--data-dir", str(tmp_path), "--datasets", "gsm8k", "--summarize-only", "--out-dir",
                  str(tmp_path / "o"), "--profile", "none"])
     assert code == 2 and "python -m data.prepare" in capsys.readouterr().err
@@ -312,7 +312,7 @@ def test_eval_missing_dataset_names_the_prepare_command(tmp_path, capsys):
 
 # -- tools ------------------------------------------------------------------------------------------------
 def test_profile_cli_writes_a_usable_table(tmp_path):
-    from pipeline.profile import main
+    from pipeline.tools.profile import main
     out = tmp_path / "p.json"
     assert main(["--hidden", "32", "--intermediate", "64", "--heads", "4", "--kv-heads", "2", "--layers", "2",
                  "--vocab", "50", "--w", "1,4", "--ctx", "0,8", "--repeat", "1", "--warmup", "0", "--device", "cpu",

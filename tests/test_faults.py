@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from split_and_save_models import split_checkpoint
+from model.split import split_checkpoint
 from tests.helpers import REPO, free_port, tiny_llama
 
 TIMEOUT_S = 5.0
@@ -130,7 +130,7 @@ ZYGOTE_SRC = r"""
 import json, os, select, signal, sys, time, traceback
 for m in ("torch", "transformers", "transformers.models.llama.modeling_llama", "safetensors.torch",
           "model.stage_model", "model.layers", "pipeline.comm", "pipeline.worker", "pipeline.engine",
-          "pipeline.modes", "pipeline.prompts", "pipeline.emulation", "draft.drafter", "draft.eagle", "pipeline.run"):
+          "pipeline.modes", "model.prompts", "pipeline.emulation", "draft.drafter", "draft.eagle", "pipeline.run"):
     try:
         __import__(m)
     except Exception:

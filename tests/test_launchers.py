@@ -75,7 +75,7 @@ def test_bad_input_one_line_before_any_rank(args, env, needle, tmp_path):
 
 def test_prompt_file_turn_types(tmp_path):
     """A turn that is not a string is one PromptError naming the line and the turn (was a raw TypeError)."""
-    from pipeline.prompts import PromptError, load_questions
+    from model.prompts import PromptError, load_questions
     f = tmp_path / "q.jsonl"
     f.write_text('{"question_id": 1, "turns": ["fine"]}\n{"question_id": 2, "turns": ["ok", 42]}\n')
     with pytest.raises(PromptError, match=r"q.jsonl:2: turn 2 is int 42, expected a string"):

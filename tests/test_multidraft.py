@@ -453,7 +453,7 @@ def test_chi_square_catches_planted_bug(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from split_and_save_models import split_checkpoint
+    from model.split import split_checkpoint
     from tests.helpers import tiny_llama
     root = tmp_path_factory.mktemp("multidraft")
     full = tiny_llama(root / "full", layers=4, dtype=torch.float64)

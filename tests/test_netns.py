@@ -29,7 +29,7 @@ import sys
 import pytest
 import torch
 
-from split_and_save_models import split_checkpoint
+from model.split import split_checkpoint
 from tests.helpers import REPO, free_port, hf_greedy, read_jsonl, tiny_llama
 
 WORLD = 5

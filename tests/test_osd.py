@@ -321,9 +321,9 @@ class ChaosPublisher:
 
 @pytest.mark.parametrize("swap_at", ["commit", "generation"])
 def test_greedy_output_equals_hf_while_the_head_changes(tiny, tmp_path, monkeypatch, swap_at):
-    from split_and_save_models import split_checkpoint
+    from model.split import split_checkpoint
     import tests.threaded_ring as tr
-    from pipeline.run import make_drafter as real_make
+    from pipeline.build import make_drafter as real_make
     full, _, _ = tiny
     stages = split_checkpoint(full, tmp_path / "stages", [0, 1, 1], progress=False)
     made = []
@@ -351,7 +351,7 @@ def test_greedy_output_equals_hf_while_the_head_changes(tiny, tmp_path, monkeypa
 def test_osd_report_writes_png_csv_and_rejects_bad_input(tmp_path, capsys):
     import json as _json
 
-    from pipeline.osd_report import main
+    from pipeline.tools.osd_report import main
     def rows(taus, versions):
         return "".join(_json.dumps({"question_id": i, "category": ("stream" if i < 3 else "eval") + f":x:{i}",
                                     "tau": t, "accept_lengths": [int(t)] * 4, "new_tokens": 8, "drafter_version": v})

@@ -1,6 +1,6 @@
 """What pipeline.run writes, on a real 2-rank stories260K run: provenance on every --output row, resuming
 an --output of the same configuration and refusing one of another, FastChat llm_judge answer files, and
-the Chrome/Perfetto trace export of pipeline.timeline."""
+the Chrome/Perfetto trace export of pipeline.tools.timeline."""
 import json
 
 import pytest
@@ -23,7 +23,7 @@ def _args(stages, out, end, *extra):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """One traced run on record 0 (both turns, ar + naive), then the same command resumed on records [0, 2)."""
-    from split_and_save_models import split_checkpoint
+    from model.split import split_checkpoint
     root = tmp_path_factory.mktemp("outputs")
     stages = split_checkpoint(STORIES, root / "stages", [0, 5], progress=False)
     out = root / "rows.jsonl"
@@ -94,7 +94,7 @@ def test_answer_file_is_fastchat_llm_judge_format(run):
 
 
 def test_chrome_trace_export(run, tmp_path):
-    from pipeline.timeline import main
+    from pipeline.tools.timeline import main
     path = tmp_path / "trace.json"
     assert main([str(run["root"] / "traces"), "--chrome", str(path)]) == 0
     assert not (run["root"] / "traces" / "gantt.png").exists()  # --chrome alone writes only the trace
@@ -119,7 +119,7 @@ def test_chrome_trace_export(run, tmp_path):
 def test_one_definition_of_busy_row_equals_trace(run):
     """A row's busy_fraction (live counters) equals the timeline's busy over that generation's decode window
     (traces), both being pipeline.trace.busy_fraction."""
-    from pipeline.timeline import load, utilization
+    from pipeline.tools.timeline import load, utilization
     tl = load(run["root"] / "traces")
     gens = tl.generations()
     rows = run["rows_first"]
@@ -131,8 +131,8 @@ def test_one_definition_of_busy_row_equals_trace(run):
 
 
 def test_busy_fraction_counts_nested_spans_once(monkeypatch):
-    from pipeline.simulate import stage_utilization
-    from pipeline.timeline import RankTrace, Timeline
+    from pipeline.tools.simulate import stage_utilization
+    from pipeline.tools.timeline import RankTrace, Timeline
     from pipeline.trace import Tracer, busy_fraction
     spans = {"verify": [(1.0, 3.0)], "lm_head": [(1.5, 2.0)], "recv": [(3.0, 4.0)], "compute": [(3.5, 4.5)]}
     assert busy_fraction(spans, 0.0, 4.0) == pytest.approx(2.5 / 4.0)
@@ -156,7 +156,7 @@ def test_plots_and_tables_mark_rows_the_emulation_flagged(tmp_path, monkeypatch)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from pipeline import bench, eval as ev
+    from pipeline.tools import bench, eval as ev
     rows = [{"dataset": ds, "mode": m, "temperature": 0.0, "question_id": 1, "turn": 0, "new_tokens": 10,
              "decode_s": 1.0, "accept_lengths": [2] * 5, "emu_flag": m == "continuous" and ds == "gsm8k"}
             for ds in ("mt_bench", "gsm8k") for m in ("ar", "naive", "continuous")]  # simulate-style: no emu_profile

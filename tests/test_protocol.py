@@ -7,7 +7,7 @@ token inside an accepted segment, ``max_new_tokens`` reached in the middle of a 
 import pytest
 import torch
 
-from split_and_save_models import split_checkpoint
+from model.split import split_checkpoint
 from tests.helpers import hf_greedy, tiny_llama
 from tests.threaded_ring import run_threaded
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from model.stage_model import load_stage
-from split_and_save_models import split_checkpoint
+from model.split import split_checkpoint
 from tests.helpers import tiny_llama
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -41,7 +41,7 @@ def test_quantized_stage(stages, quant, kind, max_err):
 
 
 def test_quant_report_helpers(stages):
-    from pipeline.quant_report import agreement, compare, weight_bytes
+    from pipeline.tools.quant_report import agreement, compare, weight_bytes
     assert agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
     assert agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 0.5
     assert agreement([1, 2, 3, 4], [1, 2]) == 0.5           # stopped early

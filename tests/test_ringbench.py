@@ -1,4 +1,4 @@
-"""pipeline.ringbench runs a real 2-process gloo ring both ways and prints its table and the ratio line."""
+"""pipeline.tools.ringbench runs a real 2-process gloo ring both ways and prints its table and the ratio line."""
 import re
 import subprocess
 import sys
@@ -8,7 +8,7 @@ from tests.helpers import REPO
 
 def test_ringbench_prints_table_and_ratio(tmp_path):
     out = tmp_path / "ring.json"
-    res = subprocess.run([sys.executable, "-m", "pipeline.ringbench", "--world", "2", "--trips", "5", "--warmup", "1",
+    res = subprocess.run([sys.executable, "-m", "pipeline.tools.ringbench", "--world", "2", "--trips", "5", "--warmup", "1",
                           "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     last = res.stdout.strip().splitlines()[-1]
@@ -20,6 +20,6 @@ def test_ringbench_prints_table_and_ratio(tmp_path):
 
 
 def test_ringbench_bad_arguments_are_one_line():
-    res = subprocess.run([sys.executable, "-m", "pipeline.ringbench", "--world", "1"], cwd=REPO,
+    res = subprocess.run([sys.executable, "-m", "pipeline.tools.ringbench", "--world", "1"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "Traceback" not in res.stderr and "--world >= 2" in res.stderr

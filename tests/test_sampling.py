@@ -650,7 +650,7 @@ E2E_NEW = 12
 def e2e(tmp_path_factory):
     """A tiny random float64 model split 0+2+2 (3 ranks), with the oracle drafter (draft = target, so trees
     are accepted deep), run twice through ``python -m pipeline.run`` at T = 1 with seed 7."""
-    from split_and_save_models import split_checkpoint
+    from model.split import split_checkpoint
     from tests.helpers import launch, read_jsonl, tiny_llama
     root = tmp_path_factory.mktemp("sampling_e2e")
     full = tiny_llama(root / "full", layers=4, dtype=torch.float64)

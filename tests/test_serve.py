@@ -23,7 +23,7 @@ import httpx
 import pytest
 import torch
 
-from split_and_save_models import split_checkpoint
+from model.split import split_checkpoint
 from tests.helpers import REPO, STORIES, free_port, hf_greedy
 
 MODES = ("ar", "naive", "pruned", "pipedec", "continuous")
@@ -81,7 +81,7 @@ def server(stories_stages, tmp_path_factory):
     inproc = tmp / "inproc.json"
     s = Server([str(inproc), f"model.stage_dir={stories_stages}", f"head_dir=oracle:{STORIES}", "max_new_tokens=24",
                 "comm.timeout_s=20", "--queue-size", "16"], tmp / "server.log",
-               cmd=[sys.executable, "-m", "pipeline.launch", "--standalone", "--nproc_per_node=3", "-m",
+               cmd=[sys.executable, "-m", "pipeline.tools.launch", "--standalone", "--nproc_per_node=3", "-m",
                     "tests.serve_inproc_client"])
     s.inproc = inproc
     deadline = time.monotonic() + 120
@@ -391,7 +391,7 @@ def test_smollm2_default_through_run_serve_sh(tmp_path):
     """The embedded default (5 ranks) via ./run_serve.sh: greedy chat answers equal HF's; Ctrl-C ends it."""
     from transformers import AutoTokenizer
     from model.default_model import ensure_default_checkpoint
-    from pipeline.prompts import chat_prompt_ids, stop_token_ids
+    from model.prompts import chat_prompt_ids, stop_token_ids
     full = ensure_default_checkpoint()
     s = Server(["max_new_tokens=16"], tmp_path / "server.log", timeout=240)
     try:

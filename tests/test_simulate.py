@@ -1,4 +1,4 @@
-"""The what-if simulator (pipeline/simulate.py): timing math, replay exactness across stage counts, and
+"""The what-if simulator (pipeline/tools/simulate.py): timing math, replay exactness across stage counts, and
 agreement with a real emulated multi-process run."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.emulation import Profile
-from pipeline.simulate import (Deadlock, DirectTimes, ScheduledDirect, TimingConfig, decode_times, main,
+from config.profiles import Profile
+from pipeline.tools.simulate import (Deadlock, DirectTimes, ScheduledDirect, TimingConfig, decode_times, main,
                                simulate_timing)
-from split_and_save_models import split_checkpoint
+from model.split import split_checkpoint
 from tests.helpers import REPO, hf_greedy, launch, read_jsonl, tiny_llama
 
 PROF = Profile.from_dict({
@@ -107,10 +107,10 @@ def test_replay_equals_real_runs_on_other_stage_counts(tmp_path):
 
     from config.run_config import DEFAULT, apply_overrides
     from model.stage_model import load_stage
-    from pipeline.prompts import chat_prompt_ids
-    from pipeline.run import make_drafter
-    from pipeline.emulation import load_profile
-    from pipeline.simulate import TargetFeatures, replay
+    from model.prompts import chat_prompt_ids
+    from pipeline.build import make_drafter
+    from config.profiles import load_profile
+    from pipeline.tools.simulate import TargetFeatures, replay
     from tests.threaded_ring import run_threaded
 
     tok = AutoTokenizer.from_pretrained(STAGES_5 / "stage_model_0")

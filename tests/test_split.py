@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from model.stage_format import (FORMAT, MANIFEST, WEIGHTS, StageDirError, read_manifest, sha256_file,
                                 stage_dir, verify_stage_file)
-from split_and_save_models import split_checkpoint
+from model.split import split_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 NUM_LAYERS = 5

@@ -1,4 +1,4 @@
-"""Timeline (pipeline/timeline.py) and benchmark (pipeline/bench.py).
+"""Timeline (pipeline/tools/timeline.py) and benchmark (pipeline/tools/bench.py).
 
 * synthetic traces: clock alignment, exact utilization numbers, windows, CSV and PNG output;
 * bench aggregation and the T=0 losslessness check on synthetic rows;
@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from pipeline import bench, timeline
+from pipeline.tools import bench, timeline
 from tests.helpers import REPO, hf_greedy, read_jsonl, tiny_llama
 
 
@@ -134,7 +134,7 @@ def test_bench_aggregate_and_mismatch():
 
 @pytest.fixture(scope="module")
 def tiny_stages(tmp_path_factory):
-    from split_and_save_models import split_checkpoint
+    from model.split import split_checkpoint
     root = tmp_path_factory.mktemp("tiny_bench")
     full = tiny_llama(root / "full", layers=4, dtype=torch.float64)
     return full, split_checkpoint(full, root / "stages", [0, 2, 2], progress=False)
@@ -146,7 +146,7 @@ PROMPTS = [[1, 5, 9, 13, 22, 7], [1, 40, 41, 42, 3]]
 def test_bench_tiny_model_end_to_end(tiny_stages, tmp_path):
     full, stages = tiny_stages
     out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "pipeline.bench", f"model.stage_dir={stages}", "dtype=float64", "max_new_tokens=8",
+    cmd = [sys.executable, "-m", "pipeline.tools.bench", f"model.stage_dir={stages}", "dtype=float64", "max_new_tokens=8",
            "comm.timeout_s=60", "--launch", "single", "--warmup", "1", "--out-dir", str(out), "--gantt-window", "0.05"]
     for p in PROMPTS:
         cmd += ["--prompt-ids", ",".join(map(str, p))]
@@ -179,7 +179,7 @@ def test_bench_tiny_model_end_to_end(tiny_stages, tmp_path):
     assert float(table[1]["speedup_vs_naive"]) == pytest.approx(1.0)
     # the summary can be redone from the results folder alone
     (out / "summary.md").unlink()
-    res = subprocess.run([sys.executable, "-m", "pipeline.bench", "--summarize-only", "--out-dir", str(out)],
+    res = subprocess.run([sys.executable, "-m", "pipeline.tools.bench", "--summarize-only", "--out-dir", str(out)],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert (out / "summary.md").read_text() == md

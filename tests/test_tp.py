@@ -170,9 +170,9 @@ def test_tiny_tp_and_galaxy_equal_hf(tiny, tmp_path, n, drafter):
 
 
 def test_modes_and_split_kinds_must_match(tiny, tmp_path, capsys):
-    """pipeline.launch's one pre-check of every rank's arguments (pipeline.run.check_args) refuses mismatches."""
+    """pipeline.tools.launch's one pre-check of every rank's arguments (pipeline.run.check_args) refuses mismatches."""
     from pipeline.run import check_args
-    from split_and_save_models import split_checkpoint
+    from model.split import split_checkpoint
     full, roots = tiny
     pipe = split_checkpoint(full, tmp_path / "pipe", [0, 2, 1], progress=False)
     for root, extra, line in [
@@ -208,7 +208,7 @@ SMOL = REPO / "checkpoints" / "SmolLM2-135M-Instruct"
 @pytest.mark.parametrize("n", [1, 3])
 def test_smollm2_tp_equal_hf(tmp_path, n):
     from transformers import AutoTokenizer
-    from pipeline.prompts import chat_prompt_ids, stop_token_ids
+    from model.prompts import chat_prompt_ids, stop_token_ids
     root = split_checkpoint_tp(SMOL, tmp_path / f"tp{n}", n, progress=False)
     tok = AutoTokenizer.from_pretrained(SMOL)
     prompt = chat_prompt_ids(tok, ["Name three rivers in Europe and one fact about each."], [])
@@ -222,7 +222,7 @@ def test_smollm2_tp_equal_hf(tmp_path, n):
 def test_sampling_follows_naive_path_by_path(tiny, tmp_path):
     """At T > 0 rank 0 draws exactly as in naive (same trees, same walk, same generator), so with the same seed
     tp, galaxy and naive sample the same tokens: the tested law of naive carries over."""
-    from split_and_save_models import split_checkpoint
+    from model.split import split_checkpoint
     from tests.threaded_ring import run_threaded
     full, roots = tiny
     pipe = split_checkpoint(full, tmp_path / "pipe", [0, 2, 1], progress=False)
@@ -238,7 +238,7 @@ def test_sampling_follows_naive_path_by_path(tiny, tmp_path):
 def test_rank0_schedule_on_a_one_stage_ring_under_the_device_guard(tiny, tmp_path):
     """Rank 0's tp/galaxy loop sees the group as one stage: on an in-process one-stage pipeline ring it equals
     HF, and under torch.device("meta") (tests/test_device_guard.py) it creates no tensor on a default device."""
-    from split_and_save_models import split_checkpoint
+    from model.split import split_checkpoint
     from tests.threaded_ring import run_threaded
     full, _ = tiny
     one = split_checkpoint(full, tmp_path / "one", [0, 3], progress=False)

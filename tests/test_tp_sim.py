@@ -1,10 +1,10 @@
-"""The TP what-if model (pipeline/tp_sim.py): the group cost formulas, and a whole prediction on a tiny model."""
+"""The TP what-if model (pipeline/tools/tp_sim.py): the group cost formulas, and a whole prediction on a tiny model."""
 import json
 
 import pytest
 
-from pipeline.emulation import CostModel, LinkModel, load_profile
-from pipeline.tp_sim import GroupCost, main, shard_cost
+from config.profiles import CostModel, LinkModel, load_profile
+from pipeline.tools.tp_sim import GroupCost, main, shard_cost
 from tests.helpers import hf_greedy, tiny_llama
 
 LINK = LinkModel(latency_s=1e-3, bandwidth_mbps=100.0)
@@ -40,7 +40,7 @@ def test_galaxy_moves_the_same_bytes_and_hides_compute_behind_the_link():
 
 
 def test_prediction_on_a_tiny_model(tmp_path, capsys):
-    from split_and_save_models import split_checkpoint
+    from model.split import split_checkpoint
     full = tiny_llama(tmp_path / "full", layers=2)
     stages = split_checkpoint(full, tmp_path / "stages", [0, 1, 1], progress=False)
     rows = tmp_path / "rows.jsonl"

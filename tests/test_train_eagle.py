@@ -9,7 +9,7 @@ import torch
 from draft.drafter import Drafter
 from draft.eagle import HeadError, init_untrained_head, load_eagle_head, save_eagle_head
 from draft import train_eagle as te
-from pipeline.prompts import chat_prompt_ids
+from model.prompts import chat_prompt_ids
 from tests.helpers import STORIES, tiny_llama
 
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 \n.,?!:'-()"

@@ -16,7 +16,7 @@ from model.stage_model import load_stage
 from pipeline.engine import Engine, timed_generation
 from pipeline.local_ring import LocalComm, LocalRing, stage_threads
 from pipeline.modes import DECODERS
-from pipeline.run import make_drafter
+from pipeline.build import make_drafter
 from pipeline.verify import Sampler
 from pipeline.worker import StageWorker
 

@@ -56,7 +56,7 @@ class StreamingMode:
         key = (name, engine.comm.world)
         if getattr(self, "_costs_key", None) != key:
             from pipeline.budget import StepCosts
-            from pipeline.emulation import load_profile
+            from config.profiles import load_profile
             self._costs = StepCosts.from_profile(load_profile(name), engine.comm.world)
             self._costs_key = key
         from pipeline.budget import choose_segment_size, path_probs

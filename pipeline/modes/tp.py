@@ -5,7 +5,7 @@ that rides on the next round's segment.
 
 The rank-0 side sees the group as one stage (``comm.send_next`` / ``comm.recv_prev``; see
 :class:`pipeline.tp_run.GroupComm`), so this loop runs unchanged on an in-process one-stage ring (the
-what-if simulator, ``pipeline/tp_sim.py``). ``Segment.tag`` carries the group's schedule
+what-if simulator, ``pipeline/tools/tp_sim.py``). ``Segment.tag`` carries the group's schedule
 (:data:`SCHEDULE_IDS`); a round has exactly one segment, so the field is otherwise unused.
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from split_and_save_models import split_checkpoint
+from model.split import split_checkpoint
 from tests.helpers import DATA, DATASETS, REPO, STORIES, launch, read_jsonl, tiny_llama
 from tests.test_e2e import _dataset_prompts
 
@@ -102,7 +102,7 @@ def test_stories260k_all_modes_equal_hf_on_cuda(tmp_path, world, split):
 def _smol_prompts(n_chars=600):
     from transformers import AutoTokenizer
     from model.default_model import ensure_default_checkpoint, ensure_default_stages
-    from pipeline.prompts import chat_prompt_ids, stop_token_ids
+    from model.prompts import chat_prompt_ids, stop_token_ids
     full, stages = ensure_default_checkpoint(), ensure_default_stages()
     tok = AutoTokenizer.from_pretrained(full)
     prompts = []
@@ -198,7 +198,7 @@ def test_emulation_and_simulator_on_cuda(smol, tmp_path):
     rows, _ = run_cuda(5, stages, tmp_path / "o.jsonl", prompts[:2], 32, "float32", ("emu.profile=edge_orin_7b",),
                        modes="ar,naive,continuous,pipedec")
     assert all(r["output_ids"] == hf_greedy_cuda(full, r["prompt_ids"], 32, stop, "float32") for r in rows)
-    sim = subprocess.run([sys.executable, "-m", "pipeline.simulate", str(tmp_path / "o.jsonl"), "--out-dir",
+    sim = subprocess.run([sys.executable, "-m", "pipeline.tools.simulate", str(tmp_path / "o.jsonl"), "--out-dir",
                           str(tmp_path / "sim"), "--modes", "naive,continuous", "--stages", "4", "--quiet",
                           "device=cuda"], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert sim.returncode == 0, sim.stderr[-3000:]
@@ -207,7 +207,7 @@ def test_emulation_and_simulator_on_cuda(smol, tmp_path):
 
 def test_bench_all_modes_on_cuda(smol, tmp_path):
     out = tmp_path / "bench"
-    res = subprocess.run([sys.executable, "-m", "pipeline.bench", "--prompts-file", str(DATA / "mt_bench" /
+    res = subprocess.run([sys.executable, "-m", "pipeline.tools.bench", "--prompts-file", str(DATA / "mt_bench" /
                           "question.jsonl"), "-n", "4", "--out-dir", str(out), "device=cuda",
                           "max_new_tokens=64"], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -1,9 +1,9 @@
 """Quantized stages vs full precision: greedy agreement, τ, throughput and memory per stage.
 
-``python -m pipeline.quant_report --prompts-file question.jsonl -n 20 --out-dir outputs/quant [key=value ...]``
+``python -m pipeline.tools.quant_report --prompts-file question.jsonl -n 20 --out-dir outputs/quant [key=value ...]``
 
 For each ``--quants`` entry (``none`` first: it is the reference) the script launches one
-``python -m pipeline.launch ... -m pipeline.run quant=<q>`` over the first turns of ``-n`` records (rows in
+``python -m pipeline.tools.launch ... -m pipeline.run quant=<q>`` over the first turns of ``-n`` records (rows in
 ``<out-dir>/<q>.jsonl``; a complete file is reused, so a rerun only does what is missing). Then it reports,
 per quantization:
 
@@ -19,6 +19,7 @@ Writes ``summary.md`` and ``summary.csv`` to ``--out-dir``.
 """
 from __future__ import annotations
 
+from config.paths import REPO
 import argparse
 import csv
 import json
@@ -29,17 +30,16 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     from pipeline.cli import DefaultsOnce  # each default shown once
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.quant_report",
+        prog="python -m pipeline.tools.quant_report",
         description="Run the pipeline with full-precision and bitsandbytes-quantized stages on the same prompts "
                     "and report greedy agreement with full precision, τ, tokens/s and weight memory per stage.",
         epilog="Extra key=value words are config overrides for every run (see config/run_config.py), e.g. "
-               "mode=naive max_new_tokens=64 model.stage_dir=DIR. Example: python -m pipeline.quant_report "
+               "mode=naive max_new_tokens=64 model.stage_dir=DIR. Example: python -m pipeline.tools.quant_report "
                "--prompts-file data/mt_bench/question.jsonl -n 5 --quants none,int8 max_new_tokens=64",
         formatter_class=DefaultsOnce)
     p.add_argument("overrides", nargs="*", help="config overrides key=value for pipeline.run")
@@ -123,7 +123,7 @@ def stage_memory(root: Path, quant: str, compute_dtype: torch.dtype) -> list[int
 def _stage_dir(overrides: list[str]) -> Path:
     """The run's stage root: ``model.stage_dir`` if given, else the default SmolLM2 split (built if missing)."""
     from config.run_config import RunConfig, apply_overrides
-    from pipeline.run import DEFAULT_STAGE_DIR
+    from config.paths import DEFAULT_STAGE_DIR
     cfg = apply_overrides(RunConfig(), overrides)
     if cfg.model.stage_dir:
         return Path(cfg.model.stage_dir)
@@ -145,7 +145,7 @@ def run_one(quant: str, args, stage_dir: Path, world: int, out: Path) -> list[di
         print(f"[quant] {quant}: reusing {out} ({len(rows)} rows)", flush=True)
         return rows
     out.unlink(missing_ok=True)
-    from pipeline.launch import command
+    from pipeline.tools.launch import command
     cmd = command() + ["--standalone", f"--nproc_per_node={world}", "-m", "pipeline.run", f"model.stage_dir={stage_dir}",
             *args.overrides, f"quant={quant}", "gen.temperature=0", "--prompts-file", args.prompts_file,
             "--begin", str(args.begin),

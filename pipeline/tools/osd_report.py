@@ -9,7 +9,7 @@ Two subcommands:
   request group: τ, acceptance = τ - 1 draft tokens accepted per verification, the online / static ratio when a
   run is labelled ``static``).
 * ``replay``: serve a recorded stream of answers again through the real rank-0 code of a mode in one process
-  (``pipeline.simulate.replay``: the real drafter, tree search and verification; the target's outputs and
+  (``pipeline.tools.simulate.replay``: the real drafter, tree search and verification; the target's outputs and
   features come from the recording and the unsplit stages), request after request, with whatever drafter the
   ``key=value`` overrides build (``osd.enabled=true`` for online learning). It writes one row per request with
   ``tau``, ``accept_lengths`` and the drafter fields (``drafter_version``, ``osd``). Same accepted lengths as a
@@ -28,13 +28,13 @@ from pathlib import Path
 
 EPILOG = """Examples:
   # record the target's answers once (any mode; ar is the cheapest), then replay them static and online
-  python -m pipeline.launch --standalone --nproc_per_node=5 -m pipeline.run --modes ar \\
+  python -m pipeline.tools.launch --standalone --nproc_per_node=5 -m pipeline.run --modes ar \\
       --prompts-file stream.jsonl --first-turn-only max_new_tokens=64 --output ar.jsonl
-  python -m pipeline.osd_report replay ar.jsonl --out static.jsonl --mode naive max_new_tokens=64
-  python -m pipeline.osd_report replay ar.jsonl --out online.jsonl --mode naive max_new_tokens=64 \\
+  python -m pipeline.tools.osd_report replay ar.jsonl --out static.jsonl --mode naive max_new_tokens=64
+  python -m pipeline.tools.osd_report replay ar.jsonl --out online.jsonl --mode naive max_new_tokens=64 \\
       osd.enabled=true osd.sync=true osd.loss=fkl osd.sample_source=teacher
   # the report (PNG + CSV + Markdown)
-  python -m pipeline.osd_report static.jsonl online.jsonl --labels static,online --out-dir outputs/osd
+  python -m pipeline.tools.osd_report static.jsonl online.jsonl --labels static,online --out-dir outputs/osd
 """
 
 
@@ -163,8 +163,9 @@ def cmd_replay(args) -> int:
     from model.stage_format import read_manifest
     from model.stage_model import DTYPES, load_stage
     from pipeline.outputs import drafter_fields
-    from pipeline.run import DEFAULT_STAGE_DIR, SetupError, make_drafter
-    from pipeline.simulate import TargetFeatures, replay
+    from config.paths import DEFAULT_STAGE_DIR
+    from pipeline.build import SetupError, make_drafter
+    from pipeline.tools.simulate import TargetFeatures, replay
     try:
         cfg = apply_overrides(DEFAULT, args.overrides)
     except ConfigError as e:
@@ -217,7 +218,7 @@ def cmd_replay(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pipeline.osd_report", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m pipeline.tools.osd_report", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     sub = p.add_subparsers(dest="cmd")
     r = sub.add_parser("report", help="plots + CSV from row files (default)", epilog=EPILOG,

@@ -1,10 +1,10 @@
 """What-if simulator: predict the decode time of recorded generations for other stage counts, profiles and links.
 
 Plan a deployment before buying it: record generations once (any mode, any timing: rows of
-``pipeline.run --output``, ``pipeline.bench`` or ``run_eval.sh``), then ask how long the same answers would take
+``pipeline.run --output``, ``pipeline.tools.bench`` or ``run_eval.sh``), then ask how long the same answers would take
 with 8 or 16 stages, another device profile or a faster link, in seconds on one machine::
 
-    python -m pipeline.simulate outputs/eval/edge_orin_7b/rows.jsonl --stages 2,4,8 --bandwidth-mbps 150,1000
+    python -m pipeline.tools.simulate outputs/eval/edge_orin_7b/rows.jsonl --stages 2,4,8 --bandwidth-mbps 150,1000
 
 **Why a recorded answer fixes the schedule.** Given the committed text (``prompt_ids`` + ``output_ids``):
 
@@ -44,6 +44,7 @@ for the profile would measure).
 """
 from __future__ import annotations
 
+from config.paths import REPO
 import argparse
 import csv
 import json
@@ -60,9 +61,9 @@ import torch
 
 from model.devices import HOST
 from model.kv_cache import KVCache
-from pipeline.emulation import EmulationError, LinkModel, Profile, hidden_rows, load_profile, message_parts
+from config.profiles import EmulationError, LinkModel, Profile, load_profile, message_parts
+from pipeline.emulation import hidden_rows
 
-REPO = Path(__file__).resolve().parent.parent
 NEG = -1.0e4      # logit of every token but the committed one: softmax gives exactly one-hot in float32
 
 
@@ -558,9 +559,9 @@ SPAN_KIND = {"compute": "compute", "lm_head": "lm_head", "draft": "draft", "recv
 
 
 def to_timeline(timeline: list, world: int):
-    """The simulated op timeline as a :class:`pipeline.timeline.Timeline` (Gantt charts, utilization). Rank-0 host
+    """The simulated op timeline as a :class:`pipeline.tools.timeline.Timeline` (Gantt charts, utilization). Rank-0 host
     work (tree building, verification, pruning) is the span kind ``host``."""
-    from pipeline.timeline import RankTrace, Timeline
+    from pipeline.tools.timeline import RankTrace, Timeline
     ranks = {r: RankTrace(r, 0.0) for r in range(world)}
     for r, op, a, b in timeline:
         kind = SPAN_KIND.get(op[0])
@@ -576,7 +577,7 @@ def to_timeline(timeline: list, world: int):
 def stage_utilization(tl, windows: list[tuple[float, float]]) -> list[list[float]]:
     """Per generation (decode) window: each rank's busy fraction, :func:`pipeline.trace.busy_fraction` (rank 0:
     lm_head, draft head and ``host`` work; stages: their layer computations)."""
-    from pipeline.timeline import _clipped
+    from pipeline.tools.timeline import _clipped
     from pipeline.trace import busy_fraction
     return [[round(busy_fraction(tl.ranks[r].spans, lo, hi, _clipped), 4) for r in sorted(tl.ranks)] for lo, hi in windows]
 
@@ -602,14 +603,14 @@ def decode_times(marks: list[tuple[str, float]]) -> list[float]:
 def parse_args(argv=None) -> argparse.Namespace:
     from pipeline.cli import DefaultsOnce  # each default shown once
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.simulate",
+        prog="python -m pipeline.tools.simulate",
         description="Predict decode time, throughput (ξ) and speed-ups of recorded generations for other stage "
                     "counts, emulation profiles and links, without running the pipeline: the real schedulers "
                     "are replayed on the recorded answers (exact at T=0) and timed by a discrete-event model "
                     "of the emulated testbed. Rows recorded under the same profile and stage count are "
                     "compared with their measured decode time (the simulator's error).",
         epilog="Extra key=value words are config overrides (tree parameters etc.; use the ones of the recorded "
-               "run). Example: python -m pipeline.simulate outputs/eval/edge_orin_7b/rows.jsonl "
+               "run). Example: python -m pipeline.tools.simulate outputs/eval/edge_orin_7b/rows.jsonl "
                "--stages 2,4,8 --bandwidth-mbps 150,1000 --out-dir outputs/sim",
         formatter_class=DefaultsOnce)
     p.add_argument("rows", nargs="+", help="JSONL rows with prompt_ids and output_ids (pipeline.run --output, "
@@ -706,7 +707,8 @@ def _main(args) -> int:
     from config.run_config import DEFAULT, apply_overrides
     from model.stage_format import read_manifest
     from model.stage_model import DTYPES, load_stage
-    from pipeline.run import DEFAULT_STAGE_DIR, make_drafter
+    from config.paths import DEFAULT_STAGE_DIR
+    from pipeline.build import make_drafter
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -789,7 +791,7 @@ def _main(args) -> int:
                 pred["direct_polls_late"] = list(late)
                 preds.append(pred)
             if args.gantt >= 0 and args.gantt < len(windows):
-                from pipeline.timeline import gantt
+                from pipeline.tools.timeline import gantt
                 lo, hi = windows[args.gantt]
                 hi = min(hi, lo + args.gantt_window * args.time_scale)
                 name = f"gantt_{session.mode}_s{session.stages}_bw{prof.link.bandwidth_mbps or 0:g}.png"
@@ -946,7 +948,7 @@ def write_summary(table: list[dict], out_dir: Path, profile: str) -> None:
 def write_paper_tables(preds: list[dict], out_dir: Path, profile: str, args) -> list[Path]:
     """The evaluation sweep's paper-style summary (ξ, SR vs naive, τ per dataset, plots) of the predictions, one
     folder per (stages, bandwidth): ``paper_s<stages>_bw<mbps>/``."""
-    from pipeline.eval import DATASETS, MODES, plot, summarize as eval_summary
+    from pipeline.tools.eval import DATASETS, MODES, plot, summarize as eval_summary
     groups: dict[tuple, list[dict]] = {}
     for p in preds:
         if p.get("dataset"):

@@ -3,12 +3,13 @@ drafting time per tree (``Drafter.grow_tree``) for EAGLE-1/2 vs EAGLE-3 heads, f
 
 Example::
 
-    python -m draft.eagle3_bench tau --head draft/heads/SmolLM2-135M-Instruct --head /tmp/e3/head \\
+    python -m pipeline.tools.eagle3_bench tau --head draft/heads/SmolLM2-135M-Instruct --head /tmp/e3/head \\
         --records 2 --max-new-tokens 48
-    python -m draft.eagle3_bench draft-time --draft-vocab 8192 --trees 20
+    python -m pipeline.tools.eagle3_bench draft-time --draft-vocab 8192 --trees 20
 """
 from __future__ import annotations
 
+from config.paths import REPO
 import argparse
 import json
 import sys
@@ -17,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
 SETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
 # held-out prompt kinds that the six evaluation sets do not have (written here; not used for training)
 HELDOUT = {
@@ -41,13 +41,13 @@ HELDOUT = {
 
 
 def chat_ids(tok, text: str) -> list[int]:
-    from pipeline.prompts import chat_prompt_ids
+    from model.prompts import chat_prompt_ids
     return chat_prompt_ids(tok, [text], [], "", "auto")
 
 
 def cmd_tau(args) -> int:
-    from pipeline.prompts import stop_token_ids
-    from pipeline.run import DEFAULT_STAGE_DIR
+    from model.prompts import stop_token_ids
+    from config.paths import DEFAULT_STAGE_DIR
     from tests.threaded_ring import run_threaded
     from transformers import AutoTokenizer
     torch.set_num_threads(args.threads)
@@ -78,16 +78,16 @@ def cmd_draft_time(args) -> int:
     """Median seconds per ``grow_tree`` (60/5/10) for: the shipped EAGLE-1/2 head, an EAGLE-3 head with the full
     vocabulary and one with ``--draft-vocab`` (random weights: timing only; the tree shape is fixed)."""
     from draft.drafter import Drafter
-    from draft.eagle import load_eagle_head
+    from draft.load_head import load_draft_head
     from draft.eagle3 import init_eagle3_head
     from model.stage_model import load_stage
-    from pipeline.run import DEFAULT_HEAD_DIR, DEFAULT_STAGE_DIR
+    from config.paths import DEFAULT_HEAD_DIR, DEFAULT_STAGE_DIR
     torch.set_num_threads(args.threads)
     m0 = load_stage(DEFAULT_STAGE_DIR, 0, 5, torch.float32)
     cfg = m0.config
-    heads = {"eagle1/2 (shipped)": load_eagle_head(DEFAULT_HEAD_DIR, cfg, m0.embed_tokens.weight.data)}
+    heads = {"eagle1/2 (shipped)": load_draft_head(DEFAULT_HEAD_DIR, cfg, m0.embed_tokens.weight.data)}
     if args.eagle3_head:
-        heads["eagle3 (trained)"] = load_eagle_head(args.eagle3_head, cfg, m0.embed_tokens.weight.data)
+        heads["eagle3 (trained)"] = load_draft_head(args.eagle3_head, cfg, m0.embed_tokens.weight.data)
     heads["eagle3 full vocab"] = init_eagle3_head(cfg)
     heads[f"eagle3 vocab {args.draft_vocab}"] = init_eagle3_head(cfg, vocab_map=torch.arange(args.draft_vocab))
     rows = {}
@@ -113,7 +113,7 @@ def cmd_draft_time(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m draft.eagle3_bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m pipeline.tools.eagle3_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("tau", help="tau per category (held-out kinds + the six sets' records [30, 30+N))")

@@ -1,7 +1,7 @@
 """Per-rank timeline of a traced run: Gantt chart, utilization table and CSV.
 
-``python -m pipeline.timeline TRACE_DIR [--out gantt.png] [--start S --end E | --generation K] [--window W]``
-``python -m pipeline.timeline TRACE_DIR --chrome trace.json``   (Chrome / Perfetto trace, see :func:`chrome_trace`)
+``python -m pipeline.tools.timeline TRACE_DIR [--out gantt.png] [--start S --end E | --generation K] [--window W]``
+``python -m pipeline.tools.timeline TRACE_DIR --chrome trace.json``   (Chrome / Perfetto trace, see :func:`chrome_trace`)
 
 Reads every ``trace_rank<r>.json`` written by a run with ``comm.trace=true comm.trace_dir=TRACE_DIR``
 (see ``pipeline/trace.py``), puts the ranks on one time axis, and
@@ -345,12 +345,12 @@ def analyze(trace_dir, out_png=None, out_csv=None, start=None, end=None, generat
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.timeline",
+        prog="python -m pipeline.tools.timeline",
         description="Gantt chart and per-rank utilization of a traced pipeline run (trace_rank*.json files "
                     "written with comm.trace=true comm.trace_dir=DIR). Busy = compute/verify/lm_head/draft/"
                     "expand/prune, wait = recv/broadcast, other = outside any span.",
-        epilog="Examples: python -m pipeline.timeline traces --generation 1 --window 1.5 --out gantt.png; "
-               "python -m pipeline.timeline traces --chrome trace.json (open it in https://ui.perfetto.dev)")
+        epilog="Examples: python -m pipeline.tools.timeline traces --generation 1 --window 1.5 --out gantt.png; "
+               "python -m pipeline.tools.timeline traces --chrome trace.json (open it in https://ui.perfetto.dev)")
     p.add_argument("trace_dir", help="folder holding trace_rank<r>.json of one run")
     p.add_argument("--out", help="Gantt PNG [TRACE_DIR/gantt.png]")
     p.add_argument("--csv", help="utilization CSV [TRACE_DIR/utilization.csv]")

@@ -1,4 +1,4 @@
-"""Bare ring vs the project's transport, side by side in one run: ``python -m pipeline.ringbench``.
+"""Bare ring vs the project's transport, side by side in one run: ``python -m pipeline.tools.ringbench``.
 
 Starts ``--world`` local gloo processes and, for each message shape the decode loop sends, times
 ring trips (rank 0 -> 1 -> ... -> N-1 -> 0) two ways on the same process group:
@@ -17,7 +17,7 @@ for the ``ar`` shape (issue 15's goal: R <= 2). No model, no compute: transport 
 
 Example::
 
-    python -m pipeline.ringbench --world 5 --hidden 576 --trips 300
+    python -m pipeline.tools.ringbench --world 5 --hidden 576 --trips 300
 """
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ import time
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.ringbench", description=__doc__.split("\n\n")[0],
+        prog="python -m pipeline.tools.ringbench", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Example: python -m pipeline.ringbench --world 5 --hidden 576 --trips 300")
+        epilog="Example: python -m pipeline.tools.ringbench --world 5 --hidden 576 --trips 300")
     p.add_argument("--world", type=int, default=5, help="processes in the ring (rank 0 + stages)")
     p.add_argument("--hidden", type=int, default=576, help="hidden size of the rows the stages pass (SmolLM2: 576)")
     p.add_argument("--rows", default="1,16", help="comma-separated rows per message (1 = ar; 16 = a segment)")

@@ -2,14 +2,14 @@
 
 ::
 
-    python -m pipeline.tp_sim rows.jsonl --profile edge_orin_7b --tp 4 --bandwidth-mbps 150,1000
+    python -m pipeline.tools.tp_sim rows.jsonl --profile edge_orin_7b --tp 4 --bandwidth-mbps 150,1000
 
 **Schedule.** ``tp`` and ``galaxy`` share rank 0's schedule (``pipeline/modes/tp.py``: one EAGLE-2 tree per
 round, sent whole to the group, verified when its hidden states are back), and the group answers like one
-pipeline stage. So the recorded answers are replayed (:func:`pipeline.simulate.replay`, the real rank-0 code
+pipeline stage. So the recorded answers are replayed (:func:`pipeline.tools.simulate.replay`, the real rank-0 code
 and drafter) through mode ``tp`` on *one* stage, and that stage's forwards are timed by :class:`GroupCost`, the
 modeled time of the whole TP group; the pipeline modes are replayed on ``N`` stages as by
-``pipeline.simulate``. Both are timed by the same discrete-event model (:func:`pipeline.simulate.simulate_timing`).
+``pipeline.tools.simulate``. Both are timed by the same discrete-event model (:func:`pipeline.tools.simulate.simulate_timing`).
 
 **Cost model of one group forward** of ``w`` rows over ``ctx`` cached slots (``L`` layers, ``N`` ranks, link
 latency ``a``, bandwidth ``b``, ``h`` bytes per hidden row; the profile's stage cost ``t(w, ctx)`` is for
@@ -28,13 +28,14 @@ latency ``a``, bandwidth ``b``, ``h`` bytes per hidden row; the profile's stage 
   hide the link, not the memory traffic.
 
 Rank 0 -> group is a broadcast (the root sends ``N`` copies: the link runs at ``b/N``); group -> rank 0 is one
-message. Rank-0 costs (draft head, lm_head) and host work are those of ``pipeline.simulate``.
+message. Rank-0 costs (draft head, lm_head) and host work are those of ``pipeline.tools.simulate``.
 
 The crossover bandwidth is where ``tp`` (or ``galaxy``) reaches the best pipeline mode's ξ (bisection over the
 bandwidth; link latency held at the profile's or ``--latency-s``).
 """
 from __future__ import annotations
 
+from config.paths import REPO
 import argparse
 import json
 import math
@@ -43,9 +44,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from model.tp_split import TP_MODES
-from pipeline.emulation import CostModel, EmulationError, LinkModel, Profile, load_profile
+from config.profiles import CostModel, EmulationError, LinkModel, Profile, load_profile
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def shard_cost(stage: CostModel, profile_stages: int, n: int) -> CostModel:
@@ -107,7 +107,7 @@ def tp_profile(profile: Profile, n: int, layers: int, profile_stages: int, mode:
 
 
 def with_link(profile: Profile, bandwidth: float | None, latency: float | None) -> Profile:
-    from pipeline.simulate import _with_link
+    from pipeline.tools.simulate import _with_link
     return _with_link(profile, bandwidth, latency)
 
 
@@ -124,7 +124,7 @@ class Sessions:
 
 def decode_stats(session, tc, group: GroupCost | None = None) -> dict:
     """Timed decode of a replayed session: ξ, τ and where the time goes (shares of the decode time)."""
-    from pipeline.simulate import decode_windows, simulate_timing
+    from pipeline.tools.simulate import decode_windows, simulate_timing
     events: list = []
     windows = decode_windows(simulate_timing([l.ops for l in session.logs], tc, events))
     total = sum(hi - lo for lo, hi in windows)
@@ -151,7 +151,7 @@ def decode_stats(session, tc, group: GroupCost | None = None) -> dict:
 def evaluate(s: Sessions, profile: Profile, bw: float | None, latency: float | None, args,
              modes: tuple[str, ...] | None = None) -> list[dict]:
     """One row per mode (``modes``: a subset of the pipeline modes and ``TP_MODES``; default all) at one link."""
-    from pipeline.simulate import TimingConfig
+    from pipeline.tools.simulate import TimingConfig
     prof = with_link(profile, bw, latency)
     rows = []
     for mode, session in s.pipeline.items():
@@ -192,11 +192,11 @@ def crossover(s: Sessions, profile: Profile, latency: float | None, mode: str, a
 # -- command line ---------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.tp_sim",
+        prog="python -m pipeline.tools.tp_sim",
         description="Predict the decode throughput (ξ) of the tensor-parallel baselines tp (Megatron) and galaxy "
                     "next to the pipeline modes for recorded answers, under an emulation profile's devices and "
                     "links, and the crossover bandwidth above which TP beats the pipeline.",
-        epilog="Example: python -m pipeline.tp_sim outputs/bench_t0/rows.jsonl --profile edge_orin_7b --tp 4 "
+        epilog="Example: python -m pipeline.tools.tp_sim outputs/bench_t0/rows.jsonl --profile edge_orin_7b --tp 4 "
                "--bandwidth-mbps 150,1000 --out-dir outputs/tp_sim")
     p.add_argument("rows", nargs="+", help="JSONL rows with prompt_ids and output_ids (pipeline.run --output), "
                                            "plus key=value config overrides of the recorded run")
@@ -237,8 +237,9 @@ def _main(args) -> int:
     from config.run_config import DEFAULT, apply_overrides
     from model.stage_format import read_manifest
     from model.stage_model import DTYPES, load_stage
-    from pipeline.run import DEFAULT_STAGE_DIR, make_drafter
-    from pipeline.simulate import TargetFeatures, load_rows, replay
+    from config.paths import DEFAULT_STAGE_DIR
+    from pipeline.build import make_drafter
+    from pipeline.tools.simulate import TargetFeatures, load_rows, replay
 
     profile = load_profile(args.profile)
     rows = load_rows(args.rows, "all", args.limit)

@@ -1,6 +1,6 @@
 """Measure a pipeline stage's step time t(w, ctx) on this machine and write an emulation profile.
 
-``python -m pipeline.profile --help``. The stage is built from the project's own
+``python -m pipeline.tools.profile --help``. The stage is built from the project's own
 :class:`model.layers.LayerBlock` and :class:`model.kv_cache.KVCache` (exactly what a verification rank runs)
 with random weights of any shape: e.g. the defaults are one 8-layer LLaMA-7B stage. For every ``ctx`` (KV
 slots already cached) and every ``w`` (rows in the segment) it times the forward (median of ``--repeat``
@@ -11,9 +11,9 @@ link model given on the command line.
 
 Examples::
 
-    python -m pipeline.profile --device cuda --dtype float16 --out profiles/h100_7b.json
-    python -m pipeline.profile --like checkpoints/SmolLM2-135M-Instruct --layers 8 --device cpu --out /tmp/p.json
-    python -m pipeline.profile --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --layers 2 --w 1,4 --ctx 0,32
+    python -m pipeline.tools.profile --device cuda --dtype float16 --out profiles/h100_7b.json
+    python -m pipeline.tools.profile --like checkpoints/SmolLM2-135M-Instruct --layers 8 --device cpu --out /tmp/p.json
+    python -m pipeline.tools.profile --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --layers 2 --w 1,4 --ctx 0,32
 """
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ DTYPES = ("float32", "float16", "bfloat16", "float64")
 def parse_args(argv=None) -> argparse.Namespace:
     from pipeline.cli import DefaultsOnce  # each default shown once
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.profile",
+        prog="python -m pipeline.tools.profile",
         description="Measure t(w, ctx) of one pipeline stage (random weights, the project's LayerBlock + KVCache) "
                     "and write an emulation profile JSON (use it with emu.profile=<file>).",
-        epilog="Example: python -m pipeline.profile --like checkpoints/SmolLM2-135M-Instruct --layers 8 "
+        epilog="Example: python -m pipeline.tools.profile --like checkpoints/SmolLM2-135M-Instruct --layers 8 "
                "--out profiles/my_host.json",
         formatter_class=DefaultsOnce)
     g = p.add_argument_group("stage shape (default: 8 LLaMA-7B layers)")
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
         "description": f"measured on {platform.node() or 'this host'} ({device}, {dtype_name}): {args.layers} layers "
                        f"hidden {shape['hidden']}, intermediate {shape['intermediate']}, heads {shape['heads']}/"
                        f"{shape['kv_heads']}, random weights, median of {args.repeat} runs",
-        "measured": {"tool": "python -m pipeline.profile", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "measured": {"tool": "python -m pipeline.tools.profile", "date": datetime.datetime.now().isoformat(timespec="seconds"),
                      "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor()
                      or platform.machine(), "torch": torch.__version__, "dtype": dtype_name, "layers": args.layers,
                      "stage_params": params, "stage_weight_bytes": params * elt, **shape,
@@ -243,7 +243,7 @@ def main(argv=None) -> int:
     }
     if not args.no_rank0:
         prof["rank0"] = measure_rank0(cfg, ws, ctxs, dtype, device, args.repeat, args.warmup, log)
-    from pipeline.emulation import Profile
+    from config.profiles import Profile
     Profile.from_dict(json.loads(json.dumps(prof)), str(out))   # validate before writing
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(prof, indent=1))

@@ -1,6 +1,6 @@
-"""Evaluation sweep (``./run_eval.sh`` or ``python -m pipeline.eval``): modes x datasets x temperatures.
+"""Evaluation sweep (``./run_eval.sh`` or ``python -m pipeline.tools.eval``): modes x datasets x temperatures.
 
-For every dataset and temperature the driver launches one ``python -m pipeline.launch ... -m pipeline.run`` with the records
+For every dataset and temperature the driver launches one ``python -m pipeline.tools.launch ... -m pipeline.run`` with the records
 still missing (``--prompts-file`` holding just those, every MT-bench turn asked with the previous answer fed
 back, one untimed warm-up generation per mode) and copies each generation's JSON line into
 ``<out-dir>/rows.jsonl`` as soon as it appears, adding ``dataset``. A row's key is (dataset, question_id,
@@ -15,6 +15,7 @@ tokens exactly; any difference is printed loudly and the exit status is 3.
 """
 from __future__ import annotations
 
+from config.paths import REPO
 import argparse
 import csv
 import io
@@ -27,7 +28,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
 DATASETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
 MODES = ("ar", "naive", "pruned", "pipedec", "continuous")
 LABELS = {"ar": "PP-AR", "naive": "Chunk-PP", "pruned": "Pruned-PP", "pipedec": "PipeDec", "continuous": "FlowSpec"}
@@ -126,7 +126,7 @@ class RowSink:
 
 # -- planning -------------------------------------------------------------------------------------------
 def load_dataset(data_dir: Path, ds: str, begin: int, end: int) -> list[dict]:
-    from pipeline.prompts import PromptError, load_questions
+    from model.prompts import PromptError, load_questions
     path = data_dir / ds / "question.jsonl"
     if not path.is_file():
         raise EvalError(f"dataset {ds!r} is missing: {path} does not exist. Prepare it with "
@@ -162,8 +162,8 @@ def plan(records: dict, modes: list[str], temps: list[float], done: set, first_t
 
 
 def torchrun_cmd() -> list[str]:
-    """The job launcher: pipeline.launch (torchrun's options; one line per failure, bounded, no orphans)."""
-    from pipeline.launch import command
+    """The job launcher: pipeline.tools.launch (torchrun's options; one line per failure, bounded, no orphans)."""
+    from pipeline.tools.launch import command
     return command()
 
 
@@ -494,7 +494,7 @@ def _main(args, log) -> int:
     profile = "" if args.profile.lower() in ("", "none", "off") else args.profile
     prof_name = "real"
     if profile:
-        from pipeline.emulation import EmulationError, load_profile, resolve_profile
+        from config.profiles import EmulationError, load_profile, resolve_profile
         try:
             prof_name = load_profile(profile).name
             profile = str(resolve_profile(profile).resolve())
@@ -520,7 +520,7 @@ def _main(args, log) -> int:
         from model.stage_format import StageDirError, read_manifest
         root = stage_dir
         if not root:
-            from pipeline.run import DEFAULT_STAGE_DIR
+            from config.paths import DEFAULT_STAGE_DIR
             root = str(DEFAULT_STAGE_DIR)
             if not (DEFAULT_STAGE_DIR / "manifest.json").is_file():
                 from model.default_model import ensure_default_stages

@@ -1,7 +1,7 @@
-"""The project's launcher (instead of torchrun's agent): ``python -m pipeline.launch [options] -m pipeline.run ...``.
+"""The project's launcher (instead of torchrun's agent): ``python -m pipeline.tools.launch [options] -m pipeline.run ...``.
 
-One host:        python -m pipeline.launch --standalone --nproc-per-node=3 -m pipeline.run model.stage_dir=DIR
-Several hosts:   python -m pipeline.launch --nnodes=3 --node-rank=1 --master-addr=10.0.0.1 --master-port=29500 \\
+One host:        python -m pipeline.tools.launch --standalone --nproc-per-node=3 -m pipeline.run model.stage_dir=DIR
+Several hosts:   python -m pipeline.tools.launch --nnodes=3 --node-rank=1 --master-addr=10.0.0.1 --master-port=29500 \\
                      -m pipeline.run model.stage_dir=DIR        (the same command on every host, own --node-rank)
 
 Options (torchrun's spellings, ``--nproc_per_node`` and ``--nproc-per-node`` alike): ``--standalone``,
@@ -58,7 +58,7 @@ class LaunchError(Exception):
 
 def command() -> list[str]:
     """How tools start a job: this launcher under the current interpreter (bench, eval, quant_report)."""
-    return [sys.executable, "-m", "pipeline.launch"]
+    return [sys.executable, "-m", "pipeline.tools.launch"]
 
 
 # -- arguments ----------------------------------------------------------------------------------------
@@ -312,7 +312,7 @@ class Launcher:
             rank = self.first_rank + local
             e = dict(env, RANK=str(rank), LOCAL_RANK=str(local))
             self.procs[rank] = subprocess.Popen(
-                [sys.executable, "-m", "pipeline.launch", "--child", self.module, *self.args], env=e)
+                [sys.executable, "-m", "pipeline.tools.launch", "--child", self.module, *self.args], env=e)
         return self.watch()
 
     def _record(self, rank: int, reason: str) -> None:
@@ -433,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip())
         return 0
     parent = os.environ.pop("FLOWSPEC_PARENT_PID", "")
-    if parent:  # started by a driver (pipeline.eval): stop the job (SIGTERM, passed on) when the driver dies
+    if parent:  # started by a driver (pipeline.tools.eval): stop the job (SIGTERM, passed on) when the driver dies
         set_parent_death_signal(signal.SIGTERM)
         if os.getppid() != int(parent):
             return 128 + signal.SIGTERM

@@ -1,7 +1,7 @@
 """Console entry points installed by ``pip install -e .`` (pyproject.toml) that are not a module's own ``main``.
 
 ``flowspec-run`` is ``./run_pipe.sh`` without the bootstrap: it starts one local process per rank of the stage
-root (``model.stage_dir=...`` or the default SmolLM2 split, built on first use) through :mod:`pipeline.launch`
+root (``model.stage_dir=...`` or the default SmolLM2 split, built on first use) through :mod:`pipeline.tools.launch`
 and passes every argument to ``python -m pipeline.run``. ``--help`` and ``--print-config`` need no ranks.
 """
 from __future__ import annotations
@@ -36,5 +36,5 @@ def run_main(argv: list[str] | None = None) -> int:
             print(f"flowspec-run: error: {e}", file=sys.stderr)
             return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from pipeline.launch import main as launch
+    from pipeline.tools.launch import main as launch
     return launch(["--standalone", f"--nproc_per_node={nproc}", "-m", "pipeline.run", *argv])

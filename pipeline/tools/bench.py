@@ -1,9 +1,9 @@
 """Side-by-side benchmark of every decoding mode (issue 4): throughput, τ, utilization and timelines.
 
-``python -m pipeline.bench --prompts-file question.jsonl -n 20 --out-dir outputs/bench [key=value ...]``
+``python -m pipeline.tools.bench --prompts-file question.jsonl -n 20 --out-dir outputs/bench [key=value ...]``
 
 Runs ``ar``, ``naive``, ``pruned``, ``pipedec`` and ``continuous`` on the same first turns, each in its own
-``python -m pipeline.launch ... -m pipeline.run`` launch (fresh processes, same settings, tracing on, one trace folder per
+``python -m pipeline.tools.launch ... -m pipeline.run`` launch (fresh processes, same settings, tracing on, one trace folder per
 mode; ``--launch single`` runs all modes in one launch instead and attributes rank 0's generation marks to
 modes in order), one untimed warm-up generation per mode. Then it writes to ``--out-dir``:
 
@@ -14,7 +14,7 @@ modes in order), one untimed warm-up generation per mode. Then it writes to ``--
   rank's mean busy fraction (as measured by the run), and from the traces each rank's busy / wait share
   over all decode phases;
 * ``gantt_<mode>.png`` + ``timeline_<mode>.csv``: a Gantt window (``--gantt-window`` s in the middle of
-  the decode of recorded generation ``--gantt-generation``) drawn by ``pipeline/timeline.py``;
+  the decode of recorded generation ``--gantt-generation``) drawn by ``pipeline/tools/timeline.py``;
 * ``traces/<mode>/trace_rank<r>.json`` and ``logs/<mode>.log``.
 
 At temperature 0 every mode's ``output_ids`` must equal ``ar``'s for the same prompt: mismatches are
@@ -22,6 +22,7 @@ printed loudly and the exit status is 3 (2 when a launch failed).
 """
 from __future__ import annotations
 
+from config.paths import REPO
 import argparse
 import csv
 import io
@@ -34,7 +35,6 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
 MODES = ("ar", "naive", "pruned", "pipedec", "continuous")
 LABELS = {"ar": "PP-AR", "naive": "Chunk-PP", "pruned": "Pruned-PP", "pipedec": "PipeDec", "continuous": "FlowSpec"}
 
@@ -46,13 +46,13 @@ class BenchError(RuntimeError):
 def parse_args(argv=None) -> argparse.Namespace:
     from pipeline.cli import DefaultsOnce  # each default shown once
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.bench",
-        description="Run every decoding mode side by side on the same prompts through the pipeline (one pipeline.launch "
+        prog="python -m pipeline.tools.bench",
+        description="Run every decoding mode side by side on the same prompts through the pipeline (one pipeline.tools.launch "
                     "launch per mode, tracing on) and report decode throughput, speed-ups over naive and ar, τ, "
                     "accepted tokens per pipeline step, per-rank utilization and a Gantt chart per mode. At T=0 "
                     "every mode's output must equal ar's.",
         epilog="Extra key=value words are config overrides passed to every launch (see config/run_config.py), "
-               "e.g. max_new_tokens=64 tree.subseq_token=8 model.stage_dir=DIR. Example: python -m pipeline.bench "
+               "e.g. max_new_tokens=64 tree.subseq_token=8 model.stage_dir=DIR. Example: python -m pipeline.tools.bench "
                "--prompts-file data/mt_bench/question.jsonl -n 20 --out-dir outputs/bench_mtbench max_new_tokens=128",
         formatter_class=DefaultsOnce)
     p.add_argument("overrides", nargs="*", help="config overrides key=value for pipeline.run")
@@ -214,7 +214,7 @@ def summarize(agg: dict, trace_util: dict, mismatch: tuple, meta: dict, gantts: 
 def analyze_traces(trace_dir: Path, mode: str, mode_index: int, n_modes: int, n_rows: int, warmup: int,
                    args, out_dir: Path, tps: float | None) -> dict:
     """Decode-phase utilization of one mode and its Gantt window (PNG + CSV)."""
-    from pipeline import timeline as T
+    from pipeline.tools import timeline as T
     res = {"decode": [], "window": [], "png": None, "notes": []}
     try:
         tl = T.load(trace_dir)
@@ -250,7 +250,7 @@ def analyze_traces(trace_dir: Path, mode: str, mode_index: int, n_modes: int, n_
 
 # -- launching ------------------------------------------------------------------------------------------
 def _torchrun() -> list[str]:
-    from pipeline.launch import command
+    from pipeline.tools.launch import command
     return command()
 
 
@@ -371,7 +371,7 @@ def _main(args, log) -> int:
         n_prompts = len(args.prompt_ids)
         prompts_desc = f"{n_prompts} raw token-id prompt(s)"
     elif args.prompts_file:
-        from pipeline.prompts import PromptError, load_questions
+        from model.prompts import PromptError, load_questions
         if args.num_prompts < 1 or args.begin < 0:
             raise BenchError("-n must be >= 1 and --begin >= 0")
         try:
@@ -391,7 +391,7 @@ def _main(args, log) -> int:
 
     # world
     from model.stage_format import StageDirError, read_manifest
-    from pipeline.run import DEFAULT_HEAD_DIR, DEFAULT_STAGE_DIR
+    from config.paths import DEFAULT_HEAD_DIR, DEFAULT_STAGE_DIR
     stage_root = Path(cfg.model.stage_dir) if cfg.model.stage_dir else DEFAULT_STAGE_DIR
     if not cfg.model.stage_dir and not (DEFAULT_STAGE_DIR / "manifest.json").is_file() and not args.summarize_only:
         from model.default_model import ensure_default_stages

@@ -1,0 +1,68 @@
+"""What every draft-head format shares: the error type, reading a head directory, and a head config derived
+from the target's. Below both :mod:`draft.eagle` (EAGLE-1/2) and :mod:`draft.eagle3`; neither imports the other.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+
+class HeadError(ValueError):
+    """A draft head that is missing, unreadable or does not fit the target."""
+
+
+def head_config_from_target(target_config, bias: bool = True):
+    """A head config derived from the target's: same widths, one layer."""
+    d = target_config.to_dict()
+    for key in ("stage_index", "num_stages", "split", "layer_range", "has_embedding", "has_lm_head",
+                "has_final_norm", "quantization_config", "source_model"):
+        d.pop(key, None)
+    d.update(num_hidden_layers=1, bias=bias, architectures=["LlamaForCausalLM"])
+    cfg = type(target_config).from_dict(d)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def init_head_weights(head: nn.Module, std: float, g: torch.Generator) -> nn.Module:
+    """Random head weights: norms 1, biases 0, everything else N(0, std) drawn from ``g`` in parameter order."""
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=g)
+    return head
+
+
+def read_head_weights(head_dir: Path) -> dict[str, torch.Tensor]:
+    st, binf = head_dir / "model.safetensors", head_dir / "pytorch_model.bin"
+    try:
+        if st.is_file():
+            return load_file(str(st))
+        if binf.is_file():
+            return torch.load(str(binf), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise HeadError(f"cannot read draft head weights in {head_dir}: {e}") from None
+    raise HeadError(f"{head_dir} has neither model.safetensors nor pytorch_model.bin")
+
+
+def read_head_config(head_dir: str | Path) -> dict | None:
+    """The raw ``config.json`` of a head directory, or None when there is none / it is unreadable."""
+    p = Path(head_dir) / "config.json"
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_eagle3_config(raw: dict | None) -> bool:
+    if not raw:
+        return False
+    arch = " ".join(raw.get("architectures") or [])
+    return "draft_vocab_size" in raw or "eagle3" in arch.lower() or "eagle_config" in raw

@@ -1,0 +1,278 @@
+"""Split a Hugging Face LLaMA-family checkpoint into pipeline stages (see ``model/stage_format.py``).
+
+The library behind ``split_and_save_models.py`` (its command line) and ``model.default_model``::
+
+    python split_and_save_models.py --model <hf_checkpoint_dir | default> --out <stage_root> \\
+        (--split 0+8+8+7+7 | --stages N) [--dtype float32|float16|bfloat16] [--force]
+
+Stage ``r`` is written as soon as its tensors are collected, so the peak memory is about one stage.
+The manifest is written last: a stage root without ``manifest.json`` is an interrupted split.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from model.stage_format import (FORMAT, MANIFEST, WEIGHTS, parse_split,
+                                sha256_file, stage_dir, stage_fields)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja", "chat_template.json", "added_tokens.json",
+                   "vocab.json", "merges.txt")
+SAFE_INDEX, SAFE_SINGLE = "model.safetensors.index.json", "model.safetensors"
+BIN_INDEX, BIN_SINGLE = "pytorch_model.bin.index.json", "pytorch_model.bin"
+LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+CORE_LAYER_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight",
+                      "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                      "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                      "mlp.down_proj.weight")
+
+
+def _warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def _torch_dtype(name: str | None):
+    import torch
+
+    if name is None:
+        return None
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unsupported --dtype {name!r}: choose one of {', '.join(DTYPE_NAMES)}")
+    return getattr(torch, name)
+
+
+class _WeightSource:
+    """Tensor-by-tensor access to a safetensors or .bin checkpoint (single file or sharded)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        self.kind, files = self._find_files(model_dir)
+        self.key_file: dict[str, Path] = {}
+        self._handles: dict[Path, object] = {}
+        for f in files:
+            for key in self._keys(f):
+                self.key_file.setdefault(key, f)
+
+    @staticmethod
+    def _find_files(d: Path) -> tuple[str, list[Path]]:
+        for index, kind in ((SAFE_INDEX, "safetensors"), (BIN_INDEX, "bin")):
+            p = d / index
+            if p.is_file():
+                try:
+                    weight_map = json.loads(p.read_text())["weight_map"]
+                except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"{p} is not a valid shard index: {e}") from None
+                files = [d / name for name in sorted(set(weight_map.values()))]
+                missing = [f.name for f in files if not f.is_file()]
+                if missing:
+                    raise FileNotFoundError(f"{p} names shard files that are missing: {', '.join(missing[:4])}")
+                return kind, files
+        if (d / SAFE_SINGLE).is_file():
+            return "safetensors", [d / SAFE_SINGLE]
+        if (d / BIN_SINGLE).is_file():
+            return "bin", [d / BIN_SINGLE]
+        raise FileNotFoundError(f"no weights in {d}: expected {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE} "
+                                f"or {BIN_INDEX}")
+
+    def _open(self, f: Path):
+        h = self._handles.get(f)
+        if h is not None:
+            return h
+        if self.kind == "safetensors":
+            from safetensors import safe_open
+
+            try:
+                h = safe_open(str(f), framework="pt", device="cpu")
+            except Exception as e:  # SafetensorError and friends: corrupt / truncated file
+                raise ValueError(f"cannot read {f}: {e}") from None
+        else:
+            import torch
+
+            try:
+                h = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:
+                raise ValueError(f"cannot read {f} (torch.load weights_only/mmap): {e}") from None
+            if not isinstance(h, dict):
+                raise ValueError(f"{f} does not hold a state dict")
+        self._handles[f] = h
+        return h
+
+    def _keys(self, f: Path) -> list[str]:
+        h = self._open(f)
+        return list(h.keys())
+
+    def get(self, key: str):
+        """An owned (non-shared), contiguous copy of tensor ``key``."""
+        import torch
+
+        f = self.key_file[key]
+        h = self._open(f)
+        t = h.get_tensor(key) if self.kind == "safetensors" else h[key]
+        # Always copy: safetensors may hand back mmap-backed/cached views and tied .bin weights share
+        # storage, and save_file refuses tensors that share memory (rank 0 holds embed + lm_head).
+        return t.clone(memory_format=torch.contiguous_format)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def _read_config(model_dir: Path) -> dict:
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"input checkpoint directory {model_dir} does not exist")
+    p = model_dir / "config.json"
+    if not p.is_file():
+        raise FileNotFoundError(f"{p} not found: {model_dir} is not a Hugging Face checkpoint")
+    try:
+        config = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{p} is unreadable: {e}") from None
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r} in {p}: supported are "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    if not isinstance(config.get("num_hidden_layers"), int):
+        raise ValueError(f"{p} has no integer num_hidden_layers")
+    return config
+
+
+def _plan(keys: list[str], config: dict, split: list[int]) -> dict[int, list[tuple[str, str]]]:
+    """``rank -> [(stage tensor name, source tensor name)]``; raises on missing tensors."""
+    num_layers = config["num_hidden_layers"]
+    last = len(split) - 1
+    ranges = [stage_fields(split, r)["layer_range"] for r in range(len(split))]
+    plan: dict[int, list[tuple[str, str]]] = {r: [] for r in range(len(split))}
+    layer_suffixes: dict[int, set[str]] = {g: set() for g in range(num_layers)}
+    ignored: list[str] = []
+    have = set(keys)
+    for key in sorted(keys, key=_natural_key):
+        if key.endswith("rotary_emb.inv_freq"):
+            continue
+        m = LAYER_RE.match(key)
+        if m:
+            g, rest = int(m.group(1)), m.group(2)
+            if g >= num_layers:
+                raise ValueError(f"checkpoint has tensor {key} but config.json says num_hidden_layers={num_layers}")
+            rank = next(r for r in range(1, len(split)) if ranges[r][0] <= g < ranges[r][1])
+            plan[rank].append((f"layers.{g - ranges[rank][0]}.{rest}", key))
+            layer_suffixes[g].add(rest)
+        elif key == "model.embed_tokens.weight":
+            plan[0].append(("embed_tokens.weight", key))
+            plan[1].append(("embed_tokens.weight", key))
+        elif key == "model.norm.weight":
+            plan[last].append(("norm.weight", key))
+        elif key == "lm_head.weight":
+            plan[0].append(("lm_head.weight", key))
+        else:
+            ignored.append(key)
+    if ignored:
+        _warn(f"ignoring {len(ignored)} unknown tensor(s): {', '.join(ignored[:5])}"
+              f"{' ...' if len(ignored) > 5 else ''}")
+
+    missing = [k for k in ("model.embed_tokens.weight", "model.norm.weight") if k not in have]
+    if "lm_head.weight" not in have:
+        if config.get("tie_word_embeddings") and "model.embed_tokens.weight" in have:
+            plan[0].append(("lm_head.weight", "model.embed_tokens.weight"))  # tied: rank 0 gets a copy
+        else:
+            missing.append("lm_head.weight")
+    expected = set(CORE_LAYER_TENSORS).union(*layer_suffixes.values())
+    for g in range(num_layers):
+        missing += [f"model.layers.{g}.{s}" for s in sorted(expected - layer_suffixes[g])]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:5])}"
+                         f"{' ...' if len(missing) > 5 else ''}")
+    return plan
+
+
+def _natural_key(name: str):
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _prepare_out(out: Path, model_dir: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output path {out} exists and is not a directory")
+    if out.resolve() == model_dir.resolve():
+        raise ValueError(f"output directory {out} must differ from the input checkpoint directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise ValueError(f"output directory {out} is not empty (use --force to overwrite)")
+        # Remove only what a split writes: the manifest first, so a half-overwritten root never looks valid.
+        (out / MANIFEST).unlink(missing_ok=True)
+        for d in out.glob("stage_model_*"):
+            if d.is_dir():
+                shutil.rmtree(d)
+            else:
+                d.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def split_checkpoint(model_dir: str | Path, out_dir: str | Path, split: list[int] | str,
+                     dtype: str | None = None, force: bool = False, progress: bool = True) -> Path:
+    """Split the HF checkpoint ``model_dir`` into ``out_dir`` following ``split`` (leading 0 = draft stage).
+
+    ``dtype`` casts floating tensors (``None`` keeps the source dtype). Returns ``out_dir``.
+    """
+    model_dir, out = Path(model_dir), Path(out_dir)
+    config = _read_config(model_dir)  # cheap checks first: no torch import for a bad command line
+    num_layers = config["num_hidden_layers"]
+    split = parse_split(split, num_layers)
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {dtype!r}: choose one of {', '.join(DTYPE_NAMES)}")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ValueError(f"output directory {out} is not empty (use --force to overwrite)")
+
+    import torch
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    out_dtype = _torch_dtype(dtype)
+    source = _WeightSource(model_dir)
+    plan = _plan(list(source.key_file), config, split)
+    _prepare_out(out, model_dir, force)
+
+    dtype_name = dtype
+    files: dict[str, dict] = {}
+    bar = tqdm(total=sum(len(v) for v in plan.values()), desc="splitting", unit="tensor", disable=not progress)
+    try:
+        for rank in range(len(split)):
+            bar.set_postfix_str(f"stage {rank}")
+            tensors: dict[str, torch.Tensor] = {}
+            for name, key in plan[rank]:
+                t = source.get(key)
+                if out_dtype is not None and t.is_floating_point() and t.dtype != out_dtype:
+                    t = t.to(out_dtype)
+                if dtype_name is None and t.is_floating_point():
+                    dtype_name = str(t.dtype).removeprefix("torch.")
+                tensors[name] = t
+                bar.update(1)
+            d = stage_dir(out, rank)
+            d.mkdir(parents=True, exist_ok=True)
+            weights = d / WEIGHTS
+            save_file(tensors, str(weights), metadata={"format": "pt"})
+            del tensors
+            cfg = dict(config)
+            cfg.update(stage_fields(split, rank))
+            cfg["source_model"] = str(model_dir.resolve())
+            cfg["dtype"] = dtype_name
+            cfg["torch_dtype"] = dtype_name
+            (d / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+            for fname in TOKENIZER_FILES:
+                src = model_dir / fname
+                if src.is_file():
+                    shutil.copyfile(src, d / fname)
+            files[f"{d.name}/{WEIGHTS}"] = {"sha256": sha256_file(weights), "bytes": weights.stat().st_size}
+    finally:
+        bar.close()
+        source.close()
+
+    manifest = {"format": FORMAT, "split": split, "source": str(model_dir.resolve()),
+                "num_hidden_layers": num_layers, "dtype": dtype_name, "files": files}
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.replace(out / MANIFEST)
+    return out

@@ -1,0 +1,168 @@
+"""Builds what every entry point needs from a configuration: a rank's stage, rank 0's drafter and engine,
+the tokenizer's stop ids, and the default paths (``config/paths.py``).
+
+``pipeline.run`` (the rank entry point), ``pipeline.serve``, ``pipeline.tp_run``, the tools (simulator, reports,
+benchmarks) and the tests construct these through here, so a new drafter kind or engine option is wired once.
+Every failure that is the user's input (a missing head, a head that does not fit, a bad stage root) is one
+:class:`SetupError` with a one-line message.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from config.paths import DEFAULT_HEAD_DIR, DEFAULT_STAGE_DIR
+
+
+class SetupError(RuntimeError):
+    pass
+
+
+def loading_line(rank: int, manifest: dict, stage_root: Path) -> str:
+    """The one line a rank prints (to stderr) before loading its stage; nothing else follows on success."""
+    split = manifest.get("split", [])
+    start = sum(split[:rank])
+    what = "embeddings + lm_head + draft head" if rank == 0 else f"layers {start}-{start + split[rank] - 1}"
+    size = sum(int(v.get("bytes", 0)) for k, v in manifest.get("files", {}).items()
+               if k.startswith(f"stage_model_{rank}/"))
+    return f"[rank {rank}] loading stage {rank} ({what}, {size / 1e6:.0f} MB) ..."
+
+
+def load_rank_stage(cfg, stage_root: Path, rank: int, world: int, dtype, device: str):
+    """Rank ``rank``'s stage model with its EAGLE-3 taps set (every rank derives the same tapped layers from
+    ``model.eagle3_taps``; auto = the head's own). Stage-root and head problems are one :class:`SetupError`."""
+    from draft.eagle3 import stage_taps
+    from draft.head_io import HeadError
+    from model.stage_format import StageDirError, stage_dir
+    from model.stage_model import load_stage
+    try:
+        model = load_stage(stage_root, rank, world, dtype, device, cfg.model.verify_checksums,
+                           cfg.model.quant if rank > 0 else "none")
+    except StageDirError as e:
+        raise SetupError(str(e)) from None
+    except (OSError, ValueError) as e:  # e.g. a garbage config.json
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise SetupError(f"cannot load stage {rank} from {stage_dir(stage_root, rank)}: "
+                         f"{type(e).__name__}: {first}") from None
+    try:
+        model.set_taps(stage_taps(cfg.model.eagle3_taps, head_choice(cfg, stage_root), model.config.num_hidden_layers))
+    except HeadError as e:
+        raise SetupError(str(e)) from None
+    return model
+
+
+def generation_config(stage_root: Path) -> dict:
+    """Stage 0's ``generation_config.json`` ({} when absent): the model's own eos ids."""
+    from model.stage_format import stage_dir
+    path = stage_dir(stage_root, 0) / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def load_tokenizer(stage_root: Path):
+    """The tokenizer stored with stage 0; an unusable one is a :class:`SetupError`."""
+    from transformers import AutoTokenizer
+
+    from model.stage_format import stage_dir
+    sdir = stage_dir(stage_root, 0)
+    try:
+        return AutoTokenizer.from_pretrained(sdir)
+    except Exception as e:
+        raise SetupError(f"no usable tokenizer in {sdir}: {str(e).splitlines()[0][:200]}") from None
+
+
+def make_engine(cfg, comm, model, stage_root: Path, modes: list[str], stop_ids: set[int], dtype, device: str,
+                sampler=None):
+    """Rank 0's :class:`pipeline.engine.Engine` for ``modes``: with a drafter (:func:`make_drafter`) unless every
+    mode is ``ar``, and ``sampler`` (default: ``cfg.gen``'s temperature / top-p / top-k)."""
+    import torch
+
+    from pipeline.engine import Engine
+    from pipeline.verify import Sampler
+    drafter = make_drafter(cfg, stage_root, model, dtype, device) if any(m != "ar" for m in modes) else None
+    if sampler is None:
+        sampler = Sampler(cfg.gen.temperature, cfg.gen.top_p, cfg.gen.top_k, torch.Generator(device="cpu"))
+    return Engine(model, comm, drafter, sampler, stop_ids, cfg)
+
+
+def head_choice(cfg, stage_root: Path) -> Path | None:
+    """The head folder ``make_drafter`` loads (None = untrained head); for provenance only."""
+    if cfg.model.head_dir:
+        return Path(cfg.model.head_dir)
+    if stage_root.resolve() == DEFAULT_STAGE_DIR.resolve() and DEFAULT_HEAD_DIR.is_dir():
+        return DEFAULT_HEAD_DIR
+    return None
+
+
+def make_drafter(cfg, stage_root: Path, model, dtype, device: str):
+    """Rank 0's drafter: :func:`_head_drafter`, or with ``draft.sources`` several drafters merged into one tree
+    (``draft/merged.py``; ``eagle`` there is the head drafter). With ``osd.enabled`` the head drafter is wrapped
+    in :class:`draft.osd.OnlineDrafter` (online learning from the served traffic; output unchanged)."""
+    if cfg.osd.enabled:
+        return _online_drafter(cfg, _head_drafter(cfg, stage_root, model, dtype, device), model)
+    if not cfg.draft.sources:
+        return _head_drafter(cfg, stage_root, model, dtype, device)
+    from draft.merged import SourceError, build_sources
+    try:
+        return build_sources(cfg, model.lm_head.out_features,
+                             lambda: _head_drafter(cfg, stage_root, model, dtype, device), dtype, device,
+                             sampling=cfg.gen.temperature > 0)
+    except SourceError as e:
+        raise SetupError(str(e)) from None
+
+
+def _online_drafter(cfg, inner, model):
+    """``osd.enabled``: the EAGLE drafter wrapped for online learning; the learner stops (and ``osd.save_dir`` is
+    written) at exit."""
+    import atexit
+
+    from draft.osd import OnlineDrafter, OsdSettings
+    if getattr(inner, "head", None) is None:
+        raise SetupError("osd.enabled needs an EAGLE head drafter (model.head_dir), not a test drafter")
+    od = OnlineDrafter(inner, model.lm_head, OsdSettings.from_config(cfg.osd))
+    atexit.register(od.close)
+    print(f"[rank 0] online speculative decoding: loss={cfg.osd.loss} sample_source={cfg.osd.sample_source} "
+          f"update_interval={cfg.osd.update_interval} lr={cfg.osd.lr} "
+          f"({'inline' if cfg.osd.sync else 'background thread'}, swap at {cfg.osd.swap_at})", file=sys.stderr)
+    return od
+
+
+def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
+    """Rank 0's drafter for ``cfg.model.head_dir`` (the default head for the default split, a test drafter
+    ``oracle:``/``adversary:<full model dir>``, or, with no head at all, a clearly labelled untrained head)."""
+    from draft.drafter import Drafter
+    from draft.eagle import init_untrained_head
+    from draft.head_io import HeadError
+    from draft.load_head import load_draft_head
+
+    head_dir = Path(cfg.model.head_dir) if cfg.model.head_dir else None
+    if head_dir is None and stage_root.resolve() == DEFAULT_STAGE_DIR.resolve() and DEFAULT_HEAD_DIR.is_dir():
+        head_dir = DEFAULT_HEAD_DIR
+    try:
+        if head_dir is not None and str(cfg.model.head_dir).split(":")[0] in ("oracle", "adversary"):
+            from draft.oracle import OracleDrafter
+            kind, path = cfg.model.head_dir.split(":", 1)
+            print(f"[rank 0] using the {kind} drafter (full model {path}); for tests and ablations", file=sys.stderr)
+            return OracleDrafter(path, adversarial=(kind == "adversary"), dtype=dtype, device=device)
+        if head_dir is None:
+            print("[rank 0] WARNING: no draft head given: using an UNTRAINED random head "
+                  "(acceptance near zero; output stays exact). Set head_dir=... for real speed-ups.",
+                  file=sys.stderr)
+            head = init_untrained_head(model.config).to(device=device, dtype=dtype).eval()
+            head.embed_tokens.weight.data.copy_(model.embed_tokens.weight.data)
+        else:
+            head = load_draft_head(head_dir, model.config, model.embed_tokens.weight.data, dtype, device)
+        check_taps(head, getattr(model, "taps", []))
+        return Drafter(head, model.lm_head, cfg.model.max_seq_len + 64)
+    except HeadError as e:
+        raise SetupError(str(e)) from None
+
+
+def check_taps(head, taps: list[int]) -> None:
+    """The stages must forward exactly the layers an EAGLE-3 head fuses, and nothing for other heads."""
+    from draft.head_io import HeadError
+    want = list(getattr(head, "aux_layers", []))
+    if list(taps) != want:
+        raise HeadError(f"the draft head needs the outputs of layers {want or 'none'} forwarded but the stages tap "
+                        f"{list(taps) or 'none'}: set model.eagle3_taps={','.join(map(str, want)) or 'none'} "
+                        "(the same on every rank)")
