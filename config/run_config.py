@@ -21,7 +21,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 
-MODES = ("ar", "naive", "pruned", "pipedec", "continuous", "sps", "tp", "galaxy")  # tp/galaxy: a --tp split
+from config.modes import MODES
+
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 DEVICES = ("cpu", "cuda")
 QUANTS = ("none", "int8", "nf4", "fp4")

@@ -31,9 +31,9 @@ import re
 import shutil
 from pathlib import Path
 
+from config.modes import TP_MODES  # the modes that run on a tensor-parallel split (and only they)
 from model.stage_format import FORMAT, MANIFEST, WEIGHTS, StageDirError, sha256_file, stage_dir, stage_fields
 
-TP_MODES = ("tp", "galaxy")   # the modes that run on a tensor-parallel split (and only they)
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW = ("self_attn.o_proj", "mlp.down_proj")

@@ -147,7 +147,8 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
             print(f"{_check_only or f'[rank {rank}]'} error: {text}", file=sys.stderr, flush=True)
         return code
 
-    from config.run_config import DEFAULT, ConfigError, MODES, apply_overrides
+    from config.modes import MODES
+    from config.run_config import DEFAULT, ConfigError, apply_overrides
     try:
         cfg = apply_overrides(DEFAULT, args.overrides)
         modes = args.modes.split(",") if args.modes else [cfg.gen.mode]

@@ -347,7 +347,8 @@ def main(argv=None) -> int:
 
 
 def _main(args, log) -> int:
-    from config.run_config import DEFAULT, ConfigError, MODES as VALID, apply_overrides
+    from config.modes import MODES as VALID
+    from config.run_config import DEFAULT, ConfigError, apply_overrides
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in VALID for m in modes):
         raise BenchError(f"--modes {args.modes!r}: choose from {', '.join(VALID)}")

@@ -478,7 +478,7 @@ def main(argv=None) -> int:
 
 
 def _main(args, log) -> int:
-    from config.run_config import MODES as VALID_MODES
+    from config.modes import MODES as VALID_MODES
     datasets, modes = _split(args.datasets), _split(args.modes)
     try:
         temps = [float(t) for t in _split(args.temperatures)]

@@ -43,7 +43,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from model.tp_split import TP_MODES
+from config.modes import TP_MODES
 from config.profiles import CostModel, EmulationError, LinkModel, Profile, load_profile
 
 
