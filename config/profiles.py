@@ -29,12 +29,13 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from config.errors import UserError
 from config.paths import PROFILE_DIR
 
 _TEXT_KEYS = {"notes", "derivation", "description", "source"}
 
 
-class EmulationError(ValueError):
+class EmulationError(UserError, ValueError):
     pass
 
 

@@ -21,6 +21,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 
+from config.errors import UserError
 from config.modes import MODES
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -29,7 +30,7 @@ QUANTS = ("none", "int8", "nf4", "fp4")
 BACKENDS = ("gloo", "nccl")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     pass
 
 

@@ -21,42 +21,20 @@ from model.devices import HOST
 Tensor = torch.Tensor
 
 
-class Drafter:
+class BeamTreeDrafter:
+    """EAGLE-2's dynamic tree search, written against a drafter's state hooks only.
+
+    A subclass keeps the committed context and the temporary tree entries and implements the
+    :class:`draft.protocol.TreeDrafter` hooks ``start``, ``commit``, ``tree_forward``, ``drop_tree`` and
+    ``logprobs``, plus the ``tree_size`` property (tree entries fed since the last ``drop_tree``); this class
+    adds ``grow_tree`` (beam search), ``grow_tree_with_inputs`` and ``extend_tree`` (incremental expansion)
+    on top. Subclasses: :class:`Drafter` (EAGLE heads), :class:`draft.oracle.OracleDrafter`,
+    :class:`draft.ssm.SmallLMDrafter`.
+    """
+
     supports_extend = True   # grow_tree is the EAGLE-2 search: extend_tree may continue its trees
-    def __init__(self, head: EagleHead, lm_head: torch.nn.Linear, max_len: int) -> None:
-        self.head = head
-        self.lm_head = lm_head
-        p = next(head.parameters())
-        self.dtype, self.device = p.dtype, p.device
-        new_cache = getattr(head, "new_cache", None) or head.block.new_cache
-        self.cache = new_cache(max_len, self.dtype, self.device)
-        self.vocab_map = getattr(head, "vocab_map", None)   # EAGLE-3 reduced vocabulary: draft id -> target id
-
-    def reset(self) -> None:
-        self.cache.reset()
-
-    def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
-        """New generation: entries pair each prompt token's feature with the token after it."""
-        self.reset()
-        return self.commit(torch.tensor(prompt_ids[1:] + [first_token], device=HOST), features)
-
-    @torch.no_grad()
-    def draft_logprobs(self, hidden: Tensor) -> Tensor:
-        """Log-probs over the *draft* vocabulary (the target's, except for a reduced EAGLE-3 vocabulary)."""
-        if hasattr(self.head, "draft_logits"):
-            return torch.log_softmax(self.head.draft_logits(hidden.to(self.dtype)).float(), dim=-1)
-        return torch.log_softmax(self.lm_head(hidden.to(self.lm_head.weight.dtype)).float(), dim=-1)
-
-    @torch.no_grad()
-    def logprobs(self, hidden: Tensor) -> Tensor:
-        """Log-probs over the target vocabulary (-inf outside a reduced draft vocabulary)."""
-        lp = self.draft_logprobs(hidden)
-        if self.vocab_map is None:
-            return lp
-        full = torch.full((*lp.shape[:-1], self.lm_head.out_features), float("-inf"), dtype=lp.dtype,
-                          device=lp.device)
-        full[..., self.vocab_map.to(lp.device)] = lp
-        return full
+    vocab_map: Tensor | None = None   # EAGLE-3 reduced vocabulary (draft id -> target id); None = the target's
+    # a subclass that sets vocab_map also implements draft_logprobs (log-probs over the draft vocabulary)
 
     def _topk(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Best ``min(k, draft vocabulary)`` (log-prob, target token) per row of ``hidden``; for a reduced
@@ -65,41 +43,6 @@ class Drafter:
         lp = self.logprobs(hidden) if vm is None else self.draft_logprobs(hidden)
         s, t = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
         return (s, t) if vm is None else (s, vm.to(t.device)[t])
-
-    @torch.no_grad()
-    def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
-        """Append context entries ``(tokens[i], features[i])``; returns the last entry's output feature.
-
-        The caller pairs each token with the target feature of the position *before* it.
-        """
-        cache = self.cache
-        if cache.num_tree:
-            cache.truncate_tree()
-        n = tokens.numel()
-        pos, mask = cache.context_inputs(n, self.dtype)
-        out = self.head(tokens.view(1, -1).to(self.device), features.view(1, n, -1).to(self.device, self.dtype),
-                        pos, mask, cache)
-        cache.commit_forward(n, as_context=True)
-        return out[0, -1]
-
-    @torch.no_grad()
-    def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
-        """Feed tree entries (kept in the cache until :meth:`drop_tree`); returns their output features."""
-        cache = self.cache
-        pos, mask, anc, depth = cache.tree_inputs(parents, self.dtype)
-        n = tokens.numel()
-        out = self.head(tokens.view(1, -1).to(self.device), features.view(1, n, -1).to(self.device, self.dtype),
-                        pos, mask, cache)
-        cache.commit_forward(n, as_context=False, anc=anc, depth=depth)
-        return out[0]
-
-    def drop_tree(self) -> None:
-        self.cache.truncate_tree()
-
-    @property
-    def tree_size(self) -> int:
-        """Tree entries currently fed (they sit after the committed context)."""
-        return self.cache.num_tree
 
     @torch.no_grad()
     def grow_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int) -> DraftTree:
@@ -224,3 +167,77 @@ class Drafter:
                           torch.cat([tree.parents, torch.tensor(parents, dtype=torch.long, device=HOST)]),
                           torch.cat([tree.scores, scores[chosen]]))
         return grown, torch.cat([inputs, torch.cat(cand_in)[chosen.to(dev)]])
+
+
+class Drafter(BeamTreeDrafter):
+    """The EAGLE drafter: an EAGLE-1/2 or EAGLE-3 head with its own KV cache (see the module docstring)."""
+
+    def __init__(self, head: EagleHead, lm_head: torch.nn.Linear, max_len: int) -> None:
+        self.head = head
+        self.lm_head = lm_head
+        p = next(head.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        new_cache = getattr(head, "new_cache", None) or head.block.new_cache
+        self.cache = new_cache(max_len, self.dtype, self.device)
+        self.vocab_map = getattr(head, "vocab_map", None)   # EAGLE-3 reduced vocabulary: draft id -> target id
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
+        """New generation: entries pair each prompt token's feature with the token after it."""
+        self.reset()
+        return self.commit(torch.tensor(prompt_ids[1:] + [first_token], device=HOST), features)
+
+    @torch.no_grad()
+    def draft_logprobs(self, hidden: Tensor) -> Tensor:
+        """Log-probs over the *draft* vocabulary (the target's, except for a reduced EAGLE-3 vocabulary)."""
+        if hasattr(self.head, "draft_logits"):
+            return torch.log_softmax(self.head.draft_logits(hidden.to(self.dtype)).float(), dim=-1)
+        return torch.log_softmax(self.lm_head(hidden.to(self.lm_head.weight.dtype)).float(), dim=-1)
+
+    @torch.no_grad()
+    def logprobs(self, hidden: Tensor) -> Tensor:
+        """Log-probs over the target vocabulary (-inf outside a reduced draft vocabulary)."""
+        lp = self.draft_logprobs(hidden)
+        if self.vocab_map is None:
+            return lp
+        full = torch.full((*lp.shape[:-1], self.lm_head.out_features), float("-inf"), dtype=lp.dtype,
+                          device=lp.device)
+        full[..., self.vocab_map.to(lp.device)] = lp
+        return full
+
+    @torch.no_grad()
+    def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
+        """Append context entries ``(tokens[i], features[i])``; returns the last entry's output feature.
+
+        The caller pairs each token with the target feature of the position *before* it.
+        """
+        cache = self.cache
+        if cache.num_tree:
+            cache.truncate_tree()
+        n = tokens.numel()
+        pos, mask = cache.context_inputs(n, self.dtype)
+        out = self.head(tokens.view(1, -1).to(self.device), features.view(1, n, -1).to(self.device, self.dtype),
+                        pos, mask, cache)
+        cache.commit_forward(n, as_context=True)
+        return out[0, -1]
+
+    @torch.no_grad()
+    def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
+        """Feed tree entries (kept in the cache until :meth:`drop_tree`); returns their output features."""
+        cache = self.cache
+        pos, mask, anc, depth = cache.tree_inputs(parents, self.dtype)
+        n = tokens.numel()
+        out = self.head(tokens.view(1, -1).to(self.device), features.view(1, n, -1).to(self.device, self.dtype),
+                        pos, mask, cache)
+        cache.commit_forward(n, as_context=False, anc=anc, depth=depth)
+        return out[0]
+
+    def drop_tree(self) -> None:
+        self.cache.truncate_tree()
+
+    @property
+    def tree_size(self) -> int:
+        """Tree entries currently fed (they sit after the committed context)."""
+        return self.cache.num_tree

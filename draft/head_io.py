@@ -10,8 +10,10 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from config.errors import UserError
 
-class HeadError(ValueError):
+
+class HeadError(UserError, ValueError):
     """A draft head that is missing, unreadable or does not fit the target."""
 
 

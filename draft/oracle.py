@@ -1,7 +1,7 @@
 """Reference drafters for testing and ablations: ``oracle`` (the target model itself drafts, so greedy
 acceptance is 100%) and ``adversary`` (the target's *least* likely tokens, so acceptance is 0%).
 
-They implement the :class:`~draft.drafter.Drafter` hooks (``start``, ``commit``, ``tree_forward``,
+They implement the :class:`~draft.drafter.BeamTreeDrafter` hooks (``start``, ``commit``, ``tree_forward``,
 ``drop_tree``, ``logprobs``) with a full unsplit model on rank 0, so the EAGLE-2 beam and every mode run
 unchanged. Their "hidden states" are the target's log-probabilities at each entry. Slow; for small models.
 Select with ``head_dir=oracle:<full checkpoint dir>`` or ``head_dir=adversary:<dir>``.
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from draft.drafter import Drafter
+from draft.drafter import BeamTreeDrafter
 from model.devices import HOST
 
 Tensor = torch.Tensor
 
 
-class OracleDrafter(Drafter):
+class OracleDrafter(BeamTreeDrafter):
     def __init__(self, model_dir: str, adversarial: bool = False, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> None:
         from transformers import AutoModelForCausalLM

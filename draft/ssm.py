@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from draft.drafter import Drafter
+from draft.drafter import BeamTreeDrafter
 from draft.tree import DraftTree
 from model.devices import HOST
 
@@ -32,7 +32,7 @@ Tensor = torch.Tensor
 FLOOR = -1e4
 
 
-class SmallLMDrafter(Drafter):
+class SmallLMDrafter(BeamTreeDrafter):
     """See the module docstring. ``model``: a loaded causal LM or a directory to load one from."""
 
     supports_extend = False  # its trees may carry sampled draws: ContinuousMode redraws from the root

@@ -90,14 +90,6 @@ class DraftTree:
     def single(token: int) -> "DraftTree":
         return DraftTree(torch.tensor([token], device=HOST), torch.tensor([-1], device=HOST), torch.zeros(1, device=HOST))
 
-    def children(self, node: int) -> list[int]:
-        """Children of ``node`` in index order (index order = score order for built trees)."""
-        return (self.parents == node).nonzero().flatten().tolist()
-
-    def child_with_token(self, node: int, token: int) -> int | None:
-        hit = ((self.parents == node) & (self.tokens == token)).nonzero().flatten()
-        return int(hit[0]) if hit.numel() else None
-
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root to ``node`` inclusive."""
         path = []

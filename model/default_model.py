@@ -9,7 +9,6 @@ CLI (prints the stage root as the last line of stdout; everything else goes to s
 """
 from __future__ import annotations
 
-from config.paths import CHECKPOINTS, DEFAULT_MODEL_NAME, DEFAULT_SPLIT
 import argparse
 import importlib.util
 import os
@@ -17,6 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from config.paths import CHECKPOINTS, DEFAULT_MODEL_NAME, DEFAULT_SPLIT
 from model.stage_format import MANIFEST, StageDirError, parse_split, read_manifest
 
 DEFAULT_CACHE_DIR = CHECKPOINTS

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from config.errors import UserError
 
-class PromptError(ValueError):
+
+class PromptError(UserError, ValueError):
     pass
 
 

@@ -19,6 +19,8 @@ import hashlib
 import json
 from pathlib import Path
 
+from config.errors import UserError
+
 FORMAT = "flowspec-stages/1"
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
@@ -26,7 +28,7 @@ STAGE_FIELDS = ("stage_index", "num_stages", "split", "layer_range", "has_embedd
                 "has_final_norm")
 
 
-class StageDirError(ValueError):
+class StageDirError(UserError, ValueError):
     """A missing, corrupt or mismatched stage directory."""
 
 

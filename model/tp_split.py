@@ -31,8 +31,18 @@ import re
 import shutil
 from pathlib import Path
 
-from config.modes import TP_MODES  # the modes that run on a tensor-parallel split (and only they)
-from model.stage_format import FORMAT, MANIFEST, WEIGHTS, StageDirError, sha256_file, stage_dir, stage_fields
+from config.modes import (
+    TP_MODES,  # the modes that run on a tensor-parallel split (and only they)
+)
+from model.stage_format import (
+    FORMAT,
+    MANIFEST,
+    WEIGHTS,
+    StageDirError,
+    sha256_file,
+    stage_dir,
+    stage_fields,
+)
 
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -147,8 +157,14 @@ def shard_config(config: dict, n: int, t: int) -> dict:
 def split_checkpoint_tp(model_dir: str | Path, out_dir: str | Path, n: int, dtype: str | None = None,
                         force: bool = False, progress: bool = True) -> Path:
     """Write a tensor-parallel split of ``model_dir`` for ``n`` TP ranks (world ``n + 1``) into ``out_dir``."""
-    from model.split import (DTYPE_NAMES, TOKENIZER_FILES, _prepare_out, _read_config, _torch_dtype,
-                                       _WeightSource)
+    from model.split import (
+        DTYPE_NAMES,
+        TOKENIZER_FILES,
+        _prepare_out,
+        _read_config,
+        _torch_dtype,
+        _WeightSource,
+    )
     model_dir, out = Path(model_dir), Path(out_dir)
     config = _read_config(model_dir)
     check_tp(config, n)

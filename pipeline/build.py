@@ -12,10 +12,11 @@ import json
 import sys
 from pathlib import Path
 
+from config.errors import UserError
 from config.paths import DEFAULT_HEAD_DIR, DEFAULT_STAGE_DIR
 
 
-class SetupError(RuntimeError):
+class SetupError(UserError, RuntimeError):
     pass
 
 

@@ -28,9 +28,23 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from config.errors import UserError
 from pipeline import faults
-from pipeline.messages import (HEADER_LEN, MAGIC, Context, Message, Segment, Shutdown, decode, decode_at, encode,
-                               layout, payload_size, shapes, write_at)
+from pipeline.messages import (
+    HEADER_LEN,
+    MAGIC,
+    Context,
+    Message,
+    Segment,
+    Shutdown,
+    decode,
+    decode_at,
+    encode,
+    layout,
+    payload_size,
+    shapes,
+    write_at,
+)
 from pipeline.trace import Tracer
 
 HB_PREFIX = "flowspec/hb/"
@@ -50,15 +64,22 @@ def wire_sizes(payload_bytes: int) -> list[int]:
     return [HEADER_BYTES, payload_bytes]
 
 
-class PeerLost(RuntimeError):
+class PeerLost(UserError, RuntimeError):
+    """Another rank failed or vanished; ``lost`` is its rank when known."""
+
+    exit_code = 3
+
     def __init__(self, lost: int | None, detail: str) -> None:
         self.lost = lost
         self.detail = detail
         who = f"rank {lost}" if lost is not None else "a peer rank"
         super().__init__(f"lost {who}: {detail}")
 
+    def fault_report(self) -> tuple[int, str, int | None]:
+        return self.exit_code, self.detail, (-1 if self.lost is None else self.lost)
 
-class RendezvousError(RuntimeError):
+
+class RendezvousError(UserError, RuntimeError):
     """The process group could not be formed (port taken, a rank never joined, unreachable master)."""
 
 
@@ -137,6 +158,9 @@ def init_process_group(backend: str, timeout_s: float) -> None:
 
 
 class Comm:
+    """A rank's torch.distributed connection: the real :class:`pipeline.transport.Transport` (plus the TP
+    groups' ``send``/``recv``/``broadcast``), with failure detection (heartbeats, the rendezvous store)."""
+
     def __init__(self, backend: str = "gloo", timeout_s: float = 30.0, heartbeat_s: float = 0.5,
                  device: str = "cpu", tracer: Tracer | None = None) -> None:
         self.timeout_s = timeout_s
@@ -149,6 +173,7 @@ class Comm:
         self.next_rank = (self.rank + 1) % self.world
         self.prev_rank = (self.rank - 1) % self.world
         self.tracer = tracer or Tracer(self.rank, enabled=False)
+        self.emu = None   # pipeline.emulation.install sets the rank's Emulator when emu.profile is set
         # per destination: (works, send buffer) of sends not waited for yet, oldest first
         self._pending: dict[int, deque] = {}
         # recycled send buffers: (uint8 tensor, its int64 header view as numpy, its address)

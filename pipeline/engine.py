@@ -3,18 +3,39 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 import torch
 
-from draft.drafter import Drafter
+from draft.protocol import TreeDrafter
 from model.devices import HOST
 from model.stage_model import StageModel
-from pipeline.comm import Comm
 from pipeline.messages import Context, Shutdown, Stats
+from pipeline.transport import Transport
 from pipeline.verify import Sampler
 
 Tensor = torch.Tensor
 PREFILL_WINDOW = 16   # prefill chunks rank 0 keeps in flight (well below pipeline.comm.MAX_PENDING)
+
+
+class DecodeResult(NamedTuple):
+    """What a mode's decode loop returns: ``rounds`` (trees drafted from a fresh root), ``accept_lengths``
+    (tokens committed per verification, bonus token included) and ``pipeline_steps`` (messages rank 0
+    received while decoding)."""
+
+    rounds: int
+    accept_lengths: list[int]
+    pipeline_steps: int
+
+
+class Decoder(Protocol):
+    """A mode's rank-0 decode loop for one generation (``pipeline.modes.new_decoder``). It starts after
+    prefill with the target's ``logits`` of the last prompt token and every prompt token's ``features``,
+    commits tokens into ``out`` until ``out.finished``, and leaves every stage ready for the next
+    generation."""
+
+    def __call__(self, engine: "Engine", logits: Tensor, features: Tensor, prompt_ids: list[int],
+                 out: "OutputBuffer") -> DecodeResult: ...
 
 
 @dataclass
@@ -86,15 +107,14 @@ class OutputBuffer:
 
 
 class Engine:
-    def __init__(self, model: StageModel, comm: Comm, drafter: Drafter | None, sampler: Sampler,
+    def __init__(self, model: StageModel, comm: Transport, drafter: TreeDrafter | None, sampler: Sampler,
                  stop_ids: set[int], cfg) -> None:
         self.model, self.comm, self.drafter, self.sampler = model, comm, drafter, sampler
         self.stop_ids = stop_ids
         self.cfg = cfg
-        self.num_layer_stages = comm.world - 1
         self.tracer = comm.tracer
         self.dtype = next(model.parameters()).dtype
-        self.emu = getattr(comm, "emu", None)   # pipeline.emulation.Emulator when emu.profile is set
+        self.emu = comm.emu   # pipeline.emulation.Emulator when emu.profile is set
         self.last_emu: dict = {}
         self.on_commit = None  # serving (pipeline/serve.py): per-generation OutputBuffer hooks
         self.stop_text = None  # stop strings (gen.stop): see OutputBuffer and model.prompts.StopText
@@ -174,8 +194,8 @@ class Engine:
         self.comm.recv_prev()
 
 
-def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn) -> GenResult:
-    """Run prefill + ``decode_fn(engine, logits, features, prompt_ids, out) -> (rounds, accept_lengths, steps)``."""
+def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn: Decoder) -> GenResult:
+    """Run prefill + ``decode_fn`` (a fresh :class:`Decoder` per generation: ``pipeline.modes.new_decoder``)."""
     engine.tracer.reset_counters()
     engine.tracer.mark("gen_begin", prompt_tokens=len(prompt_ids))  # timeline windows (trace only)
     t0 = time.perf_counter()
@@ -187,7 +207,7 @@ def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn) -> GenRes
     out = OutputBuffer(engine.stop_ids, engine.cfg.gen.max_new_tokens, engine.on_commit, engine.cancel,
                        getattr(engine, "stop_text", None))
     engine.sampler.generator.manual_seed(engine.cfg.gen.seed)
-    rounds, accepts, steps = decode_fn(engine, logits, features, prompt_ids, out)
+    rounds, accepts, steps = decode_fn(engine, logits, features, prompt_ids, out)   # a DecodeResult
     t2 = time.perf_counter()
     engine.tracer.mark("gen_end", new_tokens=len(out.ids))
     busy = engine.collect_busy(t2 - t1b)  # decode window: pipeline.trace.busy_fraction's definition

@@ -29,6 +29,8 @@ import threading
 import time
 from typing import Callable, NoReturn
 
+from config.errors import UserError
+
 POINTS = ("send", "recv", "prefill", "segment", "decision", "load")
 
 _exit_lock = threading.Lock()
@@ -92,7 +94,7 @@ def fatal(line: str, code: int, reason: str | None = None, lost: int | None = No
 
 
 # -- fault injection ----------------------------------------------------------------------------------
-class FaultSpecError(ValueError):
+class FaultSpecError(UserError, ValueError):
     pass
 
 

@@ -24,9 +24,18 @@ import os
 import sys
 from pathlib import Path
 
+from config.errors import UserError
 from config.paths import DEFAULT_STAGE_DIR
-from pipeline.build import (SetupError, generation_config, head_choice, load_rank_stage, load_tokenizer,
-                            loading_line, make_engine)
+from pipeline.build import (
+    SetupError,
+    generation_config,
+    head_choice,
+    load_rank_stage,
+    load_tokenizer,
+    loading_line,
+    make_engine,
+)
+
 
 def debug() -> bool:
     """``FLOWSPEC_DEBUG=1``: full tracebacks, all-thread stacks on Ctrl-C, torch's C++ warnings."""
@@ -113,10 +122,9 @@ def _fail(rank, e: BaseException) -> int:
     lost = None
     if isinstance(e, KeyboardInterrupt):
         line, code, reason = f"[rank {rank}] interrupted; exiting", 130, "interrupted"
-    elif _is_user_error(e):
-        line, code, reason = f"[rank {rank}] error: {e}", 2, str(e)
-        if type(e).__name__ == "PeerLost":
-            code, reason, lost = 3, e.detail, (-1 if e.lost is None else e.lost)
+    elif isinstance(e, UserError):   # the message is the whole story (config.errors)
+        line = f"[rank {rank}] error: {e}"
+        code, reason, lost = e.fault_report()
     else:
         line = f"[rank {rank}] error: {type(e).__name__}: {detail}" if detail else f"[rank {rank}] error: {type(e).__name__}"
         line += "" if debug() else " (FLOWSPEC_DEBUG=1 shows the traceback)"
@@ -125,15 +133,6 @@ def _fail(rank, e: BaseException) -> int:
         faults.fatal(line, code, reason, lost)
     print(line, file=sys.stderr, flush=True)
     return code
-
-
-USER_ERRORS = ("SetupError", "PeerLost", "RendezvousError", "ConfigError", "StageDirError", "HeadError",
-               "PromptError", "FaultSpecError", "EmulationError")
-
-
-def _is_user_error(e: BaseException) -> bool:
-    """Errors whose message is the whole story (no exception type, no traceback needed)."""
-    return any(c.__name__ in USER_ERRORS for c in type(e).__mro__)
 
 
 def _main(argv: list[str] | None = None, rank0=None) -> int:
@@ -185,13 +184,16 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
         manifest = check_world(stage_root, world)  # before importing torch: a wrong root or world fails at once
     except StageDirError as e:
         return fail(str(e))
-    from model.tp_split import check_tp_modes  # tensor-parallel splits run modes tp/galaxy (pipeline/tp_run.py)
+    from model.tp_split import (
+        check_tp_modes,  # tensor-parallel splits run modes tp/galaxy (pipeline/tp_run.py)
+    )
     if (tp_error := check_tp_modes(manifest, modes, cfg)) is not None:
         return fail(tp_error)
     if _check_only:  # pipeline.tools.launch checking the arguments once, before any rank starts
         return 0
 
     import torch
+
     from model.stage_model import DTYPES
     torch.set_num_threads(cfg.model.num_threads)
     device = cfg.model.device
@@ -240,9 +242,14 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
 
 
 def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) -> int:
-    from model.prompts import PromptError, chat_prompt_ids, load_questions, stop_token_ids
+    from model.prompts import (
+        PromptError,
+        chat_prompt_ids,
+        load_questions,
+        stop_token_ids,
+    )
     from pipeline.engine import timed_generation
-    from pipeline.modes import DECODERS
+    from pipeline.modes import new_decoder
 
     try:  # prompts first: a bad prompt fails before tokenizer and draft head load
         if args.prompt_ids:
@@ -274,8 +281,14 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
         eos = gen_cfg.get("eos_token_id", getattr(model.config, "eos_token_id", None))
         stop_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
-    from pipeline.outputs import (AnswerFile, OutputFileError, drafter_fields, head_identity, provenance,
-                                  resume_rows)
+    from pipeline.outputs import (
+        AnswerFile,
+        OutputFileError,
+        drafter_fields,
+        head_identity,
+        provenance,
+        resume_rows,
+    )
     needs_head = any(m != "ar" for m in modes)
     prov = provenance(cfg, stage_root, head_identity(cfg.model.head_dir, head_choice(cfg, stage_root), needs_head),
                       args.template, comm.world)
@@ -333,11 +346,10 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
         check_len(prompt_ids(rec["turns"][:1], []), rec.get("question_id"))
     try:
         for mode in modes:
-            decode = DECODERS[mode]
             for _ in range(args.warmup if records else 0):  # warm-up: excluded from results
                 keep, cfg.gen.max_new_tokens = cfg.gen.max_new_tokens, min(32, cfg.gen.max_new_tokens)
                 try:
-                    timed_generation(engine, prompt_ids(records[0]["turns"][:1], []), decode)
+                    timed_generation(engine, prompt_ids(records[0]["turns"][:1], []), new_decoder(mode))
                 finally:
                     cfg.gen.max_new_tokens = keep
             for rec in records:
@@ -349,7 +361,7 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
                         continue
                     ids = prompt_ids(rec["turns"][:ti + 1], answers)
                     check_len(ids, rec.get("question_id"))
-                    res = timed_generation(engine, ids, decode)
+                    res = timed_generation(engine, ids, new_decoder(mode))
                     text = "" if tokenizer is None else tokenizer.decode(
                         [t for t in res.output_ids if t not in stop_ids], skip_special_tokens=True)
                     answers.append(text.strip())

@@ -44,13 +44,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from config.modes import COMPARED_MODES
+
 try:  # module level: FastAPI resolves handler annotations here (absent only where --help runs without the venv)
     from starlette.requests import Request as HTTPRequest
 except ImportError:
     HTTPRequest = None
 
 STATIC = Path(__file__).resolve().parent / "static"
-ALL_MODES = "ar,naive,pruned,pipedec,continuous"
+ALL_MODES = ",".join(COMPARED_MODES)
 
 EXAMPLES = """examples:
   ./run_serve.sh --port 8000                              # default SmolLM2 pipeline, 5 ranks, every mode
@@ -535,9 +537,14 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     from model.prompts import stop_token_ids
     from model.stage_format import stage_dir
     from pipeline import faults
-    from pipeline.build import SetupError, generation_config, load_tokenizer, make_engine
+    from pipeline.build import (
+        SetupError,
+        generation_config,
+        load_tokenizer,
+        make_engine,
+    )
     from pipeline.engine import timed_generation
-    from pipeline.modes import DECODERS
+    from pipeline.modes import new_decoder
     from pipeline.outputs import drafter_fields
     from pipeline.verify import Sampler
 
@@ -568,7 +575,7 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
         cfg.gen.max_new_tokens, cfg.gen.seed = p.max_tokens, p.seed
         engine.on_commit, engine.cancel = req._commit, req.cancel_event
         try:
-            res = timed_generation(engine, req.prompt_ids, DECODERS[p.mode])
+            res = timed_generation(engine, req.prompt_ids, new_decoder(p.mode))
         finally:
             engine.on_commit = engine.cancel = None
             cfg.gen.max_new_tokens = keep_max
@@ -663,7 +670,12 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 def make_app(manager: RequestManager):
     """The FastAPI app over ``manager`` (all endpoints; errors are OpenAI-style JSON bodies)."""
     from fastapi import FastAPI
-    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import (
+        HTMLResponse,
+        JSONResponse,
+        PlainTextResponse,
+        StreamingResponse,
+    )
     from starlette.background import BackgroundTask
     from starlette.exceptions import HTTPException as StarletteHTTPException
 

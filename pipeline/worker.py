@@ -21,8 +21,8 @@ from draft.tree import admit_rows, decision_keep
 from model.devices import HOST
 from model.kv_cache import KVCache
 from model.stage_model import StageModel
-from pipeline.comm import Comm
 from pipeline.messages import Context, Decision, Segment, Shutdown, Stats
+from pipeline.transport import Transport
 
 
 class StageTree:
@@ -75,14 +75,14 @@ class StageTree:
 
 
 class StageWorker:
-    def __init__(self, model: StageModel, comm: Comm, max_len: int, dtype: torch.dtype, device: str) -> None:
+    def __init__(self, model: StageModel, comm: Transport, max_len: int, dtype: torch.dtype, device: str) -> None:
         self.model, self.comm = model, comm
         self.dtype, self.device = dtype, device
         self.rank = comm.rank
         self.cache = model.block.new_cache(max_len, dtype, device) if model.block is not None else None
         self.tree = StageTree(self.cache)
         self.tracer = comm.tracer
-        self.emu = getattr(comm, "emu", None)   # pipeline.emulation.Emulator when emu.profile is set
+        self.emu = comm.emu   # pipeline.emulation.Emulator when emu.profile is set
         comm.open_direct_inbox()                # rank 0's point-to-point decisions (ranks >= 2)
 
     @torch.no_grad()

@@ -113,3 +113,24 @@ def test_layering_check_sees_a_planted_violation(tmp_path):
     path.write_text("def f():\n    from pipeline.engine import Engine\n")
     deps = project_imports("model.bad", path, set(modules()))
     assert "pipeline.engine" in deps and layer("pipeline.engine") > layer("model.bad")
+
+
+def test_mode_registry_matches_config_and_makes_fresh_strategies():
+    from config.modes import MODES
+    from pipeline.modes import REGISTRY, new_decoder
+    assert tuple(REGISTRY) == MODES
+    for mode in ("pruned", "pipedec", "continuous"):   # strategy objects: one per generation
+        a, b = new_decoder(mode), new_decoder(mode)
+        assert a.__self__ is not b.__self__
+
+
+def test_transports_implement_the_protocol():
+    from pipeline.local_ring import LocalComm, LocalRing
+    from pipeline.transport import Transport
+    assert isinstance(LocalComm(LocalRing(2), 0), Transport)
+    from pipeline.comm import Comm
+    from pipeline.tp_run import GroupComm
+    for cls in (Comm, GroupComm):   # (constructing them needs a process group: check the methods)
+        missing = [m for m in ("send_next", "recv_prev", "send_direct", "open_direct_inbox", "poll_direct")
+                   if not callable(getattr(cls, m, None))]
+        assert not missing, (cls.__name__, missing)

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from config.run_config import DEFAULT, apply_overrides
-from draft.drafter import Drafter
+from draft.drafter import BeamTreeDrafter
 from draft.tree import keep_indices_for, merge_trees, reroot
 from pipeline.engine import OutputBuffer
 from model.kv_cache import KVCache
@@ -79,8 +79,8 @@ def enc(token: int) -> torch.Tensor:
     return torch.tensor([float(token)], dtype=torch.float64)
 
 
-class MarkovDrafter(Drafter):
-    """A ``Drafter`` whose head is a Markov table: the real EAGLE-2 tree search runs on top of it."""
+class MarkovDrafter(BeamTreeDrafter):
+    """A drafter whose head is a Markov table: the real EAGLE-2 tree search (``BeamTreeDrafter``) runs on top."""
 
     def __init__(self, draft_logits: torch.Tensor) -> None:  # no EAGLE head, no cache
         self.table = torch.log_softmax(draft_logits.float(), dim=-1)
@@ -753,7 +753,7 @@ class SwappableMarkovDrafter(MarkovDrafter):
         self.n_tree = 0
 
     def grow_tree(self, root_token, root_hidden, total_token, depth, top_k):
-        return Drafter.grow_tree(self, root_token, root_hidden, total_token, depth, top_k)
+        return BeamTreeDrafter.grow_tree(self, root_token, root_hidden, total_token, depth, top_k)
 
 
 def _draft_tables(seed: int, k: int = 3) -> list[torch.Tensor]:

@@ -15,7 +15,7 @@ from config.run_config import DEFAULT, apply_overrides
 from model.stage_model import load_stage
 from pipeline.engine import Engine, timed_generation
 from pipeline.local_ring import LocalComm, LocalRing, stage_threads
-from pipeline.modes import DECODERS
+from pipeline.modes import new_decoder
 from pipeline.build import make_drafter
 from pipeline.verify import Sampler
 from pipeline.worker import StageWorker
@@ -57,7 +57,7 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
         try:
             with guard():
                 for mode in modes:
-                    results[mode] = [timed_generation(engine, p, DECODERS[mode]) for p in prompts]
+                    results[mode] = [timed_generation(engine, p, new_decoder(mode)) for p in prompts]
         finally:
             if not errors:
                 engine.shutdown()

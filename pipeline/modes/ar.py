@@ -4,12 +4,12 @@ from __future__ import annotations
 import torch
 
 from model.devices import HOST
-from pipeline.engine import Engine, OutputBuffer
+from pipeline.engine import DecodeResult, Engine, OutputBuffer
 from pipeline.messages import Context
 
 
 def ar_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
-              out: OutputBuffer) -> tuple[int, list[int], int]:
+              out: OutputBuffer) -> DecodeResult:
     x = engine.sampler.choose(logits)
     out.extend([x])
     accepts = []
@@ -18,4 +18,4 @@ def ar_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, prom
         hidden = engine.comm.recv_prev().x[0]
         x = engine.sampler.choose(engine.logits(hidden)[-1])
         accepts.append(out.extend([x]))
-    return len(accepts), accepts, len(accepts)
+    return DecodeResult(len(accepts), accepts, len(accepts))

@@ -23,7 +23,7 @@ import torch
 
 from draft.tree import DraftTree, keep_indices_for, merge_trees, split_sizes
 from model.devices import HOST
-from pipeline.engine import Engine, OutputBuffer
+from pipeline.engine import DecodeResult, Engine, OutputBuffer
 from pipeline.messages import Status
 from pipeline.outbox import Outbox, RankTree
 from pipeline.verify import walk_tree
@@ -74,7 +74,7 @@ class StreamingMode:
 
     # -- the loop ------------------------------------------------------------------------------------
     def decode(self, engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
-               out: OutputBuffer) -> tuple[int, list[int], int]:
+               out: OutputBuffer) -> DecodeResult:
         x = engine.sampler.choose(logits)
         out.extend([x])
         with engine.tracer.span("draft"):
@@ -86,7 +86,7 @@ class StreamingMode:
             x, root_hidden, n_steps = self.run_round(engine, box, x, root_hidden, out, accepts)
             steps += n_steps
         steps += box.drain()
-        return rounds, accepts, steps
+        return DecodeResult(rounds, accepts, steps)
 
     @staticmethod
     def segment_target(engine: Engine) -> int:

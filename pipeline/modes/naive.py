@@ -7,14 +7,14 @@ import torch
 
 from draft.tree import split_sizes
 from model.devices import HOST
-from pipeline.engine import Engine, OutputBuffer
+from pipeline.engine import DecodeResult, Engine, OutputBuffer
 from pipeline.messages import Status
 from pipeline.outbox import Outbox, RankTree
 from pipeline.verify import walk_tree
 
 
 def naive_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
-                 out: OutputBuffer) -> tuple[int, list[int], int]:
+                 out: OutputBuffer) -> DecodeResult:
     tcfg, drafter = engine.cfg.tree, engine.drafter
     x = engine.sampler.choose(logits)
     out.extend([x])
@@ -40,4 +40,4 @@ def naive_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, p
         if not out.finished:
             with engine.tracer.span("draft"):
                 root_hidden = drafter.commit(torch.tensor(committed, device=HOST), hidden[path])
-    return rounds, accepts, steps
+    return DecodeResult(rounds, accepts, steps)

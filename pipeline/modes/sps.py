@@ -25,7 +25,7 @@ import torch
 
 from draft.tree import DraftTree, split_sizes
 from model.devices import HOST
-from pipeline.engine import Engine, OutputBuffer
+from pipeline.engine import DecodeResult, Engine, OutputBuffer
 from pipeline.messages import Status
 from pipeline.outbox import Outbox, RankTree
 from pipeline.verify import Sampler
@@ -119,7 +119,7 @@ def verify_chain(tokens: list[int], qs: list[torch.Tensor], logits: torch.Tensor
 
 
 def sps_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
-               out: OutputBuffer) -> tuple[int, list[int], int]:
+               out: OutputBuffer) -> DecodeResult:
     comm, cfg = engine.comm, engine.cfg
     ssm = sps_drafter(engine)
     temp = engine.sampler.temperature if cfg.draft.ssm_temperature < 0 else cfg.draft.ssm_temperature
@@ -149,4 +149,4 @@ def sps_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, pro
         if not out.finished:
             with engine.tracer.span("draft"):
                 root_hidden = ssm.commit(torch.tensor(committed, device=HOST), hidden[path])
-    return rounds, accepts, steps
+    return DecodeResult(rounds, accepts, steps)

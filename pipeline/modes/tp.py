@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from model.devices import HOST
-from pipeline.engine import Engine, OutputBuffer
+from pipeline.engine import DecodeResult, Engine, OutputBuffer
 from pipeline.messages import Status
 from pipeline.outbox import Outbox, RankTree
 from pipeline.verify import walk_tree
@@ -27,7 +27,7 @@ def make_tp_decode(mode: str):
     schedule_id = SCHEDULE_IDS[SCHEDULE_OF_MODE[mode]]
 
     def tp_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
-                  out: OutputBuffer) -> tuple[int, list[int], int]:
+                  out: OutputBuffer) -> DecodeResult:
         tcfg, drafter = engine.cfg.tree, engine.drafter
         x = engine.sampler.choose(logits)
         out.extend([x])
@@ -51,7 +51,7 @@ def make_tp_decode(mode: str):
             if not out.finished:
                 with engine.tracer.span("draft"):
                     root_hidden = drafter.commit(torch.tensor(committed, device=HOST), hidden[path])
-        return rounds, accepts, rounds
+        return DecodeResult(rounds, accepts, rounds)
 
     tp_decode.__name__ = f"{mode}_decode"
     return tp_decode
