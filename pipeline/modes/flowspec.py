@@ -19,14 +19,53 @@ floods the ring with work a decision is about to kill.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from draft.tree import DraftTree, keep_indices_for, merge_trees, split_sizes
 from model.devices import HOST
 from pipeline.engine import DecodeResult, Engine, OutputBuffer
-from pipeline.messages import Status
+from pipeline.messages import Segment, Status
 from pipeline.outbox import Outbox, RankTree
 from pipeline.verify import walk_tree
+
+
+@dataclass
+class StepVerdict:
+    """What one returned segment verified: tree nodes ``[0, k)`` were checked against the target."""
+
+    k: int                    # nodes of the current tree this result completed (a prefix: score order)
+    path: list[int]           # accepted nodes, root first (tree indices)
+    token: int                # the target's own token after the path (the bonus token)
+    new_root: int | None      # CONTINUE: the node that already holds ``token``; None: TRUNCATE
+    committed: list[int]      # accepted draft tokens, then ``token``
+    features: torch.Tensor    # target features of the path's positions (what the drafter commits)
+
+
+def verify_step(engine: Engine, state: RankTree, msg: Segment) -> StepVerdict | None:
+    """Score-ordered step-wise verification: verify what one returned segment completes (None: nothing).
+
+    Why a single segment can be verified on its own: rank 0 sends the tree's nodes in index order, which is
+    the draft's score order with every ancestor before its descendants (:func:`draft.tree.select_top_nodes`,
+    ``extend_tree``), and expansion only appends; so the sent nodes are always a prefix of the tree and the
+    rows of a returned segment that are still alive are exactly the next unverified prefix ``[0, k)``
+    (:meth:`pipeline.outbox.RankTree.alive_rows` checks it). Every node in ``[0, k)`` has its target logits
+    and its ancestors' (``parents[i] < i``), so :func:`pipeline.verify.walk_tree` can resolve the path through
+    them now, without waiting for the rest of the tree: the best-scored candidates are verified first, one
+    pipeline step after they were sent. A result whose rows were all pruned by a decision issued while it
+    travelled verifies nothing (``None``).
+    """
+    rows, k = state.alive_rows(msg)
+    if k == 0:
+        return None
+    hidden = msg.x[0][rows.to(msg.x.device)]
+    logits = engine.logits(hidden)
+    tree = state.tree
+    with engine.tracer.span("verify"):
+        path, token, new_root = walk_tree(tree, k, logits, engine.sampler)
+    committed = tree.tokens[path[1:]].tolist() + [token]
+    return StepVerdict(k, list(path), token, new_root, committed, hidden[path])
 
 
 class StreamingMode:
@@ -135,29 +174,24 @@ class StreamingMode:
                 raise RuntimeError("protocol stalled: nothing in flight and nothing to verify")
             msg = box.receive()
             steps += 1
-            rows, k = state.alive_rows(msg)
-            if k == 0:   # a stale result: nothing of the current tree was verified
+            verdict = verify_step(engine, state, msg)
+            if verdict is None:   # a stale result: nothing of the current tree was verified
                 state.set_tree(self.grow(engine, state.tree, root_hidden, False))
                 self.top_up(engine, box, state, root_hidden)
                 continue
-            hidden = msg.x[0][rows.to(msg.x.device)]
-            logits = engine.logits(hidden)
-            tree = state.tree
-            with engine.tracer.span("verify"):
-                path, new_token, new_root = walk_tree(tree, k, logits, engine.sampler)
-            committed = tree.tokens[path[1:]].tolist() + [new_token]
-            accepts.append(out.extend(committed))
-            pending_tokens += committed
-            pending_feats.append(hidden[path])
+            path = verdict.path
+            accepts.append(out.extend(verdict.committed))
+            pending_tokens += verdict.committed
+            pending_feats.append(verdict.features)
             path_gids = state.gids[path].tolist()
-            if out.finished or new_root is None:
+            if out.finished or verdict.new_root is None:
                 box.decide(Status.TRUNCATE, path_gids, -1, out.finished)
                 if not out.finished:
                     root_hidden = self._commit(engine, pending_tokens, pending_feats)
-                return new_token, root_hidden, steps
-            box.decide(Status.CONTINUE, path_gids, int(state.gids[new_root]), False)
+                return verdict.token, root_hidden, steps
+            box.decide(Status.CONTINUE, path_gids, int(state.gids[verdict.new_root]), False)
             with engine.tracer.span("prune"):
-                keep = keep_indices_for(tree, path, new_root)
+                keep = keep_indices_for(state.tree, path, verdict.new_root)
                 state.reroot(keep, len(path))
                 self.on_reroot(keep, len(path))
             if state.waiting >= self.segment_target(engine):
