@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from draft.token_history import TokenHistory
 from draft.tree import DraftTree, select_top_nodes
 from model.devices import HOST
 
@@ -75,7 +76,7 @@ def continuation_trie(root_token: int, conts: list[list[int]], token_logp: float
                             torch.tensor(scores, dtype=torch.float64, device=HOST), total_token)
 
 
-class LookupDrafter:
+class LookupDrafter(TokenHistory):
     """Prompt lookup (n-gram copying) with the :class:`draft.protocol.TreeDrafter` methods."""
 
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 8,
@@ -84,12 +85,7 @@ class LookupDrafter:
             raise ValueError(f"lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
         self.max_matches, self.token_logp = max_matches, token_logp
-        self.context: list[int] = []
-        self.tree_tokens: list[int] = []
-        self.tree_parents: list[int] = []
-
-    def reset(self) -> None:
-        self.context, self.tree_tokens, self.tree_parents = [], [], []
+        TokenHistory.__init__(self)
 
     def state(self, seq: list[int]) -> Tensor:
         """Lookup next-token log-probabilities after ``seq`` (see the module docstring)."""
@@ -108,9 +104,7 @@ class LookupDrafter:
         return self.commit(torch.tensor([first_token], device=HOST), features)
 
     def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
-        self.drop_tree()
-        self.context += [int(t) for t in tokens.reshape(-1)]
-        return self.state(self.context)
+        return self.state(self.append_context(tokens))
 
     def grow_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int) -> DraftTree:
         """The continuation trie (module docstring); ``top_k`` is not used (the matches decide the width)."""
@@ -118,26 +112,8 @@ class LookupDrafter:
         conts = find_continuations(seq, self.max_ngram, self.min_ngram, self.max_matches, depth + 1)
         return continuation_trie(root_token, conts, self.token_logp, total_token)
 
-    def _path(self, node: int) -> list[int]:
-        path = []
-        while node >= 0:
-            path.append(self.tree_tokens[node])
-            node = self.tree_parents[node]
-        return path[::-1]
-
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
-        first = len(self.tree_tokens)
-        self.tree_tokens += [int(t) for t in tokens.reshape(-1)]
-        self.tree_parents += [int(p) for p in parents.reshape(-1)]
-        return torch.stack([self.state(self.context + self._path(first + i))
-                            for i in range(tokens.numel())])
-
-    def drop_tree(self) -> None:
-        self.tree_tokens, self.tree_parents = [], []
-
-    @property
-    def tree_size(self) -> int:
-        return len(self.tree_tokens)
+        return torch.stack([self.state(seq) for seq in self.add_tree_entries(tokens, parents)])
 
     def logprobs(self, hidden: Tensor) -> Tensor:
         return hidden.double()

@@ -11,24 +11,20 @@ from __future__ import annotations
 import torch
 
 from draft.drafter import BeamTreeDrafter
+from draft.token_history import TokenHistory
 from model.devices import HOST
 
 Tensor = torch.Tensor
 
 
-class OracleDrafter(BeamTreeDrafter):
+class OracleDrafter(TokenHistory, BeamTreeDrafter):
     def __init__(self, model_dir: str, adversarial: bool = False, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> None:
         from transformers import AutoModelForCausalLM
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         self.device = torch.device(device)
         self.adversarial = adversarial
-        self.context: list[int] = []
-        self.tree_tokens: list[int] = []
-        self.tree_parents: list[int] = []
-
-    def reset(self) -> None:
-        self.context, self.tree_tokens, self.tree_parents = [], [], []
+        TokenHistory.__init__(self)
 
     def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
         self.reset()
@@ -52,30 +48,10 @@ class OracleDrafter(BeamTreeDrafter):
         return torch.stack(out)
 
     def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
-        self.drop_tree()
-        self.context += [int(t) for t in tokens.reshape(-1)]
-        return self._dist([self.context])[0]
-
-    def _path(self, node: int) -> list[int]:
-        path = []
-        while node >= 0:
-            path.append(self.tree_tokens[node])
-            node = self.tree_parents[node]
-        return path[::-1]
+        return self._dist([self.append_context(tokens)])[0]
 
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
-        first = len(self.tree_tokens)
-        self.tree_tokens += [int(t) for t in tokens.reshape(-1)]
-        self.tree_parents += [int(p) for p in parents.reshape(-1)]
-        seqs = [self.context + self._path(first + i) for i in range(len(tokens.reshape(-1)))]
-        return self._dist(seqs)
-
-    def drop_tree(self) -> None:
-        self.tree_tokens, self.tree_parents = [], []
-
-    @property
-    def tree_size(self) -> int:
-        return len(self.tree_tokens)
+        return self._dist(self.add_tree_entries(tokens, parents))
 
     def logprobs(self, hidden: Tensor) -> Tensor:
         return hidden.double()

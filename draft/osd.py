@@ -53,10 +53,12 @@ import random
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
+
+from config.run_config import OsdConfig
 
 Tensor = torch.Tensor
 
@@ -256,35 +258,15 @@ class ReplayBuffer:
 # ---------------------------------------------------------------------------------------------------------
 
 @dataclass
-class OsdSettings:
-    loss: str = "fkl"
-    sample_source: str = "teacher"
-    mix_ratio: float = 0.5
-    jsd_beta: float = 0.5
-    teacher_topk: int = 32
-    buffer_tokens: int = 16384
-    update_interval: int = 128
-    steps: int = 4
-    batch_tokens: int = 512
-    lr: float = 1e-4
-    rollout: int = 2
-    holdout: int = 1
-    min_gain: float = 0.0
-    max_busy: float = 0.5
-    feature_weight: float = 1.0
-    window: int = 4
-    rollback_tol: float = 0.1
-    swap_at: str = "generation"
-    on_reject: str = "keep"
-    train_prompt: bool = False
-    sync: bool = False
-    save_dir: str = ""
+class OsdSettings(OsdConfig):
+    """The learner's knobs: the ``osd.*`` configuration (``config.run_config.OsdConfig``: meanings and defaults
+    there) plus the learner's random seed."""
+
     seed: int = 0
 
     @classmethod
-    def from_config(cls, osd) -> "OsdSettings":
-        names = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: getattr(osd, k) for k in names if hasattr(osd, k)})
+    def from_config(cls, osd: OsdConfig) -> "OsdSettings":
+        return cls(**{f.name: getattr(osd, f.name) for f in fields(OsdConfig)})
 
 
 # ---------------------------------------------------------------------------------------------------------

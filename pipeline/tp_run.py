@@ -20,7 +20,7 @@ import torch
 from model.devices import HOST
 from model.tp_model import SCHEDULES, DistCollectives, TPShard
 from pipeline.messages import Context, Segment, Shutdown, Stats
-from pipeline.worker import StageTree
+from pipeline.worker import StageTree, context_chunk
 
 
 class GroupComm:
@@ -83,13 +83,8 @@ class TPWorker:
                     msg.busy_s[1:1 + self.coll.size] = torch.tensor(every, dtype=torch.float64, device=HOST)
                 self._reply(msg)
             elif isinstance(msg, Context):
-                if msg.reset:
-                    self.cache.reset()
-                    self.tree.reset(msg.gen)
-                n = msg.x.shape[1]
-                pos, mask = self.cache.context_inputs(n, self.dtype)
-                out = self._compute(msg.x, pos, mask, "megatron")
-                self.cache.commit_forward(n, as_context=True)
+                out = context_chunk(self.cache, self.tree, msg, self.dtype,
+                                    lambda x, pos, mask: self._compute(x, pos, mask, "megatron"))
                 self._reply(Context(out, msg.gen, msg.reset))
             elif isinstance(msg, Segment):
                 self._segment(msg)

@@ -74,6 +74,19 @@ class StageTree:
         self.slot_gids += gids
 
 
+def context_chunk(cache: KVCache, tree: StageTree, msg: Context, dtype: torch.dtype, compute) -> torch.Tensor:
+    """A prompt chunk (or ``ar``'s one token) on a stage: the first chunk of a generation resets the cache and
+    the decision state; the rows are computed (``compute(x, positions, mask)``) and become committed context."""
+    if msg.reset:
+        cache.reset()
+        tree.reset(msg.gen)
+    n = msg.x.shape[1]
+    pos, mask = cache.context_inputs(n, dtype)
+    out = compute(msg.x, pos, mask)
+    cache.commit_forward(n, as_context=True)
+    return out
+
+
 class StageWorker:
     def __init__(self, model: StageModel, comm: Transport, max_len: int, dtype: torch.dtype, device: str) -> None:
         self.model, self.comm = model, comm
@@ -113,13 +126,7 @@ class StageWorker:
                     msg.emu[self.rank] = torch.tensor(self.emu.take(), dtype=torch.float64, device=HOST)
                 comm.send_next(msg)
             elif isinstance(msg, Context):
-                if msg.reset:
-                    self.cache.reset()
-                    self.tree.reset(msg.gen)
-                n = msg.x.shape[1]
-                pos, mask = self.cache.context_inputs(n, self.dtype)
-                out = self._compute(msg.x, pos, mask)
-                self.cache.commit_forward(n, as_context=True)
+                out = context_chunk(self.cache, self.tree, msg, self.dtype, self._compute)
                 comm.send_next(Context(out, msg.gen, msg.reset))
             elif isinstance(msg, Segment):
                 self._segment(msg)

@@ -35,7 +35,7 @@ import torch
 from config.run_config import DEFAULT, apply_overrides
 from draft.drafter import BeamTreeDrafter
 from draft.tree import keep_indices_for, merge_trees, reroot
-from pipeline.engine import OutputBuffer
+from pipeline.engine import DecodeResult, OutputBuffer
 from model.kv_cache import KVCache
 from pipeline.messages import Segment
 from pipeline.modes.ar import ar_decode
@@ -242,7 +242,8 @@ def make_runner(mode: str, world: int, tables, sampler: Sampler, horizon: int, o
     def run() -> tuple[int, ...]:
         ring.reset()
         out = OutputBuffer(set(), horizon + 1)
-        decode(engine, first, None, [ROOT], out)
+        res = decode(engine, first, None, [ROOT], out)
+        assert isinstance(res, DecodeResult) and res.rounds >= 1 and len(res.accept_lengths) >= 1
         assert out.finished and out.ids[0] == ROOT and len(out.ids) == horizon + 1
         assert not ring.inflight, "the ring did not drain"
         return tuple(out.ids[1:])

@@ -26,8 +26,7 @@ import torch
 from draft.tree import DraftTree, split_sizes
 from model.devices import HOST
 from pipeline.engine import DecodeResult, Engine, OutputBuffer
-from pipeline.messages import Status
-from pipeline.outbox import Outbox, RankTree
+from pipeline.modes.naive import whole_tree_rounds
 from pipeline.verify import Sampler
 
 
@@ -123,30 +122,13 @@ def sps_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, pro
     comm, cfg = engine.comm, engine.cfg
     ssm = sps_drafter(engine)
     temp = engine.sampler.temperature if cfg.draft.ssm_temperature < 0 else cfg.draft.ssm_temperature
-    x = engine.sampler.choose(logits)
-    out.extend([x])
-    with engine.tracer.span("draft"):
-        root_hidden = ssm.start(prompt_ids, x, features)
-    box = Outbox(engine)
-    accepts, steps, rounds = [], 0, 0
-    while not out.finished:
-        rounds += 1
-        with engine.tracer.span("draft"):
-            chain, qs = draft_chain(ssm, x, root_hidden, cfg.sps.gamma, engine.sampler.greedy, temp)
-        state = RankTree(chain)
-        sizes = split_sizes(len(chain), comm.world, 0)
-        for size in sizes:
-            state.send(box, size)
-        hidden = torch.cat([box.receive().x[0] for _ in sizes])
-        steps += len(sizes)
-        tlogits = engine.logits(hidden)
-        with engine.tracer.span("verify"):
-            n, x = verify_chain(chain.tokens.tolist(), qs, tlogits, engine.sampler, cfg.sps.variant)
-        path = list(range(n + 1))
-        committed = chain.tokens[1:n + 1].tolist() + [x]
-        accepts.append(out.extend(committed))
-        box.decide(Status.TRUNCATE, state.gids[path].tolist(), -1, out.finished)
-        if not out.finished:
-            with engine.tracer.span("draft"):
-                root_hidden = ssm.commit(torch.tensor(committed, device=HOST), hidden[path])
-    return DecodeResult(rounds, accepts, steps)
+
+    def draft(root: int, root_hidden: torch.Tensor):
+        return draft_chain(ssm, root, root_hidden, cfg.sps.gamma, engine.sampler.greedy, temp)
+
+    def verify(chain: DraftTree, qs, tlogits: torch.Tensor) -> tuple[list[int], int]:
+        n, x = verify_chain(chain.tokens.tolist(), qs, tlogits, engine.sampler, cfg.sps.variant)
+        return list(range(n + 1)), x
+
+    return whole_tree_rounds(engine, logits, features, prompt_ids, out, ssm, draft, verify,
+                             lambda n: split_sizes(n, comm.world, 0))

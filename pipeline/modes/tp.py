@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from model.devices import HOST
 from pipeline.engine import DecodeResult, Engine, OutputBuffer
-from pipeline.messages import Status
-from pipeline.outbox import Outbox, RankTree
-from pipeline.verify import walk_tree
+from pipeline.modes.naive import draft_eagle_tree, verify_whole_tree, whole_tree_rounds
 
 SCHEDULE_IDS = {"megatron": 0, "galaxy": 1}
 SCHEDULE_OF_MODE = {"tp": "megatron", "galaxy": "galaxy"}
@@ -28,30 +25,8 @@ def make_tp_decode(mode: str):
 
     def tp_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
                   out: OutputBuffer) -> DecodeResult:
-        tcfg, drafter = engine.cfg.tree, engine.drafter
-        x = engine.sampler.choose(logits)
-        out.extend([x])
-        with engine.tracer.span("draft"):
-            root_hidden = drafter.start(prompt_ids, x, features)
-        box = Outbox(engine)
-        accepts, rounds = [], 0
-        while not out.finished:
-            rounds += 1
-            with engine.tracer.span("draft"):
-                tree = drafter.grow_tree(x, root_hidden, tcfg.total_token, tcfg.depth, tcfg.top_k)
-            state = RankTree(tree)
-            state.send(box, len(tree), tag=schedule_id)
-            hidden = box.receive().x[0]
-            logits = engine.logits(hidden)
-            with engine.tracer.span("verify"):
-                path, x, _ = walk_tree(tree, len(tree), logits, engine.sampler)
-            committed = tree.tokens[path[1:]].tolist() + [x]
-            accepts.append(out.extend(committed))
-            box.decide(Status.TRUNCATE, state.gids[path].tolist(), -1, out.finished)
-            if not out.finished:
-                with engine.tracer.span("draft"):
-                    root_hidden = drafter.commit(torch.tensor(committed, device=HOST), hidden[path])
-        return DecodeResult(rounds, accepts, rounds)
+        return whole_tree_rounds(engine, logits, features, prompt_ids, out, engine.drafter, draft_eagle_tree(engine),
+                                 verify_whole_tree(engine), lambda n: [n], tag=schedule_id)
 
     tp_decode.__name__ = f"{mode}_decode"
     return tp_decode

@@ -1,0 +1,44 @@
+"""Drafter state kept as plain token lists, for drafters whose guess is a function of the token sequence alone
+(the oracle/adversary test drafters, prompt lookup): the committed context, and the temporary tree entries
+fed since the last ``drop_tree`` (parents ``-1`` = below the context, else an earlier entry of the tree).
+"""
+from __future__ import annotations
+
+from torch import Tensor
+
+
+class TokenHistory:
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.context: list[int] = []
+        self.tree_tokens: list[int] = []
+        self.tree_parents: list[int] = []
+
+    def append_context(self, tokens: Tensor) -> list[int]:
+        """Drop the tree entries, append committed ``tokens``; returns the context."""
+        self.drop_tree()
+        self.context += [int(t) for t in tokens.reshape(-1)]
+        return self.context
+
+    def add_tree_entries(self, tokens: Tensor, parents: Tensor) -> list[list[int]]:
+        """Append tree entries; returns, per new entry, the whole sequence it ends (context + its tree path)."""
+        first = len(self.tree_tokens)
+        self.tree_tokens += [int(t) for t in tokens.reshape(-1)]
+        self.tree_parents += [int(p) for p in parents.reshape(-1)]
+        return [self.context + self._path(i) for i in range(first, len(self.tree_tokens))]
+
+    def _path(self, node: int) -> list[int]:
+        path = []
+        while node >= 0:
+            path.append(self.tree_tokens[node])
+            node = self.tree_parents[node]
+        return path[::-1]
+
+    def drop_tree(self) -> None:
+        self.tree_tokens, self.tree_parents = [], []
+
+    @property
+    def tree_size(self) -> int:
+        return len(self.tree_tokens)
