@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from config.modes import COMPARED_MODES, MODE_LABELS
 from pipeline.tools import bench, timeline
 from tests.helpers import REPO, hf_greedy, read_jsonl, tiny_llama
 
@@ -154,14 +155,14 @@ def test_bench_tiny_model_end_to_end(tiny_stages, tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     rows = read_jsonl(out / "rows.jsonl")
     assert sorted((r["mode"], r["question_id"]) for r in rows) == sorted(
-        (m, q) for m in bench.MODES for q in range(len(PROMPTS)))
+        (m, q) for m in COMPARED_MODES for q in range(len(PROMPTS)))
     ref = {q: hf_greedy(full, p, 8, {2}, torch.float64) for q, p in enumerate(PROMPTS)}
     for r in rows:
         assert r["output_ids"] == ref[r["question_id"]], f"{r['mode']} q{r['question_id']} differs from HF"
     md = (out / "summary.md").read_text()
     assert "All 8 generations of the speculative modes equal ar's" in md
-    for m in bench.MODES:
-        assert f"| `{m}` | {bench.LABELS[m]} | 2 | 16 |" in md
+    for m in COMPARED_MODES:
+        assert f"| `{m}` | {MODE_LABELS[m]} | 2 | 16 |" in md
         png = out / f"gantt_{m}.png"
         assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
         win = list(csv.DictReader((out / f"timeline_{m}.csv").open()))
@@ -169,7 +170,7 @@ def test_bench_tiny_model_end_to_end(tiny_stages, tmp_path):
         width = float(win[0]["window_end_s"]) - float(win[0]["window_start_s"])
         assert len(win) == 3 and 0 < width <= 0.05 + 1e-5
     table = list(csv.DictReader((out / "summary.csv").open()))
-    assert [r["mode"] for r in table] == list(bench.MODES)
+    assert [r["mode"] for r in table] == list(COMPARED_MODES)
     for r in table:
         assert int(r["new_tokens"]) == 16 and float(r["tokens_per_s"]) > 0
         for i in range(3):   # trace-based shares over the decode phases: every rank computes, waits, and
