@@ -15,6 +15,7 @@ import torch
 
 from config.modes import COMPARED_MODES, MODE_LABELS
 from pipeline.tools import bench, timeline
+from pipeline.tools.rows import find_mismatches
 from tests.helpers import REPO, hf_greedy, read_jsonl, tiny_llama
 
 
@@ -118,11 +119,11 @@ def test_bench_aggregate_and_mismatch():
     assert agg["continuous"]["speedup_naive"] == pytest.approx((5 / 0.75) / (6 / 1.5))
     assert agg["naive"]["tau"] == pytest.approx(4 / 3) and agg["naive"]["tokens_per_step"] == pytest.approx(1.0)
     assert agg["ar"]["busy"] == pytest.approx([0.2, 0.6])
-    bad, compared, unref = bench.find_mismatches(rows)
+    bad, compared, unref = find_mismatches(rows)
     assert compared == 4 and unref == 0 and len(bad) == 2
     assert "question 0: continuous != ar: first difference at token 3" in bad[0]
     assert "question 1: continuous != ar" in bad[1]
-    assert bench.find_mismatches(rows[:4])[0] == []
+    assert find_mismatches(rows[:4])[0] == []
     meta = {"stage_dir": "s", "head_dir": "h", "world": 2, "prompts": "p", "max_new_tokens": 4, "temperature": 0.0,
             "warmup": 0, "launch": "per-mode", "cpus": 2}
     md, text = bench.summarize(agg, {}, (bad, compared, unref), meta, {})

@@ -90,17 +90,12 @@ def weight_bytes(module: torch.nn.Module) -> int:
     for t in list(module.parameters()) + list(module.buffers()):
         total += t.numel() * t.element_size()
         qs = getattr(t, "quant_state", None)
-        if qs is not None:
+        # the 4-bit state and its nested state (double quantization of absmax), each with absmax and code tables
+        for state in (qs, getattr(qs, "state2", None)):
             for name in ("absmax", "code"):
-                x = getattr(qs, name, None)
+                x = getattr(state, name, None)   # None when there is no state
                 if isinstance(x, torch.Tensor):
                     total += x.numel() * x.element_size()
-            nested = getattr(qs, "state2", None)
-            if nested is not None:
-                for name in ("absmax", "code"):
-                    x = getattr(nested, name, None)
-                    if isinstance(x, torch.Tensor):
-                        total += x.numel() * x.element_size()
         scb = getattr(t, "SCB", None)  # int8 row scales
         if isinstance(scb, torch.Tensor):
             total += scb.numel() * scb.element_size()
