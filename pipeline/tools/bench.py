@@ -230,11 +230,10 @@ def launch(tag: str, modes: list[str], run_args: list[str], world: int, out_dir:
 
     def transfer() -> None:
         nonlocal seen
-        rows = tailer.poll()
         if not part.is_file():
             return
         with open(rows_path, "a", encoding="utf-8") as out:
-            for row in rows:
+            for row in tailer.poll():
                 out.write(json.dumps(row) + "\n")
                 seen += 1
                 if not args.quiet:
