@@ -1,8 +1,8 @@
 """Faults as users meet them, through the real launchers: ``./run_pipe.sh`` (one host) and ``./run_jetson.sh``
 (several launchers on localhost, one per NODE_RANK, each with its own copy of the stage root).
 
-    .venv/bin/python scripts/fault_matrix.py                 # every case, prints the README table
-    .venv/bin/python scripts/fault_matrix.py --cases pipe-kill-r1-decode,jetson-missing-host
+    .venv/bin/python -m scripts.fault_matrix                 # every case, prints the README table
+    .venv/bin/python -m scripts.fault_matrix --cases pipe-kill-r1-decode,jetson-missing-host
 
 Each case starts the launcher(s) in their own process group, injects the fault (``FLOWSPEC_FAULT``: a rank
 signals itself at load / prefill / decode; or a taken port, a host never started, ``kill -9`` of the launcher)
@@ -26,7 +26,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from config.paths import REPO
+
 STORIES = REPO.parent / "shared" / "models" / "stories260K"
 TIMEOUT_S = 5.0
 FAST = [f"comm.timeout_s={TIMEOUT_S:g}", "comm.heartbeat_s=0.2", "--quiet"]
@@ -137,7 +138,6 @@ def make_stages(work: Path, world: int = 3) -> Path:
     """stories260K split into ``world`` stages (rank 0 = embeddings + lm_head), cached under ``work``."""
     root = work / f"stories_s{world}"
     if not (root / "manifest.json").is_file():
-        sys.path.insert(0, str(REPO))
         from model.split import split_checkpoint
         split = {2: [0, 5], 3: [0, 2, 3], 4: [0, 2, 2, 1]}[world]
         split_checkpoint(STORIES, root, split, progress=False)
@@ -283,7 +283,7 @@ def _lines(out: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="example: .venv/bin/python scripts/fault_matrix.py --cases pipe-kill-r1-decode")
+                                epilog="example: .venv/bin/python -m scripts.fault_matrix --cases pipe-kill-r1-decode")
     p.add_argument("--cases", default="", help="comma-separated case names (default: all): " +
                    ", ".join(BY_NAME))
     p.add_argument("--work", default="", help="scratch folder (default: a temporary one)")

@@ -3,7 +3,7 @@
 At T = 0 every mode's answer equals HF ``generate(do_sample=False)`` (the acceptance test of the suite), so
 these rows are what any mode would record; ``pipeline.tools.simulate`` / ``pipeline.tools.tp_sim`` replay them.
 
-    python scripts/greedy_rows.py --out rows.jsonl --max-new-tokens 96       # record 30 of the six datasets
+    python -m scripts.greedy_rows --out rows.jsonl --max-new-tokens 96       # record 30 of the six datasets
 """
 from __future__ import annotations
 
@@ -12,14 +12,13 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from config.paths import REPO
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Write pipeline-style rows (prompt_ids, output_ids) of HF greedy "
                                             "answers, one per dataset, for pipeline.tools.simulate / pipeline.tools.tp_sim.",
-                                epilog="Example: python scripts/greedy_rows.py --out rows.jsonl --max-new-tokens 96")
+                                epilog="Example: python -m scripts.greedy_rows --out rows.jsonl --max-new-tokens 96")
     p.add_argument("--model", default=str(REPO / "checkpoints" / "SmolLM2-135M-Instruct"), help="HF checkpoint")
     p.add_argument("--data", default=str(REPO.parent / "shared" / "data"), help="folder of <dataset>/question.jsonl")
     p.add_argument("--record", type=int, default=30, help="record index taken from every dataset")

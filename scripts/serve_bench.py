@@ -1,6 +1,6 @@
 """Overhead of the HTTP server against ``pipeline.run`` on the same prompts (time to first token, tok/s, τ).
 
-    .venv/bin/python scripts/serve_bench.py --prompts-file ../shared/data/mt_bench/question.jsonl -n 4 \\
+    .venv/bin/python -m scripts.serve_bench --prompts-file ../shared/data/mt_bench/question.jsonl -n 4 \\
         --modes naive,continuous max_new_tokens=64
 
 Runs ``pipeline.run`` (first turns of records [0, n), one warm-up generation per mode) and then a server with
@@ -29,8 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from config.paths import REPO
 
 
 def main(argv=None) -> int:
@@ -55,7 +54,8 @@ def main(argv=None) -> int:
     recs = load_questions(args.prompts_file, 0, args.n)
     modes = args.modes.split(",")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    launch = [sys.executable, "-m", "pipeline.tools.launch", "--standalone", f"--nproc_per_node={nproc}"]
+    from pipeline.tools.ranks import launcher_command
+    launch = [*launcher_command(), "--standalone", f"--nproc_per_node={nproc}"]
     with tempfile.TemporaryDirectory() as tmp:
         rows_path = Path(tmp) / "rows.jsonl"
         subprocess.run([*launch, "-m", "pipeline.run", *args.overrides, "--modes", args.modes, "--prompts-file",

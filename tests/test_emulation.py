@@ -284,13 +284,14 @@ def test_eval_driver_resumes_without_duplicates(tiny, tmp_path, capsys):
 
 
 def test_mismatch_is_reported_loudly(tmp_path, capsys):
-    from pipeline.tools.eval import find_mismatches, main
+    from pipeline.tools.eval import main
+    from pipeline.tools.rows import find_mismatches
     data = _tiny_dataset(tmp_path)
     base = {"dataset": "tiny", "question_id": 7, "turn": 0, "temperature": 0.0, "prompt_ids": [1, 2],
             "new_tokens": 3, "decode_s": 0.5, "accept_lengths": [1, 2], "tau": 1.5}
     rows = [dict(base, mode="ar", output_ids=[5, 6, 7]), dict(base, mode="naive", output_ids=[5, 6, 7]),
             dict(base, mode="continuous", output_ids=[5, 9, 7])]
-    bad, compared, unref = find_mismatches(rows)
+    bad, compared, unref = find_mismatches(rows, by_dataset=True)
     assert compared == 2 and unref == 0 and len(bad) == 1 and "continuous" in bad[0] and "token 1" in bad[0]
     out = tmp_path / "eval"
     out.mkdir()

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
+from scripts.fault_matrix import BY_NAME, TIMEOUT_S, run_case
 from tests.helpers import REPO, STORIES
-
-sys.path.insert(0, str(REPO))
-from scripts.fault_matrix import BY_NAME, TIMEOUT_S, run_case  # noqa: E402
 
 SLACK_S = 10.0   # a loaded 2-core box can starve a watchdog for seconds
 

@@ -13,7 +13,9 @@ import sys
 import pytest
 import torch
 
+from config.modes import COMPARED_MODES, MODE_LABELS
 from pipeline.tools import bench, timeline
+from pipeline.tools.rows import find_mismatches
 from tests.helpers import REPO, hf_greedy, read_jsonl, tiny_llama
 
 
@@ -117,11 +119,11 @@ def test_bench_aggregate_and_mismatch():
     assert agg["continuous"]["speedup_naive"] == pytest.approx((5 / 0.75) / (6 / 1.5))
     assert agg["naive"]["tau"] == pytest.approx(4 / 3) and agg["naive"]["tokens_per_step"] == pytest.approx(1.0)
     assert agg["ar"]["busy"] == pytest.approx([0.2, 0.6])
-    bad, compared, unref = bench.find_mismatches(rows)
+    bad, compared, unref = find_mismatches(rows)
     assert compared == 4 and unref == 0 and len(bad) == 2
     assert "question 0: continuous != ar: first difference at token 3" in bad[0]
     assert "question 1: continuous != ar" in bad[1]
-    assert bench.find_mismatches(rows[:4])[0] == []
+    assert find_mismatches(rows[:4])[0] == []
     meta = {"stage_dir": "s", "head_dir": "h", "world": 2, "prompts": "p", "max_new_tokens": 4, "temperature": 0.0,
             "warmup": 0, "launch": "per-mode", "cpus": 2}
     md, text = bench.summarize(agg, {}, (bad, compared, unref), meta, {})
@@ -154,14 +156,14 @@ def test_bench_tiny_model_end_to_end(tiny_stages, tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     rows = read_jsonl(out / "rows.jsonl")
     assert sorted((r["mode"], r["question_id"]) for r in rows) == sorted(
-        (m, q) for m in bench.MODES for q in range(len(PROMPTS)))
+        (m, q) for m in COMPARED_MODES for q in range(len(PROMPTS)))
     ref = {q: hf_greedy(full, p, 8, {2}, torch.float64) for q, p in enumerate(PROMPTS)}
     for r in rows:
         assert r["output_ids"] == ref[r["question_id"]], f"{r['mode']} q{r['question_id']} differs from HF"
     md = (out / "summary.md").read_text()
     assert "All 8 generations of the speculative modes equal ar's" in md
-    for m in bench.MODES:
-        assert f"| `{m}` | {bench.LABELS[m]} | 2 | 16 |" in md
+    for m in COMPARED_MODES:
+        assert f"| `{m}` | {MODE_LABELS[m]} | 2 | 16 |" in md
         png = out / f"gantt_{m}.png"
         assert png.is_file() and png.read_bytes()[:4] == b"\x89PNG"
         win = list(csv.DictReader((out / f"timeline_{m}.csv").open()))
@@ -169,7 +171,7 @@ def test_bench_tiny_model_end_to_end(tiny_stages, tmp_path):
         width = float(win[0]["window_end_s"]) - float(win[0]["window_start_s"])
         assert len(win) == 3 and 0 < width <= 0.05 + 1e-5
     table = list(csv.DictReader((out / "summary.csv").open()))
-    assert [r["mode"] for r in table] == list(bench.MODES)
+    assert [r["mode"] for r in table] == list(COMPARED_MODES)
     for r in table:
         assert int(r["new_tokens"]) == 16 and float(r["tokens_per_s"]) > 0
         for i in range(3):   # trace-based shares over the decode phases: every rank computes, waits, and

@@ -22,7 +22,6 @@ printed loudly and the exit status is 3 (2 when a launch failed).
 """
 from __future__ import annotations
 
-from config.paths import REPO
 import argparse
 import csv
 import io
@@ -30,13 +29,15 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-MODES = ("ar", "naive", "pruned", "pipedec", "continuous")
-LABELS = {"ar": "PP-AR", "naive": "Chunk-PP", "pruned": "Pruned-PP", "pipedec": "PipeDec", "continuous": "FlowSpec"}
+from config.modes import COMPARED_MODES, label
+from config.paths import REPO
+from pipeline.outputs import read_rows
+from pipeline.tools.ranks import child_env, job_command, log_tail, run_job
+from pipeline.tools.rows import RowTailer, find_mismatches, losslessness_md, mismatch_banner
 
 
 class BenchError(RuntimeError):
@@ -61,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--begin", type=int, default=0, help="first record of --prompts-file (0-based)")
     p.add_argument("--prompt-ids", action="append", default=[],
                    help="instead of a file: a raw prompt as comma-separated token ids (repeatable)")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
+    p.add_argument("--modes", default=",".join(COMPARED_MODES), help="comma-separated modes")
     p.add_argument("--out-dir", default=str(REPO / "outputs" / "bench"), help="results folder (its previous "
                    "rows, traces and charts are replaced)")
     p.add_argument("--world", type=int, default=0, help="ranks (default: from the stage manifest)")
@@ -108,30 +109,6 @@ def aggregate(rows: list[dict], modes: list[str]) -> dict[str, dict]:
     return out
 
 
-def find_mismatches(rows: list[dict]) -> tuple[list[str], int, int]:
-    """T=0 rows whose ``output_ids`` differ from ``ar``'s for the same question. Returns (messages,
-    compared, rows without an ar reference)."""
-    ref = {(r["question_id"], r.get("turn", 0)): r for r in rows
-           if r["mode"] == "ar" and float(r.get("temperature", 0)) == 0.0}
-    bad, compared, unref = [], 0, 0
-    for r in rows:
-        if r["mode"] == "ar" or float(r.get("temperature", 0)) != 0.0:
-            continue
-        a = ref.get((r["question_id"], r.get("turn", 0)))
-        if a is None:
-            unref += 1
-            continue
-        compared += 1
-        x, y = a["output_ids"], r["output_ids"]
-        if a.get("prompt_ids") != r.get("prompt_ids"):
-            bad.append(f"question {r['question_id']}: {r['mode']} was given another prompt than ar")
-        elif x != y:
-            pos = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
-            bad.append(f"question {r['question_id']}: {r['mode']} != ar: first difference at token {pos} "
-                       f"(ar {len(x)} tokens, {r['mode']} {len(y)} tokens)")
-    return bad, compared, unref
-
-
 def _f(v, fmt="{:.2f}", none="–"):
     return none if v is None else fmt.format(v)
 
@@ -161,7 +138,7 @@ def summarize(agg: dict, trace_util: dict, mismatch: tuple, meta: dict, gantts: 
     w("| mode | method | generations | new tokens | decode s | tok/s | × naive | × ar | τ | tok/step |" + busy_cols + "\n")
     w("|---" * (10 + world) + "|\n")
     for m, a in agg.items():
-        w(f"| `{m}` | {LABELS.get(m, m)} | {a['generations']} | {a['new_tokens']} | {a['decode_s']:.2f} | "
+        w(f"| `{m}` | {label(m)} | {a['generations']} | {a['new_tokens']} | {a['decode_s']:.2f} | "
           f"{a['tps']:.2f}{' *' if a.get('flagged') else ''} | {_f(a['speedup_naive'])} | {_f(a['speedup_ar'])} | "
           f"{_f(a['tau']) if m != 'ar' else '1.00'} | {a['tokens_per_step']:.2f} |"
           + "".join(f" {b:.0%} |" for b in a["busy"]) + "\n")
@@ -179,18 +156,9 @@ def summarize(agg: dict, trace_util: dict, mismatch: tuple, meta: dict, gantts: 
     notes = [f"- `{m}`: {n}" for m in agg for n in trace_util.get(m, {}).get("notes", [])]
     if notes:
         w("\nTrace notes:\n\n" + "\n".join(notes) + "\n")
-    bad, compared, unref = mismatch
     w("\n## Losslessness at T = 0\n\n")
-    if meta["temperature"] != 0:
-        w("Not checked: temperature > 0.\n")
-    elif bad:
-        w(f"**MISMATCH: {len(bad)} of {compared} generations differ from ar:**\n\n" + "".join(f"- {b}\n" for b in bad))
-    elif compared:
-        w(f"All {compared} generations of the speculative modes equal ar's output token for token.\n")
-    else:
-        w("Nothing compared (needs ar and another mode).\n")
-    if unref:
-        w(f"\n{unref} generations had no ar row to compare with.\n")
+    # at T > 0 no row is compared: the run's rows all carry that temperature
+    w("Not checked: temperature > 0.\n" if meta["temperature"] != 0 else losslessness_md(mismatch))
 
     buf = io.StringIO()
     cw = csv.writer(buf)
@@ -201,7 +169,7 @@ def summarize(agg: dict, trace_util: dict, mismatch: tuple, meta: dict, gantts: 
     for m, a in agg.items():
         u = trace_util.get(m, {}).get("decode") or []
         pad = [""] * (world - len(u))
-        cw.writerow([m, LABELS.get(m, m), a["generations"], a["new_tokens"], round(a["decode_s"], 6),
+        cw.writerow([m, label(m), a["generations"], a["new_tokens"], round(a["decode_s"], 6),
                      round(a["prefill_s"], 6), round(a["tps"], 4),
                      "" if a["speedup_naive"] is None else round(a["speedup_naive"], 4),
                      "" if a["speedup_ar"] is None else round(a["speedup_ar"], 4), round(a["tau"], 4),
@@ -241,7 +209,7 @@ def analyze_traces(trace_dir: Path, mode: str, mode_index: int, n_modes: int, n_
     T.write_csv(res["window"], out_dir / f"timeline_{mode}.csv",
                 {"mode": mode, "window_start_s": round(lo, 6), "window_end_s": round(hi, 6)})
     if not args.no_gantt:
-        title = (f"{LABELS.get(mode, mode)} ({mode}): {1000 * (hi - lo):.0f} ms of recorded generation {k}'s decode "
+        title = (f"{label(mode)} ({mode}): {1000 * (hi - lo):.0f} ms of recorded generation {k}'s decode "
                  f"({g.get('new_tokens')} tokens in {g['end'] - g['decode_begin']:.2f} s)"
                  + (f"; mode average {tps:.1f} tok/s" if tps else ""))
         res["png"] = T.gantt(tl, lo, hi, out_dir / f"gantt_{mode}.png", title, res["window"])
@@ -249,11 +217,6 @@ def analyze_traces(trace_dir: Path, mode: str, mode_index: int, n_modes: int, n_
 
 
 # -- launching ------------------------------------------------------------------------------------------
-def _torchrun() -> list[str]:
-    from pipeline.tools.launch import command
-    return command()
-
-
 def launch(tag: str, modes: list[str], run_args: list[str], world: int, out_dir: Path, rows_path: Path,
            n_expected: int, args, log) -> int:
     part = out_dir / "tmp" / f"{tag}.rows.jsonl"
@@ -261,68 +224,33 @@ def launch(tag: str, modes: list[str], run_args: list[str], world: int, out_dir:
     part.unlink(missing_ok=True)
     logf = out_dir / "logs" / f"{tag}.log"
     logf.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [*_torchrun(), "--standalone", f"--nproc_per_node={world}", "-m", "pipeline.run", *run_args,
-           "--modes", ",".join(modes), "--output", str(part), "--quiet", "--warmup", str(args.warmup)]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    offset, seen, t_start = 0, 0, time.time()
+    cmd = job_command(world, [*run_args, "--modes", ",".join(modes), "--output", str(part), "--quiet",
+                              "--warmup", str(args.warmup)])
+    tailer, seen, t_start = RowTailer(part), 0, time.time()
 
     def transfer() -> None:
-        nonlocal offset, seen
+        nonlocal seen
         if not part.is_file():
             return
-        with open(part, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1
         with open(rows_path, "a", encoding="utf-8") as out:
-            for line in data[:end].decode("utf-8").splitlines():
-                if not line.strip():
-                    continue
-                row = json.loads(line)
+            for row in tailer.poll():
                 out.write(json.dumps(row) + "\n")
                 seen += 1
                 if not args.quiet:
                     tps = row.get("tokens_per_s") or 0.0
                     log(f"[bench] {row['mode']:>10} q{row['question_id']}: {row['new_tokens']} tokens, {tps:.1f} tok/s, "
                         f"tau {row['tau']:.2f}  ({seen}/{n_expected}, {time.time() - t_start:.0f} s)")
-        offset += end
 
     log(f"[bench] launch {tag}: {world} ranks, modes {','.join(modes)} (log {logf})")
-    with open(logf, "w", encoding="utf-8") as lf:
-        lf.write("$ " + " ".join(cmd) + "\n")
-        lf.flush()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            while proc.poll() is None:
-                time.sleep(0.5)
-                transfer()
-                if args.timeout and time.time() - t_start > args.timeout:
-                    log(f"[bench] {tag}: over --timeout {args.timeout:g} s; stopping it")
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    try:
-                        proc.wait(30)
-                    except subprocess.TimeoutExpired:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                        proc.wait()
-        except KeyboardInterrupt:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            except ProcessLookupError:
-                pass
-            raise
+    rc = run_job(cmd, logf, child_env(), transfer, poll_s=0.5, grace_s=30.0, timeout_s=args.timeout,
+                 on_timeout=lambda: log(f"[bench] {tag}: over --timeout {args.timeout:g} s; stopping it"))
     transfer()
-    if proc.returncode:
-        tail = logf.read_text(errors="replace").splitlines()[-12:]
-        log(f"[bench] {tag}: pipeline exited {proc.returncode}; last log lines:\n    " + "\n    ".join(tail))
+    if rc:
+        log(f"[bench] {tag}: pipeline exited {rc}; last log lines:{log_tail(logf, 12)}")
     elif seen != n_expected:
         log(f"[bench] {tag}: expected {n_expected} rows, got {seen}")
     log(f"[bench] {tag}: done in {time.time() - t_start:.0f} s")
-    return proc.returncode
+    return rc
 
 
 def _interrupt(signum, frame):
@@ -440,7 +368,7 @@ def _main(args, log) -> int:
             failures.append(f"{tag} (exit {rc})")
     shutil.rmtree(out_dir / "tmp", ignore_errors=True)
 
-    rows = [json.loads(l) for l in rows_path.read_text().splitlines() if l.strip()] if rows_path.is_file() else []
+    rows = read_rows(rows_path)
     agg = aggregate(rows, modes)
     trace_util, gantts = {}, {}
     for mi, m in enumerate(modes):
@@ -464,9 +392,7 @@ def _main(args, log) -> int:
         log("[bench] FAILED launches: " + ", ".join(failures) + (f"; modes without rows: {', '.join(missing)}" if missing else ""))
         code = 2
     if mismatch[0] and cfg.gen.temperature == 0:
-        bar = "!" * 78
-        log(f"{bar}\n[bench] LOSSLESSNESS MISMATCH at T=0: {len(mismatch[0])} generation(s) differ from ar:\n  "
-            + "\n  ".join(mismatch[0]) + f"\n{bar}")
+        log(mismatch_banner("bench", mismatch[0]))
         code = 3
     return code
 

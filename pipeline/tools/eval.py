@@ -15,22 +15,22 @@ tokens exactly; any difference is printed loudly and the exit status is 3.
 """
 from __future__ import annotations
 
-from config.paths import REPO
 import argparse
 import csv
 import io
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
+from config.modes import COMPARED_MODES, label
+from config.paths import REPO
+from pipeline.tools.ranks import child_env, job_command, log_tail, run_job
+from pipeline.tools.rows import RowTailer, find_mismatches, losslessness_md, mismatch_banner
+
 DATASETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
-MODES = ("ar", "naive", "pruned", "pipedec", "continuous")
-LABELS = {"ar": "PP-AR", "naive": "Chunk-PP", "pruned": "Pruned-PP", "pipedec": "PipeDec", "continuous": "FlowSpec"}
+MODES = COMPARED_MODES   # alias read by pipeline/tools/simulate.py (write_paper_tables); new code: config.modes
 DATASET_LABELS = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "Alpaca",
                   "sum": "CNN/DM", "qa": "NaturalQ"}
 META_KEYS = ("profile", "time_scale", "max_new_tokens", "stage_dir", "head_dir", "overrides", "world")
@@ -54,7 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=DefaultsOnce)
     p.add_argument("overrides", nargs="*", help="config overrides key=value for pipeline.run")
     p.add_argument("--datasets", default=",".join(DATASETS), help="comma-separated dataset folders")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated modes")
+    p.add_argument("--modes", default=",".join(COMPARED_MODES), help="comma-separated modes")
     p.add_argument("--temperatures", default="0,1", help="comma-separated sampling temperatures")
     p.add_argument("--begin", type=int, default=30, help="first record of each question.jsonl (0-based)")
     p.add_argument("--end", type=int, default=50, help="end record (exclusive)")
@@ -161,26 +161,6 @@ def plan(records: dict, modes: list[str], temps: list[float], done: set, first_t
     return chunks
 
 
-def torchrun_cmd() -> list[str]:
-    """The job launcher: pipeline.tools.launch (torchrun's options; one line per failure, bounded, no orphans)."""
-    from pipeline.tools.launch import command
-    return command()
-
-
-def stop_job(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM the job's process group (launcher and ranks), SIGKILL what is left after ``grace_s``."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def run_chunk(chunk, args, common: list[str], world: int, out_dir: Path, sink: RowSink, log) -> int:
     ds, temp, modes, recs = chunk
     tmp = out_dir / "tmp"
@@ -192,59 +172,36 @@ def run_chunk(chunk, args, common: list[str], world: int, out_dir: Path, sink: R
     prompts.write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
     part = tmp / f"{tag}.rows.jsonl"
     part.unlink(missing_ok=True)
-    cmd = [*torchrun_cmd(), "--standalone", f"--nproc_per_node={world}", "-m", "pipeline.run", *common,
-           f"gen.temperature={temp}", "--prompts-file", str(prompts), "--modes", ",".join(modes),
-           "--output", str(part), "--quiet", "--warmup", str(args.warmup)]
+    run_args = [*common, f"gen.temperature={temp}", "--prompts-file", str(prompts), "--modes", ",".join(modes),
+                "--output", str(part), "--quiet", "--warmup", str(args.warmup)]
     if args.first_turn_only:
-        cmd.append("--first-turn-only")
+        run_args.append("--first-turn-only")
+    cmd = job_command(world, run_args)
     # FLOWSPEC_PARENT_PID: the launcher stops its job when this driver dies, even by kill -9 (parent-death signal)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               FLOWSPEC_PARENT_PID=str(os.getpid()),
-               PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    env = child_env(FLOWSPEC_PARENT_PID=str(os.getpid()))
     n_turns = sum(1 if args.first_turn_only else len(r["turns"]) for r in recs) * len(modes)
     log(f"[eval] {tag}: {len(recs)} records, {n_turns} generations (log: {logs / (tag + '.log')})")
-    offset = 0
+    tailer = RowTailer(part)
 
     def transfer() -> None:
-        nonlocal offset
-        if not part.is_file():
-            return
-        with open(part, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-        end = data.rfind(b"\n") + 1
-        for line in data[:end].decode("utf-8").splitlines():
-            if line.strip():
-                row = json.loads(line)
-                row["dataset"] = ds
-                if sink.add(row) and not args.quiet:
-                    log(f"[eval]   {ds} q{row['question_id']} turn {row['turn']} {row['mode']} T={temp:g}: "
-                        f"{row['new_tokens']} tokens, {_xi_row(row):.2f} tok/s, tau {row['tau']:.2f}"
-                        + (" [emulation overruns]" if row.get("emu_flag") else ""))
-        offset += end
+        for row in tailer.poll():
+            row["dataset"] = ds
+            if sink.add(row) and not args.quiet:
+                log(f"[eval]   {ds} q{row['question_id']} turn {row['turn']} {row['mode']} T={temp:g}: "
+                    f"{row['new_tokens']} tokens, {_xi_row(row):.2f} tok/s, tau {row['tau']:.2f}"
+                    + (" [emulation overruns]" if row.get("emu_flag") else ""))
 
-    with open(logs / f"{tag}.log", "a", encoding="utf-8") as lf:
-        lf.write(f"$ {' '.join(cmd)}\n")
-        lf.flush()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            while proc.poll() is None:
-                time.sleep(1.0)
-                transfer()
-        except KeyboardInterrupt:  # Ctrl-C (the job runs in its own session: the driver stops it)
-            stop_job(proc)
-            transfer()
-            print(f"[eval] interrupted: stopped the {tag} job; rows so far are kept, rerun the same command to "
-                  f"resume", file=sys.stderr, flush=True)
-            raise SystemExit(130) from None
-        except BaseException:
-            stop_job(proc)
-            raise
+    try:
+        rc = run_job(cmd, logs / f"{tag}.log", env, transfer, poll_s=1.0, append=True)
+    except KeyboardInterrupt:  # Ctrl-C (the job runs in its own session: run_job stopped it)
+        transfer()
+        print(f"[eval] interrupted: stopped the {tag} job; rows so far are kept, rerun the same command to "
+              f"resume", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
     transfer()
-    if proc.returncode:
-        tail = (logs / f"{tag}.log").read_text(errors="replace").splitlines()[-15:]
-        log(f"[eval] {tag}: pipeline exited {proc.returncode}; last log lines:\n    " + "\n    ".join(tail))
-    return proc.returncode
+    if rc:
+        log(f"[eval] {tag}: pipeline exited {rc}; last log lines:{log_tail(logs / f'{tag}.log', 15)}")
+    return rc
 
 
 # -- summary --------------------------------------------------------------------------------------------
@@ -280,34 +237,6 @@ def aggregate(rows: list[dict]) -> dict:
         out[k] = dict(a, xi=a["tokens"] / a["decode_s"] if a["decode_s"] > 0 else 0.0,
                       tau=a["acc_sum"] / a["acc_n"] if a["acc_n"] else 0.0)
     return out
-
-
-def find_mismatches(rows: list[dict]) -> tuple[list[str], int, int]:
-    """T=0 rows whose output differs from ar's for the same (dataset, question, turn).
-    Returns (messages, compared, without an ar reference)."""
-    ref, others = {}, []
-    for r in rows:
-        if float(r["temperature"]) != 0.0:
-            continue
-        k = (r["dataset"], r["question_id"], int(r["turn"]))
-        if r["mode"] == "ar":
-            ref[k] = r
-        else:
-            others.append((k, r))
-    bad, compared, unref = [], 0, 0
-    for k, r in sorted(others, key=lambda x: (str(x[0]), x[1]["mode"])):
-        a = ref.get(k)
-        if a is None:
-            unref += 1
-            continue
-        compared += 1
-        x, y = a["output_ids"], r["output_ids"]
-        if x != y or a.get("prompt_ids", x) != r.get("prompt_ids", x):
-            pos = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
-            what = "prompt differs (an earlier turn diverged)" if a.get("prompt_ids") != r.get("prompt_ids") else \
-                f"first difference at token {pos} (ar {len(x)} tokens, {r['mode']} {len(y)} tokens)"
-            bad.append(f"{k[0]} question {k[1]} turn {k[2]}: {r['mode']} != ar: {what}")
-    return bad, compared, unref
 
 
 def _fmt(v: float, nd: int = 2) -> str:
@@ -358,11 +287,11 @@ def summarize(rows: list[dict], datasets: list[str], modes: list[str], temps: li
             for d in cols:
                 x, s = cell(m, d, "xi"), sr(m, d)
                 parts.append("–" if x is None else _fmt(x) + (f" ({s:.2f}×)" if s is not None else ""))
-            w(f"| {LABELS.get(m, m)} (`{m}`) | " + " | ".join(parts) + " |\n")
+            w(f"| {label(m)} (`{m}`) | " + " | ".join(parts) + " |\n")
         w("\nτ (accepted tokens per verification)\n\n| method | "
           + " | ".join(DATASET_LABELS.get(d, d) for d in datasets) + " | Mean |\n|---|" + "---|" * len(cols) + "\n")
         for m in present:
-            w(f"| {LABELS.get(m, m)} | " + " | ".join("–" if cell(m, d, "tau") is None else _fmt(cell(m, d, "tau"))
+            w(f"| {label(m)} | " + " | ".join("–" if cell(m, d, "tau") is None else _fmt(cell(m, d, "tau"))
                                                      for d in cols) + " |\n")
         if any(agg[k]["emu"] for k in agg if k[0] == t):
             w("\nEmulation fidelity (decode phase): rows flagged (overruns > threshold of modeled time) / rows; "
@@ -374,7 +303,7 @@ def summarize(rows: list[dict], datasets: list[str], modes: list[str], temps: li
                 fl = sum(agg[k]["flagged"] for k in ks)
                 ov, mo = sum(agg[k]["over_s"] for k in ks), sum(agg[k]["model_s"] for k in ks)
                 oo, ops = sum(agg[k]["over_ops"] for k in ks), sum(agg[k]["ops"] for k in ks)
-                w(f"| {LABELS.get(m, m)} | {fl}/{n} | {(ov / mo if mo else float('inf')):.3f} | "
+                w(f"| {label(m)} | {fl}/{n} | {(ov / mo if mo else float('inf')):.3f} | "
                   f"{(oo / ops if ops else 0):.1%} |\n")
         w("\n")
         for m in present:
@@ -383,21 +312,12 @@ def summarize(rows: list[dict], datasets: list[str], modes: list[str], temps: li
                     continue
                 a = agg[(t, m, d)]
                 s = sr(m, d)
-                cw.writerow([t, m, LABELS.get(m, m), d, a["n"], a["tokens"], round(a["decode_s"], 6),
+                cw.writerow([t, m, label(m), d, a["n"], a["tokens"], round(a["decode_s"], 6),
                              round(a["xi"], 4), "" if s is None else round(s, 4), round(a["tau"], 4),
                              a["flagged"] if a["emu"] else "",
                              (round(a["over_s"] / a["model_s"], 4) if a["model_s"] else "") if a["emu"] else "",
                              (round(a["over_ops"] / a["ops"], 4) if a["ops"] else "") if a["emu"] else ""])
-    bad, compared, unref = mismatch
-    w("## Losslessness at T = 0\n\n")
-    if bad:
-        w(f"**MISMATCH: {len(bad)} of {compared} generations differ from ar:**\n\n" + "".join(f"- {b}\n" for b in bad))
-    elif compared:
-        w(f"All {compared} T=0 generations of the speculative modes equal ar's output token for token.\n")
-    else:
-        w("Nothing compared (needs T=0 rows of ar and another mode).\n")
-    if unref:
-        w(f"\n{unref} T=0 generations had no ar row to compare with.\n")
+    w("## Losslessness at T = 0\n\n" + losslessness_md(mismatch, scope="T=0 "))
     return md.getvalue(), csv_buf.getvalue()
 
 
@@ -438,7 +358,7 @@ def plot(rows: list[dict], datasets: list[str], modes: list[str], temps: list[fl
                     else:
                         vals.append(sum(agg[(t, m, x)][metric] for x in ds) / len(ds))
                 bars = ax.bar([j + (i - (len(show) - 1) / 2) * width for j in range(len(cols))], vals, width,
-                              label=LABELS.get(m, m))
+                              label=label(m))
                 for bar, nf in zip(bars, flagged):
                     if nf and bar.get_height() > 0:
                         any_flagged = True
@@ -578,7 +498,7 @@ def _main(args, log) -> int:
     qids = {ds: {r["question_id"] for r in recs} for ds, recs in records.items()}
     sel = [r for r in rows if r["dataset"] in qids and r["question_id"] in qids[r["dataset"]] and r["mode"] in modes
            and float(r["temperature"]) in temps and (not args.first_turn_only or int(r["turn"]) == 0)]
-    mismatch = find_mismatches(sel)
+    mismatch = find_mismatches(sel, by_dataset=True)
     md, csv_text = summarize(sel, datasets, modes, temps, meta, mismatch)
     (out_dir / "summary.md").write_text(md, encoding="utf-8")
     (out_dir / "summary.csv").write_text(csv_text, encoding="utf-8")
@@ -592,9 +512,7 @@ def _main(args, log) -> int:
         log("[eval] FAILED launches (rerun the same command to resume):\n  " + "\n  ".join(failures))
         code = 2
     if mismatch[0]:
-        bar = "!" * 78
-        log(f"{bar}\n[eval] LOSSLESSNESS MISMATCH at T=0: {len(mismatch[0])} generation(s) differ from ar:\n  "
-            + "\n  ".join(mismatch[0]) + f"\n{bar}")
+        log(mismatch_banner("eval", mismatch[0]))
         code = 3
     return code
 

@@ -42,6 +42,8 @@ import sys
 import threading
 import time
 
+from pipeline.tools.ranks import launcher_command
+
 FAIL_PREFIX = "flowspec/fail/"      # shared with pipeline/comm.py
 DONE_PREFIX = "flowspec/done/"
 NODE_PREFIX = "flowspec/launch/node/"
@@ -54,11 +56,6 @@ class LaunchError(Exception):
     def __init__(self, text: str, code: int) -> None:
         super().__init__(text)
         self.code = code
-
-
-def command() -> list[str]:
-    """How tools start a job: this launcher under the current interpreter (bench, eval, quant_report)."""
-    return [sys.executable, "-m", "pipeline.tools.launch"]
 
 
 # -- arguments ----------------------------------------------------------------------------------------
@@ -312,7 +309,7 @@ class Launcher:
             rank = self.first_rank + local
             e = dict(env, RANK=str(rank), LOCAL_RANK=str(local))
             self.procs[rank] = subprocess.Popen(
-                [sys.executable, "-m", "pipeline.tools.launch", "--child", self.module, *self.args], env=e)
+                [*launcher_command(), "--child", self.module, *self.args], env=e)
         return self.watch()
 
     def _record(self, rank: int, reason: str) -> None:

@@ -19,17 +19,17 @@ Writes ``summary.md`` and ``summary.csv`` to ``--out-dir``.
 """
 from __future__ import annotations
 
-from config.paths import REPO
 import argparse
 import csv
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from config.paths import REPO
+from pipeline.outputs import read_rows
+from pipeline.tools.ranks import child_env, job_command
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -90,17 +90,12 @@ def weight_bytes(module: torch.nn.Module) -> int:
     for t in list(module.parameters()) + list(module.buffers()):
         total += t.numel() * t.element_size()
         qs = getattr(t, "quant_state", None)
-        if qs is not None:
+        # the 4-bit state and its nested state (double quantization of absmax), each with absmax and code tables
+        for state in (qs, getattr(qs, "state2", None)):
             for name in ("absmax", "code"):
-                x = getattr(qs, name, None)
+                x = getattr(state, name, None)   # None when there is no state
                 if isinstance(x, torch.Tensor):
                     total += x.numel() * x.element_size()
-            nested = getattr(qs, "state2", None)
-            if nested is not None:
-                for name in ("absmax", "code"):
-                    x = getattr(nested, name, None)
-                    if isinstance(x, torch.Tensor):
-                        total += x.numel() * x.element_size()
         scb = getattr(t, "SCB", None)  # int8 row scales
         if isinstance(scb, torch.Tensor):
             total += scb.numel() * scb.element_size()
@@ -133,30 +128,21 @@ def _stage_dir(overrides: list[str]) -> Path:
     return DEFAULT_STAGE_DIR
 
 
-def _read(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(l) for l in path.read_text(encoding="utf-8").splitlines() if l.strip()]
-
-
 def run_one(quant: str, args, stage_dir: Path, world: int, out: Path) -> list[dict]:
-    rows = _read(out)
+    rows = read_rows(out)
     if len(rows) >= args.num_prompts:
         print(f"[quant] {quant}: reusing {out} ({len(rows)} rows)", flush=True)
         return rows
     out.unlink(missing_ok=True)
-    from pipeline.tools.launch import command
-    cmd = command() + ["--standalone", f"--nproc_per_node={world}", "-m", "pipeline.run", f"model.stage_dir={stage_dir}",
-            *args.overrides, f"quant={quant}", "gen.temperature=0", "--prompts-file", args.prompts_file,
-            "--begin", str(args.begin),
-            "--end", str(args.begin + args.num_prompts), "--first-turn-only", "--output", str(out), "--quiet"]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    cmd = job_command(world, [f"model.stage_dir={stage_dir}", *args.overrides, f"quant={quant}", "gen.temperature=0",
+                              "--prompts-file", args.prompts_file, "--begin", str(args.begin),
+                              "--end", str(args.begin + args.num_prompts), "--first-turn-only", "--output", str(out),
+                              "--quiet"])
     print(f"[quant] {quant}: {' '.join(cmd)}", flush=True)
-    res = subprocess.run(cmd, cwd=REPO, env=env)
+    res = subprocess.run(cmd, cwd=REPO, env=child_env())
     if res.returncode:
         raise SystemExit(f"[quant] error: the {quant} run failed with exit status {res.returncode}")
-    return _read(out)
+    return read_rows(out)
 
 
 def main(argv=None) -> int:
