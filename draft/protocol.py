@@ -72,3 +72,27 @@ class TreeDrafter(Protocol):
 def is_tree_drafter(obj: object) -> bool:
     """True when ``obj`` has every method of :class:`TreeDrafter` (a structural check, no inheritance)."""
     return isinstance(obj, TreeDrafter)
+
+
+@runtime_checkable
+class ExtendableTreeDrafter(TreeDrafter, Protocol):
+    """A :class:`TreeDrafter` whose trees come from the EAGLE-2 beam search and can be grown in place
+    (incremental expansion, ``ContinuousMode``): :class:`draft.drafter.BeamTreeDrafter` and its subclasses,
+    and wrappers that delegate to one (:class:`draft.osd.OnlineDrafter`). ``supports_extend`` is False where
+    the trees may carry sampled draws (a small LM at T > 0): those are redrafted from the root instead."""
+
+    supports_extend: bool
+
+    def grow_tree_with_inputs(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int,
+                              top_k: int) -> tuple[DraftTree, Tensor]:
+        """:meth:`grow_tree`, plus each node's draft input feature (what :meth:`extend_tree` re-feeds)."""
+
+    def extend_tree(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor, levels: int, top_k: int,
+                    max_new: int) -> tuple[DraftTree, Tensor]:
+        """Grow ``levels`` levels below the best leaves, appending at most ``max_new`` nodes (ancestors-first,
+        existing indices unchanged); returns the tree and its per-node input features."""
+
+
+def can_extend(drafter: object) -> bool:
+    """True when ``drafter`` supports incremental expansion (:class:`ExtendableTreeDrafter`)."""
+    return isinstance(drafter, ExtendableTreeDrafter) and bool(drafter.supports_extend)

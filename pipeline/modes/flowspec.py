@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draft.protocol import can_extend
 from draft.tree import DraftTree, keep_indices_for, merge_trees, split_sizes
 from model.devices import HOST
 from pipeline.engine import DecodeResult, Engine, OutputBuffer
@@ -232,7 +233,7 @@ class ContinuousMode(StreamingMode):
     def incremental(engine: Engine) -> bool:
         """Incremental expansion needs the EAGLE-2 search's per-node inputs (``Drafter.supports_extend``);
         other drafters (merged sources, small LMs with sampled drafts) redraft from the root."""
-        return engine.cfg.tree.expand_levels > 0 and getattr(engine.drafter, "supports_extend", False)
+        return engine.cfg.tree.expand_levels > 0 and can_extend(engine.drafter)
 
     def first_tree(self, engine: Engine, root: int, root_hidden: torch.Tensor) -> DraftTree:
         """A round's first tree. Incremental expansion with ``tree.first_levels > 0``: only the best
