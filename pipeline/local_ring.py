@@ -6,7 +6,7 @@ the stage workers use (``rank``, ``world``, ``tracer``, ``emu``, ``send_next``, 
 link, direct messages from rank 0 received in issue order. Messages go through the real wire codec (``pipeline.messages``), so a message cannot smuggle
 anything the real transport would drop.
 
-Used by the protocol tests (``tests/threaded_ring.py``) and by the what-if simulator
+Used by the protocol tests (``pipeline/inprocess.py``) and by the what-if simulator
 (``pipeline/tools/simulate.py``), which passes an ``observer`` to see every send and receive, and turns direct
 decision delivery off (``direct=False``: decisions then reach the stages on the ring only, a schedule that
 does not depend on thread timing).

@@ -12,7 +12,7 @@ import torch
 from model.devices import DevicePlanError, parse_devices, rank_devices
 from model.split import split_checkpoint
 from tests.helpers import tiny_llama
-from tests.threaded_ring import run_threaded
+from pipeline.inprocess import run_threaded
 
 MODES = ["ar", "naive", "pruned", "continuous", "pipedec"]
 PROMPTS = [[1, 5, 9, 13, 22, 7], [1] + list(range(3, 40))]

@@ -2,7 +2,7 @@
 output token-identical to HF generate in every mode (random heads, full and reduced draft vocabulary).
 
 Tiny float64 random Llama targets (7 layers: the default taps are the outputs of layers 1, 2, 3), the whole ring
-in one process (``tests/threaded_ring.py``).
+in one process (``pipeline/inprocess.py``).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from draft.eagle3 import (Eagle3Head, default_aux_layers, init_eagle3_head, save
 from model.stage_model import load_stage
 from model.split import split_checkpoint
 from tests.helpers import hf_greedy, tiny_llama
-from tests.threaded_ring import run_threaded
+from pipeline.inprocess import run_threaded
 
 MODES = ["ar", "naive", "pruned", "continuous", "pipedec"]
 PROMPTS = [[1, 5, 9, 13, 22, 7], [1, 40, 41, 42, 43, 44, 45, 46, 47]]

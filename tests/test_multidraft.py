@@ -470,7 +470,7 @@ ALL = ["naive", "pruned", "continuous", "pipedec", "sps"]
                                           ("eagle,lookup", "oracle")])
 def test_every_mode_with_merged_sources_equals_hf(tiny, sources, head):
     from tests.helpers import hf_greedy
-    from tests.threaded_ring import run_threaded
+    from pipeline.inprocess import run_threaded
     src = sources.replace("SSM", str(tiny.ssm)).replace("FULL", str(tiny.full))
     modes = ALL if "ssm" in sources else ALL[:-1]
     res = run_threaded(tiny.stages, E2E_PROMPTS, modes, ["max_new_tokens=16", "dtype=float64", f"draft.sources={src}"],
@@ -492,7 +492,7 @@ def test_every_drafter_has_the_protocol(tiny):
 
 
 def test_sampled_merged_runs_are_seeded(tiny):
-    from tests.threaded_ring import run_threaded
+    from pipeline.inprocess import run_threaded
     args = ["max_new_tokens=12", "dtype=float64", "temperature=1.0", f"draft.sources=lookup,ssm:{tiny.ssm}"]
     outs = [run_threaded(tiny.stages, E2E_PROMPTS[:1], ["naive", "continuous", "sps"], [*args, f"seed={s}"], {2})
             for s in (5, 5, 6)]
@@ -530,7 +530,7 @@ def test_train_ssm_recipe_on_a_tiny_model(tiny, tmp_path, capsys):
     assert main(["--target", str(tmp_path / "nope"), "--out", str(out), "--random-prompts", "2"]) == 2
     assert "no config.json" in capsys.readouterr().err
     from tests.helpers import hf_greedy
-    from tests.threaded_ring import run_threaded
+    from pipeline.inprocess import run_threaded
     res = run_threaded(tiny.stages, E2E_PROMPTS[:1], ["sps"], ["max_new_tokens=10", "dtype=float64",
                        f"sps.draft_dir={out / 'ssm_1'}", "sps.gamma=3"], {2})
     assert res["sps"][0].output_ids == hf_greedy(tiny.full, E2E_PROMPTS[0], 10, {2}, torch.float64)
@@ -549,7 +549,7 @@ def test_sps_without_a_small_lm_fails_before_launch():
 def test_merged_and_sps_decode_paths_create_no_tensor_on_the_default_device(tiny):
     """The device-placement guard of tests/test_device_guard.py (rank 0 and the stages under
     ``torch.device("meta")``) with every source merged and with sps, at T = 0 and T > 0."""
-    from tests.threaded_ring import run_threaded
+    from pipeline.inprocess import run_threaded
     modes = ["naive", "pruned", "continuous", "pipedec", "sps"]
     for extra in (["temperature=0"], ["temperature=0.8", "seed=3"]):
         over = ["max_new_tokens=8", "dtype=float64", f"draft.sources=eagle,lookup,ssm:{tiny.ssm}", *extra]

@@ -322,7 +322,7 @@ class ChaosPublisher:
 @pytest.mark.parametrize("swap_at", ["commit", "generation"])
 def test_greedy_output_equals_hf_while_the_head_changes(tiny, tmp_path, monkeypatch, swap_at):
     from model.split import split_checkpoint
-    import tests.threaded_ring as tr
+    import pipeline.inprocess as tr
     from pipeline.build import make_drafter as real_make
     full, _, _ = tiny
     stages = split_checkpoint(full, tmp_path / "stages", [0, 1, 1], progress=False)

@@ -1,4 +1,4 @@
-"""The lock-step protocol's edge cases, swept quickly in one process (tests/threaded_ring.py).
+"""The lock-step protocol's edge cases, swept quickly in one process (pipeline/inprocess.py).
 
 Every case compares greedy output ids with HF ``generate(do_sample=False)`` on the unsplit float64 model:
 one-node segments, empty (padding) segments, trees needing many more segments than ring links, a stop
@@ -9,7 +9,7 @@ import torch
 
 from model.split import split_checkpoint
 from tests.helpers import hf_greedy, tiny_llama
-from tests.threaded_ring import run_threaded
+from pipeline.inprocess import run_threaded
 
 MODES = ["ar", "naive", "pruned", "continuous", "pipedec"]
 PROMPTS = [[1, 5, 9, 13, 22, 7], [1, 40, 41, 42, 43, 44, 45, 46, 47]]

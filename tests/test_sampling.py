@@ -705,9 +705,9 @@ def test_ar_sampling_equals_hf_generate_e2e(e2e):
 
 
 def test_threaded_ring_agrees_and_other_seed_differs(e2e):
-    """The in-process ring (tests/threaded_ring.py) reproduces the launched seed-7 outputs exactly; seed 8
+    """The in-process ring (pipeline/inprocess.py) reproduces the launched seed-7 outputs exactly; seed 8
     changes some output."""
-    from tests.threaded_ring import run_threaded
+    from pipeline.inprocess import run_threaded
     common = ["temperature=1.0", f"max_new_tokens={E2E_NEW}", "dtype=float64"]
     modes = ALL_MODES.split(",")
     launched = _outputs(e2e.runs[0])
@@ -719,7 +719,7 @@ def test_threaded_ring_agrees_and_other_seed_differs(e2e):
 
 def test_ar_processed_sampling_equals_hf_generate(e2e):
     """Temperature, top-k and top-p processing too: ar (through the in-process ring) matches HF exactly."""
-    from tests.threaded_ring import run_threaded
+    from pipeline.inprocess import run_threaded
     for temp, top_k, top_p, seed in ((0.7, 20, 0.9, 3), (2.0, 0, 0.8, 5)):
         res = run_threaded(e2e.stages, E2E_PROMPTS, ["ar"], [f"temperature={temp}", f"top_k_sampling={top_k}",
                            f"top_p={top_p}", f"seed={seed}", f"max_new_tokens={E2E_NEW}", "dtype=float64"], {2})

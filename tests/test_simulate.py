@@ -111,7 +111,7 @@ def test_replay_equals_real_runs_on_other_stage_counts(tmp_path):
     from pipeline.build import make_drafter
     from config.profiles import load_profile
     from pipeline.tools.simulate import TargetFeatures, replay
-    from tests.threaded_ring import run_threaded
+    from pipeline.inprocess import run_threaded
 
     tok = AutoTokenizer.from_pretrained(STAGES_5 / "stage_model_0")
     prompt = chat_prompt_ids(tok, ["List three uses of copper."], [])

@@ -223,7 +223,7 @@ def test_sampling_follows_naive_path_by_path(tiny, tmp_path):
     """At T > 0 rank 0 draws exactly as in naive (same trees, same walk, same generator), so with the same seed
     tp, galaxy and naive sample the same tokens: the tested law of naive carries over."""
     from model.split import split_checkpoint
-    from tests.threaded_ring import run_threaded
+    from pipeline.inprocess import run_threaded
     full, roots = tiny
     pipe = split_checkpoint(full, tmp_path / "pipe", [0, 2, 1], progress=False)
     extra = ("temperature=1.0", "seed=7", "tree.total_token=20", "tree.depth=3")
@@ -239,7 +239,7 @@ def test_rank0_schedule_on_a_one_stage_ring_under_the_device_guard(tiny, tmp_pat
     """Rank 0's tp/galaxy loop sees the group as one stage: on an in-process one-stage pipeline ring it equals
     HF, and under torch.device("meta") (tests/test_device_guard.py) it creates no tensor on a default device."""
     from model.split import split_checkpoint
-    from tests.threaded_ring import run_threaded
+    from pipeline.inprocess import run_threaded
     full, _ = tiny
     one = split_checkpoint(full, tmp_path / "one", [0, 3], progress=False)
     prompts = [[1, 5, 9, 13, 22, 7]]

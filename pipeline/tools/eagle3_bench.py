@@ -48,7 +48,7 @@ def chat_ids(tok, text: str) -> list[int]:
 def cmd_tau(args) -> int:
     from model.prompts import stop_token_ids
     from config.paths import DEFAULT_STAGE_DIR
-    from tests.threaded_ring import run_threaded
+    from pipeline.inprocess import run_threaded
     from transformers import AutoTokenizer
     torch.set_num_threads(args.threads)
     stage_root = Path(args.stage_dir) if args.stage_dir else DEFAULT_STAGE_DIR

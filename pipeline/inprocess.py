@@ -1,8 +1,10 @@
-"""Test double: the whole pipeline in one process, one thread per stage, queues as ring links.
+"""The whole pipeline in one process: one thread per stage, queues as ring links, the real stage worker, engine
+and modes.
 
-The ring itself is :mod:`pipeline.local_ring` (the real ``Comm`` surface and ordering, the real wire codec).
-It lets the tests sweep many world sizes and tree shapes quickly; the real multi-process path is covered by
-``test_e2e.py``.
+The ring itself is :mod:`pipeline.local_ring` (the :class:`pipeline.transport.Transport` surface and ordering,
+the real wire codec). The tests use it to sweep many world sizes and tree shapes quickly (the real
+multi-process path is covered by ``tests/test_e2e.py``); tools use it to measure acceptance without launching
+ranks (``pipeline/tools/eagle3_bench.py``).
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from config.run_config import DEFAULT, apply_overrides
 from model.stage_model import load_stage
 from pipeline.engine import Engine, timed_generation
 from pipeline.local_ring import LocalComm, LocalRing, stage_threads
-from pipeline.modes import new_decoder
 from pipeline.build import make_drafter
+from pipeline.modes import new_decoder
 from pipeline.verify import Sampler
 from pipeline.worker import StageWorker
 
