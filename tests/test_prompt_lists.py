@@ -129,11 +129,10 @@ def test_followups_of_a_seed_are_unchanged():
     assert untouched == [{"turns": ["x"]}]
 
 
-def test_a_broken_list_file_is_one_clear_error(tmp_path, monkeypatch):
-    bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"TOPICS": ["a", 3]}))
-    monkeypatch.setattr(pl.resources, "files", lambda pkg: tmp_path)
+def test_a_broken_list_file_is_one_clear_error():
+    bad = json.dumps({"TOPICS": ["a", 3], "ROLES": [["a", "b"]]})
     with pytest.raises(ValueError, match=r"bad.json: TOPICS holds 3"):
-        pl.load_prompt_lists("bad.json", ("TOPICS",))
+        pl.parse_prompt_lists(bad, "bad.json", ("TOPICS",))
     with pytest.raises(ValueError, match=r"bad.json: NAMES must be a non-empty list"):
-        pl.load_prompt_lists("bad.json", ("NAMES",))
+        pl.parse_prompt_lists(bad, "bad.json", ("NAMES",))
+    assert pl.parse_prompt_lists(bad, "bad.json", ("ROLES",)) == {"ROLES": [("a", "b")]}   # arrays -> tuples

@@ -22,7 +22,12 @@ BROAD_LISTS = ("LANGS", "FOREIGN", "ENTITIES", "ROLES", "FOLLOWUP2", "PASSAGE_ST
 
 def load_prompt_lists(filename: str, names: tuple[str, ...]) -> dict[str, list]:
     """The lists ``names`` of the JSON file ``filename`` beside this module (strings, or tuples of strings)."""
-    text = resources.files(__package__).joinpath(filename).read_text(encoding="utf-8")
+    return parse_prompt_lists(resources.files(__package__).joinpath(filename).read_text(encoding="utf-8"), filename,
+                              names)
+
+
+def parse_prompt_lists(text: str, filename: str, names: tuple[str, ...]) -> dict[str, list]:
+    """The lists ``names`` of the JSON object ``text`` (read from ``filename``, named in errors)."""
     data = json.loads(text)
     out = {}
     for name in names:
