@@ -123,7 +123,7 @@ def train_eagle3(args) -> int:
         print("error: no usable training records", file=sys.stderr)
         return 2
     order, n_val = held_out_order(len(records), args.seed, args.val_count, args.val_frac)
-    val_idx, train_idx = order[:n_val], order[n_val:] or order[:1]   # (unsorted; a 1-record set trains on it too)
+    val_idx, train_idx = order[:n_val], order[n_val:] or order[:1]   # unsorted; all held out: the first trains too
     layers = default_aux_layers(tcfg.num_hidden_layers)
     vocab_map = None
     if args.draft_vocab and args.draft_vocab < tcfg.vocab_size:
