@@ -458,7 +458,7 @@ class Learner:
     # -- forward over one request ----------------------------------------------------------------------
     def _forward(self, r: Record, levels: int, mix_token: bool, grad: bool) -> list[tuple[int, Tensor]]:
         """Outputs per level: ``[(level, pred [n, H])]``; level ``l`` row ``t`` predicts ``f_{t+1}``."""
-        from draft.train_eagle import head_forward
+        from draft.train.objective import head_forward
         n = r.n
         toks = r.tokens.to(self.device).view(1, n)
         feats = r.features.to(self.device, self.dtype).view(1, n, -1)

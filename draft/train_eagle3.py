@@ -12,14 +12,13 @@ Recipe (EAGLE-3, arXiv 2503.01840; written from the paper's description):
   * reduced vocabulary (``--draft-vocab N``): the ``N`` most frequent token ids of the training data
     (:func:`draft.eagle3.vocab_from_ids`); the head's ``lm_head``/``norm`` start from the target's rows/norm.
 
-Conventions as :mod:`draft.train_eagle` (records: ``input_ids`` + ``loss_mask``); entry ``t``'s prediction is
+Conventions as :mod:`draft.train.objective` (records: ``input_ids`` + ``loss_mask``); entry ``t``'s prediction is
 trained towards the target's distribution at position ``t + 1 + j`` weighted by ``loss_mask[t + 1 + j]``.
 """
 from __future__ import annotations
 
 import json
 import math
-import random
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,9 @@ from torch import Tensor
 
 from draft.eagle3 import (Eagle3Head, default_aux_layers, init_eagle3_head, load_eagle3_head, save_eagle3_head,
                           vocab_from_ids)
+from draft.train.batches import epoch_batches
+from draft.train.records import held_out_order, load_records, pad_batch
+from draft.train.target import default_target, load_target, resolve_device
 
 
 class StepCache:
@@ -110,23 +112,18 @@ def target_pass(model, ids: Tensor, layers: list[int], vocab_map: Tensor | None)
 
 def train_eagle3(args) -> int:
     """``train --arch eagle3``: see the module docstring. Reads the same records/options as EAGLE-1/2 training."""
-    from draft.train_eagle import _default_target, _pad_batch, epoch_batches, load_target, read_jsonl
     t0 = time.time()
     torch.manual_seed(args.seed)
-    dev = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    target_dir = Path(args.target) if args.target else _default_target()
+    dev = resolve_device(args.device)
+    target_dir = Path(args.target) if args.target else default_target()
     model = load_target(target_dir, dev, getattr(torch, args.target_dtype))
     tcfg = model.config
-    records = [r for p in args.data for r in read_jsonl(p)]
-    records = [r for r in records if sum(r["loss_mask"][1:args.max_len]) > 0 and len(r["input_ids"]) >= 3]
+    records = load_records(args.data, args.max_len)
     if not records:
         print("error: no usable training records", file=sys.stderr)
         return 2
-    rng = random.Random(args.seed)
-    order = list(range(len(records)))
-    rng.shuffle(order)
-    n_val = args.val_count if args.val_count is not None else max(1, int(round(len(records) * args.val_frac)))
-    val_idx, train_idx = order[:n_val], order[n_val:] or order[:1]
+    order, n_val = held_out_order(len(records), args.seed, args.val_count, args.val_frac)
+    val_idx, train_idx = order[:n_val], order[n_val:] or order[:1]   # unsorted; all held out: the first trains too
     layers = default_aux_layers(tcfg.num_hidden_layers)
     vocab_map = None
     if args.draft_vocab and args.draft_vocab < tcfg.vocab_size:
@@ -157,8 +154,8 @@ def train_eagle3(args) -> int:
 
     def batch(idx: list[int]):
         seqs = [records[i]["input_ids"][:args.max_len] for i in idx]
-        ids = _pad_batch(seqs).to(dev)
-        mask = _pad_batch([records[i]["loss_mask"][:args.max_len] for i in idx]).to(dev)
+        ids = pad_batch(seqs).to(dev)
+        mask = pad_batch([records[i]["loss_mask"][:args.max_len] for i in idx]).to(dev)
         if all(i in cache for i in idx):
             W = ids.shape[1]
             fused = torch.zeros(len(idx), W, cache[idx[0]][0].shape[-1], device=dev)

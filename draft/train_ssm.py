@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from draft.train_eagle import _pad_id, generate_batch
+    from draft.train.generate import generate_batch, pad_id
     from model.prompts import stop_token_ids
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     if args.models < 1 or args.steps < 0 or args.batch < 1 or not 0 < args.eval_frac < 1:
@@ -254,7 +254,7 @@ def run(args) -> dict:
     else:
         eos = target.config.eos_token_id
         stop = set(eos if isinstance(eos, list) else [eos if eos is not None else 2])
-    pad = _pad_id(tok, stop) if tok is not None else int(min(stop))
+    pad = pad_id(tok, stop) if tok is not None else int(min(stop))
     prompts = load_prompts(args, tok, rng, target.config.vocab_size)
     t0 = time.time()
     log(f"[train_ssm] generating {len(prompts)} answers with the target ({args.gen_tokens} tokens) ...")

@@ -267,6 +267,7 @@ def test_training_time_test_matches_tree_drafting(tiny):
 
 def test_train_eagle3_cli(tiny, tmp_path):
     from draft import train_eagle as te
+    from draft.train.records import read_jsonl
     full, cfg, _, _ = tiny
     g = torch.Generator().manual_seed(1)
     data = tmp_path / "d.jsonl"
@@ -280,7 +281,7 @@ def test_train_eagle3_cli(tiny, tmp_path):
             "cpu", "--batch-size", "4", "--val-count", "2", "--log-every", "1", "--max-steps", "6", "--lr", "3e-3",
             "--draft-vocab", "40", "--ttt-steps", "3", "--no-progress", "--cache-features", "cpu"]
     assert te.main(argv) == 0
-    rows = te.read_jsonl(out / "metrics.jsonl")
+    rows = read_jsonl(out / "metrics.jsonl")
     train = [r for r in rows if r["kind"] == "train"]
     assert len(train) == 6 and len(train[0]["step_loss"]) == 3
     head = load_draft_head(out, cfg, torch.zeros(cfg.vocab_size, cfg.hidden_size))
@@ -289,17 +290,16 @@ def test_train_eagle3_cli(tiny, tmp_path):
 
 
 def test_broad_prompts_cover_every_kind(monkeypatch):
-    from draft import broad_prompts as bp
-    from draft import train_eagle as te
+    from draft.train import broad_prompts as bp
 
     class Tok:
         def decode(self, ids, skip_special_tokens=True):
             return "The river floods every spring. Farmers plant rice after the water recedes and the soil is " \
                    "rich. Dams were built in 1962. Many birds live on the banks."
 
-    monkeypatch.setattr(te, "chat_prompt_ids", lambda *a, **k: [1, 2, 3])
-    monkeypatch.setattr(te, "stop_token_ids", lambda *a, **k: {2})
-    monkeypatch.setattr(te, "_generate_all", lambda model, prompts, *a, **k: [[5, 6]] * len(prompts))
+    monkeypatch.setattr(bp, "chat_prompt_ids", lambda *a, **k: [1, 2, 3])
+    monkeypatch.setattr(bp, "stop_token_ids", lambda *a, **k: {2})
+    monkeypatch.setattr(bp, "generate_all", lambda model, prompts, *a, **k: [[5, 6]] * len(prompts))
     convs = bp.broad_prompts(None, Tok(), 64, ["rivers", "farming"], seed=1, progress=False)
     kinds = {c["source"].split(":")[1] for c in convs}
     assert kinds == set(bp.KINDS), kinds

@@ -130,7 +130,7 @@ def _head(cfg, seed=0, scale=20.0):
 def test_rollout_mask_reproduces_the_draft_cache(tiny):
     """Level l of the rollout (head_forward + rollout_mask) equals the Drafter's depth-(l+1) chain node built with
     commit + tree_forward: 'student' trains exactly the states the tree feeds the head."""
-    from draft.train_eagle import head_forward, step2_batch
+    from draft.train.objective import head_forward, step2_batch
     _, cfg, lm_head = tiny
     head = _head(cfg)
     n, H = 9, cfg.hidden_size
@@ -249,7 +249,7 @@ def test_learner_reduces_the_distillation_loss(tiny, loss, source):
     n = 24
     toks = torch.randint(0, cfg.vocab_size, (n,), generator=g)
     with torch.no_grad():   # a "target" whose features follow the teacher head: learnable
-        from draft.train_eagle import head_forward
+        from draft.train.objective import head_forward
         feats = torch.randn(n, cfg.hidden_size, generator=g, dtype=D)
         feats[1:] = head_forward(teacher, toks[None], feats[None])[0, :-1]
     rec = Record(toks, feats, first_gen=4)

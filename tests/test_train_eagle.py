@@ -9,6 +9,15 @@ import torch
 from draft.drafter import Drafter
 from draft.eagle import HeadError, init_untrained_head, load_eagle_head, save_eagle_head
 from draft import train_eagle as te
+from draft.train.batches import ConversationBatches, epoch_batches
+from draft.train.features import FeatureStore, target_features
+from draft.train.generate import build_conversations
+from draft.train.objective import evaluate, head_forward, sequence_batch, step2_batch, train_step
+from draft.train.prompt_files import is_excluded, load_excluded, load_prompt_file
+from draft.train.prompt_lists import META_STYLES, TEMPLATE_STYLES, TOPICS
+from draft.train.records import pad_batch, read_jsonl
+from draft.train.self_prompts import code_prompt, finish_meta_prompt, math_prompt
+from draft.train.target import load_target, load_tokenizer
 from model.prompts import chat_prompt_ids
 from tests.helpers import STORIES, tiny_llama
 
@@ -43,12 +52,12 @@ def target_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target(target_dir):
-    return te.load_target(target_dir, "cpu")
+    return load_target(target_dir, "cpu")
 
 
 @pytest.fixture(scope="module")
 def tok(target_dir):
-    return te.load_tokenizer(target_dir)
+    return load_tokenizer(target_dir)
 
 
 def _fresh_head(model, seed=0):
@@ -71,24 +80,24 @@ def test_prompt_sources_and_exclusion(tmp_path):
                               {"messages": [{"role": "user", "content": "tell me a joke"}]}]))
     txt = tmp_path / "p.txt"
     txt.write_text("first prompt\n\nsecond prompt\n")
-    assert te.load_prompt_file(fc)[2] == ["question 2", "follow 2"]
-    assert te.load_prompt_file(fc, max_turns=1)[0] == ["question 0"]
-    assert te.load_prompt_file(sg) == [["hi there", "how are you"], ["tell me a joke"]]
-    assert te.load_prompt_file(txt) == [["first prompt"], ["second prompt"]]
-    ex = te.load_excluded([f"{fc}:1:3"])
-    assert te.is_excluded(["  Question   1 "], ex) and te.is_excluded(["x", "follow 2"], ex)
-    assert not te.is_excluded(["question 0"], ex) and not te.is_excluded(["question 3"], ex)
+    assert load_prompt_file(fc)[2] == ["question 2", "follow 2"]
+    assert load_prompt_file(fc, max_turns=1)[0] == ["question 0"]
+    assert load_prompt_file(sg) == [["hi there", "how are you"], ["tell me a joke"]]
+    assert load_prompt_file(txt) == [["first prompt"], ["second prompt"]]
+    ex = load_excluded([f"{fc}:1:3"])
+    assert is_excluded(["  Question   1 "], ex) and is_excluded(["x", "follow 2"], ex)
+    assert not is_excluded(["question 0"], ex) and not is_excluded(["question 3"], ex)
 
 
 def test_self_prompt_material_is_sizeable():
-    assert len(te.TOPICS) >= 60 and len(te.META_STYLES) >= 5 and len(te.TEMPLATE_STYLES) >= 10
+    assert len(TOPICS) >= 60 and len(META_STYLES) >= 5 and len(TEMPLATE_STYLES) >= 10
     import random
     rng = random.Random(0)
-    assert "Complete the code" in "".join(te._code_prompt(rng) for _ in range(30))
-    assert "?" in te._math_prompt(rng)
-    assert te._finish_meta_prompt("question", 'The question is: "What makes volcanoes erupt?"', rng) == \
+    assert "Complete the code" in "".join(code_prompt(rng) for _ in range(30))
+    assert "?" in math_prompt(rng)
+    assert finish_meta_prompt("question", 'The question is: "What makes volcanoes erupt?"', rng) == \
         "What makes volcanoes erupt?"
-    assert te._finish_meta_prompt("summarize", "x" * 100, rng).endswith("x" * 100)
+    assert finish_meta_prompt("summarize", "x" * 100, rng).endswith("x" * 100)
 
 
 # -- data builder -------------------------------------------------------------------------------------
@@ -97,7 +106,7 @@ def test_data_builder_loss_mask(target, tok):
     convs = [{"pid": 0, "turns": ["what is a volcano?"]},
              {"pid": 1, "turns": ["explain rain.", "why?"]},
              {"pid": 2, "turns": ["hello"]}]
-    recs = te.build_conversations(target, tok, convs, max_new_tokens=12, batch_size=2, progress=False)
+    recs = build_conversations(target, tok, convs, max_new_tokens=12, batch_size=2, progress=False)
     assert [r["pid"] for r in recs] == [0, 1, 2]
     for r in recs:
         ids, mask = r["input_ids"], r["loss_mask"]
@@ -116,7 +125,7 @@ def test_data_builder_loss_mask(target, tok):
             assert ids[span[-1]] == tok.convert_tokens_to_ids("<|im_end|>")
             assert tok.decode(ids[span[0]:span[-1]]).strip() == r["answers"][0]
     # greedy batched generation (left padding) equals unbatched generation
-    one = te.build_conversations(target, tok, convs[:1], max_new_tokens=12, batch_size=1, progress=False)
+    one = build_conversations(target, tok, convs[:1], max_new_tokens=12, batch_size=1, progress=False)
     assert one[0]["input_ids"] == recs[0]["input_ids"]
 
 
@@ -131,8 +140,8 @@ def test_data_cli_self_prompts_resume_and_exclude(target_dir, tmp_path):
             "4", "--chunk-batches", "1", "--device", "cpu", "--no-progress", "--followup-frac", "0.5",
             "--temperature", "0.7", "--sample-frac", "0.5"]
     assert te.main(argv) == 0
-    recs = te.read_jsonl(out)
-    prompts = te.read_jsonl(out.with_name(out.name + ".prompts.jsonl"))
+    recs = read_jsonl(out)
+    prompts = read_jsonl(out.with_name(out.name + ".prompts.jsonl"))
     assert not any(p["turns"][0] == "drop me" for p in prompts)
     assert {p["turns"][0] for p in prompts} >= {"keep me", "also keep"}
     assert len(recs) == len(prompts) and len(prompts) >= 6
@@ -140,7 +149,7 @@ def test_data_cli_self_prompts_resume_and_exclude(target_dir, tmp_path):
     lines = out.read_text().splitlines()
     out.write_text("\n".join(lines[:2]) + "\n")
     assert te.main(argv + ["--resume"]) == 0
-    again = te.read_jsonl(out)
+    again = read_jsonl(out)
     assert sorted(r["pid"] for r in again) == sorted(r["pid"] for r in recs)
     assert again[:2] == recs[:2]
 
@@ -153,8 +162,8 @@ def test_features_equal_last_hidden_state_and_shards(target, target_dir, tmp_pat
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"input_ids": s, "loss_mask": [0] * 2 + [1] * (len(s) - 2)})
                               for s in seqs))
-    ids = te._pad_batch(seqs)
-    f = te.target_features(target, ids)
+    ids = pad_batch(seqs)
+    f = target_features(target, ids)
     assert f.shape == (3, 12, 64)
     with torch.no_grad():
         for i, s in enumerate(seqs):
@@ -166,7 +175,7 @@ def test_features_equal_last_hidden_state_and_shards(target, target_dir, tmp_pat
     assert te.main(["features", "--target", str(target_dir), "--data", str(data), "--out", str(fdir),
                     "--shard-size", "2", "--batch-size", "2", "--device", "cpu", "--no-progress",
                     "--store-dtype", "float32"]) == 0
-    store = te.FeatureStore(fdir)
+    store = FeatureStore(fdir)
     assert len(store.index["shards"]) == 2
     for i, s in enumerate(seqs):
         assert torch.allclose(store.get(i), f[i, :len(s)], atol=1e-5)
@@ -182,7 +191,7 @@ def test_head_forward_matches_cached_inference(target):
     toks = torch.randint(4, 96, (1, n), generator=g)
     feats = torch.randn(1, n, 64, generator=g)
     with torch.no_grad():
-        ref = te.head_forward(head, toks, feats)[0]
+        ref = head_forward(head, toks, feats)[0]
         d = Drafter(head, target.lm_head, 64)
         d.reset()
         outs = [d.commit(toks[0, :4], feats[0, :4])]
@@ -191,8 +200,8 @@ def test_head_forward_matches_cached_inference(target):
         assert torch.allclose(outs[0], ref[3], atol=1e-5)
         assert torch.allclose(torch.stack(outs[1:]), ref[4:], atol=1e-5)
         # second draft step: a tree node fed with the head's own prediction
-        toks2, pos2, mask2, dfeat = te.step2_batch(toks, ref[None])
-        pred2 = te.head_forward(head, toks2, torch.cat([feats, dfeat], 1), pos2, mask2)[0, n:]
+        toks2, pos2, mask2, dfeat = step2_batch(toks, ref[None])
+        pred2 = head_forward(head, toks2, torch.cat([feats, dfeat], 1), pos2, mask2)[0, n:]
         for t in (1, 5, n - 1):
             d.reset()
             d.commit(toks[0, :t], feats[0, :t])
@@ -209,8 +218,8 @@ def _fixture_batch(target, b=4, n=24, seed=0):
     mask = torch.ones(b, n, dtype=torch.long)
     mask[:, :3] = 0
     mask[1, 18:] = 0  # "padding"
-    feats = te.target_features(target, ids)
-    return te.sequence_batch(ids, feats, mask)
+    feats = target_features(target, ids)
+    return sequence_batch(ids, feats, mask)
 
 
 def test_train_step_runs_and_loss_decreases(target):
@@ -221,7 +230,7 @@ def test_train_step_runs_and_loss_decreases(target):
     gen = torch.Generator().manual_seed(0)
     emb0 = head.embed_tokens.weight.clone()
     lm0 = target.lm_head.weight.clone()
-    hist = [te.train_step(head, batch, opt, target.lm_head, p_weight=0.5, noise_std=0.2, generator=gen)
+    hist = [train_step(head, batch, opt, target.lm_head, p_weight=0.5, noise_std=0.2, generator=gen)
             for _ in range(40)]
     for m in hist:
         assert all(torch.isfinite(torch.tensor(m[k])) for k in ("loss", "vloss", "ploss", "grad_norm"))
@@ -234,10 +243,10 @@ def test_train_step_runs_and_loss_decreases(target):
     # hard labels and explicit logits work as teachers too
     hard = dict(batch, labels=batch["next_tokens"].clamp_min(0))
     hard.pop("target_features")
-    assert torch.isfinite(torch.tensor(te.train_step(head, hard, opt, target.lm_head)["loss"]))
+    assert torch.isfinite(torch.tensor(train_step(head, hard, opt, target.lm_head)["loss"]))
     soft = dict(batch, target_logits=target.lm_head(batch["target_features"]).detach())
-    assert torch.isfinite(torch.tensor(te.train_step(head, soft, opt, target.lm_head)["loss"]))
-    v = te.evaluate(head, target.lm_head, [batch])
+    assert torch.isfinite(torch.tensor(train_step(head, soft, opt, target.lm_head)["loss"]))
+    v = evaluate(head, target.lm_head, [batch])
     assert 0 <= v["top1"] <= v["top5"] <= 1 and v["top1_step2"] is not None and v["tokens"] > 0
 
 
@@ -282,12 +291,12 @@ def test_train_cli_end_to_end_with_resume(target, target_dir, tmp_path):
     st = torch.load(out / "train_state" / "checkpoint.pt", weights_only=True)
     assert st["step"] == 4
     assert te.main(base + ["--max-steps", "4", "--resume"]) == 0  # already done: no new steps
-    rows = te.read_jsonl(out / "metrics.jsonl")
+    rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4]
     st["total"] = 6
     torch.save(st, out / "train_state" / "checkpoint.pt")
     assert te.main(base + ["--resume"]) == 0
-    rows = te.read_jsonl(out / "metrics.jsonl")
+    rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]
     final = [r for r in rows if r["kind"] == "final"][-1]
     assert final["step"] == 6 and 0 <= final["top1"] <= 1
@@ -316,17 +325,17 @@ def test_train_cli_end_to_end_with_resume(target, target_dir, tmp_path):
 def test_epoch_batches_bucketing_and_feature_cache(target):
     lengths = [5 + (i * 7) % 40 for i in range(50)]
     train_idx = list(range(3, 50))
-    a = te.epoch_batches(train_idx, lengths, 4, seed=0, epoch=1, bucket=3)
-    assert a == te.epoch_batches(train_idx, lengths, 4, seed=0, epoch=1, bucket=3)
-    assert a != te.epoch_batches(train_idx, lengths, 4, seed=0, epoch=2, bucket=3)
+    a = epoch_batches(train_idx, lengths, 4, seed=0, epoch=1, bucket=3)
+    assert a == epoch_batches(train_idx, lengths, 4, seed=0, epoch=1, bucket=3)
+    assert a != epoch_batches(train_idx, lengths, 4, seed=0, epoch=2, bucket=3)
     flat = [i for b in a for i in b]
     assert len(a) == 11 and all(len(b) == 4 for b in a) and len(set(flat)) == 44 and set(flat) <= set(train_idx)
     spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in a)
-    plain = te.epoch_batches(train_idx, lengths, 4, seed=0, epoch=1, bucket=1)
+    plain = epoch_batches(train_idx, lengths, 4, seed=0, epoch=1, bucket=1)
     assert spread < sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in plain)
     g = torch.Generator().manual_seed(2)
     recs = [{"input_ids": torch.randint(4, 96, (n,), generator=g).tolist(), "loss_mask": [1] * n} for n in (6, 9, 4)]
-    data = te._Batches(recs, 64, torch.device("cpu"), target, cache="cpu")
+    data = ConversationBatches(recs, 64, torch.device("cpu"), target, cache="cpu")
     b1 = data.make([0, 1, 2])
     assert sorted(data.cache) == [0, 1, 2] and data.cache[1].dtype == torch.float16
     b2 = data.make([2, 0])  # served from the cache (fp16)
@@ -343,19 +352,19 @@ def test_train_time_budget(target_dir, tmp_path):
     assert te.main(["train", "--target", str(target_dir), "--data", str(data), "--out", str(out), "--device", "cpu",
                     "--batch-size", "4", "--val-count", "4", "--epochs", "1000", "--time-budget", "6",
                     "--calib-steps", "3", "--cache-features", "cpu", "--no-progress"]) == 0
-    final = te.read_jsonl(out / "metrics.jsonl")[-1]
+    final = read_jsonl(out / "metrics.jsonl")[-1]
     assert final["kind"] == "final" and 15 <= final["step"] < 4000
 
 
 @pytest.mark.skipif(not STORIES.is_dir(), reason="stories260K not available")
 def test_stories260k_features_and_step():
-    model = te.load_target(STORIES, "cpu")
+    model = load_target(STORIES, "cpu")
     ids = torch.tensor([[1, 403, 407, 261, 378, 425, 259, 411, 365, 302]])
-    f = te.target_features(model, ids)
+    f = target_features(model, ids)
     with torch.no_grad():
         assert torch.equal(f, model.model(ids).last_hidden_state)
     head = _fresh_head(model)
-    batch = te.sequence_batch(ids, f, torch.ones_like(ids))
+    batch = sequence_batch(ids, f, torch.ones_like(ids))
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-3)
-    m = te.train_step(head, batch, opt, model.lm_head)
+    m = train_step(head, batch, opt, model.lm_head)
     assert m["n"] == 9 and m["loss"] > 0
