@@ -121,7 +121,7 @@ def decode_stats(session, tc, group: GroupCost | None = None) -> dict:
     """Timed decode of a replayed session: ξ, τ and where the time goes (shares of the decode time)."""
     from pipeline.tools.simulate import decode_windows, simulate_timing
     events: list = []
-    windows = decode_windows(simulate_timing([l.ops for l in session.logs], tc, events))
+    windows = decode_windows(simulate_timing(session.ops(), tc, events))
     total = sum(hi - lo for lo, hi in windows)
     tokens = sum(len(g.row["output_ids"]) for g in session.gens)
     steps = sum(len(g.accept_lengths) for g in session.gens)

@@ -43,13 +43,13 @@ def timed_passes(base: Session, tc: TimingConfig, passes: int, replay_with) -> t
     session = base
     for _ in range(passes if base.mode != "ar" else 0):
         direct = DirectTimes()
-        simulate_timing([l.ops for l in session.logs], tc, None, direct)
+        simulate_timing(session.ops(), tc, None, direct)
         if not direct.arrivals:       # this mode issued no direct decision
             break
         session = replay_with(direct.schedule(base.stages + 1))
     events: list = []
     direct = DirectTimes()
-    windows = decode_windows(simulate_timing([l.ops for l in session.logs], tc, events, direct))
+    windows = decode_windows(simulate_timing(session.ops(), tc, events, direct))
     return session, windows, events, direct.late()
 
 
@@ -76,7 +76,7 @@ def calibrate(sessions: list, mode: str, profile: Profile, make_tc, args) -> flo
     def predicted(c: float) -> float:
         tot = 0.0
         for s, gs in pairs:
-            times = decode_times(simulate_timing([l.ops for l in s.logs], make_tc(s.stages, c)))
+            times = decode_times(simulate_timing(s.ops(), make_tc(s.stages, c)))
             tot += sum(t for g, t in zip(s.gens, times) if id(g) in gs)
         return tot
 

@@ -51,6 +51,10 @@ class Session:
     logs: list[OpLog]
     gens: list[Replayed] = field(default_factory=list)
 
+    def ops(self) -> list[list[tuple]]:
+        """Every rank's op list, rank 0 first: what :func:`.timing.simulate_timing` times."""
+        return [log.ops for log in self.logs]
+
 
 def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: int,
            features: TargetFeatures, progress=None, direct_upto: list[list[int]] | None = None) -> Session:
