@@ -160,12 +160,9 @@ def cmd_replay(args) -> int:
     import torch
 
     from config.run_config import DEFAULT, ConfigError, apply_overrides
-    from model.stage_format import read_manifest
-    from model.stage_model import DTYPES, load_stage
     from pipeline.outputs import drafter_fields
-    from config.paths import DEFAULT_STAGE_DIR
     from pipeline.build import SetupError, make_drafter
-    from pipeline.tools.simulate import TargetFeatures, replay
+    from pipeline.tools.simulate import load_target, replay
     try:
         cfg = apply_overrides(DEFAULT, args.overrides)
     except ConfigError as e:
@@ -183,13 +180,9 @@ def cmd_replay(args) -> int:
         print(f"error: {args.rows} has no rows", file=sys.stderr)
         return 2
     torch.set_num_threads(cfg.model.num_threads)
-    stage_root = Path(cfg.model.stage_dir or DEFAULT_STAGE_DIR)
-    world = len(read_manifest(stage_root)["split"])
-    dtype = DTYPES[cfg.model.dtype]
-    model0 = load_stage(stage_root, 0, world, dtype, "cpu")
-    features = TargetFeatures(stage_root, dtype)
+    target = load_target(cfg, "cpu")
     try:
-        drafter = make_drafter(cfg, stage_root, model0, dtype, "cpu")
+        drafter = make_drafter(cfg, target.stage_root, target.model0, target.dtype, "cpu")
     except SetupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -199,7 +192,8 @@ def cmd_replay(args) -> int:
     with open(out, "w") as fh:
         for i, row in enumerate(rows):
             t0 = time.perf_counter()
-            sess = replay([row], args.mode, args.stages or world - 1, cfg, drafter, model0.config.vocab_size, features)
+            sess = replay([row], args.mode, args.stages or target.world - 1, cfg, drafter, target.vocab_size,
+                          target.features)
             g = sess.gens[0]
             tau = sum(g.accept_lengths) / max(1, len(g.accept_lengths))
             rec = {"index": i, "question_id": row.get("question_id"), "category": row.get("category"),

@@ -106,11 +106,6 @@ def tp_profile(profile: Profile, n: int, layers: int, profile_stages: int, mode:
     return replace(profile, stage=group, stages={}, links={(0, 1): fan_out, (1, 0): link})
 
 
-def with_link(profile: Profile, bandwidth: float | None, latency: float | None) -> Profile:
-    from pipeline.tools.simulate import _with_link
-    return _with_link(profile, bandwidth, latency)
-
-
 # -- evaluation -----------------------------------------------------------------------------------------
 @dataclass
 class Sessions:
@@ -126,7 +121,7 @@ def decode_stats(session, tc, group: GroupCost | None = None) -> dict:
     """Timed decode of a replayed session: ξ, τ and where the time goes (shares of the decode time)."""
     from pipeline.tools.simulate import decode_windows, simulate_timing
     events: list = []
-    windows = decode_windows(simulate_timing([l.ops for l in session.logs], tc, events))
+    windows = decode_windows(simulate_timing(session.ops(), tc, events))
     total = sum(hi - lo for lo, hi in windows)
     tokens = sum(len(g.row["output_ids"]) for g in session.gens)
     steps = sum(len(g.accept_lengths) for g in session.gens)
@@ -151,7 +146,7 @@ def decode_stats(session, tc, group: GroupCost | None = None) -> dict:
 def evaluate(s: Sessions, profile: Profile, bw: float | None, latency: float | None, args,
              modes: tuple[str, ...] | None = None) -> list[dict]:
     """One row per mode (``modes``: a subset of the pipeline modes and ``TP_MODES``; default all) at one link."""
-    from pipeline.tools.simulate import TimingConfig
+    from pipeline.tools.simulate import TimingConfig, with_link
     prof = with_link(profile, bw, latency)
     rows = []
     for mode, session in s.pipeline.items():
@@ -212,11 +207,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stage-dir", default="", help="split checkpoint of the recorded run (default: embedded SmolLM2)")
     p.add_argument("--head-dir", default="", help="EAGLE head of the recorded run (default: the default head)")
     p.add_argument("--out-dir", default=str(REPO / "outputs" / "tp_sim"), help="predictions.jsonl and summary.md")
-    args = p.parse_intermixed_args(argv)
-    args.overrides = [a for a in args.rows if "=" in a and not Path(a).exists()]
-    args.rows = [a for a in args.rows if a not in args.overrides]
-    if not args.rows:
-        p.error("give at least one rows JSONL file")
+    from pipeline.tools.simulate import parse_rows_args
+    args = parse_rows_args(p, argv)
     if args.tp < 1 or args.layers < 1 or args.profile_stages < 1:
         p.error("--tp, --layers and --profile-stages must be >= 1")
     return args
@@ -232,14 +224,9 @@ def main(argv=None) -> int:
 
 
 def _main(args) -> int:
-    import torch
-
     from config.run_config import DEFAULT, apply_overrides
-    from model.stage_format import read_manifest
-    from model.stage_model import DTYPES, load_stage
-    from config.paths import DEFAULT_STAGE_DIR
     from pipeline.build import make_drafter
-    from pipeline.tools.simulate import TargetFeatures, load_rows, replay
+    from pipeline.tools.simulate import load_rows, load_target, replay
 
     profile = load_profile(args.profile)
     rows = load_rows(args.rows, "all", args.limit)
@@ -248,16 +235,12 @@ def _main(args) -> int:
     cfg = apply_overrides(DEFAULT, args.overrides)
     cfg.model.stage_dir = args.stage_dir or cfg.model.stage_dir
     cfg.model.head_dir = args.head_dir or cfg.model.head_dir
-    stage_root = Path(cfg.model.stage_dir or DEFAULT_STAGE_DIR)
-    dtype = DTYPES[cfg.model.dtype]
-    model0 = load_stage(stage_root, 0, len(read_manifest(stage_root)["split"]), dtype)
-    features = TargetFeatures(stage_root, dtype)
-    drafter = make_drafter(cfg, stage_root, model0, dtype, "cpu")
-    vocab = model0.config.vocab_size
+    target = load_target(cfg)
+    drafter = make_drafter(cfg, target.stage_root, target.model0, target.dtype, "cpu")
+    vocab, features = target.vocab_size, target.features
     modes = [m for m in args.modes.split(",") if m]
     sessions = Sessions({m: replay(rows, m, args.tp, cfg, drafter, vocab, features) for m in modes},
-                        replay(rows, "tp", 1, cfg, drafter, vocab, features), args.tp,
-                        model0.config.hidden_size * torch.empty(0, dtype=dtype).element_size())
+                        replay(rows, "tp", 1, cfg, drafter, vocab, features), args.tp, target.hidden_bytes)
     bandwidths = [float(b) for b in args.bandwidth_mbps.split(",") if b.strip()]
     latencies = [float(v) for v in args.latency_s.split(",") if v.strip()] or [None]
     table = [r for lat in latencies for bw in bandwidths for r in evaluate(sessions, profile, bw, lat, args)]

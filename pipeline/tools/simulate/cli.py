@@ -1,0 +1,195 @@
+"""The command line: ``python -m pipeline.tools.simulate ROWS.jsonl [options] [key=value ...]``.
+
+:func:`run` replays every recorded row through every requested (mode, stage count) once (:func:`.replayer.replay`),
+then for every link bandwidth times it (:func:`.predict.timed_passes`, with the direct-decision passes) and
+writes one prediction per generation (``predictions.jsonl``), the summary (``summary.md``/``.csv``), the
+paper-style tables of rows that name a dataset, and the requested Gantt charts. Bad input (a missing or
+malformed rows file, an unknown profile, no rows left after filtering) is one ``error:`` line and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from config.paths import REPO
+from config.profiles import EmulationError, Profile, load_profile
+from pipeline.tools.simulate.predict import calibrate, prediction, timed_passes, with_link
+from pipeline.tools.simulate.recorded import load_rows, load_target
+from pipeline.tools.simulate.replayer import replay
+from pipeline.tools.simulate.report import (draw_gantt, stage_utilization, summarize, to_timeline,
+                                            write_paper_tables, write_summary)
+from pipeline.tools.simulate.timing import TimingConfig
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from pipeline.cli import DefaultsOnce  # each default shown once
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline.tools.simulate",
+        description="Predict decode time, throughput (ξ) and speed-ups of recorded generations for other stage "
+                    "counts, emulation profiles and links, without running the pipeline: the real schedulers "
+                    "are replayed on the recorded answers (exact at T=0) and timed by a discrete-event model "
+                    "of the emulated testbed. Rows recorded under the same profile and stage count are "
+                    "compared with their measured decode time (the simulator's error).",
+        epilog="Extra key=value words are config overrides (tree parameters etc.; use the ones of the recorded "
+               "run). Example: python -m pipeline.tools.simulate outputs/eval/edge_orin_7b/rows.jsonl "
+               "--stages 2,4,8 --bandwidth-mbps 150,1000 --out-dir outputs/sim",
+        formatter_class=DefaultsOnce)
+    p.add_argument("rows", nargs="+", help="JSONL rows with prompt_ids and output_ids (pipeline.run --output, "
+                   "bench or eval rows), and key=value config overrides")
+    p.add_argument("--modes", default="recorded",
+                   help="modes to replay every recorded answer with (comma-separated), or 'recorded' (each row "
+                        "with its own mode)")
+    p.add_argument("--stages", default="recorded",
+                   help="comma-separated layer-stage counts, or 'recorded' (each row's world_size - 1)")
+    p.add_argument("--profile", default="edge_orin_7b", help="emulation profile (builtin name or JSON path)")
+    p.add_argument("--bandwidth-mbps", default="", help="comma-separated link bandwidths overriding the profile's")
+    p.add_argument("--latency-s", type=float, default=None, help="one-way link latency overriding the profile's")
+    p.add_argument("--stage-cost-scale", default="auto",
+                   help="factor on every stage compute time; 'auto' keeps the model's total layers: "
+                        "recorded stages / simulated stages")
+    p.add_argument("--msg-overhead-s", type=float, default=0.0,
+                   help="transport cost added to every received message and broadcast (gloo, wake-ups); 0 = "
+                        "ideal transport")
+    p.add_argument("--op-overhead-s", type=float, default=0.0, help="cost added to every modeled op")
+    p.add_argument("--calibrate", default="", metavar="MODE",
+                   help="fit one per-event overhead (every modeled op and received message) so that the recorded "
+                        "rows of MODE (e.g. ar) are predicted exactly, then use it for everything; validate on "
+                        "the other modes")
+    p.add_argument("--time-scale", type=float, default=1.0, help="dilate modeled time like emu.time_scale")
+    p.add_argument("--no-model-rank0", action="store_true",
+                   help="time rank 0's lm_head/draft head at this host's measured speed, not the profile's")
+    p.add_argument("--temperature", default="all", help="only rows of this temperature ('all': every row)")
+    p.add_argument("--limit", type=int, default=0, help="at most this many rows per input (0 = all)")
+    p.add_argument("--stage-dir", default="", help="split checkpoint of the recorded run (default: embedded SmolLM2)")
+    p.add_argument("--head-dir", default="", help="EAGLE head of the recorded run (default: the default head)")
+    p.add_argument("--out-dir", default=str(REPO / "outputs" / "sim"), help="predictions.jsonl, summary.md/csv")
+    p.add_argument("--no-plots", action="store_true", help="skip the paper-style plots")
+    p.add_argument("--direct-passes", type=int, default=1, metavar="K",
+                   help="replay passes that deliver rank 0's point-to-point decisions on the previous pass's "
+                        "timing (ScheduledDirect), so stages prune work in flight as they would; 0 = decisions "
+                        "on the ring only (pass 0, the pre-2026-11-23 model)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads while replaying: rank 0's host work (Python tree bookkeeping between "
+                        "modeled ops) is timed as thread CPU time, which several threads' spin-waits inflate by up "
+                        "to 2x on a loaded machine; 1 keeps it reproducible (0 = torch's default)")
+    p.add_argument("--gantt", type=int, default=-1, metavar="N",
+                   help="draw a Gantt chart of the N-th replayed generation of every mode/stages/bandwidth (-1: none)")
+    p.add_argument("--gantt-window", type=float, default=1.5, help="seconds of decode shown in each Gantt chart")
+    p.add_argument("--quiet", action="store_true")
+    return parse_rows_args(p, argv)
+
+
+def parse_rows_args(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """Parse ``argv`` with ``p``, whose positional ``rows`` mixes row files and ``key=value`` config overrides
+    (a word with ``=`` that is not an existing path is an override): ``args.rows`` are the files,
+    ``args.overrides`` the overrides. No row file is a usage error."""
+    args = p.parse_intermixed_args(argv)
+    args.overrides = [a for a in args.rows if "=" in a and not Path(a).exists()]
+    args.rows = [a for a in args.rows if a not in args.overrides]
+    if not args.rows:
+        p.error("give at least one rows JSONL file")
+    return args
+
+
+def ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except (EmulationError, OSError, UnicodeDecodeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    """The simulation ``args`` ask for (see the module docstring); returns the exit code."""
+    from tqdm import tqdm
+
+    from config.run_config import DEFAULT, apply_overrides
+    from pipeline.build import make_drafter
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    profile = load_profile(args.profile)
+    rows = load_rows(args.rows, args.temperature, args.limit)
+    if not rows:
+        print("error: no rows to simulate", file=sys.stderr)
+        return 2
+    cfg = apply_overrides(DEFAULT, args.overrides)
+    if args.stage_dir:
+        cfg.model.stage_dir = args.stage_dir
+    if args.head_dir:
+        cfg.model.head_dir = args.head_dir
+    device = "cuda" if cfg.model.device == "cuda" else "cpu"   # rank 0's drafter; stand-ins stay on the host
+    target = load_target(cfg, device)
+    recorded_world = target.world
+
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in rows:
+        rec_stages = int(r.get("world_size") or recorded_world) - 1
+        modes = [r["mode"]] if args.modes == "recorded" else args.modes.split(",")
+        stage_list = [rec_stages] if args.stages == "recorded" else ints(args.stages)
+        for m in modes:
+            for n in stage_list:
+                groups.setdefault((m, n), []).append(r)
+    drafter = None
+    if any(m != "ar" for m, _ in groups):
+        drafter = make_drafter(cfg, target.stage_root, target.model0, target.dtype, device)
+    bandwidths = [float(b) for b in args.bandwidth_mbps.split(",") if b.strip()] or [None]
+
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    passes = max(0, args.direct_passes)
+    bar = tqdm(total=sum(len(v) * (1 + (passes * len(bandwidths) if m != "ar" else 0)) for (m, _), v in groups.items()),
+               desc="replaying", disable=args.quiet)
+
+    def replay_rows(grows: list[dict], mode: str, n: int, upto=None):
+        return replay(grows, mode, n, cfg, drafter, target.vocab_size, target.features, bar, upto)
+
+    sessions = [(replay_rows(grows, mode, n), grows) for (mode, n), grows in sorted(groups.items())]
+
+    def timing(n: int, prof: Profile, overhead: float) -> TimingConfig:
+        scale = (recorded_world - 1) / n if args.stage_cost_scale == "auto" else float(args.stage_cost_scale)
+        return TimingConfig(prof, time_scale=args.time_scale, stage_cost_scale=scale,
+                            msg_overhead_s=args.msg_overhead_s + overhead, model_rank0=not args.no_model_rank0,
+                            real_hidden_bytes=target.hidden_bytes, op_overhead_s=args.op_overhead_s + overhead)
+
+    overhead = 0.0
+    if args.calibrate:
+        overhead = calibrate([s for s, _ in sessions], args.calibrate, profile,
+                             lambda n, o: timing(n, profile, o), args)
+        print(f"[simulate] calibrated testbed overhead: {overhead * 1e3:.3f} ms per modeled op and per received "
+              f"message (fitted on the recorded {args.calibrate} rows)", file=sys.stderr)
+    preds = []
+    for base, grows in sessions:
+        for bw in bandwidths:
+            prof = with_link(profile, bw, args.latency_s)
+            tc = timing(base.stages, prof, overhead)
+            session, windows, events, late = timed_passes(
+                base, tc, passes, lambda upto: replay_rows(grows, base.mode, base.stages, upto))
+            tl = to_timeline(events, session.stages + 1)
+            util = stage_utilization(tl, windows)
+            for g, (lo, hi), u in zip(session.gens, windows, util):
+                pred = prediction(g, hi - lo, prof, bw, args, tc.stage_cost_scale, overhead)
+                pred["busy_fraction"] = u
+                pred["direct_polls_late"] = list(late)
+                preds.append(pred)
+            draw_gantt(tl, windows, session, prof, profile.name, args, out_dir)
+    bar.close()
+    with open(out_dir / "predictions.jsonl", "w", encoding="utf-8") as f:
+        for p in preds:
+            f.write(json.dumps(p) + "\n")
+    table = summarize(preds)
+    write_summary(table, out_dir, profile.name)
+    paper = write_paper_tables(preds, out_dir, profile.name, args) if any(p.get("dataset") for p in preds) else []
+    print((out_dir / "summary.md").read_text())
+    for path in paper:
+        print(f"[simulate] paper-style table: {path}", file=sys.stderr)
+    return 0

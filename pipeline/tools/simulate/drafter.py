@@ -1,0 +1,98 @@
+"""The replay drafter: rank 0's real drafter, fed the target's features, its model calls logged as modeled ops.
+
+In a replay the stages' "hidden states" are stand-in rows ``(on_path, position)`` (:mod:`.stand_ins`), not
+features. :class:`ReplayDrafter` turns the rows that ``start`` and ``commit`` receive into the target's real
+features at those positions (:class:`.recorded.Committed`) and passes every other call to the real drafter
+unchanged, so the draft trees are exactly those of a real run on the same committed text. Invariant: a row that
+is committed is on the committed path (else the replay has diverged: :class:`AssertionError`).
+
+It has the methods of :class:`draft.protocol.TreeDrafter` (``start``, ``commit``, ``grow_tree``,
+``tree_forward``, ``drop_tree``, ``logprobs``) and the incremental-expansion extension the ``continuous`` mode
+uses when ``supports_extend`` is true (``grow_tree_with_inputs``, ``extend_tree``), each delegated explicitly.
+
+:func:`record_drafter` makes the real drafter's draft-head forwards and draft log-prob (lm_head) calls show up in
+rank 0's op log as modeled ops (``draft``, ``lm_head``), which the timing model prices by the profile.
+"""
+from __future__ import annotations
+
+import torch
+
+from draft.tree import DraftTree
+from pipeline.emulation import hidden_rows
+from pipeline.tools.simulate.oplog import OpLog
+from pipeline.tools.simulate.recorded import Committed
+
+Tensor = torch.Tensor
+
+
+class ReplayDrafter:
+    """The real drafter, fed the target's features at the positions the replay rows name."""
+
+    def __init__(self, drafter, committed: Committed) -> None:
+        self.inner, self.committed = drafter, committed
+
+    def _features(self, rows: Tensor) -> Tensor:
+        if not bool((rows[:, 0] > 0.5).all()):
+            raise AssertionError("replay: a committed row is off the committed path")
+        return self.committed.features[rows[:, 1].long()]
+
+    # -- the two calls that carry the target's data: stand-in rows become the target's features ----------
+    def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
+        return self.inner.start(prompt_ids, first_token, self._features(features))
+
+    def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
+        return self.inner.commit(tokens, self._features(features))
+
+    # -- the rest of draft.protocol.TreeDrafter: the drafter's own states, passed through -------------------
+    def grow_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int,
+                  top_k: int) -> DraftTree:
+        return self.inner.grow_tree(root_token, root_hidden, total_token, depth, top_k)
+
+    def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
+        return self.inner.tree_forward(tokens, features, parents)
+
+    def drop_tree(self) -> None:
+        self.inner.drop_tree()
+
+    def logprobs(self, hidden: Tensor) -> Tensor:
+        return self.inner.logprobs(hidden)
+
+    # -- incremental expansion (draft.drafter.Drafter; not in the Protocol) ---------------------------------
+    @property
+    def supports_extend(self) -> bool:
+        return bool(getattr(self.inner, "supports_extend", False))
+
+    def grow_tree_with_inputs(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int,
+                              top_k: int) -> tuple[DraftTree, Tensor]:
+        return self.inner.grow_tree_with_inputs(root_token, root_hidden, total_token, depth, top_k)
+
+    def extend_tree(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor, levels: int, top_k: int,
+                    max_new: int) -> tuple[DraftTree, Tensor]:
+        return self.inner.extend_tree(tree, inputs, root_hidden, levels, top_k, max_new)
+
+
+def record_drafter(drafter, log: OpLog) -> None:
+    """Log the drafter's head forwards and draft log-prob (lm_head) calls as modeled rank-0 ops.
+
+    Patches ``drafter`` once (its ``logprobs`` and, for a head drafter with a draft cache, its head's
+    ``forward``); a later call only redirects the logging to ``log``, so one drafter serves replay after
+    replay."""
+    if getattr(drafter, "_sim_recorded", False):
+        drafter._sim_log[0] = log
+        return
+    holder = [log]
+    drafter._sim_recorded, drafter._sim_log = True, holder
+    orig_lp = drafter.logprobs
+
+    def logprobs(hidden):
+        with holder[0].modeled("lm_head", hidden_rows(hidden)):
+            return orig_lp(hidden)
+    drafter.logprobs = logprobs
+    head = getattr(drafter, "head", None)
+    if head is not None and getattr(drafter, "cache", None) is not None:
+        orig_fwd = head.forward
+
+        def forward(tokens, feats, positions, mask, kv):
+            with holder[0].modeled("draft", int(tokens.shape[-1]), int(kv.length)):
+                return orig_fwd(tokens, feats, positions, mask, kv)
+        head.forward = forward

@@ -1,0 +1,97 @@
+"""Operation logs: what every rank did during a replay, in order, and the host time in between.
+
+This is the contract between the replay (:mod:`.replayer`, which writes the logs) and the timing model
+(:mod:`.timing`, which reads them). An op is a tuple whose first item names its kind:
+
+* ``("host", s)``: ``s`` seconds of the rank's own bookkeeping (tree building, verification, pruning, message
+  encoding), measured as **thread CPU time** between two logged ops;
+* ``("compute", w, ctx)``: a stage forward of ``w`` rows over ``ctx`` cached slots;
+* ``("lm_head", rows, real_s)``, ``("draft", w, ctx, real_s)``: rank 0's lm_head / draft-head applications,
+  with the CPU time they really took (used when rank 0 is not modeled);
+* ``("send", dst, hidden_rows, other_bytes)``, ``("recv", src)``: ring messages (modeled bytes);
+* ``("bcast", other_bytes)`` (rank 0), ``("bcast_recv",)``: decision broadcasts;
+* ``("dsend", dst, bytes)`` (rank 0), ``("poll", received so far)`` (a stage): direct decisions
+  (:mod:`.transport`);
+* ``("mark", name)``: rank 0's generation marks (``decode_begin``, ``gen_end``: the decode windows).
+
+Invariant: an :class:`OpLog` is written only from its own rank's thread, so the thread CPU time between two
+ops is that rank's host work and nothing else's. A modeled op's own CPU time is recorded with it
+(:meth:`OpLog.modeled`), never as host work.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+from config.profiles import message_parts
+
+
+class OpLog:
+    """One rank's ordered operations. Must be used only from that rank's thread (host time is thread CPU time).
+
+    Ops are tuples: ``("host", s)``, ``("compute", w, ctx)``, ``("lm_head", rows, real_s)``,
+    ``("draft", w, ctx, real_s)``, ``("send", dst, hidden_rows, other_bytes)``, ``("recv", src)``,
+    ``("bcast", other_bytes)`` (rank 0), ``("bcast_recv",)``, ``("mark", name)``.
+    """
+
+    def __init__(self) -> None:
+        self.ops: list[tuple] = []
+        self.last = time.thread_time()
+
+    def _host(self) -> None:
+        now = time.thread_time()
+        if now > self.last:
+            self.ops.append(("host", now - self.last))
+        self.last = now
+
+    def add(self, *op) -> None:
+        self._host()
+        self.ops.append(op)
+
+    @contextmanager
+    def modeled(self, kind: str, *args):
+        """A modeled operation: its own CPU time is recorded with it, not as host work."""
+        self._host()
+        t0 = time.thread_time()
+        try:
+            yield
+        finally:
+            now = time.thread_time()
+            self.ops.append((kind, *args, now - t0))
+            self.last = now
+
+
+class Recorder:
+    """The ring observer: per-rank :class:`OpLog` entries for every send, receive and broadcast."""
+
+    def __init__(self, world: int) -> None:
+        self.logs = [OpLog() for _ in range(world)]
+
+    def on_send(self, rank, dst, msg) -> None:
+        self.logs[rank].add("send", dst, *message_parts(msg))
+
+    def on_recv(self, rank, src) -> None:
+        self.logs[rank].add("recv", src)
+
+    def on_bcast_root(self, msg) -> None:
+        self.logs[0].add("bcast", message_parts(msg)[1])
+
+    def on_bcast_recv(self, rank) -> None:
+        self.logs[rank].add("bcast_recv")
+
+
+class MarkTracer:
+    """Rank 0's tracer: spans are no-ops; generation marks go to the op log (decode window)."""
+
+    def __init__(self, log: OpLog) -> None:
+        self.log, self.busy_s, self.rank, self.enabled = log, 0.0, 0, False
+
+    @contextmanager
+    def span(self, name, **meta):
+        yield
+
+    def mark(self, name, **meta) -> None:
+        self.log.add("mark", name)
+
+    def reset_counters(self) -> None:
+        pass

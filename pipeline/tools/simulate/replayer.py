@@ -1,0 +1,110 @@
+"""Replay recorded generations through a mode's real code, on any number of stages, in one process.
+
+:func:`replay` runs the *real* code of a mode: its rank-0 scheduler (``pipeline/modes``), the real drafter and
+tree operations (:class:`.drafter.ReplayDrafter`), and the real stage loop (``pipeline/worker.py``: decisions,
+KV compaction, in-flight pruning) on any number of stages, one thread per rank (:mod:`pipeline.local_ring`,
+through :class:`.transport.SimComm`). Only the expensive parts are stand-ins (:mod:`.stand_ins`). Every rank's
+ordered operations are recorded (:class:`.oplog.OpLog`): stage forwards (rows, cached slots), lm_head and
+draft-head applications, sends (modeled bytes), receives, broadcasts, and the host work in between (the thread
+CPU time of the real bookkeeping: tree building, verification, pruning, message encoding).
+
+**Exactness.** At T = 0 the replay reproduces the recorded run's acceptance (τ, steps, rows per segment) for the
+recorded stage count, and for another stage count it is what that run would do (greedy output does not depend
+on the split). At T > 0 a run with another schedule would sample another text from the same law; a replayed
+text is still a valid sample of the mode's behaviour, so predictions are exact in distribution over many
+generations. Invariant checked on every generation: the replayed output equals the recorded one
+(:class:`AssertionError` otherwise). The op logs do not depend on thread timing: the ring is FIFO per link and
+direct decisions follow a fixed schedule (:class:`.transport.ScheduledDirect`); only the measured host times do.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from pipeline.tools.simulate.drafter import ReplayDrafter, record_drafter
+from pipeline.tools.simulate.oplog import MarkTracer, OpLog, Recorder
+from pipeline.tools.simulate.recorded import Committed, TargetFeatures
+from pipeline.tools.simulate.transport import ScheduledDirect, SimComm
+
+
+@dataclass
+class Replayed:
+    """One replayed generation (its output is ``row["output_ids"]``: the replay checks it). Its operations live
+    in the session's logs; the i-th generation of a session is its i-th decode window."""
+
+    row: dict
+    mode: str
+    stages: int
+    accept_lengths: list[int]
+    pipeline_steps: int
+
+
+@dataclass
+class Session:
+    """The replay of some rows through one mode on ``stages`` layer stages: one op log per rank (rank 0 first)
+    and the generations in replay order."""
+
+    stages: int
+    mode: str
+    logs: list[OpLog]
+    gens: list[Replayed] = field(default_factory=list)
+
+    def ops(self) -> list[list[tuple]]:
+        """Every rank's op list, rank 0 first: what :func:`.timing.simulate_timing` times."""
+        return [log.ops for log in self.logs]
+
+
+def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: int,
+           features: TargetFeatures, progress=None, direct_upto: list[list[int]] | None = None) -> Session:
+    """Replay ``rows`` (recorded generations) through ``mode`` on ``stages`` layer stages; returns the op logs.
+    ``direct_upto``: the direct-decision schedule of a later pass (:class:`ScheduledDirect`); ``None``:
+    decisions reach the stages on the ring only (pass 0)."""
+    from pipeline.engine import timed_generation
+    from pipeline.local_ring import LocalRing, stage_threads
+    from pipeline.modes import DECODERS
+    from pipeline.tools.simulate.stand_ins import ReplayEngine, ReplayStage
+    from pipeline.verify import Sampler
+    from pipeline.worker import StageWorker
+
+    world = stages + 1
+    ring, rec, committed = LocalRing(world), Recorder(world), Committed()
+    direct = ScheduledDirect(world, direct_upto)
+    session = Session(stages, mode, rec.logs)
+    max_len = max(len(r["prompt_ids"]) + len(r["output_ids"]) for r in rows) + 1024
+
+    def stage(r: int) -> None:
+        rec.logs[r].last = time.thread_time()
+        StageWorker(ReplayStage(r, committed, rec.logs[r]), SimComm(ring, r, rec, direct),
+                    max_len, torch.float64, "cpu").run()
+
+    log0 = rec.logs[0]
+    comm0 = SimComm(ring, 0, rec, direct, tracer=MarkTracer(log0))
+    rdrafter = None
+    if drafter is not None:
+        rdrafter = ReplayDrafter(drafter, committed)
+        record_drafter(drafter, log0)
+    engine = ReplayEngine(torch.nn.Linear(1, 1), comm0, rdrafter,
+                          Sampler(float(cfg.gen.temperature), 1.0, 0, torch.Generator()), set(), cfg)
+    engine.vocab_size, engine.committed, engine.log = vocab_size, committed, log0
+    with stage_threads(world, stage) as errors:
+        log0.last = time.thread_time()
+        try:
+            for row in rows:
+                prompt, output = list(row["prompt_ids"]), list(row["output_ids"])
+                committed.seq = prompt + output
+                committed.features = features(committed.seq)
+                # the recorded answer ends where it ended: exactly len(output) tokens, no stop token needed
+                engine.cfg = replace(cfg, gen=replace(cfg.gen, max_new_tokens=len(output)))
+                res = timed_generation(engine, prompt, DECODERS[mode])
+                if res.output_ids != output:
+                    raise AssertionError(f"replay of question {row.get('question_id')} diverged from its "
+                                         "recorded output")
+                session.gens.append(Replayed(row, mode, stages, res.accept_lengths, res.pipeline_steps))
+                if progress is not None:
+                    progress.update(1)
+        finally:
+            if not errors:
+                engine.shutdown()
+    return session

@@ -1,0 +1,160 @@
+"""The discrete-event timing model: a replay's op logs (:mod:`.oplog`) timed under an emulation profile.
+
+:func:`simulate_timing` runs the per-rank op lists with the emulated testbed's semantics
+(``pipeline/emulation.py``):
+
+* a compute op takes the profile's modeled time (a stage's ``time(rows, ctx)`` times ``stage_cost_scale``;
+  rank 0's lm_head and draft head by the profile's rank-0 models, or at their recorded CPU time with
+  ``model_rank0=False``), plus ``op_overhead_s``; host work takes its measured time;
+* a message serialises on its link (header + rows x bytes per row + other bytes, over the bandwidth; one link
+  per (sender, receiver) pair, messages on it back to back) and arrives ``latency_s`` later without blocking
+  the sender; a receive waits for its message (plus ``msg_overhead_s``);
+* rank 0 issues a decision broadcast after ``latency + (N-1) x transfer``, a stage takes it no earlier, and (as
+  with gloo) the broadcast returns on rank 0 only once every stage has entered it;
+* a direct decision (``dsend``) travels on its own link and never blocks rank 0; a stage's ``poll`` takes no
+  time (their times go to :class:`.transport.DirectTimes` for the next replay pass).
+
+Predictions are in the profile's time: ``time_scale`` dilates modeled durations (compute, transfers, latency)
+like ``emu.time_scale``, never measured host work. Invariants: the model is deterministic (the same logs and
+configuration give the same times); every rank's clock only moves forward; and logs that cannot all complete
+(a receive whose message is never sent) raise :class:`Deadlock` instead of returning partial times.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from config.profiles import LinkModel, Profile
+from pipeline.tools.simulate.transport import DirectTimes
+
+
+@dataclass
+class TimingConfig:
+    """How a session's ops are timed. ``stage_cost_scale`` multiplies every stage compute time (e.g. the same
+    model on twice as many stages: 0.5); ``hidden_bytes_per_token`` overrides the profile's (needed when the
+    profile counts real payloads); ``model_rank0=False`` times rank 0's lm_head/draft ops at their recorded
+    CPU time instead of the profile's model."""
+
+    profile: Profile
+    time_scale: float = 1.0
+    stage_cost_scale: float = 1.0
+    msg_overhead_s: float = 0.0         # transport cost per received message or broadcast (every rank)
+    model_rank0: bool = True
+    real_hidden_bytes: float = 0.0      # bytes per hidden row of the real model (profiles that count payloads)
+    op_overhead_s: float = 0.0          # added to every modeled op (e.g. the testbed's padding overhead)
+
+
+class Deadlock(RuntimeError):
+    """The op logs cannot all complete: a rank waits for a message or broadcast that is never sent."""
+def simulate_timing(logs: list[list[tuple]], tc: TimingConfig,
+                    timeline: list | None = None, direct: DirectTimes | None = None) -> list[tuple[str, float]]:
+    """Discrete-event timing of per-rank op lists; returns the ``(mark, time)`` list (rank 0 writes the marks).
+    ``timeline``, when given, receives ``(rank, op, start, end)`` for every op (waits end at the arrival);
+    ``direct``, when given, receives when each direct decision reached each stage and when each stage polled."""
+    prof, s = tc.profile, tc.time_scale
+    world = len(logs)
+    idx, clock = [0] * world, [0.0] * world
+    chan: dict[tuple[int, int], list[float]] = {}
+    read: dict[tuple[int, int], int] = {}
+    link_free: dict[tuple[int, int], float] = {}
+    issued: list[float] = []              # k-th broadcast: when rank 0 issued it
+    done_bcasts: list[float] = []         # ... and when it returned on rank 0
+    joins: dict[int, dict[int, float]] = {}   # k -> {stage rank: when it entered the k-th broadcast}
+    bread = [0] * world
+    marks: list[tuple[str, float]] = []
+    r0_lm = prof.lm_head if (tc.model_rank0 and prof.lm_head is not None) else None
+    r0_draft = prof.draft_forward if (tc.model_rank0 and prof.draft_forward is not None) else None
+
+    def nbytes(link: LinkModel, hidden_rows: int, other: int) -> float:
+        per_row = link.hidden_bytes_per_token or tc.real_hidden_bytes
+        return link.header_bytes + hidden_rows * per_row + other
+
+    remaining = sum(len(l) for l in logs)
+    while remaining:
+        progressed = False
+        for r in range(world):
+            ops = logs[r]
+            while idx[r] < len(ops):
+                t = clock[r]
+                op = ops[idx[r]]
+                kind = op[0]
+                if kind == "recv":
+                    key = (op[1], r)
+                    k = read.get(key, 0)
+                    q = chan.get(key)
+                    if q is None or k >= len(q):
+                        break
+                    t = max(t, q[k]) + tc.msg_overhead_s
+                    read[key] = k + 1
+                elif kind == "bcast_recv":
+                    k = bread[r]
+                    joins.setdefault(k, {}).setdefault(r, t)      # this rank is in the collective from now on
+                    if k >= len(issued):
+                        break
+                    t = max(t, issued[k]) + tc.msg_overhead_s
+                    bread[r] += 1
+                elif kind == "host":
+                    t += op[1]
+                elif kind == "compute":
+                    t += prof.stage_model(r).time(op[1], op[2]) * tc.stage_cost_scale * s + tc.op_overhead_s
+                elif kind == "lm_head":
+                    t += (r0_lm.time(op[1], 0) * s if r0_lm is not None else op[2]) + tc.op_overhead_s
+                elif kind == "draft":
+                    t += (r0_draft.time(op[1], op[2]) * s if r0_draft is not None else op[3]) + tc.op_overhead_s
+                elif kind == "send":
+                    dst = op[1]
+                    link = prof.link_model(r, dst)
+                    start = max(t, link_free.get((r, dst), 0.0))
+                    done = start + link.transfer_s(nbytes(link, op[2], op[3])) * s
+                    link_free[(r, dst)] = done
+                    chan.setdefault((r, dst), []).append(done + link.latency_s * s)
+                elif kind == "bcast":
+                    k = len(done_bcasts)
+                    if k == len(issued):   # rank 0 waits out the modeled delay, then issues the collective
+                        link = prof.link_model(0, 1 % world)
+                        issued.append(t + (link.latency_s + (world - 1) * link.transfer_s(nbytes(link, 0, op[1]))) * s)
+                    if len(joins.get(k, {})) < world - 1:
+                        break             # a gloo broadcast returns on the root once every stage has joined
+                    t = max(issued[k], max(joins[k].values(), default=0.0))
+                    done_bcasts.append(t)
+                elif kind == "dsend":     # a direct decision: its own link, does not block rank 0
+                    dst = op[1]
+                    link = prof.link_model(r, dst)
+                    start = max(t, link_free.get((r, dst), 0.0))
+                    done = start + link.transfer_s(nbytes(link, 0, op[2])) * s
+                    link_free[(r, dst)] = done
+                    if direct is not None:
+                        direct.arrivals.setdefault(dst, []).append(done + link.latency_s * s)
+                elif kind == "poll":      # a stage looks at the direct decisions it holds (no time)
+                    if direct is not None:
+                        direct.polls.setdefault(r, []).append((t, op[1]))
+                elif kind == "mark":
+                    marks.append((op[1], t))
+                else:
+                    raise ValueError(f"unknown op {op!r}")
+                if timeline is not None:
+                    timeline.append((r, op, clock[r], t))
+                clock[r] = t
+                idx[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: logs[r][idx[r]] for r in range(world) if idx[r] < len(logs[r])}
+            raise Deadlock(f"op logs cannot make progress: {stuck}")
+    return marks
+
+
+def decode_windows(marks: list[tuple[str, float]]) -> list[tuple[float, float]]:
+    """Each generation's decode window ``(decode_begin, gen_end)`` on rank 0's clock."""
+    out, begin = [], None
+    for name, t in marks:
+        if name == "decode_begin":
+            begin = t
+        elif name == "gen_end" and begin is not None:
+            out.append((begin, t))
+            begin = None
+    return out
+
+
+def decode_times(marks: list[tuple[str, float]]) -> list[float]:
+    """Decode seconds of each generation: from its ``decode_begin`` mark to its ``gen_end`` mark."""
+    return [hi - lo for lo, hi in decode_windows(marks)]
