@@ -198,7 +198,8 @@ def train_eagle3(args) -> int:
             loss, ls, acc = ttt_loss(head, ids, fused, logp, mask, args.ttt_steps)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+            if args.grad_clip > 0:   # 0 = no clipping (as the EAGLE-1/2 trainer; clip_grad_norm_(p, 0) zeroes grads)
+                torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
             opt.step()
             sched.step()
             step += 1

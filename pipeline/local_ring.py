@@ -7,7 +7,7 @@ link, direct messages from rank 0 received in issue order. Messages go through t
 anything the real transport would drop.
 
 Used by the protocol tests (``pipeline/inprocess.py``) and by the what-if simulator
-(``pipeline/tools/simulate.py``), which passes an ``observer`` to see every send and receive, and turns direct
+(``pipeline/tools/simulate/``), which passes an ``observer`` to see every send and receive, and turns direct
 decision delivery off (``direct=False``: decisions then reach the stages on the ring only, a schedule that
 does not depend on thread timing).
 """
@@ -48,7 +48,7 @@ class LocalComm:
         self.timeout_s = timeout_s
 
     @staticmethod
-    def _wire(msg: Message) -> Message:
+    def wire(msg: Message) -> Message:
         header, payload = encode(msg)   # fresh tensors: the decoded message may own them (no copy)
         return decode(header, payload, share=True)
 
@@ -56,7 +56,7 @@ class LocalComm:
         dst = (self.rank + 1) % self.world
         if self.observer is not None:
             self.observer.on_send(self.rank, dst, msg)
-        self.ring.links[self.rank].put(self._wire(msg))
+        self.ring.links[self.rank].put(self.wire(msg))
 
     def recv_prev(self) -> Message:
         msg = self.ring.links[(self.rank - 1) % self.world].get(timeout=self.timeout_s)
@@ -70,7 +70,7 @@ class LocalComm:
         for r in range(2, self.world):
             if self.observer is not None:
                 self.observer.on_send(self.rank, r, msg)
-            self.ring.direct[r].put(self._wire(msg))
+            self.ring.direct[r].put(self.wire(msg))
 
     def open_direct_inbox(self) -> None:
         pass

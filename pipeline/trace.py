@@ -19,7 +19,7 @@ import socket
 import time
 from pathlib import Path
 
-# span kinds that count as busy; "host" is the simulator's rank-0 tree/verification work (pipeline/tools/simulate.py)
+# span kinds that count as busy; "host" is the simulator's rank-0 tree/verification work (pipeline/tools/simulate/)
 BUSY = {"compute", "verify", "draft", "expand", "prune", "lm_head", "host"}
 
 

@@ -1,4 +1,4 @@
-"""The what-if simulator (pipeline/tools/simulate.py): timing math, replay exactness across stage counts, and
+"""The what-if simulator (pipeline/tools/simulate/): timing math, replay exactness across stage counts, and
 agreement with a real emulated multi-process run."""
 from __future__ import annotations
 

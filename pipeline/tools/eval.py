@@ -30,7 +30,6 @@ from pipeline.tools.ranks import child_env, job_command, log_tail, run_job
 from pipeline.tools.rows import RowTailer, find_mismatches, losslessness_md, mismatch_banner
 
 DATASETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
-MODES = COMPARED_MODES   # alias read by pipeline/tools/simulate.py (write_paper_tables); new code: config.modes
 DATASET_LABELS = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "Alpaca",
                   "sum": "CNN/DM", "qa": "NaturalQ"}
 META_KEYS = ("profile", "time_scale", "max_new_tokens", "stage_dir", "head_dir", "overrides", "world")

@@ -63,7 +63,7 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
     decisions reach the stages on the ring only (pass 0)."""
     from pipeline.engine import timed_generation
     from pipeline.local_ring import LocalRing, stage_threads
-    from pipeline.modes import DECODERS
+    from pipeline.modes import new_decoder
     from pipeline.tools.simulate.stand_ins import ReplayEngine, ReplayStage
     from pipeline.verify import Sampler
     from pipeline.worker import StageWorker
@@ -97,7 +97,7 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
                 committed.features = features(committed.seq)
                 # the recorded answer ends where it ended: exactly len(output) tokens, no stop token needed
                 engine.cfg = replace(cfg, gen=replace(cfg.gen, max_new_tokens=len(output)))
-                res = timed_generation(engine, prompt, DECODERS[mode])
+                res = timed_generation(engine, prompt, new_decoder(mode))
                 if res.output_ids != output:
                     raise AssertionError(f"replay of question {row.get('question_id')} diverged from its "
                                          "recorded output")

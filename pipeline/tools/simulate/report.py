@@ -43,9 +43,9 @@ def to_timeline(timeline: list, world: int):
 def stage_utilization(tl, windows: list[tuple[float, float]]) -> list[list[float]]:
     """Per generation (decode) window: each rank's busy fraction, :func:`pipeline.trace.busy_fraction` (rank 0:
     lm_head, draft head and ``host`` work; stages: their layer computations)."""
-    from pipeline.tools.timeline import _clipped
+    from pipeline.tools.timeline import clipped
     from pipeline.trace import busy_fraction
-    return [[round(busy_fraction(tl.ranks[r].spans, lo, hi, _clipped), 4) for r in sorted(tl.ranks)] for lo, hi in windows]
+    return [[round(busy_fraction(tl.ranks[r].spans, lo, hi, clipped), 4) for r in sorted(tl.ranks)] for lo, hi in windows]
 
 
 def draw_gantt(tl, windows: list[tuple[float, float]], session: Session, prof: Profile, profile_name: str, args,
@@ -134,7 +134,7 @@ def write_summary(table: list[dict], out_dir: Path, profile: str) -> None:
 def write_paper_tables(preds: list[dict], out_dir: Path, profile: str, args) -> list[Path]:
     """The evaluation sweep's paper-style summary (ξ, SR vs naive, τ per dataset, plots) of the predictions, one
     folder per (stages, bandwidth): ``paper_s<stages>_bw<mbps>/``."""
-    from pipeline.tools.eval import DATASETS, MODES, plot, summarize as eval_summary
+    from pipeline.tools.eval import DATASETS, plot, summarize as eval_summary
     groups: dict[tuple, list[dict]] = {}
     for p in preds:
         if p.get("dataset"):
@@ -148,7 +148,7 @@ def write_paper_tables(preds: list[dict], out_dir: Path, profile: str, args) -> 
                  "emu_flag": bool(p.get("recorded_emu_flag"))} for p in ps]   # plots mark flagged recordings
         datasets = [d for d in DATASETS if any(r["dataset"] == d for r in rows)]
         datasets += sorted({r["dataset"] for r in rows} - set(datasets))
-        modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+        modes = [m for m in COMPARED_MODES if any(r["mode"] == m for r in rows)]
         temps = sorted({float(r["temperature"]) for r in rows})
         meta = {"profile": f"{profile} (simulated: {stages} layer stages, {bw:g} Mbit/s)" if bw else profile,
                 "time_scale": args.time_scale, "world": stages + 1, "overrides": args.overrides,

@@ -104,7 +104,7 @@ class SimComm(LocalComm):
         self.rec, self.scheduled = rec, scheduled
 
     def send_direct(self, msg) -> None:
-        wired = self._wire(msg)
+        wired = self.wire(msg)
         for r in range(2, self.world):
             self.rec.logs[self.rank].add("dsend", r, message_parts(msg)[1])
         self.scheduled.issue(wired)
