@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from model.split import DTYPE_NAMES, _read_config, split_checkpoint
+from model.split import DTYPE_NAMES, read_config, split_checkpoint
 from model.stage_format import StageDirError, even_split, parse_split
 
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.split is not None:
             split = parse_split(args.split)
         else:
-            split = even_split(_read_config(model_dir)["num_hidden_layers"], args.stages)
+            split = even_split(read_config(model_dir)["num_hidden_layers"], args.stages)
         out = split_checkpoint(model_dir, args.out, split, dtype=args.dtype, force=args.force,
                                progress=not args.no_progress)
     except (StageDirError, ValueError, FileNotFoundError, DefaultModelError) as e:

@@ -37,7 +37,7 @@ def _warn(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
-def _torch_dtype(name: str | None):
+def torch_dtype(name: str | None):
     import torch
 
     if name is None:
@@ -47,7 +47,7 @@ def _torch_dtype(name: str | None):
     return getattr(torch, name)
 
 
-class _WeightSource:
+class WeightSource:
     """Tensor-by-tensor access to a safetensors or .bin checkpoint (single file or sharded)."""
 
     def __init__(self, model_dir: Path) -> None:
@@ -122,7 +122,7 @@ class _WeightSource:
         self._handles.clear()
 
 
-def _read_config(model_dir: Path) -> dict:
+def read_config(model_dir: Path) -> dict:
     if not model_dir.is_dir():
         raise FileNotFoundError(f"input checkpoint directory {model_dir} does not exist")
     p = model_dir / "config.json"
@@ -193,7 +193,7 @@ def _natural_key(name: str):
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
-def _prepare_out(out: Path, model_dir: Path, force: bool) -> None:
+def prepare_out(out: Path, model_dir: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"output path {out} exists and is not a directory")
     if out.resolve() == model_dir.resolve():
@@ -211,6 +211,37 @@ def _prepare_out(out: Path, model_dir: Path, force: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def check_output(out: Path, dtype: str | None, force: bool) -> None:
+    """A known output dtype and an empty (or ``force``d) output directory: checked before any tensor is read."""
+    if dtype is not None and dtype not in DTYPE_NAMES:
+        raise ValueError(f"unsupported dtype {dtype!r}: choose one of {', '.join(DTYPE_NAMES)}")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ValueError(f"output directory {out} is not empty (use --force to overwrite)")
+
+
+def write_stage(out: Path, rank: int, tensors: dict, cfg: dict, model_dir: Path) -> tuple[str, dict]:
+    """Write stage ``rank``'s weights, its ``config.json`` and the tokenizer files; returns its manifest entry
+    ``(relative path of the weights, {"sha256", "bytes"})``."""
+    from safetensors.torch import save_file
+    d = stage_dir(out, rank)
+    d.mkdir(parents=True, exist_ok=True)
+    weights = d / WEIGHTS
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    for fname in TOKENIZER_FILES:
+        src = model_dir / fname
+        if src.is_file():
+            shutil.copyfile(src, d / fname)
+    return f"{d.name}/{WEIGHTS}", {"sha256": sha256_file(weights), "bytes": weights.stat().st_size}
+
+
+def write_manifest(out: Path, manifest: dict) -> None:
+    """The manifest goes last, atomically: a stage root without one is an interrupted split."""
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.replace(out / MANIFEST)
+
+
 def split_checkpoint(model_dir: str | Path, out_dir: str | Path, split: list[int] | str,
                      dtype: str | None = None, force: bool = False, progress: bool = True) -> Path:
     """Split the HF checkpoint ``model_dir`` into ``out_dir`` following ``split`` (leading 0 = draft stage).
@@ -218,22 +249,18 @@ def split_checkpoint(model_dir: str | Path, out_dir: str | Path, split: list[int
     ``dtype`` casts floating tensors (``None`` keeps the source dtype). Returns ``out_dir``.
     """
     model_dir, out = Path(model_dir), Path(out_dir)
-    config = _read_config(model_dir)  # cheap checks first: no torch import for a bad command line
+    config = read_config(model_dir)  # cheap checks first: no torch import for a bad command line
     num_layers = config["num_hidden_layers"]
     split = parse_split(split, num_layers)
-    if dtype is not None and dtype not in DTYPE_NAMES:
-        raise ValueError(f"unsupported dtype {dtype!r}: choose one of {', '.join(DTYPE_NAMES)}")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ValueError(f"output directory {out} is not empty (use --force to overwrite)")
+    check_output(out, dtype, force)
 
     import torch
-    from safetensors.torch import save_file
     from tqdm import tqdm
 
-    out_dtype = _torch_dtype(dtype)
-    source = _WeightSource(model_dir)
+    out_dtype = torch_dtype(dtype)
+    source = WeightSource(model_dir)
     plan = _plan(list(source.key_file), config, split)
-    _prepare_out(out, model_dir, force)
+    prepare_out(out, model_dir, force)
 
     dtype_name = dtype
     files: dict[str, dict] = {}
@@ -250,29 +277,19 @@ def split_checkpoint(model_dir: str | Path, out_dir: str | Path, split: list[int
                     dtype_name = str(t.dtype).removeprefix("torch.")
                 tensors[name] = t
                 bar.update(1)
-            d = stage_dir(out, rank)
-            d.mkdir(parents=True, exist_ok=True)
-            weights = d / WEIGHTS
-            save_file(tensors, str(weights), metadata={"format": "pt"})
-            del tensors
             cfg = dict(config)
             cfg.update(stage_fields(split, rank))
             cfg["source_model"] = str(model_dir.resolve())
             cfg["dtype"] = dtype_name
             cfg["torch_dtype"] = dtype_name
-            (d / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-            for fname in TOKENIZER_FILES:
-                src = model_dir / fname
-                if src.is_file():
-                    shutil.copyfile(src, d / fname)
-            files[f"{d.name}/{WEIGHTS}"] = {"sha256": sha256_file(weights), "bytes": weights.stat().st_size}
+            key, entry = write_stage(out, rank, tensors, cfg, model_dir)
+            del tensors
+            files[key] = entry
     finally:
         bar.close()
         source.close()
 
     manifest = {"format": FORMAT, "split": split, "source": str(model_dir.resolve()),
                 "num_hidden_layers": num_layers, "dtype": dtype_name, "files": files}
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    tmp.replace(out / MANIFEST)
+    write_manifest(out, manifest)
     return out

@@ -26,9 +26,7 @@ about one shard plus one source tensor.
 """
 from __future__ import annotations
 
-import json
 import re
-import shutil
 from pathlib import Path
 
 from config.modes import (
@@ -36,11 +34,7 @@ from config.modes import (
 )
 from model.stage_format import (
     FORMAT,
-    MANIFEST,
-    WEIGHTS,
     StageDirError,
-    sha256_file,
-    stage_dir,
     stage_fields,
 )
 
@@ -157,26 +151,16 @@ def shard_config(config: dict, n: int, t: int) -> dict:
 def split_checkpoint_tp(model_dir: str | Path, out_dir: str | Path, n: int, dtype: str | None = None,
                         force: bool = False, progress: bool = True) -> Path:
     """Write a tensor-parallel split of ``model_dir`` for ``n`` TP ranks (world ``n + 1``) into ``out_dir``."""
-    from model.split import (
-        DTYPE_NAMES,
-        TOKENIZER_FILES,
-        _prepare_out,
-        _read_config,
-        _torch_dtype,
-        _WeightSource,
-    )
+    from model.split import (WeightSource, check_output, prepare_out, read_config, torch_dtype, write_manifest,
+                             write_stage)
     model_dir, out = Path(model_dir), Path(out_dir)
-    config = _read_config(model_dir)
+    config = read_config(model_dir)
     check_tp(config, n)
-    if dtype is not None and dtype not in DTYPE_NAMES:
-        raise ValueError(f"unsupported dtype {dtype!r}: choose one of {', '.join(DTYPE_NAMES)}")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise ValueError(f"output directory {out} is not empty (use --force to overwrite)")
-    from safetensors.torch import save_file
+    check_output(out, dtype, force)
     from tqdm import tqdm
 
-    out_dtype = _torch_dtype(dtype)
-    source = _WeightSource(model_dir)
+    out_dtype = torch_dtype(dtype)
+    source = WeightSource(model_dir)
     keys = set(source.key_file)
     layers = config["num_hidden_layers"]
     split = [0] + [layers] * n
@@ -189,7 +173,7 @@ def split_checkpoint_tp(model_dir: str | Path, out_dir: str | Path, n: int, dtyp
         raise ValueError("checkpoint is missing lm_head.weight (and its embeddings are not tied)")
     plans = {0: [(name, key, "full", None) for name, key in head]}
     plans.update({t + 1: _plan_rank(keys, config, n, t) for t in range(n)})
-    _prepare_out(out, model_dir, force)
+    prepare_out(out, model_dir, force)
     hd = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     dtype_name, files = dtype, {}
     bar = tqdm(total=sum(len(p) for p in plans.values()), desc="splitting (tp)", unit="tensor", disable=not progress)
@@ -204,28 +188,20 @@ def split_checkpoint_tp(model_dir: str | Path, out_dir: str | Path, n: int, dtyp
                     dtype_name = str(t.dtype).removeprefix("torch.")
                 tensors[name] = t
                 bar.update(1)
-            d = stage_dir(out, rank)
-            d.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(d / WEIGHTS), metadata={"format": "pt"})
-            del tensors
             cfg = dict(config) if rank == 0 else shard_config(config, n, rank - 1)
             cfg.update(stage_fields(split, rank))
             if rank:
                 cfg.update(layer_range=[0, layers], has_embedding=True, has_final_norm=True)
             cfg.update(source_model=str(model_dir.resolve()), dtype=dtype_name, torch_dtype=dtype_name)
-            (d / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-            for fname in TOKENIZER_FILES:
-                if (model_dir / fname).is_file():
-                    shutil.copyfile(model_dir / fname, d / fname)
-            files[f"{d.name}/{WEIGHTS}"] = {"sha256": sha256_file(d / WEIGHTS), "bytes": (d / WEIGHTS).stat().st_size}
+            key, entry = write_stage(out, rank, tensors, cfg, model_dir)
+            del tensors
+            files[key] = entry
     finally:
         bar.close()
         source.close()
     manifest = {"format": FORMAT, "split": split, "tp": n, "source": str(model_dir.resolve()),
                 "num_hidden_layers": layers, "dtype": dtype_name, "files": files}
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    tmp.replace(out / MANIFEST)
+    write_manifest(out, manifest)
     return out
 
 
