@@ -177,7 +177,7 @@ class Spans(list):
         return self
 
 
-def clipped(iv, lo: float, hi: float) -> list[tuple[float, float]]:
+def clip_intervals(iv, lo: float, hi: float) -> list[tuple[float, float]]:
     """Intervals of ``iv`` (a finished ``Spans`` or any sorted list) intersected with [lo, hi]."""
     if not iv:
         return []
@@ -198,10 +198,10 @@ def utilization(tl: Timeline, windows: list[tuple[float, float]]) -> list[dict]:
     for r, rt in sorted(tl.ranks.items()):
         per_kind, busy, wait, anyspan = {}, 0.0, 0.0, 0.0
         for lo, hi in windows:
-            clipped = {k: clipped(iv, lo, hi) for k, iv in rt.spans.items()}
+            clipped = {k: clip_intervals(iv, lo, hi) for k, iv in rt.spans.items()}
             for k, c in clipped.items():
                 per_kind[k] = per_kind.get(k, 0.0) + union_length(c)
-            busy += busy_fraction(rt.spans, lo, hi, clipped) * (hi - lo)
+            busy += busy_fraction(rt.spans, lo, hi, clip_intervals) * (hi - lo)
             wait += union_length([x for k, c in clipped.items() if k in WAIT for x in c])
             anyspan += union_length([x for c in clipped.values() for x in c])
         frac = (lambda v: v / length if length > 0 else 0.0)
@@ -254,7 +254,7 @@ def gantt(tl: Timeline, lo: float, hi: float, out: str | Path, title: str = "", 
         rt = tl.ranks[r]
         for kind in list(reversed(KINDS)) + sorted(set(rt.spans) - set(KINDS)):
             color, _ = KINDS.get(kind, ("magenta", kind))
-            iv = clipped(rt.spans.get(kind, []), lo, hi)
+            iv = clip_intervals(rt.spans.get(kind, []), lo, hi)
             if not iv:
                 continue
             used.add(kind)
@@ -310,7 +310,7 @@ def chrome_trace(tl: Timeline, lo: float | None = None, hi: float | None = None)
         events.append({"name": "process_sort_index", "ph": "M", "pid": r, "tid": 0, "args": {"sort_index": r}})
         for kind, iv in rt.spans.items():
             cat = "busy" if kind in BUSY else "wait" if kind in WAIT else "send" if kind == "send" else "other"
-            for a, b in clipped(iv, lo, hi):
+            for a, b in clip_intervals(iv, lo, hi):
                 events.append({"name": kind, "cat": cat, "ph": "X", "pid": r, "tid": 0, "ts": us(a),
                                "dur": us(max(0.0, b - a))})
         for name, t, meta in rt.marks:

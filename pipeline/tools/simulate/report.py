@@ -43,9 +43,9 @@ def to_timeline(timeline: list, world: int):
 def stage_utilization(tl, windows: list[tuple[float, float]]) -> list[list[float]]:
     """Per generation (decode) window: each rank's busy fraction, :func:`pipeline.trace.busy_fraction` (rank 0:
     lm_head, draft head and ``host`` work; stages: their layer computations)."""
-    from pipeline.tools.timeline import clipped
+    from pipeline.tools.timeline import clip_intervals
     from pipeline.trace import busy_fraction
-    return [[round(busy_fraction(tl.ranks[r].spans, lo, hi, clipped), 4) for r in sorted(tl.ranks)] for lo, hi in windows]
+    return [[round(busy_fraction(tl.ranks[r].spans, lo, hi, clip_intervals), 4) for r in sorted(tl.ranks)] for lo, hi in windows]
 
 
 def draw_gantt(tl, windows: list[tuple[float, float]], session: Session, prof: Profile, profile_name: str, args,
