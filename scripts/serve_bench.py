@@ -1,5 +1,7 @@
 """Overhead of the HTTP server against ``pipeline.run`` on the same prompts (time to first token, tok/s, τ).
 
+Example:
+
     .venv/bin/python -m scripts.serve_bench --prompts-file ../shared/data/mt_bench/question.jsonl -n 4 \\
         --modes naive,continuous max_new_tokens=64
 
