@@ -17,6 +17,7 @@ import torch
 from draft.eagle import EagleHead
 from draft.tree import DraftTree, select_top_nodes, top_node_order
 from model.devices import HOST
+from model.meter import NULL_METER, OpMeter, hidden_rows
 
 Tensor = torch.Tensor
 
@@ -34,6 +35,7 @@ class BeamTreeDrafter:
 
     supports_extend = True   # grow_tree is the EAGLE-2 search: extend_tree may continue its trees
     vocab_map: Tensor | None = None   # EAGLE-3 reduced vocabulary (draft id -> target id); None = the target's
+    meter: OpMeter = NULL_METER   # instrumentation sees each logprobs call as an lm_head op (model.meter)
     # a subclass that sets vocab_map also implements draft_logprobs (log-probs over the draft vocabulary)
 
     def _topk(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -199,13 +201,14 @@ class Drafter(BeamTreeDrafter):
     @torch.no_grad()
     def logprobs(self, hidden: Tensor) -> Tensor:
         """Log-probs over the target vocabulary (-inf outside a reduced draft vocabulary)."""
-        lp = self.draft_logprobs(hidden)
-        if self.vocab_map is None:
-            return lp
-        full = torch.full((*lp.shape[:-1], self.lm_head.out_features), float("-inf"), dtype=lp.dtype,
-                          device=lp.device)
-        full[..., self.vocab_map.to(lp.device)] = lp
-        return full
+        with self.meter.op("lm_head", hidden_rows(hidden)):
+            lp = self.draft_logprobs(hidden)
+            if self.vocab_map is None:
+                return lp
+            full = torch.full((*lp.shape[:-1], self.lm_head.out_features), float("-inf"), dtype=lp.dtype,
+                              device=lp.device)
+            full[..., self.vocab_map.to(lp.device)] = lp
+            return full
 
     @torch.no_grad()
     def commit(self, tokens: Tensor, features: Tensor) -> Tensor:

@@ -19,9 +19,12 @@ from transformers import AutoConfig
 from draft.head_io import (HeadError, head_config_from_target, init_head_weights, is_eagle3_config,
                            read_head_config, read_head_weights)
 from model.layers import LayerBlock
+from model.meter import NULL_METER, OpMeter, cache_length
 
 
 class EagleHead(nn.Module):
+    meter: OpMeter = NULL_METER   # instrumentation sees each forward as a draft_forward op (model.meter)
+
     def __init__(self, config, bias: bool = True) -> None:
         super().__init__()
         h = config.hidden_size
@@ -32,9 +35,11 @@ class EagleHead(nn.Module):
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor, cache) -> torch.Tensor:
-        """``tokens [1, n]`` paired with the feature of the *previous* position ``features [1, n, H]``."""
-        x = self.fc(torch.cat([self.embed_tokens(tokens).to(features.dtype), features], dim=-1))
-        return self.block(x, positions, mask, cache)
+        """``tokens [1, n]`` paired with the feature of the *previous* position ``features [1, n, H]``. Metered as
+        a ``draft_forward`` op over the cache's entries (:mod:`model.meter`)."""
+        with self.meter.op("draft_forward", int(tokens.shape[-1]), cache_length(cache)):
+            x = self.fc(torch.cat([self.embed_tokens(tokens).to(features.dtype), features], dim=-1))
+            return self.block(x, positions, mask, cache)
 
     # -- checkpoint I/O (EAGLE layout) -----------------------------------------------------------
     def eagle_state_dict(self, with_embeddings: bool = False) -> dict[str, torch.Tensor]:

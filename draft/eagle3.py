@@ -43,6 +43,7 @@ from draft.head_io import (HeadError, head_config_from_target, init_head_weights
                            read_head_config, read_head_weights)
 from model.kv_cache import KVCache
 from model.layers import family_classes
+from model.meter import NULL_METER, OpMeter, cache_length
 
 Tensor = torch.Tensor
 NUM_AUX = 3
@@ -101,6 +102,8 @@ class Eagle3Head(nn.Module):
     drives both); :meth:`draft_logits` gives logits over the draft vocabulary, :attr:`vocab_map` maps them to
     target ids (``None`` when the draft vocabulary is the target's)."""
 
+    meter: OpMeter = NULL_METER   # instrumentation sees each forward as a draft_forward op (model.meter)
+
     def __init__(self, config, target_hidden: int, aux_layers: list[int], vocab_map: Tensor | None,
                  target_vocab: int) -> None:
         super().__init__()
@@ -142,14 +145,16 @@ class Eagle3Head(nn.Module):
 
     def forward(self, tokens: Tensor, features: Tensor, positions: Tensor, mask: Tensor, cache) -> Tensor:
         """``tokens [B, n]`` paired with the feature of the *previous* position (see :meth:`fuse`); returns the
-        mid layer's output ``[B, n, H]`` (pre-norm: the next entry's feature)."""
-        hidden = self.fuse(features)
-        emb = self.embed_tokens(tokens).to(hidden.dtype)
-        positions = positions.to(hidden.device)
-        if mask is not None:
-            mask = mask.to(device=hidden.device, dtype=hidden.dtype)
-        pos_emb = self.rotary_emb(hidden, positions)
-        return self.midlayer(emb, hidden, pos_emb, mask, cache)
+        mid layer's output ``[B, n, H]`` (pre-norm: the next entry's feature). Metered as a ``draft_forward`` op
+        (:mod:`model.meter`)."""
+        with self.meter.op("draft_forward", int(tokens.shape[-1]), cache_length(cache)):
+            hidden = self.fuse(features)
+            emb = self.embed_tokens(tokens).to(hidden.dtype)
+            positions = positions.to(hidden.device)
+            if mask is not None:
+                mask = mask.to(device=hidden.device, dtype=hidden.dtype)
+            pos_emb = self.rotary_emb(hidden, positions)
+            return self.midlayer(emb, hidden, pos_emb, mask, cache)
 
     def draft_logits(self, hidden: Tensor) -> Tensor:
         """Logits over the draft vocabulary ``[.., Vd]``."""

@@ -21,11 +21,14 @@ import torch
 
 from config.run_config import SourceError, parse_sources
 from draft.tree import DraftTree, merge_sources
+from model.meter import NULL_METER, OpMeter, hidden_rows
 
 Tensor = torch.Tensor
 
 
 class MergedDrafter:
+    meter: OpMeter = NULL_METER   # instrumentation sees each logprobs call as an lm_head op (model.meter)
+
     def __init__(self, sources: list, names: list[str] | None = None) -> None:
         if not sources:
             raise SourceError("draft.sources needs at least one source")
@@ -81,12 +84,13 @@ class MergedDrafter:
         return max(s.tree_size for s in self.sources)
 
     def logprobs(self, hidden: Tensor) -> Tensor:
-        lps = [s.logprobs(h).double() for s, h in zip(self.sources, self._split(hidden))]
-        dev = lps[0].device
-        out = lps[0]
-        for lp in lps[1:]:
-            out = torch.maximum(out, lp.to(dev))
-        return out
+        with self.meter.op("lm_head", hidden_rows(hidden)):
+            lps = [s.logprobs(h).double() for s, h in zip(self.sources, self._split(hidden))]
+            dev = lps[0].device
+            out = lps[0]
+            for lp in lps[1:]:
+                out = torch.maximum(out, lp.to(dev))
+            return out
 
     def source(self, kind: type):
         """The first source of class ``kind`` (e.g. the small LM for ``sps``), or None."""

@@ -13,6 +13,7 @@ import torch
 from draft.drafter import BeamTreeDrafter
 from draft.token_history import TokenHistory
 from model.devices import HOST
+from model.meter import hidden_rows
 
 Tensor = torch.Tensor
 
@@ -54,4 +55,5 @@ class OracleDrafter(TokenHistory, BeamTreeDrafter):
         return self._dist(self.add_tree_entries(tokens, parents))
 
     def logprobs(self, hidden: Tensor) -> Tensor:
-        return hidden.double()
+        with self.meter.op("lm_head", hidden_rows(hidden)):
+            return hidden.double()

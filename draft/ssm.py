@@ -27,6 +27,7 @@ import torch
 from draft.drafter import BeamTreeDrafter
 from draft.tree import DraftTree
 from model.devices import HOST
+from model.meter import hidden_rows
 
 Tensor = torch.Tensor
 FLOOR = -1e4
@@ -123,7 +124,8 @@ class SmallLMDrafter(BeamTreeDrafter):
         return len(self.tree_paths)
 
     def logprobs(self, hidden: Tensor) -> Tensor:
-        return hidden.double()
+        with self.meter.op("lm_head", hidden_rows(hidden)):
+            return hidden.double()
 
     # -- trees ----------------------------------------------------------------------------------------
     @property

@@ -31,7 +31,9 @@ encoding) is divided by ``s`` in that view, so keep ``s`` as small as the overru
 
 The emulation hooks in without changing the transport: :func:`install` wraps the ``Comm`` instance's
 ``send``/``flush``; the stage worker calls :meth:`Emulator.pad_stage`; the engine calls
-:meth:`Emulator.install_rank0` (which wraps the engine's ``logits`` and the drafter's ``logprobs`` and head).
+:meth:`Emulator.install_rank0`, which installs meters (:mod:`model.meter`, :class:`EmuMeter`) on the engine, its
+drafter and the draft head: rank 0's ``lm_head`` and draft-head work run inside ``meter.op(...)``, which pads
+them to the profile's model (no method is replaced).
 
 Profiles (JSON, their cost and link models) are read by ``config/profiles.py``.
 """
@@ -42,6 +44,7 @@ import sys
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 
 from config.profiles import Profile, load_profile
 
@@ -132,49 +135,44 @@ class Emulator:
         comm.emu = self
 
     def install_rank0(self, engine) -> None:
-        """Pad rank 0's ``lm_head`` applications and draft-head forwards to the profile's rank0 models."""
+        """Pad rank 0's ``lm_head`` applications and draft-head forwards to the profile's rank0 models: meters
+        (:mod:`model.meter`) on the engine, on its drafter and, for a head drafter with a draft cache, on the
+        draft head."""
         if not self.model_rank0:
             return
-        emu, prof = self, self.profile
-        if prof.lm_head is not None:
-            orig_logits = engine.logits
-
-            def logits(hidden):
-                t0 = time.perf_counter()
-                out = orig_logits(hidden)
-                with engine.tracer.span("lm_head", emu_pad=True):
-                    emu.pad(t0, prof.lm_head.time(hidden_rows(hidden), 0))
-                return out
-            engine.logits = logits
+        engine.meter = EmuMeter(self, engine.tracer)
         drafter = engine.drafter
         if drafter is None:
             return
-        if prof.lm_head is not None and hasattr(drafter, "logprobs"):
-            orig_lp = drafter.logprobs
-
-            def logprobs(hidden):
-                t0 = time.perf_counter()
-                out = orig_lp(hidden)
-                emu.pad(t0, prof.lm_head.time(hidden_rows(hidden), 0))
-                return out
-            drafter.logprobs = logprobs
+        drafter.meter = EmuMeter(self)
         head = getattr(drafter, "head", None)
-        cache = getattr(drafter, "cache", None)
-        if prof.draft_forward is not None and head is not None and cache is not None:
-            orig_fwd = head.forward
-
-            def forward(tokens, features, positions, mask, kv):
-                ctx = kv.length
-                t0 = time.perf_counter()
-                out = orig_fwd(tokens, features, positions, mask, kv)
-                emu.pad(t0, prof.draft_forward.time(int(tokens.shape[-1]), ctx))
-                return out
-            head.forward = forward
+        if head is not None and getattr(drafter, "cache", None) is not None:
+            head.meter = EmuMeter(self)
 
 
-def hidden_rows(hidden) -> int:
-    """Rows of a hidden-state tensor (``[H]``, ``[n, H]`` or ``[1, n, H]``): what an lm_head cost is charged on."""
-    return 1 if hidden.dim() == 1 else int(hidden.reshape(-1, hidden.shape[-1]).shape[0])
+class EmuMeter:
+    """An :class:`model.meter.OpMeter` that waits out each op's modeled time (the profile's ``rank0`` models; an
+    op kind the profile does not model is not padded). ``tracer``: the pad is traced as its own ``lm_head`` span
+    (``emu_pad=True``), as rank 0's engine shows it."""
+
+    def __init__(self, emu: Emulator, tracer=None) -> None:
+        self.emu, self.tracer = emu, tracer
+
+    @contextmanager
+    def op(self, kind: str, rows: int, ctx: int = 0):
+        prof = self.emu.profile
+        cost = prof.lm_head if kind == "lm_head" else prof.draft_forward
+        if cost is None:
+            yield
+            return
+        t0 = time.perf_counter()
+        yield
+        modeled = cost.time(rows, 0 if kind == "lm_head" else ctx)
+        if self.tracer is None:
+            self.emu.pad(t0, modeled)
+        else:
+            with self.tracer.span(kind, emu_pad=True):
+                self.emu.pad(t0, modeled)
 
 
 class LinkSender:

@@ -167,6 +167,60 @@ def test_worker_compute_is_padded_to_modeled_time(tiny):
     assert cs["modeled_s"] == pytest.approx(0.03) and cs["overrun_ops"] == 0    # pad() itself is instant
 
 
+class RecordingMeter:
+    """A model.meter.OpMeter that counts the ops it sees."""
+
+    def __init__(self) -> None:
+        self.ops: list[tuple[str, int, int]] = []
+
+    def op(self, kind: str, rows: int, ctx: int = 0):
+        from contextlib import nullcontext
+        self.ops.append((kind, rows, ctx))
+        return nullcontext()
+
+
+def test_rank0_meters_see_and_pad_lm_head_and_draft_forward():
+    """The one instrumentation seam (model.meter): the drafter's lm_head calls and its head's forwards run inside
+    meter ops; the emulator's meters pad each to the profile's rank-0 model, counted op by op."""
+    from transformers import LlamaConfig
+
+    from draft.drafter import Drafter
+    from draft.eagle import init_untrained_head
+    from model.meter import NULL_METER
+    from pipeline.trace import Tracer
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+    def run(drafter) -> None:
+        root_hidden = drafter.start([1, 5, 9], 7, torch.randn(3, 32))
+        drafter.grow_tree(7, root_hidden, 12, 3, 3)
+
+    def fresh():
+        head = init_untrained_head(cfg).eval()
+        return Drafter(head, torch.nn.Linear(32, 64, bias=False), 128)
+
+    rec, drafter = RecordingMeter(), fresh()
+    drafter.meter = drafter.head.meter = rec
+    run(drafter)
+    kinds = [k for k, _, _ in rec.ops]
+    n_lm, n_fwd = kinds.count("lm_head"), kinds.count("draft_forward")
+    assert n_lm == 4 and n_fwd == 4     # the root's top-k + 3 beam levels; start's commit + 3 tree forwards
+    assert rec.ops[0] == ("draft_forward", 3, 0)        # start: the prompt's entries on an empty cache
+    lm_s, fwd_s = 0.004, 0.006
+    emu = _emu({"stage": {"overhead_s": 0.0}, "rank0": {"lm_head": {"overhead_s": lm_s},
+                                                       "draft_forward": {"overhead_s": fwd_s}}}, rank=0)
+    drafter = fresh()
+    engine = SimpleNamespace(tracer=Tracer(0, enabled=False), drafter=drafter, meter=NULL_METER)
+    emu.install_rank0(engine)
+    t0 = time.perf_counter()
+    run(drafter)
+    took = time.perf_counter() - t0
+    ops, modeled = emu.take()[:2]
+    assert ops == n_lm + n_fwd and modeled == pytest.approx(n_lm * lm_s + n_fwd * fwd_s)
+    assert took >= 0.95 * modeled
+    assert engine.meter is not NULL_METER     # the engine's own lm_head (verification) is metered too
+
+
 def test_link_sender_delays_in_order_without_blocking():
     from pipeline.messages import Context
     delivered = []

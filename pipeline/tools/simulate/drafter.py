@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from draft.tree import DraftTree
-from pipeline.emulation import hidden_rows
 from pipeline.tools.simulate.oplog import OpLog
 from pipeline.tools.simulate.recorded import Committed
 
@@ -71,28 +70,28 @@ class ReplayDrafter:
         return self.inner.extend_tree(tree, inputs, root_hidden, levels, top_k, max_new)
 
 
+class LogMeter:
+    """An :class:`model.meter.OpMeter` that logs each op as a modeled rank-0 op of the current log (``lm_head`` as
+    ``("lm_head", rows)``, ``draft_forward`` as ``("draft", rows, ctx)``), its own CPU time recorded with it."""
+
+    def __init__(self, log: OpLog) -> None:
+        self.log = log
+
+    def op(self, kind: str, rows: int, ctx: int = 0):
+        if kind == "lm_head":
+            return self.log.modeled("lm_head", rows)
+        return self.log.modeled("draft", rows, ctx)
+
+
 def record_drafter(drafter, log: OpLog) -> None:
-    """Log the drafter's head forwards and draft log-prob (lm_head) calls as modeled rank-0 ops.
-
-    Patches ``drafter`` once (its ``logprobs`` and, for a head drafter with a draft cache, its head's
-    ``forward``); a later call only redirects the logging to ``log``, so one drafter serves replay after
-    replay."""
-    if getattr(drafter, "_sim_recorded", False):
-        drafter._sim_log[0] = log
+    """Log the drafter's draft log-prob (lm_head) calls and, for a head drafter with a draft cache, its head's
+    forwards as modeled rank-0 ops: meters (:mod:`model.meter`) on the drafter and its head. A later call only
+    redirects the logging to ``log``, so one drafter serves replay after replay."""
+    if isinstance(getattr(drafter, "meter", None), LogMeter):
+        drafter.meter.log = log
         return
-    holder = [log]
-    drafter._sim_recorded, drafter._sim_log = True, holder
-    orig_lp = drafter.logprobs
-
-    def logprobs(hidden):
-        with holder[0].modeled("lm_head", hidden_rows(hidden)):
-            return orig_lp(hidden)
-    drafter.logprobs = logprobs
+    meter = LogMeter(log)
+    drafter.meter = meter
     head = getattr(drafter, "head", None)
     if head is not None and getattr(drafter, "cache", None) is not None:
-        orig_fwd = head.forward
-
-        def forward(tokens, feats, positions, mask, kv):
-            with holder[0].modeled("draft", int(tokens.shape[-1]), int(kv.length)):
-                return orig_fwd(tokens, feats, positions, mask, kv)
-        head.forward = forward
+        head.meter = meter

@@ -1,0 +1,47 @@
+"""Metered model work on rank 0: the one seam through which instrumentation sees what rank 0 computes.
+
+Two kinds of operation are metered, each run inside ``meter.op(kind, rows, ctx)``:
+
+* ``"lm_head"``: ``rows`` hidden states through the target's ``lm_head`` (``Engine.logits``; a drafter's
+  ``logprobs``);
+* ``"draft_forward"``: a draft-head forward of ``rows`` entries over ``ctx`` cached ones (``EagleHead`` /
+  ``Eagle3Head``).
+
+:data:`NULL_METER` (every object's default) does nothing. The emulated testbed's meter pads each operation to
+the profile's modeled time (``pipeline/emulation.py``); the simulator's logs it for its timing model
+(``pipeline/tools/simulate/drafter.py``). Instrumentation installs a meter on the object whose work it wants to
+see (``engine.meter``, ``drafter.meter``, ``head.meter``); it never replaces a method.
+"""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Protocol
+
+import torch
+
+KINDS = ("lm_head", "draft_forward")
+
+
+class OpMeter(Protocol):
+    def op(self, kind: str, rows: int, ctx: int = 0) -> AbstractContextManager:
+        """A context manager around one operation of ``kind`` (:data:`KINDS`)."""
+
+
+class NullMeter:
+    _nothing = nullcontext()
+
+    def op(self, kind: str, rows: int, ctx: int = 0) -> AbstractContextManager:
+        return self._nothing
+
+
+NULL_METER = NullMeter()
+
+
+def hidden_rows(hidden: torch.Tensor) -> int:
+    """Rows of a hidden-state tensor (``[H]``, ``[n, H]`` or ``[1, n, H]``): what an lm_head op is charged on."""
+    return 1 if hidden.dim() == 1 else int(hidden.reshape(-1, hidden.shape[-1]).shape[0])
+
+
+def cache_length(cache) -> int:
+    """Entries already in a draft cache (``KVCache.length``; 0 without one, e.g. in training)."""
+    return int(getattr(cache, "length", 0)) if cache is not None else 0
