@@ -174,6 +174,7 @@ class Comm:
         self.prev_rank = (self.rank - 1) % self.world
         self.tracer = tracer or Tracer(self.rank, enabled=False)
         self.emu = None   # pipeline.emulation.install sets the rank's Emulator when emu.profile is set
+        self.link = None  # ... and its LinkSender: every send then waits out the modeled link (see send)
         # per destination: (works, send buffer) of sends not waited for yet, oldest first
         self._pending: dict[int, deque] = {}
         # recycled send buffers: (uint8 tensor, its int64 header view as numpy, its address)
@@ -199,7 +200,16 @@ class Comm:
 
     # -- ring ------------------------------------------------------------------------------------
     def send(self, dst: int, msg: Message) -> None:
-        """Post ``msg`` to ``dst`` without waiting for it to be received.
+        """Send ``msg`` to ``dst`` without waiting for it to be received: :meth:`post` it now or, on an emulated
+        link (``self.link``, :class:`pipeline.emulation.LinkSender`), hand it to the link, which posts it when
+        the modeled link would have delivered it."""
+        if self.link is not None:
+            self.link.send(dst, msg)
+        else:
+            self.post(dst, msg)
+
+    def post(self, dst: int, msg: Message) -> None:
+        """Post ``msg`` to ``dst`` now, without waiting for it to be received.
 
         Lean path (gloo, host wire): header and payload bytes are written into one recycled host buffer (no
         codec tensors, no concatenation) and posted with ``isend`` on the process group directly, as one frame
@@ -400,7 +410,9 @@ class Comm:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Wait for every posted send (surfacing errors)."""
+        """Wait for every send (surfacing errors): an emulated link's queue first, then every posted one."""
+        if self.link is not None:
+            self.link.drain()
         for dst, q in self._pending.items():
             while q:
                 self._retire(dst, q)

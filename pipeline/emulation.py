@@ -29,8 +29,8 @@ the modeled devices can still keep up (no overruns); throughput in modeled time 
 measured one (``pipeline.tools.eval`` reports it so). Unmodeled host work (Python, tree bookkeeping, message
 encoding) is divided by ``s`` in that view, so keep ``s`` as small as the overruns allow.
 
-The emulation hooks in without changing the transport: :func:`install` wraps the ``Comm`` instance's
-``send``/``flush``; the stage worker calls :meth:`Emulator.pad_stage`; the engine calls
+The emulation hooks in without changing the transport: :func:`install` gives the ``Comm`` a
+:class:`LinkSender` (``comm.link``: its ``send`` hands messages to the link, its ``flush`` drains it first); the stage worker calls :meth:`Emulator.pad_stage`; the engine calls
 :meth:`Emulator.install_rank0`, which installs meters (:mod:`model.meter`, :class:`EmuMeter`) on the engine, its
 drafter and the draft head: rank 0's ``lm_head`` and draft-head work run inside ``meter.op(...)``, which pads
 them to the profile's model (no method is replaced).
@@ -176,12 +176,12 @@ class EmuMeter:
 
 
 class LinkSender:
-    """Delivers ``comm.send`` messages when the modeled link would (FIFO per rank, non-blocking caller)."""
+    """Delivers ``comm.send`` messages when the modeled link would (FIFO per rank, non-blocking caller): the
+    comm hands every send to it (``comm.link``), and it posts each with ``comm.post`` at its modeled time."""
 
     def __init__(self, emu: Emulator, comm) -> None:
         self.emu, self.comm = emu, comm
-        self.orig_send = comm.send
-        self.orig_flush = comm.flush
+        self.post = comm.post
         self.link_free: dict[int, float] = {}
         self.queue: deque = deque()
         self.inflight = 0
@@ -190,8 +190,7 @@ class LinkSender:
         self.send_lock = threading.Lock()
         self.thread = threading.Thread(target=self._loop, daemon=True, name="flowspec-emu-link")
         self.thread.start()
-        comm.send = self.send
-        comm.flush = self.flush
+        comm.link = self
 
     def send(self, dst: int, msg) -> None:
         from pipeline.messages import decode, encode
@@ -209,7 +208,7 @@ class LinkSender:
         with self.cv:
             if self.inflight == 0 and deliver <= now:
                 with self.send_lock:
-                    self.orig_send(dst, msg)
+                    self.post(dst, msg)
                 return
             # snapshot the tensors now: the caller may reuse them before the delayed send
             msg = decode(*encode(msg))
@@ -232,20 +231,20 @@ class LinkSender:
                 self.emu._add("link_late_s", late)
             try:
                 with self.send_lock:
-                    self.orig_send(dst, msg)
+                    self.post(dst, msg)
             except BaseException as e:  # surfaced on the caller's next send / flush
                 self.error = e
             with self.cv:
                 self.inflight -= 1
                 self.cv.notify_all()
 
-    def flush(self) -> None:
+    def drain(self) -> None:
+        """Wait until every queued message has been posted (the comm's ``flush`` then waits for the posts)."""
         with self.cv:
             while self.inflight and self.error is None:
                 self.cv.wait(0.1)
         if self.error is not None:
             raise self.error
-        self.orig_flush()
 
 
 def install(comm, cfg, device: str = "cpu") -> Emulator | None:

@@ -224,19 +224,20 @@ def test_rank0_meters_see_and_pad_lm_head_and_draft_forward():
 def test_link_sender_delays_in_order_without_blocking():
     from pipeline.messages import Context
     delivered = []
-    comm = SimpleNamespace(rank=0, world=3, send=lambda dst, m: delivered.append((time.perf_counter(), dst, m)),
-                           flush=lambda: None)
+    comm = SimpleNamespace(rank=0, world=3, post=lambda dst, m: delivered.append((time.perf_counter(), dst, m)),
+                           link=None)
     prof = {"stage": {}, "link": {"latency_s": 0.2, "bandwidth_mbps": 1.0, "header_bytes": 0}}
     emu = _emu(prof, rank=0)
     sender = LinkSender(emu, comm)
+    assert comm.link is sender                                     # Comm.send hands every message to its link
     sizes = [1000, 10, 500, 10]                                    # int8 payloads: 8 ms, 0.08 ms, 4 ms, 0.08 ms
     t0 = time.perf_counter()
     xs = [torch.full((1, n), i, dtype=torch.int8) for i, n in enumerate(sizes)]
     for x in xs:
-        comm.send(1, Context(x))
+        comm.link.send(1, Context(x))
     assert time.perf_counter() - t0 < 0.1                           # the caller never waits for the link
     xs[0].fill_(99)                                                # reuse after send must not leak into the wire
-    comm.flush()
+    comm.link.drain()                                              # what Comm.flush does first
     assert [int(m.x[0, 0]) for _, _, m in delivered] == [0, 1, 2, 3]   # FIFO
     done = 0.0
     for (t, dst, m), n in zip(delivered, sizes):
