@@ -39,7 +39,7 @@ NULL_METER = NullMeter()
 
 def hidden_rows(hidden: torch.Tensor) -> int:
     """Rows of a hidden-state tensor (``[H]``, ``[n, H]`` or ``[1, n, H]``): what an lm_head op is charged on."""
-    return 1 if hidden.dim() == 1 else int(hidden.reshape(-1, hidden.shape[-1]).shape[0])
+    return 1 if hidden.dim() == 1 else hidden.numel() // hidden.shape[-1]
 
 
 def cache_length(cache) -> int:

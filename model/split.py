@@ -211,6 +211,16 @@ def prepare_out(out: Path, model_dir: Path, force: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def cast_for_output(t, out_dtype, dtype_name: str | None):
+    """``(t in the output dtype, the split's dtype name)``: floating tensors are cast to ``out_dtype`` (None keeps
+    theirs); the dtype name is the first floating tensor's unless one was given."""
+    if out_dtype is not None and t.is_floating_point() and t.dtype != out_dtype:
+        t = t.to(out_dtype)
+    if dtype_name is None and t.is_floating_point():
+        dtype_name = str(t.dtype).removeprefix("torch.")
+    return t, dtype_name
+
+
 def check_output(out: Path, dtype: str | None, force: bool) -> None:
     """A known output dtype and an empty (or ``force``d) output directory: checked before any tensor is read."""
     if dtype is not None and dtype not in DTYPE_NAMES:
@@ -270,12 +280,7 @@ def split_checkpoint(model_dir: str | Path, out_dir: str | Path, split: list[int
             bar.set_postfix_str(f"stage {rank}")
             tensors: dict[str, torch.Tensor] = {}
             for name, key in plan[rank]:
-                t = source.get(key)
-                if out_dtype is not None and t.is_floating_point() and t.dtype != out_dtype:
-                    t = t.to(out_dtype)
-                if dtype_name is None and t.is_floating_point():
-                    dtype_name = str(t.dtype).removeprefix("torch.")
-                tensors[name] = t
+                tensors[name], dtype_name = cast_for_output(source.get(key), out_dtype, dtype_name)
                 bar.update(1)
             cfg = dict(config)
             cfg.update(stage_fields(split, rank))

@@ -151,8 +151,8 @@ def shard_config(config: dict, n: int, t: int) -> dict:
 def split_checkpoint_tp(model_dir: str | Path, out_dir: str | Path, n: int, dtype: str | None = None,
                         force: bool = False, progress: bool = True) -> Path:
     """Write a tensor-parallel split of ``model_dir`` for ``n`` TP ranks (world ``n + 1``) into ``out_dir``."""
-    from model.split import (WeightSource, check_output, prepare_out, read_config, torch_dtype, write_manifest,
-                             write_stage)
+    from model.split import (WeightSource, cast_for_output, check_output, prepare_out, read_config, torch_dtype,
+                             write_manifest, write_stage)
     model_dir, out = Path(model_dir), Path(out_dir)
     config = read_config(model_dir)
     check_tp(config, n)
@@ -182,11 +182,7 @@ def split_checkpoint_tp(model_dir: str | Path, out_dir: str | Path, n: int, dtyp
             tensors = {}
             for name, key, how, arg in plans[rank]:
                 t = _slice(source.get(key), how, arg, hd).contiguous().clone()   # own storage: drop the source
-                if out_dtype is not None and t.is_floating_point() and t.dtype != out_dtype:
-                    t = t.to(out_dtype)
-                if dtype_name is None and t.is_floating_point():
-                    dtype_name = str(t.dtype).removeprefix("torch.")
-                tensors[name] = t
+                tensors[name], dtype_name = cast_for_output(t, out_dtype, dtype_name)
                 bar.update(1)
             cfg = dict(config) if rank == 0 else shard_config(config, n, rank - 1)
             cfg.update(stage_fields(split, rank))

@@ -42,9 +42,11 @@ def project_imports(name: str, path: Path, known: set[str]) -> set[str]:
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:
-                pkg = name.split(".")[: -node.level] if path.name != "__init__.py" else name.split(".")[: len(name.split(".")) - node.level + 1]
-                base = ".".join(pkg + ([base] if base else []))
+            if node.level:   # relative: up from the module's own package
+                pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    pkg = pkg.rpartition(".")[0]
+                base = ".".join(part for part in (pkg, base) if part)
             targets = [base] + [f"{base}.{a.name}" for a in node.names]
         for t in targets:
             while t and t not in known:
