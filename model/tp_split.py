@@ -29,14 +29,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from config.modes import (
-    TP_MODES,  # the modes that run on a tensor-parallel split (and only they)
-)
-from model.stage_format import (
-    FORMAT,
-    StageDirError,
-    stage_fields,
-)
+from config.modes import TP_MODES  # the modes that run on a tensor-parallel split (and only they)
+from model.stage_format import FORMAT, StageDirError, stage_fields
 
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")

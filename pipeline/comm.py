@@ -30,21 +30,8 @@ import torch.distributed as dist
 
 from config.errors import UserError
 from pipeline import faults
-from pipeline.messages import (
-    HEADER_LEN,
-    MAGIC,
-    Context,
-    Message,
-    Segment,
-    Shutdown,
-    decode,
-    decode_at,
-    encode,
-    layout,
-    payload_size,
-    shapes,
-    write_at,
-)
+from pipeline.messages import (HEADER_LEN, MAGIC, Context, Message, Segment, Shutdown, decode, decode_at, encode,
+                               layout, payload_size, shapes, write_at)
 from pipeline.trace import Tracer
 
 HB_PREFIX = "flowspec/hb/"

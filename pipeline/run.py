@@ -26,22 +26,13 @@ from pathlib import Path
 
 from config.errors import UserError
 from config.paths import DEFAULT_STAGE_DIR
-from pipeline.build import (
-    SetupError,
-    generation_config,
-    head_choice,
-    load_rank_stage,
-    load_tokenizer,
-    loading_line,
-    make_engine,
-)
+from pipeline.build import (SetupError, generation_config, head_choice, load_rank_stage, load_tokenizer, loading_line,
+                            make_engine)
 
 
 def debug() -> bool:
     """``FLOWSPEC_DEBUG=1``: full tracebacks, all-thread stacks on Ctrl-C, torch's C++ warnings."""
     return os.environ.get("FLOWSPEC_DEBUG", "") not in ("", "0")
-
-
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -184,9 +175,7 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
         manifest = check_world(stage_root, world)  # before importing torch: a wrong root or world fails at once
     except StageDirError as e:
         return fail(str(e))
-    from model.tp_split import (
-        check_tp_modes,  # tensor-parallel splits run modes tp/galaxy (pipeline/tp_run.py)
-    )
+    from model.tp_split import check_tp_modes  # tensor-parallel splits run modes tp/galaxy (pipeline/tp_run.py)
     if (tp_error := check_tp_modes(manifest, modes, cfg)) is not None:
         return fail(tp_error)
     if _check_only:  # pipeline.tools.launch checking the arguments once, before any rank starts
@@ -242,12 +231,7 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
 
 
 def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) -> int:
-    from model.prompts import (
-        PromptError,
-        chat_prompt_ids,
-        load_questions,
-        stop_token_ids,
-    )
+    from model.prompts import PromptError, chat_prompt_ids, load_questions, stop_token_ids
     from pipeline.engine import timed_generation
     from pipeline.modes import new_decoder
 
@@ -281,14 +265,7 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
         eos = gen_cfg.get("eos_token_id", getattr(model.config, "eos_token_id", None))
         stop_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
-    from pipeline.outputs import (
-        AnswerFile,
-        OutputFileError,
-        drafter_fields,
-        head_identity,
-        provenance,
-        resume_rows,
-    )
+    from pipeline.outputs import AnswerFile, OutputFileError, drafter_fields, head_identity, provenance, resume_rows
     needs_head = any(m != "ar" for m in modes)
     prov = provenance(cfg, stage_root, head_identity(cfg.model.head_dir, head_choice(cfg, stage_root), needs_head),
                       args.template, comm.world)

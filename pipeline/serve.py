@@ -537,12 +537,7 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     from model.prompts import stop_token_ids
     from model.stage_format import stage_dir
     from pipeline import faults
-    from pipeline.build import (
-        SetupError,
-        generation_config,
-        load_tokenizer,
-        make_engine,
-    )
+    from pipeline.build import SetupError, generation_config, load_tokenizer, make_engine
     from pipeline.engine import timed_generation
     from pipeline.modes import new_decoder
     from pipeline.outputs import drafter_fields
@@ -670,12 +665,7 @@ COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 def make_app(manager: RequestManager):
     """The FastAPI app over ``manager`` (all endpoints; errors are OpenAI-style JSON bodies)."""
     from fastapi import FastAPI
-    from fastapi.responses import (
-        HTMLResponse,
-        JSONResponse,
-        PlainTextResponse,
-        StreamingResponse,
-    )
+    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.background import BackgroundTask
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
