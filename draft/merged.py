@@ -97,14 +97,15 @@ class MergedDrafter:
         return next((s for s in self.sources if isinstance(s, kind)), None)
 
 
-def build_sources(cfg, vocab_size: int, eagle_factory, dtype, device, sampling: bool):
+def build_sources(cfg, vocab_size: int, eagle_factory, dtype, device, sampling: bool, vocab_model=None):
     """The drafter for ``cfg.draft.sources`` (``eagle_factory()`` builds the ``eagle`` source as
-    ``model.head_dir`` says). One source is returned as itself (its trees are verified as they are)."""
+    ``model.head_dir`` says; ``vocab_model``: rank 0's stage, whose embedding and ``lm_head`` shared-vocabulary
+    students use). One source is returned as itself (its trees are verified as they are)."""
     import math
     from pathlib import Path
 
     from draft.lookup import LookupDrafter
-    from draft.ssm import SmallLMDrafter
+    from draft.ssm import SmallLMDrafter, SmallLMError
     d = cfg.draft
     sources, names = [], []
     for kind, arg in parse_sources(d.sources):
@@ -118,8 +119,11 @@ def build_sources(cfg, vocab_size: int, eagle_factory, dtype, device, sampling: 
                 raise SourceError(f"draft.sources: ssm:{arg}: no config.json there (a Hugging Face causal LM "
                                   "directory, e.g. one written by python -m draft.train_ssm)")
             temp = cfg.gen.temperature if d.ssm_temperature < 0 else d.ssm_temperature
-            sources.append(SmallLMDrafter(arg, vocab_size, dtype, device, sample=d.ssm_sample and sampling,
-                                          temperature=temp, seed=cfg.gen.seed))
+            try:
+                sources.append(SmallLMDrafter(arg, vocab_size, dtype, device, sample=d.ssm_sample and sampling,
+                                              temperature=temp, seed=cfg.gen.seed, vocab_model=vocab_model))
+            except SmallLMError as e:
+                raise SourceError(f"draft.sources: ssm:{arg}: {e}") from None
         names.append(kind if not arg else f"{kind}:{arg}")
     if len(sources) == 1:
         return sources[0]

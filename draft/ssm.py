@@ -14,6 +14,11 @@ Two ways to draft a tree (``grow_tree``):
     ``(child, q)`` in draw order (``DraftTree.proposals``), which ``pipeline.verify.walk_proposals`` verifies
     with SpecInfer's multi-step speculative sampling. ``q`` = softmax(logits / temperature).
 
+Shipped students share the target's vocabulary (``"shares_target_vocab": true`` in their ``config.json``): their
+``model.safetensors`` holds the decoder layers and final norm only, and :func:`load_small_lm` takes the
+embedding and ``lm_head`` from rank 0's stage, which holds the target's (no copy, no extra memory). That keeps
+a 4-layer SmolLM2 student at 28 MB (float16) instead of 85 MB.
+
 The "hidden" state returned to modes is the model's next-token log-probability vector (float64, target
 vocabulary size), so ``logprobs`` is the identity, as for the oracle drafter.
 """
@@ -33,6 +38,64 @@ Tensor = torch.Tensor
 FLOOR = -1e4
 
 
+class SmallLMError(ValueError):
+    """A small draft LM directory that cannot be used with this target (one line, for the user)."""
+
+
+SHARED_VOCAB_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def load_small_lm(path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", vocab_model=None):
+    """A small causal LM from a Hugging Face directory. A student saved with ``"shares_target_vocab": true``
+    (``python -m draft.train_ssm --ship``) has no embedding or ``lm_head`` of its own: they are taken from
+    ``vocab_model`` (rank 0's stage: ``embed_tokens`` and ``lm_head`` of the target), shared, not copied.
+
+    Invariant: the returned model computes exactly what the full student that ``train_ssm`` trained computes,
+    since training froze the embedding and ``lm_head`` at the target's values."""
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+    path = Path(path)
+    cfg = AutoConfig.from_pretrained(path)
+    if not getattr(cfg, "shares_target_vocab", False):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    if vocab_model is None or getattr(vocab_model, "embed_tokens", None) is None or vocab_model.lm_head is None:
+        raise SmallLMError(f"{path}: this small LM shares its target's embedding and lm_head; load it on rank 0 "
+                           "of that target (draft.sources=ssm:<dir> or sps.draft_dir=<dir>)")
+    emb, head = vocab_model.embed_tokens.weight, vocab_model.lm_head.weight
+    if tuple(emb.shape) != (cfg.vocab_size, cfg.hidden_size) or tuple(head.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise SmallLMError(f"{path}: its vocabulary x hidden size {cfg.vocab_size} x {cfg.hidden_size} does not fit "
+                           f"the target's embedding {tuple(emb.shape)} (a student of another target?)")
+    from safetensors.torch import load_file
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    state = load_file(str(path / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - set(SHARED_VOCAB_KEYS):
+        raise SmallLMError(f"{path}: weights do not fit its config (missing {sorted(set(missing) - set(SHARED_VOCAB_KEYS))[:3]}, "
+                           f"unexpected {sorted(unexpected)[:3]})")
+    model = model.to(device=device, dtype=dtype)
+    model.model.embed_tokens.weight = torch.nn.Parameter(emb.detach().to(dtype), requires_grad=False)
+    model.lm_head.weight = torch.nn.Parameter(head.detach().to(dtype), requires_grad=False)
+    return model.eval()
+
+
+def ship_student(model, out_dir, dtype: torch.dtype = torch.float16) -> None:
+    """Write ``model`` (a student trained with frozen target embedding / ``lm_head``) in the shared-vocabulary
+    layout :func:`load_small_lm` reads: ``config.json`` with ``shares_target_vocab``, layers and norm only."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = model.config.to_dict()
+    cfg.update(shares_target_vocab=True, torch_dtype=str(dtype).removeprefix("torch."))
+    cfg.pop("dtype", None)
+    import json
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if k not in SHARED_VOCAB_KEYS}
+    save_file(state, str(out_dir / "model.safetensors"))
+
+
 class SmallLMDrafter(BeamTreeDrafter):
     """See the module docstring. ``model``: a loaded causal LM or a directory to load one from."""
 
@@ -40,10 +103,9 @@ class SmallLMDrafter(BeamTreeDrafter):
 
     def __init__(self, model, vocab_size: int, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", sample: bool = False, temperature: float = 1.0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, vocab_model=None) -> None:
         if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
-            from transformers import AutoModelForCausalLM
-            model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
+            model = load_small_lm(model, dtype, device, vocab_model)
         self.model = model
         self.device = torch.device(device)
         self.vocab_size = vocab_size

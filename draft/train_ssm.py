@@ -18,7 +18,8 @@ Recipe (every step is in this file):
      consecutive agreements from each position, capped at gamma), and the collective coverage of the first k
      students (a position counts when any of them agrees: what a merged tree of their top-1 guesses covers).
 
-Writes ``OUT/ssm_<k>/`` (Hugging Face layout, safetensors, the target's tokenizer files), ``OUT/metrics.json``
+Writes ``OUT/ssm_<k>/`` (Hugging Face layout, safetensors, the target's tokenizer files; with
+``--shared-vocab`` the layers and norm only, in float16, as shipped in ``draft/ssms/``), ``OUT/metrics.json``
 and ``OUT/MODEL_CARD.md``. Use a trained student with ``draft.sources=...,ssm:OUT/ssm_1`` or ``mode=sps
 sps.draft_dir=OUT/ssm_1``.
 """
@@ -166,8 +167,13 @@ def load_prompts(args, tok, rng: random.Random, vocab: int) -> list[list[int]]:
         raise TrainError("give --prompts FILE.jsonl (FastChat questions) or --random-prompts N")
     if tok is None:
         raise TrainError("the target has no tokenizer: use --random-prompts N")
+    from draft.train.prompt_files import is_excluded, load_excluded
     from model.prompts import chat_prompt_ids
-    out = []
+    try:
+        excluded = load_excluded(args.exclude)
+    except (OSError, ValueError) as e:
+        raise TrainError(f"--exclude: {e}") from None
+    out, dropped = [], 0
     for path in args.prompts:
         p = Path(path)
         if not p.is_file():
@@ -175,8 +181,12 @@ def load_prompts(args, tok, rng: random.Random, vocab: int) -> list[list[int]]:
         rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
         for r in rows[args.begin:args.end]:
             text = r["turns"][0] if isinstance(r.get("turns"), list) else r.get("prompt", "")
-            if text:
+            if text and is_excluded([text], excluded):
+                dropped += 1
+            elif text:
                 out.append(chat_prompt_ids(tok, [text[:args.max_prompt_chars]], []))
+    if dropped and not args.quiet:
+        print(f"[train_ssm] --exclude dropped {dropped} prompts", file=sys.stderr)
     if not out:
         raise TrainError("no prompts read")
     return out
@@ -186,7 +196,8 @@ def write_card(out: Path, args, metrics: dict, n_train: int, n_eval: int) -> Non
     lines = [f"# Distilled draft LMs for {Path(args.target).name}", "",
              "Written by `python -m draft.train_ssm` (draft/train_ssm.py has the full recipe).", "",
              "## Data", f"- prompts: {', '.join(args.prompts) if args.prompts else f'{args.random_prompts} random'}"
-             f" (records {args.begin}:{args.end})",
+             f" (records {args.begin}:{args.end})"
+             + (f", minus the turns of {', '.join(args.exclude)}" if args.exclude else ""),
              f"- answers: the target's own greedy answers, up to {args.gen_tokens} new tokens",
              f"- {n_train} training / {n_eval} held-out conversations", "",
              "## Recipe",
@@ -210,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompts", nargs="*", default=[], help="FastChat question.jsonl files")
     ap.add_argument("--begin", type=int, default=0)
     ap.add_argument("--end", type=int, default=None)
+    ap.add_argument("--exclude", action="append", default=[], metavar="FILE:BEGIN:END",
+                    help="drop prompts equal to these FastChat records' turns (e.g. an evaluation split; repeatable)")
     ap.add_argument("--random-prompts", type=int, default=0, help="N random token prompts instead of --prompts")
     ap.add_argument("--max-prompt-chars", type=int, default=1500)
     ap.add_argument("--gen-tokens", type=int, default=64)
@@ -225,13 +238,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gen-batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="cpu | cuda | auto")
+    ap.add_argument("--shared-vocab", action="store_true",
+                    help="write each student without its embedding and lm_head (float16 layers and norm; rank 0 "
+                         "lends the target's, draft/ssm.py: load_small_lm): the layout shipped in draft/ssms/")
     ap.add_argument("--quiet", action="store_true")
     return ap
 
 
 def run(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from draft.train.generate import generate_batch, pad_id
+    from draft.train.generate import generate_all, pad_id
     from model.prompts import stop_token_ids
     log = (lambda *a: None) if args.quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
     if args.models < 1 or args.steps < 0 or args.batch < 1 or not 0 < args.eval_frac < 1:
@@ -258,9 +274,8 @@ def run(args) -> dict:
     prompts = load_prompts(args, tok, rng, target.config.vocab_size)
     t0 = time.time()
     log(f"[train_ssm] generating {len(prompts)} answers with the target ({args.gen_tokens} tokens) ...")
-    answers = []
-    for s in range(0, len(prompts), args.gen_batch):
-        answers += generate_batch(target, prompts[s:s + args.gen_batch], args.gen_tokens, stop, pad)
+    answers = generate_all(target, prompts, [False] * len(prompts), {"max_new_tokens": args.gen_tokens},
+                           args.gen_batch, stop, pad, "[train_ssm] answers", not args.quiet)  # greedy, by length
     seqs = [p + a for p, a in zip(prompts, answers)]
     masks = [[0] * (len(p) - 1) + [1] * len(a) + [0] for p, a in zip(prompts, answers)]  # predict answer tokens
     labels = argmax_labels(target, seqs, args.gen_batch, device)
@@ -292,7 +307,11 @@ def run(args) -> dict:
                  final_loss=losses[-1] if losses else None)
         models.append(m)
         d = out / f"ssm_{k}"
-        student.save_pretrained(d, safe_serialization=True)
+        if args.shared_vocab:
+            from draft.ssm import ship_student
+            ship_student(student, d)
+        else:
+            student.save_pretrained(d, safe_serialization=True)
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                      "generation_config.json"):
             if (target_dir / name).is_file():

@@ -1,16 +1,19 @@
 """Metered model work on rank 0: the one seam through which instrumentation sees what rank 0 computes.
 
-Two kinds of operation are metered, each run inside ``meter.op(kind, rows, ctx)``:
+Three kinds of operation are metered, each run inside ``meter.op(kind, rows, ctx)``:
 
+* ``"stage_forward"``: a verification stage's decoder block over ``rows`` new positions with ``ctx`` cached
+  ones (``pipeline.worker.StageWorker``; ranks 1..N);
 * ``"lm_head"``: ``rows`` hidden states through the target's ``lm_head`` (``Engine.logits``; a drafter's
   ``logprobs``);
 * ``"draft_forward"``: a draft-head forward of ``rows`` entries over ``ctx`` cached ones (``EagleHead`` /
   ``Eagle3Head``).
 
 :data:`NULL_METER` (every object's default) does nothing. The emulated testbed's meter pads each operation to
-the profile's modeled time (``pipeline/emulation.py``); the simulator's logs it for its timing model
+the profile's modeled time (``pipeline/emulation.py``: ``EmuMeter``, installed on every stage worker and on rank
+0); the simulator's logs it for its timing model
 (``pipeline/tools/simulate/drafter.py``). Instrumentation installs a meter on the object whose work it wants to
-see (``engine.meter``, ``drafter.meter``, ``head.meter``); it never replaces a method.
+see (``worker.meter``, ``engine.meter``, ``drafter.meter``, ``head.meter``); it never replaces a method.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-KINDS = ("lm_head", "draft_forward")
+KINDS = ("stage_forward", "lm_head", "draft_forward")
 
 
 class OpMeter(Protocol):

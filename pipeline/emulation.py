@@ -4,7 +4,7 @@ Off by default; ``emu.profile=<path or builtin name>`` turns it on (builtins are
 ``profiles/``, e.g. ``edge_orin_7b`` and ``zero``). The pipeline still computes everything for real, so
 outputs stay exact; the emulation only *adds waiting*:
 
-* **stage compute** (ranks 1..N, :meth:`Emulator.pad_stage`): after the real forward of a segment of ``w``
+* **stage compute** (ranks 1..N, ``worker.meter``, an :class:`EmuMeter` on the ``stage_forward`` op): after the real forward of a segment of ``w``
   rows over a KV cache of ``ctx`` slots, sleep until the modeled ``t_stage(w, ctx)`` has elapsed since the
   forward began. When the real work took longer than modeled, that is an *overrun* (counted, never hidden).
 * **rank 0** (``emu.model_rank0=true`` and the profile has a ``rank0`` section): every draft-head forward and
@@ -30,10 +30,11 @@ measured one (``pipeline.tools.eval`` reports it so). Unmodeled host work (Pytho
 encoding) is divided by ``s`` in that view, so keep ``s`` as small as the overruns allow.
 
 The emulation hooks in without changing the transport: :func:`install` gives the ``Comm`` a
-:class:`LinkSender` (``comm.link``: its ``send`` hands messages to the link, its ``flush`` drains it first); the stage worker calls :meth:`Emulator.pad_stage`; the engine calls
-:meth:`Emulator.install_rank0`, which installs meters (:mod:`model.meter`, :class:`EmuMeter`) on the engine, its
-drafter and the draft head: rank 0's ``lm_head`` and draft-head work run inside ``meter.op(...)``, which pads
-them to the profile's model (no method is replaced).
+:class:`LinkSender` (``comm.link``: its ``send`` hands messages to the link, its ``flush`` drains it first); the stage worker
+calls :meth:`Emulator.install_stage` and the engine :meth:`Emulator.install_rank0`, which install meters
+(:mod:`model.meter`, :class:`EmuMeter`) on the worker, the engine, its drafter and the draft head: every stage
+forward, ``lm_head`` application and draft-head forward runs inside ``meter.op(kind, rows, ctx)``, which pads
+it to the profile's model (no method is replaced, no call site knows about emulation).
 
 Profiles (JSON, their cost and link models) are read by ``config/profiles.py``.
 """
@@ -123,8 +124,13 @@ class Emulator:
     def stage_time(self, w: int, ctx: int) -> float:
         return self.profile.stage_model(self.rank).time(w, ctx)
 
-    def pad_stage(self, t0: float, w: int, ctx: int) -> None:
-        self.pad(t0, self.stage_time(w, ctx))
+    def op_time(self, kind: str, rows: int, ctx: int) -> float | None:
+        """Modeled seconds of one metered op (:data:`model.meter.KINDS`); None: the profile does not model it."""
+        prof = self.profile
+        if kind == "stage_forward":
+            return self.stage_time(rows, ctx)
+        cost = prof.lm_head if kind == "lm_head" else prof.draft_forward
+        return None if cost is None else cost.time(rows, 0 if kind == "lm_head" else ctx)
 
     # installation
     def install_comm(self, comm) -> None:
@@ -133,6 +139,10 @@ class Emulator:
         sys.setswitchinterval(min(sys.getswitchinterval(), 2e-4))
         self.sender = LinkSender(self, comm)
         comm.emu = self
+
+    def install_stage(self, worker) -> None:
+        """Pad every stage forward of ``worker`` to the profile's stage model (``meter.op("stage_forward")``)."""
+        worker.meter = EmuMeter(self)
 
     def install_rank0(self, engine) -> None:
         """Pad rank 0's ``lm_head`` applications and draft-head forwards to the profile's rank0 models: meters
@@ -160,14 +170,12 @@ class EmuMeter:
 
     @contextmanager
     def op(self, kind: str, rows: int, ctx: int = 0):
-        prof = self.emu.profile
-        cost = prof.lm_head if kind == "lm_head" else prof.draft_forward
-        if cost is None:
+        modeled = self.emu.op_time(kind, rows, ctx)   # ctx before the op (a stage forward appends to its cache)
+        if modeled is None:
             yield
             return
         t0 = time.perf_counter()
         yield
-        modeled = cost.time(rows, 0 if kind == "lm_head" else ctx)
         if self.tracer is None:
             self.emu.pad(t0, modeled)
         else:

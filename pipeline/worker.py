@@ -13,13 +13,12 @@ log (or an earlier segment's); the direct copies only let a stage prune earlier.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
 from draft.tree import admit_rows, decision_keep
 from model.devices import HOST
 from model.kv_cache import KVCache
+from model.meter import NULL_METER, OpMeter
 from model.stage_model import StageModel
 from pipeline.messages import Context, Decision, Segment, Shutdown, Stats
 from pipeline.transport import Transport
@@ -96,20 +95,19 @@ class StageWorker:
         self.tree = StageTree(self.cache)
         self.tracer = comm.tracer
         self.emu = comm.emu   # pipeline.emulation.Emulator when emu.profile is set
+        self.meter: OpMeter = NULL_METER   # the block's forwards (model.meter); the emulator installs its own
+        if self.emu is not None:
+            self.emu.install_stage(self)
         comm.open_direct_inbox()                # rank 0's point-to-point decisions (ranks >= 2)
 
     @torch.no_grad()
     def _compute(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        with self.tracer.span("compute", rows=int(positions.numel())):
+        rows = int(positions.numel())
+        with self.tracer.span("compute", rows=rows), self.meter.op("stage_forward", rows, self.cache.length):
             x = x.to(self.device)
             if x.is_floating_point():
                 x = x.to(self.dtype)
-            if self.emu is None:
-                return self.model(x, positions, mask, self.cache)
-            ctx, t0 = self.cache.length, time.perf_counter()
-            out = self.model(x, positions, mask, self.cache)
-            self.emu.pad_stage(t0, int(positions.numel()), ctx)   # wait out the modeled stage time
-            return out
+            return self.model(x, positions, mask, self.cache)
 
     def run(self) -> None:
         comm = self.comm

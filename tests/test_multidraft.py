@@ -557,3 +557,48 @@ def test_merged_and_sps_decode_paths_create_no_tensor_on_the_default_device(tiny
         guarded = run_threaded(tiny.stages, E2E_PROMPTS[:1], modes, over, {2}, guard=lambda: torch.device("meta"))
         for m in modes:
             assert guarded[m][0].output_ids == plain[m][0].output_ids, (m, extra)
+
+
+def test_shared_vocabulary_students_borrow_rank0s_embedding_and_lm_head(tiny, tmp_path):
+    """``draft.ssm.ship_student`` drops the (frozen) embedding and lm_head; ``load_small_lm`` takes them from
+    rank 0's stage and computes exactly what the full student computes; misuse is one clear error."""
+    from model.stage_model import load_stage
+    from draft.ssm import SmallLMError, load_small_lm, ship_student
+    from draft.train_ssm import freeze_vocab, student_from_target
+    from transformers import AutoModelForCausalLM
+    target = AutoModelForCausalLM.from_pretrained(tiny.full, dtype=torch.float64)
+    student = student_from_target(target, 2)
+    freeze_vocab(student)
+    with torch.no_grad():                      # a "trained" student: layers moved, vocabulary untouched
+        for name, p in student.named_parameters():
+            if p.requires_grad:
+                p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)),
+                                          dtype=p.dtype))
+    ship_student(student, tmp_path / "s", dtype=torch.float64)
+    names = __import__("safetensors.torch", fromlist=["load_file"]).load_file(str(tmp_path / "s/model.safetensors"))
+    assert not any("embed_tokens" in k or k.startswith("lm_head") for k in names)
+    rank0 = load_stage(tiny.stages, 0, 3, torch.float64)
+    shared = load_small_lm(tmp_path / "s", torch.float64, "cpu", rank0)
+    assert shared.lm_head.weight.data_ptr() == rank0.lm_head.weight.data_ptr()    # lent, not copied
+    ids = torch.tensor([E2E_PROMPTS[1]])
+    with torch.no_grad():
+        assert torch.equal(shared(ids).logits, student(ids).logits)
+    with pytest.raises(SmallLMError, match="shares its target's embedding"):
+        load_small_lm(tmp_path / "s", torch.float64, "cpu", None)
+    other = SimpleNamespace(embed_tokens=torch.nn.Embedding(7, 3), lm_head=torch.nn.Linear(3, 7))
+    with pytest.raises(SmallLMError, match="does not fit"):
+        load_small_lm(tmp_path / "s", torch.float64, "cpu", other)
+
+
+def test_train_ssm_shared_vocab_layout_drafts_through_the_ring(tiny, tmp_path):
+    from tests.helpers import hf_greedy
+    from draft.train_ssm import main
+    from pipeline.inprocess import run_threaded
+    out = tmp_path / "ssm"
+    assert main(["--target", str(tiny.full), "--out", str(out), "--random-prompts", "6", "--gen-tokens", "6",
+                 "--layers", "1", "--steps", "2", "--shared-vocab", "--quiet"]) == 0
+    assert (out / "ssm_1" / "config.json").is_file()
+    for over in ([f"sps.draft_dir={out / 'ssm_1'}", "sps.gamma=3"], [f"draft.sources=eagle,ssm:{out / 'ssm_1'}"]):
+        mode = "sps" if "sps.gamma=3" in over else "continuous"
+        res = run_threaded(tiny.stages, E2E_PROMPTS[:1], [mode], ["max_new_tokens=10", "dtype=float64", *over], {2})
+        assert res[mode][0].output_ids == hf_greedy(tiny.full, E2E_PROMPTS[0], 10, {2}, torch.float64), mode

@@ -43,14 +43,18 @@ def sps_drafter(engine: Engine):
         return cached
     from config.run_config import ConfigError
     from draft.merged import MergedDrafter
-    from draft.ssm import SmallLMDrafter
+    from draft.ssm import SmallLMDrafter, SmallLMError
     cfg, d = engine.cfg, engine.drafter
     if cfg.sps.draft_dir:
         from pathlib import Path
         if not (Path(cfg.sps.draft_dir) / "config.json").is_file():
             raise ConfigError(f"sps.draft_dir={cfg.sps.draft_dir}: no config.json there (a Hugging Face causal LM)")
         dev = engine.model.lm_head.weight.device
-        ssm = SmallLMDrafter(cfg.sps.draft_dir, engine.model.lm_head.out_features, engine.dtype, dev)
+        try:
+            ssm = SmallLMDrafter(cfg.sps.draft_dir, engine.model.lm_head.out_features, engine.dtype, dev,
+                                 vocab_model=engine.model)
+        except SmallLMError as e:
+            raise ConfigError(f"sps.draft_dir={cfg.sps.draft_dir}: {e}") from None
     elif isinstance(d, SmallLMDrafter):
         ssm = d
     elif isinstance(d, MergedDrafter) and d.source(SmallLMDrafter) is not None:
