@@ -312,8 +312,8 @@ def run(args) -> dict:
             ship_student(student, d)
         else:
             student.save_pretrained(d, safe_serialization=True)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                     "generation_config.json"):
+        names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+        for name in ("generation_config.json", *(() if args.shared_vocab else names)):  # shared: not standalone
             if (target_dir / name).is_file():
                 shutil.copy(target_dir / name, d / name)
         log(f"[train_ssm] ssm_{k}: alpha {m['alpha']:.3f}, sps tokens/round {m['sps_tokens_per_round']:.2f} "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from contextlib import nullcontext
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -602,3 +603,27 @@ def test_train_ssm_shared_vocab_layout_drafts_through_the_ring(tiny, tmp_path):
         mode = "sps" if "sps.gamma=3" in over else "continuous"
         res = run_threaded(tiny.stages, E2E_PROMPTS[:1], [mode], ["max_new_tokens=10", "dtype=float64", *over], {2})
         assert res[mode][0].output_ids == hf_greedy(tiny.full, E2E_PROMPTS[0], 10, {2}, torch.float64), mode
+
+
+SHIPPED_SSM = Path(__file__).resolve().parents[1] / "draft" / "ssms" / "SmolLM2-135M-Instruct" / "ssm_1"
+
+
+@pytest.mark.skipif(not SHIPPED_SSM.is_dir(), reason="no shipped small draft LM")
+def test_shipped_smollm2_student_drafts_exactly(tmp_path):
+    """The shipped SmolLM2 student (shared vocabulary) in sps and in a merged tree: output equals HF greedy."""
+    import json
+    from transformers import AutoTokenizer
+    from model.default_model import ensure_default_checkpoint, ensure_default_stages
+    from model.prompts import chat_prompt_ids, stop_token_ids
+    from pipeline.inprocess import run_threaded
+    from tests.helpers import hf_greedy
+    full, stages = ensure_default_checkpoint(), ensure_default_stages()
+    tok = AutoTokenizer.from_pretrained(full)
+    stop = stop_token_ids(tok, json.loads((Path(full) / "generation_config.json").read_text()))
+    prompts = [chat_prompt_ids(tok, ["Summarize: the cat sat on the mat and the dog sat on the log."], [])]
+    res = run_threaded(stages, prompts, ["sps", "naive"], ["max_new_tokens=16", "dtype=float32",
+                       f"draft.sources=eagle,lookup,ssm:{SHIPPED_SSM}", "sps.gamma=3"], stop,
+                       str(Path(__file__).resolve().parents[1] / "draft" / "heads" / "SmolLM2-135M-Instruct"),
+                       dtype=torch.float32)
+    ref = hf_greedy(full, prompts[0], 16, stop, torch.float32)
+    assert res["sps"][0].output_ids == ref and res["naive"][0].output_ids == ref

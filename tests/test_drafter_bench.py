@@ -1,0 +1,47 @@
+"""pipeline.tools.drafter_bench: τ per dataset per draft.sources on the in-process ring, identity check, resume."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.helpers import DATA, STORIES
+
+
+def test_summary_rows_and_identity_flag():
+    from pipeline.tools.drafter_bench import markdown, summarize
+    rows = [
+        {"sources": "a", "dataset": "x", "record": 0, "output_ids": [1, 2], "accept_lengths": [2, 2], "rounds": 2,
+         "rank0_busy_s": 0.02},
+        {"sources": "b", "dataset": "x", "record": 0, "output_ids": [1, 2], "accept_lengths": [4], "rounds": 1,
+         "rank0_busy_s": 0.03},
+        {"sources": "c", "dataset": "x", "record": 0, "output_ids": [1, 3], "accept_lengths": [1, 1, 2],
+         "rounds": 3, "rank0_busy_s": 0.03},
+    ]
+    s = summarize(rows, ["a", "b", "c"], ["x"])
+    assert [r["x"] for r in s] == [2.0, 4.0, pytest.approx(4 / 3, abs=1e-3)]
+    assert [r["x_first"] for r in s] == [1.0, 2.0, pytest.approx(0.667, abs=2e-3)]
+    assert [r["rank0_ms_per_round"] for r in s] == [10.0, 30.0, 10.0]
+    assert [r["identical_to_first"] for r in s] == [True, True, False]
+    assert "**NO**" in markdown(s, ["x"])
+
+
+@pytest.mark.skipif(not STORIES.is_dir() or not DATA.is_dir(), reason="../shared is not available")
+def test_bench_on_stories260k_is_exact_and_resumable(tmp_path, capsys):
+    from model.split import split_checkpoint
+    from pipeline.tools.drafter_bench import main
+    stages = split_checkpoint(STORIES, tmp_path / "stages", [0, 3, 2], progress=False)
+    args = ["--sources", "eagle", "--sources", "eagle,lookup", "--sets", "sum,qa", "--begin", "30", "--end", "32",
+            "--max-new-tokens", "12", "--stage-dir", str(stages), "--head-dir", f"oracle:{STORIES}",
+            "--out", str(tmp_path / "out")]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "`eagle,lookup`" in table and "**NO**" not in table
+    rows = [json.loads(l) for l in (tmp_path / "out" / "rows.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and {r["dataset"] for r in rows} == {"sum", "qa"}
+    assert all(r["output_ids"] and r["prompt_ids"] for r in rows)
+    assert main(args) == 0                                   # resumed: nothing is generated twice
+    assert len((tmp_path / "out" / "rows.jsonl").read_text().splitlines()) == 8
+    assert main([*args[:-1], str(tmp_path / "o2"), "--data", str(tmp_path / "nope")]) == 2
+    assert "no such file" in capsys.readouterr().err
