@@ -70,8 +70,9 @@ def load_small_lm(path, dtype: torch.dtype = torch.float32, device: str | torch.
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     state = load_file(str(path / "model.safetensors"))
     missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - set(SHARED_VOCAB_KEYS):
-        raise SmallLMError(f"{path}: weights do not fit its config (missing {sorted(set(missing) - set(SHARED_VOCAB_KEYS))[:3]}, "
+    absent = sorted(set(missing) - set(SHARED_VOCAB_KEYS))
+    if unexpected or absent:
+        raise SmallLMError(f"{path}: weights do not fit its config (missing {absent[:3]}, "
                            f"unexpected {sorted(unexpected)[:3]})")
     model = model.to(device=device, dtype=dtype)
     model.model.embed_tokens.weight = torch.nn.Parameter(emb.detach().to(dtype), requires_grad=False)
