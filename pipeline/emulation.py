@@ -6,7 +6,8 @@ outputs stay exact; the emulation only *adds waiting*:
 
 * **stage compute** (ranks 1..N, ``worker.meter``, an :class:`EmuMeter` on the ``stage_forward`` op): after
   the real forward of a segment of ``w`` rows over a KV cache of ``ctx`` slots, sleep until the modeled
-  ``t_stage(w, ctx)`` has elapsed since the forward began. When the real work took longer than modeled, that is an *overrun* (counted, never hidden).
+  ``t_stage(w, ctx)`` has elapsed since the forward began. When the real work took longer than modeled, that
+  is an *overrun* (counted, never hidden).
 * **rank 0** (``emu.model_rank0=true`` and the profile has a ``rank0`` section): every draft-head forward and
   every ``lm_head`` application (target verification and draft log-probs) is padded the same way.
 * **links** (:class:`LinkSender`): a message to rank ``d`` is handed to ``torch.distributed`` only when the
@@ -32,9 +33,9 @@ encoding) is divided by ``s`` in that view, so keep ``s`` as small as the overru
 The emulation hooks in without changing the transport: :func:`install` gives the ``Comm`` a
 :class:`LinkSender` (``comm.link``: its ``send`` hands messages to the link, its ``flush`` drains it first);
 the stage worker calls :meth:`Emulator.install_stage` and the engine :meth:`Emulator.install_rank0`, which
-install meters (:mod:`model.meter`, :class:`EmuMeter`) on the worker, the engine, its drafter and the draft head: every stage
-forward, ``lm_head`` application and draft-head forward runs inside ``meter.op(kind, rows, ctx)``, which pads
-it to the profile's model (no method is replaced, no call site knows about emulation).
+install meters (:mod:`model.meter`, :class:`EmuMeter`) on the worker, the engine, its drafter and the draft
+head: every stage forward, ``lm_head`` application and draft-head forward runs inside ``meter.op(kind, rows,
+ctx)``, which pads it to the profile's model (no method is replaced, no call site knows about emulation).
 
 Profiles (JSON, their cost and link models) are read by ``config/profiles.py``.
 """
