@@ -13,11 +13,13 @@ Three kinds of operation are metered, each run inside ``meter.op(kind, rows, ctx
 the profile's modeled time (``pipeline/emulation.py``: ``EmuMeter``, installed on every stage worker and on rank
 0); the simulator's logs it for its timing model
 (``pipeline/tools/simulate/drafter.py``). Instrumentation installs a meter on the object whose work it wants to
-see (``worker.meter``, ``engine.meter``, ``drafter.meter``, ``head.meter``); it never replaces a method.
+see (``worker.meter``, ``engine.meter``, ``drafter.meter``, ``head.meter``), stacked after what is there
+(:class:`MeterStack`); the stage worker and the engine start with a :class:`SpanMeter` (their tracer's
+``compute`` / ``lm_head`` spans). Nothing replaces a method.
 """
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Protocol
 
 import torch
@@ -38,6 +40,35 @@ class NullMeter:
 
 
 NULL_METER = NullMeter()
+
+
+class SpanMeter:
+    """Traces ops as spans: ``tracer.span(names[kind], rows=rows)`` (any object with ``span(name, **fields)``,
+    e.g. ``pipeline.trace.Tracer``); kinds not in ``names`` pass untraced. This is how a rank's timeline and
+    busy counter see its model work: through the same seam as every other instrument."""
+
+    def __init__(self, tracer, names: dict[str, str]) -> None:
+        self.tracer, self.names = tracer, names
+        self._nothing = nullcontext()
+
+    def op(self, kind: str, rows: int, ctx: int = 0) -> AbstractContextManager:
+        name = self.names.get(kind)
+        return self._nothing if name is None else self.tracer.span(name, rows=rows)
+
+
+class MeterStack:
+    """Several meters on one site: ``op`` enters them in order (the first one outermost, so a tracing meter
+    first sees the whole op including what later meters add, e.g. an emulation pad)."""
+
+    def __init__(self, *meters: OpMeter) -> None:
+        self.meters = meters
+
+    @contextmanager
+    def op(self, kind: str, rows: int, ctx: int = 0):
+        with ExitStack() as stack:
+            for m in self.meters:
+                stack.enter_context(m.op(kind, rows, ctx))
+            yield
 
 
 def hidden_rows(hidden: torch.Tensor) -> int:

@@ -49,6 +49,7 @@ from collections import deque
 from contextlib import contextmanager
 
 from config.profiles import Profile, load_profile
+from model.meter import MeterStack
 
 # per-rank counters shipped in Stats.emu[rank]
 COUNTERS = ("ops", "modeled_s", "overrun_ops", "overrun_s", "link_msgs", "link_modeled_s", "link_late_msgs",
@@ -143,7 +144,7 @@ class Emulator:
 
     def install_stage(self, worker) -> None:
         """Pad every stage forward of ``worker`` to the profile's stage model (``meter.op("stage_forward")``)."""
-        worker.meter = EmuMeter(self)
+        worker.meter = MeterStack(worker.meter, EmuMeter(self))
 
     def install_rank0(self, engine) -> None:
         """Pad rank 0's ``lm_head`` applications and draft-head forwards to the profile's rank0 models: meters
@@ -151,7 +152,7 @@ class Emulator:
         draft head."""
         if not self.model_rank0:
             return
-        engine.meter = EmuMeter(self, engine.tracer)
+        engine.meter = MeterStack(engine.meter, EmuMeter(self))
         drafter = engine.drafter
         if drafter is None:
             return
@@ -162,12 +163,12 @@ class Emulator:
 
 
 class EmuMeter:
-    """An :class:`model.meter.OpMeter` that waits out each op's modeled time (the profile's ``rank0`` models; an
-    op kind the profile does not model is not padded). ``tracer``: the pad is traced as its own ``lm_head`` span
-    (``emu_pad=True``), as rank 0's engine shows it."""
+    """An :class:`model.meter.OpMeter` that waits out each op's modeled time (the profile's stage model and its
+    ``rank0`` models; an op kind the profile does not model is not padded). Stacked after a site's tracing meter
+    (:class:`model.meter.MeterStack`), so the pad is traced and counted busy as part of the op."""
 
-    def __init__(self, emu: Emulator, tracer=None) -> None:
-        self.emu, self.tracer = emu, tracer
+    def __init__(self, emu: Emulator) -> None:
+        self.emu = emu
 
     @contextmanager
     def op(self, kind: str, rows: int, ctx: int = 0):
@@ -177,11 +178,7 @@ class EmuMeter:
             return
         t0 = time.perf_counter()
         yield
-        if self.tracer is None:
-            self.emu.pad(t0, modeled)
-        else:
-            with self.tracer.span(kind, emu_pad=True):
-                self.emu.pad(t0, modeled)
+        self.emu.pad(t0, modeled)
 
 
 class LinkSender:

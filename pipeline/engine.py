@@ -9,7 +9,7 @@ import torch
 
 from draft.protocol import TreeDrafter
 from model.devices import HOST
-from model.meter import NULL_METER, OpMeter, hidden_rows
+from model.meter import OpMeter, SpanMeter, hidden_rows
 from model.stage_model import StageModel
 from pipeline.messages import Context, Shutdown, Stats
 from pipeline.transport import Transport
@@ -116,7 +116,8 @@ class Engine:
         self.tracer = comm.tracer
         self.dtype = next(model.parameters()).dtype
         self.emu = comm.emu   # pipeline.emulation.Emulator when emu.profile is set
-        self.meter: OpMeter = NULL_METER   # rank 0's lm_head ops (model.meter); the emulator installs its own
+        # rank 0's verification lm_head (model.meter): traced as "lm_head" spans; the emulator stacks its pad after
+        self.meter: OpMeter = SpanMeter(self.tracer, {"lm_head": "lm_head"})
         self.last_emu: dict = {}
         self.on_commit = None  # serving (pipeline/serve.py): per-generation OutputBuffer hooks
         self.stop_text = None  # stop strings (gen.stop): see OutputBuffer and model.prompts.StopText
@@ -131,8 +132,7 @@ class Engine:
         verification step (``walk_tree`` and the sampler read them node by node on the host). Metered as an
         ``lm_head`` op (:mod:`model.meter`)."""
         with self.meter.op("lm_head", hidden_rows(hidden)):
-            with self.tracer.span("lm_head", rows=int(hidden.shape[0])):
-                return self.model.lm_head(hidden.to(self.model.lm_head.weight.device, self.dtype)).float().to(HOST)
+            return self.model.lm_head(hidden.to(self.model.lm_head.weight.device, self.dtype)).float().to(HOST)
 
     def prefill(self, prompt_ids: list[int]) -> tuple[Tensor, Tensor]:
         """Chunked, pipelined prefill. Returns (logits of the last prompt token, features of all prompt tokens)."""

@@ -18,7 +18,7 @@ import torch
 from draft.tree import admit_rows, decision_keep
 from model.devices import HOST
 from model.kv_cache import KVCache
-from model.meter import NULL_METER, OpMeter
+from model.meter import OpMeter, SpanMeter
 from model.stage_model import StageModel
 from pipeline.messages import Context, Decision, Segment, Shutdown, Stats
 from pipeline.transport import Transport
@@ -95,7 +95,8 @@ class StageWorker:
         self.tree = StageTree(self.cache)
         self.tracer = comm.tracer
         self.emu = comm.emu   # pipeline.emulation.Emulator when emu.profile is set
-        self.meter: OpMeter = NULL_METER   # the block's forwards (model.meter); the emulator installs its own
+        # the block's forwards (model.meter): traced as "compute" spans; the emulator stacks its pad after
+        self.meter: OpMeter = SpanMeter(self.tracer, {"stage_forward": "compute"})
         if self.emu is not None:
             self.emu.install_stage(self)
         comm.open_direct_inbox()                # rank 0's point-to-point decisions (ranks >= 2)
@@ -103,7 +104,7 @@ class StageWorker:
     @torch.no_grad()
     def _compute(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         rows = int(positions.numel())
-        with self.tracer.span("compute", rows=rows), self.meter.op("stage_forward", rows, self.cache.length):
+        with self.meter.op("stage_forward", rows, self.cache.length):
             x = x.to(self.device)
             if x.is_floating_point():
                 x = x.to(self.dtype)
