@@ -25,7 +25,9 @@ vocabulary size), so ``logprobs`` is the identity, as for the oracle drafter.
 from __future__ import annotations
 
 import copy
+import json
 import math
+from pathlib import Path
 
 import torch
 
@@ -47,13 +49,11 @@ SHARED_VOCAB_KEYS = ("model.embed_tokens.weight", "lm_head.weight")
 
 def load_small_lm(path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", vocab_model=None):
     """A small causal LM from a Hugging Face directory. A student saved with ``"shares_target_vocab": true``
-    (``python -m draft.train_ssm --ship``) has no embedding or ``lm_head`` of its own: they are taken from
+    (``python -m draft.train_ssm --shared-vocab``) has no embedding or ``lm_head`` of its own: they are taken from
     ``vocab_model`` (rank 0's stage: ``embed_tokens`` and ``lm_head`` of the target), shared, not copied.
 
     Invariant: the returned model computes exactly what the full student that ``train_ssm`` trained computes,
     since training froze the embedding and ``lm_head`` at the target's values."""
-    from pathlib import Path
-
     from transformers import AutoConfig, AutoModelForCausalLM
     path = Path(path)
     cfg = AutoConfig.from_pretrained(path)
@@ -75,23 +75,20 @@ def load_small_lm(path, dtype: torch.dtype = torch.float32, device: str | torch.
         raise SmallLMError(f"{path}: weights do not fit its config (missing {absent[:3]}, "
                            f"unexpected {sorted(unexpected)[:3]})")
     model = model.to(device=device, dtype=dtype)
-    model.model.embed_tokens.weight = torch.nn.Parameter(emb.detach().to(dtype), requires_grad=False)
-    model.lm_head.weight = torch.nn.Parameter(head.detach().to(dtype), requires_grad=False)
+    model.model.embed_tokens.weight = torch.nn.Parameter(emb.detach().to(device, dtype), requires_grad=False)
+    model.lm_head.weight = torch.nn.Parameter(head.detach().to(device, dtype), requires_grad=False)
     return model.eval()
 
 
 def ship_student(model, out_dir, dtype: torch.dtype = torch.float16) -> None:
     """Write ``model`` (a student trained with frozen target embedding / ``lm_head``) in the shared-vocabulary
     layout :func:`load_small_lm` reads: ``config.json`` with ``shares_target_vocab``, layers and norm only."""
-    from pathlib import Path
-
     from safetensors.torch import save_file
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = model.config.to_dict()
     cfg.update(shares_target_vocab=True, torch_dtype=str(dtype).removeprefix("torch."))
     cfg.pop("dtype", None)
-    import json
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items() if k not in SHARED_VOCAB_KEYS}
     save_file(state, str(out_dir / "model.safetensors"))
