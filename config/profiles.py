@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from config.errors import UserError
@@ -250,3 +250,50 @@ def message_parts(msg) -> tuple[int, int]:
         else:
             other += t.numel() * t.element_size()
     return rows, other
+
+
+# -- a tensor-parallel group as one stage (modes tp / galaxy: pipeline/tools/tp_sim.py, pipeline/emulation.py) ----
+def shard_cost(stage: CostModel, profile_stages: int, n: int) -> CostModel:
+    """One TP rank's compute: every layer of the model (``profile_stages`` stages' worth) at ``1/n`` width."""
+    k = profile_stages / n
+    if stage.model == "table":
+        return replace(stage, t_s=[[v * k for v in row] for row in stage.t_s])
+    return replace(stage, weight_bytes=stage.weight_bytes * k, kv_bytes_per_ctx=stage.kv_bytes_per_ctx * k,
+                   flops_per_token=stage.flops_per_token * k,
+                   attn_flops_per_token_ctx=stage.attn_flops_per_token_ctx * k,
+                   overhead_s=stage.overhead_s * profile_stages)
+
+
+@dataclass
+class GroupCost:
+    """Modeled seconds of one forward of the whole TP group (the ``stage`` of the one-stage replay)."""
+
+    shard: CostModel
+    n: int
+    layers: int
+    link: LinkModel
+    hidden_bytes: float      # bytes per hidden row on the wire
+    schedule: str            # "megatron" (mode tp) | "galaxy"
+
+    def _xfer(self, nbytes: float) -> float:
+        return self.link.latency_s + self.link.transfer_s(nbytes)
+
+    def parts(self, w: int, ctx: int) -> tuple[float, float]:
+        """``(compute seconds, exposed communication seconds)`` of one forward."""
+        n, L, h = self.n, self.layers, self.hidden_bytes
+        if n == 1:
+            return self.shard.time(w, ctx), 0.0
+        if self.schedule == "megatron":
+            all_reduce = 2 * (n - 1) * self._xfer(w * h / n)
+            return self.shard.time(w, ctx), (2 * L + 1) * all_reduce
+        s = -(-w // n)
+        k = self.shard.time(s, ctx) / (4 * L)
+        step = self._xfer(s * h)
+        phase = k + (n - 1) * max(k, step)
+        compute = 4 * L * n * k
+        total = 4 * L * phase + 2 * (n - 1) * step
+        return compute, total - compute
+
+    def time(self, w: int, ctx: int = 0) -> float:
+        c, m = self.parts(w, ctx)
+        return c + m

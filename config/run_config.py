@@ -132,6 +132,8 @@ class EmulationConfig:
     flag_threshold: float = 0.05  # flag a row when overruns exceed this fraction of the modeled time (all ranks)
     time_scale: float = 1.0      # time dilation: every modeled duration x this (>1 when the host is slower than
                                  # the modeled devices); eval reports throughput in undilated (modeled) time
+    tp_layers: int = 32          # modes tp/galaxy: decoder layers of the modeled model (LLaMA-7B: 32)
+    tp_profile_stages: int = 4   # ... and how many stages the profile's stage cost splits it into (edge_orin_7b: 4)
 
 
 @dataclass
@@ -239,6 +241,8 @@ class RunConfig:
             raise ConfigError(f"emu.flag_threshold={self.emu.flag_threshold} must be >= 0")
         if self.emu.time_scale <= 0:
             raise ConfigError(f"emu.time_scale={self.emu.time_scale} must be > 0")
+        if self.emu.tp_layers < 1 or self.emu.tp_profile_stages < 1:
+            raise ConfigError("emu.tp_layers and emu.tp_profile_stages must be >= 1")
         for key, name in (("emu.profile", self.emu.profile), ("tree.budget", self.tree.budget)):
             if name:
                 from config.profiles import EmulationError, load_profile

@@ -1,9 +1,11 @@
 """Metered model work on rank 0: the one seam through which instrumentation sees what rank 0 computes.
 
-Three kinds of operation are metered, each run inside ``meter.op(kind, rows, ctx)``:
+Five kinds of operation are metered, each run inside ``meter.op(kind, rows, ctx)``:
 
 * ``"stage_forward"``: a verification stage's decoder block over ``rows`` new positions with ``ctx`` cached
   ones (``pipeline.worker.StageWorker``; ranks 1..N);
+* ``"group_megatron"`` / ``"group_galaxy"``: one forward of a tensor-parallel group (modes ``tp`` / ``galaxy``,
+  ``pipeline.tp_run.TPWorker``; every rank of the group) over ``rows`` new positions, ``ctx`` cached;
 * ``"lm_head"``: ``rows`` hidden states through the target's ``lm_head`` (``Engine.logits``; a drafter's
   ``logprobs``);
 * ``"draft_forward"``: a draft-head forward of ``rows`` entries over ``ctx`` cached ones (``EagleHead`` /
@@ -24,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-KINDS = ("stage_forward", "lm_head", "draft_forward")
+KINDS = ("stage_forward", "group_megatron", "group_galaxy", "lm_head", "draft_forward")
 
 
 class OpMeter(Protocol):

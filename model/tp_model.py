@@ -242,14 +242,18 @@ class DistCollectives:
 
     def all_gather_floats(self, value: float) -> list[float]:
         """Every shard's ``value`` in shard order (host tensors; used once per generation for busy times)."""
+        return [v[0] for v in self.all_gather_vectors([value])]
+
+    def all_gather_vectors(self, values: list[float]) -> list[list[float]]:
+        """Every shard's equally long ``values`` in shard order (busy times, emulation counters)."""
         if self.size == 1:
-            return [value]
+            return [list(values)]
         import torch.distributed as dist
         device = HOST if self.host_staging else torch.device("cuda", torch.cuda.current_device())
-        mine = torch.tensor([value], dtype=torch.float64, device=device)
+        mine = torch.tensor(values, dtype=torch.float64, device=device)
         every = [torch.zeros_like(mine) for _ in range(self.size)]
         dist.all_gather(every, mine, group=self.group)
-        return [float(v) for v in every]
+        return [v.tolist() for v in every]
 
 
 class _Handles:

@@ -214,7 +214,4 @@ def check_tp_modes(manifest: dict, modes: list[str], cfg) -> str | None:
     if tp_modes and not n:
         return (f"mode {tp_modes[0]} needs a tensor-parallel split: python split_and_save_models.py --model <hf dir> "
                 f"--tp <N> --out <dir>, then launch N+1 ranks")
-    if tp_modes and cfg.emu.profile:
-        return ("emu.profile is not modeled for modes tp/galaxy; predict them with python -m pipeline.tools.tp_sim "
-                "(the what-if simulator) instead")
     return None

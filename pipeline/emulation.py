@@ -72,6 +72,7 @@ class Emulator:
         self.counters = [0.0] * K
         self.lock = threading.Lock()
         self.sender: LinkSender | None = None
+        self.group_costs: dict = {}   # TP ranks: op kind -> GroupCost (install_tp_worker)
 
     # counters
     def _add(self, name: str, value: float = 1.0) -> None:
@@ -131,6 +132,8 @@ class Emulator:
         prof = self.profile
         if kind == "stage_forward":
             return self.stage_time(rows, ctx)
+        if kind.startswith("group_"):
+            return self.group_costs[kind].time(rows, ctx)
         cost = prof.lm_head if kind == "lm_head" else prof.draft_forward
         return None if cost is None else cost.time(rows, 0 if kind == "lm_head" else ctx)
 
@@ -141,6 +144,29 @@ class Emulator:
         sys.setswitchinterval(min(sys.getswitchinterval(), 2e-4))
         self.sender = LinkSender(self, comm)
         comm.emu = self
+
+    def install_tp_worker(self, worker, n: int, layers: int, profile_stages: int, real_hidden_bytes: float) -> None:
+        """Pad every forward of a TP group rank to the modeled time of the whole group's forward
+        (:class:`config.profiles.GroupCost`, the cost model ``pipeline.tools.tp_sim`` predicts with: compute of
+        all ``layers`` at ``1/n`` width plus the exposed collectives of the schedule, Megatron or Galaxy). The
+        group's real collectives run inside the padded op (localhost: far faster than the modeled link)."""
+        from config.profiles import GroupCost, shard_cost
+        prof = self.profile
+        hb = prof.link.hidden_bytes_per_token or real_hidden_bytes
+        shard = shard_cost(prof.stage, profile_stages, n)
+        self.group_costs = {f"group_{s}": GroupCost(shard, n, layers, prof.link, hb, s) for s in ("megatron", "galaxy")}
+        worker.meter = MeterStack(worker.meter, EmuMeter(self))
+
+    def pad_fanout(self, msg, n: int) -> None:
+        """Rank 0's broadcast of ``msg`` to a TP group of ``n`` ranks: the root's link carries ``n`` copies, then
+        the link latency (``tp_sim``'s fan-out link). The caller blocks for that time (rank 0 has nothing else to
+        do while a tp/galaxy round is in the group); counted as link time."""
+        link = self.profile.link_model(0, 1)
+        modeled = (link.latency_s + n * link.transfer_s(link.message_bytes(msg))) * self.scale
+        self._add("link_msgs")
+        self._add("link_modeled_s", modeled)
+        if modeled > 0:
+            time.sleep(modeled)
 
     def install_stage(self, worker) -> None:
         """Pad every stage forward of ``worker`` to the profile's stage model (``meter.op("stage_forward")``)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from model.devices import HOST
+from model.meter import OpMeter, SpanMeter
 from model.tp_model import SCHEDULES, DistCollectives, TPShard
 from pipeline.messages import Context, Segment, Shutdown, Stats
 from pipeline.worker import StageTree, context_chunk
@@ -25,14 +26,16 @@ from pipeline.worker import StageTree, context_chunk
 
 class GroupComm:
     """Rank 0's view of the TP group as one pipeline stage: ``send_next`` broadcasts to the group,
-    ``recv_prev`` receives from TP rank 0. ``world`` is the real world size (N + 1)."""
-
-    emu = None
+    ``recv_prev`` receives from TP rank 0. ``world`` is the real world size (N + 1). Under ``emu.profile``
+    the broadcast first waits out the modeled fan-out (:meth:`pipeline.emulation.Emulator.pad_fanout`)."""
 
     def __init__(self, comm) -> None:
         self.comm, self.rank, self.world, self.tracer = comm, comm.rank, comm.world, comm.tracer
+        self.emu = comm.emu
 
     def send_next(self, msg) -> None:
+        if self.emu is not None:
+            self.emu.pad_fanout(msg, self.world - 1)
         self.comm.broadcast(msg)
 
     def recv_prev(self):
@@ -59,10 +62,13 @@ class TPWorker:
         self.tree = StageTree(self.cache)
         self.tracer = comm.tracer
         self.leader = coll.rank == 0
+        self.emu = comm.emu   # pipeline.emulation.Emulator when emu.profile is set (install_tp_worker pads forwards)
+        # every group forward (model.meter): traced as "compute" spans; the emulator stacks its pad after
+        self.meter: OpMeter = SpanMeter(self.tracer, {f"group_{s}": "compute" for s in SCHEDULES})
 
     @torch.no_grad()
     def _compute(self, ids: torch.Tensor, positions, mask, schedule: str) -> torch.Tensor | None:
-        with self.tracer.span("compute", rows=int(positions.numel())):
+        with self.meter.op(f"group_{schedule}", int(positions.numel()), self.cache.length):
             return self.model(ids.to(self.device), positions, mask, self.cache, self.coll, schedule)
 
     def _reply(self, msg) -> None:
@@ -81,6 +87,9 @@ class TPWorker:
                 if not msg.emu_only:
                     self.tracer.reset_counters()
                     msg.busy_s[1:1 + self.coll.size] = torch.tensor(every, dtype=torch.float64, device=HOST)
+                if msg.emu is not None and self.emu is not None:    # every rank's emulation counters
+                    table = self.coll.all_gather_vectors(self.emu.take())
+                    msg.emu[1:1 + self.coll.size] = torch.tensor(table, dtype=torch.float64, device=HOST)
                 self._reply(msg)
             elif isinstance(msg, Context):
                 out = context_chunk(self.cache, self.tree, msg, self.dtype,
@@ -131,5 +140,9 @@ def run_tp_rank(args, cfg, modes, comm, stage_root, dtype, device, run_rank0) ->
     if comm.rank == 0:
         return run_rank0(args, cfg, modes, GroupComm(comm), model, stage_root, dtype, device)
     coll = DistCollectives(group, 1, n, comm.rank - 1, host_staging=cfg.comm.backend != "nccl")
-    TPWorker(model, comm, coll, cfg.model.max_seq_len, dtype, device).run()
+    worker = TPWorker(model, comm, coll, cfg.model.max_seq_len, dtype, device)
+    if comm.emu is not None:
+        real_bytes = model.config.hidden_size * torch.finfo(dtype).bits // 8
+        comm.emu.install_tp_worker(worker, n, cfg.emu.tp_layers, cfg.emu.tp_profile_stages, real_bytes)
+    worker.run()
     return 0

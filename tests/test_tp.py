@@ -179,7 +179,7 @@ def test_modes_and_split_kinds_must_match(tiny, tmp_path, capsys):
             (roots[2], ["mode=naive"], "mode naive needs a pipeline split, but this stage root is a tensor-parallel "
                                        "split (--tp 2); run modes tp or galaxy on it"),
             (pipe, ["mode=tp"], "mode tp needs a tensor-parallel split: python split_and_save_models.py"),
-            (roots[2], ["mode=galaxy", "emu.profile=edge_orin_7b"], "emu.profile is not modeled for modes tp/galaxy"),
+            (roots[2], ["mode=galaxy", "emu.profile=edge_orin_7b"], None),      # emulated TP runs are modeled
             (roots[2], ["mode=tp"], None)]:
         code = check_args([f"model.stage_dir={root}", *extra, "--prompt-ids", "1,5"], 3)
         err = capsys.readouterr().err
@@ -252,3 +252,31 @@ def test_rank0_schedule_on_a_one_stage_ring_under_the_device_guard(tiny, tmp_pat
             assert [r.output_ids for r in guarded[mode]] == [r.output_ids for r in plain[mode]], mode
     ref = hf_greedy(full, prompts[0], 10, {2}, torch.float64)
     assert run_threaded(one, prompts, ["tp"], ["max_new_tokens=10"], {2}, f"oracle:{full}")["tp"][0].output_ids == ref
+
+
+def test_emulated_tp_and_galaxy_runs_take_the_group_cost_model(tiny, tmp_path):
+    """emu.profile on a TP split: every group rank pads each forward to config.profiles.GroupCost (the cost
+    model pipeline.tools.tp_sim predicts with), rank 0 pads its fan-out, the leader's reply goes through the
+    link model; output stays exact and the decode time follows the modeled rounds."""
+    from config.profiles import GroupCost, LinkModel, Profile, shard_cost
+    full, roots = tiny
+    raw = {"name": "tp_toy", "stage": {"model": "analytic", "overhead_s": 0.02},
+           "link": {"latency_s": 0.004, "bandwidth_mbps": None, "hidden_bytes_per_token": 0, "header_bytes": 0}}
+    (tmp_path / "toy.json").write_text(json.dumps(raw))
+    prof = Profile.from_dict(raw)
+    layers, n = 2, 2
+    group = {s: GroupCost(shard_cost(prof.stage, 1, n), n, layers, prof.link, 8.0, s).time(60, 0)
+             for s in ("megatron", "galaxy")}
+    assert group["megatron"] == pytest.approx(0.02 + 5 * 2 * 0.004) and group["galaxy"] > 0.02
+    prompts = [[1, 5, 9, 13, 22, 7], [1, 40, 41]]
+    _launch(n, roots[n], tmp_path / "out.jsonl", prompts, 10,
+            (f"head_dir=oracle:{full}", f"emu.profile={tmp_path / 'toy.json'}", f"emu.tp_layers={layers}",
+             "emu.tp_profile_stages=1", "emu.model_rank0=false"))
+    rows = read_jsonl(tmp_path / "out.jsonl")
+    assert sorted(r["mode"] for r in rows) == ["galaxy", "galaxy", "tp", "tp"]
+    for r in rows:
+        assert r["output_ids"] == hf_greedy(full, r["prompt_ids"], 10, {2}, torch.float64), r["mode"]
+        t = group["megatron" if r["mode"] == "tp" else "galaxy"]
+        assert r["emu_profile"] == "tp_toy" and r["emu_ops"] >= n * r["rounds"]
+        per_round = t + 2 * 0.004                       # the group's forward + fan-out and reply latencies
+        assert 0.9 * r["rounds"] * t <= r["decode_s"] <= 1.5 * r["rounds"] * per_round + 0.5, r

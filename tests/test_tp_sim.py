@@ -4,7 +4,8 @@ import json
 import pytest
 
 from config.profiles import CostModel, LinkModel, load_profile
-from pipeline.tools.tp_sim import GroupCost, main, shard_cost
+from config.profiles import GroupCost, shard_cost
+from pipeline.tools.tp_sim import main
 from tests.helpers import hf_greedy, tiny_llama
 
 LINK = LinkModel(latency_s=1e-3, bandwidth_mbps=100.0)
