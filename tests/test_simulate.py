@@ -220,3 +220,13 @@ def _csv(path: Path) -> list[dict]:
     import csv
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+def test_mode_sps_is_refused_with_one_line(tmp_path, capsys):
+    import json
+    from pipeline.tools.simulate import main
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"mode": "sps", "prompt_ids": [1, 5], "output_ids": [7, 2], "world_size": 5}) + "\n")
+    assert main([str(rows), "--modes", "sps", "--stages", "4", "--no-plots", "--out-dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "does not replay mode sps" in err and "Traceback" not in err

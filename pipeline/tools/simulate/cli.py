@@ -139,6 +139,9 @@ def run(args) -> int:
         for m in modes:
             for n in stage_list:
                 groups.setdefault((m, n), []).append(r)
+    if any(m == "sps" for m, _ in groups):     # its small LM runs on rank 0's model, which the replay stands in for
+        raise ValueError("the simulator does not replay mode sps (rank 0's small draft LM is not modeled); "
+                         "run it emulated instead: emu.profile=... mode=sps")
     drafter = None
     if any(m != "ar" for m, _ in groups):
         drafter = make_drafter(cfg, target.stage_root, target.model0, target.dtype, device)
