@@ -31,14 +31,14 @@ def test_bench_on_stories260k_is_exact_and_resumable(tmp_path, capsys):
     from model.split import split_checkpoint
     from pipeline.tools.drafter_bench import main
     stages = split_checkpoint(STORIES, tmp_path / "stages", [0, 3, 2], progress=False)
-    args = ["--sources", "eagle", "--sources", "eagle,lookup", "--sets", "sum,qa", "--begin", "30", "--end", "32",
+    args = ["--sources", "eagle", "--sources", "eagle,lookup", "--sets", "gsm8k,mt_bench", "--begin", "30", "--end", "32",
             "--max-new-tokens", "12", "--stage-dir", str(stages), "--head-dir", f"oracle:{STORIES}",
             "--out", str(tmp_path / "out")]
     assert main(args) == 0
     table = capsys.readouterr().out
     assert "`eagle,lookup`" in table and "**NO**" not in table
     rows = [json.loads(l) for l in (tmp_path / "out" / "rows.jsonl").read_text().splitlines()]
-    assert len(rows) == 8 and {r["dataset"] for r in rows} == {"sum", "qa"}
+    assert len(rows) == 8 and {r["dataset"] for r in rows} == {"gsm8k", "mt_bench"}
     assert all(r["output_ids"] and r["prompt_ids"] for r in rows)
     assert main(args) == 0                                   # resumed: nothing is generated twice
     assert len((tmp_path / "out" / "rows.jsonl").read_text().splitlines()) == 8
