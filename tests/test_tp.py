@@ -258,7 +258,7 @@ def test_emulated_tp_and_galaxy_runs_take_the_group_cost_model(tiny, tmp_path):
     """emu.profile on a TP split: every group rank pads each forward to config.profiles.GroupCost (the cost
     model pipeline.tools.tp_sim predicts with), rank 0 pads its fan-out, the leader's reply goes through the
     link model; output stays exact and the decode time follows the modeled rounds."""
-    from config.profiles import GroupCost, LinkModel, Profile, shard_cost
+    from config.profiles import GroupCost, Profile, shard_cost
     full, roots = tiny
     raw = {"name": "tp_toy", "stage": {"model": "analytic", "overhead_s": 0.02},
            "link": {"latency_s": 0.004, "bandwidth_mbps": None, "hidden_bytes_per_token": 0, "header_bytes": 0}}
