@@ -1,4 +1,4 @@
-"""Metered model work on rank 0: the one seam through which instrumentation sees what rank 0 computes.
+"""Metered model work on every rank: the one seam through which instrumentation sees what a rank computes.
 
 Five kinds of operation are metered, each run inside ``meter.op(kind, rows, ctx)``:
 

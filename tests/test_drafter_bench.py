@@ -40,7 +40,7 @@ def test_bench_on_stories260k_is_exact_and_resumable(tmp_path, capsys):
     assert "`eagle,lookup`" in table and "**NO**" not in table
     rows = [json.loads(l) for l in (tmp_path / "out" / "rows.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and {r["dataset"] for r in rows} == {"gsm8k", "mt_bench"}
-    assert all(r["output_ids"] and r["prompt_ids"] for r in rows)
+    assert all(r["output_ids"] and r["prompt_ids"] and r["world_size"] == 3 for r in rows)
     assert main(args) == 0                                   # resumed: nothing is generated twice
     assert len((tmp_path / "out" / "rows.jsonl").read_text().splitlines()) == 8
     assert main([*args[:-1], str(tmp_path / "o2"), "--data", str(tmp_path / "nope")]) == 2

@@ -89,6 +89,8 @@ def run(args) -> int:
     torch.set_num_threads(args.threads)
     stage_root = Path(args.stage_dir) if args.stage_dir else DEFAULT_STAGE_DIR
     head = args.head_dir or str(DEFAULT_HEAD_DIR)
+    from model.stage_format import read_manifest
+    world = len(read_manifest(stage_root)["split"])
     tok = load_tokenizer(stage_root)
     stops = stop_token_ids(tok, None)
     out = Path(args.out)
@@ -113,7 +115,7 @@ def run(args) -> int:
                            "prompt_ids": p, "output_ids": r.output_ids, "accept_lengths": r.accept_lengths,
                            "rounds": r.rounds, "decode_s": r.decode_s,
                            "rank0_busy_s": (r.busy_fraction[0] if r.busy_fraction else 0.0) * r.decode_s,
-                           "world_size": 5, "temperature": args.temperature}
+                           "world_size": world, "temperature": args.temperature}
                     rows.append(row)
                     f.write(json.dumps(row) + "\n")
             taus = [r.tau for r in res]
