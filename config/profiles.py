@@ -9,7 +9,7 @@ Profile JSON (see ``profiles/README.md``)::
     {"name": ..., "description": ...,
      "stage":  COST,                      # default for every layer stage
      "stages": {"3": COST},               # optional per-rank overrides
-     "rank0":  {"draft_forward": COST, "lm_head": COST},   # optional
+     "rank0":  {"draft_forward": COST, "lm_head": COST, "ssm_forward": COST},   # optional
      "link":   {"latency_s": 3e-4, "bandwidth_mbps": 150, "hidden_bytes_per_token": 8192, "header_bytes": 384},
      "links":  {"0->1": LINK}}            # optional per-hop overrides
     COST = {"model": "analytic", "weight_bytes", "kv_bytes_per_ctx", "mem_bw_Bps", "mem_efficiency",
@@ -164,6 +164,7 @@ class Profile:
     stages: dict = field(default_factory=dict)        # rank -> CostModel
     draft_forward: CostModel | None = None
     lm_head: CostModel | None = None
+    ssm_forward: CostModel | None = None            # a small draft LM's forward (draft.ssm), its lm_head apart
     link: LinkModel = field(default_factory=LinkModel)
     links: dict = field(default_factory=dict)         # (src, dst) -> LinkModel
     path: str = ""
@@ -197,9 +198,11 @@ class Profile:
                 raise EmulationError(f"{where}: stages keys are ranks (1..N), not {k!r}") from None
             stages[r] = CostModel.parse(v, f"{where}.stages.{k}")
         r0 = raw.get("rank0") or {}
-        bad = [k for k in r0 if k not in ("draft_forward", "lm_head") and k not in _TEXT_KEYS and not k.startswith("_")]
+        r0_keys = ("draft_forward", "lm_head", "ssm_forward")
+        bad = [k for k in r0 if k not in r0_keys and k not in _TEXT_KEYS and not k.startswith("_")]
         if bad:
-            raise EmulationError(f"{where}.rank0: unknown keys {bad}; valid: draft_forward, lm_head")
+            raise EmulationError(f"{where}.rank0: unknown keys {bad}; valid: {', '.join(r0_keys)}")
+        rank0 = {k: CostModel.parse(r0[k], f"{where}.rank0.{k}") for k in r0_keys if k in r0}
         links = {}
         for k, v in (raw.get("links") or {}).items():
             try:
@@ -210,10 +213,18 @@ class Profile:
         return cls(name=str(raw.get("name") or Path(path).stem or "profile"),
                    description=str(raw.get("description", "")),
                    stage=CostModel.parse(raw["stage"], f"{where}.stage"), stages=stages,
-                   draft_forward=CostModel.parse(r0["draft_forward"], f"{where}.rank0.draft_forward")
-                   if "draft_forward" in r0 else None,
-                   lm_head=CostModel.parse(r0["lm_head"], f"{where}.rank0.lm_head") if "lm_head" in r0 else None,
+                   **rank0,
                    link=LinkModel.parse(raw.get("link", {}), f"{where}.link"), links=links, path=path)
+
+
+def with_link(profile: Profile, bandwidth: float | None, latency: float | None) -> Profile:
+    """``profile`` with every link's bandwidth and/or latency replaced (``None``: keep the profile's)."""
+    if bandwidth is None and latency is None:
+        return profile
+    def fix(l: LinkModel) -> LinkModel:
+        return replace(l, bandwidth_mbps=bandwidth if bandwidth is not None else l.bandwidth_mbps,
+                       latency_s=latency if latency is not None else l.latency_s)
+    return replace(profile, link=fix(profile.link), links={k: fix(v) for k, v in profile.links.items()})
 
 
 def builtin_profiles() -> list[str]:

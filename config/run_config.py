@@ -134,6 +134,9 @@ class EmulationConfig:
                                  # the modeled devices); eval reports throughput in undilated (modeled) time
     tp_layers: int = 32          # modes tp/galaxy: decoder layers of the modeled model (LLaMA-7B: 32)
     tp_profile_stages: int = 4   # ... and how many stages the profile's stage cost splits it into (edge_orin_7b: 4)
+    stage_cost_scale: float = 1.0  # pipeline stages: modeled stage time x this (4/3: the profile's model on 3 stages
+                                   # instead of 4; the simulator's --stage-cost-scale)
+    bandwidth_mbps: float = 0.0  # > 0: every link of the profile at this rate instead of its own
 
 
 @dataclass
@@ -146,6 +149,8 @@ class DraftConfig:
     lookup_token_prob: float = 0.6  # prior probability that one copied token is right (its score)
     ssm_sample: bool = True      # T > 0: small LMs draw sampled children (SpecInfer), verified by walk_proposals
     ssm_temperature: float = -1.0  # temperature of the small LM's proposal q (-1 = gen.temperature)
+    ssm_score_scale: float = 1.0  # merge calibration: a small LM's log-scores x this before the merge (> 1 trusts
+                                  # it less; its own tree is unchanged; draft/merged.py)
 
 
 @dataclass
@@ -241,6 +246,10 @@ class RunConfig:
             raise ConfigError(f"emu.flag_threshold={self.emu.flag_threshold} must be >= 0")
         if self.emu.time_scale <= 0:
             raise ConfigError(f"emu.time_scale={self.emu.time_scale} must be > 0")
+        if self.emu.stage_cost_scale <= 0:
+            raise ConfigError(f"emu.stage_cost_scale={self.emu.stage_cost_scale} must be > 0")
+        if self.emu.bandwidth_mbps < 0:
+            raise ConfigError(f"emu.bandwidth_mbps={self.emu.bandwidth_mbps} must be >= 0 (0 = the profile's links)")
         if self.emu.tp_layers < 1 or self.emu.tp_profile_stages < 1:
             raise ConfigError("emu.tp_layers and emu.tp_profile_stages must be >= 1")
         for key, name in (("emu.profile", self.emu.profile), ("tree.budget", self.tree.budget)):
@@ -258,6 +267,8 @@ class RunConfig:
             raise ConfigError("draft.lookup_min_ngram and lookup_max_ngram need 1 <= min <= max")
         if self.draft.lookup_max_matches < 1 or not 0 < self.draft.lookup_token_prob <= 1:
             raise ConfigError("draft.lookup_max_matches must be >= 1 and lookup_token_prob in (0, 1]")
+        if self.draft.ssm_score_scale <= 0:
+            raise ConfigError(f"draft.ssm_score_scale={self.draft.ssm_score_scale} must be > 0")
         if self.draft.ssm_temperature != -1 and self.draft.ssm_temperature <= 0:
             raise ConfigError(f"draft.ssm_temperature={self.draft.ssm_temperature} must be > 0 (or -1: gen.temperature)")
         self._validate_osd()

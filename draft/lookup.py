@@ -26,7 +26,7 @@ import torch
 from draft.token_history import TokenHistory
 from draft.tree import DraftTree, select_top_nodes
 from model.devices import HOST
-from model.meter import NULL_METER, OpMeter, hidden_rows
+from model.meter import NULL_METER, OpMeter
 
 Tensor = torch.Tensor
 FLOOR = -1e4   # log-score of a token no occurrence supports (finite: top-k still ranks cleanly)
@@ -80,7 +80,7 @@ def continuation_trie(root_token: int, conts: list[list[int]], token_logp: float
 class LookupDrafter(TokenHistory):
     """Prompt lookup (n-gram copying) with the :class:`draft.protocol.TreeDrafter` methods."""
 
-    meter: OpMeter = NULL_METER   # instrumentation sees each logprobs call as an lm_head op (model.meter)
+    meter: OpMeter = NULL_METER   # no model op to meter: its log-probs are table look-ups (model.meter)
 
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 8,
                  token_logp: float = math.log(0.6)) -> None:
@@ -119,5 +119,4 @@ class LookupDrafter(TokenHistory):
         return torch.stack([self.state(seq) for seq in self.add_tree_entries(tokens, parents)])
 
     def logprobs(self, hidden: Tensor) -> Tensor:
-        with self.meter.op("lm_head", hidden_rows(hidden)):
-            return hidden.double()
+        return hidden.double()

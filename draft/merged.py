@@ -6,10 +6,13 @@ trees unchanged:
     (each flattened, widened to their common dtype, which is exact), split again on the way in;
   * ``grow_tree`` asks every source for its own tree with the same arguments and merges them with
     :func:`draft.tree.merge_sources` under the one ``total_token`` budget (the rule: sampled proposals are
-    kept whole, deterministic nodes survive by their best score over the sources, see there);
+    kept whole, deterministic nodes survive by their best score over the sources, see there). Before the
+    merge each source's scores are multiplied by its calibration scale (:func:`scale_scores`; 1 except a small
+    LM's ``draft.ssm_score_scale``): a weak student's log-probabilities are over-confident next to EAGLE's, and
+    a scale > 1 makes its nodes win only where it is sure;
   * ``tree_forward``/``drop_tree``/``logprobs`` (PipeDec grows its layers through them): each source feeds
     the same entries with its own slice of the features; ``logprobs`` of a merged state is the elementwise
-    **maximum** of the sources' log-scores, the same "best available score" rule as the tree merge.
+    **maximum** of the sources' (scaled) log-scores, the same "best available score" rule as the tree merge.
 
 Sources are built by :func:`build_sources` from the ``draft.sources`` list: ``eagle`` (the drafter that
 ``model.head_dir`` selects: the EAGLE head, or the oracle/adversary test drafters), ``lookup`` (prompt
@@ -17,23 +20,29 @@ lookup, :mod:`draft.lookup`) and ``ssm:<dir>`` (a small causal LM, :mod:`draft.s
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from config.run_config import SourceError, parse_sources
 from draft.tree import DraftTree, merge_sources
-from model.meter import NULL_METER, OpMeter, hidden_rows
 
 Tensor = torch.Tensor
 
 
 class MergedDrafter:
-    meter: OpMeter = NULL_METER   # instrumentation sees each logprobs call as an lm_head op (model.meter)
+    """See the module docstring. Instrumentation meters the sources, not the merge
+    (:func:`draft.protocol.install_meter` reaches every source's model ops)."""
 
-    def __init__(self, sources: list, names: list[str] | None = None) -> None:
+    def __init__(self, sources: list, names: list[str] | None = None,
+                 score_scales: list[float] | None = None) -> None:
         if not sources:
             raise SourceError("draft.sources needs at least one source")
         self.sources = list(sources)
         self.names = list(names) if names else [type(s).__name__ for s in sources]
+        self.score_scales = list(score_scales) if score_scales else [1.0] * len(self.sources)
+        if len(self.score_scales) != len(self.sources) or any(c <= 0 for c in self.score_scales):
+            raise SourceError("one positive score scale per source")
         self.widths: list[int] = []
 
     @staticmethod
@@ -70,7 +79,7 @@ class MergedDrafter:
         share = 1 + (total_token - 1) // len(self.sources)
         trees = [s.grow_tree(root_token, h, share if getattr(s, "samples", False) else total_token, depth, top_k)
                  for s, h in zip(self.sources, self._split(root_hidden))]
-        return merge_sources(trees, total_token)
+        return merge_sources([scale_scores(t, c) for t, c in zip(trees, self.score_scales)], total_token)
 
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
         return self._cat([s.tree_forward(tokens, f, parents) for s, f in zip(self.sources, self._split(features))])
@@ -84,17 +93,23 @@ class MergedDrafter:
         return max(s.tree_size for s in self.sources)
 
     def logprobs(self, hidden: Tensor) -> Tensor:
-        with self.meter.op("lm_head", hidden_rows(hidden)):
-            lps = [s.logprobs(h).double() for s, h in zip(self.sources, self._split(hidden))]
-            dev = lps[0].device
-            out = lps[0]
-            for lp in lps[1:]:
-                out = torch.maximum(out, lp.to(dev))
-            return out
+        lps = [s.logprobs(h).double() * c for s, h, c in zip(self.sources, self._split(hidden), self.score_scales)]
+        dev = lps[0].device
+        out = lps[0]
+        for lp in lps[1:]:
+            out = torch.maximum(out, lp.to(dev))
+        return out
 
     def source(self, kind: type):
         """The first source of class ``kind`` (e.g. the small LM for ``sps``), or None."""
         return next((s for s in self.sources if isinstance(s, kind)), None)
+
+
+def scale_scores(tree: DraftTree, scale: float) -> DraftTree:
+    """``tree`` with every score times ``scale`` > 0: the source's calibration before the merge. Scores are
+    log-scores <= 0 that never increase along a path; a positive factor keeps both and the tree's own order, so
+    only the competition between sources changes."""
+    return tree if scale == 1.0 else replace(tree, scores=tree.scores * scale)
 
 
 def build_sources(cfg, vocab_size: int, eagle_factory, dtype, device, sampling: bool, vocab_model=None):
@@ -107,7 +122,7 @@ def build_sources(cfg, vocab_size: int, eagle_factory, dtype, device, sampling: 
     from draft.lookup import LookupDrafter
     from draft.ssm import SmallLMDrafter, SmallLMError
     d = cfg.draft
-    sources, names = [], []
+    sources, names, scales = [], [], []
     for kind, arg in parse_sources(d.sources):
         if kind == "eagle":
             sources.append(eagle_factory())
@@ -125,6 +140,7 @@ def build_sources(cfg, vocab_size: int, eagle_factory, dtype, device, sampling: 
             except SmallLMError as e:
                 raise SourceError(f"draft.sources: ssm:{arg}: {e}") from None
         names.append(kind if not arg else f"{kind}:{arg}")
+        scales.append(d.ssm_score_scale if kind == "ssm" else 1.0)
     if len(sources) == 1:
         return sources[0]
-    return MergedDrafter(sources, names)
+    return MergedDrafter(sources, names, scales)

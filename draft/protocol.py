@@ -93,6 +93,22 @@ class ExtendableTreeDrafter(TreeDrafter, Protocol):
         existing indices unchanged); returns the tree and its per-node input features."""
 
 
+def install_meter(drafter: object, meter) -> None:
+    """Put ``meter`` (:class:`model.meter.OpMeter`) on every site of ``drafter`` that runs model work: the drafter
+    itself (its ``logprobs`` as ``lm_head`` ops, a small LM's ``ssm_forward`` ops) and its draft head when it keeps
+    a draft cache (EAGLE's ``draft_forward`` ops). A merged drafter (one with ``sources``) runs no model op of its
+    own: every source gets the meter instead, so each op is metered exactly once."""
+    sources = getattr(drafter, "sources", None)
+    if sources is not None:
+        for s in sources:
+            install_meter(s, meter)
+        return
+    drafter.meter = meter
+    head = getattr(drafter, "head", None)
+    if head is not None and getattr(drafter, "cache", None) is not None:
+        head.meter = meter
+
+
 def can_extend(drafter: object) -> bool:
     """True when ``drafter`` supports incremental expansion (:class:`ExtendableTreeDrafter`)."""
     return isinstance(drafter, ExtendableTreeDrafter) and bool(drafter.supports_extend)

@@ -135,7 +135,8 @@ class SmallLMDrafter(BeamTreeDrafter):
     def _feed(self, tokens: list[int]) -> Tensor:
         ids = torch.tensor([tokens], device=self.device)
         pos = torch.arange(self.ctx_len, self.ctx_len + len(tokens), device=self.device)[None]
-        out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True)
+        with self.meter.op("ssm_forward", len(tokens), self.ctx_len):
+            out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True)
         self.cache = out.past_key_values
         self.ctx_len += len(tokens)
         return self._logprobs_of(out.logits[0, -1])
@@ -158,12 +159,13 @@ class SmallLMDrafter(BeamTreeDrafter):
         for i, p in enumerate(paths):
             by_len.setdefault(len(p), []).append(i)
         for n, idx in by_len.items():
-            cache = copy.deepcopy(self.cache)
-            if len(idx) > 1:
-                cache.batch_repeat_interleave(len(idx))
             ids = torch.tensor([paths[i] for i in idx], device=self.device)
             pos = torch.arange(self.ctx_len, self.ctx_len + n, device=self.device)[None].expand(len(idx), -1)
-            logits = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits
+            with self.meter.op("ssm_forward", len(idx) * n, self.ctx_len):
+                cache = copy.deepcopy(self.cache)
+                if len(idx) > 1:
+                    cache.batch_repeat_interleave(len(idx))
+                logits = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits
             lp = self._logprobs_of(logits[:, -1])
             for j, i in enumerate(idx):
                 out[i] = lp[j]

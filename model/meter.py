@@ -9,13 +9,15 @@ Five kinds of operation are metered, each run inside ``meter.op(kind, rows, ctx)
 * ``"lm_head"``: ``rows`` hidden states through the target's ``lm_head`` (``Engine.logits``; a drafter's
   ``logprobs``);
 * ``"draft_forward"``: a draft-head forward of ``rows`` entries over ``ctx`` cached ones (``EagleHead`` /
-  ``Eagle3Head``).
+  ``Eagle3Head``);
+* ``"ssm_forward"``: a small draft LM's forward (``draft.ssm.SmallLMDrafter``) of ``rows`` new tokens (all the
+  paths of one batch together) over ``ctx`` cached ones; its logits count as a separate ``lm_head`` op.
 
 :data:`NULL_METER` (every object's default) does nothing. The emulated testbed's meter pads each operation to
 the profile's modeled time (``pipeline/emulation.py``: ``EmuMeter``, installed on every stage worker and on rank
 0); the simulator's logs it for its timing model
 (``pipeline/tools/simulate/drafter.py``). Instrumentation installs a meter on the object whose work it wants to
-see (``worker.meter``, ``engine.meter``, ``drafter.meter``, ``head.meter``), stacked after what is there
+see (``worker.meter``, ``engine.meter``; a drafter's sites through :func:`draft.protocol.install_meter`), stacked after what is there
 (:class:`MeterStack`); the stage worker and the engine start with a :class:`SpanMeter` (their tracer's
 ``compute`` / ``lm_head`` spans). Nothing replaces a method.
 """
@@ -26,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-KINDS = ("stage_forward", "group_megatron", "group_galaxy", "lm_head", "draft_forward")
+KINDS = ("stage_forward", "group_megatron", "group_galaxy", "lm_head", "draft_forward", "ssm_forward")
 
 
 class OpMeter(Protocol):

@@ -48,7 +48,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 
-from config.profiles import Profile, load_profile
+from config.profiles import Profile, load_profile, with_link
 from model.meter import MeterStack
 
 # per-rank counters shipped in Stats.emu[rank]
@@ -63,9 +63,11 @@ class Emulator:
     """One rank's emulation state: padding, link delays and fidelity counters."""
 
     def __init__(self, profile: Profile, rank: int, world: int, model_rank0: bool = True,
-                 flag_threshold: float = 0.05, device: str = "cpu", time_scale: float = 1.0) -> None:
+                 flag_threshold: float = 0.05, device: str = "cpu", time_scale: float = 1.0,
+                 stage_cost_scale: float = 1.0) -> None:
         self.profile, self.rank, self.world = profile, rank, world
         self.scale = time_scale
+        self.stage_cost_scale = stage_cost_scale   # pipeline stages only; a TP group has its own GroupCost
         self.model_rank0 = model_rank0 and profile.models_rank0
         self.flag_threshold = flag_threshold
         self.cuda = str(device).startswith("cuda")
@@ -125,7 +127,7 @@ class Emulator:
             self._add("oversleep_s", max(0.0, time.perf_counter() - target))
 
     def stage_time(self, w: int, ctx: int) -> float:
-        return self.profile.stage_model(self.rank).time(w, ctx)
+        return self.profile.stage_model(self.rank).time(w, ctx) * self.stage_cost_scale
 
     def op_time(self, kind: str, rows: int, ctx: int) -> float | None:
         """Modeled seconds of one metered op (:data:`model.meter.KINDS`); None: the profile does not model it."""
@@ -134,7 +136,7 @@ class Emulator:
             return self.stage_time(rows, ctx)
         if kind.startswith("group_"):
             return self.group_costs[kind].time(rows, ctx)
-        cost = prof.lm_head if kind == "lm_head" else prof.draft_forward
+        cost = {"lm_head": prof.lm_head, "draft_forward": prof.draft_forward, "ssm_forward": prof.ssm_forward}[kind]
         return None if cost is None else cost.time(rows, 0 if kind == "lm_head" else ctx)
 
     # installation
@@ -173,19 +175,15 @@ class Emulator:
         worker.meter = MeterStack(worker.meter, EmuMeter(self))
 
     def install_rank0(self, engine) -> None:
-        """Pad rank 0's ``lm_head`` applications and draft-head forwards to the profile's rank0 models: meters
-        (:mod:`model.meter`) on the engine, on its drafter and, for a head drafter with a draft cache, on the
-        draft head."""
+        """Pad rank 0's ``lm_head`` applications, draft-head and small-LM forwards to the profile's rank0 models:
+        meters (:mod:`model.meter`) on the engine and on every site of its drafter
+        (:func:`draft.protocol.install_meter`)."""
         if not self.model_rank0:
             return
         engine.meter = MeterStack(engine.meter, EmuMeter(self))
-        drafter = engine.drafter
-        if drafter is None:
-            return
-        drafter.meter = EmuMeter(self)
-        head = getattr(drafter, "head", None)
-        if head is not None and getattr(drafter, "cache", None) is not None:
-            head.meter = EmuMeter(self)
+        if engine.drafter is not None:
+            from draft.protocol import install_meter
+            install_meter(engine.drafter, EmuMeter(self))
 
 
 class EmuMeter:
@@ -284,8 +282,9 @@ def install(comm, cfg, device: str = "cpu") -> Emulator | None:
     comm.emu = None
     if not cfg.emu.profile:
         return None
-    emu = Emulator(load_profile(cfg.emu.profile), comm.rank, comm.world, cfg.emu.model_rank0,
-                   cfg.emu.flag_threshold, device, cfg.emu.time_scale)
+    profile = with_link(load_profile(cfg.emu.profile), cfg.emu.bandwidth_mbps or None, None)
+    emu = Emulator(profile, comm.rank, comm.world, cfg.emu.model_rank0,
+                   cfg.emu.flag_threshold, device, cfg.emu.time_scale, cfg.emu.stage_cost_scale)
     emu.install_comm(comm)
     return emu
 

@@ -222,6 +222,64 @@ def test_rank0_meters_see_and_pad_lm_head_and_draft_forward():
     assert engine.meter is not NULL_METER     # the engine's own lm_head (verification) is metered too
 
 
+def test_small_lm_and_merged_sources_are_metered_once_per_model_op(tmp_path):
+    """A small draft LM's forwards are ``ssm_forward`` ops and its log-prob calls ``lm_head`` ops; in a merged
+    drafter every source is metered (install_meter), the merge itself adds no op, lookup adds none; the
+    emulator pads ``ssm_forward`` to the profile's rank0.ssm_forward model."""
+    from draft.lookup import LookupDrafter
+    from draft.merged import MergedDrafter
+    from draft.protocol import install_meter
+    from draft.ssm import SmallLMDrafter
+    from tests.helpers import tiny_llama
+    path = tiny_llama(tmp_path / "ssm", seed=4, layers=2, dtype=torch.float64)
+
+    def run(drafter):
+        h = drafter.start([1, 5, 9], 7, None)
+        drafter.grow_tree(7, h, 8, 2, 3)
+
+    rec, ssm = RecordingMeter(), SmallLMDrafter(path, vocab_size=100, dtype=torch.float64)
+    install_meter(ssm, rec)
+    run(ssm)
+    kinds = [k for k, _, _ in rec.ops]
+    assert rec.ops[0] == ("ssm_forward", 4, 0)                  # start: prompt + first token on an empty cache
+    assert kinds.count("ssm_forward") >= 3 and kinds.count("lm_head") >= 3
+    assert all(ctx == 4 for k, _, ctx in rec.ops[1:] if k == "ssm_forward")   # tree entries sit on the context
+
+    rec2, merged = RecordingMeter(), MergedDrafter([SmallLMDrafter(path, vocab_size=100, dtype=torch.float64),
+                                                    LookupDrafter(100)])
+    install_meter(merged, rec2)
+    run(merged)
+    assert rec2.ops == rec.ops                                  # the SSM's ops, once each; lookup and merge: none
+
+    emu = _emu({"stage": {}, "rank0": {"lm_head": {"overhead_s": 0.0}, "ssm_forward": {"overhead_s": 0.005}}}, rank=0)
+    assert emu.op_time("ssm_forward", 3, 10) == pytest.approx(0.005)
+    assert _emu({"stage": {}, "rank0": {"lm_head": {}}}, rank=0).op_time("ssm_forward", 3, 10) is None  # not modeled
+    engine = SimpleNamespace(tracer=None, drafter=SmallLMDrafter(path, vocab_size=100, dtype=torch.float64),
+                             meter=RecordingMeter())
+    emu.install_rank0(engine)
+    run(engine.drafter)
+    c = dict(zip(COUNTERS, emu.take()))
+    assert c["modeled_s"] == pytest.approx(0.005 * kinds.count("ssm_forward"))
+
+
+def test_stage_cost_scale_and_bandwidth_override(tmp_path):
+    """emu.stage_cost_scale multiplies the pipeline stages' modeled time (the profile's model on another stage
+    count); emu.bandwidth_mbps replaces every link's rate; both are validated."""
+    from config.run_config import DEFAULT, ConfigError, apply_overrides
+    from pipeline.emulation import install
+    emu = _emu({"stage": {"overhead_s": 0.03}}, stage_cost_scale=4 / 3)
+    assert emu.stage_time(5, 0) == pytest.approx(0.04) and emu.op_time("stage_forward", 5, 0) == pytest.approx(0.04)
+    cfg = apply_overrides(DEFAULT, ["emu.profile=edge_orin_7b", "emu.bandwidth_mbps=1000", "emu.stage_cost_scale=1.5"])
+    comm = SimpleNamespace(rank=1, world=3, send=lambda *a: None, post=lambda *a: None)
+    emu = install(comm, cfg)
+    assert comm.emu is emu and emu.stage_cost_scale == 1.5
+    assert {lm.bandwidth_mbps for lm in [emu.profile.link, *emu.profile.links.values()]} == {1000}
+    assert emu.stage_time(1, 0) == pytest.approx(1.5 * emu.profile.stage.time(1, 0))
+    for bad in ("emu.stage_cost_scale=0", "emu.bandwidth_mbps=-1"):
+        with pytest.raises(ConfigError):
+            apply_overrides(DEFAULT, [bad]).validate()
+
+
 def test_link_sender_delays_in_order_without_blocking():
     from pipeline.messages import Context
     delivered = []

@@ -67,6 +67,24 @@ def test_merge_sources_union_best_score_and_budget():
         merge_sources([a, tree([6], [-1], [0])], 10)
 
 
+def test_score_scale_calibrates_a_source_before_the_merge():
+    """draft.ssm_score_scale: a source's log-scores times c > 0 keep its own order and the path monotonicity, and
+    change only which source's nodes win the shared budget."""
+    from draft.merged import scale_scores
+    eagle = tree([5, 1, 3], [-1, 0, 1], [0, -0.7, -1.0])                 # 5 -> 1 -> 3
+    ssm = tree([5, 2, 4], [-1, 0, 1], [0, -0.3, -0.6])                   # 5 -> 2 -> 4 (over-confident)
+    paths = lambda m: {tuple(m.tokens[m.path_to(i)].tolist()) for i in range(len(m))}
+    assert paths(merge_sources([eagle, ssm], 3)) == {(5,), (5, 2), (5, 2, 4)}
+    scaled = scale_scores(ssm, 3.0)
+    assert scaled.scores.tolist() == pytest.approx([0, -0.9, -1.8]) and scaled.tokens.tolist() == ssm.tokens.tolist()
+    assert paths(merge_sources([eagle, scaled], 3)) == {(5,), (5, 1), (5, 2)}
+    assert scale_scores(ssm, 1.0) is ssm
+    with pytest.raises(ConfigError):
+        apply_overrides(DEFAULT, ["draft.ssm_score_scale=0"])
+    with pytest.raises(SourceError):
+        MergedDrafter([LookupDrafter(10)], score_scales=[1.0, 2.0])
+
+
 def test_merge_sources_keeps_every_sampled_draw_and_reserves_their_budget():
     q1, q2 = torch.full((8,), 1 / 8, dtype=torch.float64), torch.full((8,), 1 / 8, dtype=torch.float64)
     det = tree([5, 1, 2, 3, 4], [-1, 0, 0, 0, 0], [0, -0.1, -0.2, -0.3, -0.4])

@@ -55,6 +55,8 @@ def sps_drafter(engine: Engine):
                                  vocab_model=engine.model)
         except SmallLMError as e:
             raise ConfigError(f"sps.draft_dir={cfg.sps.draft_dir}: {e}") from None
+        from draft.protocol import install_meter
+        install_meter(ssm, engine.meter)   # built after instrumentation was installed: meter it like the engine
     elif isinstance(d, SmallLMDrafter):
         ssm = d
     elif isinstance(d, MergedDrafter) and d.source(SmallLMDrafter) is not None:

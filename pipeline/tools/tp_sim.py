@@ -82,7 +82,7 @@ def decode_stats(session, tc, group: GroupCost | None = None) -> dict:
     busy = {r: 0.0 for r in range(len(session.logs))}
     comm = 0.0
     for r, op, a, b in events:
-        if op[0] in ("compute", "lm_head", "draft", "host") and any(lo <= a < hi for lo, hi in windows):
+        if op[0] in ("compute", "lm_head", "draft", "ssm", "host") and any(lo <= a < hi for lo, hi in windows):
             busy[r] += b - a
             if group is not None and op[0] == "compute":
                 comm += group.parts(op[1], op[2])[1]

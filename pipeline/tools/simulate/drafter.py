@@ -72,7 +72,8 @@ class ReplayDrafter:
 
 class LogMeter:
     """An :class:`model.meter.OpMeter` that logs each op as a modeled rank-0 op of the current log (``lm_head`` as
-    ``("lm_head", rows)``, ``draft_forward`` as ``("draft", rows, ctx)``), its own CPU time recorded with it."""
+    ``("lm_head", rows)``, ``draft_forward`` as ``("draft", rows, ctx)``, ``ssm_forward`` as ``("ssm", rows,
+    ctx)``), its own CPU time recorded with it."""
 
     def __init__(self, log: OpLog) -> None:
         self.log = log
@@ -80,18 +81,17 @@ class LogMeter:
     def op(self, kind: str, rows: int, ctx: int = 0):
         if kind == "lm_head":
             return self.log.modeled("lm_head", rows)
-        return self.log.modeled("draft", rows, ctx)
+        return self.log.modeled("ssm" if kind == "ssm_forward" else "draft", rows, ctx)
 
 
 def record_drafter(drafter, log: OpLog) -> None:
-    """Log the drafter's draft log-prob (lm_head) calls and, for a head drafter with a draft cache, its head's
-    forwards as modeled rank-0 ops: meters (:mod:`model.meter`) on the drafter and its head. A later call only
+    """Log the drafter's model ops (draft log-prob / lm_head calls, draft-head and small-LM forwards) as modeled
+    rank-0 ops: one :class:`LogMeter` on every site (:func:`draft.protocol.install_meter`). A later call only
     redirects the logging to ``log``, so one drafter serves replay after replay."""
-    if isinstance(getattr(drafter, "meter", None), LogMeter):
-        drafter.meter.log = log
+    meter = getattr(drafter, "_replay_log_meter", None)
+    if meter is not None:
+        meter.log = log
         return
-    meter = LogMeter(log)
-    drafter.meter = meter
-    head = getattr(drafter, "head", None)
-    if head is not None and getattr(drafter, "cache", None) is not None:
-        head.meter = meter
+    from draft.protocol import install_meter
+    meter = drafter._replay_log_meter = LogMeter(log)
+    install_meter(drafter, meter)

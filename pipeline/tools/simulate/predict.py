@@ -9,7 +9,7 @@
   and the prediction error;
 * :func:`calibrate` fits one per-event testbed overhead on recorded rows of one mode. Invariant: the predicted
   total decode time grows with that overhead, so bisection finds the value that matches the measured total;
-* :func:`with_link` is a profile with another link bandwidth or latency (every link of the profile).
+* :func:`config.profiles.with_link` is a profile with another link bandwidth or latency (every link of the profile).
 
 Not modeled by default: the transport's own per-message cost (gloo, process wake-ups; ``--msg-overhead-s``,
 ``--op-overhead-s``, or ``--calibrate ar`` to fit one per-event cost on recorded ar rows) and overruns of a real
@@ -20,20 +20,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from config.profiles import LinkModel, Profile
+from config.profiles import Profile, with_link  # noqa: F401  (with_link re-exported)
 from pipeline.tools.simulate.replayer import Replayed, Session
 from pipeline.tools.simulate.timing import TimingConfig, decode_times, decode_windows, simulate_timing
 from pipeline.tools.simulate.transport import DirectTimes
-
-
-def with_link(profile: Profile, bandwidth: float | None, latency: float | None) -> Profile:
-    """``profile`` with every link's bandwidth and/or latency replaced (``None``: keep the profile's)."""
-    if bandwidth is None and latency is None:
-        return profile
-    def fix(l: LinkModel) -> LinkModel:
-        return replace(l, bandwidth_mbps=bandwidth if bandwidth is not None else l.bandwidth_mbps,
-                       latency_s=latency if latency is not None else l.latency_s)
-    return replace(profile, link=fix(profile.link), links={k: fix(v) for k, v in profile.links.items()})
 
 
 def timed_passes(base: Session, tc: TimingConfig, passes: int, replay_with) -> tuple[Session, list, list, tuple]:

@@ -63,6 +63,7 @@ def simulate_timing(logs: list[list[tuple]], tc: TimingConfig,
     marks: list[tuple[str, float]] = []
     r0_lm = prof.lm_head if (tc.model_rank0 and prof.lm_head is not None) else None
     r0_draft = prof.draft_forward if (tc.model_rank0 and prof.draft_forward is not None) else None
+    r0_ssm = prof.ssm_forward if (tc.model_rank0 and prof.ssm_forward is not None) else None
 
     def nbytes(link: LinkModel, hidden_rows: int, other: int) -> float:
         per_row = link.hidden_bytes_per_token or tc.real_hidden_bytes
@@ -100,6 +101,8 @@ def simulate_timing(logs: list[list[tuple]], tc: TimingConfig,
                     t += (r0_lm.time(op[1], 0) * s if r0_lm is not None else op[2]) + tc.op_overhead_s
                 elif kind == "draft":
                     t += (r0_draft.time(op[1], op[2]) * s if r0_draft is not None else op[3]) + tc.op_overhead_s
+                elif kind == "ssm":
+                    t += (r0_ssm.time(op[1], op[2]) * s if r0_ssm is not None else op[3]) + tc.op_overhead_s
                 elif kind == "send":
                     dst = op[1]
                     link = prof.link_model(r, dst)
