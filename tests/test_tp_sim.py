@@ -62,3 +62,28 @@ def test_prediction_on_a_tiny_model(tmp_path, capsys):
     cross = [r for r in got if "crossover_mbps" in r]
     assert {c["mode"] for c in cross} == {"tp", "galaxy"}
     assert "| tp |" in capsys.readouterr().out
+
+
+def test_table_times_pipeline_modes_after_direct_decision_passes(tmp_path, monkeypatch):
+    """As pipeline.tools.simulate: the table's pipeline rows are timed after --direct-passes replays (stages prune
+    in-flight work when rank 0's point-to-point decisions would reach them); the crossover bisection is not."""
+    import pipeline.tools.simulate as sim
+    from model.split import split_checkpoint
+    full = tiny_llama(tmp_path / "full", layers=2)
+    stages = split_checkpoint(full, tmp_path / "stages", [0, 1, 1], progress=False)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"question_id": 0, "mode": "ar", "temperature": 0.0, "prompt_ids": [1, 5, 9],
+                                "output_ids": hf_greedy(full, [1, 5, 9], 10, {2})}) + "\n")
+    calls = []
+    real = sim.timed_passes
+
+    def spy(base, tc, passes, replay_with):
+        calls.append((base.mode, passes))
+        return real(base, tc, passes, replay_with)
+    monkeypatch.setattr(sim, "timed_passes", spy)
+    args = [str(rows), "--stage-dir", str(stages), "--tp", "2", "--layers", "2", "--profile-stages", "2",
+            "--bandwidth-mbps", "150", "--modes", "naive,continuous", "--out-dir", str(tmp_path / "o")]
+    assert main(args) == 0
+    assert sorted(calls) == [("continuous", 1), ("naive", 1)]          # once per table row, none in the bisection
+    calls.clear()
+    assert main([*args, "--direct-passes", "0"]) == 0 and calls == []

@@ -106,8 +106,9 @@ def run(args) -> int:
             if (c, d) in done:
                 continue
             t0 = time.time()
-            over = [f"max_new_tokens={args.max_new_tokens}", "dtype=float32", f"draft.sources={c}",
-                    f"temperature={args.temperature}", *args.overrides]
+            sources, *own = c.split()     # "eagle,lookup,ssm:DIR draft.ssm_score_scale=3": its own overrides last
+            over = [f"max_new_tokens={args.max_new_tokens}", "dtype=float32", f"draft.sources={sources}",
+                    f"temperature={args.temperature}", *args.overrides, *own]
             res = run_threaded(stage_root, prompts[d], [args.mode], over, stops, head, dtype=torch.float32)[args.mode]
             with rows_path.open("a") as f:
                 for i, (p, r) in enumerate(zip(prompts[d], res)):
@@ -134,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m pipeline.tools.drafter_bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sources", action="append", required=True,
-                    help="a draft.sources value (repeatable; the first is the reference)")
+                    help="a draft.sources value, optionally followed by key=value overrides of this configuration "
+                         "alone, e.g. 'eagle,lookup,ssm:DIR draft.ssm_score_scale=3' (repeatable; the first is the "
+                         "reference)")
     ap.add_argument("--sets", type=lambda s: s.split(","), default=list(SETS), help="comma-separated datasets")
     ap.add_argument("--begin", type=int, default=30)
     ap.add_argument("--end", type=int, default=50)

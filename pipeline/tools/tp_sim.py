@@ -42,6 +42,7 @@ import math
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 from config.modes import TP_MODES
 from config.profiles import EmulationError, GroupCost, Profile, load_profile, shard_cost
@@ -69,13 +70,19 @@ class Sessions:
     group: object
     n: int
     real_hidden_bytes: float
+    replay_with: Callable | None = None   # (mode, direct-decision schedule) -> the pipeline mode replayed with it
+    passes: int = 0                       # direct-decision passes for the table (as pipeline.tools.simulate)
 
 
-def decode_stats(session, tc, group: GroupCost | None = None) -> dict:
-    """Timed decode of a replayed session: ξ, τ and where the time goes (shares of the decode time)."""
+def decode_stats(session, tc, group: GroupCost | None = None, timed: tuple | None = None) -> dict:
+    """Timed decode of a replayed session: ξ, τ and where the time goes (shares of the decode time).
+    ``timed``: its ``(windows, events)`` when already timed (direct-decision passes)."""
     from pipeline.tools.simulate import decode_windows, simulate_timing
-    events: list = []
-    windows = decode_windows(simulate_timing(session.ops(), tc, events))
+    if timed is None:
+        events: list = []
+        windows = decode_windows(simulate_timing(session.ops(), tc, events))
+    else:
+        windows, events = timed
     total = sum(hi - lo for lo, hi in windows)
     tokens = sum(len(g.row["output_ids"]) for g in session.gens)
     steps = sum(len(g.accept_lengths) for g in session.gens)
@@ -98,15 +105,22 @@ def decode_stats(session, tc, group: GroupCost | None = None) -> dict:
 
 
 def evaluate(s: Sessions, profile: Profile, bw: float | None, latency: float | None, args,
-             modes: tuple[str, ...] | None = None) -> list[dict]:
-    """One row per mode (``modes``: a subset of the pipeline modes and ``TP_MODES``; default all) at one link."""
-    from pipeline.tools.simulate import TimingConfig, with_link
+             modes: tuple[str, ...] | None = None, passes: bool = True) -> list[dict]:
+    """One row per mode (``modes``: a subset of the pipeline modes and ``TP_MODES``; default all) at one link.
+    ``passes``: time the pipeline modes after ``s.passes`` direct-decision passes (as ``pipeline.tools.simulate``
+    does: stages prune in-flight work when rank 0's decisions would really reach them); else pass 0 only."""
+    from pipeline.tools.simulate import TimingConfig, timed_passes, with_link
     prof = with_link(profile, bw, latency)
     rows = []
     for mode, session in s.pipeline.items():
         if modes is None or mode in modes:
             tc = TimingConfig(prof, stage_cost_scale=args.profile_stages / s.n, real_hidden_bytes=s.real_hidden_bytes)
-            rows.append({"mode": mode, **decode_stats(session, tc)})
+            if passes and s.passes and s.replay_with is not None:
+                session, windows, events, _ = timed_passes(session, tc, s.passes,
+                                                           lambda upto, m=mode: s.replay_with(m, upto))
+                rows.append({"mode": mode, **decode_stats(session, tc, timed=(windows, events))})
+            else:
+                rows.append({"mode": mode, **decode_stats(session, tc)})
     hb = prof.link.hidden_bytes_per_token or s.real_hidden_bytes
     for mode in TP_MODES:
         if modes is None or mode in modes:
@@ -123,9 +137,11 @@ def evaluate(s: Sessions, profile: Profile, bw: float | None, latency: float | N
 def crossover(s: Sessions, profile: Profile, latency: float | None, mode: str, args,
               lo: float = 1.0, hi: float = 1e6) -> float | None:
     """Smallest bandwidth (Mbit/s, within 1%) in ``[lo, hi]`` at which ``mode`` reaches the best pipeline mode's
-    ξ, or None when it never does (ξ of every mode grows with the bandwidth)."""
-    def gap(bw: float) -> float:
-        rows = evaluate(s, profile, bw, latency, args, (*s.pipeline, mode))
+    ξ, or None when it never does (ξ of every mode grows with the bandwidth). The pipeline modes are timed at pass
+    0 here (no direct-decision passes: the bisection would replay them at every probe), which under-states them
+    by up to 10% (docs/tp.md), so the crossover found is, if anything, too low: it favours TP."""
+    def gap(bw: float) -> float:   # pass 0 only (one replay per mode): a lower bound on the pipeline modes' ξ
+        rows = evaluate(s, profile, bw, latency, args, (*s.pipeline, mode), passes=False)
         best = max(r["xi"] for r in rows if r["mode"] not in TP_MODES)
         return next(r["xi"] for r in rows if r["mode"] == mode) - best
     if gap(hi) < 0:
@@ -158,6 +174,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bandwidth-mbps", default="150,1000", help="comma-separated link bandwidths")
     p.add_argument("--latency-s", default="", help="comma-separated one-way latencies (default: the profile's)")
     p.add_argument("--limit", type=int, default=0, help="at most this many rows (0 = all)")
+    p.add_argument("--direct-passes", type=int, default=1, metavar="K",
+                   help="replay passes of the pipeline modes with rank 0's point-to-point decisions delivered on the "
+                        "previous pass's timing (as pipeline.tools.simulate); 0 = decisions on the ring only")
     p.add_argument("--stage-dir", default="", help="split checkpoint of the recorded run (default: embedded SmolLM2)")
     p.add_argument("--head-dir", default="", help="EAGLE head of the recorded run (default: the default head)")
     p.add_argument("--out-dir", default=str(REPO / "outputs" / "tp_sim"), help="predictions.jsonl and summary.md")
@@ -194,7 +213,9 @@ def _main(args) -> int:
     vocab, features = target.vocab_size, target.features
     modes = [m for m in args.modes.split(",") if m]
     sessions = Sessions({m: replay(rows, m, args.tp, cfg, drafter, vocab, features) for m in modes},
-                        replay(rows, "tp", 1, cfg, drafter, vocab, features), args.tp, target.hidden_bytes)
+                        replay(rows, "tp", 1, cfg, drafter, vocab, features), args.tp, target.hidden_bytes,
+                        lambda m, upto: replay(rows, m, args.tp, cfg, drafter, vocab, features, None, upto),
+                        max(0, args.direct_passes))
     bandwidths = [float(b) for b in args.bandwidth_mbps.split(",") if b.strip()]
     latencies = [float(v) for v in args.latency_s.split(",") if v.strip()] or [None]
     table = [r for lat in latencies for bw in bandwidths for r in evaluate(sessions, profile, bw, lat, args)]
