@@ -2,10 +2,12 @@
 
 Each round rank 0 drafts a chain of ``sps.gamma`` tokens with the small LM (:class:`draft.ssm.SmallLMDrafter`):
 greedy at T = 0, else each token drawn from the LM's distribution q_i (softmax of its logits at the draft
-temperature). The chain goes through the ring exactly like a ``naive`` tree (a chain is a tree whose parents
-are ``-1, 0, 1, ...``): cut into one segment per link, the accepted path committed on every stage by the
-decision riding on the next round's first segment. The target's distributions p_1..p_{gamma+1} at the root
-and after each draft token come back in one trip.
+temperature). The chain goes through the ring like a ``naive`` tree (a chain is a tree whose parents are
+``-1, 0, 1, ...``), but as **one** segment, as the papers verify the gamma + 1 positions in one target forward:
+a stage's step costs about the same for 1 or gamma + 1 rows at batch 1 (weights streamed once), so cutting the
+chain into one segment per link, as ``naive`` cuts its 60-node trees, would only add stage steps. The accepted
+path is committed on every stage by the decision riding on the next round's segment. The target's
+distributions p_1..p_{gamma+1} at the root and after each draft token come back in one trip.
 
 Verification (:func:`verify_chain`), with the processed target law p (temperature, top-k, top-p as HF):
   * ``google`` (Leviathan et al., Algorithm 1): draw the gamma uniforms up front, r_i ~ U(0, 1), and
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from draft.tree import DraftTree, split_sizes
+from draft.tree import DraftTree
 from model.devices import HOST
 from pipeline.engine import DecodeResult, Engine, OutputBuffer
 from pipeline.modes.naive import whole_tree_rounds
@@ -125,7 +127,7 @@ def verify_chain(tokens: list[int], qs: list[torch.Tensor], logits: torch.Tensor
 
 def sps_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
                out: OutputBuffer) -> DecodeResult:
-    comm, cfg = engine.comm, engine.cfg
+    cfg = engine.cfg
     ssm = sps_drafter(engine)
     temp = engine.sampler.temperature if cfg.draft.ssm_temperature < 0 else cfg.draft.ssm_temperature
 
@@ -136,5 +138,4 @@ def sps_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, pro
         n, x = verify_chain(chain.tokens.tolist(), qs, tlogits, engine.sampler, cfg.sps.variant)
         return list(range(n + 1)), x
 
-    return whole_tree_rounds(engine, logits, features, prompt_ids, out, ssm, draft, verify,
-                             lambda n: split_sizes(n, comm.world, 0))
+    return whole_tree_rounds(engine, logits, features, prompt_ids, out, ssm, draft, verify, lambda n: [n])
