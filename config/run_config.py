@@ -149,8 +149,9 @@ class DraftConfig:
     lookup_token_prob: float = 0.6  # prior probability that one copied token is right (its score)
     ssm_sample: bool = True      # T > 0: small LMs draw sampled children (SpecInfer), verified by walk_proposals
     ssm_temperature: float = -1.0  # temperature of the small LM's proposal q (-1 = gen.temperature)
-    ssm_score_scale: float = 1.0  # merge calibration: a small LM's log-scores x this before the merge (> 1 trusts
-                                  # it less; its own tree is unchanged; draft/merged.py)
+    ssm_score_scale: float = -1.0  # merge calibration: a small LM's log-scores x this before the merge (> 1 trusts
+                                   # it less; its own tree is unchanged; draft/merged.py); -1 = the student's own
+                                   # calibrated value (merge_score_scale in its config.json, else 1)
 
 
 @dataclass
@@ -267,8 +268,9 @@ class RunConfig:
             raise ConfigError("draft.lookup_min_ngram and lookup_max_ngram need 1 <= min <= max")
         if self.draft.lookup_max_matches < 1 or not 0 < self.draft.lookup_token_prob <= 1:
             raise ConfigError("draft.lookup_max_matches must be >= 1 and lookup_token_prob in (0, 1]")
-        if self.draft.ssm_score_scale <= 0:
-            raise ConfigError(f"draft.ssm_score_scale={self.draft.ssm_score_scale} must be > 0")
+        if self.draft.ssm_score_scale <= 0 and self.draft.ssm_score_scale != -1:
+            raise ConfigError(f"draft.ssm_score_scale={self.draft.ssm_score_scale} must be > 0 "
+                              "(or -1: the student's own merge_score_scale)")
         if self.draft.ssm_temperature != -1 and self.draft.ssm_temperature <= 0:
             raise ConfigError(f"draft.ssm_temperature={self.draft.ssm_temperature} must be > 0 (or -1: gen.temperature)")
         self._validate_osd()

@@ -8,8 +8,9 @@ trees unchanged:
     :func:`draft.tree.merge_sources` under the one ``total_token`` budget (the rule: sampled proposals are
     kept whole, deterministic nodes survive by their best score over the sources, see there). Before the
     merge each source's scores are multiplied by its calibration scale (:func:`scale_scores`; 1 except a small
-    LM's ``draft.ssm_score_scale``): a weak student's log-probabilities are over-confident next to EAGLE's, and
-    a scale > 1 makes its nodes win only where it is sure;
+    LM's: ``draft.ssm_score_scale``, by default the student's own ``merge_score_scale``,
+    :func:`student_score_scale`): a weak student's log-probabilities are over-confident next to EAGLE's, and a
+    scale > 1 makes its nodes win only where it is sure;
   * ``tree_forward``/``drop_tree``/``logprobs`` (PipeDec grows its layers through them): each source feeds
     the same entries with its own slice of the features; ``logprobs`` of a merged state is the elementwise
     **maximum** of the sources' (scaled) log-scores, the same "best available score" rule as the tree merge.
@@ -112,6 +113,20 @@ def scale_scores(tree: DraftTree, scale: float) -> DraftTree:
     return tree if scale == 1.0 else replace(tree, scores=tree.scores * scale)
 
 
+def student_score_scale(path) -> float:
+    """A small LM's own merge calibration: ``merge_score_scale`` in its ``config.json`` (written when it was
+    calibrated against the EAGLE head on held-out prompts, e.g. ``data/calibration``), else 1."""
+    import json
+    from pathlib import Path
+    try:
+        value = json.loads((Path(path) / "config.json").read_text(encoding="utf-8")).get("merge_score_scale", 1.0)
+    except (OSError, ValueError):
+        return 1.0
+    if not isinstance(value, (int, float)) or value <= 0:
+        raise SourceError(f"draft.sources: ssm:{path}: merge_score_scale in config.json must be a number > 0")
+    return float(value)
+
+
 def build_sources(cfg, vocab_size: int, eagle_factory, dtype, device, sampling: bool, vocab_model=None):
     """The drafter for ``cfg.draft.sources`` (``eagle_factory()`` builds the ``eagle`` source as
     ``model.head_dir`` says; ``vocab_model``: rank 0's stage, whose embedding and ``lm_head`` shared-vocabulary
@@ -140,7 +155,8 @@ def build_sources(cfg, vocab_size: int, eagle_factory, dtype, device, sampling: 
             except SmallLMError as e:
                 raise SourceError(f"draft.sources: ssm:{arg}: {e}") from None
         names.append(kind if not arg else f"{kind}:{arg}")
-        scales.append(d.ssm_score_scale if kind == "ssm" else 1.0)
+        scales.append((d.ssm_score_scale if d.ssm_score_scale > 0 else student_score_scale(arg)) if kind == "ssm"
+                      else 1.0)
     if len(sources) == 1:
         return sources[0]
     return MergedDrafter(sources, names, scales)

@@ -85,6 +85,26 @@ def test_score_scale_calibrates_a_source_before_the_merge():
         MergedDrafter([LookupDrafter(10)], score_scales=[1.0, 2.0])
 
 
+def test_a_students_own_calibration_is_the_default_scale(tmp_path):
+    """draft.ssm_score_scale=-1 (default) takes merge_score_scale from the student's config.json; a value given
+    on the command line wins; a bad stored value is one clear error."""
+    import json
+    from draft.merged import build_sources
+    from tests.helpers import tiny_llama
+    path = tiny_llama(tmp_path / "ssm", seed=4, layers=1, dtype=torch.float64)
+    conf = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**conf, "merge_score_scale": 2.5}))
+
+    def scales(over):
+        cfg = apply_overrides(DEFAULT, [f"draft.sources=lookup,ssm:{path}", *over])
+        return build_sources(cfg, 100, None, torch.float64, "cpu", False).score_scales
+    assert scales([]) == [1.0, 2.5]
+    assert scales(["draft.ssm_score_scale=3"]) == [1.0, 3.0]
+    (path / "config.json").write_text(json.dumps({**conf, "merge_score_scale": "high"}))
+    with pytest.raises(SourceError, match="merge_score_scale"):
+        scales([])
+
+
 def test_merge_sources_keeps_every_sampled_draw_and_reserves_their_budget():
     q1, q2 = torch.full((8,), 1 / 8, dtype=torch.float64), torch.full((8,), 1 / 8, dtype=torch.float64)
     det = tree([5, 1, 2, 3, 4], [-1, 0, 0, 0, 0], [0, -0.1, -0.2, -0.3, -0.4])
