@@ -17,7 +17,8 @@ Five kinds of operation are metered, each run inside ``meter.op(kind, rows, ctx)
 the profile's modeled time (``pipeline/emulation.py``: ``EmuMeter``, installed on every stage worker and on rank
 0); the simulator's logs it for its timing model
 (``pipeline/tools/simulate/drafter.py``). Instrumentation installs a meter on the object whose work it wants to
-see (``worker.meter``, ``engine.meter``; a drafter's sites through :func:`draft.protocol.install_meter`), stacked after what is there
+see (``worker.meter``, ``engine.meter``; a drafter's sites through :func:`draft.protocol.install_meter`),
+stacked after what is there
 (:class:`MeterStack`); the stage worker and the engine start with a :class:`SpanMeter` (their tracer's
 ``compute`` / ``lm_head`` spans). Nothing replaces a method.
 """

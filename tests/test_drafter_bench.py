@@ -31,7 +31,8 @@ def test_bench_on_stories260k_is_exact_and_resumable(tmp_path, capsys):
     from model.split import split_checkpoint
     from pipeline.tools.drafter_bench import main
     stages = split_checkpoint(STORIES, tmp_path / "stages", [0, 3, 2], progress=False)
-    args = ["--sources", "eagle", "--sources", "eagle,lookup draft.lookup_token_prob=0.9", "--sets", "gsm8k,mt_bench", "--begin", "30",
+    args = ["--sources", "eagle", "--sources", "eagle,lookup draft.lookup_token_prob=0.9", "--sets", "gsm8k,mt_bench",
+            "--begin", "30",
             "--end", "32",
             "--max-new-tokens", "12", "--stage-dir", str(stages), "--head-dir", f"oracle:{STORIES}",
             "--out", str(tmp_path / "out")]

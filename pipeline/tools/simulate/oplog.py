@@ -30,7 +30,8 @@ class OpLog:
     """One rank's ordered operations. Must be used only from that rank's thread (host time is thread CPU time).
 
     Ops are tuples: ``("host", s)``, ``("compute", w, ctx)``, ``("lm_head", rows, real_s)``,
-    ``("draft", w, ctx, real_s)``, ``("ssm", w, ctx, real_s)``, ``("send", dst, hidden_rows, other_bytes)``, ``("recv", src)``,
+    ``("draft", w, ctx, real_s)``, ``("ssm", w, ctx, real_s)``, ``("send", dst, hidden_rows, other_bytes)``,
+    ``("recv", src)``,
     ``("bcast", other_bytes)`` (rank 0), ``("bcast_recv",)``, ``("mark", name)``.
     """
 

@@ -18,8 +18,6 @@ for the profile would measure).
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from config.profiles import Profile, with_link  # noqa: F401  (with_link re-exported)
 from pipeline.tools.simulate.replayer import Replayed, Session
 from pipeline.tools.simulate.timing import TimingConfig, decode_times, decode_windows, simulate_timing

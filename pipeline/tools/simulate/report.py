@@ -20,7 +20,8 @@ from config.modes import COMPARED_MODES
 from config.profiles import Profile
 from pipeline.tools.simulate.replayer import Session
 
-SPAN_KIND = {"compute": "compute", "lm_head": "lm_head", "draft": "draft", "ssm": "draft", "recv": "recv", "bcast_recv": "broadcast",
+SPAN_KIND = {"compute": "compute", "lm_head": "lm_head", "draft": "draft", "ssm": "draft", "recv": "recv",
+             "bcast_recv": "broadcast",
              "bcast": "broadcast", "host": "host"}
 
 
