@@ -94,7 +94,8 @@ class MergedDrafter:
         return max(s.tree_size for s in self.sources)
 
     def logprobs(self, hidden: Tensor) -> Tensor:
-        lps = [s.logprobs(h).double() * c for s, h, c in zip(self.sources, self._split(hidden), self.score_scales)]
+        lps = [s.logprobs(h).double() for s, h in zip(self.sources, self._split(hidden))]
+        lps = [lp if c == 1.0 else lp * c for lp, c in zip(lps, self.score_scales)]
         dev = lps[0].device
         out = lps[0]
         for lp in lps[1:]:

@@ -68,6 +68,8 @@ class Emulator:
         self.profile, self.rank, self.world = profile, rank, world
         self.scale = time_scale
         self.stage_cost_scale = stage_cost_scale   # pipeline stages only; a TP group has its own GroupCost
+        self.rank0_costs = {"lm_head": profile.lm_head, "draft_forward": profile.draft_forward,
+                            "ssm_forward": profile.ssm_forward}
         self.model_rank0 = model_rank0 and profile.models_rank0
         self.flag_threshold = flag_threshold
         self.cuda = str(device).startswith("cuda")
@@ -131,12 +133,11 @@ class Emulator:
 
     def op_time(self, kind: str, rows: int, ctx: int) -> float | None:
         """Modeled seconds of one metered op (:data:`model.meter.KINDS`); None: the profile does not model it."""
-        prof = self.profile
         if kind == "stage_forward":
             return self.stage_time(rows, ctx)
         if kind.startswith("group_"):
             return self.group_costs[kind].time(rows, ctx)
-        cost = {"lm_head": prof.lm_head, "draft_forward": prof.draft_forward, "ssm_forward": prof.ssm_forward}[kind]
+        cost = self.rank0_costs[kind]
         return None if cost is None else cost.time(rows, 0 if kind == "lm_head" else ctx)
 
     # installation

@@ -84,6 +84,8 @@ def test_table_times_pipeline_modes_after_direct_decision_passes(tmp_path, monke
     args = [str(rows), "--stage-dir", str(stages), "--tp", "2", "--layers", "2", "--profile-stages", "2",
             "--bandwidth-mbps", "150", "--modes", "naive,continuous", "--out-dir", str(tmp_path / "o")]
     assert main(args) == 0
-    assert sorted(calls) == [("continuous", 1), ("naive", 1)]          # once per table row, none in the bisection
+    with_passes = sorted(c for c in calls if c[1] > 0)
+    assert with_passes == [("continuous", 1), ("naive", 1)]   # once per table row; the bisection and TP: pass 0
+    assert {m for m, k in calls if k == 0} >= {"naive", "continuous", "tp"}
     calls.clear()
-    assert main([*args, "--direct-passes", "0"]) == 0 and calls == []
+    assert main([*args, "--direct-passes", "0"]) == 0 and calls and all(k == 0 for _, k in calls)

@@ -70,19 +70,16 @@ class Sessions:
     group: object
     n: int
     real_hidden_bytes: float
-    replay_with: Callable | None = None   # (mode, direct-decision schedule) -> the pipeline mode replayed with it
+    replay_with: Callable                 # (mode, direct-decision schedule) -> the pipeline mode replayed with it
     passes: int = 0                       # direct-decision passes for the table (as pipeline.tools.simulate)
 
 
-def decode_stats(session, tc, group: GroupCost | None = None, timed: tuple | None = None) -> dict:
-    """Timed decode of a replayed session: ξ, τ and where the time goes (shares of the decode time).
-    ``timed``: its ``(windows, events)`` when already timed (direct-decision passes)."""
-    from pipeline.tools.simulate import decode_windows, simulate_timing
-    if timed is None:
-        events: list = []
-        windows = decode_windows(simulate_timing(session.ops(), tc, events))
-    else:
-        windows, events = timed
+def decode_stats(session, tc, group: GroupCost | None = None, passes: int = 0, replay_with=None) -> dict:
+    """Timed decode of a replayed session after ``passes`` direct-decision passes
+    (:func:`pipeline.tools.simulate.timed_passes`; 0: the session as replayed): ξ, τ and where the time goes
+    (shares of the decode time)."""
+    from pipeline.tools.simulate import timed_passes
+    session, windows, events, _ = timed_passes(session, tc, passes, replay_with)
     total = sum(hi - lo for lo, hi in windows)
     tokens = sum(len(g.row["output_ids"]) for g in session.gens)
     steps = sum(len(g.accept_lengths) for g in session.gens)
@@ -109,18 +106,14 @@ def evaluate(s: Sessions, profile: Profile, bw: float | None, latency: float | N
     """One row per mode (``modes``: a subset of the pipeline modes and ``TP_MODES``; default all) at one link.
     ``passes``: time the pipeline modes after ``s.passes`` direct-decision passes (as ``pipeline.tools.simulate``
     does: stages prune in-flight work when rank 0's decisions would really reach them); else pass 0 only."""
-    from pipeline.tools.simulate import TimingConfig, timed_passes, with_link
+    from pipeline.tools.simulate import TimingConfig, with_link
     prof = with_link(profile, bw, latency)
     rows = []
     for mode, session in s.pipeline.items():
         if modes is None or mode in modes:
             tc = TimingConfig(prof, stage_cost_scale=args.profile_stages / s.n, real_hidden_bytes=s.real_hidden_bytes)
-            if passes and s.passes and s.replay_with is not None:
-                session, windows, events, _ = timed_passes(session, tc, s.passes,
-                                                           lambda upto, m=mode: s.replay_with(m, upto))
-                rows.append({"mode": mode, **decode_stats(session, tc, timed=(windows, events))})
-            else:
-                rows.append({"mode": mode, **decode_stats(session, tc)})
+            rows.append({"mode": mode, **decode_stats(session, tc, None, s.passes if passes else 0,
+                                                      lambda upto, m=mode: s.replay_with(m, upto))})
     hb = prof.link.hidden_bytes_per_token or s.real_hidden_bytes
     for mode in TP_MODES:
         if modes is None or mode in modes:

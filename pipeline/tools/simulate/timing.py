@@ -62,8 +62,8 @@ def simulate_timing(logs: list[list[tuple]], tc: TimingConfig,
     bread = [0] * world
     marks: list[tuple[str, float]] = []
     r0_lm = prof.lm_head if (tc.model_rank0 and prof.lm_head is not None) else None
-    r0_draft = prof.draft_forward if (tc.model_rank0 and prof.draft_forward is not None) else None
-    r0_ssm = prof.ssm_forward if (tc.model_rank0 and prof.ssm_forward is not None) else None
+    # rank 0's draft-model ops (w rows over ctx slots): the profile's model, or None = their recorded CPU time
+    r0_fwd = {"draft": prof.draft_forward, "ssm": prof.ssm_forward} if tc.model_rank0 else {"draft": None, "ssm": None}
 
     def nbytes(link: LinkModel, hidden_rows: int, other: int) -> float:
         per_row = link.hidden_bytes_per_token or tc.real_hidden_bytes
@@ -99,10 +99,9 @@ def simulate_timing(logs: list[list[tuple]], tc: TimingConfig,
                     t += prof.stage_model(r).time(op[1], op[2]) * tc.stage_cost_scale * s + tc.op_overhead_s
                 elif kind == "lm_head":
                     t += (r0_lm.time(op[1], 0) * s if r0_lm is not None else op[2]) + tc.op_overhead_s
-                elif kind == "draft":
-                    t += (r0_draft.time(op[1], op[2]) * s if r0_draft is not None else op[3]) + tc.op_overhead_s
-                elif kind == "ssm":
-                    t += (r0_ssm.time(op[1], op[2]) * s if r0_ssm is not None else op[3]) + tc.op_overhead_s
+                elif kind in r0_fwd:
+                    cost = r0_fwd[kind]
+                    t += (cost.time(op[1], op[2]) * s if cost is not None else op[3]) + tc.op_overhead_s
                 elif kind == "send":
                     dst = op[1]
                     link = prof.link_model(r, dst)
