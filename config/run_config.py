@@ -37,7 +37,7 @@ class ConfigError(UserError, ValueError):
 @dataclass
 class ModelConfig:
     stage_dir: str = ""          # split checkpoint root ("" = the embedded default SmolLM2 split 0+8+8+7+7)
-    head_dir: str = ""           # EAGLE-1/2 draft head ("" = the default head for the default model)
+    head_dir: str = ""           # draft head dir ("" = the default model's head; untrained = a random head)
     dtype: str = "float32"       # compute dtype of every stage
     device: str = "cpu"          # cpu | cuda (each rank uses cuda:<local_rank % device_count>, or model.devices)
     devices: str = ""            # cuda only: GPU index per rank, rank 0 first, e.g. "0,0,1,1,2" (model/devices.py)

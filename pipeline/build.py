@@ -86,8 +86,13 @@ def make_engine(cfg, comm, model, stage_root: Path, modes: list[str], stop_ids: 
     return Engine(model, comm, drafter, sampler, stop_ids, cfg)
 
 
+UNTRAINED = "untrained"   # model.head_dir=untrained: a random head (seed 0), e.g. to learn from scratch with osd.*
+
+
 def head_choice(cfg, stage_root: Path) -> Path | None:
     """The head folder ``make_drafter`` loads (None = untrained head); for provenance only."""
+    if cfg.model.head_dir == UNTRAINED:
+        return None
     if cfg.model.head_dir:
         return Path(cfg.model.head_dir)
     if stage_root.resolve() == DEFAULT_STAGE_DIR.resolve() and DEFAULT_HEAD_DIR.is_dir():
@@ -130,14 +135,16 @@ def _online_drafter(cfg, inner, model):
 
 def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
     """Rank 0's drafter for ``cfg.model.head_dir`` (the default head for the default split, a test drafter
-    ``oracle:``/``adversary:<full model dir>``, or, with no head at all, a clearly labelled untrained head)."""
+    ``oracle:``/``adversary:<full model dir>``, or, with no head at all or ``model.head_dir=untrained``, a
+    clearly labelled untrained head)."""
     from draft.drafter import Drafter
     from draft.eagle import init_untrained_head
     from draft.head_io import HeadError
     from draft.load_head import load_draft_head
 
-    head_dir = Path(cfg.model.head_dir) if cfg.model.head_dir else None
-    if head_dir is None and stage_root.resolve() == DEFAULT_STAGE_DIR.resolve() and DEFAULT_HEAD_DIR.is_dir():
+    head_dir = Path(cfg.model.head_dir) if cfg.model.head_dir and cfg.model.head_dir != UNTRAINED else None
+    default_split = stage_root.resolve() == DEFAULT_STAGE_DIR.resolve()
+    if head_dir is None and not cfg.model.head_dir and default_split and DEFAULT_HEAD_DIR.is_dir():
         head_dir = DEFAULT_HEAD_DIR
     try:
         if head_dir is not None and str(cfg.model.head_dir).split(":")[0] in ("oracle", "adversary"):
@@ -146,7 +153,8 @@ def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
             print(f"[rank 0] using the {kind} drafter (full model {path}); for tests and ablations", file=sys.stderr)
             return OracleDrafter(path, adversarial=(kind == "adversary"), dtype=dtype, device=device)
         if head_dir is None:
-            print("[rank 0] WARNING: no draft head given: using an UNTRAINED random head "
+            print(f"[rank 0] WARNING: {'model.head_dir=untrained' if cfg.model.head_dir else 'no draft head given'}: "
+                  "using an UNTRAINED random head "
                   "(acceptance near zero; output stays exact). Set head_dir=... for real speed-ups.",
                   file=sys.stderr)
             head = init_untrained_head(model.config).to(device=device, dtype=dtype).eval()

@@ -381,3 +381,59 @@ def test_rejected_candidate_is_kept_or_dropped(tiny, on_reject):
     assert L.updates >= 1 and not any(e["published"] for e in L.log) and od.version == 0
     same = all(torch.equal(v, L.live[k].to(v.dtype)) for k, v in head_state(L.net).items())
     assert same == (on_reject == "restart")
+
+
+def test_osd_report_stream_builds_a_shifted_stream_without_repeats(tmp_path, capsys):
+    import json as _json
+
+    from pipeline.tools.osd_report import TRANSLATION_SOURCES, build_stream, main
+    data = tmp_path / "data"
+    for k, ds in enumerate(TRANSLATION_SOURCES + ("humaneval",)):
+        (data / ds).mkdir(parents=True)
+        long = "x" * 300   # too long to translate: skipped
+        recs = [{"question_id": i, "turns": [long if i % 10 == 9 else f"{ds} text {i}?", "second turn"]}
+                for i in range(60)]
+        (data / ds / "question.jsonl").write_text("".join(_json.dumps(r) + "\n" for r in recs))
+    recs = build_stream(data, "translation", 150, 30, 50)
+    cats = [r["category"] for r in recs]
+    assert cats[:150] == [c for c in cats if c.startswith("stream:")] and len(recs) == 170
+    ids = [int(c.rsplit(":", 1)[1]) for c in cats]
+    assert not any(30 <= i < 50 for i in ids[:150]) and ids[150:] == list(range(30, 50))
+    texts = [r["turns"][0] for r in recs]
+    assert len(set(texts)) == len(texts) and all(len(r["turns"]) == 1 for r in recs)
+    assert texts[0].startswith("Translate the following text into French:") and "qa text 0?" in texts[0]
+    assert "into Spanish" in texts[1] and "alpaca text 0?" in texts[1] and "into German" in texts[2]
+    assert not any("x" * 300 in t for t in texts)
+    # several sets: the stream is split evenly, one set after the other, then each set's evaluation records
+    two = build_stream(data, "gsm8k,humaneval", 20, 30, 50)
+    assert [r["category"] for r in two][:11] == [f"stream:gsm8k:{i}" for i in range(10)] + ["stream:humaneval:0"]
+    assert [r["category"] for r in two][20] == "eval:gsm8k:30" and len(two) == 60
+    # the CLI, and one clear error for a stream the data cannot hold or a missing folder
+    out = tmp_path / "s.jsonl"
+    assert main(["stream", "--data", str(data), "--stream", "40", "--out", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 60
+    assert main(["stream", "--data", str(data), "--domain", "gsm8k", "--stream", "41", "--out", str(out)]) == 2
+    assert main(["stream", "--data", str(tmp_path / "nope"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "too few" in err and "does not exist" in err
+
+
+def test_head_dir_untrained_is_a_random_head_even_for_the_default_split(tiny, tmp_path, monkeypatch, capsys):
+    """``model.head_dir=untrained`` (learning from scratch) gives the random head where the default split would
+    load the shipped one, and names it in the provenance."""
+    from config.run_config import DEFAULT, apply_overrides
+    from draft.eagle import init_untrained_head
+    from model.split import split_checkpoint
+    from model.stage_model import load_stage
+    import pipeline.build as build
+    full, _, _ = tiny
+    stages = split_checkpoint(full, tmp_path / "stages", [0, 1, 1], progress=False)
+    monkeypatch.setattr(build, "DEFAULT_STAGE_DIR", stages)   # as if these were the default model's stages
+    model0 = load_stage(stages, 0, 3, torch.float64, "cpu")
+    cfg = apply_overrides(DEFAULT, ["model.head_dir=untrained"])
+    assert build.head_choice(cfg, stages) is None
+    d = build.make_drafter(cfg, stages, model0, torch.float64, "cpu")
+    want = init_untrained_head(model0.config)
+    assert torch.equal(d.head.fc.weight.to(want.fc.weight.dtype), want.fc.weight)
+    assert torch.equal(d.head.embed_tokens.weight, model0.embed_tokens.weight)
+    assert "model.head_dir=untrained" in capsys.readouterr().err

@@ -15,6 +15,13 @@ Two subcommands:
   ``tau``, ``accept_lengths`` and the drafter fields (``drafter_version``, ``osd``). Same accepted lengths as a
   real run at T = 0; at T > 0 a valid sample of the mode's behaviour (see the simulator section of README).
 
+* ``stream``: write a shifted prompt stream (FastChat question format) from a data folder: ``--stream`` requests of
+  one domain, then that domain's evaluation records [``--eval-begin``, ``--eval-end``), never repeating a record.
+  ``--domain translation`` translates short first turns of the six sets (Natural Questions, Alpaca, MT-bench,
+  GSM8K) into French, Spanish and German; the shipped head was never trained on translation (its data:
+  ``draft/train/prompt_lists.json``, chat only), so this is a real shift. ``--domain gsm8k,humaneval`` (any of the
+  six sets) serves those sets' own records, one set after the other.
+
 Request groups: a row's ``category`` up to the first ``:`` (e.g. ``stream`` / ``eval``), else ``all``.
 """
 from __future__ import annotations
@@ -27,6 +34,8 @@ import time
 from pathlib import Path
 
 EPILOG = """Examples:
+  # a shifted stream: 200 translation requests, then the translation records [30, 50)
+  python -m pipeline.tools.osd_report stream --domain translation --data ../shared/data --out stream.jsonl
   # record the target's answers once (any mode; ar is the cheapest), then replay them static and online
   python -m pipeline.tools.launch --standalone --nproc_per_node=5 -m pipeline.run --modes ar \\
       --prompts-file stream.jsonl --first-turn-only max_new_tokens=64 --output ar.jsonl
@@ -211,6 +220,78 @@ def cmd_replay(args) -> int:
     return 0
 
 
+TRANSLATION_SOURCES = ("qa", "alpaca", "mt_bench", "gsm8k")
+TRANSLATION_LANGUAGES = ("French", "Spanish", "German")
+MAX_SOURCE_CHARS = 250
+
+
+def translation_records(data: Path) -> list[dict]:
+    """The translation domain: record ``i`` asks to translate the ``i``-th short first turn (< 250 characters)
+    taken round-robin from Natural Questions, Alpaca, MT-bench and GSM8K into French, Spanish or German
+    (``i % 3``). Deterministic; every source text appears once."""
+    from model.prompts import load_questions
+    pools = []
+    for ds in TRANSLATION_SOURCES:
+        path = data / ds / "question.jsonl"
+        if not path.is_file():
+            raise ValueError(f"{path} does not exist (--data must hold the six sets' <dataset>/question.jsonl)")
+        firsts = [r["turns"][0].strip() for r in load_questions(path)]
+        pools.append([t for t in firsts if len(t) < MAX_SOURCE_CHARS])
+    texts, seen = [], set()
+    for k in range(max(len(p) for p in pools)):
+        for pool in pools:
+            if k < len(pool) and pool[k] not in seen:
+                seen.add(pool[k])
+                texts.append(pool[k])
+    return [{"turns": [f"Translate the following text into {TRANSLATION_LANGUAGES[i % 3]}:\n\n{t}"],
+             "source": f"translation:{i}"} for i, t in enumerate(texts)]
+
+
+def dataset_records(data: Path, name: str) -> list[dict]:
+    from model.prompts import load_questions
+    path = data / name / "question.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist")
+    return [{"turns": r["turns"][:1], "source": f"{name}:{i}"} for i, r in enumerate(load_questions(path))]
+
+
+def build_stream(data: Path, domain: str, n_stream: int, eval_begin: int, eval_end: int) -> list[dict]:
+    """``n_stream`` records of the domain outside [eval_begin, eval_end) in record order (one set after the other
+    for several sets, split evenly), then the records [eval_begin, eval_end) of each set. Categories are
+    ``stream:<source>`` and ``eval:<source>`` (the report's request groups)."""
+    sets = [translation_records(data)] if domain == "translation" else \
+        [dataset_records(data, d) for d in domain.split(",") if d]
+    if not sets:
+        raise ValueError("--domain names no set")
+    share = [n_stream // len(sets) + (1 if k < n_stream % len(sets) else 0) for k in range(len(sets))]
+    stream, evals = [], []
+    for recs, n in zip(sets, share):
+        outside = [r for i, r in enumerate(recs) if not eval_begin <= i < eval_end]
+        if len(outside) < n or len(recs) < eval_end:
+            raise ValueError(f"{recs[0]['source'].split(':')[0]} has {len(recs)} records: too few for {n} stream "
+                             f"records outside [{eval_begin}, {eval_end}) and the evaluation records")
+        stream += [("stream", r) for r in outside[:n]]
+        evals += [("eval", r) for r in recs[eval_begin:eval_end]]
+    return [{"question_id": i, "category": f"{tag}:{r['source']}", "turns": r["turns"]}
+            for i, (tag, r) in enumerate(stream + evals)]
+
+
+def cmd_stream(args) -> int:
+    try:
+        recs = build_stream(Path(args.data), args.domain, args.stream, args.eval_begin, args.eval_end)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", encoding="utf-8") as fh:
+        for r in recs:
+            fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+    n_eval = sum(r["category"].startswith("eval:") for r in recs)
+    print(f"[osd_report] wrote {out}: {len(recs) - n_eval} stream + {n_eval} evaluation requests", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m pipeline.tools.osd_report", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
@@ -231,12 +312,22 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--stages", type=int, default=0, help="layer stages (default: the split's)")
     q.add_argument("--quiet", action="store_true")
     q.set_defaults(func=cmd_replay)
+    t = sub.add_parser("stream", help="write a shifted prompt stream (stream requests, then evaluation records)",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--domain", default="translation",
+                   help="'translation' or comma-separated set names (gsm8k,humaneval); default translation")
+    t.add_argument("--data", default="data", help="folder with <dataset>/question.jsonl (default data/)")
+    t.add_argument("--stream", type=int, default=200, help="stream requests before the evaluation ones (default 200)")
+    t.add_argument("--eval-begin", type=int, default=30)
+    t.add_argument("--eval-end", type=int, default=50)
+    t.add_argument("--out", required=True, help="output JSONL (FastChat question format)")
+    t.set_defaults(func=cmd_stream)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] not in ("report", "replay", "-h", "--help"):
+    if argv and argv[0] not in ("report", "replay", "stream", "-h", "--help"):
         argv = ["report", *argv]
     p = build_parser()
     args, rest = p.parse_known_args(argv)
