@@ -59,7 +59,6 @@ import torch
 import torch.nn.functional as F
 
 from config.run_config import OsdConfig
-from model.meter import NULL_METER, OpMeter, hidden_rows
 
 Tensor = torch.Tensor
 
@@ -555,8 +554,6 @@ class OnlineDrafter:
 
     ``learn=False`` builds the wrapper without a learner (versions come only from :meth:`publish`; tests)."""
 
-    meter: OpMeter = NULL_METER   # instrumentation sees each logprobs call as an lm_head op (model.meter)
-
     def __init__(self, inner, lm_head, settings: OsdSettings, learn: bool = True) -> None:
         if settings.loss not in LOSSES or settings.sample_source not in SOURCES or settings.swap_at not in SWAP_POINTS:
             raise ValueError(f"bad OSD settings {settings}")
@@ -607,8 +604,7 @@ class OnlineDrafter:
         self.inner.reset()
 
     def logprobs(self, hidden: Tensor) -> Tensor:
-        with self.meter.op("lm_head", hidden_rows(hidden)):
-            return self.inner.logprobs(hidden)
+        return self.inner.logprobs(hidden)    # metered there (draft.protocol.install_meter meters ``inner``)
 
     def grow_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int):
         return self.inner.grow_tree(root_token, root_hidden, total_token, depth, top_k)

@@ -97,7 +97,13 @@ def install_meter(drafter: object, meter) -> None:
     """Put ``meter`` (:class:`model.meter.OpMeter`) on every site of ``drafter`` that runs model work: the drafter
     itself (its ``logprobs`` as ``lm_head`` ops, a small LM's ``ssm_forward`` ops) and its draft head when it keeps
     a draft cache (EAGLE's ``draft_forward`` ops). A merged drafter (one with ``sources``) runs no model op of its
-    own: every source gets the meter instead, so each op is metered exactly once."""
+    own: every source gets the meter instead, so each op is metered exactly once. So does a wrapper (one with
+    ``inner``, e.g. :class:`draft.osd.OnlineDrafter`): the inner drafter gets the meter, which then also sees the
+    ``lm_head`` calls of its own tree search (metering the wrapper's ``logprobs`` would miss those)."""
+    inner = getattr(drafter, "inner", None)
+    if inner is not None:
+        install_meter(inner, meter)
+        return
     sources = getattr(drafter, "sources", None)
     if sources is not None:
         for s in sources:

@@ -220,6 +220,15 @@ def test_rank0_meters_see_and_pad_lm_head_and_draft_forward():
     assert ops == n_lm + n_fwd and modeled == pytest.approx(n_lm * lm_s + n_fwd * fwd_s)
     assert took >= 0.95 * modeled
     assert engine.meter is not NULL_METER     # the engine's own lm_head (verification) is metered too
+    # an online-learning wrapper (draft.osd) is metered through its inner drafter: the same ops, once each,
+    # including the lm_head calls of the inner tree search (the learner's own work is not a decode op)
+    from draft.osd import OnlineDrafter, OsdSettings
+    from draft.protocol import install_meter
+    rec2, inner = RecordingMeter(), fresh()
+    od = OnlineDrafter(inner, inner.lm_head, OsdSettings(sync=True), learn=False)
+    install_meter(od, rec2)
+    run(od)
+    assert rec2.ops == rec.ops and inner.meter is rec2 and inner.head.meter is rec2
 
 
 def test_small_lm_and_merged_sources_are_metered_once_per_model_op(tmp_path):
