@@ -364,6 +364,13 @@ def test_osd_report_writes_png_csv_and_rejects_bad_input(tmp_path, capsys):
     assert (out / "osd_curve.png").stat().st_size > 1000
     summ = {(r["run"], r["group"]): r for r in __import__("csv").DictReader(open(out / "osd_summary.csv"))}
     assert float(summ[("online", "eval")]["vs_static"]) == 1.5 and float(summ[("static", "eval")]["tau"]) == 2.0
+    assert summ[("online", "eval")]["vs_static_ci95"] == "[1.5, 1.5]" and summ[("static", "eval")]["vs_static_ci95"] == ""
+    from pipeline.tools.osd_report import paired_ratio_ci
+    a = [{"question_id": i, "accept_lengths": [2 + i % 2]} for i in range(10)]
+    b = [{"question_id": i, "accept_lengths": [2]} for i in range(10)]
+    lo, hi = paired_ratio_ci(a, b)
+    assert 1.0 <= lo < 1.25 < hi <= 1.5                    # half the requests gain 1.5x: the pooled ratio is 1.25
+    assert paired_ratio_ci(a, b[:9]) is None and paired_ratio_ci(a[::-1], b) is None   # rows that do not pair
     assert len(open(out / "osd_rows.csv").read().splitlines()) == 11
     (tmp_path / "bad.jsonl").write_text('{"no_tau": 1}\n')
     assert main([str(tmp_path / "bad.jsonl"), "--out-dir", str(out)]) == 2

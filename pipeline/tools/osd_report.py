@@ -7,7 +7,7 @@ Two subcommands:
   ``osd_curve.png`` (τ per request and its running mean, against requests served, one line per run, the drafter
   version changes marked), ``osd_rows.csv`` (one line per row), ``osd_summary.csv`` / ``.md`` (per run and
   request group: τ, acceptance = τ - 1 draft tokens accepted per verification, the online / static ratio when a
-  run is labelled ``static``).
+  run is labelled ``static``, with its 95% paired-bootstrap interval over requests).
 * ``replay``: serve a recorded stream of answers again through the real rank-0 code of a mode in one process
   (``pipeline.tools.simulate.replay``: the real drafter, tree search and verification; the target's outputs and
   features come from the recording and the unsplit stages), request after request, with whatever drafter the
@@ -85,7 +85,40 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
     static = {s["group"]: s["tau"] for s in out if s["run"] == "static"}
     for s in out:
         s["vs_static"] = round(s["tau"] / static[s["group"]], 4) if s["group"] in static and static[s["group"]] else None
+    if "static" in runs:
+        by_group = {}
+        for label, rows in runs.items():
+            for r in rows:
+                by_group.setdefault((label, _group(r)), []).append(r)
+        for s in out:
+            base = by_group.get(("static", s["group"]), [])
+            s["vs_static_ci95"] = (paired_ratio_ci(by_group[(s["run"], s["group"])], base)
+                                   if s["run"] != "static" else None)
     return out
+
+
+def _pooled_tau(rows: list[dict]) -> float:
+    steps = sum(len(r.get("accept_lengths") or []) for r in rows)
+    return sum(sum(r.get("accept_lengths") or []) for r in rows) / steps if steps else float("nan")
+
+
+def paired_ratio_ci(rows: list[dict], base: list[dict], n_boot: int = 2000, seed: int = 0) -> list[float] | None:
+    """95% paired-bootstrap interval of pooled τ(rows) / τ(base): both runs served the same requests in the same
+    order (row ``i`` of each is request ``i``), so requests are resampled together. None when they do not pair."""
+    import random
+    if not rows or len(rows) != len(base) or any(a.get("question_id") != b.get("question_id")
+                                                 for a, b in zip(rows, base)):
+        return None
+    rng, n, ratios = random.Random(seed), len(rows), []
+    for _ in range(n_boot):
+        idx = [rng.randrange(n) for _ in range(n)]
+        den = _pooled_tau([base[i] for i in idx])
+        if den and den == den:
+            ratios.append(_pooled_tau([rows[i] for i in idx]) / den)
+    ratios.sort()
+    if not ratios:
+        return None
+    return [round(ratios[int(0.025 * len(ratios))], 4), round(ratios[min(len(ratios) - 1, int(0.975 * len(ratios)))], 4)]
 
 
 def plot(runs: dict[str, list[dict]], png: Path, window: int = 5) -> None:
