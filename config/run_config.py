@@ -305,7 +305,13 @@ class RunConfig:
         if o.min_gain < 0 or o.feature_weight < 0 or not 0 <= o.rollback_tol < 1:
             raise ConfigError("osd.min_gain and osd.feature_weight must be >= 0, osd.rollback_tol in [0, 1)")
         if o.enabled and self.draft.sources:
-            raise ConfigError("osd.enabled learns the EAGLE head alone; it cannot be combined with draft.sources yet")
+            try:
+                kinds = {k for k, _ in parse_sources(self.draft.sources)}
+            except SourceError:
+                return      # reported by validate()
+            if not kinds & {"eagle", "ssm"}:
+                raise ConfigError(f"osd.enabled learns the EAGLE head and small draft LMs; draft.sources="
+                                  f"{self.draft.sources} has neither (add eagle or ssm:<dir>)")
 
 
 ALIASES = {"top_k_sampling": "gen.top_k", "gen.top_k_sampling": "gen.top_k"}   # deprecated names

@@ -48,12 +48,14 @@ every output row. :meth:`OnlineDrafter.save` writes the live head in the shipped
 """
 from __future__ import annotations
 
+import copy
 import math
 import random
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -206,6 +208,7 @@ class Record:
     features: Tensor
     first_gen: int
     taus: list = field(default_factory=list)
+    first_id: int = 0            # the prompt's first token (position 0, before entry 0's token)
     version: int = 0
     teacher: tuple | None = None
 
@@ -226,7 +229,8 @@ class ReplayBuffer:
         self.capacity = capacity
         self.records: deque[Record] = deque()
         self.entries = 0
-        self.new_tokens = 0        # generated tokens added since the last take_new()
+        self.generated = 0         # generated tokens added in all
+        self.marks: dict = {}      # consumer -> ``generated`` at its last take_new()
         self.added = 0
         self.lock = threading.Lock()
 
@@ -234,7 +238,7 @@ class ReplayBuffer:
         with self.lock:
             self.records.append(rec)
             self.entries += rec.n
-            self.new_tokens += rec.generated
+            self.generated += rec.generated
             self.added += 1
             while self.entries > self.capacity and len(self.records) > 1:
                 self.entries -= self.records.popleft().n
@@ -243,14 +247,16 @@ class ReplayBuffer:
         with self.lock:
             return list(self.records)
 
-    def take_new(self) -> int:
+    def take_new(self, consumer=None) -> int:
+        """Generated tokens added since ``consumer``'s last call (each learner counts its own)."""
         with self.lock:
-            n, self.new_tokens = self.new_tokens, 0
+            n = self.generated - self.marks.get(consumer, 0)
+            self.marks[consumer] = self.generated
             return n
 
-    def peek_new(self) -> int:
+    def peek_new(self, consumer=None) -> int:
         with self.lock:
-            return self.new_tokens
+            return self.generated - self.marks.get(consumer, 0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -273,12 +279,19 @@ class OsdSettings(OsdConfig):
 # The learner
 # ---------------------------------------------------------------------------------------------------------
 
+FROZEN = ("embed_tokens", "lm_head")   # shared with the target (or the student's own vocabulary): never learned
+
+
+def _frozen(name: str) -> bool:
+    return any(part in FROZEN for part in name.split("."))
+
+
 def _trainable_names(head) -> list[str]:
-    return [n for n, _ in head.named_parameters() if not n.startswith("embed_tokens")]
+    return [n for n, _ in head.named_parameters() if not _frozen(n)]
 
 
 def head_state(head) -> dict[str, Tensor]:
-    """The swapped weights (everything but the frozen shared embeddings), cloned to the host."""
+    """The swapped weights (everything but the frozen embedding and ``lm_head``), cloned to the host."""
     params = dict(head.named_parameters())
     return {n: params[n].detach().to("cpu", copy=True) for n in _trainable_names(head)}
 
@@ -291,25 +304,21 @@ def load_head_state(head, state: dict[str, Tensor]) -> None:
 
 
 class Learner:
-    """Distils a float32 copy of the head on the replay buffer; publishes snapshots through ``publish``.
+    """Distils a float32 copy of the EAGLE head on the replay buffer; publishes snapshots through ``publish``.
 
-    ``publish(state, reason) -> version`` is :meth:`OnlineDrafter.publish`. Runs as a daemon thread
-    (:meth:`start_thread`) or inline (:meth:`maybe_update`, ``osd.sync``)."""
+    ``publish(state, reason) -> version`` is :meth:`OnlineDrafter.publish` for this learner's slot. Runs as a
+    daemon thread (:meth:`start_thread`) or inline (:meth:`maybe_update`, ``osd.sync``). What depends on the
+    student is in four methods (:meth:`_make_net`, :meth:`_levels`, :meth:`_forward`, :meth:`_logits`);
+    :class:`SmallLMLearner` overrides them for a small draft LM."""
+
+    regress_features = True      # EAGLE's SmoothL1 feature term (osd.feature_weight) applies to this student
 
     def __init__(self, head, lm_head, buffer: ReplayBuffer, settings: OsdSettings, publish) -> None:
-        from draft.eagle import EagleHead
         s = self.s = settings
         p = next(head.parameters())
         self.device = p.device
         self.dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-        net = EagleHead(head.config, bias=head.fc.bias is not None)
-        net.embed_tokens = head.embed_tokens                      # shared, frozen
-        for q in net.embed_tokens.parameters():
-            q.requires_grad_(False)
-        self.net = net.to(self.device)
-        for n, q in self.net.named_parameters():
-            if not n.startswith("embed_tokens"):
-                q.data = q.data.to(self.dtype)
+        self.net = self._make_net(head)
         self.shipped = head_state(head)
         load_head_state(self.net, self.shipped)
         self.live = self.shipped                                   # what the serving head holds (or will)
@@ -329,8 +338,29 @@ class Learner:
         self.t_start = time.perf_counter()
         self.error: BaseException | None = None
 
+    def _make_net(self, head):
+        """The trainable copy: a new head in ``self.dtype`` that shares the live head's frozen embedding."""
+        from draft.eagle import EagleHead
+        net = EagleHead(head.config, bias=head.fc.bias is not None)
+        net.embed_tokens = head.embed_tokens                      # shared, frozen
+        for q in net.embed_tokens.parameters():
+            q.requires_grad_(False)
+        net = net.to(self.device)
+        for n, q in net.named_parameters():
+            if not _frozen(n):
+                q.data = q.data.to(self.dtype)
+        return net
+
+    def _levels(self) -> tuple[int, bool]:
+        """(levels, mix tokens) for one request: :func:`rollout_levels` of ``osd.sample_source``."""
+        return rollout_levels(self.s.sample_source, self.s.rollout, self.s.mix_ratio, self.rng)
+
+    def _logits(self, pred: Tensor) -> Tensor:
+        """Next-token logits (float32) of predicted states: the target's ``lm_head`` on the head's features."""
+        return F.linear(pred.to(self.lm_w.dtype), self.lm_w).float()
+
     def _new_opt(self) -> None:
-        params = [q for n, q in self.net.named_parameters() if not n.startswith("embed_tokens")]
+        params = [q for n, q in self.net.named_parameters() if not _frozen(n)]
         self.opt = torch.optim.AdamW(params, lr=self.s.lr, betas=(0.9, 0.95), weight_decay=0.0)
 
     # -- thread control --------------------------------------------------------------------------------
@@ -376,9 +406,9 @@ class Learner:
         if len(recs) <= self.s.holdout:
             return False
         wall = time.perf_counter() - self.t_start if self.thread is not None else 0.0
-        if not should_update(self.buffer.peek_new(), self.s.update_interval, self.busy_s, wall, self.s.max_busy):
+        if not should_update(self.buffer.peek_new(self), self.s.update_interval, self.busy_s, wall, self.s.max_busy):
             return False
-        new = self.buffer.take_new()
+        new = self.buffer.take_new(self)
         t0 = time.perf_counter()
         try:
             return self._update(recs, new)
@@ -497,18 +527,17 @@ class Learner:
         self.opt.zero_grad(set_to_none=True)
         terms = []
         for r in batch:
-            levels, mix = rollout_levels(s.sample_source, s.rollout, s.mix_ratio, self.rng)
+            levels, mix = self._levels()
             idx, tlp = r.teacher
             for lvl, pred in self._forward(r, levels, mix, grad=True):
                 rows = self._rows(r, lvl)
                 if rows.numel() == 0:
                     continue
                 p = pred[rows]
-                slogits = F.linear(p.to(self.lm_w.dtype), self.lm_w).float()
-                sb = student_buckets(slogits, idx[rows].to(self.device))
+                sb = student_buckets(self._logits(p), idx[rows].to(self.device))
                 div = divergence(tlp[rows].to(self.device), sb, s.loss, s.jsd_beta)
                 term = div.sum()
-                if s.feature_weight:
+                if s.feature_weight and self.regress_features:
                     tf = r.features[1:].to(self.device, self.dtype)[rows]
                     term = term + s.feature_weight * F.smooth_l1_loss(p, tf, reduction="none").mean(-1).sum()
                 terms.append(term)
@@ -523,6 +552,9 @@ class Learner:
         total = float(loss.detach())
         return total
 
+    def _levels_max(self) -> int:
+        return self.s.rollout
+
     @torch.no_grad()
     def evaluate(self, recs: list[Record]) -> float:
         """Held-out agreement: share of labelled rows where the head's top-1 equals the target's, averaged over
@@ -533,15 +565,101 @@ class Learner:
             if r.teacher is None or r.n < 2:
                 continue
             idx, _ = r.teacher
-            for lvl, pred in self._forward(r, min(2, self.s.rollout), False, grad=False):
+            for lvl, pred in self._forward(r, min(2, self.s.rollout, self._levels_max()), False, grad=False):
                 rows = self._rows(r, lvl)
                 if rows.numel() == 0:
                     continue
-                top1 = F.linear(pred[rows].to(self.lm_w.dtype), self.lm_w).argmax(-1)
+                top1 = self._logits(pred[rows]).argmax(-1)
                 hits[lvl] += float((top1 == idx[rows, 0].to(self.device)).sum())
                 tot[lvl] += rows.numel()
         accs = [h / t for h, t in zip(hits, tot) if t]
         return sum(accs) / len(accs) if accs else 0.0
+
+
+class SmallLMLearner(Learner):
+    """Distils a small draft LM (:class:`draft.ssm.SmallLMDrafter`'s ``model``, e.g. a shipped student) on the
+    same replay buffer, teacher and gates as the head: its logits after the committed tokens ``0..j+1`` against
+    the target's distribution at entry ``j`` (the next committed token's law).
+
+    Its inputs are tokens only, so the committed path has no student states to roll out: every sample source
+    trains it teacher-forced (``osd.sample_source`` shapes the EAGLE head's rows; OSD's on-policy "student" data
+    would need the target's labels at the student's own drafts, which only the verified tree nodes carry).
+    The embedding and ``lm_head`` stay frozen (a shared-vocabulary student holds the target's)."""
+
+    regress_features = False
+
+    def _make_net(self, model):
+        """A deep copy in ``self.dtype`` whose frozen embedding / ``lm_head`` are shared with the live model
+        when they already have that dtype (a shipped student's are the target's own tensors)."""
+        memo = {id(q): q for n, q in model.named_parameters() if _frozen(n) and q.dtype == self.dtype}
+        net = copy.deepcopy(model, memo)
+        for n, q in net.named_parameters():
+            if _frozen(n):
+                q.requires_grad_(False)
+            else:
+                q.data = q.data.to(self.dtype)
+                q.requires_grad_(True)
+        if any(_frozen(n) and q.dtype != self.dtype for n, q in net.named_parameters()):
+            net = net.to(self.dtype)
+        return net.to(self.device).eval()
+
+    def _levels(self) -> tuple[int, bool]:
+        return 1, False
+
+    def _levels_max(self) -> int:
+        return 1
+
+    def _forward(self, r: Record, levels: int, mix_token: bool, grad: bool) -> list[tuple[int, Tensor]]:
+        """``[(0, hidden [n, H])]``: the model's last hidden state after position ``j + 1`` (entry ``j``'s token)
+        for every entry ``j``; the input is the prompt's first token followed by the entries' tokens."""
+        ids = torch.cat([torch.tensor([r.first_id]), r.tokens.reshape(-1).cpu()]).to(self.device)[None]
+        with torch.set_grad_enabled(grad):
+            hidden = self.net.model(input_ids=ids).last_hidden_state[0]
+        return [(0, hidden[1:])]
+
+    def _logits(self, pred: Tensor) -> Tensor:
+        """The student's own ``lm_head``, its vocabulary cut or padded (very low score) to the target's, as
+        :class:`draft.ssm.SmallLMDrafter` does when drafting."""
+        logits = self.net.lm_head(pred.to(self.net.lm_head.weight.dtype)).float()
+        v = int(self.lm_w.shape[0])
+        if logits.shape[-1] > v:
+            return logits[..., :v]
+        if logits.shape[-1] < v:
+            pad = logits.new_full((*logits.shape[:-1], v - logits.shape[-1]), -1e4)
+            return torch.cat([logits, pad], dim=-1)
+        return logits
+
+
+@dataclass
+class Slot:
+    """One learnable model inside rank 0's drafter: ``name`` (``eagle`` or ``ssm:<dir>``), the live ``module``
+    the drafter computes with (the EAGLE head, or the small LM), and ``kind`` (``eagle`` | ``ssm``)."""
+
+    name: str
+    module: object
+    kind: str
+
+
+def learnable_slots(drafter) -> list[Slot]:
+    """The models online learning can distil in ``drafter``: an EAGLE-1/2 head drafter (:class:`Drafter` with a
+    draft cache; not EAGLE-3, whose own ``lm_head`` and fused features this learner does not model), small draft
+    LMs (:class:`draft.ssm.SmallLMDrafter`), and those among a merged drafter's sources. Lookup has none."""
+    from draft.ssm import SmallLMDrafter
+    sources = getattr(drafter, "sources", None)
+    if sources is not None:
+        names = getattr(drafter, "names", None) or [type(x).__name__ for x in sources]
+        out = []
+        for name, src in zip(names, sources):
+            out += [Slot(name if len(learnable_slots(src)) == 1 else f"{name}.{sl.name}", sl.module, sl.kind)
+                    for sl in learnable_slots(src)]
+        return out
+    if isinstance(drafter, SmallLMDrafter):
+        return [Slot("ssm", drafter.model, "ssm")]
+    head = getattr(drafter, "head", None)
+    if head is not None and getattr(drafter, "cache", None) is not None and hasattr(head, "fc") \
+            and not getattr(head, "aux_layers", None):
+        return [Slot("eagle", head, "eagle")]
+    return []
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -549,8 +667,13 @@ class Learner:
 # ---------------------------------------------------------------------------------------------------------
 
 class OnlineDrafter:
-    """Rank 0's drafter with online learning (see the module docstring). ``inner`` is a
-    :class:`draft.drafter.Drafter` (its ``head`` is the live head); ``lm_head`` the target's.
+    """Rank 0's drafter with online learning (see the module docstring). ``inner`` is the drafter the modes
+    would use: a :class:`draft.drafter.Drafter` (its ``head`` is the live head), a small LM drafter, or a merged
+    drafter (``draft.sources``); every :func:`learnable_slots` model gets its own learner on the shared replay
+    buffer. ``lm_head`` is the target's.
+
+    Versions are joint: a version is the weights of every slot; a learner's publication replaces its own slot's
+    weights and keeps the others', and a rollback restores all slots of the previous version.
 
     ``learn=False`` builds the wrapper without a learner (versions come only from :meth:`publish`; tests)."""
 
@@ -559,12 +682,13 @@ class OnlineDrafter:
             raise ValueError(f"bad OSD settings {settings}")
         self.inner, self.s = inner, settings
         self.lm_head = lm_head
+        self.slots = {sl.name: sl for sl in learnable_slots(inner)}
         self.buffer = ReplayBuffer(settings.buffer_tokens)
         self.lock = threading.Lock()
         self.version = 0                       # the live weights' version
         self._next_version = 1
-        self._staged: tuple[int, dict, str] | None = None
-        self.states: dict[int, dict] = {}      # version -> weights (the ones rollback may return to)
+        self._staged: dict[str, tuple[int, dict, str]] = {}   # slot -> (version, weights, reason) to swap in
+        self.states: dict[int, dict] = {}      # version -> {slot: weights} (the ones rollback may return to)
         self.taus: dict[int, list[float]] = {0: []}
         self.history: list[int] = [0]          # kept versions, oldest first
         self.judged: set[int] = {0}
@@ -574,14 +698,21 @@ class OnlineDrafter:
         self.events: list[dict] = []
         self._rec: dict | None = None
         self._gen_versions: list[int] = []
-        self.learner: Learner | None = None
-        head = getattr(inner, "head", None)
-        if head is not None:
-            self.states[0] = head_state(head)
-        if learn and head is not None:
-            self.learner = Learner(head, lm_head, self.buffer, settings, self.publish)
+        self.learners: dict[str, Learner] = {}
+        self.states[0] = {name: head_state(sl.module) for name, sl in self.slots.items()}
+        if learn:
+            for name, sl in self.slots.items():
+                kind = SmallLMLearner if sl.kind == "ssm" else Learner
+                self.learners[name] = kind(sl.module, lm_head, self.buffer, settings,
+                                           lambda state, reason="", _slot=name: self.publish(state, reason, _slot))
             if not settings.sync:
-                self.learner.start_thread()
+                for L in self.learners.values():
+                    L.start_thread()
+
+    @property
+    def learner(self) -> Learner | None:
+        """The first slot's learner (the EAGLE head's when there is one), or None."""
+        return next(iter(self.learners.values()), None)
 
     # -- explicit delegation -----------------------------------------------------------------------------
     @property
@@ -626,11 +757,11 @@ class OnlineDrafter:
         """New request: file the finished one, judge rollbacks, run the inline learner (``osd.sync``), swap in a
         published version (the ``generation`` swap point), then start the inner drafter."""
         self.flush()
-        if self.learner is not None:
+        for L in self.learners.values():
             if self.s.sync:
-                self.learner.maybe_update()
+                L.maybe_update()
             else:
-                self.learner.wake()
+                L.wake()
         self._swap_if_staged()
         self._gen_versions = [self.version]
         toks = list(prompt_ids[1:]) + [int(first_token)]
@@ -646,7 +777,7 @@ class OnlineDrafter:
             rec["features"].append(None if features is None else features.detach().clone())
             rec["commits"] += 1
             rec["committed"] += int(tokens.numel())
-        if self.s.swap_at == "commit" and self._staged is not None and rec is not None:
+        if self.s.swap_at == "commit" and self._staged and rec is not None:
             if self._swap_if_staged():
                 self._gen_versions.append(self.version)
                 return self._rebuild()
@@ -676,9 +807,10 @@ class OnlineDrafter:
         if tau is not None and len(self._gen_versions) == 1:
             self.taus.setdefault(rec["version"], []).append(tau)
         feats = rec["features"]
-        if all(f is not None for f in feats) and self.learner is not None:
+        if all(f is not None for f in feats) and self.learners:
             flat = [t for part in rec["tokens"] for t in part]
-            self.buffer.add(Record(torch.tensor(flat), torch.cat(feats), rec["first_gen"], version=rec["version"]))
+            self.buffer.add(Record(torch.tensor(flat), torch.cat(feats), rec["first_gen"], version=rec["version"],
+                                   first_id=int(rec["prompt_ids"][0])))
         self._judge()
 
     def _judge(self) -> None:
@@ -695,35 +827,44 @@ class OnlineDrafter:
             self.history.pop()
             state = self.states[prev]
             with self.lock:
-                self._staged = None
+                self._staged = {}
             t0 = time.perf_counter()
-            load_head_state(self.inner.head, state)
+            for name, sl in self.slots.items():
+                load_head_state(sl.module, state[name])
             self.swap_s += time.perf_counter() - t0
             self.events.append({"event": "rollback", "from": v, "to": prev})
             self.version = prev
-            if self.learner is not None:
-                self.learner.reset_to(state)
+            for name, L in self.learners.items():
+                L.reset_to(state[name])
 
     # -- double buffer ------------------------------------------------------------------------------------
-    def publish(self, state: dict, reason: str = "") -> int:
-        """Stage ``state`` (the learner's thread, or a test) as the next version; returns its number. The live
-        head is not touched here: the serving thread copies it in at the next swap point."""
+    def publish(self, state: dict, reason: str = "", slot: str | None = None) -> int:
+        """Stage ``state`` (weights of ``slot``, default: the first slot) as the next version; returns its
+        number. Called by a learner's thread, or a test. The live model is not touched here: the serving thread
+        copies it in at the next swap point (a newer publication for the same slot replaces a staged one)."""
+        slot = slot if slot is not None else next(iter(self.slots), None)
+        if slot not in self.slots:
+            raise KeyError(f"no learnable slot {slot!r} in this drafter (slots: {', '.join(self.slots) or 'none'})")
         with self.lock:
             v = self._next_version
             self._next_version += 1
-            self._staged = (v, state, reason)
+            self._staged[slot] = (v, state, reason)
         return v
 
     def _swap_if_staged(self) -> bool:
         with self.lock:
-            staged, self._staged = self._staged, None
-        if staged is None or self.head is None:
+            staged, self._staged = self._staged, {}
+        if not staged:
             return False
-        v, state, reason = staged
+        joint = dict(self.states[self.version])
         t0 = time.perf_counter()
-        load_head_state(self.inner.head, state)
+        for name, (_, state, _) in staged.items():
+            load_head_state(self.slots[name].module, state)
+            joint[name] = state
         self.swap_s += time.perf_counter() - t0
-        self.states[v] = state
+        v = max(sv for sv, _, _ in staged.values())
+        reason = ",".join(f"{name}:{r}" if len(self.slots) > 1 else r for name, (_, _, r) in staged.items())
+        self.states[v] = joint
         self.taus.setdefault(v, [])
         self.history.append(v)
         for old in self.history[:-3]:          # rollback needs the previous kept version; the floor is 0
@@ -737,27 +878,44 @@ class OnlineDrafter:
     # -- outputs ------------------------------------------------------------------------------------------
     def row_fields(self) -> dict:
         """Fields for the output row of the request that just ended (``pipeline.outputs.drafter_fields``)."""
+        Ls = list(self.learners.values())
         L = self.learner
+        errors = [f"{n}: {L_.error!r}"[:200] for n, L_ in self.learners.items() if L_.error]
+        osd = {"loss": self.s.loss, "sample_source": self.s.sample_source, "swaps": self.swaps,
+               "rollbacks": self.rollbacks, "buffer_entries": self.buffer.entries,
+               "requests_seen": self.buffer.added, "updates": sum(x.updates for x in Ls),
+               "floor_restores": sum(x.floor_restores for x in Ls),
+               "learner_busy_s": round(sum(x.busy_s for x in Ls), 3), "swap_s": round(self.swap_s, 4),
+               "last_update": dict(L.last) if L else {}, "learner_error": "; ".join(errors) or None,
+               "slots": list(self.slots)}
+        if len(Ls) > 1:
+            osd["per_slot"] = {n: {"updates": x.updates, "published": x.published, "floor_restores": x.floor_restores,
+                                   "learner_busy_s": round(x.busy_s, 3), "last_update": dict(x.last)}
+                               for n, x in self.learners.items()}
         return {"drafter_version": self._gen_versions[0] if self._gen_versions else self.version,
-                "drafter_versions": list(self._gen_versions),
-                "osd": {"loss": self.s.loss, "sample_source": self.s.sample_source, "swaps": self.swaps,
-                        "rollbacks": self.rollbacks, "buffer_entries": self.buffer.entries,
-                        "requests_seen": self.buffer.added, "updates": L.updates if L else 0,
-                        "floor_restores": L.floor_restores if L else 0,
-                        "learner_busy_s": round(L.busy_s, 3) if L else 0.0, "swap_s": round(self.swap_s, 4),
-                        "last_update": dict(L.last) if L else {},
-                        "learner_error": (repr(L.error)[:200] if L and L.error else None)}}
+                "drafter_versions": list(self._gen_versions), "osd": osd}
 
     def save(self, out_dir) -> str:
-        """Write the live head in the shipped EAGLE layout (``model.head_dir`` loads it)."""
+        """Write the live models: the EAGLE head in the shipped layout in ``out_dir`` (``model.head_dir`` loads
+        it), each small LM in the shipped student layout (:func:`draft.ssm.ship_student`, float32) in
+        ``out_dir/ssm`` (``out_dir/ssm_<k>`` for the k-th of several; ``draft.sources=...,ssm:<that dir>`` loads
+        it). Returns ``out_dir``."""
         from draft.eagle import save_eagle_head
-        return str(save_eagle_head(self.inner.head, out_dir, {"osd_version": self.version}))
+        from draft.ssm import ship_student
+        out = Path(out_dir)
+        ssms = [sl for sl in self.slots.values() if sl.kind == "ssm"]
+        for sl in self.slots.values():
+            if sl.kind == "eagle":
+                save_eagle_head(sl.module, out, {"osd_version": self.version})
+        for k, sl in enumerate(ssms):
+            ship_student(sl.module, out / ("ssm" if len(ssms) == 1 else f"ssm_{k}"), dtype=torch.float32)
+        return str(out)
 
     def close(self) -> None:
-        """Stop the learner; with ``osd.save_dir``, save the live head. Idempotent."""
+        """Stop the learners; with ``osd.save_dir``, save the live models. Idempotent."""
         self.flush()
-        if self.learner is not None:
-            self.learner.stop()
-        if self.s.save_dir and self.head is not None:
+        for L in self.learners.values():
+            L.stop()
+        if self.s.save_dir and self.slots:
             self.save(self.s.save_dir)
             self.s.save_dir = ""

@@ -102,32 +102,35 @@ def head_choice(cfg, stage_root: Path) -> Path | None:
 
 def make_drafter(cfg, stage_root: Path, model, dtype, device: str):
     """Rank 0's drafter: :func:`_head_drafter`, or with ``draft.sources`` several drafters merged into one tree
-    (``draft/merged.py``; ``eagle`` there is the head drafter). With ``osd.enabled`` the head drafter is wrapped
-    in :class:`draft.osd.OnlineDrafter` (online learning from the served traffic; output unchanged)."""
-    if cfg.osd.enabled:
-        return _online_drafter(cfg, _head_drafter(cfg, stage_root, model, dtype, device), model)
+    (``draft/merged.py``; ``eagle`` there is the head drafter). With ``osd.enabled`` that drafter is wrapped in
+    :class:`draft.osd.OnlineDrafter`, which learns its EAGLE head and small LMs from the served traffic (output
+    unchanged)."""
     if not cfg.draft.sources:
-        return _head_drafter(cfg, stage_root, model, dtype, device)
-    from draft.merged import SourceError, build_sources
-    try:
-        return build_sources(cfg, model.lm_head.out_features,
-                             lambda: _head_drafter(cfg, stage_root, model, dtype, device), dtype, device,
-                             sampling=cfg.gen.temperature > 0, vocab_model=model)
-    except SourceError as e:
-        raise SetupError(str(e)) from None
+        drafter = _head_drafter(cfg, stage_root, model, dtype, device)
+    else:
+        from draft.merged import SourceError, build_sources
+        try:
+            drafter = build_sources(cfg, model.lm_head.out_features,
+                                    lambda: _head_drafter(cfg, stage_root, model, dtype, device), dtype, device,
+                                    sampling=cfg.gen.temperature > 0, vocab_model=model)
+        except SourceError as e:
+            raise SetupError(str(e)) from None
+    return _online_drafter(cfg, drafter, model) if cfg.osd.enabled else drafter
 
 
 def _online_drafter(cfg, inner, model):
-    """``osd.enabled``: the EAGLE drafter wrapped for online learning; the learner stops (and ``osd.save_dir`` is
+    """``osd.enabled``: the drafter wrapped for online learning; the learners stop (and ``osd.save_dir`` is
     written) at exit."""
     import atexit
 
-    from draft.osd import OnlineDrafter, OsdSettings
-    if getattr(inner, "head", None) is None:
-        raise SetupError("osd.enabled needs an EAGLE head drafter (model.head_dir), not a test drafter")
+    from draft.osd import OnlineDrafter, OsdSettings, learnable_slots
+    if not learnable_slots(inner):
+        raise SetupError("osd.enabled needs a drafter it can learn: an EAGLE-1/2 head (model.head_dir) or a small "
+                         "draft LM (draft.sources=...,ssm:<dir>); not a test drafter, lookup alone or EAGLE-3")
     od = OnlineDrafter(inner, model.lm_head, OsdSettings.from_config(cfg.osd))
     atexit.register(od.close)
-    print(f"[rank 0] online speculative decoding: loss={cfg.osd.loss} sample_source={cfg.osd.sample_source} "
+    print(f"[rank 0] online speculative decoding of {', '.join(od.slots)}: loss={cfg.osd.loss} "
+          f"sample_source={cfg.osd.sample_source} "
           f"update_interval={cfg.osd.update_interval} lr={cfg.osd.lr} "
           f"({'inline' if cfg.osd.sync else 'background thread'}, swap at {cfg.osd.swap_at})", file=sys.stderr)
     return od

@@ -3,6 +3,7 @@ draft cache, the double buffer, saving, config, and exactness with weights that 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -75,6 +76,7 @@ def test_replay_buffer_is_bounded_fifo_and_counts_new_tokens():
     buf.add(_rec(4, 1))        # generated = 4 - 1 - 1 = 2
     buf.add(_rec(5, 0))        # 4
     assert buf.entries == 9 and buf.take_new() == 6 and buf.take_new() == 0
+    assert buf.peek_new("other") == 6 and buf.take_new("other") == 6 and buf.peek_new("other") == 0   # own count
     buf.add(_rec(3, 0))        # 12 > 10: the oldest goes
     assert [r.n for r in buf.snapshot()] == [5, 3] and buf.entries == 8
     buf.add(_rec(30, 0))       # larger than the capacity: kept alone
@@ -296,8 +298,9 @@ def test_osd_config_keys_are_validated():
                 "osd.mix_ratio=2"):
         with pytest.raises(ConfigError):
             apply_overrides(DEFAULT, [bad])
-    with pytest.raises(ConfigError):
-        apply_overrides(DEFAULT, ["osd.enabled=true", "draft.sources=eagle,lookup"])
+    with pytest.raises(ConfigError, match="has neither"):
+        apply_overrides(DEFAULT, ["osd.enabled=true", "draft.sources=lookup"])     # nothing it can learn
+    assert apply_overrides(DEFAULT, ["osd.enabled=true", "draft.sources=eagle,lookup,ssm:x"]).osd.enabled
 
 
 # -- exactness: greedy output equals HF while the head changes between rounds -------------------------------------
@@ -444,3 +447,163 @@ def test_head_dir_untrained_is_a_random_head_even_for_the_default_split(tiny, tm
     assert torch.equal(d.head.fc.weight.to(want.fc.weight.dtype), want.fc.weight)
     assert torch.equal(d.head.embed_tokens.weight, model0.embed_tokens.weight)
     assert "model.head_dir=untrained" in capsys.readouterr().err
+
+
+# -- small draft LMs (draft.ssm) and merged drafters ---------------------------------------------------------------
+
+def _bigram_requests(od, cfg, lm_head, n_req: int, seed: int, n: int = 24):
+    """Requests in a narrow "domain": the target's feature after token t is table[t], so the teacher's next-token
+    law is a fixed function of the current token (learnable by a small LM)."""
+    table = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(9), dtype=D)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n_req):
+        toks = torch.randint(0, 8, (n,), generator=g)
+        feats = torch.cat([torch.randn(1, cfg.hidden_size, generator=g, dtype=D), table[toks[:-1]]])
+        od.start([1] + toks[:5].tolist(), int(toks[5]), feats[:6])
+        for j in range(6, n, 3):
+            od.commit(toks[j:j + 3], feats[j:j + 3])
+    od.flush()
+
+
+def test_small_lm_learner_publishes_and_the_saved_student_loads(tiny, tmp_path):
+    """osd on a small draft LM alone (draft.sources=ssm:<dir>): the learner distils it teacher-forced on the
+    committed tokens, publishes a version with better held-out agreement, the live model drafts with it from the
+    next request on, and save() writes a student that load_small_lm reads back with the same weights."""
+    from draft.osd import SmallLMLearner, learnable_slots
+    from draft.ssm import SmallLMDrafter, load_small_lm
+    _, cfg, lm_head = tiny
+    path = tiny_llama(tmp_path / "ssm", seed=4, layers=1, vocab=cfg.vocab_size, hidden=32, dtype=D)
+    inner = SmallLMDrafter(path, vocab_size=cfg.vocab_size, dtype=D)
+    assert [(s.name, s.kind) for s in learnable_slots(inner)] == [("ssm", "ssm")]
+    s = OsdSettings(sync=True, update_interval=20, teacher_topk=8, batch_tokens=200, lr=2e-2, steps=5)
+    od = OnlineDrafter(inner, lm_head, s)
+    assert isinstance(od.learner, SmallLMLearner)
+    frozen = {n: p for n, p in inner.model.named_parameters() if "embed_tokens" in n or "lm_head" in n}
+    w_emb = {n: p.detach().clone() for n, p in frozen.items()}
+    before = {k: v.clone() for k, v in head_state(inner.model).items()}
+    _bigram_requests(od, cfg, lm_head, 6, seed=4)
+    log = od.learner.log
+    assert any(e["published"] for e in log), [sorted(e.items()) for e in log]
+    assert all(e["cand_acc"] > e["live_acc"] for e in log if e["reason"] == "gain")
+    od.start([1, 2, 3], 4, torch.randn(3, cfg.hidden_size, dtype=D))
+    assert od.version >= 1 and any(not torch.equal(v, before[k]) for k, v in head_state(inner.model).items())
+    assert all(torch.equal(p, w_emb[n]) for n, p in frozen.items())       # embedding / lm_head never learned
+    out = od.save(tmp_path / "saved")
+    back = load_small_lm(tmp_path / "saved" / "ssm", D, vocab_model=SimpleNamespace(
+        embed_tokens=inner.model.model.embed_tokens, lm_head=inner.model.lm_head))
+    for k, v in head_state(inner.model).items():
+        assert torch.allclose(head_state(back)[k], v), k
+    assert out == str(tmp_path / "saved")
+    od.close()
+
+
+def test_small_lm_learner_reduces_the_loss_on_its_own_rows(tiny, tmp_path):
+    """The small LM's rows: entry j's logits come from the prompt's first token and the entries' tokens 0..j
+    (checked against a plain forward), and optimizer steps lower the distillation loss whatever sample source."""
+    from draft.osd import SmallLMLearner
+    from draft.ssm import SmallLMDrafter
+    _, cfg, lm_head = tiny
+    path = tiny_llama(tmp_path / "ssm", seed=5, layers=1, vocab=cfg.vocab_size, hidden=32, dtype=D)
+    inner = SmallLMDrafter(path, vocab_size=cfg.vocab_size, dtype=D)
+    L = SmallLMLearner(inner.model, lm_head, ReplayBuffer(1000), OsdSettings(lr=3e-3, sample_source="student"),
+                       lambda *a: 0)
+    g = torch.Generator().manual_seed(2)
+    n = 20
+    toks = torch.randint(0, cfg.vocab_size, (n,), generator=g)
+    rec = Record(toks, torch.randn(n, cfg.hidden_size, generator=g, dtype=D), first_gen=3, first_id=1)
+    (lvl, hidden), = L._forward(rec, 2, True, grad=False)
+    with torch.no_grad():
+        want = inner.model(input_ids=torch.cat([torch.tensor([1]), toks])[None]).logits[0, 1:]
+    assert lvl == 0 and torch.allclose(L._logits(hidden), want.float(), atol=1e-6)
+    L._ensure_teacher(rec)
+    first = L.train_step([rec])
+    for _ in range(12):
+        last = L.train_step([rec])
+    assert last < 0.8 * first, (first, last)
+
+
+def test_merged_drafter_learns_every_slot_with_joint_versions(tiny, tmp_path):
+    """draft.sources=eagle,lookup,ssm: one learner per learnable source on one buffer; a publication replaces its
+    own slot and keeps the other's; a rollback restores both slots of the previous version."""
+    from draft.lookup import LookupDrafter
+    from draft.merged import MergedDrafter
+    from draft.osd import learnable_slots
+    from draft.ssm import SmallLMDrafter
+    _, cfg, lm_head = tiny
+    path = tiny_llama(tmp_path / "ssm", seed=4, layers=1, vocab=cfg.vocab_size, hidden=32, dtype=D)
+    ssm = SmallLMDrafter(path, vocab_size=cfg.vocab_size, dtype=D)
+    eagle = Drafter(_head(cfg), lm_head, 256)
+    merged = MergedDrafter([eagle, LookupDrafter(cfg.vocab_size), ssm], ["eagle", "lookup", f"ssm:{path}"])
+    assert [s.name for s in learnable_slots(merged)] == ["eagle", f"ssm:{path}"]
+    od = OnlineDrafter(merged, lm_head, OsdSettings(sync=True, window=2, rollback_tol=0.1), learn=False)
+    e0, s0 = head_state(eagle.head), head_state(ssm.model)
+    for i in range(2):
+        _fake_request(od, cfg, i, commits=(2, 3, 1, 2))                 # version 0: tau 2
+    od.publish({k: v * 0.5 for k, v in s0.items()}, slot=f"ssm:{path}")
+    _fake_request(od, cfg, 5, commits=(2, 3, 1, 2))
+    assert od.version == 1 and torch.equal(head_state(eagle.head)["fc.weight"], e0["fc.weight"])
+    assert all(torch.equal(v, s0[k] * 0.5) for k, v in head_state(ssm.model).items())
+    od.publish({k: v * 0.5 for k, v in e0.items()})                      # default slot: eagle
+    for i in range(2):
+        _fake_request(od, cfg, 10 + i, commits=(1, 1, 1, 1))            # version 2: tau 1 < 0.9 * 2
+    assert od.version == 2 and set(od.states[2]) == {"eagle", f"ssm:{path}"}
+    assert all(torch.equal(v, s0[k] * 0.5) for k, v in head_state(ssm.model).items())   # ssm slot kept
+    _fake_request(od, cfg, 20)
+    assert od.version == 1 and od.rollbacks == 1                         # both slots back to version 1
+    assert all(torch.equal(v, e0[k]) for k, v in head_state(eagle.head).items())
+    assert all(torch.equal(v, s0[k] * 0.5) for k, v in head_state(ssm.model).items())
+    with pytest.raises(KeyError, match="no learnable slot"):
+        od.publish({}, slot="lookup")
+    # with learners: both learn from the same requests
+    od2 = OnlineDrafter(merged, lm_head, OsdSettings(sync=True, update_interval=20, teacher_topk=8, steps=1))
+    _bigram_requests(od2, cfg, lm_head, 4, seed=6)
+    assert set(od2.learners) == {"eagle", f"ssm:{path}"} and all(x.updates >= 1 for x in od2.learners.values())
+    row = od2.row_fields()["osd"]
+    assert row["slots"] == ["eagle", f"ssm:{path}"] and set(row["per_slot"]) == set(row["slots"])
+    assert row["updates"] == sum(x.updates for x in od2.learners.values())
+    od2.close()
+    assert learnable_slots(LookupDrafter(cfg.vocab_size)) == []
+
+
+@pytest.mark.parametrize("sources", ["ssm", "eagle,lookup,ssm"])
+def test_greedy_output_equals_hf_while_small_lm_and_head_change(tiny, tmp_path, monkeypatch, sources):
+    """Exactness through pipeline.build.make_drafter with draft.sources and osd.enabled: the real learners update
+    the small LM (and the head), a publisher perturbs every slot after every commit (swap_at=commit: the drafter
+    changes between rounds), and every greedy answer equals HF generate."""
+    from model.split import split_checkpoint
+    import pipeline.inprocess as tr
+    from pipeline.build import make_drafter as real_make
+    full, cfg, _ = tiny
+    stages = split_checkpoint(full, tmp_path / "stages", [0, 1, 1], progress=False)
+    ssm_dir = tiny_llama(tmp_path / "ssm", seed=4, layers=1, vocab=cfg.vocab_size, hidden=32, dtype=D)
+    made = []
+
+    def make(cfg_, stage_root, model, dtype, device):
+        od = real_make(cfg_, stage_root, model, dtype, device)
+        assert isinstance(od, OnlineDrafter) and len(od.learners) == len(od.slots) >= 1
+        made.append(od)
+        g = torch.Generator().manual_seed(0)
+        inner_commit = od.commit
+
+        def commit(tokens, features):
+            out = inner_commit(tokens, features)
+            for name, sl in od.slots.items():
+                st = head_state(sl.module)
+                od.publish({k: v + 0.5 * torch.randn(v.shape, generator=g, dtype=v.dtype) * v.std().clamp_min(1e-3)
+                            for k, v in st.items()}, slot=name)
+            return out
+        od.commit = commit
+        return od
+    monkeypatch.setattr(tr, "make_drafter", make)
+    prompts = [[1, 5, 9, 13, 22, 7], [1, 30, 31, 32, 33, 34, 35, 36], [1, 5, 9, 13, 22, 8]]
+    src = ",".join(f"ssm:{ssm_dir}" if w == "ssm" else w for w in sources.split(","))
+    over = ["max_new_tokens=12", "dtype=float64", "osd.enabled=true", "osd.sync=true", "osd.swap_at=commit",
+            "osd.update_interval=4", "osd.steps=1", "osd.teacher_topk=8", "osd.holdout=1", f"draft.sources={src}",
+            "tree.total_token=12", "tree.init_total_token=12", "tree.expand_total_token=8"]
+    res = tr.run_threaded(stages, prompts, ["naive", "continuous"], over, {2})
+    assert made and made[0].swaps >= 10
+    for mode, gens in res.items():
+        for p, g in zip(prompts, gens):
+            assert g.output_ids == hf_greedy(full, p, 12, {2}, D), (mode, p)
+    for od in made:
+        od.close()
