@@ -656,8 +656,7 @@ def learnable_slots(drafter) -> list[Slot]:
     if isinstance(drafter, SmallLMDrafter):
         return [Slot("ssm", drafter.model, "ssm")]
     head = getattr(drafter, "head", None)
-    if head is not None and getattr(drafter, "cache", None) is not None and hasattr(head, "fc") \
-            and not getattr(head, "aux_layers", None):
+    if head is not None and hasattr(head, "fc") and not getattr(head, "aux_layers", None):
         return [Slot("eagle", head, "eagle")]
     return []
 
