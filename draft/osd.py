@@ -1,6 +1,8 @@
-"""Online speculative decoding (OSD): the EAGLE head keeps learning from the traffic rank 0 serves.
+"""Online speculative decoding (OSD): the draft models keep learning from the traffic rank 0 serves.
 
-:class:`OnlineDrafter` wraps rank 0's drafter (:class:`draft.drafter.Drafter`, the EAGLE head) and implements
+:class:`OnlineDrafter` wraps rank 0's drafter (:class:`draft.drafter.Drafter`, the EAGLE head; or a small draft LM,
+or a merged drafter: every model :func:`learnable_slots` finds gets a learner, :class:`Learner` for the head,
+:class:`SmallLMLearner` for a small LM; what follows says "head" for either) and implements
 every method the modes call (:class:`draft.protocol.TreeDrafter`, plus ``grow_tree_with_inputs``,
 ``extend_tree``, ``supports_extend``, ``tree_size``, ``head``, ``cache``), delegating each one explicitly. It
 never changes what the modes do: a drafter only proposes, verification is lossless for *any* proposal, so
