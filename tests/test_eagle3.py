@@ -321,3 +321,25 @@ def test_multiprocess_ranks_tap_from_the_head_config(tiny, tmp_path):
     rows = read_jsonl(out)
     ref = hf_greedy(full, PROMPTS[1], 10, {2}, torch.float64)
     assert len(rows) == 1 and all(r["output_ids"] == ref for r in rows)
+
+
+def test_simulator_replays_an_eagle3_head_like_a_real_run(tiny):
+    """pipeline.tools.simulate loads the stages with the head's taps (load_target), so the replayed drafter gets
+    the fused features a real run forwards: every mode's accepted tokens per step equal the real run's."""
+    from config.run_config import DEFAULT, apply_overrides
+    from pipeline.build import make_drafter
+    from pipeline.tools.simulate import load_target, replay
+    full, cfg, splits, heads = tiny
+    modes = ["naive", "pruned", "continuous", "pipedec"]
+    over = ["max_new_tokens=12", "dtype=float64"]
+    for head in ("full", "reduced"):
+        real = run_threaded(splits[3], PROMPTS[:1], modes, over, {2}, str(heads[head]), torch.float64)
+        rcfg = apply_overrides(DEFAULT, over + [f"model.stage_dir={splits[3]}", f"model.head_dir={heads[head]}"])
+        target = load_target(rcfg)
+        assert target.model0.taps == [1, 2, 3] and target.features(PROMPTS[0]).shape[-1] == 4 * cfg.hidden_size
+        drafter = make_drafter(rcfg, target.stage_root, target.model0, target.dtype, "cpu")
+        row = {"prompt_ids": PROMPTS[0], "output_ids": real["naive"][0].output_ids, "mode": "naive", "world_size": 3}
+        for mode in modes:
+            (g,) = replay([row], mode, 2, rcfg, drafter, target.vocab_size, target.features).gens
+            assert g.accept_lengths == real[mode][0].accept_lengths, (head, mode)
+        assert max(r[0].tau for r in real.values()) > 1.2          # the head really drafts

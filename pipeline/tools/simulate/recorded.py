@@ -59,13 +59,17 @@ class Committed:
 
 
 class TargetFeatures:
-    """The unsplit target's final normalized hidden states (EAGLE's features), from the stage checkpoints."""
+    """The unsplit target's final normalized hidden states (EAGLE's features), from the stage checkpoints; with
+    ``taps`` (EAGLE-3: :func:`draft.eagle3.stage_taps`) followed by those layers' outputs as extra columns, exactly
+    the rows the last stage sends rank 0 in a real run."""
 
-    def __init__(self, stage_root: Path, dtype=torch.float32) -> None:
+    def __init__(self, stage_root: Path, dtype=torch.float32, taps: list[int] | tuple = ()) -> None:
         from model.stage_format import read_manifest
         from model.stage_model import load_stage
         world = len(read_manifest(stage_root)["split"])
         self.stages = [load_stage(stage_root, r, world, dtype) for r in range(1, world)]   # layer stages
+        for m in self.stages:
+            m.set_taps(list(taps))
         self.dtype = dtype
 
     @torch.no_grad()
@@ -103,8 +107,10 @@ def load_target(cfg, device: str = "cpu") -> ReplayTarget:
     """Load ``cfg``'s split checkpoint (``model.stage_dir``, default: the embedded model) for replays: rank 0's
     stage on ``device`` and the target's features. ``device="cuda"`` without CUDA is a :class:`ValueError`."""
     from config.paths import DEFAULT_STAGE_DIR
+    from draft.eagle3 import stage_taps
     from model.stage_format import read_manifest
     from model.stage_model import DTYPES, load_stage
+    from pipeline.build import head_choice
 
     stage_root = Path(cfg.model.stage_dir or DEFAULT_STAGE_DIR)
     world = len(read_manifest(stage_root)["split"])
@@ -112,4 +118,6 @@ def load_target(cfg, device: str = "cpu") -> ReplayTarget:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device=cuda but CUDA is not available")
     model0 = load_stage(stage_root, 0, world, dtype, device)
-    return ReplayTarget(stage_root, world, dtype, model0, TargetFeatures(stage_root, dtype))
+    taps = stage_taps(cfg.model.eagle3_taps, head_choice(cfg, stage_root), model0.config.num_hidden_layers)
+    model0.set_taps(taps)          # as pipeline.run does on every rank: an EAGLE-3 head's fused layers
+    return ReplayTarget(stage_root, world, dtype, model0, TargetFeatures(stage_root, dtype, taps))
