@@ -555,6 +555,7 @@ class Learner:
         return total
 
     def _levels_max(self) -> int:
+        """The most levels :meth:`_levels` trains (evaluation scores at most two of them)."""
         return self.s.rollout
 
     @torch.no_grad()
@@ -567,7 +568,7 @@ class Learner:
             if r.teacher is None or r.n < 2:
                 continue
             idx, _ = r.teacher
-            for lvl, pred in self._forward(r, min(2, self.s.rollout, self._levels_max()), False, grad=False):
+            for lvl, pred in self._forward(r, min(2, self._levels_max()), False, grad=False):
                 rows = self._rows(r, lvl)
                 if rows.numel() == 0:
                     continue
@@ -643,8 +644,8 @@ class Slot:
 
 
 def learnable_slots(drafter) -> list[Slot]:
-    """The models online learning can distil in ``drafter``: an EAGLE-1/2 head drafter (:class:`Drafter` with a
-    draft cache; not EAGLE-3, whose own ``lm_head`` and fused features this learner does not model), small draft
+    """The models online learning can distil in ``drafter``: an EAGLE-1/2-shaped head (a ``head`` with ``fc``; not
+    EAGLE-3, whose own ``lm_head`` and fused features this learner does not model), small draft
     LMs (:class:`draft.ssm.SmallLMDrafter`), and those among a merged drafter's sources. Lookup has none."""
     from draft.ssm import SmallLMDrafter
     sources = getattr(drafter, "sources", None)
@@ -652,8 +653,8 @@ def learnable_slots(drafter) -> list[Slot]:
         names = getattr(drafter, "names", None) or [type(x).__name__ for x in sources]
         out = []
         for name, src in zip(names, sources):
-            out += [Slot(name if len(learnable_slots(src)) == 1 else f"{name}.{sl.name}", sl.module, sl.kind)
-                    for sl in learnable_slots(src)]
+            inner = learnable_slots(src)
+            out += [Slot(name if len(inner) == 1 else f"{name}.{sl.name}", sl.module, sl.kind) for sl in inner]
         return out
     if isinstance(drafter, SmallLMDrafter):
         return [Slot("ssm", drafter.model, "ssm")]

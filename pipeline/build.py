@@ -145,10 +145,7 @@ def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
     from draft.head_io import HeadError
     from draft.load_head import load_draft_head
 
-    head_dir = Path(cfg.model.head_dir) if cfg.model.head_dir and cfg.model.head_dir != UNTRAINED else None
-    default_split = stage_root.resolve() == DEFAULT_STAGE_DIR.resolve()
-    if head_dir is None and not cfg.model.head_dir and default_split and DEFAULT_HEAD_DIR.is_dir():
-        head_dir = DEFAULT_HEAD_DIR
+    head_dir = head_choice(cfg, stage_root)
     try:
         if head_dir is not None and str(cfg.model.head_dir).split(":")[0] in ("oracle", "adversary"):
             from draft.oracle import OracleDrafter

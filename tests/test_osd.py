@@ -262,22 +262,27 @@ def test_learner_reduces_the_distillation_loss(tiny, loss, source):
     assert last < 0.8 * first[0], (first, last)
 
 
-def test_sync_learner_publishes_and_saved_head_loads(tiny, tmp_path):
-    """End to end on the wrapper: in a narrow "domain" the target's next feature is a fixed function of the
-    token (learnable); the inline learner publishes a version that agrees better on held-out requests, it is
-    swapped in at the next start, and save() writes a head that load_eagle_head reads back."""
-    _, cfg, lm_head = tiny
-    od = _online(cfg, lm_head, scale=1.0, lr=2e-2, steps=5, update_interval=20, batch_tokens=200)
+def _bigram_requests(od, cfg, n_req: int, seed: int, n: int = 24):
+    """Requests in a narrow "domain": the target's feature after token t is table[t], so the teacher's next-token
+    law is a fixed function of the current token (learnable by a small LM)."""
     table = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(9), dtype=D)
-    g = torch.Generator().manual_seed(4)
-    for i in range(6):
-        n = 24
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n_req):
         toks = torch.randint(0, 8, (n,), generator=g)
         feats = torch.cat([torch.randn(1, cfg.hidden_size, generator=g, dtype=D), table[toks[:-1]]])
         od.start([1] + toks[:5].tolist(), int(toks[5]), feats[:6])
         for j in range(6, n, 3):
             od.commit(toks[j:j + 3], feats[j:j + 3])
     od.flush()
+
+
+def test_sync_learner_publishes_and_saved_head_loads(tiny, tmp_path):
+    """End to end on the wrapper: in a narrow "domain" the target's next feature is a fixed function of the
+    token (learnable); the inline learner publishes a version that agrees better on held-out requests, it is
+    swapped in at the next start, and save() writes a head that load_eagle_head reads back."""
+    _, cfg, lm_head = tiny
+    od = _online(cfg, lm_head, scale=1.0, lr=2e-2, steps=5, update_interval=20, batch_tokens=200)
+    _bigram_requests(od, cfg, 6, seed=4)
     log = od.learner.log
     assert any(e["published"] for e in log), [sorted(e.items()) for e in log]
     assert all(e["cand_acc"] > e["live_acc"] for e in log if e["reason"] == "gain")
@@ -451,20 +456,6 @@ def test_head_dir_untrained_is_a_random_head_even_for_the_default_split(tiny, tm
 
 # -- small draft LMs (draft.ssm) and merged drafters ---------------------------------------------------------------
 
-def _bigram_requests(od, cfg, lm_head, n_req: int, seed: int, n: int = 24):
-    """Requests in a narrow "domain": the target's feature after token t is table[t], so the teacher's next-token
-    law is a fixed function of the current token (learnable by a small LM)."""
-    table = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(9), dtype=D)
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(n_req):
-        toks = torch.randint(0, 8, (n,), generator=g)
-        feats = torch.cat([torch.randn(1, cfg.hidden_size, generator=g, dtype=D), table[toks[:-1]]])
-        od.start([1] + toks[:5].tolist(), int(toks[5]), feats[:6])
-        for j in range(6, n, 3):
-            od.commit(toks[j:j + 3], feats[j:j + 3])
-    od.flush()
-
-
 def test_small_lm_learner_publishes_and_the_saved_student_loads(tiny, tmp_path):
     """osd on a small draft LM alone (draft.sources=ssm:<dir>): the learner distils it teacher-forced on the
     committed tokens, publishes a version with better held-out agreement, the live model drafts with it from the
@@ -481,7 +472,7 @@ def test_small_lm_learner_publishes_and_the_saved_student_loads(tiny, tmp_path):
     frozen = {n: p for n, p in inner.model.named_parameters() if "embed_tokens" in n or "lm_head" in n}
     w_emb = {n: p.detach().clone() for n, p in frozen.items()}
     before = {k: v.clone() for k, v in head_state(inner.model).items()}
-    _bigram_requests(od, cfg, lm_head, 6, seed=4)
+    _bigram_requests(od, cfg, 6, seed=4)
     log = od.learner.log
     assert any(e["published"] for e in log), [sorted(e.items()) for e in log]
     assert all(e["cand_acc"] > e["live_acc"] for e in log if e["reason"] == "gain")
@@ -556,7 +547,7 @@ def test_merged_drafter_learns_every_slot_with_joint_versions(tiny, tmp_path):
         od.publish({}, slot="lookup")
     # with learners: both learn from the same requests
     od2 = OnlineDrafter(merged, lm_head, OsdSettings(sync=True, update_interval=20, teacher_topk=8, steps=1))
-    _bigram_requests(od2, cfg, lm_head, 4, seed=6)
+    _bigram_requests(od2, cfg, 4, seed=6)
     assert set(od2.learners) == {"eagle", f"ssm:{path}"} and all(x.updates >= 1 for x in od2.learners.values())
     row = od2.row_fields()["osd"]
     assert row["slots"] == ["eagle", f"ssm:{path}"] and set(row["per_slot"]) == set(row["slots"])

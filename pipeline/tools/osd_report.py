@@ -76,10 +76,9 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
         for r in rows:
             groups.setdefault(_group(r), []).append(r)
         for g, rs in groups.items():
-            steps = sum(len(r.get("accept_lengths") or []) for r in rs)
-            toks = sum(sum(r.get("accept_lengths") or []) for r in rs)
-            tau = toks / steps if steps else float("nan")
-            out.append({"run": label, "group": g, "requests": len(rs), "verifications": steps, "tau": round(tau, 4),
+            tau = _pooled_tau(rs)
+            out.append({"run": label, "group": g, "requests": len(rs),
+                        "verifications": sum(len(r.get("accept_lengths") or []) for r in rs), "tau": round(tau, 4),
                         "tau_mean_per_request": round(sum(r["tau"] for r in rs) / len(rs), 4),
                         "acceptance": round(tau - 1, 4), "drafter_version_last": rs[-1].get("drafter_version")})
     static = {s["group"]: s["tau"] for s in out if s["run"] == "static"}
@@ -98,6 +97,7 @@ def summarize(runs: dict[str, list[dict]]) -> list[dict]:
 
 
 def _pooled_tau(rows: list[dict]) -> float:
+    """All committed tokens / all verifications of ``rows`` (bonus tokens included); NaN without any."""
     steps = sum(len(r.get("accept_lengths") or []) for r in rows)
     return sum(sum(r.get("accept_lengths") or []) for r in rows) / steps if steps else float("nan")
 
@@ -203,7 +203,8 @@ def cmd_replay(args) -> int:
 
     from config.run_config import DEFAULT, ConfigError, apply_overrides
     from pipeline.outputs import drafter_fields
-    from pipeline.build import SetupError, make_drafter
+    from config.errors import UserError
+    from pipeline.build import make_drafter
     from pipeline.tools.simulate import load_target, replay
     try:
         cfg = apply_overrides(DEFAULT, args.overrides)
@@ -222,10 +223,10 @@ def cmd_replay(args) -> int:
         print(f"error: {args.rows} has no rows", file=sys.stderr)
         return 2
     torch.set_num_threads(cfg.model.num_threads)
-    target = load_target(cfg, "cpu")
     try:
+        target = load_target(cfg, "cpu")
         drafter = make_drafter(cfg, target.stage_root, target.model0, target.dtype, "cpu")
-    except SetupError as e:
+    except UserError as e:      # SetupError, StageDirError: one line
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(args.out)
@@ -262,13 +263,9 @@ def translation_records(data: Path) -> list[dict]:
     """The translation domain: record ``i`` asks to translate the ``i``-th short first turn (< 250 characters)
     taken round-robin from Natural Questions, Alpaca, MT-bench and GSM8K into French, Spanish or German
     (``i % 3``). Deterministic; every source text appears once."""
-    from model.prompts import load_questions
     pools = []
     for ds in TRANSLATION_SOURCES:
-        path = data / ds / "question.jsonl"
-        if not path.is_file():
-            raise ValueError(f"{path} does not exist (--data must hold the six sets' <dataset>/question.jsonl)")
-        firsts = [r["turns"][0].strip() for r in load_questions(path)]
+        firsts = [r["turns"][0].strip() for r in dataset_records(data, ds)]
         pools.append([t for t in firsts if len(t) < MAX_SOURCE_CHARS])
     texts, seen = [], set()
     for k in range(max(len(p) for p in pools)):
@@ -281,10 +278,11 @@ def translation_records(data: Path) -> list[dict]:
 
 
 def dataset_records(data: Path, name: str) -> list[dict]:
+    """Set ``name``'s records as one-turn requests (``source`` = ``<name>:<index>``)."""
     from model.prompts import load_questions
     path = data / name / "question.jsonl"
     if not path.is_file():
-        raise ValueError(f"{path} does not exist")
+        raise ValueError(f"{path} does not exist (--data must hold the sets' <dataset>/question.jsonl)")
     return [{"turns": r["turns"][:1], "source": f"{name}:{i}"} for i, r in enumerate(load_questions(path))]
 
 

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Callable
 
 from config.modes import TP_MODES
+from config.errors import UserError
 from config.profiles import EmulationError, GroupCost, Profile, load_profile, shard_cost
 
 
@@ -184,7 +185,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         return _main(args)
-    except (EmulationError, OSError, ValueError) as e:
+    except (EmulationError, OSError, ValueError, UserError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

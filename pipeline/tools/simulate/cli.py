@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from config.paths import REPO
+from config.errors import UserError
 from config.profiles import EmulationError, Profile, load_profile
 from pipeline.tools.simulate.predict import calibrate, prediction, timed_passes, with_link
 from pipeline.tools.simulate.recorded import load_rows, load_target
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         return run(args)
-    except (EmulationError, OSError, UnicodeDecodeError, ValueError) as e:
+    except (EmulationError, OSError, UnicodeDecodeError, ValueError, UserError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

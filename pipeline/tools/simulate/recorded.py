@@ -107,17 +107,14 @@ def load_target(cfg, device: str = "cpu") -> ReplayTarget:
     """Load ``cfg``'s split checkpoint (``model.stage_dir``, default: the embedded model) for replays: rank 0's
     stage on ``device`` and the target's features. ``device="cuda"`` without CUDA is a :class:`ValueError`."""
     from config.paths import DEFAULT_STAGE_DIR
-    from draft.eagle3 import stage_taps
     from model.stage_format import read_manifest
-    from model.stage_model import DTYPES, load_stage
-    from pipeline.build import head_choice
+    from model.stage_model import DTYPES
+    from pipeline.build import load_rank_stage
 
     stage_root = Path(cfg.model.stage_dir or DEFAULT_STAGE_DIR)
     world = len(read_manifest(stage_root)["split"])
     dtype = DTYPES[cfg.model.dtype]
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device=cuda but CUDA is not available")
-    model0 = load_stage(stage_root, 0, world, dtype, device)
-    taps = stage_taps(cfg.model.eagle3_taps, head_choice(cfg, stage_root), model0.config.num_hidden_layers)
-    model0.set_taps(taps)          # as pipeline.run does on every rank: an EAGLE-3 head's fused layers
-    return ReplayTarget(stage_root, world, dtype, model0, TargetFeatures(stage_root, dtype, taps))
+    model0 = load_rank_stage(cfg, stage_root, 0, world, dtype, device)   # with its EAGLE-3 taps, as pipeline.run
+    return ReplayTarget(stage_root, world, dtype, model0, TargetFeatures(stage_root, dtype, model0.taps))
