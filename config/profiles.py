@@ -132,11 +132,12 @@ class LinkModel:
             return 0.0
         return nbytes * 8.0 / (self.bandwidth_mbps * 1e6)
 
-    def message_bytes(self, msg) -> float:
-        """Modeled bytes of a ring message (see the module docstring)."""
+    def message_bytes(self, msg, hidden_size: int = 0) -> float:
+        """Modeled bytes of a ring message (see the module docstring); ``hidden_size``: the real model's ``H``,
+        so that EAGLE-3 tap columns count as hidden rows (:func:`message_parts`)."""
         if not self.hidden_bytes_per_token:
             return self.header_bytes + sum(t.numel() * t.element_size() for t in msg.tensors())
-        rows, other = message_parts(msg)
+        rows, other = message_parts(msg, hidden_size)
         return self.header_bytes + rows * self.hidden_bytes_per_token + other
 
     @classmethod
@@ -252,12 +253,17 @@ def load_profile(spec: str) -> Profile:
     return Profile.from_dict(raw, str(path))
 
 
-def message_parts(msg) -> tuple[int, int]:
-    """(rows of hidden-state tensors ``[1, n, H]``, real bytes of every other tensor) of a ring message."""
+def message_parts(msg, hidden_size: int = 0) -> tuple[int, int]:
+    """(rows of hidden-state tensors ``[1, n, W]``, real bytes of every other tensor) of a ring message.
+    With ``hidden_size`` (the real model's ``H``), a row ``W = k * H`` wide counts ``k`` rows: the hidden state
+    plus the EAGLE-3 tapped features riding along (:meth:`model.stage_model.StageModel.set_taps`) each cost a
+    hidden row on the modeled wire too."""
     rows, other = 0, 0
     for t in msg.tensors():
         if t.is_floating_point() and t.dim() == 3:
-            rows += int(t.shape[1])
+            width = int(t.shape[2])
+            k = width // hidden_size if hidden_size and width > hidden_size and width % hidden_size == 0 else 1
+            rows += int(t.shape[1]) * k
         else:
             other += t.numel() * t.element_size()
     return rows, other

@@ -63,6 +63,14 @@ def even_split(num_layers: int, num_layer_stages: int) -> list[int]:
     return [0] + [base + 1] * extra + [base] * (num_layer_stages - extra)
 
 
+def tap_row_factors(split: list[int], taps: list[int] | tuple = ()) -> list[int]:
+    """Width of the rows each rank emits, in hidden rows, when EAGLE-3 taps ride along
+    (:meth:`model.stage_model.StageModel.set_taps`): rank ``r`` emits ``1 + (taps in layers before its end)``
+    hidden rows' worth per token (rank 0 sends ids: factor 1). Without taps every factor is 1."""
+    ends = [sum(split[:r + 1]) for r in range(len(split))]
+    return [1] + [1 + sum(1 for i in taps if i < ends[r]) for r in range(1, len(split))]
+
+
 def stage_fields(split: list[int], rank: int) -> dict:
     start = sum(split[:rank])
     last = len(split) - 1

@@ -18,7 +18,7 @@ outputs stay exact; the emulation only *adds waiting*:
 
 Per-hop bytes follow the *modeled* deployment: a message carrying hidden states counts
 ``hidden_bytes_per_token`` per row (e.g. 4096 x 2 B for a 7B model in fp16) instead of the small model's real
-payload; id/parent/keep-index tensors count their real bytes; every message adds ``header_bytes``.
+payload, and each EAGLE-3 tapped feature riding along counts one more such row; id/parent/keep-index tensors count their real bytes; every message adds ``header_bytes``.
 
 Fidelity: each rank counts modeled ops, overruns and their seconds, link messages delivered later than
 modeled, and sleep overshoot. Rank 0 gathers every rank's counters with ``Stats`` messages (one right after
@@ -75,6 +75,7 @@ class Emulator:
         self.cuda = str(device).startswith("cuda")
         self.counters = [0.0] * K
         self.lock = threading.Lock()
+        self.hidden_size = 0    # the real model's H, set by install_stage: tap columns count as hidden rows
         self.sender: LinkSender | None = None
         self.group_costs: dict = {}   # TP ranks: op kind -> GroupCost (install_tp_worker)
 
@@ -172,7 +173,9 @@ class Emulator:
             time.sleep(modeled)
 
     def install_stage(self, worker) -> None:
-        """Pad every stage forward of ``worker`` to the profile's stage model (``meter.op("stage_forward")``)."""
+        """Pad every stage forward of ``worker`` to the profile's stage model (``meter.op("stage_forward")``), and
+        count each EAGLE-3 tap column of its messages as one more hidden row on the modeled link."""
+        self.hidden_size = int(getattr(getattr(worker.model, "config", None), "hidden_size", 0) or 0)
         worker.meter = MeterStack(worker.meter, EmuMeter(self))
 
     def install_rank0(self, engine) -> None:
@@ -231,7 +234,7 @@ class LinkSender:
         now = time.perf_counter()
         scale = self.emu.scale
         start = max(now, self.link_free.get(dst, 0.0))
-        done = start + link.transfer_s(link.message_bytes(msg)) * scale
+        done = start + link.transfer_s(link.message_bytes(msg, self.emu.hidden_size)) * scale
         self.link_free[dst] = done
         deliver = done + link.latency_s * scale
         self.emu._add("link_msgs")

@@ -340,6 +340,13 @@ def test_simulator_replays_an_eagle3_head_like_a_real_run(tiny):
         drafter = make_drafter(rcfg, target.stage_root, target.model0, target.dtype, "cpu")
         row = {"prompt_ids": PROMPTS[0], "output_ids": real["naive"][0].output_ids, "mode": "naive", "world_size": 3}
         for mode in modes:
-            (g,) = replay([row], mode, 2, rcfg, drafter, target.vocab_size, target.features).gens
+            sess = replay([row], mode, 2, rcfg, drafter, target.vocab_size, target.features)
+            (g,) = sess.gens
             assert g.accept_lengths == real[mode][0].accept_lengths, (head, mode)
+            # modeled wire: both stages (layers [0, 4) and [4, 7)) send rows 4 hidden rows wide (taps 1, 2, 3)
+            for r in (1, 2):
+                ops = sess.logs[r].ops
+                sent = sum(op[2] for op in ops if op[0] == "send")
+                computed = sum(op[1] for op in ops if op[0] == "compute")
+                assert sent == 4 * computed > 0, (head, mode, r)
         assert max(r[0].tau for r in real.values()) > 1.2          # the head really drafts

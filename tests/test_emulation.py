@@ -115,6 +115,17 @@ def test_link_bytes_follow_the_modeled_deployment():
     assert link.message_bytes(hidden) == 384 + 16 * 8192
     ids = Segment(torch.zeros(1, 5, dtype=torch.long), torch.zeros(5, dtype=torch.long), torch.arange(5))
     assert link.message_bytes(ids) == 384 + 3 * 5 * 8             # ids, parents, node ids count their real bytes
+    tapped = Context(torch.zeros(1, 16, 4 * 576))                 # EAGLE-3: the hidden state + 3 tapped features
+    assert link.message_bytes(tapped, 576) == 384 + 4 * 16 * 8192
+    assert link.message_bytes(hidden, 576) == 384 + 16 * 8192
+    assert link.message_bytes(tapped) == 384 + 16 * 8192          # without the model's H: one row per token
+
+
+def test_tap_row_factors():
+    from model.stage_format import tap_row_factors
+    assert tap_row_factors([0, 3, 2, 2], [1, 2, 3]) == [1, 3, 4, 4]
+    assert tap_row_factors([0, 8, 8, 7, 7], [1, 14, 26]) == [1, 2, 3, 3, 4]
+    assert tap_row_factors([0, 4, 3], []) == [1, 1, 1]
 
 
 def test_stats_message_roundtrip():

@@ -65,11 +65,15 @@ class OpLog:
 class Recorder:
     """The ring observer: per-rank :class:`OpLog` entries for every send, receive and broadcast."""
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, row_factors: list[int] | None = None) -> None:
         self.logs = [OpLog() for _ in range(world)]
+        # hidden rows' worth per row each rank sends (EAGLE-3 taps: model.stage_format.tap_row_factors); the
+        # replay's stand-in stages send 2-column rows, so the real width is modeled here
+        self.row_factors = row_factors or [1] * world
 
     def on_send(self, rank, dst, msg) -> None:
-        self.logs[rank].add("send", dst, *message_parts(msg))
+        rows, other = message_parts(msg)
+        self.logs[rank].add("send", dst, rows * self.row_factors[rank], other)
 
     def on_recv(self, rank, src) -> None:
         self.logs[rank].add("recv", src)

@@ -71,6 +71,8 @@ class TargetFeatures:
         for m in self.stages:
             m.set_taps(list(taps))
         self.dtype = dtype
+        self.taps = list(taps)
+        self.num_layers = sum(m.config.layer_range[1] - m.config.layer_range[0] for m in self.stages)
 
     @torch.no_grad()
     def __call__(self, ids: list[int]) -> torch.Tensor:

@@ -63,13 +63,16 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
     decisions reach the stages on the ring only (pass 0)."""
     from pipeline.engine import timed_generation
     from pipeline.local_ring import LocalRing, stage_threads
+    from model.stage_format import even_split, tap_row_factors
     from pipeline.modes import new_decoder
     from pipeline.tools.simulate.stand_ins import ReplayEngine, ReplayStage
     from pipeline.verify import Sampler
     from pipeline.worker import StageWorker
 
     world = stages + 1
-    ring, rec, committed = LocalRing(world), Recorder(world), Committed()
+    taps = getattr(features, "taps", ())
+    factors = tap_row_factors(even_split(features.num_layers, stages), taps) if taps else None
+    ring, rec, committed = LocalRing(world), Recorder(world, factors), Committed()
     direct = ScheduledDirect(world, direct_upto)
     session = Session(stages, mode, rec.logs)
     max_len = max(len(r["prompt_ids"]) + len(r["output_ids"]) for r in rows) + 1024
