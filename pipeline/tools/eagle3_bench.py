@@ -23,20 +23,45 @@ SETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
 HELDOUT = {
     "translation": ["Translate into French: The library opens at nine and closes at six on weekdays.",
                     "Translate this German sentence into English: Ich habe gestern einen langen Brief an meine "
-                    "Großmutter geschrieben."],
+                    "Großmutter geschrieben.",
+                    "Translate into Spanish: Please remember to water the tomatoes before you leave for the weekend.",
+                    "What does this French sentence mean in English? Le train pour Lyon part dans dix minutes, "
+                    "mais nous avons encore le temps de prendre un café.",
+                    "Translate into German: The museum is closed on Mondays, but the garden is open every day."],
     "rag": ["Passage: The Nile is about 6,650 km long and flows north through eleven countries before reaching "
             "the Mediterranean Sea. Its two main tributaries are the White Nile and the Blue Nile.\n\nUsing only the "
             "passage, answer and quote it: how long is the Nile and where does it end?",
             "Passage: Honeybees communicate the location of flowers with a 'waggle dance'. The angle of the dance "
             "shows the direction relative to the sun, and its length shows the distance.\n\nUsing only the passage, "
-            "answer and quote it: what does the length of the dance tell other bees?"],
+            "answer and quote it: what does the length of the dance tell other bees?",
+            "Passage: The town library was built in 1911 with money from a local mill owner. It moved to a larger "
+            "building in 1978, and the old building now houses a small museum of weaving.\n\nUsing only the passage, "
+            "answer and quote it: what is in the old library building today?",
+            "Passage: Octopuses have three hearts. Two pump blood through the gills, and the third pumps it to the "
+            "rest of the body. Their blood is blue because it uses copper to carry oxygen.\n\nUsing only the passage, "
+            "answer and quote it: why is octopus blood blue?",
+            "Passage: The Great Wall was built over many centuries. Most of the parts that tourists visit today were "
+            "built during the Ming dynasty, between 1368 and 1644.\n\nUsing only the passage, answer and quote it: "
+            "when were the most visited parts of the wall built?"],
     "extraction": ["Extract every person and city from this text as a JSON list: Maria flew from Madrid to Oslo "
                    "to meet Tom, and then they took a train to Bergen with their friend Aiko.",
                    "List all dates and amounts in this text: On 3 March we paid $120 for repairs, and on 15 April "
-                   "another $75 for new tyres."],
+                   "another $75 for new tyres.",
+                   "Extract the product names and prices as JSON from: The shop sells a blue kettle for 25 euros, "
+                   "a toaster for 40 euros and a set of four mugs for 12 euros.",
+                   "From this email, extract the sender, the meeting day and the room as JSON: Hi team, this is "
+                   "Priya. Our planning meeting moves to Thursday and will be held in room 4B.",
+                   "Find every company name in this sentence and return them as a JSON list: Last year Acme Foods "
+                   "bought a small bakery from Northwind Traders and partnered with Blue River Logistics."],
     "roleplay": ["Let's role-play. You are a lighthouse keeper on a stormy night. A sailor knocks on your door. "
                  "What do you say?",
-                 "Pretend you are a tour guide in ancient Rome. Describe what I see in the Forum."],
+                 "Pretend you are a tour guide in ancient Rome. Describe what I see in the Forum.",
+                 "You are a grumpy but kind old wizard. A young apprentice asks you how to light a candle with magic. "
+                 "Answer in character.",
+                 "Role-play as a barista in a busy café. I walk in and ask what you would recommend on a cold "
+                 "morning.",
+                 "Act as the captain of a spaceship that has just landed on an unknown planet. Give your first "
+                 "report to mission control."],
 }
 
 
@@ -65,7 +90,8 @@ def cmd_tau(args) -> int:
         res = {}
         for k, prompts in cats.items():
             out = run_threaded(stage_root, prompts, ["naive"], [f"max_new_tokens={args.max_new_tokens}",
-                               "tree.total_token=60", "tree.depth=5", "tree.top_k=10", "dtype=float32"],
+                               "tree.total_token=60", "tree.depth=5", "tree.top_k=10", "dtype=float32",
+                               f"temperature={args.temperature}", f"seed={args.seed}"],
                                stops, head, dtype=torch.float32)["naive"]
             res[k] = sum(len(r.output_ids) - 1 for r in out) / max(1, sum(len(r.accept_lengths) for r in out))
             print(f"{head} {k}: tau {res[k]:.2f}", file=sys.stderr, flush=True)
@@ -118,11 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("tau", help="tau per category (held-out kinds + the six sets' records [30, 30+N))")
     t.add_argument("--head", action="append", required=True, help="head directory (repeatable)")
-    t.add_argument("--records", type=int, default=2, help="prompts per category")
+    t.add_argument("--records", type=int, default=2, help="prompts per category (held-out kinds have 5)")
     t.add_argument("--max-new-tokens", type=int, default=48)
     t.add_argument("--stage-dir", default=None)
     t.add_argument("--data", default=str(REPO.parent / "shared" / "data"))
     t.add_argument("--threads", type=int, default=1)
+    t.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (the target's law)")
+    t.add_argument("--seed", type=int, default=0)
     t.set_defaults(func=cmd_tau)
     d = sub.add_parser("draft-time", help="rank 0's drafting time per 60/5/10 tree")
     d.add_argument("--draft-vocab", type=int, default=8192)
