@@ -18,7 +18,8 @@ outputs stay exact; the emulation only *adds waiting*:
 
 Per-hop bytes follow the *modeled* deployment: a message carrying hidden states counts
 ``hidden_bytes_per_token`` per row (e.g. 4096 x 2 B for a 7B model in fp16) instead of the small model's real
-payload, and each EAGLE-3 tapped feature riding along counts one more such row; id/parent/keep-index tensors count their real bytes; every message adds ``header_bytes``.
+payload, and each EAGLE-3 tapped feature riding along counts one more such row; id/parent/keep-index tensors
+count their real bytes; every message adds ``header_bytes``.
 
 Fidelity: each rank counts modeled ops, overruns and their seconds, link messages delivered later than
 modeled, and sleep overshoot. Rank 0 gathers every rank's counters with ``Stats`` messages (one right after

@@ -72,7 +72,7 @@ class TargetFeatures:
             m.set_taps(list(taps))
         self.dtype = dtype
         self.taps = list(taps)
-        self.num_layers = sum(m.config.layer_range[1] - m.config.layer_range[0] for m in self.stages)
+        self.num_layers = self.stages[-1].config.layer_range[1]
 
     @torch.no_grad()
     def __call__(self, ids: list[int]) -> torch.Tensor:

@@ -70,8 +70,7 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
     from pipeline.worker import StageWorker
 
     world = stages + 1
-    taps = getattr(features, "taps", ())
-    factors = tap_row_factors(even_split(features.num_layers, stages), taps) if taps else None
+    factors = tap_row_factors(even_split(features.num_layers, stages), features.taps) if features.taps else None
     ring, rec, committed = LocalRing(world), Recorder(world, factors), Committed()
     direct = ScheduledDirect(world, direct_upto)
     session = Session(stages, mode, rec.logs)
