@@ -41,6 +41,7 @@ from transformers import AutoConfig
 
 from draft.head_io import (HeadError, head_config_from_target, init_head_weights, is_eagle3_config,
                            read_head_config, read_head_weights)
+from model.hf_compat import cache_kwargs
 from model.kv_cache import KVCache
 from model.layers import family_classes
 from model.meter import NULL_METER, OpMeter, cache_length
@@ -92,7 +93,7 @@ class Eagle3MidLayer(nn.Module):
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(emb), normed], dim=-1)
         out = self.self_attn(hidden_states=x, position_embeddings=pos_emb, attention_mask=mask,
-                             past_key_values=cache)
+                             **cache_kwargs(self.self_attn, cache))
         hidden = residual + (out[0] if isinstance(out, tuple) else out)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 

@@ -34,6 +34,7 @@ import torch
 from draft.drafter import BeamTreeDrafter
 from draft.tree import DraftTree
 from model.devices import HOST
+from model.hf_compat import cache_kwargs, output_cache
 from model.meter import hidden_rows
 
 Tensor = torch.Tensor
@@ -136,9 +137,9 @@ class SmallLMDrafter(BeamTreeDrafter):
         ids = torch.tensor([tokens], device=self.device)
         pos = torch.arange(self.ctx_len, self.ctx_len + len(tokens), device=self.device)[None]
         with self.meter.op("ssm_forward", len(tokens), self.ctx_len):
-            out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True,
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **cache_kwargs(self.model, self.cache),
                              logits_to_keep=1)   # only the last position's logits are read (the vocabulary is large)
-        self.cache = out.past_key_values
+        self.cache = output_cache(out)
         self.ctx_len += len(tokens)
         return self._logprobs_of(out.logits[0, -1])
 
@@ -166,7 +167,7 @@ class SmallLMDrafter(BeamTreeDrafter):
                 cache = copy.deepcopy(self.cache)
                 if len(idx) > 1:
                     cache.batch_repeat_interleave(len(idx))
-                logits = self.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True,
+                logits = self.model(input_ids=ids, position_ids=pos, use_cache=True, **cache_kwargs(self.model, cache),
                                     logits_to_keep=1).logits
             lp = self._logprobs_of(logits[:, -1])
             for j, i in enumerate(idx):

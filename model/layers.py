@@ -10,6 +10,7 @@ import importlib
 import torch
 from torch import nn
 
+from model.hf_compat import cache_kwargs
 from model.kv_cache import KVCache
 
 SUPPORTED_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
@@ -58,7 +59,7 @@ class LayerBlock(nn.Module):
         mask = mask.to(device=hidden.device, dtype=hidden.dtype)
         pos_emb = self.rotary_emb(hidden, positions)
         for layer in self.layers:
-            out = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                        use_cache=True, position_embeddings=pos_emb)
+            out = layer(hidden, attention_mask=mask, position_ids=positions, use_cache=True,
+                        position_embeddings=pos_emb, **cache_kwargs(layer, cache))
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden

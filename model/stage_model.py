@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig
 
+from model.hf_compat import cache_kwargs
 from model.layers import LayerBlock, family_classes
 from model.stage_format import (STAGE_FIELDS, WEIGHTS, StageDirError, check_world, stage_dir,  # noqa: F401
                                 verify_stage_file)
@@ -102,8 +103,8 @@ class StageModel(nn.Module):
         mask = mask.to(device=hidden.device, dtype=hidden.dtype)
         pos_emb = block.rotary_emb(hidden, positions)
         for i, layer in enumerate(block.layers):
-            out = layer(hidden, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                        use_cache=True, position_embeddings=pos_emb)
+            out = layer(hidden, attention_mask=mask, position_ids=positions, use_cache=True,
+                        position_embeddings=pos_emb, **cache_kwargs(layer, cache))
             hidden = out[0] if isinstance(out, tuple) else out
             if i in self.local_taps:
                 tapped.append(hidden)

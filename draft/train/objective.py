@@ -37,7 +37,7 @@ def head_forward(head: EagleHead, tokens: Tensor, features: Tensor, position_ids
         position_ids = torch.arange(n, device=tokens.device).unsqueeze(0).expand(b, n)
     pos_emb = head.block.rotary_emb(x, position_ids)
     for layer in head.block.layers:
-        out = layer(x, attention_mask=attn_mask, position_ids=position_ids, past_key_values=None, use_cache=False,
+        out = layer(x, attention_mask=attn_mask, position_ids=position_ids, use_cache=False,
                     position_embeddings=pos_emb)
         x = out[0] if isinstance(out, tuple) else out
     return x

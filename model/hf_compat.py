@@ -1,0 +1,31 @@
+"""The one place that knows which transformers release renamed what.
+
+transformers 5.24 renamed the ``past_key_values`` argument of every decoder layer, attention module and model
+``forward`` to ``cache`` (and the output field likewise); the old name still works there but warns on every
+process's stderr, which breaks the "one clear line per rank" rule of the launchers. The requirements allow
+5.20.2 (the newest on Python 3.10 / JetPack 6) up to <6, so the code asks the installed release which name it
+takes instead of pinning either side.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_name(cls: type) -> str:
+    params = inspect.signature(cls.forward).parameters      # follows functools.wraps (deprecate_kwarg keeps it)
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwargs(module, cache) -> dict:
+    """``{name: cache}`` with the KV-cache argument name that ``module.forward`` takes in this release."""
+    return {_cache_name(type(module)): cache}
+
+
+def output_cache(out):
+    """The KV cache a model returned (``out.cache`` from 5.24 on, ``out.past_key_values`` before)."""
+    keys = out.keys() if hasattr(out, "keys") else ()
+    if "cache" in keys:
+        return out["cache"]
+    return out["past_key_values"] if "past_key_values" in keys else getattr(out, "past_key_values", None)
