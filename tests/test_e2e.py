@@ -111,6 +111,27 @@ def test_smollm2_default_all_modes_equal_hf(tmp_path):
     _check_against_hf(rows, full, 20, stop, torch.float32, 5 * len(prompts))
 
 
+def test_smollm2_broad_head_equals_hf(tmp_path):
+    """The alternate shipped head (draft/heads/SmolLM2-135M-Instruct-broad) loads by head_dir= and keeps greedy
+    output equal to HF in the two tree modes that use it most differently (one tree per round / continuous)."""
+    from transformers import AutoTokenizer
+    from config.paths import HEADS
+    from model.default_model import ensure_default_checkpoint, ensure_default_stages
+    from model.prompts import chat_prompt_ids, stop_token_ids
+    full = ensure_default_checkpoint()
+    stages = ensure_default_stages()
+    tok = AutoTokenizer.from_pretrained(full)
+    prompts = [chat_prompt_ids(tok, [t], []) for t in ("Translate into French: The library opens at nine.",
+                                                      "List three prime numbers and say why they are prime.")]
+    stop = stop_token_ids(tok, json.loads((Path(full) / "generation_config.json").read_text()))
+    head = HEADS / "SmolLM2-135M-Instruct-broad"
+    rows = _run(5, stages, tmp_path / "out.jsonl", prompts, 16, (f"head_dir={head}",), modes="naive,continuous",
+                dtype="float32")
+    _check_against_hf(rows, full, 16, stop, torch.float32, 2 * len(prompts))
+    naive = [r for r in rows if r["mode"] == "naive"]
+    assert all(r["tau"] > 1.2 for r in naive), [r["tau"] for r in naive]   # it drafts: a random head gives ~1.0
+
+
 @pytest.mark.skipif(not STORIES.is_dir(), reason="../shared is not available")
 def test_plain_torchrun_still_launches_the_ranks(tmp_path):
     """The launchers use pipeline.tools.launch, but the ranks stay plain torch.distributed programs: torchrun's own
