@@ -41,7 +41,7 @@ from transformers import AutoConfig
 
 from draft.head_io import (HeadError, head_config_from_target, init_head_weights, is_eagle3_config,
                            read_head_config, read_head_weights)
-from model.hf_compat import cache_kwargs
+from model.hf_compat import cache_arg
 from model.kv_cache import KVCache
 from model.layers import family_classes
 from model.meter import NULL_METER, OpMeter, cache_length
@@ -83,6 +83,7 @@ class Eagle3MidLayer(nn.Module):
         attn.k_proj = nn.Linear(2 * h, attn.k_proj.out_features, bias=bias)
         attn.v_proj = nn.Linear(2 * h, attn.v_proj.out_features, bias=bias)
         self.self_attn, self.mlp = attn, proto.mlp
+        self.cache_arg = cache_arg(type(attn))
         self.hidden_norm = norm_cls(h, eps=config.rms_norm_eps)
         self.input_layernorm = norm_cls(h, eps=config.rms_norm_eps)
         self.post_attention_layernorm = norm_cls(h, eps=config.rms_norm_eps)
@@ -93,7 +94,7 @@ class Eagle3MidLayer(nn.Module):
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(emb), normed], dim=-1)
         out = self.self_attn(hidden_states=x, position_embeddings=pos_emb, attention_mask=mask,
-                             **cache_kwargs(self.self_attn, cache))
+                             **{self.cache_arg: cache})
         hidden = residual + (out[0] if isinstance(out, tuple) else out)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 

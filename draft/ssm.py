@@ -34,7 +34,7 @@ import torch
 from draft.drafter import BeamTreeDrafter
 from draft.tree import DraftTree
 from model.devices import HOST
-from model.hf_compat import cache_kwargs, output_cache
+from model.hf_compat import cache_arg, output_cache
 from model.meter import hidden_rows
 
 Tensor = torch.Tensor
@@ -106,6 +106,7 @@ class SmallLMDrafter(BeamTreeDrafter):
         if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
             model = load_small_lm(model, dtype, device, vocab_model)
         self.model = model
+        self.cache_arg = cache_arg(type(model))   # the release's name of the KV-cache argument
         self.device = torch.device(device)
         self.vocab_size = vocab_size
         self.sample, self.temperature, self.seed = sample, temperature, seed
@@ -137,7 +138,7 @@ class SmallLMDrafter(BeamTreeDrafter):
         ids = torch.tensor([tokens], device=self.device)
         pos = torch.arange(self.ctx_len, self.ctx_len + len(tokens), device=self.device)[None]
         with self.meter.op("ssm_forward", len(tokens), self.ctx_len):
-            out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **cache_kwargs(self.model, self.cache),
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self.cache_arg: self.cache},
                              logits_to_keep=1)   # only the last position's logits are read (the vocabulary is large)
         self.cache = output_cache(out)
         self.ctx_len += len(tokens)
@@ -167,7 +168,7 @@ class SmallLMDrafter(BeamTreeDrafter):
                 cache = copy.deepcopy(self.cache)
                 if len(idx) > 1:
                     cache.batch_repeat_interleave(len(idx))
-                logits = self.model(input_ids=ids, position_ids=pos, use_cache=True, **cache_kwargs(self.model, cache),
+                logits = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self.cache_arg: cache},
                                     logits_to_keep=1).logits
             lp = self._logprobs_of(logits[:, -1])
             for j, i in enumerate(idx):

@@ -10,7 +10,7 @@ import importlib
 import torch
 from torch import nn
 
-from model.hf_compat import cache_kwargs
+from model.hf_compat import cache_arg
 from model.kv_cache import KVCache
 
 SUPPORTED_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
@@ -35,7 +35,8 @@ class LayerBlock(nn.Module):
     """A contiguous block of decoder layers (renumbered from 0) plus the rotary embedding.
 
     ``forward`` appends the rows' keys/values to ``cache`` at ``cache.length``; the caller advances the
-    cache afterwards (``KVCache.commit_forward``).
+    cache afterwards (``KVCache.commit_forward``). With ``taps`` (block-local layer indices) it also appends
+    those layers' outputs to ``tapped`` (EAGLE-3 features, see :meth:`model.stage_model.StageModel.set_taps`).
     """
 
     def __init__(self, config, num_layers: int, skip_first_input_norm: bool = False) -> None:
@@ -46,6 +47,7 @@ class LayerBlock(nn.Module):
         if skip_first_input_norm and num_layers:
             self.layers[0].input_layernorm = nn.Identity()  # EAGLE-1/2 heads have none on layer 0
         self.rotary_emb = rotary_cls(config=config)
+        self.cache_arg = cache_arg(layer_cls)    # the release's name of the layers' KV-cache argument
         cfg = config
         self.num_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -54,12 +56,15 @@ class LayerBlock(nn.Module):
         return KVCache(len(self.layers), self.num_kv_heads, self.head_dim, max_len, dtype, device)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache) -> torch.Tensor:
+                cache: KVCache, taps=(), tapped: list | None = None) -> torch.Tensor:
         positions = positions.to(hidden.device)
         mask = mask.to(device=hidden.device, dtype=hidden.dtype)
         pos_emb = self.rotary_emb(hidden, positions)
-        for layer in self.layers:
+        cache_kw = {self.cache_arg: cache}
+        for i, layer in enumerate(self.layers):
             out = layer(hidden, attention_mask=mask, position_ids=positions, use_cache=True,
-                        position_embeddings=pos_emb, **cache_kwargs(layer, cache))
+                        position_embeddings=pos_emb, **cache_kw)
             hidden = out[0] if isinstance(out, tuple) else out
+            if i in taps:
+                tapped.append(hidden)
         return hidden

@@ -9,7 +9,6 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig
 
-from model.hf_compat import cache_kwargs
 from model.layers import LayerBlock, family_classes
 from model.stage_format import (STAGE_FIELDS, WEIGHTS, StageDirError, check_world, stage_dir,  # noqa: F401
                                 verify_stage_file)
@@ -88,27 +87,12 @@ class StageModel(nn.Module):
             x, extra = x[..., :h], x[..., h:]
         tapped: list[torch.Tensor] = []
         if self.block is not None:
-            x = self._layers(x, positions, mask, cache, tapped) if self.local_taps else \
-                self.block(x, positions, mask, cache)
+            x = self.block(x, positions, mask, cache, self.local_taps, tapped)
         if self.norm is not None:
             x = self.norm(x)
         if extra is None and not tapped:
             return x
         return torch.cat([x] + ([extra] if extra is not None else []) + tapped, dim=-1)
-
-    def _layers(self, hidden, positions, mask, cache, tapped: list) -> torch.Tensor:
-        """``LayerBlock.forward`` that also collects the outputs of :attr:`local_taps` into ``tapped``."""
-        block = self.block
-        positions = positions.to(hidden.device)
-        mask = mask.to(device=hidden.device, dtype=hidden.dtype)
-        pos_emb = block.rotary_emb(hidden, positions)
-        for i, layer in enumerate(block.layers):
-            out = layer(hidden, attention_mask=mask, position_ids=positions, use_cache=True,
-                        position_embeddings=pos_emb, **cache_kwargs(layer, cache))
-            hidden = out[0] if isinstance(out, tuple) else out
-            if i in self.local_taps:
-                tapped.append(hidden)
-        return hidden
 
 
 def load_stage_config(root: str | Path, rank: int):
