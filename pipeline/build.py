@@ -138,8 +138,8 @@ def _online_drafter(cfg, inner, model):
 
 def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
     """Rank 0's drafter for ``cfg.model.head_dir`` (the default head for the default split, a test drafter
-    ``oracle:``/``adversary:<full model dir>``, or, with no head at all or ``model.head_dir=untrained``, a
-    clearly labelled untrained head)."""
+    ``oracle[@noise]:``/``adversary:<full model dir>`` (:mod:`draft.oracle`), or, with no head at all or
+    ``model.head_dir=untrained``, a clearly labelled untrained head)."""
     from draft.drafter import Drafter
     from draft.eagle import init_untrained_head
     from draft.head_io import HeadError
@@ -147,11 +147,18 @@ def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
 
     head_dir = head_choice(cfg, stage_root)
     try:
-        if head_dir is not None and str(cfg.model.head_dir).split(":")[0] in ("oracle", "adversary"):
+        if head_dir is not None and str(cfg.model.head_dir).split(":")[0].split("@")[0] in ("oracle", "adversary"):
             from draft.oracle import OracleDrafter
-            kind, path = cfg.model.head_dir.split(":", 1)
-            print(f"[rank 0] using the {kind} drafter (full model {path}); for tests and ablations", file=sys.stderr)
-            return OracleDrafter(path, adversarial=(kind == "adversary"), dtype=dtype, device=device)
+            spec, path = cfg.model.head_dir.split(":", 1)
+            kind, _, noise = spec.partition("@")
+            try:
+                noise_f = float(noise or 0)
+            except ValueError:
+                raise SetupError(f"model.head_dir={cfg.model.head_dir}: the noise after "
+                                 f"{kind}@ must be a number") from None
+            what = f"{kind} drafter" + (f" with Gumbel noise {noise_f:g}" if noise_f else "")
+            print(f"[rank 0] using the {what} (full model {path}); for tests and ablations", file=sys.stderr)
+            return OracleDrafter(path, adversarial=(kind == "adversary"), dtype=dtype, device=device, noise=noise_f)
         if head_dir is None:
             print(f"[rank 0] WARNING: {'model.head_dir=untrained' if cfg.model.head_dir else 'no draft head given'}: "
                   "using an UNTRAINED random head "

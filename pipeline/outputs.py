@@ -6,7 +6,7 @@ Provenance (fields added to every row; the older row fields are unchanged):
 * ``stage_dir`` (resolved) and ``stage_manifest_sha256`` (sha256 of its ``manifest.json``, which itself holds
   the sha256 of every stage file), ``head_dir`` and ``head_sha256`` (sha256 of the head's weight file,
   hashed once per run; ``head_dir`` is ``"none"`` for ``ar``-only runs, ``"untrained"`` for the random
-  head, ``oracle:<dir>``/``adversary:<dir>`` for the test drafters, whose ``head_sha256`` is null);
+  head, ``oracle[@noise]:<dir>``/``adversary:<dir>`` for the test drafters, whose ``head_sha256`` is null);
 * ``config``: the flat ``section.key -> value`` settings that decide the rows' content and timing (every
   config field except ``gen.mode``, which is the row's ``mode``, and ``comm.*`` tracing/timeout settings),
   with ``model.stage_dir``/``model.head_dir`` replaced by the resolved paths and ``template`` and
@@ -64,7 +64,7 @@ def head_identity(head_setting: str, chosen: Path | None, needs_head: bool) -> t
     """(head_dir label, sha256 of its weights) for the drafter ``pipeline.build.make_drafter`` picks."""
     if not needs_head:
         return "none", None
-    if head_setting.split(":")[0] in ("oracle", "adversary"):
+    if head_setting.split(":")[0].split("@")[0] in ("oracle", "adversary"):
         return head_setting, None
     if chosen is None:
         return "untrained", None

@@ -35,7 +35,7 @@ def _check(full, results, max_new, stop):
 
 
 @pytest.mark.parametrize("world,drafter", [(2, "oracle"), (4, "oracle"), (6, "oracle"), (3, "adversary"),
-                                           (6, None)])
+                                           (6, None), (4, "oracle@1")])
 def test_worlds_and_drafters(tiny, world, drafter):
     full, splits = tiny
     d = f"{drafter}:{full}" if drafter else None
@@ -45,6 +45,20 @@ def test_worlds_and_drafters(tiny, world, drafter):
         assert max(r.tau for r in res["naive"]) > 2.0
     if drafter == "adversary":
         assert all(r.tau == 1.0 for m in ("naive", "pruned", "continuous") for r in res[m])
+
+
+def test_noisy_oracle_acceptance_falls_with_noise(tiny):
+    """``oracle@<noise>``: a what-if draft whose acceptance falls as the Gumbel noise grows (same output)."""
+    from draft.oracle import context_gumbel
+    full, splits = tiny
+    g = context_gumbel([1, 5, 9], 64)
+    assert torch.equal(g, context_gumbel([1, 5, 9], 64)) and not torch.equal(g, context_gumbel([1, 5, 8], 64))
+    taus = []
+    for d in ("oracle", "oracle@1", "oracle@8"):
+        res = run_threaded(splits[3], PROMPTS, ["naive"], ["max_new_tokens=14", "dtype=float64"], {2}, f"{d}:{full}")
+        _check(full, res, 14, {2})
+        taus.append(sum(r.tau for r in res["naive"]) / len(PROMPTS))
+    assert taus[0] > taus[1] > taus[2], taus
 
 
 @pytest.mark.parametrize("overrides", [

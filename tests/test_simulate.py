@@ -56,6 +56,30 @@ def test_links_serialise_and_receivers_wait():
     assert marks["computed"] == pytest.approx(0.003 + 0.010)
 
 
+def test_rank0_turnaround_by_hand():
+    """Rank 0's turnaround: result in hand (end of its recv from the last stage) -> start of its next ring send;
+    a result followed by no send has none; stage step = mean stage compute; windows are kept apart."""
+    from pipeline.tools.simulate.report import rank0_turnaround
+    tl = [(0, ("send", 1, 4, 0), 0.000, 0.000),
+          (1, ("compute", 4, 0), 0.001, 0.011), (2, ("compute", 4, 0), 0.012, 0.022),
+          (0, ("recv", 2), 0.000, 0.023),                  # result in hand at 23 ms
+          (0, ("lm_head", 4, 0.0), 0.023, 0.025),
+          (0, ("dsend", 1, 16), 0.025, 0.025),             # a direct decision is not the next segment
+          (0, ("send", 1, 4, 0), 0.026, 0.026),            # turnaround 3 ms
+          (0, ("recv", 2), 0.026, 0.050),                  # a result that sends nothing: no turnaround
+          (0, ("recv", 2), 0.050, 0.060),
+          (0, ("send", 1, 4, 0), 0.061, 0.061),            # 1 ms
+          (1, ("compute", 4, 0), 0.030, 0.050),
+          (0, ("recv", 2), 0.200, 0.210),                  # second window
+          (0, ("send", 1, 4, 0), 0.215, 0.215),
+          (1, ("compute", 4, 0), 0.220, 0.226)]
+    a, b = rank0_turnaround(tl, [(0.0, 0.1), (0.2, 0.3)], 3)
+    assert (a["turnarounds"], b["turnarounds"]) == (2, 1)
+    assert a["turnaround_s"] == pytest.approx(0.004) and b["turnaround_s"] == pytest.approx(0.005)
+    assert (a["stage_steps"], b["stage_steps"]) == (3, 1)
+    assert a["stage_step_s"] == pytest.approx(0.040) and b["stage_step_s"] == pytest.approx(0.006)
+
+
 def test_deadlock_is_reported():
     with pytest.raises(Deadlock, match="recv"):
         simulate_timing([[("recv", 1)], [("recv", 0)]], TimingConfig(PROF))
@@ -212,6 +236,9 @@ def test_simulator_reproduces_an_emulated_run(tmp_path):
     for r in t2:
         assert 0 < float(r["stage_busy_min"]) <= float(r["stage_busy_mean"]) <= 1.0, r
         assert 0 < float(r["rank0_busy"]) <= 1.0, r
+        assert 0 <= float(r["r0_turnaround_ms"]) and float(r["stage_step_ms"]) > 0, r
+        assert float(r["turnaround_vs_step"]) == pytest.approx(
+            float(r["r0_turnaround_ms"]) / float(r["stage_step_ms"]), rel=0.01, abs=1e-3), r
     xi = {(int(r["stages"]), float(r["bandwidth_mbps"]), r["mode"]): float(r["pred_xi"]) for r in t2}
     assert xi[(2, 1000.0, "ar")] >= xi[(2, 150.0, "ar")]
 

@@ -21,7 +21,7 @@ from config.profiles import EmulationError, Profile, load_profile
 from pipeline.tools.simulate.predict import calibrate, prediction, timed_passes, with_link
 from pipeline.tools.simulate.recorded import load_rows, load_target
 from pipeline.tools.simulate.replayer import replay
-from pipeline.tools.simulate.report import (draw_gantt, stage_utilization, summarize, to_timeline,
+from pipeline.tools.simulate.report import (draw_gantt, rank0_turnaround, stage_utilization, summarize, to_timeline,
                                             write_paper_tables, write_summary)
 from pipeline.tools.simulate.timing import TimingConfig
 
@@ -180,9 +180,11 @@ def run(args) -> int:
                 base, tc, passes, lambda upto: replay_rows(grows, base.mode, base.stages, upto))
             tl = to_timeline(events, session.stages + 1)
             util = stage_utilization(tl, windows)
-            for g, (lo, hi), u in zip(session.gens, windows, util):
+            turns = rank0_turnaround(events, windows, session.stages + 1)
+            for g, (lo, hi), u, ta in zip(session.gens, windows, util, turns):
                 pred = prediction(g, hi - lo, prof, bw, args, tc.stage_cost_scale, overhead)
                 pred["busy_fraction"] = u
+                pred["turnaround"] = ta
                 pred["direct_polls_late"] = list(late)
                 preds.append(pred)
             draw_gantt(tl, windows, session, prof, profile.name, args, out_dir)

@@ -4,6 +4,8 @@ and the evaluation sweep's paper-style tables.
 * :func:`to_timeline` turns a timed session (:func:`.timing.simulate_timing`'s ``(rank, op, start, end)``
   list) into a :class:`pipeline.tools.timeline.Timeline`; rank 0's host work is the span kind ``host``, which
   counts as busy (:func:`pipeline.trace.busy_fraction`, THE definition of busy);
+* :func:`rank0_turnaround` measures rank 0's time from a received result to its next ring send, and the stages'
+  mean step, per generation;
 * :func:`summarize` aggregates prediction rows per (temperature, stages, bandwidth, dataset, mode). Invariants:
   ξ is all tokens over all decode seconds (never a mean of per-generation rates); busy fractions are
   time-weighted over the generations; SR compares modes only within the same temperature, stages, bandwidth and
@@ -49,6 +51,37 @@ def stage_utilization(tl, windows: list[tuple[float, float]]) -> list[list[float
     return [[round(busy_fraction(tl.ranks[r].spans, lo, hi, clip_intervals), 4) for r in sorted(tl.ranks)] for lo, hi in windows]
 
 
+def rank0_turnaround(timeline: list, windows: list[tuple[float, float]], world: int) -> list[dict]:
+    """Per generation (decode) window: rank 0's turnaround against the stages' step, the issue's "rank 0 off the
+    critical path" measure.
+
+    Turnaround of a received result: from the end of rank 0's ``recv`` from the last stage (the result is in
+    hand) to the start of rank 0's next ring ``send`` to rank 1, when that send comes before the next ``recv``
+    (a result that sends nothing, e.g. a stale one with no node waiting, has no turnaround; rank 0's waits in
+    ``recv`` are never counted). Stage step: the mean duration of the layer stages' ``compute`` ops in the window.
+    Returns ``{"turnarounds": n, "turnaround_s": sum, "stage_steps": n, "stage_step_s": sum}`` per window, so
+    that means can be pooled over generations (sum over sum)."""
+    from bisect import bisect_right
+    last, starts = world - 1, [lo for lo, _ in windows]
+    out = [{"turnarounds": 0, "turnaround_s": 0.0, "stage_steps": 0, "stage_step_s": 0.0} for _ in windows]
+    got: list[float | None] = [None] * len(windows)   # when rank 0 last got a result, per window
+    for r, op, a, b in timeline:                        # each rank's ops appear in that rank's order
+        w = bisect_right(starts, a) - 1
+        if w < 0 or b > windows[w][1]:
+            continue
+        acc = out[w]
+        if r == 0 and op[0] == "recv" and op[1] == last:
+            got[w] = b
+        elif r == 0 and op[0] == "send" and op[1] == 1 % world and got[w] is not None:
+            acc["turnarounds"] += 1
+            acc["turnaround_s"] += a - got[w]
+            got[w] = None
+        elif r != 0 and op[0] == "compute":
+            acc["stage_steps"] += 1
+            acc["stage_step_s"] += b - a
+    return out
+
+
 def draw_gantt(tl, windows: list[tuple[float, float]], session: Session, prof: Profile, profile_name: str, args,
                out_dir: Path) -> Path | None:
     """``--gantt N``: the Gantt chart of the ``N``-th generation's first ``--gantt-window`` seconds of decode
@@ -88,6 +121,15 @@ def summarize(preds: list[dict]) -> list[dict]:
             row["rank0_busy"] = round(fr[0], 3) if fr else None
             row["stage_busy_mean"] = round(sum(fr[1:]) / max(1, len(fr) - 1), 3) if fr else None
             row["stage_busy_min"] = round(min(fr[1:]), 3) if len(fr) > 1 else None
+        if all("turnaround" in p for p in ps):     # pooled: all turnarounds over all stage steps
+            n = sum(p["turnaround"]["turnarounds"] for p in ps)
+            m = sum(p["turnaround"]["stage_steps"] for p in ps)
+            if n and m:
+                ta = sum(p["turnaround"]["turnaround_s"] for p in ps) / n
+                step = sum(p["turnaround"]["stage_step_s"] for p in ps) / m
+                row["r0_turnaround_ms"] = round(ta * 1e3 / scale, 3)
+                row["stage_step_ms"] = round(step * 1e3 / scale, 3)
+                row["turnaround_vs_step"] = round(ta / step, 3) if step else None
         if rec:
             rs = sum(p["recorded_decode_s"] for p in rec)
             ps_ = sum(p["pred_decode_s"] for p in rec)
@@ -109,7 +151,8 @@ def summarize(preds: list[dict]) -> list[dict]:
 
 MODE_ORDER = {m: i for i, m in enumerate(COMPARED_MODES)}   # ar, naive, pruned, pipedec, continuous; others last
 COLUMNS = ["temperature", "stages", "bandwidth_mbps", "dataset", "mode", "generations", "new_tokens", "tau", "pred_xi",
-           "sr_vs_naive", "sr_vs_ar", "rank0_busy", "stage_busy_mean", "stage_busy_min", "recorded_xi", "error_total", "error_mean_abs", "recorded_tau", "flagged"]
+           "sr_vs_naive", "sr_vs_ar", "rank0_busy", "stage_busy_mean", "stage_busy_min", "r0_turnaround_ms",
+           "stage_step_ms", "turnaround_vs_step", "recorded_xi", "error_total", "error_mean_abs", "recorded_tau", "flagged"]
 
 
 def write_summary(table: list[dict], out_dir: Path, profile: str) -> None:
@@ -122,7 +165,9 @@ def write_summary(table: list[dict], out_dir: Path, profile: str) -> None:
              "ξ = predicted decode tokens/s (all tokens / all decode seconds); SR = ξ / ξ(naive) of the same "
              "temperature, stages, bandwidth and dataset; τ = tokens per verification step incl. bonus (replayed); "
              "busy = share of decode time a rank computes (rank 0: lm_head, draft head, tree work; stages: "
-             "layers), time-weighted over generations. "
+             "layers), time-weighted over generations; turnaround = rank 0's mean time from holding a returned result "
+             "to starting the next ring send, against the stages' mean step (stage_step_ms; both in the profile's "
+             "time). "
              "Where rows were recorded under the same profile and stage count: their measured ξ, the total "
              "prediction error (predicted / measured decode seconds − 1), the mean per-generation |error|, "
              "and how many of them the emulation flagged for overruns.", "",
