@@ -191,6 +191,8 @@ class Comm:
         link (``self.link``, :class:`pipeline.emulation.LinkSender`), hand it to the link, which posts it when
         the modeled link would have delivered it."""
         if self.link is not None:
+            if self.tracer.enabled:   # the caller's hand-off; the link thread's later post is the "send" span
+                self.tracer.mark("handoff", dst=dst)
             self.link.send(dst, msg)
         else:
             self.post(dst, msg)

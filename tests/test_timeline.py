@@ -36,6 +36,26 @@ def _synthetic(d, host1="h"):
     _write(d, 1, [("compute", 0.5, 1.5), ("recv", 1.5, 3.5), ("prune", 3.5, 3.55)], t0_perf=100.5, host=host1)
 
 
+def test_turnaround_of_a_synthetic_trace(tmp_path):
+    """Rank 0's turnaround on a real trace's events: recv end -> next send to rank 1 (sends to other ranks, e.g.
+    direct decisions, do not count; a result followed by no send before the next recv has none)."""
+    _write(tmp_path, 0, [("gen_begin", 0.0, 0.0), ("decode_begin", 0.0, 0.0), ("recv", 0.0, 1.0),
+                         ("send", 1.1, 1.12, {"dst": 2}), ("send", 1.3, 1.31, {"dst": 1}), ("recv", 1.4, 2.0), ("recv", 2.0, 3.0),
+                         ("send", 3.05, 3.06, {"dst": 1}), ("gen_end", 4.0, 4.0, {"new_tokens": 3})], t0_perf=0.0)
+    _write(tmp_path, 1, [("compute", 1.4, 1.6), ("compute", 3.1, 3.5)], t0_perf=0.0)
+    tl = timeline.load(tmp_path)
+    ta = timeline.turnaround(tl, [timeline.choose_window(tl, generation=0)])
+    assert ta["turnarounds"] == 2 and ta["turnaround_s"] == pytest.approx(0.3 + 0.05)
+    assert ta["stage_steps"] == 2 and ta["stage_step_s"] == pytest.approx(0.6)
+    assert "175.00 ms" in timeline.format_turnaround(ta)
+    # an emulated link posts later than the caller hands over: the caller's hand-off marks count instead
+    _write(tmp_path, 0, [("gen_begin", 0.0, 0.0), ("decode_begin", 0.0, 0.0), ("recv", 0.0, 1.0),
+                         ("handoff", 1.02, 1.02, {"dst": 1}), ("recv", 1.03, 2.0), ("send", 1.3, 1.31, {"dst": 1}),
+                         ("gen_end", 4.0, 4.0, {"new_tokens": 3})], t0_perf=0.0)
+    ta = timeline.turnaround(timeline.load(tmp_path), [(0.0, 4.0)])
+    assert ta["turnarounds"] == 1 and ta["turnaround_s"] == pytest.approx(0.02)
+
+
 def test_synthetic_utilization_is_exact(tmp_path):
     _synthetic(tmp_path)
     tl = timeline.load(tmp_path)

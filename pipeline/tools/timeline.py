@@ -64,6 +64,9 @@ class RankTrace:
     spans: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # kind -> sorted (start, end)
     marks: list[tuple[str, float, dict]] = field(default_factory=list)
     n_events: int = 0
+    sends: list[tuple[float, int]] = field(default_factory=list)   # (start, destination rank) of each send
+    handoffs: list[tuple[float, int]] = field(default_factory=list)  # emulated links: when the caller handed
+                                                                      # a message to the link (Comm.send)
 
 
 @dataclass
@@ -135,8 +138,14 @@ def load(trace_dir: str | Path) -> Timeline:
             name, s, e = ev.get("name"), float(ev["start"]) + off, float(ev["end"]) + off
             if name in MARKS:
                 rt.marks.append((name, s, {k: v for k, v in ev.items() if k not in ("name", "start", "end")}))
+            elif name == "handoff":
+                rt.handoffs.append((s, int(ev["dst"])))
             else:
                 rt.spans.setdefault(name, Spans()).append((s, e))
+                if name == "send" and "dst" in ev:
+                    rt.sends.append((s, int(ev["dst"])))
+        rt.sends.sort()
+        rt.handoffs.sort()
         for iv in rt.spans.values():
             iv.finish()
         rt.marks.sort(key=lambda m: m[1])
@@ -211,6 +220,47 @@ def utilization(tl: Timeline, windows: list[tuple[float, float]]) -> list[dict]:
             row[f"{k}_s"] = per_kind.get(k, 0.0)
         rows.append(row)
     return rows
+
+
+def turnaround(tl: Timeline, windows: list[tuple[float, float]]) -> dict:
+    """Rank 0's turnaround, as the simulator defines it (:func:`pipeline.tools.simulate.report.rank0_turnaround`):
+    from the end of a rank-0 ``recv`` (a result in hand) to the start of rank 0's next send to rank 1, when that
+    send starts before rank 0's next ``recv``; and the stages' mean ``compute`` span. On an emulated link the
+    ``send`` span is the link thread's delayed post, so the caller's hand-off (``handoff`` events) is used
+    instead when the trace has them. Only events inside ``windows``. Returns ``{"turnarounds",
+    "turnaround_s", "stage_steps", "stage_step_s"}`` (counts and sums)."""
+    out = {"turnarounds": 0, "turnaround_s": 0.0, "stage_steps": 0, "stage_step_s": 0.0}
+    r0 = tl.ranks.get(0)
+    if r0 is None:
+        return out
+    inside = (lambda a, b: any(lo <= a and b <= hi for lo, hi in windows))
+    recvs = [(a, b) for a, b in r0.spans.get("recv", []) if inside(a, b)]
+    ring_sends = [t for t, dst in (r0.handoffs or r0.sends) if dst == 1 and inside(t, t)]
+    j = 0
+    for i, (_, got) in enumerate(recvs):
+        nxt = recvs[i + 1][0] if i + 1 < len(recvs) else float("inf")
+        while j < len(ring_sends) and ring_sends[j] < got:
+            j += 1
+        if j < len(ring_sends) and ring_sends[j] <= nxt:
+            out["turnarounds"] += 1
+            out["turnaround_s"] += ring_sends[j] - got
+    for r, rt in tl.ranks.items():
+        if r != 0:
+            for a, b in rt.spans.get("compute", []):
+                if inside(a, b):
+                    out["stage_steps"] += 1
+                    out["stage_step_s"] += b - a
+    return out
+
+
+def format_turnaround(ta: dict) -> str:
+    """One line: rank 0's mean turnaround against the stages' mean step."""
+    if not ta["turnarounds"] or not ta["stage_steps"]:
+        return "rank 0 turnaround: no result followed by a send in the window"
+    t = ta["turnaround_s"] / ta["turnarounds"]
+    step = ta["stage_step_s"] / ta["stage_steps"]
+    return (f"rank 0 turnaround (result in hand -> next send to rank 1): {1000 * t:.2f} ms mean over "
+            f"{ta['turnarounds']} results; stage step {1000 * step:.2f} ms mean; ratio {t / step:.3f}")
 
 
 def format_table(rows: list[dict]) -> str:
@@ -335,7 +385,8 @@ def analyze(trace_dir, out_png=None, out_csv=None, start=None, end=None, generat
     tl = load(trace_dir)
     lo, hi = choose_window(tl, start, end, generation, window, phase)
     util = utilization(tl, [(lo, hi)])
-    res = {"timeline": tl, "window": (lo, hi), "utilization": util, "png": None, "csv": None}
+    res = {"timeline": tl, "window": (lo, hi), "utilization": util, "png": None, "csv": None,
+           "turnaround": turnaround(tl, [(lo, hi)])}
     if out_csv:
         res["csv"] = write_csv(util, out_csv, {"window_start_s": round(lo, 6), "window_end_s": round(hi, 6)})
     if out_png:
@@ -399,6 +450,7 @@ def main(argv=None) -> int:
     print(f"window {lo:.4f} .. {hi:.4f} s ({1000 * (hi - lo):.1f} ms), {len(tl.ranks)} ranks, "
           f"clocks aligned by {tl.alignment}")
     print(format_table(res["utilization"]))
+    print(format_turnaround(res["turnaround"]))
     print(f"wrote {res['png']} and {res['csv']}")
     return 0
 
