@@ -91,39 +91,39 @@ def test_stories260k_all_modes_equal_hf(tmp_path, world, split, drafter):
     _check_against_hf(rows, STORIES, 32, {2}, torch.float32, 5 * len(prompts))
 
 
-def test_smollm2_default_all_modes_equal_hf(tmp_path):
-    """The embedded default model through 5 ranks with the chat template, prompts from all six datasets."""
-    if not DATA.is_dir():
-        pytest.skip("../shared/data is not available")
+@pytest.fixture(scope="module")
+def smollm2():
+    """The embedded default model: (full checkpoint, its 5-rank split, tokenizer, chat prompt builder, stop ids)."""
     from transformers import AutoTokenizer
     from model.default_model import ensure_default_checkpoint, ensure_default_stages
     from model.prompts import chat_prompt_ids, stop_token_ids
     full = ensure_default_checkpoint()
     stages = ensure_default_stages()
     tok = AutoTokenizer.from_pretrained(full)
+    stop = stop_token_ids(tok, json.loads((Path(full) / "generation_config.json").read_text()))
+    return full, stages, (lambda text: chat_prompt_ids(tok, [text], [])), stop
+
+
+def test_smollm2_default_all_modes_equal_hf(tmp_path, smollm2):
+    """The embedded default model through 5 ranks with the chat template, prompts from all six datasets."""
+    if not DATA.is_dir():
+        pytest.skip("../shared/data is not available")
+    full, stages, chat, stop = smollm2
     prompts = []
     for ds in DATASETS:
         rec = [json.loads(l) for l in (DATA / ds / "question.jsonl").read_text().splitlines() if l.strip()][30]
-        text = rec["turns"][0][:600]   # keep CPU time small; still >64 tokens for chunked prefill
-        prompts.append(chat_prompt_ids(tok, [text], []))
-    stop = stop_token_ids(tok, json.loads((Path(full) / "generation_config.json").read_text()))
+        prompts.append(chat(rec["turns"][0][:600]))   # keep CPU time small; still >64 tokens for chunked prefill
     rows = _run(5, stages, tmp_path / "out.jsonl", prompts, 20, (), dtype="float32")
     _check_against_hf(rows, full, 20, stop, torch.float32, 5 * len(prompts))
 
 
-def test_smollm2_broad_head_equals_hf(tmp_path):
+def test_smollm2_broad_head_equals_hf(tmp_path, smollm2):
     """The alternate shipped head (draft/heads/SmolLM2-135M-Instruct-broad) loads by head_dir= and keeps greedy
     output equal to HF in the two tree modes that use it most differently (one tree per round / continuous)."""
-    from transformers import AutoTokenizer
     from config.paths import HEADS
-    from model.default_model import ensure_default_checkpoint, ensure_default_stages
-    from model.prompts import chat_prompt_ids, stop_token_ids
-    full = ensure_default_checkpoint()
-    stages = ensure_default_stages()
-    tok = AutoTokenizer.from_pretrained(full)
-    prompts = [chat_prompt_ids(tok, [t], []) for t in ("Translate into French: The library opens at nine.",
-                                                      "List three prime numbers and say why they are prime.")]
-    stop = stop_token_ids(tok, json.loads((Path(full) / "generation_config.json").read_text()))
+    full, stages, chat, stop = smollm2
+    prompts = [chat(t) for t in ("Translate into French: The library opens at nine.",
+                                 "List three prime numbers and say why they are prime.")]
     head = HEADS / "SmolLM2-135M-Instruct-broad"
     rows = _run(5, stages, tmp_path / "out.jsonl", prompts, 16, (f"head_dir={head}",), modes="naive,continuous",
                 dtype="float32")
