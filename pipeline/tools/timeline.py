@@ -222,35 +222,39 @@ def utilization(tl: Timeline, windows: list[tuple[float, float]]) -> list[dict]:
     return rows
 
 
-def turnaround(tl: Timeline, windows: list[tuple[float, float]]) -> dict:
-    """Rank 0's turnaround, as the simulator defines it (:func:`pipeline.tools.simulate.report.rank0_turnaround`):
-    from the end of a rank-0 ``recv`` (a result in hand) to the start of rank 0's next send to rank 1, when that
-    send starts before rank 0's next ``recv``; and the stages' mean ``compute`` span. On an emulated link the
-    ``send`` span is the link thread's delayed post, so the caller's hand-off (``handoff`` events) is used
-    instead when the trace has them. Only events inside ``windows``. Returns ``{"turnarounds",
-    "turnaround_s", "stage_steps", "stage_step_s"}`` (counts and sums)."""
-    out = {"turnarounds": 0, "turnaround_s": 0.0, "stage_steps": 0, "stage_step_s": 0.0}
-    r0 = tl.ranks.get(0)
-    if r0 is None:
-        return out
-    inside = (lambda a, b: any(lo <= a and b <= hi for lo, hi in windows))
-    recvs = [(a, b) for a, b in r0.spans.get("recv", []) if inside(a, b)]
-    ring_sends = [t for t, dst in (r0.handoffs or r0.sends) if dst == 1 and inside(t, t)]
+def turnaround_sums(recvs: list[tuple[float, float]], sends: list[float], steps: list[float]) -> dict:
+    """THE definition of rank 0's turnaround (used for real traces and by the simulator). ``recvs``: rank 0's
+    receives of results, ``(start, end)`` sorted by start; ``sends``: start times of rank 0's sends to rank 1,
+    sorted; ``steps``: the stages' compute durations. A result's turnaround runs from the end of its receive
+    (the result in hand) to the first send that starts after it and no later than the start of rank 0's next
+    receive; a result that sends nothing before rank 0 waits again has none (waits are never counted).
+    Returns ``{"turnarounds", "turnaround_s", "stage_steps", "stage_step_s"}`` (counts and sums, so that
+    means pool over generations)."""
+    out = {"turnarounds": 0, "turnaround_s": 0.0, "stage_steps": len(steps), "stage_step_s": float(sum(steps))}
     j = 0
     for i, (_, got) in enumerate(recvs):
         nxt = recvs[i + 1][0] if i + 1 < len(recvs) else float("inf")
-        while j < len(ring_sends) and ring_sends[j] < got:
+        while j < len(sends) and sends[j] < got:
             j += 1
-        if j < len(ring_sends) and ring_sends[j] <= nxt:
+        if j < len(sends) and sends[j] <= nxt:
             out["turnarounds"] += 1
-            out["turnaround_s"] += ring_sends[j] - got
-    for r, rt in tl.ranks.items():
-        if r != 0:
-            for a, b in rt.spans.get("compute", []):
-                if inside(a, b):
-                    out["stage_steps"] += 1
-                    out["stage_step_s"] += b - a
+            out["turnaround_s"] += sends[j] - got
     return out
+
+
+def turnaround(tl: Timeline, windows: list[tuple[float, float]]) -> dict:
+    """Rank 0's turnaround in a traced run (:func:`turnaround_sums` over the events inside ``windows``): its
+    ``recv`` spans, its sends to rank 1 and the stages' ``compute`` spans. On an emulated link the ``send``
+    span is the link thread's delayed post, so the caller's hand-off (``handoff`` marks) is used instead when
+    the trace has them."""
+    r0 = tl.ranks.get(0)
+    if r0 is None:
+        return turnaround_sums([], [], [])
+    inside = (lambda a, b: any(lo <= a and b <= hi for lo, hi in windows))
+    recvs = [(a, b) for a, b in r0.spans.get("recv", []) if inside(a, b)]
+    sends = [t for t, dst in (r0.handoffs or r0.sends) if dst == 1 and inside(t, t)]
+    steps = [b - a for r, rt in tl.ranks.items() if r != 0 for a, b in rt.spans.get("compute", []) if inside(a, b)]
+    return turnaround_sums(recvs, sends, steps)
 
 
 def format_turnaround(ta: dict) -> str:

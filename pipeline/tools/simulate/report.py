@@ -53,33 +53,25 @@ def stage_utilization(tl, windows: list[tuple[float, float]]) -> list[list[float
 
 def rank0_turnaround(timeline: list, windows: list[tuple[float, float]], world: int) -> list[dict]:
     """Per generation (decode) window: rank 0's turnaround against the stages' step, the issue's "rank 0 off the
-    critical path" measure.
-
-    Turnaround of a received result: from the end of rank 0's ``recv`` from the last stage (the result is in
-    hand) to the start of rank 0's next ring ``send`` to rank 1, when that send comes before the next ``recv``
-    (a result that sends nothing, e.g. a stale one with no node waiting, has no turnaround; rank 0's waits in
-    ``recv`` are never counted). Stage step: the mean duration of the layer stages' ``compute`` ops in the window.
-    Returns ``{"turnarounds": n, "turnaround_s": sum, "stage_steps": n, "stage_step_s": sum}`` per window, so
-    that means can be pooled over generations (sum over sum)."""
+    critical path" measure, by :func:`pipeline.tools.timeline.turnaround_sums` (THE definition, also used on
+    real traces): rank 0's ``recv`` ops from the last stage, its ring ``send`` ops to rank 1 (their start: the
+    hand-off) and the layer stages' ``compute`` ops inside the window."""
     from bisect import bisect_right
+    from pipeline.tools.timeline import turnaround_sums
     last, starts = world - 1, [lo for lo, _ in windows]
-    out = [{"turnarounds": 0, "turnaround_s": 0.0, "stage_steps": 0, "stage_step_s": 0.0} for _ in windows]
-    got: list[float | None] = [None] * len(windows)   # when rank 0 last got a result, per window
+    per = [([], [], []) for _ in windows]              # (recvs, sends, steps) per window
     for r, op, a, b in timeline:                        # each rank's ops appear in that rank's order
         w = bisect_right(starts, a) - 1
         if w < 0 or b > windows[w][1]:
             continue
-        acc = out[w]
+        recvs, sends, steps = per[w]
         if r == 0 and op[0] == "recv" and op[1] == last:
-            got[w] = b
-        elif r == 0 and op[0] == "send" and op[1] == 1 % world and got[w] is not None:
-            acc["turnarounds"] += 1
-            acc["turnaround_s"] += a - got[w]
-            got[w] = None
+            recvs.append((a, b))
+        elif r == 0 and op[0] == "send" and op[1] == 1 % world:
+            sends.append(a)
         elif r != 0 and op[0] == "compute":
-            acc["stage_steps"] += 1
-            acc["stage_step_s"] += b - a
-    return out
+            steps.append(b - a)
+    return [turnaround_sums(sorted(rv), sorted(sd), st) for rv, sd, st in per]
 
 
 def draw_gantt(tl, windows: list[tuple[float, float]], session: Session, prof: Profile, profile_name: str, args,
@@ -152,7 +144,8 @@ def summarize(preds: list[dict]) -> list[dict]:
 MODE_ORDER = {m: i for i, m in enumerate(COMPARED_MODES)}   # ar, naive, pruned, pipedec, continuous; others last
 COLUMNS = ["temperature", "stages", "bandwidth_mbps", "dataset", "mode", "generations", "new_tokens", "tau", "pred_xi",
            "sr_vs_naive", "sr_vs_ar", "rank0_busy", "stage_busy_mean", "stage_busy_min", "r0_turnaround_ms",
-           "stage_step_ms", "turnaround_vs_step", "recorded_xi", "error_total", "error_mean_abs", "recorded_tau", "flagged"]
+           "stage_step_ms", "turnaround_vs_step", "recorded_xi", "error_total", "error_mean_abs", "recorded_tau",
+           "flagged"]
 
 
 def write_summary(table: list[dict], out_dir: Path, profile: str) -> None:
