@@ -30,12 +30,34 @@ from model.meter import hidden_rows
 Tensor = torch.Tensor
 
 
+REFERENCE_DRAFTERS = ("oracle", "adversary")
+
+
+def reference_drafter_kind(head_dir: str) -> str | None:
+    """``"oracle"``/``"adversary"`` when ``head_dir`` names a test drafter (``<kind>[@noise]:<dir>``), else None."""
+    kind = str(head_dir).split(":", 1)[0].split("@", 1)[0]
+    return kind if ":" in str(head_dir) and kind in REFERENCE_DRAFTERS else None
+
+
+def parse_reference_drafter(head_dir: str) -> tuple[str, float, str]:
+    """``<kind>[@noise]:<full model dir>`` -> ``(kind, noise, dir)``; a noise that is not a number >= 0 is a
+    :class:`ValueError` naming the setting."""
+    spec, path = str(head_dir).split(":", 1)
+    kind, _, text = spec.partition("@")
+    try:
+        noise = float(text or 0)
+    except ValueError:
+        noise = float("nan")
+    if kind not in REFERENCE_DRAFTERS or not noise >= 0.0 or noise == float("inf"):
+        raise ValueError(f"model.head_dir={head_dir}: expected oracle[@noise]:<dir> or adversary:<dir> with a "
+                         f"noise >= 0, e.g. oracle@1:<dir>")
+    return kind, noise, path
+
+
 class OracleDrafter(TokenHistory, BeamTreeDrafter):
     def __init__(self, model_dir: str, adversarial: bool = False, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", noise: float = 0.0) -> None:
         from transformers import AutoModelForCausalLM
-        if not noise >= 0.0:
-            raise ValueError(f"oracle noise must be >= 0, got {noise}")
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         self.device = torch.device(device)
         self.adversarial = adversarial

@@ -144,21 +144,18 @@ def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
     from draft.eagle import init_untrained_head
     from draft.head_io import HeadError
     from draft.load_head import load_draft_head
+    from draft.oracle import OracleDrafter, parse_reference_drafter, reference_drafter_kind
 
     head_dir = head_choice(cfg, stage_root)
     try:
-        if head_dir is not None and str(cfg.model.head_dir).split(":")[0].split("@")[0] in ("oracle", "adversary"):
-            from draft.oracle import OracleDrafter
-            spec, path = cfg.model.head_dir.split(":", 1)
-            kind, _, noise = spec.partition("@")
+        if head_dir is not None and reference_drafter_kind(cfg.model.head_dir):
             try:
-                noise_f = float(noise or 0)
-            except ValueError:
-                raise SetupError(f"model.head_dir={cfg.model.head_dir}: the noise after "
-                                 f"{kind}@ must be a number") from None
-            what = f"{kind} drafter" + (f" with Gumbel noise {noise_f:g}" if noise_f else "")
+                kind, noise, path = parse_reference_drafter(cfg.model.head_dir)
+            except ValueError as e:
+                raise SetupError(str(e)) from None
+            what = f"{kind} drafter" + (f" with Gumbel noise {noise:g}" if noise else "")
             print(f"[rank 0] using the {what} (full model {path}); for tests and ablations", file=sys.stderr)
-            return OracleDrafter(path, adversarial=(kind == "adversary"), dtype=dtype, device=device, noise=noise_f)
+            return OracleDrafter(path, adversarial=(kind == "adversary"), dtype=dtype, device=device, noise=noise)
         if head_dir is None:
             print(f"[rank 0] WARNING: {'model.head_dir=untrained' if cfg.model.head_dir else 'no draft head given'}: "
                   "using an UNTRAINED random head "

@@ -64,7 +64,8 @@ def head_identity(head_setting: str, chosen: Path | None, needs_head: bool) -> t
     """(head_dir label, sha256 of its weights) for the drafter ``pipeline.build.make_drafter`` picks."""
     if not needs_head:
         return "none", None
-    if head_setting.split(":")[0].split("@")[0] in ("oracle", "adversary"):
+    from draft.oracle import reference_drafter_kind
+    if reference_drafter_kind(head_setting):
         return head_setting, None
     if chosen is None:
         return "untrained", None

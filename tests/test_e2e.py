@@ -93,7 +93,7 @@ def test_stories260k_all_modes_equal_hf(tmp_path, world, split, drafter):
 
 @pytest.fixture(scope="module")
 def smollm2():
-    """The embedded default model: (full checkpoint, its 5-rank split, tokenizer, chat prompt builder, stop ids)."""
+    """The embedded default model: (full checkpoint, its 5-rank split, chat prompt builder, stop token ids)."""
     from transformers import AutoTokenizer
     from model.default_model import ensure_default_checkpoint, ensure_default_stages
     from model.prompts import chat_prompt_ids, stop_token_ids

@@ -61,6 +61,14 @@ def test_noisy_oracle_acceptance_falls_with_noise(tiny):
     assert taus[0] > taus[1] > taus[2], taus
 
 
+@pytest.mark.parametrize("spec", ["oracle@x", "oracle@-1", "oracle@inf", "adversary@nan"])
+def test_bad_oracle_noise_is_one_setup_error(tiny, spec):
+    from pipeline.build import SetupError
+    full, splits = tiny
+    with pytest.raises(SetupError, match="oracle\\[@noise\\]:<dir>"):
+        run_threaded(splits[3], PROMPTS[:1], ["naive"], ["max_new_tokens=2", "dtype=float64"], {2}, f"{spec}:{full}")
+
+
 @pytest.mark.parametrize("overrides", [
     # one-node segments everywhere: fill and every later step
     ["tree.subseq_token=1", "tree.expand_subseq_token=1", "tree.init_total_token=12", "tree.total_token=9"],

@@ -257,12 +257,22 @@ def turnaround(tl: Timeline, windows: list[tuple[float, float]]) -> dict:
     return turnaround_sums(recvs, sends, steps)
 
 
+def turnaround_means(sums: list[dict]) -> tuple[float, float] | None:
+    """Pooled over several :func:`turnaround_sums` results (e.g. one per generation): (mean turnaround, mean
+    stage step) in seconds, all turnarounds over all stage steps; None when either count is zero."""
+    n = sum(d["turnarounds"] for d in sums)
+    m = sum(d["stage_steps"] for d in sums)
+    if not n or not m:
+        return None
+    return sum(d["turnaround_s"] for d in sums) / n, sum(d["stage_step_s"] for d in sums) / m
+
+
 def format_turnaround(ta: dict) -> str:
     """One line: rank 0's mean turnaround against the stages' mean step."""
-    if not ta["turnarounds"] or not ta["stage_steps"]:
+    means = turnaround_means([ta])
+    if means is None:
         return "rank 0 turnaround: no result followed by a send in the window"
-    t = ta["turnaround_s"] / ta["turnarounds"]
-    step = ta["stage_step_s"] / ta["stage_steps"]
+    t, step = means
     return (f"rank 0 turnaround (result in hand -> next send to rank 1): {1000 * t:.2f} ms mean over "
             f"{ta['turnarounds']} results; stage step {1000 * step:.2f} ms mean; ratio {t / step:.3f}")
 

@@ -92,6 +92,7 @@ def draw_gantt(tl, windows: list[tuple[float, float]], session: Session, prof: P
 def summarize(preds: list[dict]) -> list[dict]:
     """Per (temperature, stages, bandwidth, mode): tokens, τ, predicted ξ (all tokens / all decode seconds), SR vs
     naive and ar of the same group, and the error against recorded runs where there are some."""
+    from pipeline.tools.timeline import turnaround_means
     groups: dict[tuple, list[dict]] = {}
     for p in preds:
         groups.setdefault((p["temperature"], p["stages"], p["bandwidth_mbps"], p.get("dataset") or "",
@@ -113,15 +114,12 @@ def summarize(preds: list[dict]) -> list[dict]:
             row["rank0_busy"] = round(fr[0], 3) if fr else None
             row["stage_busy_mean"] = round(sum(fr[1:]) / max(1, len(fr) - 1), 3) if fr else None
             row["stage_busy_min"] = round(min(fr[1:]), 3) if len(fr) > 1 else None
-        if all("turnaround" in p for p in ps):     # pooled: all turnarounds over all stage steps
-            n = sum(p["turnaround"]["turnarounds"] for p in ps)
-            m = sum(p["turnaround"]["stage_steps"] for p in ps)
-            if n and m:
-                ta = sum(p["turnaround"]["turnaround_s"] for p in ps) / n
-                step = sum(p["turnaround"]["stage_step_s"] for p in ps) / m
-                row["r0_turnaround_ms"] = round(ta * 1e3 / scale, 3)
-                row["stage_step_ms"] = round(step * 1e3 / scale, 3)
-                row["turnaround_vs_step"] = round(ta / step, 3) if step else None
+        means = turnaround_means([p["turnaround"] for p in ps]) if all("turnaround" in p for p in ps) else None
+        if means is not None:
+            ta, step = means
+            row["r0_turnaround_ms"] = round(ta * 1e3 / scale, 3)
+            row["stage_step_ms"] = round(step * 1e3 / scale, 3)
+            row["turnaround_vs_step"] = round(ta / step, 3) if step else None
         if rec:
             rs = sum(p["recorded_decode_s"] for p in rec)
             ps_ = sum(p["pred_decode_s"] for p in rec)
