@@ -12,7 +12,7 @@ context (the same context always gets the same draft distribution, in every mode
 ``noise = 1`` its top-1 token is a *sample* of the target's distribution (the Gumbel-max trick), so at T = 0 it
 agrees with the target's greedy token with probability ``p_max`` of that context; smaller noise agrees more
 often, ``noise = 0`` is the exact oracle. Verification never depends on the draft's distribution being right,
-so every mode stays exact with it (tests/test_e2e.py).
+so every mode stays exact with it (tests/test_protocol.py).
 
 Their model work is metered as rank 0's ``draft_forward`` ops (one per ``commit`` / ``tree_forward``), so the
 emulated testbed and the simulator price the oracle like an EAGLE head of the profile: "a draft as cheap as the
