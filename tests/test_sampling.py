@@ -383,6 +383,21 @@ def test_exact_law_every_mode(mode, world, temp, top_p, top_k, draft, horizon, o
         assert seen.get(e, 0) > 0, f"no {e} event before the horizon: {seen}"
 
 
+def test_expansion_off_appends_nothing_and_keeps_the_law():
+    """``tree.expand_total_token=0`` (continuous without dynamic expansion, the README's ablation): no node is
+    appended after a verified step, rounds still continue through re-roots, and the law stays the target's;
+    the same setting with expansion on does append (so the check can fail)."""
+    tables = make_world(11, "target", 1.5)
+    for budget, expect_growth in ((0, False), (5, True)):
+        sampler = BranchingSampler(1.0, 1.0, 0, 3)
+        run = make_runner("continuous", 3, tables, sampler, 3, {"tree.expand_total_token": budget})
+        law, _ = exact_law(run, sampler)
+        ref = target_law(sampler, tables[0], 3)
+        assert max(abs(law.get(k, 0.0) - w) for k, w in ref.items()) < 1e-6
+        assert (run.cont.appended > 0) == expect_growth, (budget, run.cont.appended)
+        assert dict(run.ring.events).get("CONTINUE", 0) > 0
+
+
 # Reduced draft vocabulary (EAGLE-3 d2t/t2d). Why verification stays lossless: the EAGLE tree is deterministic
 # (top-k), so every child is a point-mass proposal and walk_tree never reads the draft's probabilities. At a node
 # it tries the children in order, accepting child x with the *target's* residual probability p'(x) and, on

@@ -43,6 +43,13 @@ def test_timing_of_one_round_by_hand():
     marks3 = simulate_timing(logs, TimingConfig(PROF, model_rank0=False))
     assert decode_times(marks3)[0] == pytest.approx(end - 0.005 + 18.0, abs=1e-9)
 
+    # the what-if of a free rank 0: its host, draft and lm_head work take no time; stages and links unchanged
+    marks4 = simulate_timing(logs, TimingConfig(PROF, rank0_cost_scale=0.0))
+    assert decode_times(marks4)[0] == pytest.approx(end - 0.0005 - 0.003 - 0.002, abs=1e-12)
+    marks5 = simulate_timing(logs, TimingConfig(PROF, rank0_cost_scale=2.0, op_overhead_s=0.001))
+    # rank 0's two modeled ops and its host work double (with their overhead); the two stage ops gain 1 ms each
+    assert decode_times(marks5)[0] == pytest.approx(end + 0.0005 + 0.003 + 0.002 + 2 * 2 * 0.001 + 2 * 0.001,
+                                                    abs=1e-12)
 
 def test_links_serialise_and_receivers_wait():
     # two 1000-byte messages back to back: the second leaves when the first is on the wire (1 ms each)
@@ -241,6 +248,16 @@ def test_simulator_reproduces_an_emulated_run(tmp_path):
             float(r["r0_turnaround_ms"]) / float(r["stage_step_ms"]), rel=0.01, abs=1e-3), r
     xi = {(int(r["stages"]), float(r["bandwidth_mbps"]), r["mode"]): float(r["pred_xi"]) for r in t2}
     assert xi[(2, 1000.0, "ar")] >= xi[(2, 150.0, "ar")]
+    for r in t2:   # ar: every token is a round; naive: every verification ends its round (one tree per step)
+        assert float(r["tokens_per_round"]) == pytest.approx(1.0 if r["mode"] == "ar" else float(r["tau"]),
+                                                             abs=1e-3), r
+    # what-if: a rank 0 that takes no time is never slower, and is never busy
+    out3 = tmp_path / "sim3"
+    assert main([str(rows_path), *common, "--profile", str(prof), "--modes", "ar,naive", "--stages", "2",
+                 "--bandwidth-mbps", "150", "--rank0-cost-scale", "0", "--out-dir", str(out3), "--quiet"]) == 0
+    for r in _csv(out3 / "summary.csv"):
+        assert float(r["rank0_busy"]) == 0.0, r
+        assert float(r["pred_xi"]) > xi[(2, 150.0, r["mode"])], r
 
 
 def _csv(path: Path) -> list[dict]:

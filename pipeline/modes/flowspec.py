@@ -223,6 +223,8 @@ class ContinuousMode(StreamingMode):
     its best leaves, up to ``expand_total_token`` nodes in all: the likely outcomes of the segments in flight
     are drafted ahead, at a cost that does not grow with the tree's depth. ``expand_levels = 0``: the paper
     code's expansion, a fresh ``expand_depth``-deep EAGLE-2 tree drafted from the new root and merged.
+    ``expand_total_token = 0``: no expansion after a verified step (the ablation: ``pruned`` with this mode's
+    quick-started first tree and per-step commits).
     """
 
     def __init__(self) -> None:
@@ -281,6 +283,8 @@ class ContinuousMode(StreamingMode):
 
     def grow(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor, verified: bool) -> DraftTree:
         t = engine.cfg.tree
+        if verified and t.expand_total_token == 0:   # expansion off: the round keeps its first tree
+            return tree
         if verified:
             total, depth = t.expand_total_token, t.expand_depth
         elif t.none_expand:

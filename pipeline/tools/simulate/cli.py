@@ -56,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="transport cost added to every received message and broadcast (gloo, wake-ups); 0 = "
                         "ideal transport")
     p.add_argument("--op-overhead-s", type=float, default=0.0, help="cost added to every modeled op")
+    p.add_argument("--rank0-cost-scale", type=float, default=1.0, metavar="F",
+                   help="factor on all of rank 0's work (lm_head, draft ops, host work); 0 = the what-if of a "
+                        "rank 0 that takes no time, i.e. entirely off the critical path")
     p.add_argument("--calibrate", default="", metavar="MODE",
                    help="fit one per-event overhead (every modeled op and received message) so that the recorded "
                         "rows of MODE (e.g. ar) are predicted exactly, then use it for everything; validate on "
@@ -93,6 +96,8 @@ def parse_rows_args(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     args.rows = [a for a in args.rows if a not in args.overrides]
     if not args.rows:
         p.error("give at least one rows JSONL file")
+    if not args.rank0_cost_scale >= 0:
+        p.error(f"--rank0-cost-scale {args.rank0_cost_scale} must be >= 0")
     return args
 
 
@@ -163,7 +168,8 @@ def run(args) -> int:
         scale = (recorded_world - 1) / n if args.stage_cost_scale == "auto" else float(args.stage_cost_scale)
         return TimingConfig(prof, time_scale=args.time_scale, stage_cost_scale=scale,
                             msg_overhead_s=args.msg_overhead_s + overhead, model_rank0=not args.no_model_rank0,
-                            real_hidden_bytes=target.hidden_bytes, op_overhead_s=args.op_overhead_s + overhead)
+                            real_hidden_bytes=target.hidden_bytes, op_overhead_s=args.op_overhead_s + overhead,
+                            rank0_cost_scale=args.rank0_cost_scale)
 
     overhead = 0.0
     if args.calibrate:

@@ -47,7 +47,8 @@ def same_run(g: Replayed, prof: Profile, bw, args) -> bool:
     return (row.get("mode") == g.mode and int(row.get("world_size") or 0) - 1 == g.stages
             and row.get("emu_profile") == prof.name and bw is None and args.latency_s is None
             and float(row.get("emu_time_scale") or 1.0) == args.time_scale
-            and args.stage_cost_scale in ("auto", "1", "1.0") and bool(row.get("decode_s")))
+            and args.stage_cost_scale in ("auto", "1", "1.0") and args.rank0_cost_scale == 1.0
+            and bool(row.get("decode_s")))
 
 
 def calibrate(sessions: list, mode: str, profile: Profile, make_tc, args) -> float:
@@ -88,8 +89,9 @@ def prediction(g: Replayed, t: float, prof: Profile, bw, args, stage_scale: floa
     out = {"question_id": row.get("question_id"), "turn": row.get("turn", 0), "dataset": row.get("dataset"),
            "temperature": row.get("temperature", 0.0), "mode": g.mode, "stages": g.stages, "profile": prof.name,
            "bandwidth_mbps": prof.link.bandwidth_mbps, "stage_cost_scale": round(stage_scale, 6),
-           "time_scale": args.time_scale, "new_tokens": n, "tau": round(tau, 4),
-           "steps": len(g.accept_lengths), "pipeline_steps": g.pipeline_steps, "accept_lengths": g.accept_lengths,
+           "time_scale": args.time_scale, "rank0_cost_scale": args.rank0_cost_scale, "new_tokens": n,
+           "tau": round(tau, 4), "steps": len(g.accept_lengths), "pipeline_steps": g.pipeline_steps,
+           "rounds": g.rounds, "accept_lengths": g.accept_lengths,
            "pred_decode_s": round(t, 6), "overhead_s": overhead,
            "pred_tokens_per_s": round(n / t * args.time_scale, 3) if t > 0 else None}
     if recorded_here:

@@ -39,6 +39,7 @@ class Replayed:
     stages: int
     accept_lengths: list[int]
     pipeline_steps: int
+    rounds: int = 0           # trees drafted from a fresh root (a round ends at every truncation)
 
 
 @dataclass
@@ -103,7 +104,7 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
                 if res.output_ids != output:
                     raise AssertionError(f"replay of question {row.get('question_id')} diverged from its "
                                          "recorded output")
-                session.gens.append(Replayed(row, mode, stages, res.accept_lengths, res.pipeline_steps))
+                session.gens.append(Replayed(row, mode, stages, res.accept_lengths, res.pipeline_steps, res.rounds))
                 if progress is not None:
                     progress.update(1)
         finally:

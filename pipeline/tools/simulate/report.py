@@ -108,6 +108,9 @@ def summarize(preds: list[dict]) -> list[dict]:
                "generations": len(ps),
                "new_tokens": toks, "tau": round(sum(p["tau"] * p["steps"] for p in ps) / max(1, sum(p["steps"] for p in ps)), 3),
                "pred_xi": round(toks / secs * scale, 3) if secs else None}
+        rounds = sum(p.get("rounds") or 0 for p in ps)
+        if rounds:    # tokens the rounds committed (the first token comes from the prefill, in no round)
+            row["tokens_per_round"] = round(sum(sum(p["accept_lengths"]) for p in ps) / rounds, 3)
         if all(p.get("busy_fraction") for p in ps):   # time-weighted over the generations
             fr = [sum(p["busy_fraction"][r] * p["pred_decode_s"] for p in ps) / secs
                   for r in range(len(ps[0]["busy_fraction"]))] if secs else []
@@ -143,7 +146,7 @@ MODE_ORDER = {m: i for i, m in enumerate(COMPARED_MODES)}   # ar, naive, pruned,
 COLUMNS = ["temperature", "stages", "bandwidth_mbps", "dataset", "mode", "generations", "new_tokens", "tau", "pred_xi",
            "sr_vs_naive", "sr_vs_ar", "rank0_busy", "stage_busy_mean", "stage_busy_min", "r0_turnaround_ms",
            "stage_step_ms", "turnaround_vs_step", "recorded_xi", "error_total", "error_mean_abs", "recorded_tau",
-           "flagged"]
+           "flagged", "tokens_per_round"]
 
 
 def write_summary(table: list[dict], out_dir: Path, profile: str) -> None:
@@ -158,7 +161,8 @@ def write_summary(table: list[dict], out_dir: Path, profile: str) -> None:
              "busy = share of decode time a rank computes (rank 0: lm_head, draft head, tree work; stages: "
              "layers), time-weighted over generations; turnaround = rank 0's mean time from holding a returned result "
              "to starting the next ring send, against the stages' mean step (stage_step_ms; both in the profile's "
-             "time). "
+             "time); tokens_per_round = tokens per tree drafted from a fresh root (a round ends at each "
+             "truncation: the next useful result is then a full ring trip away). "
              "Where rows were recorded under the same profile and stage count: their measured ξ, the total "
              "prediction error (predicted / measured decode seconds − 1), the mean per-generation |error|, "
              "and how many of them the emulation flagged for overruns.", "",

@@ -5,7 +5,8 @@
 
 * a compute op takes the profile's modeled time (a stage's ``time(rows, ctx)`` times ``stage_cost_scale``;
   rank 0's lm_head and draft head by the profile's rank-0 models, or at their recorded CPU time with
-  ``model_rank0=False``), plus ``op_overhead_s``; host work takes its measured time;
+  ``model_rank0=False``), plus ``op_overhead_s``; host work takes its measured time; everything rank 0 runs
+  itself is multiplied by ``rank0_cost_scale`` (0: the what-if of a rank 0 that costs nothing);
 * a message serialises on its link (header + rows x bytes per row + other bytes, over the bandwidth; one link
   per (sender, receiver) pair, messages on it back to back) and arrives ``latency_s`` later without blocking
   the sender; a receive waits for its message (plus ``msg_overhead_s``);
@@ -32,7 +33,8 @@ class TimingConfig:
     """How a session's ops are timed. ``stage_cost_scale`` multiplies every stage compute time (e.g. the same
     model on twice as many stages: 0.5); ``hidden_bytes_per_token`` overrides the profile's (needed when the
     profile counts real payloads); ``model_rank0=False`` times rank 0's lm_head/draft ops at their recorded
-    CPU time instead of the profile's model."""
+    CPU time instead of the profile's model; ``rank0_cost_scale`` multiplies every op rank 0 runs (its
+    lm_head, draft-model and host work, and their ``op_overhead_s``), never its transfers or waits."""
 
     profile: Profile
     time_scale: float = 1.0
@@ -41,6 +43,8 @@ class TimingConfig:
     model_rank0: bool = True
     real_hidden_bytes: float = 0.0      # bytes per hidden row of the real model (profiles that count payloads)
     op_overhead_s: float = 0.0          # added to every modeled op (e.g. the testbed's padding overhead)
+    rank0_cost_scale: float = 1.0       # factor on all of rank 0's work (lm_head, draft ops, host work);
+                                        # 0 = a what-if rank 0 that takes no time (off the critical path)
 
 
 class Deadlock(RuntimeError):
@@ -74,6 +78,7 @@ def simulate_timing(logs: list[list[tuple]], tc: TimingConfig,
         progressed = False
         for r in range(world):
             ops = logs[r]
+            own = tc.rank0_cost_scale if r == 0 else 1.0     # factor on the work this rank does itself
             while idx[r] < len(ops):
                 t = clock[r]
                 op = ops[idx[r]]
@@ -94,14 +99,14 @@ def simulate_timing(logs: list[list[tuple]], tc: TimingConfig,
                     t = max(t, issued[k]) + tc.msg_overhead_s
                     bread[r] += 1
                 elif kind == "host":
-                    t += op[1]
+                    t += op[1] * own
                 elif kind == "compute":
                     t += prof.stage_model(r).time(op[1], op[2]) * tc.stage_cost_scale * s + tc.op_overhead_s
                 elif kind == "lm_head":
-                    t += (r0_lm.time(op[1], 0) * s if r0_lm is not None else op[2]) + tc.op_overhead_s
+                    t += ((r0_lm.time(op[1], 0) * s if r0_lm is not None else op[2]) + tc.op_overhead_s) * own
                 elif kind in r0_fwd:
                     cost = r0_fwd[kind]
-                    t += (cost.time(op[1], op[2]) * s if cost is not None else op[3]) + tc.op_overhead_s
+                    t += ((cost.time(op[1], op[2]) * s if cost is not None else op[3]) + tc.op_overhead_s) * own
                 elif kind == "send":
                     dst = op[1]
                     link = prof.link_model(r, dst)
