@@ -274,3 +274,9 @@ def test_mode_sps_is_refused_with_one_line(tmp_path, capsys):
     assert main([str(rows), "--modes", "sps", "--stages", "4", "--no-plots", "--out-dir", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "does not replay mode sps" in err and "Traceback" not in err
+
+
+def test_negative_rank0_cost_scale_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["rows.jsonl", "--rank0-cost-scale", "-1"])
+    assert e.value.code == 2 and "--rank0-cost-scale -1.0 must be >= 0" in capsys.readouterr().err

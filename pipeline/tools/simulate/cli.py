@@ -84,7 +84,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="draw a Gantt chart of the N-th replayed generation of every mode/stages/bandwidth (-1: none)")
     p.add_argument("--gantt-window", type=float, default=1.5, help="seconds of decode shown in each Gantt chart")
     p.add_argument("--quiet", action="store_true")
-    return parse_rows_args(p, argv)
+    args = parse_rows_args(p, argv)
+    if not args.rank0_cost_scale >= 0:
+        p.error(f"--rank0-cost-scale {args.rank0_cost_scale} must be >= 0")
+    return args
 
 
 def parse_rows_args(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
@@ -96,8 +99,6 @@ def parse_rows_args(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace
     args.rows = [a for a in args.rows if a not in args.overrides]
     if not args.rows:
         p.error("give at least one rows JSONL file")
-    if not args.rank0_cost_scale >= 0:
-        p.error(f"--rank0-cost-scale {args.rank0_cost_scale} must be >= 0")
     return args
 
 
