@@ -62,7 +62,8 @@ class TreeConfig:
     first_levels: int = 2        # continuous (incremental): levels of a round's first tree drafted before its
                                  # first segment (subseq_token nodes) goes out; the rest grows while it travels
                                  # (0 = draft the whole first tree first)
-    expand_total_token: int = 64  # continuous: tree drafted from each new root (0 = no expansion)
+    expand_total_token: int = 64  # continuous: tree drafted from each new root (0 = no expansion after a
+                                  # verified step; none_expand and ahead_levels still apply)
     expand_depth: int = 6
     expand_topk: int = 10
     expand_subseq_token: int = -1  # max nodes sent per step after the fill (-1 = all waiting nodes)

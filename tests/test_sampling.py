@@ -197,6 +197,7 @@ class CountingContinuous(ContinuousMode):
     """The real ContinuousMode; counts nodes that expansion appends before the horizon is reached."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.appended = 0
 
     def grow(self, engine, tree, root_hidden, verified):
@@ -383,14 +384,17 @@ def test_exact_law_every_mode(mode, world, temp, top_p, top_k, draft, horizon, o
         assert seen.get(e, 0) > 0, f"no {e} event before the horizon: {seen}"
 
 
-def test_expansion_off_appends_nothing_and_keeps_the_law():
+@pytest.mark.parametrize("levels", [2, 0], ids=["incremental", "redraft"])
+def test_expansion_off_appends_nothing_and_keeps_the_law(levels):
     """``tree.expand_total_token=0`` (continuous without dynamic expansion, the README's ablation): no node is
     appended after a verified step, rounds still continue through re-roots, and the law stays the target's;
-    the same setting with expansion on does append (so the check can fail)."""
+    the same setting with expansion on does append (so the check can fail). Both expansion paths: incremental
+    (``expand_levels > 0``) and the paper's redraft-and-merge (``expand_levels = 0``)."""
     tables = make_world(11, "target", 1.5)
     for budget, expect_growth in ((0, False), (5, True)):
         sampler = BranchingSampler(1.0, 1.0, 0, 3)
-        run = make_runner("continuous", 3, tables, sampler, 3, {"tree.expand_total_token": budget})
+        run = make_runner("continuous", 3, tables, sampler, 3,
+                          {"tree.expand_total_token": budget, "tree.expand_levels": levels})
         law, _ = exact_law(run, sampler)
         ref = target_law(sampler, tables[0], 3)
         assert max(abs(law.get(k, 0.0) - w) for k, w in ref.items()) < 1e-6

@@ -280,3 +280,9 @@ def test_negative_rank0_cost_scale_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["rows.jsonl", "--rank0-cost-scale", "-1"])
     assert e.value.code == 2 and "--rank0-cost-scale -1.0 must be >= 0" in capsys.readouterr().err
+
+
+def test_calibrating_a_what_if_rank0_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["rows.jsonl", "--calibrate", "ar", "--rank0-cost-scale", "0"])
+    assert e.value.code == 2 and "--calibrate" in capsys.readouterr().err

@@ -223,8 +223,9 @@ class ContinuousMode(StreamingMode):
     its best leaves, up to ``expand_total_token`` nodes in all: the likely outcomes of the segments in flight
     are drafted ahead, at a cost that does not grow with the tree's depth. ``expand_levels = 0``: the paper
     code's expansion, a fresh ``expand_depth``-deep EAGLE-2 tree drafted from the new root and merged.
-    ``expand_total_token = 0``: no expansion after a verified step (the ablation: ``pruned`` with this mode's
-    quick-started first tree and per-step commits).
+    ``expand_total_token = 0``: no expansion after a verified step (the ablation; with ``none_expand`` and
+    ``ahead_levels`` off, as by default, it is ``pruned`` with this mode's quick-started first tree and per-step
+    commits).
     """
 
     def __init__(self) -> None:

@@ -87,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parse_rows_args(p, argv)
     if not args.rank0_cost_scale >= 0:
         p.error(f"--rank0-cost-scale {args.rank0_cost_scale} must be >= 0")
+    if args.calibrate and args.rank0_cost_scale != 1.0:
+        p.error("--calibrate fits the testbed on recorded rows timed as recorded; use it with --rank0-cost-scale 1")
     return args
 
 
@@ -178,6 +180,8 @@ def run(args) -> int:
                              lambda n, o: timing(n, profile, o), args)
         print(f"[simulate] calibrated testbed overhead: {overhead * 1e3:.3f} ms per modeled op and per received "
               f"message (fitted on the recorded {args.calibrate} rows)", file=sys.stderr)
+    label = profile.name if args.rank0_cost_scale == 1.0 else \
+        f"{profile.name}, what-if: rank 0's own work x {args.rank0_cost_scale:g}"
     preds = []
     for base, grows in sessions:
         for bw in bandwidths:
@@ -194,14 +198,14 @@ def run(args) -> int:
                 pred["turnaround"] = ta
                 pred["direct_polls_late"] = list(late)
                 preds.append(pred)
-            draw_gantt(tl, windows, session, prof, profile.name, args, out_dir)
+            draw_gantt(tl, windows, session, prof, label, args, out_dir)
     bar.close()
     with open(out_dir / "predictions.jsonl", "w", encoding="utf-8") as f:
         for p in preds:
             f.write(json.dumps(p) + "\n")
     table = summarize(preds)
-    write_summary(table, out_dir, profile.name)
-    paper = write_paper_tables(preds, out_dir, profile.name, args) if any(p.get("dataset") for p in preds) else []
+    write_summary(table, out_dir, label)
+    paper = write_paper_tables(preds, out_dir, label, args) if any(p.get("dataset") for p in preds) else []
     print((out_dir / "summary.md").read_text())
     for path in paper:
         print(f"[simulate] paper-style table: {path}", file=sys.stderr)

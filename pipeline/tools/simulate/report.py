@@ -163,7 +163,8 @@ def write_summary(table: list[dict], out_dir: Path, profile: str) -> None:
              "to starting the next ring send, against the stages' mean step (stage_step_ms; both in the profile's "
              "time); tokens_per_round = tokens per tree drafted from a fresh root (a round ends at each "
              "truncation: the next useful result is then a full ring trip away). "
-             "Where rows were recorded under the same profile and stage count: their measured ξ, the total "
+             "Where rows were recorded by the very run predicted (same profile, stage count, link and dilation; "
+             "not for what-ifs such as a scaled rank 0): their measured ξ, the total "
              "prediction error (predicted / measured decode seconds − 1), the mean per-generation |error|, "
              "and how many of them the emulation flagged for overruns.", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
