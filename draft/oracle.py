@@ -20,6 +20,8 @@ head, with this acceptance".
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from draft.drafter import BeamTreeDrafter
@@ -48,7 +50,7 @@ def parse_reference_drafter(head_dir: str) -> tuple[str, float, str]:
         noise = float(text or 0)
     except ValueError:
         noise = float("nan")
-    if kind not in REFERENCE_DRAFTERS or not noise >= 0.0 or noise == float("inf"):
+    if kind not in REFERENCE_DRAFTERS or not (math.isfinite(noise) and noise >= 0.0):
         raise ValueError(f"model.head_dir={head_dir}: expected oracle[@noise]:<dir> or adversary:<dir> with a "
                          f"noise >= 0, e.g. oracle@1:<dir>")
     return kind, noise, path

@@ -51,6 +51,7 @@ def test_timing_of_one_round_by_hand():
     assert decode_times(marks5)[0] == pytest.approx(end + 0.0005 + 0.003 + 0.002 + 2 * 2 * 0.001 + 2 * 0.001,
                                                     abs=1e-12)
 
+
 def test_links_serialise_and_receivers_wait():
     # two 1000-byte messages back to back: the second leaves when the first is on the wire (1 ms each)
     logs = [[("send", 1, 0, 1000), ("send", 1, 0, 1000), ("mark", "sent")],

@@ -284,9 +284,9 @@ class ContinuousMode(StreamingMode):
 
     def grow(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor, verified: bool) -> DraftTree:
         t = engine.cfg.tree
-        if verified and t.expand_total_token == 0:   # expansion off: the round keeps its first tree
-            return tree
         if verified:
+            if t.expand_total_token == 0:   # expansion off: the round keeps its first tree
+                return tree
             total, depth = t.expand_total_token, t.expand_depth
         elif t.none_expand:
             total, depth = t.expand_total_token + t.none_expand_size, t.expand_depth + t.none_expand_depth

@@ -39,7 +39,7 @@ class Replayed:
     stages: int
     accept_lengths: list[int]
     pipeline_steps: int
-    rounds: int = 0           # trees drafted from a fresh root (a round ends at every truncation)
+    rounds: int               # trees drafted from a fresh root (a round ends at every truncation)
 
 
 @dataclass
