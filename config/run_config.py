@@ -46,6 +46,9 @@ class ModelConfig:
     verify_checksums: bool = True
     num_threads: int = 1         # torch threads per rank on CPU (several ranks share the cores)
     eagle3_taps: str = "auto"    # layer outputs the stages forward for an EAGLE-3 head: auto (from head_dir) | none | 1,14,26
+    draft_vocab: int = 0         # EAGLE-1/2 head: draft only over the N tokens the target emits most (draft/vocab.py;
+                                 # cuts rank 0's draft lm_head to N/V; output unchanged); 0 = the whole vocabulary
+    draft_vocab_counts: str = ""  # token counts that rank them ("" = <head dir>/token_counts.safetensors)
 
 
 @dataclass
@@ -229,6 +232,8 @@ class RunConfig:
                   "none_expand_depth", "ahead_levels", "first_levels"):
             if getattr(self.tree, k) < 0:
                 raise ConfigError(f"{k}={getattr(self.tree, k)} must be >= 0")
+        if self.model.draft_vocab < 0:
+            raise ConfigError(f"model.draft_vocab={self.model.draft_vocab} must be >= 0 (0 = the whole vocabulary)")
         if not 0 <= self.tree.ahead_min_prob <= 1:
             raise ConfigError(f"tree.ahead_min_prob={self.tree.ahead_min_prob} must be in [0, 1]")
         if self.tree.expand_subseq_token < 1 and self.tree.expand_subseq_token != -1:

@@ -4,6 +4,9 @@ EAGLE-3 heads (:class:`draft.eagle3.Eagle3Head`) run through the same code: thei
 target's fused tapped-layer features (the wide rows the stages send), tree entries the head's own output; their
 log-probs come from the head's own ``norm``/``lm_head`` over the draft vocabulary, mapped to target ids by
 ``vocab_map`` (a reduced vocabulary: top-k runs in the draft vocabulary, target ids outside it get -inf).
+An EAGLE-1/2 head, which shares the target's ``lm_head``, can draft over a reduced vocabulary too
+(``draft_ids``, the run key ``model.draft_vocab``, :mod:`draft.vocab`): its draft log-probs then apply only
+those rows of the target's ``lm_head`` (a copy made once), the same ``vocab_map`` path as EAGLE-3's.
 
 Draft cache entries pair a token with the feature of the position before it: entry ``t`` is
 ``(token[t+1], feature[t])`` at position ``t``. The cache's committed context only ever holds entries
@@ -34,9 +37,9 @@ class BeamTreeDrafter:
     """
 
     supports_extend = True   # grow_tree is the EAGLE-2 search: extend_tree may continue its trees
-    vocab_map: Tensor | None = None   # EAGLE-3 reduced vocabulary (draft id -> target id); None = the target's
-    meter: OpMeter = NULL_METER   # instrumentation sees each logprobs call as an lm_head op (model.meter)
-    # a subclass that sets vocab_map also implements draft_logprobs (log-probs over the draft vocabulary)
+    vocab_map: Tensor | None = None   # reduced draft vocabulary (draft id -> target id); None = the target's
+    meter: OpMeter = NULL_METER   # instrumentation sees each draft log-prob call as an lm_head op (model.meter)
+    # a subclass that sets vocab_map also implements draft_logprobs (log-probs over the draft vocabulary, metered)
 
     def _topk(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Best ``min(k, draft vocabulary)`` (log-prob, target token) per row of ``hidden``; for a reduced
@@ -174,7 +177,10 @@ class BeamTreeDrafter:
 class Drafter(BeamTreeDrafter):
     """The EAGLE drafter: an EAGLE-1/2 or EAGLE-3 head with its own KV cache (see the module docstring)."""
 
-    def __init__(self, head: EagleHead, lm_head: torch.nn.Linear, max_len: int) -> None:
+    def __init__(self, head: EagleHead, lm_head: torch.nn.Linear, max_len: int,
+                 draft_ids: Tensor | None = None) -> None:
+        """``draft_ids``: draft only over these target ids (strictly increasing; :func:`draft.vocab.top_ids`),
+        for a head that uses the target's ``lm_head``; an EAGLE-3 head brings its own vocabulary instead."""
         self.head = head
         self.lm_head = lm_head
         p = next(head.parameters())
@@ -182,6 +188,24 @@ class Drafter(BeamTreeDrafter):
         new_cache = getattr(head, "new_cache", None) or head.block.new_cache
         self.cache = new_cache(max_len, self.dtype, self.device)
         self.vocab_map = getattr(head, "vocab_map", None)   # EAGLE-3 reduced vocabulary: draft id -> target id
+        self._draft_rows: tuple[Tensor, Tensor | None] | None = None   # (weight, bias) rows of draft_ids
+        if draft_ids is not None:
+            from draft.eagle3 import check_vocab_map
+            from draft.head_io import HeadError
+            if hasattr(head, "draft_logits"):
+                raise HeadError("model.draft_vocab applies to heads that share the target's lm_head (EAGLE-1/2); "
+                                "an EAGLE-3 head drafts over its own vocabulary (its d2t)")
+            w = lm_head.weight
+            ids = draft_ids.to(torch.int64).cpu()
+            check_vocab_map(ids, w.shape[0], ids.numel())
+            self.vocab_map = ids.to(w.device)
+            bias = None if lm_head.bias is None else lm_head.bias.detach()[self.vocab_map].clone()
+            self._draft_rows = (w.detach()[self.vocab_map].clone(), bias)
+
+    @property
+    def draft_vocab_rows(self) -> int:
+        """Rows of the draft's vocabulary projection (0 = the target's whole vocabulary): an lm_head op's ``ctx``."""
+        return 0 if self.vocab_map is None else int(self.vocab_map.numel())
 
     def reset(self) -> None:
         self.cache.reset()
@@ -193,22 +217,26 @@ class Drafter(BeamTreeDrafter):
 
     @torch.no_grad()
     def draft_logprobs(self, hidden: Tensor) -> Tensor:
-        """Log-probs over the *draft* vocabulary (the target's, except for a reduced EAGLE-3 vocabulary)."""
-        if hasattr(self.head, "draft_logits"):
-            return torch.log_softmax(self.head.draft_logits(hidden.to(self.dtype)).float(), dim=-1)
-        return torch.log_softmax(self.lm_head(hidden.to(self.lm_head.weight.dtype)).float(), dim=-1)
+        """Log-probs over the *draft* vocabulary (the target's, except for a reduced vocabulary); one metered
+        ``lm_head`` op over :attr:`draft_vocab_rows` rows of the vocabulary."""
+        with self.meter.op("lm_head", hidden_rows(hidden), self.draft_vocab_rows):
+            if hasattr(self.head, "draft_logits"):
+                return torch.log_softmax(self.head.draft_logits(hidden.to(self.dtype)).float(), dim=-1)
+            if self._draft_rows is not None:
+                w, b = self._draft_rows
+                return torch.log_softmax(torch.nn.functional.linear(hidden.to(w.dtype), w, b).float(), dim=-1)
+            return torch.log_softmax(self.lm_head(hidden.to(self.lm_head.weight.dtype)).float(), dim=-1)
 
     @torch.no_grad()
     def logprobs(self, hidden: Tensor) -> Tensor:
         """Log-probs over the target vocabulary (-inf outside a reduced draft vocabulary)."""
-        with self.meter.op("lm_head", hidden_rows(hidden)):
-            lp = self.draft_logprobs(hidden)
-            if self.vocab_map is None:
-                return lp
-            full = torch.full((*lp.shape[:-1], self.lm_head.out_features), float("-inf"), dtype=lp.dtype,
-                              device=lp.device)
-            full[..., self.vocab_map.to(lp.device)] = lp
-            return full
+        lp = self.draft_logprobs(hidden)
+        if self.vocab_map is None:
+            return lp
+        full = torch.full((*lp.shape[:-1], self.lm_head.out_features), float("-inf"), dtype=lp.dtype,
+                          device=lp.device)
+        full[..., self.vocab_map.to(lp.device)] = lp
+        return full
 
     @torch.no_grad()
     def commit(self, tokens: Tensor, features: Tensor) -> Tensor:

@@ -7,7 +7,8 @@ Five kinds of operation are metered, each run inside ``meter.op(kind, rows, ctx)
 * ``"group_megatron"`` / ``"group_galaxy"``: one forward of a tensor-parallel group (modes ``tp`` / ``galaxy``,
   ``pipeline.tp_run.TPWorker``; every rank of the group) over ``rows`` new positions, ``ctx`` cached;
 * ``"lm_head"``: ``rows`` hidden states through the target's ``lm_head`` (``Engine.logits``; a drafter's
-  ``logprobs``);
+  ``logprobs``); ``ctx`` is the number of vocabulary rows applied when that is not the whole vocabulary (a
+  reduced draft vocabulary, :mod:`draft.vocab` / EAGLE-3's ``d2t``), 0 otherwise;
 * ``"draft_forward"``: a draft-head forward of ``rows`` entries over ``ctx`` cached ones (``EagleHead`` /
   ``Eagle3Head``);
 * ``"ssm_forward"``: a small draft LM's forward (``draft.ssm.SmallLMDrafter``) of ``rows`` new tokens (all the

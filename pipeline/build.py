@@ -153,6 +153,8 @@ def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
                 kind, noise, path = parse_reference_drafter(cfg.model.head_dir)
             except ValueError as e:
                 raise SetupError(str(e)) from None
+            if cfg.model.draft_vocab:
+                raise SetupError("model.draft_vocab applies to EAGLE heads, not to the oracle/adversary test drafters")
             what = f"{kind} drafter" + (f" with Gumbel noise {noise:g}" if noise else "")
             print(f"[rank 0] using the {what} (full model {path}); for tests and ablations", file=sys.stderr)
             return OracleDrafter(path, adversarial=(kind == "adversary"), dtype=dtype, device=device, noise=noise)
@@ -166,9 +168,28 @@ def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
         else:
             head = load_draft_head(head_dir, model.config, model.embed_tokens.weight.data, dtype, device)
         check_taps(head, getattr(model, "taps", []))
-        return Drafter(head, model.lm_head, cfg.model.max_seq_len + 64)
+        return Drafter(head, model.lm_head, cfg.model.max_seq_len + 64, draft_ids=_draft_ids(cfg, head_dir, model))
     except HeadError as e:
         raise SetupError(str(e)) from None
+
+
+def _draft_ids(cfg, head_dir: Path | None, model):
+    """``model.draft_vocab=N``: the N most frequent target ids (:mod:`draft.vocab`), ranked by
+    ``model.draft_vocab_counts`` or the counts beside the head; None = the whole vocabulary."""
+    from draft.head_io import HeadError
+    from draft.vocab import draft_vocab_ids
+    n = cfg.model.draft_vocab
+    if not n:
+        return None
+    counts = cfg.model.draft_vocab_counts or head_dir
+    if counts is None:
+        raise HeadError("model.draft_vocab needs token counts: set model.draft_vocab_counts=<file> "
+                        "(an untrained head has none beside it)")
+    ids = draft_vocab_ids(n, counts, model.lm_head.out_features)
+    if ids is not None:
+        print(f"[rank 0] drafting over the {ids.numel()} most frequent of {model.lm_head.out_features} tokens "
+              f"(model.draft_vocab)", file=sys.stderr)
+    return ids
 
 
 def check_taps(head, taps: list[int]) -> None:

@@ -77,6 +77,7 @@ class Emulator:
         self.counters = [0.0] * K
         self.lock = threading.Lock()
         self.hidden_size = 0    # the real model's H, set by install_stage: tap columns count as hidden rows
+        self.vocab_size = 0     # the target's vocabulary (install_rank0): a reduced-vocabulary lm_head op's share
         self.sender: LinkSender | None = None
         self.group_costs: dict = {}   # TP ranks: op kind -> GroupCost (install_tp_worker)
 
@@ -140,7 +141,11 @@ class Emulator:
         if kind.startswith("group_"):
             return self.group_costs[kind].time(rows, ctx)
         cost = self.rank0_costs[kind]
-        return None if cost is None else cost.time(rows, 0 if kind == "lm_head" else ctx)
+        if cost is None:
+            return None
+        if kind == "lm_head":   # ctx: vocabulary rows applied (a reduced draft vocabulary), 0 = all
+            return cost.time_share(rows, ctx / self.vocab_size if ctx and self.vocab_size else 1.0)
+        return cost.time(rows, ctx)
 
     # installation
     def install_comm(self, comm) -> None:
@@ -185,6 +190,8 @@ class Emulator:
         (:func:`draft.protocol.install_meter`)."""
         if not self.model_rank0:
             return
+        lm_head = getattr(getattr(engine, "model", None), "lm_head", None) or getattr(engine.drafter, "lm_head", None)
+        self.vocab_size = int(getattr(lm_head, "out_features", 0) or 0)
         engine.meter = MeterStack(engine.meter, EmuMeter(self))
         if engine.drafter is not None:
             from draft.protocol import install_meter

@@ -26,7 +26,7 @@ def test_timing_of_one_round_by_hand():
     # 1 us per byte on the links (8 Mbit/s), 1 ms latency, 10 ms per stage op, 2 ms lm_head, 3 ms draft forward
     logs = [
         [("mark", "decode_begin"), ("host", 0.0005), ("draft", 4, 0, 9.0), ("send", 1, 0, 50), ("recv", 2),
-         ("lm_head", 4, 9.0), ("bcast", 16), ("mark", "gen_end")],
+         ("lm_head", 4, 1.0, 9.0), ("bcast", 16), ("mark", "gen_end")],
         [("recv", 0), ("compute", 4, 10), ("send", 2, 4, 0), ("bcast_recv",)],
         [("recv", 1), ("compute", 4, 10), ("send", 0, 4, 0), ("bcast_recv",)],
     ]
@@ -71,7 +71,7 @@ def test_rank0_turnaround_by_hand():
     tl = [(0, ("send", 1, 4, 0), 0.000, 0.000),
           (1, ("compute", 4, 0), 0.001, 0.011), (2, ("compute", 4, 0), 0.012, 0.022),
           (0, ("recv", 2), 0.000, 0.023),                  # result in hand at 23 ms
-          (0, ("lm_head", 4, 0.0), 0.023, 0.025),
+          (0, ("lm_head", 4, 1.0, 0.0), 0.023, 0.025),
           (0, ("dsend", 1, 16), 0.025, 0.025),             # a direct decision is not the next segment
           (0, ("send", 1, 4, 0), 0.026, 0.026),            # turnaround 3 ms
           (0, ("recv", 2), 0.026, 0.050),                  # a result that sends nothing: no turnaround

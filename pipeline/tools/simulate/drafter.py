@@ -72,19 +72,21 @@ class ReplayDrafter:
 
 class LogMeter:
     """An :class:`model.meter.OpMeter` that logs each op as a modeled rank-0 op of the current log (``lm_head`` as
-    ``("lm_head", rows)``, ``draft_forward`` as ``("draft", rows, ctx)``, ``ssm_forward`` as ``("ssm", rows,
-    ctx)``), its own CPU time recorded with it."""
+    ``("lm_head", rows, share)``, ``share`` = the vocabulary rows applied / the target's vocabulary (1 unless the
+    draft has a reduced vocabulary), ``draft_forward`` as ``("draft", rows, ctx)``, ``ssm_forward`` as ``("ssm",
+    rows, ctx)``), its own CPU time recorded with it."""
 
-    def __init__(self, log: OpLog) -> None:
-        self.log = log
+    def __init__(self, log: OpLog, vocab_size: int = 0) -> None:
+        self.log, self.vocab_size = log, vocab_size
 
     def op(self, kind: str, rows: int, ctx: int = 0):
         if kind == "lm_head":
-            return self.log.modeled("lm_head", rows)
+            share = ctx / self.vocab_size if ctx and self.vocab_size else 1.0
+            return self.log.modeled("lm_head", rows, min(1.0, share))
         return self.log.modeled("ssm" if kind == "ssm_forward" else "draft", rows, ctx)
 
 
-def record_drafter(drafter, log: OpLog) -> None:
+def record_drafter(drafter, log: OpLog, vocab_size: int = 0) -> None:
     """Log the drafter's model ops (draft log-prob / lm_head calls, draft-head and small-LM forwards) as modeled
     rank-0 ops: one :class:`LogMeter` on every site (:func:`draft.protocol.install_meter`). A later call only
     redirects the logging to ``log``, so one drafter serves replay after replay."""
@@ -93,5 +95,5 @@ def record_drafter(drafter, log: OpLog) -> None:
         meter.log = log
         return
     from draft.protocol import install_meter
-    meter = drafter._replay_log_meter = LogMeter(log)
+    meter = drafter._replay_log_meter = LogMeter(log, vocab_size)
     install_meter(drafter, meter)

@@ -6,8 +6,9 @@ This is the contract between the replay (:mod:`.replayer`, which writes the logs
 * ``("host", s)``: ``s`` seconds of the rank's own bookkeeping (tree building, verification, pruning, message
   encoding), measured as **thread CPU time** between two logged ops;
 * ``("compute", w, ctx)``: a stage forward of ``w`` rows over ``ctx`` cached slots;
-* ``("lm_head", rows, real_s)``, ``("draft", w, ctx, real_s)``, ``("ssm", w, ctx, real_s)``: rank 0's lm_head /
-  draft-head / small-draft-LM applications, with the CPU time they really took (used when rank 0 is not modeled);
+* ``("lm_head", rows, share, real_s)``, ``("draft", w, ctx, real_s)``, ``("ssm", w, ctx, real_s)``: rank 0's
+  lm_head (over ``share`` of the vocabulary: < 1 for a reduced draft vocabulary) / draft-head / small-draft-LM
+  applications, with the CPU time they really took (used when rank 0 is not modeled);
 * ``("send", dst, hidden_rows, other_bytes)``, ``("recv", src)``: ring messages (modeled bytes);
 * ``("bcast", other_bytes)`` (rank 0), ``("bcast_recv",)``: decision broadcasts;
 * ``("dsend", dst, bytes)`` (rank 0), ``("poll", received so far)`` (a stage): direct decisions
@@ -29,7 +30,7 @@ from config.profiles import message_parts
 class OpLog:
     """One rank's ordered operations. Must be used only from that rank's thread (host time is thread CPU time).
 
-    Ops are tuples: ``("host", s)``, ``("compute", w, ctx)``, ``("lm_head", rows, real_s)``,
+    Ops are tuples: ``("host", s)``, ``("compute", w, ctx)``, ``("lm_head", rows, share, real_s)``,
     ``("draft", w, ctx, real_s)``, ``("ssm", w, ctx, real_s)``, ``("send", dst, hidden_rows, other_bytes)``,
     ``("recv", src)``,
     ``("bcast", other_bytes)`` (rank 0), ``("bcast_recv",)``, ``("mark", name)``.

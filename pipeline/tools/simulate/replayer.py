@@ -87,7 +87,7 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
     rdrafter = None
     if drafter is not None:
         rdrafter = ReplayDrafter(drafter, committed)
-        record_drafter(drafter, log0)
+        record_drafter(drafter, log0, vocab_size)
     engine = ReplayEngine(torch.nn.Linear(1, 1), comm0, rdrafter,
                           Sampler(float(cfg.gen.temperature), 1.0, 0, torch.Generator()), set(), cfg)
     engine.vocab_size, engine.committed, engine.log = vocab_size, committed, log0

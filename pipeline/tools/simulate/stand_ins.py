@@ -72,7 +72,7 @@ class ReplayEngine(Engine):
 
     def logits(self, hidden):
         rows = hidden.reshape(-1, 2)
-        with self.log.modeled("lm_head", int(rows.shape[0])):
+        with self.log.modeled("lm_head", int(rows.shape[0]), 1.0):
             out = torch.full((rows.shape[0], self.vocab_size), NEG, dtype=torch.float32, device=HOST)
             seq = self.committed.seq
             for i, (flag, p) in enumerate(rows.tolist()):

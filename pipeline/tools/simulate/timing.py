@@ -103,7 +103,7 @@ def simulate_timing(logs: list[list[tuple]], tc: TimingConfig,
                 elif kind == "compute":
                     t += prof.stage_model(r).time(op[1], op[2]) * tc.stage_cost_scale * s + tc.op_overhead_s
                 elif kind == "lm_head":
-                    t += ((r0_lm.time(op[1], 0) * s if r0_lm is not None else op[2]) + tc.op_overhead_s) * own
+                    t += ((r0_lm.time_share(op[1], op[2]) * s if r0_lm is not None else op[3]) + tc.op_overhead_s) * own
                 elif kind in r0_fwd:
                     cost = r0_fwd[kind]
                     t += ((cost.time(op[1], op[2]) * s if cost is not None else op[3]) + tc.op_overhead_s) * own

@@ -1,0 +1,154 @@
+"""A reduced draft vocabulary for any EAGLE head: draft over the ``N`` target tokens the target emits most often.
+
+Rank 0's drafting cost for a small target is dominated by the draft log-probs: every tree level applies the
+target's ``lm_head`` (``V x H``; 49152 x 576 for SmolLM2, 21% of the model) to the frontier. Restricting the
+*draft* to the ``N`` most frequent target tokens cuts that to ``N/V`` of the work, as EAGLE-3's ``d2t`` does, for
+heads that share the target's ``lm_head`` (EAGLE-1/2) too.
+
+Counts: ``token_counts.safetensors`` (key ``counts``: int64 ``[V]``, how often the target emitted each token in
+its answers: assistant tokens of self-distilled conversations, ``loss_mask == 1``), kept beside the head
+(:data:`COUNTS_FILE`), made by ``python -m draft.vocab count``.
+
+Invariants of :func:`top_ids`: it returns ``min(n, V)`` distinct ids in ``[0, V)``, strictly increasing (the
+``vocab_map`` layout of :mod:`draft.eagle3`), the ``n`` largest counts with ties broken towards the lower id, so
+the same counts always give the same vocabulary.
+
+Exactness: the draft proposes only ids inside the vocabulary and verification never reads the draft's
+probabilities for a deterministic tree; a sampled draft has zero mass outside it, where the residual
+``max(0, p - q)`` equals ``p`` (docs/eagle3.md, "Draft vocabulary and lossless verification").
+
+Example::
+
+    python -m draft.vocab count --data outputs/vocab_data.jsonl --out draft/heads/SmolLM2-135M-Instruct
+    python -m pipeline.run --prompt "Hello" model.draft_vocab=8192
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draft.head_io import HeadError
+
+COUNTS_FILE = "token_counts.safetensors"
+
+
+def count_tokens(records, vocab_size: int) -> torch.Tensor:
+    """int64 ``[vocab_size]``: how often each id occurs where ``loss_mask`` is 1 (the target's own tokens)."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for r in records:
+        ids = torch.tensor(r["input_ids"], dtype=torch.int64)
+        mask = torch.tensor(r["loss_mask"], dtype=torch.bool)
+        ids = ids[mask[:ids.numel()]]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            raise ValueError(f"token id out of range for a {vocab_size}-token vocabulary")
+        counts += torch.bincount(ids, minlength=vocab_size)
+    return counts
+
+
+def top_ids(counts: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``min(n, V)`` most frequent ids (ties: lower id first), sorted increasing (module invariants)."""
+    v = counts.numel()
+    n = min(int(n), v)
+    # stable sort on -counts keeps the id order among equal counts
+    order = torch.sort(-counts.to(torch.int64), stable=True).indices[:n]
+    return torch.sort(order).values
+
+
+def coverage(counts: torch.Tensor, n: int) -> float:
+    """Share of the counted tokens inside :func:`top_ids` ``(counts, n)``."""
+    total = int(counts.sum())
+    return float(counts[top_ids(counts, n)].sum()) / total if total else 0.0
+
+
+def save_counts(path: str | Path, counts: torch.Tensor, meta: dict) -> Path:
+    path = Path(path)
+    if path.is_dir() or not path.suffix:
+        path = path / COUNTS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"counts": counts.to(torch.int64).contiguous()}, str(path),
+              metadata={k: json.dumps(v) for k, v in meta.items()})
+    return path
+
+
+def load_counts(path: str | Path, vocab_size: int) -> torch.Tensor:
+    """The counts at ``path`` (a file, or a head directory holding :data:`COUNTS_FILE`); one :class:`HeadError`
+    when missing, unreadable or made for another vocabulary size."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / COUNTS_FILE
+    if not p.is_file():
+        raise HeadError(f"model.draft_vocab needs token counts, and {p} does not exist: make them with "
+                        f"python -m draft.vocab count --data <conversations.jsonl> --out {p.parent} "
+                        "(or set model.draft_vocab_counts=<file>)")
+    try:
+        counts = load_file(str(p))["counts"]
+    except Exception as e:
+        raise HeadError(f"cannot read token counts {p}: {e}") from None
+    if counts.dim() != 1 or counts.numel() != vocab_size:
+        raise HeadError(f"token counts {p} are for a {counts.numel()}-token vocabulary, the target has {vocab_size}")
+    return counts
+
+
+def draft_vocab_ids(n: int, counts_path: str | Path, vocab_size: int) -> torch.Tensor | None:
+    """The run key ``model.draft_vocab=n``: ``None`` for the whole vocabulary (``n == 0`` or ``n >= V``), else the
+    ``n`` ids of :func:`top_ids`. A negative ``n`` is one :class:`HeadError`."""
+    if n < 0:
+        raise HeadError(f"model.draft_vocab must be >= 0 (0 = the whole vocabulary), got {n}")
+    if n == 0 or n >= vocab_size:
+        return None
+    return top_ids(load_counts(counts_path, vocab_size), n)
+
+
+def default_vocab_size() -> int:
+    """The default model's vocabulary size, or 0 when it has not been converted here."""
+    from config.paths import DEFAULT_STAGE_DIR
+    cfg = DEFAULT_STAGE_DIR / "stage_model_0" / "config.json"
+    return int(json.loads(cfg.read_text())["vocab_size"]) if cfg.is_file() else 0
+
+
+def cmd_count(args) -> int:
+    from draft.train.records import read_jsonl
+    records = [r for f in args.data for r in read_jsonl(f)]
+    if not records:
+        print(f"error: no conversations in {', '.join(args.data)}", file=sys.stderr)
+        return 2
+    vocab = args.vocab_size or default_vocab_size() or 1 + max(max(r["input_ids"]) for r in records)
+    try:
+        counts = count_tokens(records, vocab)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    meta = {"data": [Path(f).name for f in args.data], "conversations": len(records), "tokens": int(counts.sum())}
+    out = save_counts(args.out, counts, meta)
+    print(f"{out}: {meta['tokens']} tokens of {len(records)} conversations, {int((counts > 0).sum())} distinct ids",
+          file=sys.stderr)
+    print("| draft vocabulary | share of the counted tokens inside |\n|---|---|")
+    for n in (1024, 2048, 4096, 8192, 16384, 32768):
+        if n < vocab:
+            print(f"| {n} | {coverage(counts, n):.4f} |")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m draft.vocab", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("count", help="token counts of the target's answers (data subcommand JSONL) -> "
+                                     f"{COUNTS_FILE}")
+    c.add_argument("--data", action="append", required=True, help="JSONL from python -m draft.train_eagle data "
+                                                                   "(repeatable)")
+    c.add_argument("--out", required=True, help=f"head directory (writes {COUNTS_FILE}) or a .safetensors file")
+    c.add_argument("--vocab-size", type=int, default=0, help="target vocabulary size (default: the default "
+                                                             "model's, or the largest id + 1)")
+    c.set_defaults(func=cmd_count)
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""A reduced draft vocabulary for EAGLE-1/2 heads (``model.draft_vocab``, :mod:`draft.vocab`): the ranking, the
+counts file, the drafter proposing only its vocabulary, greedy output equal to HF in every mode, one-line errors,
+and the emulator / simulator pricing the cheaper draft lm_head.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from config.profiles import CostModel
+from draft.drafter import Drafter
+from draft.eagle import init_untrained_head, save_eagle_head
+from draft.head_io import HeadError
+from draft.vocab import COUNTS_FILE, count_tokens, coverage, draft_vocab_ids, load_counts, save_counts, top_ids
+from model.split import split_checkpoint
+from pipeline.inprocess import run_threaded
+from tests.helpers import REPO, hf_greedy, launch, read_jsonl, tiny_llama
+
+MODES = ["ar", "naive", "pruned", "continuous", "pipedec"]
+PROMPTS = [[1, 5, 9, 13, 22, 7], [1, 40, 41, 42, 43, 44, 45, 46, 47]]
+VOCAB = 96
+
+
+# -- ranking and counts -----------------------------------------------------------------------------------------
+def test_top_ids_invariants():
+    counts = torch.tensor([5, 0, 7, 7, 1, 9, 0, 3])
+    assert top_ids(counts, 3).tolist() == [2, 3, 5]            # 9, 7, 7
+    assert top_ids(counts, 2).tolist() == [2, 5]               # a tie (ids 2, 3 at 7) goes to the lower id
+    assert top_ids(counts, 5).tolist() == [0, 2, 3, 5, 7]
+    assert top_ids(counts, 100).tolist() == list(range(8))     # clamped to the vocabulary
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 50, 96):
+        c = torch.randint(0, 4, (VOCAB,), generator=g)         # many ties
+        ids = top_ids(c, n)
+        assert ids.numel() == n and bool((ids[1:] > ids[:-1]).all())
+        # no id outside beats one inside, and equal counts are split towards lower ids
+        outside = torch.ones(VOCAB, dtype=torch.bool)
+        outside[ids] = False
+        if outside.any():
+            worst_in = int(c[ids].min())
+            assert int(c[outside].max()) <= worst_in
+            tied_out = torch.nonzero(outside & (c == worst_in)).flatten()
+            tied_in = ids[c[ids] == worst_in]
+            assert tied_out.numel() == 0 or int(tied_out.min()) > int(tied_in.max())
+    assert coverage(counts, 3) == pytest.approx(23 / 32)
+    assert coverage(torch.zeros(4, dtype=torch.int64), 2) == 0.0
+
+
+def test_count_tokens_counts_the_targets_own_tokens_only(tmp_path):
+    recs = [{"input_ids": [1, 4, 4, 6, 2], "loss_mask": [0, 0, 1, 1, 1]},
+            {"input_ids": [1, 6, 3], "loss_mask": [0, 1, 1]}]
+    c = count_tokens(recs, 8)
+    assert c.tolist() == [0, 0, 1, 1, 1, 0, 2, 0]              # the prompt's 1, 4 are not counted
+    with pytest.raises(ValueError, match="out of range"):
+        count_tokens([{"input_ids": [1, 9], "loss_mask": [1, 1]}], 8)
+    path = save_counts(tmp_path, c, {"conversations": 2})
+    assert path.name == COUNTS_FILE
+    assert load_counts(tmp_path, 8).tolist() == c.tolist()
+    assert draft_vocab_ids(2, tmp_path, 8).tolist() == [2, 6]    # 6 (2), then the lowest of the ties at 1
+    assert draft_vocab_ids(0, tmp_path, 8) is None and draft_vocab_ids(8, tmp_path, 8) is None
+    with pytest.raises(HeadError, match="16-token vocabulary"):
+        load_counts(save_counts(tmp_path / "other.safetensors", torch.zeros(16, dtype=torch.int64), {}), 8)
+    with pytest.raises(HeadError, match="python -m draft.vocab count"):
+        load_counts(tmp_path / "nowhere", 8)
+    with pytest.raises(HeadError, match=">= 0"):
+        draft_vocab_ids(-1, tmp_path, 8)
+
+
+def test_count_cli(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"input_ids": [1, 5, 5, 7], "loss_mask": [0, 1, 1, 1]}) for _ in range(3)))
+    r = subprocess.run([sys.executable, "-m", "draft.vocab", "count", "--data", str(data), "--out", str(tmp_path),
+                        "--vocab-size", "16"], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert load_counts(tmp_path, 16)[5] == 6 and "| 1024 |" not in r.stdout      # sizes >= V are not listed
+    bad = subprocess.run([sys.executable, "-m", "draft.vocab", "count", "--data", str(data), "--out", str(tmp_path),
+                          "--vocab-size", "4"], cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "out of range" in bad.stderr
+    h = subprocess.run([sys.executable, "-m", "draft.vocab", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert h.returncode == 0 and "Example" in h.stdout
+
+
+# -- the drafter ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoConfig
+    root = tmp_path_factory.mktemp("dvocab")
+    full = tiny_llama(root / "full", layers=4, vocab=VOCAB, dtype=torch.float64)
+    cfg = AutoConfig.from_pretrained(full)
+    splits = {n: split_checkpoint(full, root / f"s{n}", spec, progress=False)
+              for n, spec in ((2, [0, 4]), (3, [0, 2, 2]), (5, [0, 1, 1, 1, 1]))}
+    head = init_untrained_head(cfg).double().eval()
+    head_dir = save_eagle_head(head, root / "head")
+    # counts that favour even ids, so the draft vocabulary is the even ids when it has VOCAB/2 entries
+    counts = torch.tensor([10 if i % 2 == 0 else 1 for i in range(VOCAB)])
+    save_counts(head_dir, counts, {"test": True})
+    return full, cfg, splits, head_dir
+
+
+def _drafter(cfg, ids=None):
+    torch.manual_seed(1)
+    head = init_untrained_head(cfg).double().eval()
+    lm = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False).double()
+    return Drafter(head, lm, 256, draft_ids=ids)
+
+
+def test_drafter_proposes_only_its_vocabulary(tiny):
+    _, cfg, _, _ = tiny
+    ids = torch.arange(0, VOCAB, 2)
+    full, red = _drafter(cfg), _drafter(cfg, ids)
+    assert full.draft_vocab_rows == 0 and red.draft_vocab_rows == VOCAB // 2
+    feats = torch.randn(5, cfg.hidden_size, dtype=torch.float64)
+    root_f = full.start([1, 5, 9, 13, 22], 7, feats)
+    root = red.start([1, 5, 9, 13, 22], 7, feats)
+    assert torch.equal(root, root_f)                            # the head itself is untouched
+    lp, lp_full = red.logprobs(root), full.logprobs(root)
+    assert torch.isinf(lp[1::2]).all() and torch.isfinite(lp[0::2]).all()
+    assert abs(float(lp.exp().sum()) - 1.0) < 1e-9
+    # inside the vocabulary: the full distribution renormalised (the same logits, a smaller softmax)
+    ref = torch.log_softmax(lp_full[0::2], dim=-1)
+    assert torch.allclose(lp[0::2], ref, atol=1e-10)
+    tree, inputs = red.grow_tree_with_inputs(7, root, 30, 4, 6)
+    assert len(tree) > 1 and all(int(t) % 2 == 0 for t in tree.tokens[1:])
+    grown, _ = red.extend_tree(tree, inputs, root, 2, 6, 10)
+    assert len(grown) > len(tree) and all(int(t) % 2 == 0 for t in grown.tokens[1:])
+
+
+def test_meter_charges_the_draft_vocabulary(tiny):
+    _, cfg, _, _ = tiny
+
+    class Rec:
+        def __init__(self):
+            self.ops = []
+
+        def op(self, kind, rows, ctx=0):
+            from contextlib import nullcontext
+            self.ops.append((kind, rows, ctx))
+            return nullcontext()
+
+    for ids, want in ((None, 0), (torch.arange(0, VOCAB, 3), VOCAB // 3)):
+        d = _drafter(cfg, ids)
+        d.meter = rec = Rec()
+        root = d.start([1, 5, 9], 7, torch.randn(3, cfg.hidden_size, dtype=torch.float64))
+        d.grow_tree(7, root, 12, 3, 3)
+        lm = [op for op in rec.ops if op[0] == "lm_head"]
+        assert lm and all(ctx == want for _, _, ctx in lm)
+
+
+def test_bad_draft_ids_and_eagle3_heads_are_refused(tiny):
+    from draft.eagle3 import init_eagle3_head
+    _, cfg, _, _ = tiny
+    with pytest.raises(HeadError):
+        _drafter(cfg, torch.tensor([4, 2, 9]))                  # not increasing
+    with pytest.raises(HeadError):
+        _drafter(cfg, torch.tensor([1, VOCAB]))                 # out of range
+    e3 = init_eagle3_head(cfg, seed=1, aux_layers=[0, 1, 2], vocab_map=torch.arange(0, VOCAB, 2)).double()
+    lm = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False).double()
+    with pytest.raises(HeadError, match="its own vocabulary"):
+        Drafter(e3, lm, 64, draft_ids=torch.arange(8))
+
+
+# -- exactness through the ring -------------------------------------------------------------------------------
+@pytest.mark.parametrize("world,n,overrides", [
+    (2, VOCAB // 2, []),
+    (3, 10, ["tree.subseq_token=2", "tree.expand_subseq_token=3"]),
+    (5, VOCAB // 2, ["tree.subseq_token=1", "tree.init_total_token=12", "tree.total_token=9",
+                     "tree.none_expand=true", "prefill_chunk=4"]),
+])
+def test_all_modes_equal_hf_with_a_reduced_vocabulary(tiny, world, n, overrides):
+    full, _, splits, head_dir = tiny
+    res = run_threaded(splits[world], PROMPTS, MODES, ["max_new_tokens=14", "dtype=float64",
+                                                      f"model.draft_vocab={n}", *overrides], {2}, str(head_dir))
+    for mode, rows in res.items():
+        for p, r in zip(PROMPTS, rows):
+            assert r.output_ids == hf_greedy(full, p, 14, {2}, torch.float64), (mode, n)
+            assert sum(r.accept_lengths) == len(r.output_ids) - 1
+
+
+def test_build_applies_the_setting_and_errors_are_one_line(tiny, tmp_path):
+    from config.run_config import DEFAULT, ConfigError, apply_overrides
+    from model.stage_model import load_stage
+    from pipeline.build import SetupError, make_drafter
+    full, _, splits, head_dir = tiny
+    m0 = load_stage(splits[2], 0, 2, torch.float64)
+    d = make_drafter(apply_overrides(DEFAULT, [f"head_dir={head_dir}", "model.draft_vocab=48"]), splits[2], m0,
+                     torch.float64, "cpu")
+    assert d.vocab_map.tolist() == list(range(0, VOCAB, 2))
+    other = save_counts(tmp_path / "c.safetensors", torch.arange(VOCAB), {})     # favours high ids
+    d = make_drafter(apply_overrides(DEFAULT, [f"head_dir={head_dir}", "model.draft_vocab=4",
+                                               f"model.draft_vocab_counts={other}"]), splits[2], m0,
+                     torch.float64, "cpu")
+    assert d.vocab_map.tolist() == [92, 93, 94, 95]
+    assert make_drafter(apply_overrides(DEFAULT, [f"head_dir={head_dir}", "model.draft_vocab=0"]), splits[2], m0,
+                        torch.float64, "cpu").vocab_map is None
+    with pytest.raises(ConfigError, match=">= 0"):
+        apply_overrides(DEFAULT, ["model.draft_vocab=-3"]).validate()
+    bare = save_eagle_head(init_untrained_head(m0.config).double(), tmp_path / "bare")
+    with pytest.raises(SetupError, match="draft.vocab count"):
+        make_drafter(apply_overrides(DEFAULT, [f"head_dir={bare}", "model.draft_vocab=8"]), splits[2], m0,
+                     torch.float64, "cpu")
+    with pytest.raises(SetupError, match="oracle"):
+        make_drafter(apply_overrides(DEFAULT, [f"head_dir=oracle:{full}", "model.draft_vocab=8"]), splits[2], m0,
+                     torch.float64, "cpu")
+
+
+def test_multiprocess_run_with_missing_counts_is_one_error(tiny, tmp_path):
+    full, cfg, splits, _ = tiny
+    bare = save_eagle_head(init_untrained_head(cfg).double(), tmp_path / "bare")
+    r = launch(3, [f"model.stage_dir={splits[3]}", "dtype=float64", "max_new_tokens=4", "comm.timeout_s=30",
+                   f"head_dir={bare}", "model.draft_vocab=8", "--prompt-ids", "1,5,9", "--modes", "naive",
+                   "--output", str(tmp_path / "o.jsonl"), "--quiet"], check=False, timeout=300)
+    assert r.returncode != 0
+    err = [l for l in r.stderr.splitlines() if "error" in l.lower()]
+    assert any("[rank 0]" in l and "draft.vocab count" in l for l in err), r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+# -- pricing in the emulator and the simulator -------------------------------------------------------------------
+def test_cost_model_time_share():
+    lm = CostModel(weight_bytes=1e9, mem_bw_Bps=1e10, mem_efficiency=0.5, flops_per_token=1e9, peak_flops=1e12,
+                   compute_efficiency=0.5, overhead_s=0.001)
+    assert lm.time_share(4, 1.0) == lm.time(4)
+    assert lm.time_share(4, 0.25) == pytest.approx(0.25 * 0.2 + 0.001)            # memory bound: 0.2 s x 1/4
+    assert lm.time_share(1000, 0.25) == pytest.approx(0.25 * 2.0 + 0.001)         # compute bound: 2 s x 1/4
+    table = CostModel(model="table", w=[1, 10], ctx=[0], t_s=[[0.01, 0.02]])
+    assert table.time_share(1, 0.5) == pytest.approx(0.005)
+
+
+def test_emulator_and_simulator_price_the_share(tiny):
+    from types import SimpleNamespace
+    from config.profiles import Profile
+    from pipeline.emulation import Emulator
+    from pipeline.tools.simulate.drafter import LogMeter
+    from pipeline.tools.simulate.oplog import OpLog
+    from pipeline.tools.simulate.timing import TimingConfig, simulate_timing
+    from pipeline.tools.simulate import decode_times
+    prof = Profile.from_dict({"name": "t", "stage": {"model": "analytic", "overhead_s": 0.01},
+                              "rank0": {"lm_head": {"model": "analytic", "weight_bytes": 1e8, "mem_bw_Bps": 1e10,
+                                                    "overhead_s": 0.002}},
+                              "link": {"latency_s": 0.0, "bandwidth_mbps": 1000}})
+    emu = Emulator(prof, 0, 2)
+    lm = torch.nn.Linear(4, 100, bias=False)
+    emu.install_rank0(SimpleNamespace(model=SimpleNamespace(lm_head=lm), drafter=None,
+                                      meter=__import__("model.meter").meter.NULL_METER))
+    assert emu.op_time("lm_head", 3, 0) == pytest.approx(0.012)
+    assert emu.op_time("lm_head", 3, 25) == pytest.approx(0.0045)
+    log = OpLog()
+    meter = LogMeter(log, 100)
+    with meter.op("lm_head", 3, 25):
+        pass
+    with meter.op("lm_head", 3, 0):
+        pass
+    assert [op[:3] for op in log.ops if op[0] == "lm_head"] == [("lm_head", 3, 0.25), ("lm_head", 3, 1.0)]
+    logs = [[("mark", "decode_begin"), ("lm_head", 3, 0.25, 9.0), ("lm_head", 3, 1.0, 9.0), ("mark", "gen_end")], []]
+    assert decode_times(simulate_timing(logs, TimingConfig(prof))) == [pytest.approx(0.0045 + 0.012, abs=1e-12)]
