@@ -49,6 +49,7 @@ class ModelConfig:
     draft_vocab: int = 0         # EAGLE-1/2 head: draft only over the N tokens the target emits most (draft/vocab.py;
                                  # cuts rank 0's draft lm_head to N/V; output unchanged); 0 = the whole vocabulary
     draft_vocab_counts: str = ""  # token counts that rank them ("" = <head dir>/token_counts.safetensors)
+    draft_vocab_context: bool = True  # with draft_vocab: the context's own tokens (prompt, output) join the vocabulary
 
 
 @dataclass

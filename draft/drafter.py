@@ -5,8 +5,9 @@ target's fused tapped-layer features (the wide rows the stages send), tree entri
 log-probs come from the head's own ``norm``/``lm_head`` over the draft vocabulary, mapped to target ids by
 ``vocab_map`` (a reduced vocabulary: top-k runs in the draft vocabulary, target ids outside it get -inf).
 An EAGLE-1/2 head, which shares the target's ``lm_head``, can draft over a reduced vocabulary too
-(``draft_ids``, the run key ``model.draft_vocab``, :mod:`draft.vocab`): its draft log-probs then apply only
-those rows of the target's ``lm_head`` (a copy made once), the same ``vocab_map`` path as EAGLE-3's.
+(``draft_ids``, the run key ``model.draft_vocab``, :mod:`draft.vocab`): the ranked ids plus the tokens of the
+generation's context; its draft log-probs then apply only those rows of the target's ``lm_head``
+(:class:`draft.vocab.DraftVocab`), the same ``vocab_map`` path as EAGLE-3's.
 
 Draft cache entries pair a token with the feature of the position before it: entry ``t`` is
 ``(token[t+1], feature[t])`` at position ``t``. The cache's committed context only ever holds entries
@@ -178,8 +179,9 @@ class Drafter(BeamTreeDrafter):
     """The EAGLE drafter: an EAGLE-1/2 or EAGLE-3 head with its own KV cache (see the module docstring)."""
 
     def __init__(self, head: EagleHead, lm_head: torch.nn.Linear, max_len: int,
-                 draft_ids: Tensor | None = None) -> None:
+                 draft_ids: Tensor | None = None, context_vocab: bool = True) -> None:
         """``draft_ids``: draft only over these target ids (strictly increasing; :func:`draft.vocab.top_ids`),
+        plus, with ``context_vocab``, every token of the generation's context (:class:`draft.vocab.DraftVocab`);
         for a head that uses the target's ``lm_head``; an EAGLE-3 head brings its own vocabulary instead."""
         self.head = head
         self.lm_head = lm_head
@@ -187,25 +189,29 @@ class Drafter(BeamTreeDrafter):
         self.dtype, self.device = p.dtype, p.device
         new_cache = getattr(head, "new_cache", None) or head.block.new_cache
         self.cache = new_cache(max_len, self.dtype, self.device)
-        self.vocab_map = getattr(head, "vocab_map", None)   # EAGLE-3 reduced vocabulary: draft id -> target id
-        self._draft_rows: tuple[Tensor, Tensor | None] | None = None   # (weight, bias) rows of draft_ids
+        self._head_vocab = getattr(head, "vocab_map", None)   # EAGLE-3 reduced vocabulary: draft id -> target id
+        self.dvocab = None
         if draft_ids is not None:
             from draft.eagle3 import check_vocab_map
             from draft.head_io import HeadError
+            from draft.vocab import DraftVocab
             if hasattr(head, "draft_logits"):
                 raise HeadError("model.draft_vocab applies to heads that share the target's lm_head (EAGLE-1/2); "
                                 "an EAGLE-3 head drafts over its own vocabulary (its d2t)")
-            w = lm_head.weight
             ids = draft_ids.to(torch.int64).cpu()
-            check_vocab_map(ids, w.shape[0], ids.numel())
-            self.vocab_map = ids.to(w.device)
-            bias = None if lm_head.bias is None else lm_head.bias.detach()[self.vocab_map].clone()
-            self._draft_rows = (w.detach()[self.vocab_map].clone(), bias)
+            check_vocab_map(ids, lm_head.weight.shape[0], ids.numel())
+            self.dvocab = DraftVocab(ids, lm_head, max_len if context_vocab else 0)
+
+    @property
+    def vocab_map(self) -> Tensor | None:
+        """Draft id -> target id (the head's EAGLE-3 vocabulary, or :attr:`dvocab`'s); None = the whole one."""
+        return self.dvocab.ids if self.dvocab is not None else self._head_vocab
 
     @property
     def draft_vocab_rows(self) -> int:
         """Rows of the draft's vocabulary projection (0 = the target's whole vocabulary): an lm_head op's ``ctx``."""
-        return 0 if self.vocab_map is None else int(self.vocab_map.numel())
+        vm = self.vocab_map
+        return 0 if vm is None else int(vm.numel())
 
     def reset(self) -> None:
         self.cache.reset()
@@ -213,6 +219,8 @@ class Drafter(BeamTreeDrafter):
     def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
         """New generation: entries pair each prompt token's feature with the token after it."""
         self.reset()
+        if self.dvocab is not None:
+            self.dvocab.begin(list(prompt_ids) + [int(first_token)])
         return self.commit(torch.tensor(prompt_ids[1:] + [first_token], device=HOST), features)
 
     @torch.no_grad()
@@ -222,9 +230,8 @@ class Drafter(BeamTreeDrafter):
         with self.meter.op("lm_head", hidden_rows(hidden), self.draft_vocab_rows):
             if hasattr(self.head, "draft_logits"):
                 return torch.log_softmax(self.head.draft_logits(hidden.to(self.dtype)).float(), dim=-1)
-            if self._draft_rows is not None:
-                w, b = self._draft_rows
-                return torch.log_softmax(torch.nn.functional.linear(hidden.to(w.dtype), w, b).float(), dim=-1)
+            if self.dvocab is not None:
+                return torch.log_softmax(self.dvocab.logits(hidden).float(), dim=-1)
             return torch.log_softmax(self.lm_head(hidden.to(self.lm_head.weight.dtype)).float(), dim=-1)
 
     @torch.no_grad()
@@ -247,6 +254,8 @@ class Drafter(BeamTreeDrafter):
         cache = self.cache
         if cache.num_tree:
             cache.truncate_tree()
+        if self.dvocab is not None:
+            self.dvocab.add(tokens)
         n = tokens.numel()
         pos, mask = cache.context_inputs(n, self.dtype)
         out = self.head(tokens.view(1, -1).to(self.device), features.view(1, n, -1).to(self.device, self.dtype),

@@ -111,6 +111,78 @@ def default_vocab_size() -> int:
     return int(json.loads(cfg.read_text())["vocab_size"]) if cfg.is_file() else 0
 
 
+class DraftVocab:
+    """The draft vocabulary of one generation and the ``lm_head`` rows it applies: the ranked ``base`` ids plus the
+    tokens of the context (prompt and committed output), because the tokens a request is most likely to repeat
+    and a frequency list misses are its own (names, code identifiers, words of a quoted passage, the target
+    language of a translation).
+
+    Invariants: ``ids`` holds distinct target ids in ``[0, V)``, ``base`` first (increasing), context tokens after
+    in order of first appearance; ``rows[i]`` is the ``lm_head`` row (and ``bias[i]`` its bias) of ``ids[i]``;
+    at most ``len(base) + extra`` ids (context tokens beyond that are left out, the draft just never proposes
+    them); :meth:`begin` restores ``base`` before adding a new generation's context.
+    """
+
+    def __init__(self, base: torch.Tensor, lm_head: torch.nn.Linear, extra: int) -> None:
+        w = lm_head.weight.detach()
+        self.vocab_size, self.n_base = w.shape[0], int(base.numel())
+        cap = min(self.n_base + max(0, int(extra)), self.vocab_size)
+        self._w = w
+        self._b = None if lm_head.bias is None else lm_head.bias.detach()
+        self._ids = torch.empty(cap, dtype=torch.int64, device=w.device)
+        self._rows = torch.empty(cap, w.shape[1], dtype=w.dtype, device=w.device)
+        self._bias = None if self._b is None else torch.empty(cap, dtype=self._b.dtype, device=w.device)
+        self._ids[:self.n_base] = base.to(w.device)
+        self._rows[:self.n_base] = w[self._ids[:self.n_base]]
+        if self._bias is not None:
+            self._bias[:self.n_base] = self._b[self._ids[:self.n_base]]
+        self._member = torch.zeros(self.vocab_size, dtype=torch.bool)      # host copy: membership in O(1)
+        self._member[base.cpu()] = True
+        self._base_member = self._member.clone()
+        self.n = self.n_base
+
+    def begin(self, context: list[int]) -> None:
+        """A new generation: the base vocabulary plus ``context``'s tokens."""
+        self._member.copy_(self._base_member)
+        self.n = self.n_base
+        self.add(context)
+
+    def add(self, tokens) -> None:
+        """Add the tokens not in the vocabulary yet (committed output), while there is room."""
+        t = torch.as_tensor(tokens, dtype=torch.int64).flatten().cpu()
+        if t.numel() == 0 or self.n >= self._ids.numel():
+            return
+        new = t[~self._member[t]]
+        if new.numel() == 0:
+            return
+        new = unique_in_order(new)[: self._ids.numel() - self.n]
+        self._member[new] = True
+        k = new.numel()
+        dev_new = new.to(self._ids.device)
+        self._ids[self.n:self.n + k] = dev_new
+        self._rows[self.n:self.n + k] = self._w[dev_new]
+        if self._bias is not None:
+            self._bias[self.n:self.n + k] = self._b[dev_new]
+        self.n += k
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self._ids[:self.n]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``lm_head(hidden)`` restricted to :attr:`ids` (same order)."""
+        b = None if self._bias is None else self._bias[:self.n]
+        return torch.nn.functional.linear(hidden.to(self._rows.dtype), self._rows[:self.n], b)
+
+
+def unique_in_order(t: torch.Tensor) -> torch.Tensor:
+    """The distinct values of a 1-D tensor in order of first appearance."""
+    uniq, inv = torch.unique(t, return_inverse=True)
+    first = torch.full((uniq.numel(),), t.numel(), dtype=torch.int64).scatter_reduce(
+        0, inv, torch.arange(t.numel()), reduce="amin")
+    return uniq[torch.argsort(first)]
+
+
 def cmd_count(args) -> int:
     from draft.train.records import read_jsonl
     records = [r for f in args.data for r in read_jsonl(f)]

@@ -168,7 +168,8 @@ def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
         else:
             head = load_draft_head(head_dir, model.config, model.embed_tokens.weight.data, dtype, device)
         check_taps(head, getattr(model, "taps", []))
-        return Drafter(head, model.lm_head, cfg.model.max_seq_len + 64, draft_ids=_draft_ids(cfg, head_dir, model))
+        return Drafter(head, model.lm_head, cfg.model.max_seq_len + 64, draft_ids=_draft_ids(cfg, head_dir, model),
+                       context_vocab=cfg.model.draft_vocab_context)
     except HeadError as e:
         raise SetupError(str(e)) from None
 
@@ -187,8 +188,8 @@ def _draft_ids(cfg, head_dir: Path | None, model):
                         "(an untrained head has none beside it)")
     ids = draft_vocab_ids(n, counts, model.lm_head.out_features)
     if ids is not None:
-        print(f"[rank 0] drafting over the {ids.numel()} most frequent of {model.lm_head.out_features} tokens "
-              f"(model.draft_vocab)", file=sys.stderr)
+        print(f"[rank 0] drafting over the {ids.numel()} most frequent of {model.lm_head.out_features} tokens"
+              f"{' and the context' if cfg.model.draft_vocab_context else ''} (model.draft_vocab)", file=sys.stderr)
     return ids
 
 

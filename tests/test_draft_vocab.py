@@ -101,11 +101,11 @@ def tiny(tmp_path_factory):
     return full, cfg, splits, head_dir
 
 
-def _drafter(cfg, ids=None):
+def _drafter(cfg, ids=None, context=False, bias=False):
     torch.manual_seed(1)
     head = init_untrained_head(cfg).double().eval()
-    lm = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False).double()
-    return Drafter(head, lm, 256, draft_ids=ids)
+    lm = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=bias).double()
+    return Drafter(head, lm, 256, draft_ids=ids, context_vocab=context)
 
 
 def test_drafter_proposes_only_its_vocabulary(tiny):
@@ -127,6 +127,45 @@ def test_drafter_proposes_only_its_vocabulary(tiny):
     assert len(tree) > 1 and all(int(t) % 2 == 0 for t in tree.tokens[1:])
     grown, _ = red.extend_tree(tree, inputs, root, 2, 6, 10)
     assert len(grown) > len(tree) and all(int(t) % 2 == 0 for t in grown.tokens[1:])
+
+
+def test_context_tokens_join_the_draft_vocabulary(tiny):
+    """With context_vocab the prompt's and the committed output's tokens join the ranked ids (odd ids here), and a
+    new generation starts again from the ranked ids; log-probs stay the full ones renormalised over the set."""
+    _, cfg, _, _ = tiny
+    ids = torch.arange(0, VOCAB, 2)
+    full, d = _drafter(cfg, bias=True), _drafter(cfg, ids, context=True, bias=True)
+    feats = torch.randn(6, cfg.hidden_size, dtype=torch.float64)
+    root = d.start([1, 5, 9, 5, 22], 7, feats[:5])
+    full.start([1, 5, 9, 5, 22], 7, feats[:5])
+    assert d.vocab_map.tolist() == ids.tolist() + [1, 5, 9, 7]           # first appearance, no repeats
+    lp, lp_full = d.logprobs(root), full.logprobs(root)
+    inside = d.vocab_map
+    assert torch.allclose(lp[inside], torch.log_softmax(lp_full[inside], dim=-1), atol=1e-10)
+    assert torch.isinf(lp[[3, 11, 95]]).all()
+    d.commit(torch.tensor([11, 4, 11]), feats[:3])
+    assert d.vocab_map.tolist()[-1] == 11 and d.draft_vocab_rows == VOCAB // 2 + 5
+    tree, _ = d.grow_tree_with_inputs(7, root, 30, 4, 6)
+    assert set(tree.tokens[1:].tolist()) <= set(d.vocab_map.tolist())
+    d.start([1, 2], 3, feats[:2])
+    assert d.vocab_map.tolist() == ids.tolist() + [1, 3]                 # 2 is a ranked id already
+
+
+def test_draft_vocab_room_and_order():
+    from draft.vocab import DraftVocab, unique_in_order
+    assert unique_in_order(torch.tensor([5, 3, 5, 9, 3, 1])).tolist() == [5, 3, 9, 1]
+    lm = torch.nn.Linear(4, 20)
+    v = DraftVocab(torch.tensor([2, 4, 6]), lm, extra=3)
+    v.begin([1, 2, 3])
+    assert v.ids.tolist() == [2, 4, 6, 1, 3]
+    v.add([9, 11, 13])                                   # room for one more only
+    assert v.ids.tolist() == [2, 4, 6, 1, 3, 9]
+    h = torch.randn(2, 4)
+    assert torch.allclose(v.logits(h), lm(h)[:, v.ids], atol=1e-6)
+    v.begin([])
+    assert v.ids.tolist() == [2, 4, 6]
+    v.add([19, 19])
+    assert v.ids.tolist() == [2, 4, 6, 19]
 
 
 def test_meter_charges_the_draft_vocabulary(tiny):
@@ -166,7 +205,7 @@ def test_bad_draft_ids_and_eagle3_heads_are_refused(tiny):
 # -- exactness through the ring -------------------------------------------------------------------------------
 @pytest.mark.parametrize("world,n,overrides", [
     (2, VOCAB // 2, []),
-    (3, 10, ["tree.subseq_token=2", "tree.expand_subseq_token=3"]),
+    (3, 10, ["tree.subseq_token=2", "tree.expand_subseq_token=3", "model.draft_vocab_context=false"]),
     (5, VOCAB // 2, ["tree.subseq_token=1", "tree.init_total_token=12", "tree.total_token=9",
                      "tree.none_expand=true", "prefill_chunk=4"]),
 ])

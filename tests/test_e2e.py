@@ -132,6 +132,26 @@ def test_smollm2_broad_head_equals_hf(tmp_path, smollm2):
     assert all(r["tau"] > 1.2 for r in naive), [r["tau"] for r in naive]   # it drafts: a random head gives ~1.0
 
 
+def test_smollm2_reduced_draft_vocabulary_equals_hf(tmp_path, smollm2):
+    """The default head drafting over the 8192 tokens SmolLM2 emits most (``model.draft_vocab``, the counts shipped
+    beside the head) keeps greedy output equal to HF and still drafts (a token outside the vocabulary is simply
+    never proposed; verification reads the whole vocabulary)."""
+    full, stages, chat, stop = smollm2
+    prompts = [chat(t) for t in ("Translate into French: The library opens at nine.",
+                                 "List three prime numbers and say why they are prime.")]
+    out = tmp_path / "out.jsonl"
+    args = [f"model.stage_dir={stages}", "dtype=float32", "max_new_tokens=16", "comm.timeout_s=60",
+            "model.draft_vocab=8192", "--modes", "naive,continuous", "--output", str(out)]
+    for p in prompts:
+        args += ["--prompt-ids", ",".join(map(str, p))]
+    r = launch(5, args, timeout=600)
+    assert "drafting over the 8192 most frequent of 49152 tokens and the context" in r.stderr
+    rows = read_jsonl(out)
+    _check_against_hf(rows, full, 16, stop, torch.float32, 2 * len(prompts))
+    assert all(r["tau"] > 1.2 for r in rows if r["mode"] == "naive"), [r["tau"] for r in rows]
+    assert all(r["config"]["model.draft_vocab"] == 8192 for r in rows)
+
+
 @pytest.mark.skipif(not STORIES.is_dir(), reason="../shared is not available")
 def test_plain_torchrun_still_launches_the_ranks(tmp_path):
     """The launchers use pipeline.tools.launch, but the ranks stay plain torch.distributed programs: torchrun's own

@@ -1,10 +1,13 @@
 """Measure draft heads: tau (naive mode, T=0) per prompt category through the in-process ring, and rank 0's
-drafting time per tree (``Drafter.grow_tree``) for EAGLE-1/2 vs EAGLE-3 heads, full vs reduced vocabulary.
+drafting time per tree (``Drafter.grow_tree``) for EAGLE-1/2 vs EAGLE-3 heads, full vs reduced vocabulary
+(``model.draft_vocab`` for the shipped EAGLE-1/2 head once ``python -m draft.vocab count`` ranked its tokens).
 
 Example::
 
     python -m pipeline.tools.eagle3_bench tau --head draft/heads/SmolLM2-135M-Instruct --head /tmp/e3/head \\
         --records 2 --max-new-tokens 48
+    python -m pipeline.tools.eagle3_bench tau --head draft/heads/SmolLM2-135M-Instruct --draft-vocab 0 \
+        --draft-vocab 8192 --records 4 --max-new-tokens 64
     python -m pipeline.tools.eagle3_bench draft-time --draft-vocab 8192 --trees 20
 """
 from __future__ import annotations
@@ -87,15 +90,19 @@ def cmd_tau(args) -> int:
         cats[s] = [chat_ids(tok, r["turns"][0]) for r in rows[30:30 + args.records]]
     table = {}
     for head in args.head:
-        res = {}
-        for k, prompts in cats.items():
-            out = run_threaded(stage_root, prompts, ["naive"], [f"max_new_tokens={args.max_new_tokens}",
-                               "tree.total_token=60", "tree.depth=5", "tree.top_k=10", "dtype=float32",
-                               f"temperature={args.temperature}", f"seed={args.seed}"],
-                               stops, head, dtype=torch.float32)["naive"]
-            res[k] = sum(len(r.output_ids) - 1 for r in out) / max(1, sum(len(r.accept_lengths) for r in out))
-            print(f"{head} {k}: tau {res[k]:.2f}", file=sys.stderr, flush=True)
-        table[head] = res
+        for n in args.draft_vocab or [0]:
+            name = head if not n else f"{head} @draft_vocab={n}"
+            res = {}
+            for k, prompts in cats.items():
+                out = run_threaded(stage_root, prompts, ["naive"], [f"max_new_tokens={args.max_new_tokens}",
+                                   "tree.total_token=60", "tree.depth=5", "tree.top_k=10", "dtype=float32",
+                                   f"temperature={args.temperature}", f"seed={args.seed}", f"model.draft_vocab={n}"],
+                                   stops, head, dtype=torch.float32)["naive"]
+                res[k] = sum(len(r.output_ids) - 1 for r in out) / max(1, sum(len(r.accept_lengths) for r in out))
+                print(f"{name} {k}: tau {res[k]:.2f}", file=sys.stderr, flush=True)
+            held = [res[k] for k in HELDOUT]
+            res["mean_heldout"], res["mean_six_sets"] = sum(held) / len(held), sum(res[k] for k in SETS) / len(SETS)
+            table[name] = res
     print(json.dumps(table, indent=1))
     return 0
 
@@ -112,6 +119,11 @@ def cmd_draft_time(args) -> int:
     m0 = load_stage(DEFAULT_STAGE_DIR, 0, 5, torch.float32)
     cfg = m0.config
     heads = {"eagle1/2 (shipped)": load_draft_head(DEFAULT_HEAD_DIR, cfg, m0.embed_tokens.weight.data)}
+    from draft.vocab import COUNTS_FILE, draft_vocab_ids
+    ranked = (DEFAULT_HEAD_DIR / COUNTS_FILE).is_file()
+    ids = draft_vocab_ids(args.draft_vocab, DEFAULT_HEAD_DIR, cfg.vocab_size) if ranked else None
+    if ids is not None:   # the shipped head drafting over its N most frequent tokens (model.draft_vocab=N)
+        heads[f"eagle1/2 (shipped), draft_vocab {args.draft_vocab}"] = (heads["eagle1/2 (shipped)"], ids)
     if args.eagle3_head:
         heads["eagle3 (trained)"] = load_draft_head(args.eagle3_head, cfg, m0.embed_tokens.weight.data)
     heads["eagle3 full vocab"] = init_eagle3_head(cfg)
@@ -119,10 +131,11 @@ def cmd_draft_time(args) -> int:
     rows = {}
     g = torch.Generator().manual_seed(0)
     for name, head in heads.items():
+        head, ids = head if isinstance(head, tuple) else (head, None)
         head = head.float().eval()
         if hasattr(head, "aux_layers"):
             head.embed_tokens.weight.data.copy_(m0.embed_tokens.weight.data)
-        d = Drafter(head, m0.lm_head, 1024)
+        d = Drafter(head, m0.lm_head, 1024, draft_ids=ids)
         width = cfg.hidden_size * 4 if hasattr(head, "aux_layers") else cfg.hidden_size
         feats = torch.randn(200, width, generator=g)
         root = d.start(list(range(1, 201)), 5, feats)
@@ -151,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--threads", type=int, default=1)
     t.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (the target's law)")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--draft-vocab", type=int, action="append", default=[],
+                   help="also run each head with model.draft_vocab=N (repeatable; 0 = the whole vocabulary)")
     t.set_defaults(func=cmd_tau)
     d = sub.add_parser("draft-time", help="rank 0's drafting time per 60/5/10 tree")
     d.add_argument("--draft-vocab", type=int, default=8192)
