@@ -85,18 +85,15 @@ class CostModel:
 
     def time_share(self, w: int, share: float) -> float:
         """An ``lm_head`` applied to ``share`` of its vocabulary rows (a reduced draft vocabulary,
-        :mod:`draft.vocab`) over ``w`` rows: weight bytes and flops scale by ``share``, the fixed overhead does not;
-        a measured table has no such split, so its time is scaled by ``share`` as a whole."""
+        :mod:`draft.vocab`) over ``w`` rows: weight bytes and per-token flops scale by ``share``, everything else
+        (the fixed overhead) does not; a measured table has no such split, so its time is scaled by ``share`` as a
+        whole (optimistic where the overhead dominates)."""
         if share >= 1.0:
             return self.time(w)
         if self.model == "table":
             return self.time(w) * share
-        t_mem = t_cmp = 0.0
-        if self.mem_bw_Bps > 0:
-            t_mem = self.weight_bytes * share / (self.mem_bw_Bps * self.mem_efficiency)
-        if self.peak_flops > 0:
-            t_cmp = w * self.flops_per_token * share / (self.peak_flops * self.compute_efficiency)
-        return max(t_mem, t_cmp) + self.overhead_s
+        return replace(self, weight_bytes=self.weight_bytes * share,
+                       flops_per_token=self.flops_per_token * share).time(w)
 
     @classmethod
     def parse(cls, raw: dict, where: str) -> "CostModel":

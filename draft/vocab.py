@@ -1,9 +1,10 @@
-"""A reduced draft vocabulary for any EAGLE head: draft over the ``N`` target tokens the target emits most often.
+"""A reduced draft vocabulary for EAGLE-1/2 heads: draft over the ``N`` target tokens the target emits most often.
 
 Rank 0's drafting cost for a small target is dominated by the draft log-probs: every tree level applies the
 target's ``lm_head`` (``V x H``; 49152 x 576 for SmolLM2, 21% of the model) to the frontier. Restricting the
 *draft* to the ``N`` most frequent target tokens cuts that to ``N/V`` of the work, as EAGLE-3's ``d2t`` does, for
-heads that share the target's ``lm_head`` (EAGLE-1/2) too.
+heads that share the target's ``lm_head`` (EAGLE-1/2) too. With ``model.draft_vocab_context`` (default) the
+tokens of the request's own context join them (:class:`DraftVocab`).
 
 Counts: ``token_counts.safetensors`` (key ``counts``: int64 ``[V]``, how often the target emitted each token in
 its answers: assistant tokens of self-distilled conversations, ``loss_mask == 1``), kept beside the head
@@ -11,7 +12,9 @@ its answers: assistant tokens of self-distilled conversations, ``loss_mask == 1`
 
 Invariants of :func:`top_ids`: it returns ``min(n, V)`` distinct ids in ``[0, V)``, strictly increasing (the
 ``vocab_map`` layout of :mod:`draft.eagle3`), the ``n`` largest counts with ties broken towards the lower id, so
-the same counts always give the same vocabulary.
+the same counts always give the same vocabulary. When fewer than ``n`` ids were ever counted, the rest are the
+lowest unseen ids: byte-level BPE numbers its tokens in merge order, which roughly follows their frequency in
+the tokenizer's own corpus (for SmolLM2, the 16384 lowest ids cover 95% of the counted tokens by themselves).
 
 Exactness: the draft proposes only ids inside the vocabulary and verification never reads the draft's
 probabilities for a deterministic tree; a sampled draft has zero mass outside it, where the residual
@@ -43,7 +46,9 @@ def count_tokens(records, vocab_size: int) -> torch.Tensor:
     for r in records:
         ids = torch.tensor(r["input_ids"], dtype=torch.int64)
         mask = torch.tensor(r["loss_mask"], dtype=torch.bool)
-        ids = ids[mask[:ids.numel()]]
+        if mask.numel() != ids.numel():
+            raise ValueError(f"a record has {ids.numel()} input_ids but {mask.numel()} loss_mask entries")
+        ids = ids[mask]
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
             raise ValueError(f"token id out of range for a {vocab_size}-token vocabulary")
         counts += torch.bincount(ids, minlength=vocab_size)
@@ -67,7 +72,7 @@ def coverage(counts: torch.Tensor, n: int) -> float:
 
 def save_counts(path: str | Path, counts: torch.Tensor, meta: dict) -> Path:
     path = Path(path)
-    if path.is_dir() or not path.suffix:
+    if path.suffix != ".safetensors":     # a (head) directory, existing or not
         path = path / COUNTS_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({"counts": counts.to(torch.int64).contiguous()}, str(path),

@@ -108,6 +108,9 @@ def make_drafter(cfg, stage_root: Path, model, dtype, device: str):
     if not cfg.draft.sources:
         drafter = _head_drafter(cfg, stage_root, model, dtype, device)
     else:
+        if cfg.model.draft_vocab and "eagle" not in [s.split(":")[0].strip() for s in cfg.draft.sources.split(",")]:
+            raise SetupError(f"model.draft_vocab applies to the EAGLE head drafter, and draft.sources="
+                             f"{cfg.draft.sources} has none (add eagle, or leave model.draft_vocab=0)")
         from draft.merged import SourceError, build_sources
         try:
             drafter = build_sources(cfg, model.lm_head.out_features,
@@ -168,6 +171,9 @@ def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
         else:
             head = load_draft_head(head_dir, model.config, model.embed_tokens.weight.data, dtype, device)
         check_taps(head, getattr(model, "taps", []))
+        if cfg.model.draft_vocab and hasattr(head, "draft_logits"):
+            raise HeadError("model.draft_vocab applies to heads that share the target's lm_head (EAGLE-1/2); "
+                            "an EAGLE-3 head drafts over its own vocabulary (its d2t)")
         return Drafter(head, model.lm_head, cfg.model.max_seq_len + 64, draft_ids=_draft_ids(cfg, head_dir, model),
                        context_vocab=cfg.model.draft_vocab_context)
     except HeadError as e:

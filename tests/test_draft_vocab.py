@@ -66,6 +66,9 @@ def test_count_tokens_counts_the_targets_own_tokens_only(tmp_path):
         load_counts(save_counts(tmp_path / "other.safetensors", torch.zeros(16, dtype=torch.int64), {}), 8)
     with pytest.raises(HeadError, match="python -m draft.vocab count"):
         load_counts(tmp_path / "nowhere", 8)
+    assert save_counts(tmp_path / "heads" / "x-v1.5", c, {}).name == COUNTS_FILE   # a new directory with a dot
+    with pytest.raises(ValueError, match="loss_mask"):
+        count_tokens([{"input_ids": [1, 2, 3], "loss_mask": [1, 1]}], 8)
     with pytest.raises(HeadError, match=">= 0"):
         draft_vocab_ids(-1, tmp_path, 8)
 
@@ -186,7 +189,7 @@ def test_meter_charges_the_draft_vocabulary(tiny):
         root = d.start([1, 5, 9], 7, torch.randn(3, cfg.hidden_size, dtype=torch.float64))
         d.grow_tree(7, root, 12, 3, 3)
         lm = [op for op in rec.ops if op[0] == "lm_head"]
-        assert lm and all(ctx == want for _, _, ctx in lm)
+        assert len(lm) == 4 and all(ctx == want for _, _, ctx in lm)     # the root's top-k + 3 levels, once each
 
 
 def test_bad_draft_ids_and_eagle3_heads_are_refused(tiny):
@@ -219,6 +222,17 @@ def test_all_modes_equal_hf_with_a_reduced_vocabulary(tiny, world, n, overrides)
             assert sum(r.accept_lengths) == len(r.output_ids) - 1
 
 
+def test_sampled_generation_with_a_growing_vocabulary(tiny):
+    """T = 1 through the ring with the context vocabulary (it grows as output is committed): every mode runs to
+    the end and accounts for each token (the law itself: tests/test_sampling.py, reduced-vocabulary cases)."""
+    _, _, splits, head_dir = tiny
+    res = run_threaded(splits[3], PROMPTS, MODES, ["max_new_tokens=14", "dtype=float64", "temperature=1.0",
+                                                   "seed=3", "model.draft_vocab=8"], {2}, str(head_dir))
+    for mode, rows in res.items():
+        for r in rows:
+            assert len(r.output_ids) >= 2 and sum(r.accept_lengths) == len(r.output_ids) - 1, mode
+
+
 def test_build_applies_the_setting_and_errors_are_one_line(tiny, tmp_path):
     from config.run_config import DEFAULT, ConfigError, apply_overrides
     from model.stage_model import load_stage
@@ -241,6 +255,9 @@ def test_build_applies_the_setting_and_errors_are_one_line(tiny, tmp_path):
     with pytest.raises(SetupError, match="draft.vocab count"):
         make_drafter(apply_overrides(DEFAULT, [f"head_dir={bare}", "model.draft_vocab=8"]), splits[2], m0,
                      torch.float64, "cpu")
+    with pytest.raises(SetupError, match="draft.sources"):
+        make_drafter(apply_overrides(DEFAULT, [f"head_dir={head_dir}", "model.draft_vocab=8",
+                                               "draft.sources=lookup"]), splits[2], m0, torch.float64, "cpu")
     with pytest.raises(SetupError, match="oracle"):
         make_drafter(apply_overrides(DEFAULT, [f"head_dir=oracle:{full}", "model.draft_vocab=8"]), splits[2], m0,
                      torch.float64, "cpu")

@@ -6,8 +6,8 @@ Example::
 
     python -m pipeline.tools.eagle3_bench tau --head draft/heads/SmolLM2-135M-Instruct --head /tmp/e3/head \\
         --records 2 --max-new-tokens 48
-    python -m pipeline.tools.eagle3_bench tau --head draft/heads/SmolLM2-135M-Instruct --draft-vocab 0 \
-        --draft-vocab 8192 --records 4 --max-new-tokens 64
+    python -m pipeline.tools.eagle3_bench tau --head draft/heads/SmolLM2-135M-Instruct --draft-vocab 0 \\
+        --draft-vocab 16384 --records 4 --max-new-tokens 64
     python -m pipeline.tools.eagle3_bench draft-time --draft-vocab 8192 --trees 20
 """
 from __future__ import annotations
@@ -89,8 +89,13 @@ def cmd_tau(args) -> int:
         rows = [json.loads(l) for l in (Path(args.data) / s / "question.jsonl").read_text().splitlines() if l.strip()]
         cats[s] = [chat_ids(tok, r["turns"][0]) for r in rows[30:30 + args.records]]
     table = {}
+    from draft.head_io import is_eagle3_config, read_head_config
     for head in args.head:
         for n in args.draft_vocab or [0]:
+            if n and is_eagle3_config(read_head_config(head)):
+                print(f"{head}: an EAGLE-3 head drafts over its own vocabulary; skipping --draft-vocab {n}",
+                      file=sys.stderr)
+                continue
             name = head if not n else f"{head} @draft_vocab={n}"
             res = {}
             for k, prompts in cats.items():
@@ -122,6 +127,9 @@ def cmd_draft_time(args) -> int:
     from draft.vocab import COUNTS_FILE, draft_vocab_ids
     ranked = (DEFAULT_HEAD_DIR / COUNTS_FILE).is_file()
     ids = draft_vocab_ids(args.draft_vocab, DEFAULT_HEAD_DIR, cfg.vocab_size) if ranked else None
+    if not ranked:
+        print(f"no {COUNTS_FILE} beside {DEFAULT_HEAD_DIR}: the shipped head is timed with its full vocabulary only",
+              file=sys.stderr)
     if ids is not None:   # the shipped head drafting over its N most frequent tokens (model.draft_vocab=N)
         heads[f"eagle1/2 (shipped), draft_vocab {args.draft_vocab}"] = (heads["eagle1/2 (shipped)"], ids)
     if args.eagle3_head:
