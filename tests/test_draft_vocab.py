@@ -18,7 +18,7 @@ from draft.head_io import HeadError
 from draft.vocab import COUNTS_FILE, count_tokens, coverage, draft_vocab_ids, load_counts, save_counts, top_ids
 from model.split import split_checkpoint
 from pipeline.inprocess import run_threaded
-from tests.helpers import REPO, hf_greedy, launch, read_jsonl, tiny_llama
+from tests.helpers import REPO, hf_greedy, launch, tiny_llama
 
 MODES = ["ar", "naive", "pruned", "continuous", "pipedec"]
 PROMPTS = [[1, 5, 9, 13, 22, 7], [1, 40, 41, 42, 43, 44, 45, 46, 47]]
