@@ -50,6 +50,7 @@ class ModelConfig:
                                  # cuts rank 0's draft lm_head to N/V; output unchanged); 0 = the whole vocabulary
     draft_vocab_counts: str = ""  # token counts that rank them ("" = <head dir>/token_counts.safetensors)
     draft_vocab_context: bool = True  # with draft_vocab: the context's own tokens (prompt, output) join the vocabulary
+    draft_vocab_full_root: bool = True  # with draft_vocab: a tree's first level (one row) keeps the whole vocabulary
 
 
 @dataclass

@@ -50,6 +50,10 @@ class BeamTreeDrafter:
         s, t = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
         return (s, t) if vm is None else (s, vm.to(t.device)[t])
 
+    def _root_topk(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """The first level of a tree (the root's children): :meth:`_topk` unless a subclass widens it."""
+        return self._topk(hidden, k)
+
     @torch.no_grad()
     def grow_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int) -> DraftTree:
         """EAGLE-2 dynamic tree rooted at ``root_token``.
@@ -72,7 +76,7 @@ class BeamTreeDrafter:
         root's, is ``root_hidden``), on the head's device: what :meth:`extend_tree` re-feeds later."""
         if total_token <= 1:
             return DraftTree.single(root_token), root_hidden[None]
-        s, t = self._topk(root_hidden, top_k)
+        s, t = self._root_topk(root_hidden, top_k)
         dev = s.device
         k = s.numel()
         cand_tokens, cand_parents, cand_scores = [t], [torch.full((k,), -1, device=dev)], [s]
@@ -179,10 +183,12 @@ class Drafter(BeamTreeDrafter):
     """The EAGLE drafter: an EAGLE-1/2 or EAGLE-3 head with its own KV cache (see the module docstring)."""
 
     def __init__(self, head: EagleHead, lm_head: torch.nn.Linear, max_len: int,
-                 draft_ids: Tensor | None = None, context_vocab: bool = True) -> None:
+                 draft_ids: Tensor | None = None, context_vocab: bool = True, full_root: bool = True) -> None:
         """``draft_ids``: draft only over these target ids (strictly increasing; :func:`draft.vocab.top_ids`),
         plus, with ``context_vocab``, every token of the generation's context (:class:`draft.vocab.DraftVocab`);
-        for a head that uses the target's ``lm_head``; an EAGLE-3 head brings its own vocabulary instead."""
+        for a head that uses the target's ``lm_head``; an EAGLE-3 head brings its own vocabulary instead.
+        ``full_root``: a tree's first level (one row) is still drafted over the whole vocabulary: a token missed
+        there ends the verification step at once, deeper levels cost ``top_k`` rows per call."""
         self.head = head
         self.lm_head = lm_head
         p = next(head.parameters())
@@ -191,6 +197,7 @@ class Drafter(BeamTreeDrafter):
         self.cache = new_cache(max_len, self.dtype, self.device)
         self._head_vocab = getattr(head, "vocab_map", None)   # EAGLE-3 reduced vocabulary: draft id -> target id
         self.dvocab = None
+        self.full_root = full_root
         if draft_ids is not None:
             from draft.eagle3 import check_vocab_map
             from draft.head_io import HeadError
@@ -206,6 +213,13 @@ class Drafter(BeamTreeDrafter):
     def vocab_map(self) -> Tensor | None:
         """Draft id -> target id (the head's EAGLE-3 vocabulary, or :attr:`dvocab`'s); None = the whole one."""
         return self.dvocab.ids if self.dvocab is not None else self._head_vocab
+
+    def _root_topk(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        if self.dvocab is None or not self.full_root:
+            return self._topk(hidden, k)
+        with self.meter.op("lm_head", hidden_rows(hidden), 0):
+            lp = torch.log_softmax(self.lm_head(hidden.to(self.lm_head.weight.dtype)).float(), dim=-1)
+        return torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
 
     @property
     def draft_vocab_rows(self) -> int:

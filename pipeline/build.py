@@ -175,7 +175,7 @@ def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
             raise HeadError("model.draft_vocab applies to heads that share the target's lm_head (EAGLE-1/2); "
                             "an EAGLE-3 head drafts over its own vocabulary (its d2t)")
         return Drafter(head, model.lm_head, cfg.model.max_seq_len + 64, draft_ids=_draft_ids(cfg, head_dir, model),
-                       context_vocab=cfg.model.draft_vocab_context)
+                       context_vocab=cfg.model.draft_vocab_context, full_root=cfg.model.draft_vocab_full_root)
     except HeadError as e:
         raise SetupError(str(e)) from None
 

@@ -104,11 +104,11 @@ def tiny(tmp_path_factory):
     return full, cfg, splits, head_dir
 
 
-def _drafter(cfg, ids=None, context=False, bias=False):
+def _drafter(cfg, ids=None, context=False, bias=False, full_root=False):
     torch.manual_seed(1)
     head = init_untrained_head(cfg).double().eval()
     lm = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=bias).double()
-    return Drafter(head, lm, 256, draft_ids=ids, context_vocab=context)
+    return Drafter(head, lm, 256, draft_ids=ids, context_vocab=context, full_root=full_root)
 
 
 def test_drafter_proposes_only_its_vocabulary(tiny):
@@ -130,6 +130,34 @@ def test_drafter_proposes_only_its_vocabulary(tiny):
     assert len(tree) > 1 and all(int(t) % 2 == 0 for t in tree.tokens[1:])
     grown, _ = red.extend_tree(tree, inputs, root, 2, 6, 10)
     assert len(grown) > len(tree) and all(int(t) % 2 == 0 for t in grown.tokens[1:])
+
+
+def test_full_root_drafts_the_first_level_over_the_whole_vocabulary(tiny):
+    """full_root: the root's children are the whole vocabulary's top-k (as without a reduced vocabulary), deeper
+    levels stay inside the draft vocabulary; the root call is charged as a full lm_head op."""
+    _, cfg, _, _ = tiny
+    ids = torch.arange(0, VOCAB, 2)
+    full, d = _drafter(cfg), _drafter(cfg, ids, full_root=True)
+    feats = torch.randn(5, cfg.hidden_size, dtype=torch.float64)
+    root = d.start([1, 5, 9, 13, 22], 7, feats)
+    full.start([1, 5, 9, 13, 22], 7, feats)
+    ops = []
+
+    class Rec:
+        def op(self, kind, rows, ctx=0):
+            from contextlib import nullcontext
+            ops.append((kind, rows, ctx))
+            return nullcontext()
+
+    d.meter = Rec()
+    tree, _ = d.grow_tree_with_inputs(7, root, 40, 3, 6)
+    ref, _ = full.grow_tree_with_inputs(7, root, 40, 3, 6)
+    first = tree.tokens[1:][tree.parents[1:] == 0].tolist()
+    assert sorted(first) == sorted(ref.tokens[1:][ref.parents[1:] == 0].tolist())
+    assert any(t % 2 for t in first), "the untrained head's top-6 should include an odd id"
+    deeper = tree.tokens[1:][tree.parents[1:] != 0].tolist()
+    assert deeper and all(t % 2 == 0 for t in deeper)
+    assert [op for op in ops if op[0] == "lm_head"] == [("lm_head", 1, 0)] + [("lm_head", 6, VOCAB // 2)] * 3
 
 
 def test_context_tokens_join_the_draft_vocabulary(tiny):
@@ -210,7 +238,7 @@ def test_bad_draft_ids_and_eagle3_heads_are_refused(tiny):
     (2, VOCAB // 2, []),
     (3, 10, ["tree.subseq_token=2", "tree.expand_subseq_token=3", "model.draft_vocab_context=false"]),
     (5, VOCAB // 2, ["tree.subseq_token=1", "tree.init_total_token=12", "tree.total_token=9",
-                     "tree.none_expand=true", "prefill_chunk=4"]),
+                     "tree.none_expand=true", "prefill_chunk=4", "model.draft_vocab_full_root=false"]),
 ])
 def test_all_modes_equal_hf_with_a_reduced_vocabulary(tiny, world, n, overrides):
     full, _, splits, head_dir = tiny
