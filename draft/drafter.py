@@ -200,11 +200,8 @@ class Drafter(BeamTreeDrafter):
         self.full_root = full_root
         if draft_ids is not None:
             from draft.eagle3 import check_vocab_map
-            from draft.head_io import HeadError
-            from draft.vocab import DraftVocab
-            if hasattr(head, "draft_logits"):
-                raise HeadError("model.draft_vocab applies to heads that share the target's lm_head (EAGLE-1/2); "
-                                "an EAGLE-3 head drafts over its own vocabulary (its d2t)")
+            from draft.vocab import DraftVocab, require_shared_lm_head
+            require_shared_lm_head(head)
             ids = draft_ids.to(torch.int64).cpu()
             check_vocab_map(ids, lm_head.weight.shape[0], ids.numel())
             self.dvocab = DraftVocab(ids, lm_head, max_len if context_vocab else 0)
@@ -218,7 +215,7 @@ class Drafter(BeamTreeDrafter):
         if self.dvocab is None or not self.full_root:
             return self._topk(hidden, k)
         with self.meter.op("lm_head", hidden_rows(hidden), 0):
-            lp = torch.log_softmax(self.lm_head(hidden.to(self.lm_head.weight.dtype)).float(), dim=-1)
+            lp = self._target_logprobs(hidden)
         return torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
 
     @property
@@ -246,7 +243,11 @@ class Drafter(BeamTreeDrafter):
                 return torch.log_softmax(self.head.draft_logits(hidden.to(self.dtype)).float(), dim=-1)
             if self.dvocab is not None:
                 return torch.log_softmax(self.dvocab.logits(hidden).float(), dim=-1)
-            return torch.log_softmax(self.lm_head(hidden.to(self.lm_head.weight.dtype)).float(), dim=-1)
+            return self._target_logprobs(hidden)
+
+    def _target_logprobs(self, hidden: Tensor) -> Tensor:
+        """Log-probs over the whole target vocabulary through the shared ``lm_head`` (unmetered: callers meter)."""
+        return torch.log_softmax(self.lm_head(hidden.to(self.lm_head.weight.dtype)).float(), dim=-1)
 
     @torch.no_grad()
     def logprobs(self, hidden: Tensor) -> Tensor:

@@ -109,6 +109,14 @@ def draft_vocab_ids(n: int, counts_path: str | Path, vocab_size: int) -> torch.T
     return top_ids(load_counts(counts_path, vocab_size), n)
 
 
+def require_shared_lm_head(head) -> None:
+    """A reduced vocabulary cuts the *target's* ``lm_head``: an EAGLE-3 head, which has its own, is one
+    :class:`HeadError`."""
+    if hasattr(head, "draft_logits"):
+        raise HeadError("model.draft_vocab applies to heads that share the target's lm_head (EAGLE-1/2); "
+                        "an EAGLE-3 head drafts over its own vocabulary (its d2t)")
+
+
 def default_vocab_size() -> int:
     """The default model's vocabulary size, or 0 when it has not been converted here."""
     from config.paths import DEFAULT_STAGE_DIR
@@ -130,8 +138,8 @@ class DraftVocab:
 
     def __init__(self, base: torch.Tensor, lm_head: torch.nn.Linear, extra: int) -> None:
         w = lm_head.weight.detach()
-        self.vocab_size, self.n_base = w.shape[0], int(base.numel())
-        cap = min(self.n_base + max(0, int(extra)), self.vocab_size)
+        self.n_base = int(base.numel())
+        cap = min(self.n_base + max(0, int(extra)), w.shape[0])
         self._w = w
         self._b = None if lm_head.bias is None else lm_head.bias.detach()
         self._ids = torch.empty(cap, dtype=torch.int64, device=w.device)
@@ -141,7 +149,7 @@ class DraftVocab:
         self._rows[:self.n_base] = w[self._ids[:self.n_base]]
         if self._bias is not None:
             self._bias[:self.n_base] = self._b[self._ids[:self.n_base]]
-        self._member = torch.zeros(self.vocab_size, dtype=torch.bool)      # host copy: membership in O(1)
+        self._member = torch.zeros(w.shape[0], dtype=torch.bool)      # host copy: membership in O(1)
         self._member[base.cpu()] = True
         self._base_member = self._member.clone()
         self.n = self.n_base
@@ -160,7 +168,7 @@ class DraftVocab:
         new = t[~self._member[t]]
         if new.numel() == 0:
             return
-        new = unique_in_order(new)[: self._ids.numel() - self.n]
+        new = torch.tensor(list(dict.fromkeys(new.tolist()))[: self._ids.numel() - self.n])   # first appearance
         self._member[new] = True
         k = new.numel()
         dev_new = new.to(self._ids.device)
@@ -178,14 +186,6 @@ class DraftVocab:
         """``lm_head(hidden)`` restricted to :attr:`ids` (same order)."""
         b = None if self._bias is None else self._bias[:self.n]
         return torch.nn.functional.linear(hidden.to(self._rows.dtype), self._rows[:self.n], b)
-
-
-def unique_in_order(t: torch.Tensor) -> torch.Tensor:
-    """The distinct values of a 1-D tensor in order of first appearance."""
-    uniq, inv = torch.unique(t, return_inverse=True)
-    first = torch.full((uniq.numel(),), t.numel(), dtype=torch.int64).scatter_reduce(
-        0, inv, torch.arange(t.numel()), reduce="amin")
-    return uniq[torch.argsort(first)]
 
 
 def cmd_count(args) -> int:

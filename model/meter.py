@@ -77,6 +77,12 @@ class MeterStack:
             yield
 
 
+def vocab_share(ctx: int, vocab_size: int) -> float:
+    """The share of the vocabulary an ``lm_head`` op applies: its ``ctx`` rows of ``vocab_size`` (1 when ``ctx``
+    is 0, the whole vocabulary, or the vocabulary is unknown)."""
+    return min(1.0, ctx / vocab_size) if ctx and vocab_size else 1.0
+
+
 def hidden_rows(hidden: torch.Tensor) -> int:
     """Rows of a hidden-state tensor (``[H]``, ``[n, H]`` or ``[1, n, H]``): what an lm_head op is charged on."""
     return 1 if hidden.dim() == 1 else hidden.numel() // hidden.shape[-1]

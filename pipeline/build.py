@@ -171,9 +171,9 @@ def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
         else:
             head = load_draft_head(head_dir, model.config, model.embed_tokens.weight.data, dtype, device)
         check_taps(head, getattr(model, "taps", []))
-        if cfg.model.draft_vocab and hasattr(head, "draft_logits"):
-            raise HeadError("model.draft_vocab applies to heads that share the target's lm_head (EAGLE-1/2); "
-                            "an EAGLE-3 head drafts over its own vocabulary (its d2t)")
+        if cfg.model.draft_vocab:   # before the counts are looked up: their error would be the wrong one
+            from draft.vocab import require_shared_lm_head
+            require_shared_lm_head(head)
         return Drafter(head, model.lm_head, cfg.model.max_seq_len + 64, draft_ids=_draft_ids(cfg, head_dir, model),
                        context_vocab=cfg.model.draft_vocab_context, full_root=cfg.model.draft_vocab_full_root)
     except HeadError as e:

@@ -50,7 +50,7 @@ from collections import deque
 from contextlib import contextmanager
 
 from config.profiles import Profile, load_profile, with_link
-from model.meter import MeterStack
+from model.meter import MeterStack, vocab_share
 
 # per-rank counters shipped in Stats.emu[rank]
 COUNTERS = ("ops", "modeled_s", "overrun_ops", "overrun_s", "link_msgs", "link_modeled_s", "link_late_msgs",
@@ -144,7 +144,7 @@ class Emulator:
         if cost is None:
             return None
         if kind == "lm_head":   # ctx: vocabulary rows applied (a reduced draft vocabulary), 0 = all
-            return cost.time_share(rows, ctx / self.vocab_size if ctx and self.vocab_size else 1.0)
+            return cost.time_share(rows, vocab_share(ctx, self.vocab_size))
         return cost.time(rows, ctx)
 
     # installation

@@ -183,9 +183,11 @@ def test_context_tokens_join_the_draft_vocabulary(tiny):
 
 
 def test_draft_vocab_room_and_order():
-    from draft.vocab import DraftVocab, unique_in_order
-    assert unique_in_order(torch.tensor([5, 3, 5, 9, 3, 1])).tolist() == [5, 3, 9, 1]
+    from draft.vocab import DraftVocab
     lm = torch.nn.Linear(4, 20)
+    order = DraftVocab(torch.tensor([0]), lm, extra=10)
+    order.begin([5, 3, 5, 9, 3, 1])
+    assert order.ids.tolist() == [0, 5, 3, 9, 1]                       # first appearance, no repeats
     v = DraftVocab(torch.tensor([2, 4, 6]), lm, extra=3)
     v.begin([1, 2, 3])
     assert v.ids.tolist() == [2, 4, 6, 1, 3]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from draft.tree import DraftTree
+from model.meter import vocab_share
 from pipeline.tools.simulate.oplog import OpLog
 from pipeline.tools.simulate.recorded import Committed
 
@@ -81,8 +82,7 @@ class LogMeter:
 
     def op(self, kind: str, rows: int, ctx: int = 0):
         if kind == "lm_head":
-            share = ctx / self.vocab_size if ctx and self.vocab_size else 1.0
-            return self.log.modeled("lm_head", rows, min(1.0, share))
+            return self.log.modeled("lm_head", rows, vocab_share(ctx, self.vocab_size))
         return self.log.modeled("ssm" if kind == "ssm_forward" else "draft", rows, ctx)
 
 
