@@ -31,6 +31,8 @@ from draft.train.features import cmd_features
 
 def cmd_train(args) -> int:
     """``train``: ``--arch eagle3`` goes to :func:`draft.train_eagle3.train_eagle3`, else the EAGLE-1/2 loop."""
+    if getattr(args, "unroll_steps", 1) < 1:
+        raise ValueError(f"--unroll-steps must be >= 1, got {args.unroll_steps}")
     if getattr(args, "arch", "eagle") == "eagle3":
         from draft.train_eagle3 import train_eagle3
         return train_eagle3(args)
@@ -143,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eagle: EAGLE-1/2 head (default); eagle3: EAGLE-3 head (fused taps, token-level loss with "
                         "training-time test, optional --draft-vocab; draft/train_eagle3.py)")
     t.add_argument("--ttt-steps", type=int, default=7, help="eagle3: unrolled steps of the training-time test")
+    t.add_argument("--unroll-steps", type=int, default=1, metavar="K",
+                   help="eagle: train K unrolled draft steps, each fed the head's own predicted feature (training-time "
+                        "test as in HASS/EAGLE-3; 1 = teacher forcing only, the default)")
+    t.add_argument("--unroll-decay", type=float, default=0.8, help="eagle: loss weight of unrolled step j is DECAY**j")
+    t.add_argument("--eval-steps", type=int, default=4, metavar="K",
+                   help="eagle: validation reports top-1 agreement of K unrolled draft steps (0 = off)")
     t.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="eagle3: reduced draft vocabulary of the N most frequent training tokens (0 = full)")
     t.add_argument("--seed", type=int, default=0)

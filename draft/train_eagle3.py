@@ -29,36 +29,9 @@ from torch import Tensor
 from draft.eagle3 import (Eagle3Head, default_aux_layers, init_eagle3_head, load_eagle3_head, save_eagle3_head,
                           vocab_from_ids)
 from draft.train.batches import epoch_batches
+from draft.train.objective import StepCache, ttt_mask
 from draft.train.records import held_out_order, load_records, pad_batch
 from draft.train.target import default_target, load_target, resolve_device
-
-
-class StepCache:
-    """transformers' Cache protocol for one layer without preallocation: keys/values of every unrolled step are
-    concatenated (gradients flow through them)."""
-
-    def __init__(self) -> None:
-        self.k: Tensor | None = None
-        self.v: Tensor | None = None
-
-    def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        self.k = key if self.k is None else torch.cat([self.k, key], dim=-2)
-        self.v = value if self.v is None else torch.cat([self.v, value], dim=-2)
-        return self.k, self.v
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.k is None else self.k.shape[-2]
-
-
-def ttt_mask(n: int, step: int, dtype: torch.dtype, device) -> Tensor:
-    """Additive mask ``[1, 1, n, (step + 1) * n]`` of unrolled step ``step``: causal over step 0, diagonal over
-    steps ``1..step`` (each entry sees its own chain only)."""
-    allowed = [torch.ones(n, n, dtype=torch.bool, device=device).tril()]
-    allowed += [torch.eye(n, dtype=torch.bool, device=device)] * step
-    a = torch.cat(allowed, dim=1)
-    m = torch.zeros(a.shape, dtype=dtype, device=device)
-    m.masked_fill_(~a, torch.finfo(dtype).min)
-    return m[None, None]
 
 
 def ttt_forward(head: Eagle3Head, ids: Tensor, fused: Tensor, steps: int):

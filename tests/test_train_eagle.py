@@ -12,7 +12,8 @@ from draft import train_eagle as te
 from draft.train.batches import ConversationBatches, epoch_batches
 from draft.train.features import FeatureStore, target_features
 from draft.train.generate import build_conversations
-from draft.train.objective import evaluate, head_forward, sequence_batch, step2_batch, train_step
+from draft.train.objective import (eagle_loss, evaluate, head_forward, sequence_batch, step2_batch, train_step,
+                                   unrolled_forward, unrolled_loss)
 from draft.train.prompt_files import is_excluded, load_excluded, load_prompt_file
 from draft.train.prompt_lists import META_STYLES, TEMPLATE_STYLES, TOPICS
 from draft.train.records import pad_batch, read_jsonl
@@ -210,6 +211,63 @@ def test_head_forward_matches_cached_inference(target):
             d.drop_tree()
 
 
+def test_unrolled_steps_match_tree_drafting(target):
+    """Unrolled step j at entry t computes exactly what the drafter computes for the tree node j levels below the
+    entry of tokens[t] (context committed through t, then a chain fed the head's own features)."""
+    head = init_untrained_head(target.config, seed=2).eval()
+    head.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.data)
+    n = 10
+    g = torch.Generator().manual_seed(4)
+    toks = torch.randint(4, 96, (2, n), generator=g)
+    feats = torch.randn(2, n, 64, generator=g)
+    with torch.no_grad():
+        outs = list(unrolled_forward(head, toks, feats, 4))
+        torch.testing.assert_close(outs[0], head_forward(head, toks, feats))   # step 0 = teacher forcing
+        d = Drafter(head, target.lm_head, 64)
+        for b in (0, 1):
+            for t in (0, 2, 5):
+                d.reset()
+                h = d.commit(toks[b, :t + 1], feats[b, :t + 1])
+                torch.testing.assert_close(h, outs[0][b, t], atol=1e-5, rtol=1e-5)
+                for j in range(1, 4):
+                    h = d.tree_forward(toks[b, t + j:t + j + 1], h[None], torch.tensor([j - 2]))[0]
+                    torch.testing.assert_close(h, outs[j][b, t], atol=1e-5, rtol=1e-5)
+                d.drop_tree()
+        # the second step is the step2_batch construction the validation has always used
+        toks2, pos2, mask2, dfeat = step2_batch(toks, outs[0])
+        pred2 = head_forward(head, toks2, torch.cat([feats, dfeat], 1), pos2, mask2)[:, n:]
+        torch.testing.assert_close(outs[1][:, :n - 1], pred2[:, 1:], atol=1e-5, rtol=1e-5)
+
+
+def test_unrolled_loss_one_step_is_eagle_loss_and_deeper_steps_learn(target):
+    batch = _fixture_batch(target)
+    head = _fresh_head(target, seed=5)
+    with torch.no_grad():
+        a = eagle_loss(head, target.lm_head, batch)
+        b = unrolled_loss(head, target.lm_head, batch, 1)
+        torch.testing.assert_close(a["loss"], b["loss"])
+        c = unrolled_loss(head, target.lm_head, batch, 3, decay=0.5)
+        assert len(c["step_top1"]) == 3 and torch.equal(c["vloss"], a["vloss"])
+        # the total is the decay-weighted mean of the per-step losses (steps 1, 2 re-derived by hand below)
+        preds = list(unrolled_forward(head, batch["tokens"], batch["features"], 3))
+        from draft.train.objective import prediction_loss, shifted
+        per = [prediction_loss(p, target.lm_head, {"target_features": shifted(batch["target_features"], j),
+                                                   "loss_mask": shifted(batch["loss_mask"], j)}, 0.1, 1.0)["loss"]
+               for j, p in enumerate(preds)]
+        torch.testing.assert_close(c["loss"], (per[0] + 0.5 * per[1] + 0.25 * per[2]) / 1.75)
+        assert float(per[1]) != float(per[0])
+    with pytest.raises(ValueError, match="sequence batches"):
+        unrolled_loss(head, target.lm_head, dict(batch, attn_mask=torch.ones(1)), 2)
+    # training with the unrolled objective raises the deeper steps' agreement on the batch it sees
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    before = evaluate(head, target.lm_head, [batch], steps=3)["top1_steps"]
+    hist = [train_step(head, batch, opt, target.lm_head, p_weight=0.5, noise_std=0.0, unroll_steps=3)
+            for _ in range(40)]
+    after = evaluate(head, target.lm_head, [batch], steps=3)["top1_steps"]
+    assert len(hist[-1]["step_top1"]) == 3 and all(0 <= x <= 1 for x in hist[-1]["step_top1"])
+    assert after[2] > before[2] + 0.3 and after[1] > before[1] + 0.3, (before, after)
+
+
 # -- training ---------------------------------------------------------------------------------------
 
 def _fixture_batch(target, b=4, n=24, seed=0):
@@ -313,6 +371,15 @@ def test_train_cli_end_to_end_with_resume(target, target_dir, tmp_path):
     assert te.main(["train", "--target", str(target_dir), "--data", str(data), "--features", str(fdir),
                     "--out", str(out2), "--device", "cpu", "--batch-size", "4", "--val-count", "4",
                     "--max-steps", "2", "--no-progress"]) == 0
+    # the unrolled objective from the CLI, starting from the head above: per-step metrics in train and val rows
+    out3 = tmp_path / "head_unrolled"
+    assert te.main(["train", "--target", str(target_dir), "--data", str(data), "--out", str(out3), "--device", "cpu",
+                    "--batch-size", "4", "--val-count", "4", "--max-steps", "2", "--log-every", "1", "--no-progress",
+                    "--init-from", str(out), "--unroll-steps", "3", "--eval-steps", "3"]) == 0
+    rows3 = read_jsonl(out3 / "metrics.jsonl")
+    assert all(len(r["step_top1"]) == 3 for r in rows3 if r["kind"] == "train")
+    assert len([r for r in rows3 if r["kind"] == "final"][-1]["top1_steps"]) == 3
+    assert te.main(base + ["--out", str(tmp_path / "h4"), "--max-steps", "1", "--unroll-steps", "0"]) == 2
     # a head for another model is refused as the starting point
     from transformers import LlamaConfig
     other = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

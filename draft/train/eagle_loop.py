@@ -199,7 +199,7 @@ def resume_or_start(run: TrainRun) -> None:
 def run_val(run: TrainRun) -> dict:
     """:func:`draft.train.objective.evaluate` of the current head on the held-out conversations."""
     return evaluate(run.head, run.lm_head, (run.data.make(b) for b in run.val_batches_idx), run.amp,
-                    step2=not run.args.no_step2)
+                    step2=not run.args.no_step2, steps=run.args.eval_steps)
 
 
 def log_row(run: TrainRun, row: dict) -> None:
@@ -285,6 +285,9 @@ def train_row(run: TrainRun, acc_rows: list[dict]) -> dict:
            "lr": run.sched.get_last_lr()[0], "time": round(run.elapsed_before + time.time() - run.t_loop, 1)}
     for key in ("loss", "vloss", "ploss", "top1", "grad_norm"):
         row[key] = sum(r[key] for r in acc_rows) / len(acc_rows)
+    if "step_top1" in acc_rows[0]:
+        row["step_top1"] = [sum(r["step_top1"][j] for r in acc_rows) / len(acc_rows)
+                            for j in range(len(acc_rows[0]["step_top1"]))]
     return row
 
 
@@ -294,7 +297,8 @@ def validate(run: TrainRun, bar) -> None:
     log_row(run, {"kind": "val", "step": run.step, **v})
     bar.write(f"[val] step {run.step}: top1 {v['top1']:.3f} top5 {v['top5']:.3f} "
               f"step2 {v['top1_step2'] if v['top1_step2'] is None else round(v['top1_step2'], 3)} "
-              f"vloss {v['vloss']:.4f} ploss {v['ploss']:.3f}")
+              f"vloss {v['vloss']:.4f} ploss {v['ploss']:.3f}"
+              + (f" steps {[round(x, 3) for x in v['top1_steps']]}" if v.get("top1_steps") else ""))
     save_loss_plot(run.metrics_path, run.out / "loss_curve.png")
 
 
@@ -320,7 +324,7 @@ def train_loop(run: TrainRun) -> None:
         batch = run.data.make(epoch_cache[epoch][k])
         m = train_step(run.head, batch, run.opt, run.lm_head, p_weight=args.p_weight, v_weight=args.v_weight,
                        noise_std=args.noise_std, grad_clip=args.grad_clip, scheduler=run.sched, amp_dtype=run.amp,
-                       generator=run.gen)
+                       generator=run.gen, unroll_steps=args.unroll_steps, unroll_decay=args.unroll_decay)
         run.step += 1
         clock.record(run.step, time.time() - t_step)
         bar.update(1)

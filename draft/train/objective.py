@@ -58,11 +58,22 @@ def eagle_loss(head: EagleHead, lm_head: nn.Module, batch: dict, p_weight: float
     the weighted entries; the teacher is ``softmax(target_logits)``, else ``softmax(lm_head(target_features))``,
     else the hard ``labels``. Uniform noise ``U(-noise_std/2, noise_std/2)`` is added to the input features.
     """
-    feats = batch["features"]
-    if noise_std > 0:
-        u = torch.rand(feats.shape, generator=generator, device=feats.device, dtype=torch.float32)
-        feats = feats + ((u - 0.5) * noise_std).to(feats.dtype)
+    feats = noisy_features(batch["features"], noise_std, generator)
     pred = head_forward(head, batch["tokens"], feats, batch.get("position_ids"), batch.get("attn_mask"))
+    return prediction_loss(pred, lm_head, batch, p_weight, v_weight)
+
+
+def noisy_features(feats: Tensor, noise_std: float, generator: torch.Generator | None) -> Tensor:
+    """``feats + U(-noise_std/2, noise_std/2)`` (EAGLE's input-feature noise); ``feats`` itself when 0."""
+    if noise_std <= 0:
+        return feats
+    u = torch.rand(feats.shape, generator=generator, device=feats.device, dtype=torch.float32)
+    return feats + ((u - 0.5) * noise_std).to(feats.dtype)
+
+
+def prediction_loss(pred: Tensor, lm_head: nn.Module, batch: dict, p_weight: float, v_weight: float) -> dict:
+    """The loss terms of the head's predictions ``pred [B, N, H]`` against the teacher in ``batch``
+    (``loss_mask`` and one of ``target_logits`` / ``target_features`` / ``labels``, see :func:`eagle_loss`)."""
     w = batch["loss_mask"].to(pred.device).float()
     sel = w > 0
     ws = w[sel]
@@ -99,10 +110,93 @@ def eagle_loss(head: EagleHead, lm_head: nn.Module, batch: dict, p_weight: float
     return {"loss": loss, "vloss": vloss.detach(), "ploss": ploss.detach(), "top1": top1, "n": float(ws.sum())}
 
 
+class StepCache:
+    """transformers' Cache protocol for one layer without preallocation: keys/values of every unrolled step are
+    concatenated (gradients flow through them). Used by the training-time test of both head kinds."""
+
+    def __init__(self) -> None:
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        self.k = key if self.k is None else torch.cat([self.k, key], dim=-2)
+        self.v = value if self.v is None else torch.cat([self.v, value], dim=-2)
+        return self.k, self.v
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.k is None else self.k.shape[-2]
+
+
+def ttt_mask(n: int, step: int, dtype: torch.dtype, device) -> Tensor:
+    """Additive mask ``[1, 1, n, (step + 1) * n]`` of unrolled step ``step``: causal over step 0, diagonal over
+    steps ``1..step`` (each entry sees its own chain only)."""
+    allowed = [torch.ones(n, n, dtype=torch.bool, device=device).tril()]
+    allowed += [torch.eye(n, dtype=torch.bool, device=device)] * step
+    a = torch.cat(allowed, dim=1)
+    m = torch.zeros(a.shape, dtype=dtype, device=device)
+    m.masked_fill_(~a, torch.finfo(dtype).min)
+    return m[None, None]
+
+
+def unrolled_forward(head: EagleHead, tokens: Tensor, features: Tensor, steps: int):
+    """Yield the head's outputs ``[B, N, H]`` of unrolled steps ``0..steps-1`` over sequence entries
+    (:func:`sequence_batch`): step 0 is teacher forcing; step ``j`` entry ``t`` pairs ``tokens[t + j]`` (the token
+    ``j`` places further on) with step ``j-1``'s output at ``t`` (the head's own prediction of that token's
+    predecessor feature), sits at position ``t + j`` and attends to the step-0 entries ``<= t`` plus its own chain:
+    exactly the draft-tree node ``j`` levels below the entry of ``tokens[t]`` (``tests/test_train_eagle.py``).
+    Entries past the end (``t + j >= N``) are padding the caller must weight 0."""
+    b, n = tokens.shape
+    cache = StepCache()
+    feats = features
+    for j in range(min(steps, n)):
+        tok = F.pad(tokens[:, j:], (0, j), value=0)
+        pos = (torch.arange(n, device=tokens.device) + j)[None].expand(b, n)
+        feats = head(tok, feats, pos, ttt_mask(n, j, feats.dtype, tokens.device), cache)
+        yield feats
+
+
+def shifted(x: Tensor, j: int) -> Tensor:
+    """``x[:, j:]`` padded with zeros back to ``x``'s length (the step-``j`` view of a per-entry tensor)."""
+    if j == 0:
+        return x
+    pad = [0, 0] * (x.dim() - 2) + [0, j]
+    return F.pad(x[:, j:], pad)
+
+
+def unrolled_loss(head: EagleHead, lm_head: nn.Module, batch: dict, steps: int, decay: float = 0.8,
+                  p_weight: float = 0.1, v_weight: float = 1.0, noise_std: float = 0.0,
+                  generator: torch.Generator | None = None) -> dict:
+    """The EAGLE-1/2 objective with a training-time test (HASS, arXiv 2408.15766; EAGLE-3's unrolling).
+
+    Teacher forcing (:func:`eagle_loss`) trains the head only on the target's features, but at inference every
+    node below a tree's first level is fed the head's *own* predicted feature. Here the head is unrolled
+    ``steps`` times (:func:`unrolled_forward`; gradients flow through the chain) and step ``j`` is trained towards
+    the target's feature and distribution ``j`` places further on (``target_features``/``loss_mask`` shifted by
+    ``j``), the same loss terms as step 0, weighted ``decay**j``; the total is normalised by the weights.
+    ``steps = 1`` is exactly :func:`eagle_loss` on sequence batches. The feature noise goes on the step-0 inputs.
+    Returns :func:`eagle_loss`'s keys for step 0 (``loss`` is the weighted total) plus ``step_top1`` per step.
+    Needs ``target_features`` (sequence batches, not tree batches with ``attn_mask``).
+    """
+    if batch.get("attn_mask") is not None or batch.get("target_features") is None:
+        raise ValueError("unrolled training needs sequence batches with target_features")
+    feats = noisy_features(batch["features"], noise_std, generator)
+    total, wsum, outs = 0.0, 0.0, []
+    for j, pred in enumerate(unrolled_forward(head, batch["tokens"], feats, steps)):
+        sub = {"target_features": shifted(batch["target_features"], j), "loss_mask": shifted(batch["loss_mask"], j)}
+        out = prediction_loss(pred, lm_head, sub, p_weight, v_weight)
+        total = total + (decay ** j) * out["loss"]
+        wsum += decay ** j
+        outs.append(out)
+    res = dict(outs[0])
+    res["loss"] = total / wsum
+    res["step_top1"] = [float(o["top1"]) for o in outs]
+    return res
+
+
 def train_step(head: EagleHead, batch: dict, optimizer: torch.optim.Optimizer, lm_head: nn.Module, *,
                p_weight: float = 0.1, v_weight: float = 1.0, noise_std: float = 0.2, grad_clip: float = 0.5,
                scheduler=None, amp_dtype: torch.dtype | None = None,
-               generator: torch.Generator | None = None) -> dict:
+               generator: torch.Generator | None = None, unroll_steps: int = 1, unroll_decay: float = 0.8) -> dict:
     """One optimizer update of the head on one batch; returns float metrics.
 
     ``batch`` holds *entries* (the rows the head consumes), all on the head's device:
@@ -122,12 +216,19 @@ def train_step(head: EagleHead, batch: dict, optimizer: torch.optim.Optimizer, l
     node's parent, ``position_ids`` = context length + depth, ``attn_mask`` = ancestor matrix (plus the
     committed context), and ``target_logits`` = the verifier's logits for each node, which rank 0
     already holds, with ``loss_mask`` marking the nodes to learn from.
+
+    ``unroll_steps > 1`` (sequence batches only) trains with the training-time test of :func:`unrolled_loss`
+    and adds ``step_top1`` (top-1 agreement per unrolled step) to the metrics.
     """
     head.train()
     dev = batch["tokens"].device
     ctx = torch.autocast(device_type=dev.type, dtype=amp_dtype) if amp_dtype is not None else nullcontext()
     with ctx:
-        out = eagle_loss(head, lm_head, batch, p_weight, v_weight, noise_std, generator)
+        if unroll_steps > 1:
+            out = unrolled_loss(head, lm_head, batch, unroll_steps, unroll_decay, p_weight, v_weight, noise_std,
+                                generator)
+        else:
+            out = eagle_loss(head, lm_head, batch, p_weight, v_weight, noise_std, generator)
     optimizer.zero_grad(set_to_none=True)
     out["loss"].backward()
     params = [p for p in head.parameters() if p.requires_grad]
@@ -135,8 +236,11 @@ def train_step(head: EagleHead, batch: dict, optimizer: torch.optim.Optimizer, l
     optimizer.step()
     if scheduler is not None:
         scheduler.step()
-    return {"loss": float(out["loss"].detach()), "vloss": float(out["vloss"]), "ploss": float(out["ploss"]),
-            "top1": float(out["top1"]), "grad_norm": float(gnorm), "n": out["n"]}
+    m = {"loss": float(out["loss"].detach()), "vloss": float(out["vloss"]), "ploss": float(out["ploss"]),
+         "top1": float(out["top1"]), "grad_norm": float(gnorm), "n": out["n"]}
+    if "step_top1" in out:
+        m["step_top1"] = out["step_top1"]
+    return m
 
 
 def step2_batch(tokens: Tensor, pred: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -160,16 +264,20 @@ def step2_batch(tokens: Tensor, pred: Tensor) -> tuple[Tensor, Tensor, Tensor, T
 
 
 @torch.no_grad()
-def evaluate(head: EagleHead, lm_head: nn.Module, batches, amp_dtype=None, step2: bool = True) -> dict:
+def evaluate(head: EagleHead, lm_head: nn.Module, batches, amp_dtype=None, step2: bool = True,
+             steps: int = 0) -> dict:
     """Held-out agreement of ``argmax lm_head(pred)`` with the target's next token (teacher forcing).
 
     ``top1``/``top5``: the target's greedy next token is the head's top-1 / in its top-5; ``top1_data``:
     against the token actually in the conversation; ``top1_step2``: the second draft step, fed with
-    the head's own predicted feature (see :func:`step2_batch`).
+    the head's own predicted feature (see :func:`step2_batch`); ``top1_steps`` (when ``steps > 0``): top-1 agreement
+    of each of ``steps`` unrolled steps (:func:`unrolled_forward`; step ``j`` = a tree node ``j`` levels deep, fed
+    the head's own features; entry ``j = 1`` equals ``top1_step2`` up to its first entry).
     """
     head.eval()
     tot = {"n": 0.0, "top1": 0.0, "top5": 0.0, "top1_data": 0.0, "n_data": 0.0, "top1_step2": 0.0, "n2": 0.0,
            "vloss": 0.0, "ploss": 0.0}
+    hits, counts = [0.0] * steps, [0.0] * steps
     for batch in batches:
         dev = batch["tokens"].device
         ctx = torch.autocast(device_type=dev.type, dtype=amp_dtype) if amp_dtype is not None else nullcontext()
@@ -201,7 +309,13 @@ def evaluate(head: EagleHead, lm_head: nn.Module, batches, amp_dtype=None, step2
                 t2 = lm_head(batch["target_features"][w2]).float().argmax(-1)
                 tot["top1_step2"] += float((l2.argmax(-1) == t2).sum())
                 tot["n2"] += float(w2.sum())
+            for j, pj in enumerate(unrolled_forward(head, batch["tokens"], batch["features"], steps)):
+                wj = shifted(batch["loss_mask"], j) > 0
+                tj = lm_head(shifted(batch["target_features"], j)[wj]).float().argmax(-1)
+                hits[j] += float((lm_head(pj[wj]).float().argmax(-1) == tj).sum())
+                counts[j] += float(wj.sum())
     n = max(tot["n"], 1e-6)
     return {"top1": tot["top1"] / n, "top5": tot["top5"] / n, "top1_data": tot["top1_data"] / max(tot["n_data"], 1),
             "top1_step2": tot["top1_step2"] / max(tot["n2"], 1) if step2 else None,
-            "vloss": tot["vloss"] / n, "ploss": tot["ploss"] / n, "tokens": int(tot["n"])}
+            "vloss": tot["vloss"] / n, "ploss": tot["ploss"] / n, "tokens": int(tot["n"]),
+            **({"top1_steps": [h / max(c, 1) for h, c in zip(hits, counts)]} if steps else {})}
