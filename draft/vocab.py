@@ -132,19 +132,22 @@ class DraftVocab:
 
     Invariants: ``ids`` holds distinct target ids in ``[0, V)``, ``base`` first (increasing), context tokens after
     in order of first appearance; ``rows[i]`` is the ``lm_head`` row (and ``bias[i]`` its bias) of ``ids[i]``;
-    at most ``len(base) + extra`` ids (context tokens beyond that are left out, the draft just never proposes
-    them); :meth:`begin` restores ``base`` before adding a new generation's context.
+    at most ``cap = len(base) + extra`` ids (context tokens beyond that are left out, the draft just never
+    proposes them); room for context rows is allocated as it fills (:meth:`_reserve`), not ``extra`` rows up
+    front; :meth:`begin` restores ``base`` before adding a new generation's context.
     """
 
     def __init__(self, base: torch.Tensor, lm_head: torch.nn.Linear, extra: int) -> None:
         w = lm_head.weight.detach()
         self.n_base = int(base.numel())
-        cap = min(self.n_base + max(0, int(extra)), w.shape[0])
+        self.cap = min(self.n_base + max(0, int(extra)), w.shape[0])   # most ids it will ever hold
         self._w = w
         self._b = None if lm_head.bias is None else lm_head.bias.detach()
-        self._ids = torch.empty(cap, dtype=torch.int64, device=w.device)
-        self._rows = torch.empty(cap, w.shape[1], dtype=w.dtype, device=w.device)
-        self._bias = None if self._b is None else torch.empty(cap, dtype=self._b.dtype, device=w.device)
+        self._ids = torch.empty(0, dtype=torch.int64, device=w.device)
+        self._rows = torch.empty(0, w.shape[1], dtype=w.dtype, device=w.device)
+        self._bias = None if self._b is None else torch.empty(0, dtype=self._b.dtype, device=w.device)
+        self.n = 0
+        self._reserve(min(self.cap, self.n_base + self.GROW))
         self._ids[:self.n_base] = base.to(w.device)
         self._rows[:self.n_base] = w[self._ids[:self.n_base]]
         if self._bias is not None:
@@ -153,6 +156,25 @@ class DraftVocab:
         self._member[base.cpu()] = True
         self._base_member = self._member.clone()
         self.n = self.n_base
+
+    GROW = 256    # room for context tokens allocated up front; doubled on demand up to ``cap``
+
+    def _reserve(self, size: int) -> None:
+        """Make room for ``size`` ids (never beyond ``cap``), keeping the first ``n``: the row copy grows
+        geometrically instead of holding ``extra`` rows from the start."""
+        size = min(size, self.cap)
+        have = self._ids.numel()
+        if size <= have:
+            return
+        size = min(self.cap, max(size, 2 * have))
+        ids = torch.empty(size, dtype=self._ids.dtype, device=self._ids.device)
+        rows = torch.empty(size, self._rows.shape[1], dtype=self._rows.dtype, device=self._rows.device)
+        ids[:self.n], rows[:self.n] = self._ids[:self.n], self._rows[:self.n]
+        self._ids, self._rows = ids, rows
+        if self._bias is not None:
+            bias = torch.empty(size, dtype=self._bias.dtype, device=self._bias.device)
+            bias[:self.n] = self._bias[:self.n]
+            self._bias = bias
 
     def begin(self, context: list[int]) -> None:
         """A new generation: the base vocabulary plus ``context``'s tokens."""
@@ -163,14 +185,15 @@ class DraftVocab:
     def add(self, tokens) -> None:
         """Add the tokens not in the vocabulary yet (committed output), while there is room."""
         t = torch.as_tensor(tokens, dtype=torch.int64).flatten().cpu()
-        if t.numel() == 0 or self.n >= self._ids.numel():
+        if t.numel() == 0 or self.n >= self.cap:
             return
         new = t[~self._member[t]]
         if new.numel() == 0:
             return
-        new = torch.tensor(list(dict.fromkeys(new.tolist()))[: self._ids.numel() - self.n])   # first appearance
+        new = torch.tensor(list(dict.fromkeys(new.tolist()))[: self.cap - self.n])   # first appearance
         self._member[new] = True
         k = new.numel()
+        self._reserve(self.n + k)
         dev_new = new.to(self._ids.device)
         self._ids[self.n:self.n + k] = dev_new
         self._rows[self.n:self.n + k] = self._w[dev_new]

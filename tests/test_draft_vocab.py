@@ -199,6 +199,15 @@ def test_draft_vocab_room_and_order():
     assert v.ids.tolist() == [2, 4, 6]
     v.add([19, 19])
     assert v.ids.tolist() == [2, 4, 6, 19]
+    # rows for context tokens are allocated as they come (doubling), never beyond the cap; order and rows survive
+    big = torch.nn.Linear(4, 2000)
+    g = DraftVocab(torch.tensor([0, 1]), big, extra=1500)
+    assert g.cap == 1502 and g._rows.shape[0] == 2 + DraftVocab.GROW
+    toks = torch.randperm(1998, generator=torch.Generator().manual_seed(0))[:1600] + 2
+    for i in range(0, 1600, 100):
+        g.add(toks[i:i + 100].tolist())
+    assert g.ids.tolist() == [0, 1] + toks[:1500].tolist() and g._rows.shape[0] == 1502
+    torch.testing.assert_close(g.logits(h), big(h)[:, g.ids])
 
 
 def test_meter_charges_the_draft_vocabulary(tiny):

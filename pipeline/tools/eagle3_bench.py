@@ -8,6 +8,7 @@ Example::
         --records 2 --max-new-tokens 48
     python -m pipeline.tools.eagle3_bench tau --head draft/heads/SmolLM2-135M-Instruct --draft-vocab 0 \\
         --draft-vocab 16384 --records 4 --max-new-tokens 64
+    python -m pipeline.tools.eagle3_bench tau --head draft/heads/SmolLM2-135M-Instruct --set draft.sources=eagle,lookup
     python -m pipeline.tools.eagle3_bench draft-time --draft-vocab 8192 --trees 20
 """
 from __future__ import annotations
@@ -96,12 +97,13 @@ def cmd_tau(args) -> int:
                 print(f"{head}: an EAGLE-3 head drafts over its own vocabulary; skipping --draft-vocab {n}",
                       file=sys.stderr)
                 continue
-            name = head if not n else f"{head} @draft_vocab={n}"
+            name = (head if not n else f"{head} @draft_vocab={n}") + "".join(f" {kv}" for kv in args.set)
             res = {}
             for k, prompts in cats.items():
                 out = run_threaded(stage_root, prompts, ["naive"], [f"max_new_tokens={args.max_new_tokens}",
                                    "tree.total_token=60", "tree.depth=5", "tree.top_k=10", "dtype=float32",
-                                   f"temperature={args.temperature}", f"seed={args.seed}", f"model.draft_vocab={n}"],
+                                   f"temperature={args.temperature}", f"seed={args.seed}", f"model.draft_vocab={n}",
+                                   *args.set],
                                    stops, head, dtype=torch.float32)["naive"]
                 res[k] = sum(len(r.output_ids) - 1 for r in out) / max(1, sum(len(r.accept_lengths) for r in out))
                 print(f"{name} {k}: tau {res[k]:.2f}", file=sys.stderr, flush=True)
@@ -174,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--draft-vocab", type=int, action="append", default=[],
                    help="also run each head with model.draft_vocab=N (repeatable; 0 = the whole vocabulary)")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra run key for every run (repeatable), e.g. --set draft.sources=eagle,lookup")
     t.set_defaults(func=cmd_tau)
     d = sub.add_parser("draft-time", help="rank 0's drafting time per 60/5/10 tree")
     d.add_argument("--draft-vocab", type=int, default=8192)
