@@ -31,8 +31,16 @@ from draft.train.features import cmd_features
 
 def cmd_train(args) -> int:
     """``train``: ``--arch eagle3`` goes to :func:`draft.train_eagle3.train_eagle3`, else the EAGLE-1/2 loop."""
-    if getattr(args, "unroll_steps", 1) < 1:
+    if args.unroll_steps < 1:
         raise ValueError(f"--unroll-steps must be >= 1, got {args.unroll_steps}")
+    if args.unroll_decay <= 0:
+        raise ValueError(f"--unroll-decay must be > 0, got {args.unroll_decay}")
+    if args.eval_steps is None:   # default: report the unrolled steps when training them
+        args.eval_steps = args.unroll_steps if args.unroll_steps > 1 else 0
+    if args.eval_steps < 0:
+        raise ValueError(f"--eval-steps must be >= 0, got {args.eval_steps}")
+    if args.arch == "eagle3" and args.unroll_steps != 1:
+        raise ValueError("--unroll-steps is for --arch eagle; EAGLE-3 heads unroll with --ttt-steps")
     if getattr(args, "arch", "eagle") == "eagle3":
         from draft.train_eagle3 import train_eagle3
         return train_eagle3(args)
@@ -149,8 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eagle: train K unrolled draft steps, each fed the head's own predicted feature (training-time "
                         "test as in HASS/EAGLE-3; 1 = teacher forcing only, the default)")
     t.add_argument("--unroll-decay", type=float, default=0.8, help="eagle: loss weight of unrolled step j is DECAY**j")
-    t.add_argument("--eval-steps", type=int, default=4, metavar="K",
-                   help="eagle: validation reports top-1 agreement of K unrolled draft steps (0 = off)")
+    t.add_argument("--eval-steps", type=int, default=None, metavar="K",
+                   help="eagle: validation reports top-1 agreement of K unrolled draft steps (0 = off; default: "
+                        "--unroll-steps when > 1, else 0)")
     t.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="eagle3: reduced draft vocabulary of the N most frequent training tokens (0 = full)")
     t.add_argument("--seed", type=int, default=0)

@@ -208,6 +208,9 @@ def test_draft_vocab_room_and_order():
         g.add(toks[i:i + 100].tolist())
     assert g.ids.tolist() == [0, 1] + toks[:1500].tolist() and g._rows.shape[0] == 1502
     torch.testing.assert_close(g.logits(h), big(h)[:, g.ids])
+    g.begin([5, 1, 7])                                     # a new generation reuses the grown buffer
+    assert g.ids.tolist() == [0, 1, 5, 7] and g._rows.shape[0] == 1502
+    torch.testing.assert_close(g.logits(h), big(h)[:, [0, 1, 5, 7]])
 
 
 def test_meter_charges_the_draft_vocabulary(tiny):

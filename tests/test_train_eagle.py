@@ -255,9 +255,19 @@ def test_unrolled_loss_one_step_is_eagle_loss_and_deeper_steps_learn(target):
                                                    "loss_mask": shifted(batch["loss_mask"], j)}, 0.1, 1.0)["loss"]
                for j, p in enumerate(preds)]
         torch.testing.assert_close(c["loss"], (per[0] + 0.5 * per[1] + 0.25 * per[2]) / 1.75)
-        assert float(per[1]) != float(per[0])
+        assert abs(float(per[1]) - float(per[0])) > 1e-3
     with pytest.raises(ValueError, match="sequence batches"):
         unrolled_loss(head, target.lm_head, dict(batch, attn_mask=torch.ones(1)), 2)
+    with pytest.raises(ValueError, match="target_logits"):
+        unrolled_loss(head, target.lm_head, dict(batch, target_logits=torch.ones(1)), 2)
+    with pytest.raises(ValueError, match="decay > 0"):
+        unrolled_loss(head, target.lm_head, batch, 2, decay=-1.0)
+    with torch.no_grad():   # a batch shorter than the unroll: the unreachable steps are None, not 0
+        short = {k: v[:, :5] for k, v in batch.items()}   # 5 entries, 2..4 weighted: steps 0..4 reach one
+        r = unrolled_loss(head, target.lm_head, short, 7)
+        assert r["step_top1"][5:] == [None] * 2 and None not in r["step_top1"][:5]
+        assert torch.isfinite(r["loss"])
+        assert evaluate(head, target.lm_head, [short], steps=7)["top1_steps"][5:] == [None] * 2
     # training with the unrolled objective raises the deeper steps' agreement on the batch it sees
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
     before = evaluate(head, target.lm_head, [batch], steps=3)["top1_steps"]
@@ -380,6 +390,11 @@ def test_train_cli_end_to_end_with_resume(target, target_dir, tmp_path):
     assert all(len(r["step_top1"]) == 3 for r in rows3 if r["kind"] == "train")
     assert len([r for r in rows3 if r["kind"] == "final"][-1]["top1_steps"]) == 3
     assert te.main(base + ["--out", str(tmp_path / "h4"), "--max-steps", "1", "--unroll-steps", "0"]) == 2
+    assert te.main(base + ["--out", str(tmp_path / "h4"), "--max-steps", "1", "--unroll-steps", "2",
+                           "--unroll-decay", "0"]) == 2
+    assert te.main(base + ["--out", str(tmp_path / "h4"), "--max-steps", "1", "--eval-steps", "-1"]) == 2
+    assert te.main(base + ["--out", str(tmp_path / "h4"), "--max-steps", "1", "--arch", "eagle3",
+                           "--unroll-steps", "2"]) == 2
     # a head for another model is refused as the starting point
     from transformers import LlamaConfig
     other = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

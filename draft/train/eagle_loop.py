@@ -285,9 +285,10 @@ def train_row(run: TrainRun, acc_rows: list[dict]) -> dict:
            "lr": run.sched.get_last_lr()[0], "time": round(run.elapsed_before + time.time() - run.t_loop, 1)}
     for key in ("loss", "vloss", "ploss", "top1", "grad_norm"):
         row[key] = sum(r[key] for r in acc_rows) / len(acc_rows)
-    if "step_top1" in acc_rows[0]:
-        row["step_top1"] = [sum(r["step_top1"][j] for r in acc_rows) / len(acc_rows)
-                            for j in range(len(acc_rows[0]["step_top1"]))]
+    if "step_top1" in acc_rows[0]:   # per unrolled step, over the steps' batches that reached it
+        per = [[r["step_top1"][j] for r in acc_rows if r["step_top1"][j] is not None]
+               for j in range(len(acc_rows[0]["step_top1"]))]
+        row["step_top1"] = [sum(v) / len(v) if v else None for v in per]
     return row
 
 
@@ -298,7 +299,7 @@ def validate(run: TrainRun, bar) -> None:
     bar.write(f"[val] step {run.step}: top1 {v['top1']:.3f} top5 {v['top5']:.3f} "
               f"step2 {v['top1_step2'] if v['top1_step2'] is None else round(v['top1_step2'], 3)} "
               f"vloss {v['vloss']:.4f} ploss {v['ploss']:.3f}"
-              + (f" steps {[round(x, 3) for x in v['top1_steps']]}" if v.get("top1_steps") else ""))
+              + (f" steps {[x if x is None else round(x, 3) for x in v['top1_steps']]}" if v.get("top1_steps") else ""))
     save_loss_plot(run.metrics_path, run.out / "loss_curve.png")
 
 

@@ -1,5 +1,6 @@
 """The EAGLE-1/2 objective: the head's cache-free forward, teacher-forcing entries, the loss, one optimizer step,
-and held-out evaluation (also used by online learning, :mod:`draft.osd`).
+and held-out evaluation (also used by online learning, :mod:`draft.osd`); and its training-time-test variant
+(:func:`unrolled_loss`: the head unrolled on its own predicted features through a :class:`StepCache`).
 
 Conventions (as :mod:`draft.drafter` at inference): the target's *feature* ``f_t`` is its final normalized hidden
 state at position ``t``. Head entry ``t`` pairs ``token[t+1]`` with ``f_t`` at position ``t``; its output predicts
@@ -174,11 +175,16 @@ def unrolled_loss(head: EagleHead, lm_head: nn.Module, batch: dict, steps: int, 
     the target's feature and distribution ``j`` places further on (``target_features``/``loss_mask`` shifted by
     ``j``), the same loss terms as step 0, weighted ``decay**j``; the total is normalised by the weights.
     ``steps = 1`` is exactly :func:`eagle_loss` on sequence batches. The feature noise goes on the step-0 inputs.
-    Returns :func:`eagle_loss`'s keys for step 0 (``loss`` is the weighted total) plus ``step_top1`` per step.
-    Needs ``target_features`` (sequence batches, not tree batches with ``attn_mask``).
+    Returns :func:`eagle_loss`'s keys for step 0 (``loss`` is the weighted total) plus ``step_top1`` per step
+    (``None`` where the batch has no entry for that step). Needs sequence batches (:func:`sequence_batch`) with
+    ``target_features`` as the only teacher.
     """
-    if batch.get("attn_mask") is not None or batch.get("target_features") is None:
-        raise ValueError("unrolled training needs sequence batches with target_features")
+    other = [k for k in ("attn_mask", "position_ids", "target_logits", "labels") if batch.get(k) is not None]
+    if other or batch.get("target_features") is None:
+        raise ValueError("unrolled training needs sequence batches with target_features only"
+                         + (f" (got {', '.join(other)})" if other else ""))
+    if steps < 1 or decay <= 0:
+        raise ValueError(f"unrolled training needs steps >= 1 and decay > 0 (got {steps}, {decay})")
     feats = noisy_features(batch["features"], noise_std, generator)
     total, wsum, outs = 0.0, 0.0, []
     for j, pred in enumerate(unrolled_forward(head, batch["tokens"], feats, steps)):
@@ -189,7 +195,8 @@ def unrolled_loss(head: EagleHead, lm_head: nn.Module, batch: dict, steps: int, 
         outs.append(out)
     res = dict(outs[0])
     res["loss"] = total / wsum
-    res["step_top1"] = [float(o["top1"]) for o in outs]
+    # None for a step this batch cannot reach (shorter than the unroll) or that has no weighted entry
+    res["step_top1"] = [float(o["top1"]) if o["n"] > 0 else None for o in outs] + [None] * (steps - len(outs))
     return res
 
 
@@ -272,7 +279,8 @@ def evaluate(head: EagleHead, lm_head: nn.Module, batches, amp_dtype=None, step2
     against the token actually in the conversation; ``top1_step2``: the second draft step, fed with
     the head's own predicted feature (see :func:`step2_batch`); ``top1_steps`` (when ``steps > 0``): top-1 agreement
     of each of ``steps`` unrolled steps (:func:`unrolled_forward`; step ``j`` = a tree node ``j`` levels deep, fed
-    the head's own features; entry ``j = 1`` equals ``top1_step2`` up to its first entry).
+    the head's own features; ``None`` for a step no batch reaches). Its entry ``j = 1`` covers the same entries as
+    ``top1_step2`` (equal in fp32).
     """
     head.eval()
     tot = {"n": 0.0, "top1": 0.0, "top5": 0.0, "top1_data": 0.0, "n_data": 0.0, "top1_step2": 0.0, "n2": 0.0,
@@ -318,4 +326,4 @@ def evaluate(head: EagleHead, lm_head: nn.Module, batches, amp_dtype=None, step2
     return {"top1": tot["top1"] / n, "top5": tot["top5"] / n, "top1_data": tot["top1_data"] / max(tot["n_data"], 1),
             "top1_step2": tot["top1_step2"] / max(tot["n2"], 1) if step2 else None,
             "vloss": tot["vloss"] / n, "ploss": tot["ploss"] / n, "tokens": int(tot["n"]),
-            **({"top1_steps": [h / max(c, 1) for h, c in zip(hits, counts)]} if steps else {})}
+            **({"top1_steps": [h / c if c else None for h, c in zip(hits, counts)]} if steps else {})}

@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--draft-vocab", type=int, action="append", default=[],
                    help="also run each head with model.draft_vocab=N (repeatable; 0 = the whole vocabulary)")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra run key for every run (repeatable), e.g. --set draft.sources=eagle,lookup")
+                   help="extra run key for every run (repeatable; applied last, so it overrides the bench's own "
+                        "keys), e.g. --set draft.sources=eagle,lookup")
     t.set_defaults(func=cmd_tau)
     d = sub.add_parser("draft-time", help="rank 0's drafting time per 60/5/10 tree")
     d.add_argument("--draft-vocab", type=int, default=8192)
@@ -186,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--threads", type=int, default=1)
     d.set_defaults(func=cmd_draft_time)
     args = ap.parse_args(argv)
+    bad = [kv for kv in getattr(args, "set", []) if "=" not in kv or kv.startswith("=")]
+    if bad:
+        ap.error(f"--set takes KEY=VALUE, got {bad[0]!r}")
     return args.func(args)
 
 
