@@ -391,18 +391,23 @@ def print_result(row: dict, prompt: str, quiet: bool) -> None:
 def _exit_on_signals() -> None:
     """SIGINT (Ctrl-C; torchrun's terminal sends it to every rank) and SIGTERM end this rank at once with
     one line and tell its peers. A dedicated thread takes them with ``sigwait``: the main thread may sit
-    in a gloo wait that would not return to Python (and so not raise KeyboardInterrupt) for a long time."""
+    in a gloo wait that would not return to Python (and so not raise KeyboardInterrupt) for a long time.
+
+    Everything the thread needs is imported here, before it starts: an import made by the thread at signal time
+    raced with the main thread's own imports (a rank still importing torch saw ``typing`` half initialized and
+    died with an AttributeError instead of the signal's exit code)."""
+    import faulthandler
     import signal
     import threading
+
+    from pipeline import faults
     sigs = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, sigs)  # inherited by every thread started later
 
     def wait() -> None:
         sig = signal.Signals(signal.sigwait(sigs))
         if debug():
-            import faulthandler
             faulthandler.dump_traceback(all_threads=True)
-        from pipeline import faults
         rank = os.environ.get("RANK", "0")
         line = f"[rank {rank}] interrupted by {sig.name}; exiting"
         if sig == signal.SIGTERM and faults.peer_failed():
