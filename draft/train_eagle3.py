@@ -29,23 +29,17 @@ from torch import Tensor
 from draft.eagle3 import (Eagle3Head, default_aux_layers, init_eagle3_head, load_eagle3_head, save_eagle3_head,
                           vocab_from_ids)
 from draft.train.batches import epoch_batches
-from draft.train.objective import StepCache, ttt_mask
+from draft.train.objective import unrolled_forward
 from draft.train.records import held_out_order, load_records, pad_batch
 from draft.train.target import default_target, load_target, resolve_device
 
 
 def ttt_forward(head: Eagle3Head, ids: Tensor, fused: Tensor, steps: int):
     """Yield the head's outputs ``[B, L-1, H]`` of unrolled steps ``0..steps-1`` (see the module docstring): step
-    ``j`` row ``t`` is what a draft-tree node ``j`` levels below the entry of ``token[t+1]`` computes."""
-    B, L = ids.shape
-    n = L - 1
-    cache = StepCache()
-    feats = fused[:, :-1]
-    for j in range(min(steps, n)):
-        tok = torch.nn.functional.pad(ids[:, 1 + j:], (0, j), value=0)             # token[t+1+j]
-        pos = (torch.arange(n, device=ids.device) + j)[None].expand(B, n)
-        feats = head(tok, feats, pos, ttt_mask(n, j, fused.dtype, ids.device), cache)
-        yield feats                                                             # next step: own predictions
+    ``j`` row ``t`` is what a draft-tree node ``j`` levels below the entry of ``token[t+1]`` computes. The same
+    unrolling as EAGLE-1/2 training (:func:`draft.train.objective.unrolled_forward`) on entries ``(token[t+1],
+    fused_t)``."""
+    return unrolled_forward(head, ids[:, 1:], fused[:, :-1], steps)
 
 
 def ttt_loss(head: Eagle3Head, ids: Tensor, fused: Tensor, target_logp: Tensor, loss_mask: Tensor,

@@ -184,13 +184,18 @@ def test_features_equal_last_hidden_state_and_shards(target, target_dir, tmp_pat
 
 # -- head numerics vs inference -------------------------------------------------------------------------
 
-def test_head_forward_matches_cached_inference(target):
-    head = init_untrained_head(target.config, seed=1).eval()
+def _eval_head_and_entries(target, head_seed: int, data_seed: int, b: int, n: int):
+    """A random eval-mode head with the target's embedding, and ``b`` rows of ``n`` random entries."""
+    head = init_untrained_head(target.config, seed=head_seed).eval()
     head.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.data)
+    g = torch.Generator().manual_seed(data_seed)
+    toks = torch.randint(4, 96, (b, n), generator=g)
+    return head, toks, torch.randn(b, n, 64, generator=g)
+
+
+def test_head_forward_matches_cached_inference(target):
     n = 9
-    g = torch.Generator().manual_seed(0)
-    toks = torch.randint(4, 96, (1, n), generator=g)
-    feats = torch.randn(1, n, 64, generator=g)
+    head, toks, feats = _eval_head_and_entries(target, 1, 0, 1, n)
     with torch.no_grad():
         ref = head_forward(head, toks, feats)[0]
         d = Drafter(head, target.lm_head, 64)
@@ -214,12 +219,8 @@ def test_head_forward_matches_cached_inference(target):
 def test_unrolled_steps_match_tree_drafting(target):
     """Unrolled step j at entry t computes exactly what the drafter computes for the tree node j levels below the
     entry of tokens[t] (context committed through t, then a chain fed the head's own features)."""
-    head = init_untrained_head(target.config, seed=2).eval()
-    head.embed_tokens.weight.data.copy_(target.model.embed_tokens.weight.data)
     n = 10
-    g = torch.Generator().manual_seed(4)
-    toks = torch.randint(4, 96, (2, n), generator=g)
-    feats = torch.randn(2, n, 64, generator=g)
+    head, toks, feats = _eval_head_and_entries(target, 2, 4, 2, n)
     with torch.no_grad():
         outs = list(unrolled_forward(head, toks, feats, 4))
         torch.testing.assert_close(outs[0], head_forward(head, toks, feats))   # step 0 = teacher forcing

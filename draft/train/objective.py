@@ -139,13 +139,14 @@ def ttt_mask(n: int, step: int, dtype: torch.dtype, device) -> Tensor:
     return m[None, None]
 
 
-def unrolled_forward(head: EagleHead, tokens: Tensor, features: Tensor, steps: int):
+def unrolled_forward(head: nn.Module, tokens: Tensor, features: Tensor, steps: int):
     """Yield the head's outputs ``[B, N, H]`` of unrolled steps ``0..steps-1`` over sequence entries
     (:func:`sequence_batch`): step 0 is teacher forcing; step ``j`` entry ``t`` pairs ``tokens[t + j]`` (the token
     ``j`` places further on) with step ``j-1``'s output at ``t`` (the head's own prediction of that token's
     predecessor feature), sits at position ``t + j`` and attends to the step-0 entries ``<= t`` plus its own chain:
     exactly the draft-tree node ``j`` levels below the entry of ``tokens[t]`` (``tests/test_train_eagle.py``).
-    Entries past the end (``t + j >= N``) are padding the caller must weight 0."""
+    Entries past the end (``t + j >= N``) are padding the caller must weight 0. ``head``: an EAGLE-1/2 or EAGLE-3
+    head (``forward(tokens, features, positions, mask, cache)``)."""
     b, n = tokens.shape
     cache = StepCache()
     feats = features
@@ -277,20 +278,21 @@ def evaluate(head: EagleHead, lm_head: nn.Module, batches, amp_dtype=None, step2
 
     ``top1``/``top5``: the target's greedy next token is the head's top-1 / in its top-5; ``top1_data``:
     against the token actually in the conversation; ``top1_step2``: the second draft step, fed with
-    the head's own predicted feature (see :func:`step2_batch`); ``top1_steps`` (when ``steps > 0``): top-1 agreement
-    of each of ``steps`` unrolled steps (:func:`unrolled_forward`; step ``j`` = a tree node ``j`` levels deep, fed
-    the head's own features; ``None`` for a step no batch reaches). Its entry ``j = 1`` covers the same entries as
-    ``top1_step2`` (equal in fp32).
+    the head's own predicted feature; ``top1_steps`` (when ``steps > 0``): top-1 agreement of each of ``steps``
+    unrolled steps (step ``j`` = a tree node ``j`` levels deep, fed the head's own features; ``None`` for a step no
+    batch reaches). All come from one :func:`unrolled_forward` chain: step 0 is teacher forcing, ``top1_step2`` is
+    its step 1 (the construction of :func:`step2_batch`, ``tests/test_train_eagle.py``).
     """
     head.eval()
-    tot = {"n": 0.0, "top1": 0.0, "top5": 0.0, "top1_data": 0.0, "n_data": 0.0, "top1_step2": 0.0, "n2": 0.0,
-           "vloss": 0.0, "ploss": 0.0}
-    hits, counts = [0.0] * steps, [0.0] * steps
+    tot = {"n": 0.0, "top1": 0.0, "top5": 0.0, "top1_data": 0.0, "n_data": 0.0, "vloss": 0.0, "ploss": 0.0}
+    k = max(steps, 2 if step2 else 1)   # one unrolled chain gives step 0 (teacher forcing), step 2 and top1_steps
+    hits, counts = [0.0] * k, [0.0] * k
     for batch in batches:
         dev = batch["tokens"].device
         ctx = torch.autocast(device_type=dev.type, dtype=amp_dtype) if amp_dtype is not None else nullcontext()
         with ctx:
-            pred = head_forward(head, batch["tokens"], batch["features"])
+            outs = list(unrolled_forward(head, batch["tokens"], batch["features"], k))
+            pred = outs[0]
             w = batch["loss_mask"] > 0
             p, tf = pred[w], batch["target_features"][w]
             logits = lm_head(p).float()
@@ -306,24 +308,13 @@ def evaluate(head: EagleHead, lm_head: nn.Module, batches, amp_dtype=None, step2
             tot["n_data"] += float(ok.sum())
             tot["vloss"] += float(F.smooth_l1_loss(p.float(), tf.float(), reduction="none").mean(-1).sum())
             tot["ploss"] += float(-(torch.softmax(tl, -1) * torch.log_softmax(logits, -1)).sum(-1).sum())
-            if step2:
-                n = batch["tokens"].shape[1]
-                toks2, pos2, mask2, dfeat = step2_batch(batch["tokens"], pred.to(batch["features"].dtype))
-                feats2 = torch.cat([batch["features"], dfeat], 1)
-                pred2 = head_forward(head, toks2, feats2, pos2, mask2)[:, n:]
-                w2 = w.clone()
-                w2[:, 0] = False
-                l2 = lm_head(pred2[w2]).float()
-                t2 = lm_head(batch["target_features"][w2]).float().argmax(-1)
-                tot["top1_step2"] += float((l2.argmax(-1) == t2).sum())
-                tot["n2"] += float(w2.sum())
-            for j, pj in enumerate(unrolled_forward(head, batch["tokens"], batch["features"], steps)):
+            for j, pj in enumerate(outs):
                 wj = shifted(batch["loss_mask"], j) > 0
                 tj = lm_head(shifted(batch["target_features"], j)[wj]).float().argmax(-1)
                 hits[j] += float((lm_head(pj[wj]).float().argmax(-1) == tj).sum())
                 counts[j] += float(wj.sum())
     n = max(tot["n"], 1e-6)
     return {"top1": tot["top1"] / n, "top5": tot["top5"] / n, "top1_data": tot["top1_data"] / max(tot["n_data"], 1),
-            "top1_step2": tot["top1_step2"] / max(tot["n2"], 1) if step2 else None,
+            "top1_step2": hits[1] / max(counts[1], 1) if step2 else None,
             "vloss": tot["vloss"] / n, "ploss": tot["ploss"] / n, "tokens": int(tot["n"]),
-            **({"top1_steps": [h / c if c else None for h, c in zip(hits, counts)]} if steps else {})}
+            **({"top1_steps": [h / c if c else None for h, c in zip(hits[:steps], counts[:steps])]} if steps else {})}
