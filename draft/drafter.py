@@ -42,7 +42,7 @@ class BeamTreeDrafter:
     meter: OpMeter = NULL_METER   # instrumentation sees each draft log-prob call as an lm_head op (model.meter)
     # a subclass that sets vocab_map also implements draft_logprobs (log-probs over the draft vocabulary, metered)
 
-    def _topk(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    def top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Best ``min(k, draft vocabulary)`` (log-prob, target token) per row of ``hidden``; for a reduced
         vocabulary the search runs over the draft vocabulary and only the winners are mapped to target ids."""
         vm = getattr(self, "vocab_map", None)
@@ -51,8 +51,8 @@ class BeamTreeDrafter:
         return (s, t) if vm is None else (s, vm.to(t.device)[t])
 
     def _root_topk(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """The first level of a tree (the root's children): :meth:`_topk` unless a subclass widens it."""
-        return self._topk(hidden, k)
+        """The first level of a tree (the root's children): :meth:`top_tokens` unless a subclass widens it."""
+        return self.top_tokens(hidden, k)
 
     @torch.no_grad()
     def grow_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int) -> DraftTree:
@@ -89,7 +89,7 @@ class BeamTreeDrafter:
         for _ in range(depth):
             start = self.tree_size
             out = self.tree_forward(frontier_tok, frontier_feat, frontier_cache_parent)
-            cs, ct = self._topk(out, k)                                   # [k, k]
+            cs, ct = self.top_tokens(out, k)                                   # [k, k]
             cum = (frontier_score[:, None] + cs).reshape(-1)
             cand_tokens.append(ct.reshape(-1))
             cand_parents.append(frontier_ids.repeat_interleave(k))
@@ -150,7 +150,7 @@ class BeamTreeDrafter:
         cand_tok, cand_par, cand_score, cand_in = [], [], [], []          # parent: tree node or -(cand+2)
         n_cand = 0
         for level in range(levels):
-            cs, ct = (x.to(HOST) for x in self._topk(f_out, top_k))       # one device->host copy per level
+            cs, ct = (x.to(HOST) for x in self.top_tokens(f_out, top_k))       # one device->host copy per level
             kk = cs.shape[-1]
             cum = (f_score[:, None] + cs).reshape(-1)
             cand_tok.append(ct.reshape(-1))
@@ -213,7 +213,7 @@ class Drafter(BeamTreeDrafter):
 
     def _root_topk(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         if self.dvocab is None or not self.full_root:
-            return self._topk(hidden, k)
+            return self.top_tokens(hidden, k)
         with self.meter.op("lm_head", hidden_rows(hidden), 0):
             lp = self._target_logprobs(hidden)
         return torch.topk(lp, min(k, lp.shape[-1]), dim=-1)

@@ -12,14 +12,21 @@ nodes against model drafters'): a node at depth ``d`` reached by ``c`` of the ``
 log-probability that one copied token is right. Scores never increase along a path. The tree is
 deterministic (no proposal distribution: q = point mass).
 
-State ("hidden") for the tree interface (PipeDec and the merged drafter's ``logprobs``): the lookup
-next-token distribution after a sequence, as log-probabilities over the vocabulary: the empirical law of
-the tokens that followed the matching occurrences, ``floor`` (a very small log-score) elsewhere and
-everywhere when nothing matches.
+State ("hidden") for the tree interface (PipeDec, the merged drafter's ``logprobs`` and its incremental
+expansion): the lookup next-token scores after a sequence, the first level of its trie: a token that followed
+``c`` of the ``N`` matching occurrences scores ``log(c / N) + token_logp``, every other token ``FLOOR`` (a very
+small log-score; everywhere when nothing matches). It is kept **compact**: ``2 * max_matches`` numbers, the
+supported token ids then their scores (:func:`pack_state`; unused slots hold id ``-1``), so a merged state
+(EAGLE's feature beside it) stays small; :meth:`LookupDrafter.logprobs` spreads it over the vocabulary.
+
+Speed: the committed context is indexed by its n-grams as it grows (:class:`NgramIndex`), so a query costs the
+occurrences it returns plus a scan of the few positions that overlap the tree path, not a scan of the context;
+:meth:`NgramIndex.continuations` returns exactly what :func:`find_continuations` returns on the whole sequence.
 """
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
 
@@ -77,29 +84,109 @@ def continuation_trie(root_token: int, conts: list[list[int]], token_logp: float
                             torch.tensor(scores, dtype=torch.float64, device=HOST), total_token)
 
 
+class NgramIndex:
+    """Start positions of every n-gram (``min_ngram <= n <= max_ngram``) of a growing token list.
+
+    Invariant: after :meth:`sync`, ``starts[n][gram]`` lists, ascending, every ``i`` with ``seq[i:i + n] == gram``
+    and ``i + n <= len(seq)`` for the list last synced (appends only: a shorter or rewritten list starts over).
+    """
+
+    def __init__(self, min_ngram: int, max_ngram: int) -> None:
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.clear()
+
+    def clear(self) -> None:
+        self.starts: dict[int, dict[tuple, list[int]]] = {n: defaultdict(list) for n in
+                                                          range(self.min_ngram, self.max_ngram + 1)}
+        self.seq: list[int] | None = None
+        self.length = 0
+
+    def sync(self, seq: list[int]) -> None:
+        """Index the tokens appended to ``seq`` since the last call (``seq`` is the caller's list, read only)."""
+        if seq is not self.seq or len(seq) < self.length:
+            self.clear()
+            self.seq = seq
+        for end in range(self.length, len(seq)):     # the n-grams that end at ``end``
+            for n, table in self.starts.items():
+                if end + 1 >= n:
+                    table[tuple(seq[end + 1 - n:end + 1])].append(end + 1 - n)
+        self.length = len(seq)
+
+    def continuations(self, path: list[int], max_matches: int, length: int) -> list[list[int]]:
+        """:func:`find_continuations` of ``seq + path`` (``seq``: the synced list), without building it: occurrences
+        inside ``seq`` come from the index, the few that overlap ``path`` from a scan of those positions only."""
+        seq, lc = self.seq or [], self.length
+        total = lc + len(path)
+
+        def tok(j: int) -> int:
+            return seq[j] if j < lc else path[j - lc]
+
+        def cont(i: int) -> list[int]:
+            return [tok(j) for j in range(i, min(i + length, total))]
+
+        for n in range(min(self.max_ngram, total - 1), self.min_ngram - 1, -1):
+            suffix = [tok(j) for j in range(total - n, total)]
+            out = []
+            for i in range(total - n - 1, max(lc - n, -1), -1):     # occurrences that overlap ``path``
+                if all(tok(i + j) == suffix[j] for j in range(n)):
+                    out.append(cont(i + n))
+                    if len(out) >= max_matches:
+                        return out
+            inside = self.starts[n].get(tuple(suffix), ())
+            for i in reversed(inside):                               # occurrences inside ``seq``, most recent first
+                if i + n >= total:                                   # the suffix itself (``path`` empty)
+                    continue
+                out.append(cont(i + n))
+                if len(out) >= max_matches:
+                    break
+            if out:
+                return out
+        return []
+
+
+def pack_state(conts: list[list[int]], width: int, token_logp: float) -> Tensor:
+    """The compact state (module docstring) of the next tokens of ``conts``: ``width // 2`` id slots then as many
+    score slots, ids in order of first appearance, unused slots id ``-1`` and score ``FLOOR``. float32: ids up to
+    2**24 are exact (:class:`LookupDrafter` checks its vocabulary), and widening it beside a feature is exact."""
+    slots = width // 2
+    counts: dict[int, int] = {}
+    for c in conts:
+        if c:
+            counts[c[0]] = counts.get(c[0], 0) + 1
+    n = sum(counts.values())
+    ids = list(counts)[:slots]
+    row = ids + [-1] * (slots - len(ids)) + [math.log(counts[t] / n) + token_logp for t in ids]
+    return torch.tensor(row + [FLOOR] * (slots - len(ids)), dtype=torch.float32, device=HOST)
+
+
 class LookupDrafter(TokenHistory):
     """Prompt lookup (n-gram copying) with the :class:`draft.protocol.TreeDrafter` methods."""
 
-    meter: OpMeter = NULL_METER   # no model op to meter: its log-probs are table look-ups (model.meter)
+    meter: OpMeter = NULL_METER   # no model op to meter: its scores are table look-ups (model.meter)
 
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 8,
                  token_logp: float = math.log(0.6)) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.vocab_size, self.max_ngram, self.min_ngram = vocab_size, max_ngram, min_ngram
+        if vocab_size >= 2 ** 24:
+            raise ValueError(f"lookup keeps token ids in float32 states: vocabulary {vocab_size} >= 2**24")
         self.max_matches, self.token_logp = max_matches, token_logp
+        self.index = NgramIndex(min_ngram, max_ngram)
         TokenHistory.__init__(self)
 
-    def state(self, seq: list[int]) -> Tensor:
-        """Lookup next-token log-probabilities after ``seq`` (see the module docstring)."""
-        # empty().fill_(): torch.full is ~1000x slower on vocabulary-sized CPU tensors (torch 2.13, measured)
-        out = torch.empty(self.vocab_size, dtype=torch.float32, device=HOST).fill_(FLOOR)
-        nxt = [c[0] for c in find_continuations(seq, self.max_ngram, self.min_ngram, self.max_matches, 1) if c]
-        if nxt:
-            ids, counts = torch.tensor(nxt, device=HOST).unique(return_counts=True)
-            keep = ids < self.vocab_size
-            out[ids[keep]] = torch.log(counts[keep].float() / len(nxt))
-        return out
+    @property
+    def state_width(self) -> int:
+        return 2 * self.max_matches
+
+    def continuations(self, path: list[int], length: int) -> list[list[int]]:
+        """:func:`find_continuations` of the committed context followed by ``path`` (through the index)."""
+        self.index.sync(self.context)
+        return self.index.continuations(path, self.max_matches, length)
+
+    def state(self, path: list[int]) -> Tensor:
+        """The compact lookup state (module docstring) after the committed context followed by ``path``."""
+        return pack_state(self.continuations(path, 1), self.state_width, self.token_logp)
 
     def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
         self.reset()
@@ -107,16 +194,37 @@ class LookupDrafter(TokenHistory):
         return self.commit(torch.tensor([first_token], device=HOST), features)
 
     def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
-        return self.state(self.append_context(tokens))
+        self.append_context(tokens)
+        return self.state([])
 
     def grow_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int) -> DraftTree:
         """The continuation trie (module docstring); ``top_k`` is not used (the matches decide the width)."""
-        seq = self.context if self.context and self.context[-1] == root_token else self.context + [root_token]
-        conts = find_continuations(seq, self.max_ngram, self.min_ngram, self.max_matches, depth + 1)
-        return continuation_trie(root_token, conts, self.token_logp, total_token)
+        path = [] if self.context and self.context[-1] == root_token else [root_token]
+        return continuation_trie(root_token, self.continuations(path, depth + 1), self.token_logp, total_token)
 
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
-        return torch.stack([self.state(seq) for seq in self.add_tree_entries(tokens, parents)])
+        return torch.stack([self.state(path) for path in self.add_tree_paths(tokens, parents)])
 
     def logprobs(self, hidden: Tensor) -> Tensor:
-        return hidden.double()
+        """The states spread over the vocabulary: ``[..., V]`` float64, ``FLOOR`` where no occurrence supports a
+        token."""
+        ids, scores = self._unpack(hidden)
+        out = torch.empty((*ids.shape[:-1], self.vocab_size + 1), dtype=torch.float64, device=ids.device)
+        out.fill_(FLOOR)
+        spare = (ids < 0) | (ids >= self.vocab_size)                           # unused slots: the spare column
+        out.scatter_(-1, torch.where(spare, self.vocab_size, ids), scores)
+        return out[..., :self.vocab_size]
+
+    def top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """The best ``min(k, 2 * max_matches)`` (score, token) per state, unused slots as (-inf, -1): what a merged
+        drafter's union top-k reads (:meth:`draft.merged.MergedDrafter.top_tokens`), with no vocabulary-sized work."""
+        ids, scores = self._unpack(hidden)
+        scores = scores.masked_fill(ids < 0, float("-inf"))
+        s, j = torch.topk(scores, min(k, scores.shape[-1]), dim=-1)
+        return s, ids.gather(-1, j)
+
+    def _unpack(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        if hidden.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"a lookup state holds token ids: float32 or float64 only, got {hidden.dtype}")
+        slots = self.max_matches
+        return hidden[..., :slots].round().long(), hidden[..., slots:].double()

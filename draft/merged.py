@@ -13,7 +13,13 @@ trees unchanged:
     scale > 1 makes its nodes win only where it is sure;
   * ``tree_forward``/``drop_tree``/``logprobs`` (PipeDec grows its layers through them): each source feeds
     the same entries with its own slice of the features; ``logprobs`` of a merged state is the elementwise
-    **maximum** of the sources' (scaled) log-scores, the same "best available score" rule as the tree merge.
+    **maximum** of the sources' (scaled) log-scores, the same "best available score" rule as the tree merge;
+    ``top_tokens`` ranks by that same maximum without vocabulary-sized work (the union of the sources' own
+    top-k, :meth:`MergedDrafter.top_tokens`);
+  * incremental expansion (``continuous``, :class:`draft.protocol.ExtendableTreeDrafter`) when no source samples:
+    ``grow_tree_with_inputs`` is the merged tree plus each node's merged input state (:meth:`tree_inputs`), and
+    ``extend_tree`` is the EAGLE-2 beam of :class:`draft.drafter.BeamTreeDrafter` over ``top_tokens``, so a
+    lookup continuation keeps growing below a copied chain as an EAGLE guess does.
 
 Sources are built by :func:`build_sources` from the ``draft.sources`` list: ``eagle`` (the drafter that
 ``model.head_dir`` selects: the EAGLE head, or the oracle/adversary test drafters), ``lookup`` (prompt
@@ -26,14 +32,18 @@ from dataclasses import replace
 import torch
 
 from config.run_config import SourceError, parse_sources
+from draft.drafter import BeamTreeDrafter
+from draft.protocol import top_tokens
 from draft.tree import DraftTree, merge_sources
+from model.devices import HOST
 
 Tensor = torch.Tensor
 
 
-class MergedDrafter:
+class MergedDrafter(BeamTreeDrafter):
     """See the module docstring. Instrumentation meters the sources, not the merge
-    (:func:`draft.protocol.install_meter` reaches every source's model ops)."""
+    (:func:`draft.protocol.install_meter` reaches every source's model ops). Of :class:`BeamTreeDrafter` it uses
+    ``extend_tree`` only (over :meth:`top_tokens`); its trees come from :func:`merge_sources`."""
 
     def __init__(self, sources: list, names: list[str] | None = None,
                  score_scales: list[float] | None = None) -> None:
@@ -73,6 +83,11 @@ class MergedDrafter:
     def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
         return self._join([s.commit(tokens, features) for s in self.sources])
 
+    @property
+    def supports_extend(self) -> bool:
+        """Incremental expansion is a deterministic beam: only when no source samples its drafts."""
+        return not any(getattr(s, "samples", False) for s in self.sources)
+
     def grow_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int) -> DraftTree:
         """Every source drafts with the same arguments, except that a sampling source (``samples`` true) gets
         ``1 + (total_token - 1) // len(sources)`` nodes: its draws are all kept by the merge, so it must leave
@@ -81,6 +96,63 @@ class MergedDrafter:
         trees = [s.grow_tree(root_token, h, share if getattr(s, "samples", False) else total_token, depth, top_k)
                  for s, h in zip(self.sources, self._split(root_hidden))]
         return merge_sources([scale_scores(t, c) for t, c in zip(trees, self.score_scales)], total_token)
+
+    @torch.no_grad()
+    def grow_tree_with_inputs(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int,
+                              top_k: int) -> tuple[DraftTree, Tensor]:
+        """:meth:`grow_tree`, plus each node's input state (:meth:`tree_inputs`) for :meth:`extend_tree`."""
+        tree = self.grow_tree(root_token, root_hidden, total_token, depth, top_k)
+        return tree, self.tree_inputs(tree, root_hidden)
+
+    @torch.no_grad()
+    def tree_inputs(self, tree: DraftTree, root_hidden: Tensor) -> Tensor:
+        """Each node's input state: its parent's merged state (row 0 and the root's children: ``root_hidden``).
+
+        A merged tree mixes the sources' nodes, so no source alone knows them all: the tree's inner nodes are fed
+        level by level (one :meth:`tree_forward` per level that has children below it; a node is fed after its
+        parent, on top of the committed context) and their states become their children's inputs. Exact: the
+        same states a source's own search computes for the nodes it proposed."""
+        n = len(tree)
+        root = root_hidden.reshape(1, -1)
+        inputs = root.expand(n, -1).clone()
+        if n <= 2:
+            return inputs
+        depths, parents = tree.depths, tree.parents
+        inner = torch.zeros(n, dtype=torch.bool, device=HOST)
+        inner[parents[1:]] = True
+        slot = torch.full((n,), -1, dtype=torch.long, device=HOST)          # draft-cache tree slot of each fed node
+        for d in range(1, int(depths.max())):
+            level = ((depths == d) & inner).nonzero().flatten()
+            if level.numel() == 0:
+                continue
+            start = self.tree_size
+            out = self.tree_forward(tree.tokens[level], inputs[level], slot[parents[level]])
+            slot[level] = start + torch.arange(level.numel(), device=HOST)
+            kids = (depths == d + 1).nonzero().flatten()          # their parents are all in ``level``
+            row = torch.full((n,), -1, dtype=torch.long, device=HOST)
+            row[level] = torch.arange(level.numel(), device=HOST)
+            inputs[kids] = out[row[parents[kids]]].to(inputs.dtype)
+        self.drop_tree()
+        return inputs
+
+    def top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """The best ``k`` (score, token) per row of merged states by the **maximum** over the sources' (scaled)
+        scores, the :meth:`logprobs` rule, from each source's own top-``k`` (:func:`draft.protocol.top_tokens`): a
+        token in the top ``k`` of the maximum is in the top ``k`` of a source that attains it, so the union holds
+        the answer (ties aside). A token proposed twice keeps its best score; slots a source leaves empty (token
+        -1, lookup without matches) never win. Fewer than ``k`` only where fewer distinct tokens were proposed
+        in some row."""
+        parts = [top_tokens(s, h, k) for s, h in zip(self.sources, self._split(hidden))]
+        dev = parts[0][0].device
+        scores = torch.cat([(p[0].double() * c).to(dev) for p, c in zip(parts, self.score_scales)], dim=-1)
+        tokens = torch.cat([p[1].to(dev) for p in parts], dim=-1)
+        order = torch.sort(-scores, dim=-1, stable=True).indices               # best first
+        scores, tokens = scores.gather(-1, order), tokens.gather(-1, order)
+        seen = (tokens[..., :, None] == tokens[..., None, :]).tril(-1).any(-1)   # a better copy comes earlier
+        valid = ~seen & (tokens >= 0) & (scores > float("-inf"))
+        kk = min(k, int(valid.sum(-1).min())) if valid.numel() else 0
+        pick = torch.sort((~valid).to(torch.int8), dim=-1, stable=True).indices[..., :kk]   # valid ones, in order
+        return scores.gather(-1, pick), tokens.gather(-1, pick)
 
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
         return self._cat([s.tree_forward(tokens, f, parents) for s, f in zip(self.sources, self._split(features))])

@@ -4,8 +4,8 @@
 or a merged drafter: every model :func:`learnable_slots` finds gets a learner, :class:`Learner` for the head,
 :class:`SmallLMLearner` for a small LM; what follows says "head" for either) and implements
 every method the modes call (:class:`draft.protocol.TreeDrafter`, plus ``grow_tree_with_inputs``,
-``extend_tree``, ``supports_extend``, ``tree_size``, ``head``, ``cache``), delegating each one explicitly. It
-never changes what the modes do: a drafter only proposes, verification is lossless for *any* proposal, so
+``extend_tree``, ``top_tokens``, ``supports_extend``, ``tree_size``, ``head``, ``cache``), delegating each one
+explicitly. It never changes what the modes do: a drafter only proposes, verification is lossless for *any* proposal, so
 greedy output stays token-identical to HF and sampling keeps the target's law whatever the weights are
 (``tests/test_osd.py``, ``tests/test_sampling.py``).
 
@@ -63,6 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from config.run_config import OsdConfig
+from draft.protocol import top_tokens
 
 Tensor = torch.Tensor
 
@@ -735,6 +736,9 @@ class OnlineDrafter:
 
     def reset(self) -> None:
         self.inner.reset()
+
+    def top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        return top_tokens(self.inner, hidden, k)
 
     def logprobs(self, hidden: Tensor) -> Tensor:
         return self.inner.logprobs(hidden)    # metered there (draft.protocol.install_meter meters ``inner``)

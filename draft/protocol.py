@@ -115,6 +115,18 @@ def install_meter(drafter: object, meter) -> None:
         head.meter = meter
 
 
+def top_tokens(drafter: object, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The best ``k`` (log-score, target token) per row of ``hidden`` (fewer where the drafter's vocabulary is
+    smaller), best first: the drafter's own ``top_tokens`` where it has one (a reduced draft vocabulary, a lookup
+    state or merged sources rank without vocabulary-sized work), else ``torch.topk`` of :meth:`TreeDrafter.logprobs`.
+    Both give the same ranking (ties aside): ``logprobs`` is -inf (or a floor) wherever ``top_tokens`` cannot reach."""
+    own = getattr(drafter, "top_tokens", None)
+    if own is not None:
+        return own(hidden, k)
+    lp = drafter.logprobs(hidden)
+    return torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+
+
 def can_extend(drafter: object) -> bool:
     """True when ``drafter`` supports incremental expansion (:class:`ExtendableTreeDrafter`)."""
     return isinstance(drafter, ExtendableTreeDrafter) and bool(drafter.supports_extend)

@@ -24,10 +24,14 @@ class TokenHistory:
 
     def add_tree_entries(self, tokens: Tensor, parents: Tensor) -> list[list[int]]:
         """Append tree entries; returns, per new entry, the whole sequence it ends (context + its tree path)."""
+        return [self.context + path for path in self.add_tree_paths(tokens, parents)]
+
+    def add_tree_paths(self, tokens: Tensor, parents: Tensor) -> list[list[int]]:
+        """:meth:`add_tree_entries`, returning only each new entry's tree path (what follows the context)."""
         first = len(self.tree_tokens)
         self.tree_tokens += [int(t) for t in tokens.reshape(-1)]
         self.tree_parents += [int(p) for p in parents.reshape(-1)]
-        return [self.context + self._path(i) for i in range(first, len(self.tree_tokens))]
+        return [self._path(i) for i in range(first, len(self.tree_tokens))]
 
     def _path(self, node: int) -> list[int]:
         path = []

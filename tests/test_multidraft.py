@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from config.run_config import DEFAULT, ConfigError, apply_overrides
-from draft.lookup import LookupDrafter, continuation_trie, find_continuations
+from draft.lookup import FLOOR, LookupDrafter, NgramIndex, continuation_trie, find_continuations
 from draft.merged import MergedDrafter, SourceError, parse_sources
-from draft.protocol import is_tree_drafter
+from draft.protocol import can_extend, is_tree_drafter
 from draft.ssm import SmallLMDrafter
 from draft.tree import DraftTree, check_tree, keep_indices_for, merge_sources, merge_trees, proposal_lists, reroot
 from pipeline.engine import OutputBuffer
@@ -154,15 +154,120 @@ def test_lookup_tree_scores_and_drafter():
     by_path = {tuple(t.tokens[t.path_to(i)].tolist()): float(t.scores[i]) for i in range(len(t))}
     assert by_path[(3, 5)] == pytest.approx(math.log(2 / 3) + math.log(0.5))
     assert by_path[(3, 5, 7)] == pytest.approx(math.log(1 / 3) + 2 * math.log(0.5))
-    d = LookupDrafter(vocab_size=20, max_ngram=2)
+    d = LookupDrafter(vocab_size=20, max_ngram=2, max_matches=4, token_logp=math.log(0.5))
     h = d.start([1, 2, 3, 4, 9, 2], 3, None)                                   # context ... 2 3: copies "4 9"
-    assert int(torch.argmax(h)) == 4 and float(h[4]) == pytest.approx(0.0)
+    assert h.shape == (8,)                                                     # compact: 4 id slots, 4 scores
+    lp = d.logprobs(h)
+    assert lp.shape == (20,) and int(torch.argmax(lp)) == 4 and float(lp[4]) == pytest.approx(math.log(0.5))
+    assert float(lp[5]) == FLOOR
+    assert [x.tolist() for x in d.top_tokens(h, 2)] == [[pytest.approx(math.log(0.5)), float("-inf")], [4, -1]]
     g = d.grow_tree(3, h, 10, 2, 4)
     assert g.tokens.tolist()[:3] == [3, 4, 9]
+    assert float(g.scores[1]) == pytest.approx(float(lp[4]))                  # the state is the trie's first level
     out = d.tree_forward(T([4]), h[None], T([-1]))                            # after ... 2 3 4: "9" followed
-    assert int(torch.argmax(out[0])) == 9
+    assert int(torch.argmax(d.logprobs(out[0]))) == 9
     d.drop_tree()
     assert is_tree_drafter(d)
+    h = d.commit(T([7, 2, 3]), None)                                           # ... 2 3 4 9 2 3 7 2 3: two matches
+    lp = d.logprobs(h)
+    assert float(lp[4]) == pytest.approx(float(lp[7])) == pytest.approx(math.log(0.5) + math.log(0.5))
+
+
+def test_ngram_index_equals_find_continuations():
+    """The indexed query (context indexed as it grows, the tree path scanned) returns exactly what the plain
+    scan of the whole sequence returns, for every split between context and path."""
+    import random
+    rng = random.Random(0)
+    for _ in range(1500):
+        seq = [rng.randrange(rng.choice([2, 3, 6])) for _ in range(rng.randrange(0, 30))]
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 4)
+        index, ctx = NgramIndex(lo, hi), []
+        cut = rng.randint(0, len(seq))
+        for t in seq[:cut]:
+            ctx.append(t)
+            if rng.random() < 0.3:
+                index.sync(ctx)
+        index.sync(ctx)
+        m, n = rng.randint(1, 5), rng.randint(1, 6)
+        assert index.continuations(seq[cut:], m, n) == find_continuations(seq, hi, lo, m, n), (seq, cut, lo, hi)
+    index = NgramIndex(1, 2)
+    index.sync([1, 2, 1])
+    index.sync([5, 5])                                                         # a new list starts over
+    assert index.continuations([], 8, 2) == [[5]] and index.continuations([2], 8, 2) == []
+
+
+def _random_eagle(seed: int = 0):
+    """A real :class:`draft.drafter.Drafter` on a random EAGLE head (states depend on the whole path)."""
+    from transformers import LlamaConfig
+
+    from draft.drafter import Drafter
+    from draft.eagle import init_untrained_head
+    cfg = LlamaConfig(vocab_size=V_TINY, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                      num_key_value_heads=2, num_hidden_layers=1)
+    head = init_untrained_head(cfg, seed=seed).double().eval()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.5)
+    return Drafter(head, torch.nn.Linear(16, V_TINY, bias=False).double(), 128)
+
+
+V_TINY = 40
+
+
+def _eagle_lookup(seed: int = 0, scale: float = 1.0):
+    eagle, look = _random_eagle(seed), LookupDrafter(V_TINY, max_matches=4)
+    merged = MergedDrafter([eagle, look], ["eagle", "lookup"], [1.0, scale])
+    g = torch.Generator().manual_seed(seed)
+    prompt = [1, 5, 9, 13, 22, 7, 5, 9, 13, 30, 5, 9]
+    h = merged.start(prompt, 13, torch.randn(len(prompt), 16, generator=g, dtype=torch.float64))
+    return merged, h
+
+
+@pytest.mark.parametrize("scale", [1.0, 3.0])
+def test_merged_top_tokens_is_the_topk_of_the_maximum(scale):
+    """The union of the sources' own top-k, best score per token, is the top-k of the elementwise maximum
+    (``logprobs``), with no vocabulary-sized work in the lookup source; empty lookup slots never win."""
+    merged, h = _eagle_lookup(scale=scale)
+    rows = merged.tree_forward(T([22, 30, 7]), h.expand(3, -1), T([-1, -1, 1]))
+    states = torch.cat([h[None], rows])
+    merged.drop_tree()
+    s, t = merged.top_tokens(states, 5)
+    ref_s, ref_t = torch.topk(merged.logprobs(states), 5, dim=-1)
+    assert torch.equal(t, ref_t) and torch.allclose(s, ref_s)
+    assert (t >= 0).all()
+
+
+def test_merged_drafter_expands_incrementally_and_exactly():
+    """eagle + lookup supports incremental expansion: ``tree_inputs`` gives each node its parent's merged state
+    (checked against feeding the path alone), ``extend_tree`` appends ancestors-first below the tree, and the
+    committed state is untouched by all of it."""
+    merged, h = _eagle_lookup()
+    assert can_extend(merged)
+    tree, inputs = merged.grow_tree_with_inputs(13, h, 14, 4, 3)
+    check_tree(tree)
+    assert len(tree) == 14 and inputs.shape == (14, h.numel()) and merged.tree_size == 0
+    for i in range(1, len(tree)):
+        path = tree.path_to(int(tree.parents[i]))[1:]                           # the parent's path below the root
+        if not path:
+            assert torch.equal(inputs[i], h)
+            continue
+        feats, state = h, None
+        for j, node in enumerate(path):                                         # feed the path as a chain
+            state = merged.tree_forward(tree.tokens[node:node + 1], feats[None], T([j - 1]))[0]
+            feats = state
+        merged.drop_tree()
+        assert torch.allclose(inputs[i], state, atol=1e-9), i
+    grown, grown_inputs = merged.extend_tree(tree, inputs, h, 2, 3, 6)
+    check_tree(grown)
+    assert len(grown) == 20 and torch.equal(grown.tokens[:14], tree.tokens)
+    assert torch.equal(grown_inputs[:14], inputs) and merged.tree_size == 0
+    assert torch.allclose(merged.commit(T([22]), torch.zeros(1, 16, dtype=torch.float64)),
+                          _eagle_lookup()[0].commit(T([22]), torch.zeros(1, 16, dtype=torch.float64)))
+    sampling = MergedDrafter([_random_eagle(), SimpleNamespace(samples=True)])
+    assert not can_extend(sampling)                                             # sampled draws: redraft instead
 
 
 def test_small_lm_drafter_cache_equals_plain_forward(tmp_path):

@@ -118,7 +118,7 @@ class MarkovDrafter(BeamTreeDrafter):
 class ReducedVocabDrafter(MarkovDrafter):
     """An EAGLE-3-style reduced draft vocabulary on the Markov world: the draft's law lives on ``vocab`` only
     (zero mass elsewhere); the real ``Drafter`` search runs top-k over the draft vocabulary and maps the winners
-    to target ids through ``vocab_map`` (:meth:`Drafter._topk`), and ``logprobs`` is -inf outside it."""
+    to target ids through ``vocab_map`` (:meth:`Drafter.top_tokens`), and ``logprobs`` is -inf outside it."""
 
     def __init__(self, draft_logits: torch.Tensor, vocab: list[int]) -> None:
         super().__init__(draft_logits)

@@ -234,8 +234,9 @@ class ContinuousMode(StreamingMode):
 
     @staticmethod
     def incremental(engine: Engine) -> bool:
-        """Incremental expansion needs the EAGLE-2 search's per-node inputs (``Drafter.supports_extend``);
-        other drafters (merged sources, small LMs with sampled drafts) redraft from the root."""
+        """Incremental expansion needs per-node draft inputs and a deterministic beam (``supports_extend``: EAGLE
+        heads, deterministic small LMs, merged sources none of which samples); drafters with sampled draws redraft
+        from the root."""
         return engine.cfg.tree.expand_levels > 0 and can_extend(engine.drafter)
 
     def first_tree(self, engine: Engine, root: int, root_hidden: torch.Tensor) -> DraftTree:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from draft.protocol import top_tokens
 from draft.tree import DraftTree
 from model.devices import HOST
 from pipeline.engine import Engine
@@ -54,9 +55,8 @@ class PipeDecMode(StreamingMode):
                 drafter.drop_tree()
                 frontier = (depths == depths.max()).nonzero().flatten()
                 outs = out[(frontier - 1).to(out.device)]
-            lp = drafter.logprobs(outs)                           # [F, V] on the device
-            kk = min(k, lp.shape[-1])
-            cs, ct = (x.to(HOST) for x in torch.topk(lp, kk, dim=-1))  # the step's one device->host copy
+            cs, ct = (x.to(HOST) for x in top_tokens(drafter, outs, k))  # the step's one device->host copy
+            kk = cs.shape[-1]
             cum = (tree.scores[frontier][:, None] + cs).reshape(-1)
             best = torch.sort(-cum.double(), stable=True).indices[:k]
             par = frontier[best // kk]

@@ -7,8 +7,9 @@ unchanged, so the draft trees are exactly those of a real run on the same commit
 is committed is on the committed path (else the replay has diverged: :class:`AssertionError`).
 
 It has the methods of :class:`draft.protocol.TreeDrafter` (``start``, ``commit``, ``grow_tree``,
-``tree_forward``, ``drop_tree``, ``logprobs``) and the incremental-expansion extension the ``continuous`` mode
-uses when ``supports_extend`` is true (``grow_tree_with_inputs``, ``extend_tree``), each delegated explicitly.
+``tree_forward``, ``drop_tree``, ``logprobs``, ``top_tokens``) and the incremental-expansion extension the
+``continuous`` mode uses when ``supports_extend`` is true (``grow_tree_with_inputs``, ``extend_tree``), each
+delegated explicitly.
 
 :func:`record_drafter` makes the real drafter's draft-head forwards and draft log-prob (lm_head) calls show up in
 rank 0's op log as modeled ops (``draft``, ``lm_head``), which the timing model prices by the profile.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from draft.protocol import top_tokens
 from draft.tree import DraftTree
 from model.meter import vocab_share
 from pipeline.tools.simulate.oplog import OpLog
@@ -53,6 +55,9 @@ class ReplayDrafter:
 
     def drop_tree(self) -> None:
         self.inner.drop_tree()
+
+    def top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        return top_tokens(self.inner, hidden, k)
 
     def logprobs(self, hidden: Tensor) -> Tensor:
         return self.inner.logprobs(hidden)
