@@ -281,16 +281,21 @@ def test_build_applies_the_setting_and_errors_are_one_line(tiny, tmp_path):
     from pipeline.build import SetupError, make_drafter
     full, _, splits, head_dir = tiny
     m0 = load_stage(splits[2], 0, 2, torch.float64)
-    d = make_drafter(apply_overrides(DEFAULT, [f"head_dir={head_dir}", "model.draft_vocab=48"]), splits[2], m0,
+    alone = "draft.sources=eagle"                  # the head drafter itself (the default merges prompt lookup)
+    d = make_drafter(apply_overrides(DEFAULT, [f"head_dir={head_dir}", "model.draft_vocab=48", alone]), splits[2], m0,
                      torch.float64, "cpu")
     assert d.vocab_map.tolist() == list(range(0, VOCAB, 2))
+    merged = make_drafter(apply_overrides(DEFAULT, [f"head_dir={head_dir}", "model.draft_vocab=48"]), splits[2], m0,
+                          torch.float64, "cpu")
+    assert merged.sources[0].vocab_map.tolist() == list(range(0, VOCAB, 2))        # the default: head + lookup
     other = save_counts(tmp_path / "c.safetensors", torch.arange(VOCAB), {})     # favours high ids
     d = make_drafter(apply_overrides(DEFAULT, [f"head_dir={head_dir}", "model.draft_vocab=4",
-                                               f"model.draft_vocab_counts={other}"]), splits[2], m0,
+                                               f"model.draft_vocab_counts={other}", alone]), splits[2], m0,
                      torch.float64, "cpu")
     assert d.vocab_map.tolist() == [92, 93, 94, 95]
-    assert make_drafter(apply_overrides(DEFAULT, [f"head_dir={head_dir}", "model.draft_vocab=0"]), splits[2], m0,
-                        torch.float64, "cpu").vocab_map is None
+    d = make_drafter(apply_overrides(DEFAULT, [f"head_dir={head_dir}", "model.draft_vocab=0", alone]), splits[2], m0,
+                     torch.float64, "cpu")
+    assert d.head is not None and d.vocab_map is None
     with pytest.raises(ConfigError, match=">= 0"):
         apply_overrides(DEFAULT, ["model.draft_vocab=-3"]).validate()
     bare = save_eagle_head(init_untrained_head(m0.config).double(), tmp_path / "bare")

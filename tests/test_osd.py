@@ -344,7 +344,8 @@ def test_greedy_output_equals_hf_while_the_head_changes(tiny, tmp_path, monkeypa
         return od
     monkeypatch.setattr(tr, "make_drafter", make)
     prompts = [[1, 5, 9, 13, 22, 7], [1, 30, 31, 32, 33, 34, 35, 36], [1, 5, 9, 13, 22, 8]]
-    over = ["max_new_tokens=12", "dtype=float64", "osd.enabled=true", "osd.sync=true", f"osd.swap_at={swap_at}",
+    over = ["max_new_tokens=12", "dtype=float64", "draft.sources=eagle", "osd.enabled=true", "osd.sync=true",
+            f"osd.swap_at={swap_at}",
             "osd.update_interval=4", "osd.steps=1", "osd.teacher_topk=8", "osd.holdout=1",
             "tree.total_token=12", "tree.init_total_token=12", "tree.expand_total_token=8"]
     res = tr.run_threaded(stages, prompts, ["naive", "continuous"], over, {2})
@@ -445,7 +446,7 @@ def test_head_dir_untrained_is_a_random_head_even_for_the_default_split(tiny, tm
     stages = split_checkpoint(full, tmp_path / "stages", [0, 1, 1], progress=False)
     monkeypatch.setattr(build, "DEFAULT_STAGE_DIR", stages)   # as if these were the default model's stages
     model0 = load_stage(stages, 0, 3, torch.float64, "cpu")
-    cfg = apply_overrides(DEFAULT, ["model.head_dir=untrained"])
+    cfg = apply_overrides(DEFAULT, ["model.head_dir=untrained", "draft.sources=eagle"])   # the head drafter itself
     assert build.head_choice(cfg, stages) is None
     d = build.make_drafter(cfg, stages, model0, torch.float64, "cpu")
     want = init_untrained_head(model0.config)

@@ -103,7 +103,7 @@ def cmd_tau(args) -> int:
                 out = run_threaded(stage_root, prompts, ["naive"], [f"max_new_tokens={args.max_new_tokens}",
                                    "tree.total_token=60", "tree.depth=5", "tree.top_k=10", "dtype=float32",
                                    f"temperature={args.temperature}", f"seed={args.seed}", f"model.draft_vocab={n}",
-                                   *args.set],
+                                   "draft.sources=eagle", *args.set],
                                    stops, head, dtype=torch.float32)["naive"]
                 res[k] = sum(len(r.output_ids) - 1 for r in out) / max(1, sum(len(r.accept_lengths) for r in out))
                 print(f"{name} {k}: tau {res[k]:.2f}", file=sys.stderr, flush=True)
