@@ -88,7 +88,9 @@ class NgramIndex:
     """Start positions of every n-gram (``min_ngram <= n <= max_ngram``) of a growing token list.
 
     Invariant: after :meth:`sync`, ``starts[n][gram]`` lists, ascending, every ``i`` with ``seq[i:i + n] == gram``
-    and ``i + n <= len(seq)`` for the list last synced (appends only: a shorter or rewritten list starts over).
+    and ``i + n <= len(seq)`` for the list last synced. The caller's list may only grow by appends between syncs
+    (as :class:`draft.token_history.TokenHistory` does); a new list object, or a shorter one, starts over, but an
+    in-place rewrite of tokens already indexed is not detected.
     """
 
     def __init__(self, min_ngram: int, max_ngram: int) -> None:
@@ -216,12 +218,19 @@ class LookupDrafter(TokenHistory):
         return out[..., :self.vocab_size]
 
     def top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """The best ``min(k, 2 * max_matches)`` (score, token) per state, unused slots as (-inf, -1): what a merged
-        drafter's union top-k reads (:meth:`draft.merged.MergedDrafter.top_tokens`), with no vocabulary-sized work."""
+        """``torch.topk`` of :meth:`logprobs`: ``min(k, V)`` distinct real tokens per state (unsupported ones at
+        ``FLOOR``), as every tree needs when lookup drafts alone (PipeDec's layers)."""
+        lp = self.logprobs(hidden)
+        return torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+
+    def supported_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """The best ``min(k, max_matches)`` (score, token) per state among the tokens an occurrence supports, empty
+        slots as (-inf, -1): what a merged drafter's union top-k reads (:meth:`draft.merged.MergedDrafter.top_tokens`
+        drops the empty slots), with no vocabulary-sized work. Not a tree's children by itself."""
         ids, scores = self._unpack(hidden)
-        scores = scores.masked_fill(ids < 0, float("-inf"))
-        s, j = torch.topk(scores, min(k, scores.shape[-1]), dim=-1)
-        return s, ids.gather(-1, j)
+        empty = (ids < 0) | (ids >= self.vocab_size)
+        s, j = torch.topk(scores.masked_fill(empty, float("-inf")), min(k, scores.shape[-1]), dim=-1)
+        return s, ids.gather(-1, j).masked_fill(s == float("-inf"), -1)
 
     def _unpack(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         if hidden.dtype not in (torch.float32, torch.float64):

@@ -139,10 +139,12 @@ class MergedDrafter(BeamTreeDrafter):
         """The best ``k`` (score, token) per row of merged states by the **maximum** over the sources' (scaled)
         scores, the :meth:`logprobs` rule, from each source's own top-``k`` (:func:`draft.protocol.top_tokens`): a
         token in the top ``k`` of the maximum is in the top ``k`` of a source that attains it, so the union holds
-        the answer (ties aside). A token proposed twice keeps its best score; slots a source leaves empty (token
-        -1, lookup without matches) never win. Fewer than ``k`` only where fewer distinct tokens were proposed
-        in some row."""
-        parts = [top_tokens(s, h, k) for s, h in zip(self.sources, self._split(hidden))]
+        the answer (ties aside). Lookup contributes only the tokens an occurrence supports
+        (:meth:`draft.lookup.LookupDrafter.supported_tokens`; its empty slots, token -1, never win: every other
+        token of lookup's is at its floor). A token proposed twice keeps its best score. Fewer than ``k`` only where
+        fewer distinct tokens were proposed in some row."""
+        parts = [s.supported_tokens(h, k) if hasattr(s, "supported_tokens") else top_tokens(s, h, k)
+                 for s, h in zip(self.sources, self._split(hidden))]
         dev = parts[0][0].device
         scores = torch.cat([(p[0].double() * c).to(dev) for p, c in zip(parts, self.score_scales)], dim=-1)
         tokens = torch.cat([p[1].to(dev) for p in parts], dim=-1)

@@ -141,3 +141,27 @@ def test_eval_rerun_after_a_failed_start(tmp_path, capsys):
     # a really different configuration is still refused afterwards
     assert _eval(tmp_path, data.parent, "--max-new-tokens", "64") == 2
     assert "another configuration" in capsys.readouterr().err
+
+
+def test_eval_resume_across_the_default_draft_change(tmp_path, capsys):
+    """A meta.json from before ``draft_sources`` was recorded ran with the head alone: resuming it under today's
+    default (eagle,lookup) with the same overrides is refused (rows of two drafters would mix)."""
+    from pipeline.tools.eval import draft_sources
+    assert draft_sources([]) == "eagle,lookup" and draft_sources([], "eagle") == "eagle"
+    assert draft_sources(["draft.sources=eagle, lookup", "draft.sources="]) == "eagle"
+    out, data = tmp_path / "out", tmp_path / "data" / "mt_bench"
+    out.mkdir()
+    data.mkdir(parents=True)
+    (data / "question.jsonl").write_text(json.dumps({"question_id": 7, "turns": ["hello"]}) + "\n")
+    row = {"dataset": "mt_bench", "question_id": 7, "turn": 0, "mode": "ar", "temperature": 0.0, "new_tokens": 3,
+           "decode_s": 0.5, "accept_lengths": [1, 1, 1], "prompt_ids": [1, 2], "output_ids": [5, 6, 2], "tau": 1.0}
+    (out / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    assert _eval(tmp_path, data.parent, "--max-new-tokens", "32") == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta.pop("draft_sources") == "eagle,lookup"
+    assert _eval(tmp_path, data.parent, "--max-new-tokens", "32") == 0          # the same configuration resumes
+    capsys.readouterr()
+    (out / "meta.json").write_text(json.dumps(meta))                  # as written before the key existed
+    assert _eval(tmp_path, data.parent, "--max-new-tokens", "32") == 2
+    err = capsys.readouterr().err
+    assert "draft_sources: 'eagle' vs 'eagle,lookup'" in err and "overrides:" not in err

@@ -160,7 +160,9 @@ def test_lookup_tree_scores_and_drafter():
     lp = d.logprobs(h)
     assert lp.shape == (20,) and int(torch.argmax(lp)) == 4 and float(lp[4]) == pytest.approx(math.log(0.5))
     assert float(lp[5]) == FLOOR
-    assert [x.tolist() for x in d.top_tokens(h, 2)] == [[pytest.approx(math.log(0.5)), float("-inf")], [4, -1]]
+    assert [x.tolist() for x in d.supported_tokens(h, 2)] == [[pytest.approx(math.log(0.5)), float("-inf")], [4, -1]]
+    s, t = d.top_tokens(h, 3)                                                  # alone: real tokens, floor after
+    assert t[0] == 4 and len(set(t.tolist())) == 3 and (t >= 0).all() and float(s[1]) == FLOOR
     g = d.grow_tree(3, h, 10, 2, 4)
     assert g.tokens.tolist()[:3] == [3, 4, 9]
     assert float(g.scores[1]) == pytest.approx(float(lp[4]))                  # the state is the trie's first level
@@ -611,7 +613,7 @@ ALL = ["naive", "pruned", "continuous", "pipedec", "sps"]
 
 
 @pytest.mark.parametrize("sources,head", [("eagle,lookup,ssm:SSM", None), ("lookup,ssm:FULL", None),
-                                          ("eagle,lookup", "oracle")])
+                                          ("eagle,lookup", "oracle"), ("lookup", None)])
 def test_every_mode_with_merged_sources_equals_hf(tiny, sources, head):
     from tests.helpers import hf_greedy
     from pipeline.inprocess import run_threaded

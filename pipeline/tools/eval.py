@@ -32,7 +32,18 @@ from pipeline.tools.rows import RowTailer, find_mismatches, losslessness_md, mis
 DATASETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
 DATASET_LABELS = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "Alpaca",
                   "sum": "CNN/DM", "qa": "NaturalQ"}
-META_KEYS = ("profile", "time_scale", "max_new_tokens", "stage_dir", "head_dir", "overrides", "world")
+META_KEYS = ("profile", "time_scale", "max_new_tokens", "stage_dir", "head_dir", "overrides", "world", "draft_sources")
+
+
+def draft_sources(overrides: list[str], default: str | None = None) -> str:
+    """The effective ``draft.sources`` of a sweep's overrides: the last ``draft.sources=`` wins, else ``default``
+    (None: today's default); "" and "eagle" are the same drafter. A meta.json written before this key existed
+    ran with the old default, the head alone: its value is ``draft_sources(its overrides, "eagle")``, so a resume
+    under the new default is refused instead of mixing rows of two drafters."""
+    from config.run_config import DEFAULT
+    value = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("draft.sources=")),
+                 DEFAULT.draft.sources if default is None else default)
+    return value.replace(" ", "") or "eagle"
 
 
 class EvalError(RuntimeError):
@@ -450,13 +461,16 @@ def _main(args, log) -> int:
             raise EvalError(str(e)) from None
     meta = {"profile": profile, "time_scale": args.time_scale if profile else 1.0, "max_new_tokens": args.max_new_tokens,
             "stage_dir": stage_dir, "head_dir": str(Path(args.head_dir).resolve()) if args.head_dir and
-            ":" not in args.head_dir else args.head_dir, "overrides": list(args.overrides), "world": world}
+            ":" not in args.head_dir else args.head_dir, "overrides": list(args.overrides), "world": world,
+            "draft_sources": draft_sources(list(args.overrides))}
     meta_path = out_dir / "meta.json"
     if meta_path.is_file():
         old = json.loads(meta_path.read_text())
         if args.summarize_only:
             meta = dict(old)
         else:
+            if "draft_sources" not in old:       # written before the default draft became eagle,lookup
+                old["draft_sources"] = draft_sources(old.get("overrides", []), "eagle")
             diff = [k for k in META_KEYS if old.get(k) != meta.get(k)]
             if diff:
                 raise EvalError(f"{out_dir} holds results of another configuration ({', '.join(f'{k}: {old.get(k)!r} vs {meta.get(k)!r}' for k in diff)}); "
