@@ -217,16 +217,12 @@ class LookupDrafter(TokenHistory):
         out.scatter_(-1, torch.where(spare, self.vocab_size, ids), scores)
         return out[..., :self.vocab_size]
 
-    def top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """``torch.topk`` of :meth:`logprobs`: ``min(k, V)`` distinct real tokens per state (unsupported ones at
-        ``FLOOR``), as every tree needs when lookup drafts alone (PipeDec's layers)."""
-        lp = self.logprobs(hidden)
-        return torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
-
     def supported_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """The best ``min(k, max_matches)`` (score, token) per state among the tokens an occurrence supports, empty
         slots as (-inf, -1): what a merged drafter's union top-k reads (:meth:`draft.merged.MergedDrafter.top_tokens`
-        drops the empty slots), with no vocabulary-sized work. Not a tree's children by itself."""
+        drops the empty slots), with no vocabulary-sized work. Not a tree's children by itself: alone, lookup's
+        children come from :func:`draft.protocol.top_tokens`, the top-k of :meth:`logprobs` (real tokens, the
+        unsupported ones at ``FLOOR``)."""
         ids, scores = self._unpack(hidden)
         empty = (ids < 0) | (ids >= self.vocab_size)
         s, j = torch.topk(scores.masked_fill(empty, float("-inf")), min(k, scores.shape[-1]), dim=-1)

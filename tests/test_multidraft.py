@@ -24,7 +24,7 @@ import torch
 from config.run_config import DEFAULT, ConfigError, apply_overrides
 from draft.lookup import FLOOR, LookupDrafter, NgramIndex, continuation_trie, find_continuations
 from draft.merged import MergedDrafter, SourceError, parse_sources
-from draft.protocol import can_extend, is_tree_drafter
+from draft.protocol import can_extend, is_tree_drafter, top_tokens
 from draft.ssm import SmallLMDrafter
 from draft.tree import DraftTree, check_tree, keep_indices_for, merge_sources, merge_trees, proposal_lists, reroot
 from pipeline.engine import OutputBuffer
@@ -161,7 +161,7 @@ def test_lookup_tree_scores_and_drafter():
     assert lp.shape == (20,) and int(torch.argmax(lp)) == 4 and float(lp[4]) == pytest.approx(math.log(0.5))
     assert float(lp[5]) == FLOOR
     assert [x.tolist() for x in d.supported_tokens(h, 2)] == [[pytest.approx(math.log(0.5)), float("-inf")], [4, -1]]
-    s, t = d.top_tokens(h, 3)                                                  # alone: real tokens, floor after
+    s, t = top_tokens(d, h, 3)                                                 # alone: real tokens, floor after
     assert t[0] == 4 and len(set(t.tolist())) == 3 and (t >= 0).all() and float(s[1]) == FLOOR
     g = d.grow_tree(3, h, 10, 2, 4)
     assert g.tokens.tolist()[:3] == [3, 4, 9]
