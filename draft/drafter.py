@@ -74,8 +74,19 @@ class BeamTreeDrafter:
                               top_k: int) -> tuple[DraftTree, Tensor]:
         """:meth:`grow_tree`, plus each node's draft *input* feature (its parent's draft output; row 0, the
         root's, is ``root_hidden``), on the head's device: what :meth:`extend_tree` re-feeds later."""
+        return self.grow_tree_with_outputs(root_token, root_hidden, total_token, depth, top_k)[:2]
+
+    @torch.no_grad()
+    def grow_tree_with_outputs(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int,
+                               top_k: int) -> tuple[DraftTree, Tensor, Tensor, Tensor]:
+        """:meth:`grow_tree_with_inputs`, plus each node's own draft *output* where the search computed it:
+        ``(tree, inputs, outputs, known)``, ``known[i]`` true iff ``outputs[i]`` is node ``i``'s draft output
+        (row 0: the root's, ``root_hidden``; a node the beam expanded: the state its candidate children were
+        ranked from). Rows of ``outputs`` with ``known`` false are zeros. A merged drafter reads these to give a
+        node proposed by another source the input this source would have fed it, without a forward
+        (:meth:`draft.merged.MergedDrafter.tree_inputs`)."""
         if total_token <= 1:
-            return DraftTree.single(root_token), root_hidden[None]
+            return DraftTree.single(root_token), root_hidden[None], root_hidden[None], torch.ones(1, dtype=torch.bool)
         s, t = self._root_topk(root_hidden, top_k)
         dev = s.device
         k = s.numel()
@@ -86,9 +97,11 @@ class BeamTreeDrafter:
         frontier_feat = root_hidden.expand(k, -1)
         frontier_cache_parent = torch.full((k,), -1, device=HOST)  # parent slot in the draft cache tree
         n_cand = k
+        expanded: list[tuple[Tensor, Tensor]] = []                       # (candidate ids, their outputs) per level
         for _ in range(depth):
             start = self.tree_size
             out = self.tree_forward(frontier_tok, frontier_feat, frontier_cache_parent)
+            expanded.append((frontier_ids, out))
             cs, ct = self.top_tokens(out, k)                                   # [k, k]
             cum = (frontier_score[:, None] + cs).reshape(-1)
             cand_tokens.append(ct.reshape(-1))
@@ -109,7 +122,14 @@ class BeamTreeDrafter:
                                 scores, total_token)
         order = top_node_order(scores, total_token)                       # the candidates select_top_nodes kept
         inputs = torch.cat([root_hidden[None].to(cand_inputs[0].dtype), torch.cat(cand_inputs)[order.to(dev)]])
-        return tree, inputs
+        cand_out = inputs.new_zeros((n_cand, inputs.shape[-1]))
+        cand_known = torch.zeros(n_cand, dtype=torch.bool, device=dev)
+        for ids, out in expanded:
+            cand_out[ids] = out.to(cand_out.dtype)
+            cand_known[ids] = True
+        outputs = torch.cat([inputs[:1], cand_out[order.to(dev)]])
+        known = torch.cat([torch.ones(1, dtype=torch.bool, device=dev), cand_known[order.to(dev)]]).to(HOST)
+        return tree, inputs, outputs, known
 
     @torch.no_grad()
     def extend_tree(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor, levels: int, top_k: int,

@@ -100,40 +100,70 @@ class MergedDrafter(BeamTreeDrafter):
     @torch.no_grad()
     def grow_tree_with_inputs(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int,
                               top_k: int) -> tuple[DraftTree, Tensor]:
-        """:meth:`grow_tree`, plus each node's input state (:meth:`tree_inputs`) for :meth:`extend_tree`."""
-        tree = self.grow_tree(root_token, root_hidden, total_token, depth, top_k)
-        return tree, self.tree_inputs(tree, root_hidden)
+        """:meth:`grow_tree` (no source samples here: ``supports_extend``), plus each node's input state
+        (:meth:`tree_inputs`) for :meth:`extend_tree`. A source with ``grow_tree_with_outputs`` (the EAGLE-2
+        search) also hands over the draft outputs its search computed, so its slice of the inputs costs no
+        forward wherever its own tree reached."""
+        trees, searched = [], []
+        for s, h in zip(self.sources, self._split(root_hidden)):
+            if hasattr(s, "grow_tree_with_outputs"):
+                t, _, out, known = s.grow_tree_with_outputs(root_token, h, total_token, depth, top_k)
+                searched.append((t, out, known))
+            else:
+                t = s.grow_tree(root_token, h, total_token, depth, top_k)
+                searched.append(None)
+            trees.append(t)
+        tree = merge_sources([scale_scores(t, c) for t, c in zip(trees, self.score_scales)], total_token)
+        return tree, self.tree_inputs(tree, root_hidden, searched)
 
     @torch.no_grad()
-    def tree_inputs(self, tree: DraftTree, root_hidden: Tensor) -> Tensor:
+    def tree_inputs(self, tree: DraftTree, root_hidden: Tensor, searched: list | None = None) -> Tensor:
         """Each node's input state: its parent's merged state (row 0 and the root's children: ``root_hidden``).
 
-        A merged tree mixes the sources' nodes, so no source alone knows them all: the tree's inner nodes are fed
-        level by level (one :meth:`tree_forward` per level that has children below it; a node is fed after its
-        parent, on top of the committed context) and their states become their children's inputs. Exact: the
-        same states a source's own search computes for the nodes it proposed."""
+        Per source: a parent's state in that source is known when the source's own search computed it
+        (``searched[i] = (its tree, outputs, known)`` from ``grow_tree_with_outputs``, matched to the merged
+        tree by token path); the rest, a node proposed only by another source, is computed by feeding the
+        source the parents it lacks, with their ancestors (a fed node attends to its path), level by level on
+        top of the committed context. Exact: the same states a source's own search computes for the nodes it
+        proposed (``searched`` None: every source is fed every inner node, as without it)."""
         n = len(tree)
-        root = root_hidden.reshape(1, -1)
-        inputs = root.expand(n, -1).clone()
-        if n <= 2:
-            return inputs
-        depths, parents = tree.depths, tree.parents
-        inner = torch.zeros(n, dtype=torch.bool, device=HOST)
-        inner[parents[1:]] = True
-        slot = torch.full((n,), -1, dtype=torch.long, device=HOST)          # draft-cache tree slot of each fed node
-        for d in range(1, int(depths.max())):
-            level = ((depths == d) & inner).nonzero().flatten()
-            if level.numel() == 0:
-                continue
-            start = self.tree_size
-            out = self.tree_forward(tree.tokens[level], inputs[level], slot[parents[level]])
-            slot[level] = start + torch.arange(level.numel(), device=HOST)
-            kids = (depths == d + 1).nonzero().flatten()          # their parents are all in ``level``
-            row = torch.full((n,), -1, dtype=torch.long, device=HOST)
-            row[level] = torch.arange(level.numel(), device=HOST)
-            inputs[kids] = out[row[parents[kids]]].to(inputs.dtype)
-        self.drop_tree()
-        return inputs
+        parents, depths = tree.parents, tree.depths
+        has_child = torch.zeros(n, dtype=torch.bool, device=HOST)
+        has_child[parents[1:]] = True
+        has_child[0] = False                                        # the root's state is root_hidden
+        key = {(p, t): i for i, (p, t) in enumerate(zip(parents.tolist(), tree.tokens.tolist()))}
+        out_states = []
+        for i, (src, h) in enumerate(zip(self.sources, self._split(root_hidden.reshape(1, -1)))):
+            states = h.expand(n, -1).clone()                        # row i: node i's state in this source
+            known = torch.zeros(n, dtype=torch.bool, device=HOST)
+            known[0] = True
+            found = searched[i] if searched else None
+            if found is not None:
+                at = _match_nodes(found[0], key)
+                hit = (at >= 0) & found[2].to(HOST)
+                states[at[hit].to(states.device)] = found[1][hit.to(found[1].device)].to(states.dtype)
+                known[at[hit]] = True
+            feed = has_child & ~known
+            for j in range(n - 1, 0, -1):                            # ancestors of a fed node are fed (its path)
+                if feed[j]:
+                    feed[parents[j]] = True
+            feed[0] = False
+            slot = torch.full((n,), -1, dtype=torch.long, device=HOST)   # draft-cache tree slot of each fed node
+            for d in range(1, int(depths.max()) if n > 1 else 1):
+                level = ((depths == d) & feed).nonzero().flatten()
+                if level.numel() == 0:
+                    continue
+                start = src.tree_size
+                par = parents[level]
+                out = src.tree_forward(tree.tokens[level], states[par.to(states.device)], slot[par])
+                slot[level] = start + torch.arange(level.numel(), device=HOST)
+                states[level.to(states.device)] = out.to(states.dtype)
+            if bool(feed.any()):
+                src.drop_tree()
+            rows = states[parents.clamp(min=0).to(states.device)]
+            rows[0] = h[0]
+            out_states.append(rows)
+        return self._cat(out_states)
 
     def top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """The best ``k`` (score, token) per row of merged states by the **maximum** over the sources' (scaled)
@@ -179,6 +209,15 @@ class MergedDrafter(BeamTreeDrafter):
     def source(self, kind: type):
         """The first source of class ``kind`` (e.g. the small LM for ``sps``), or None."""
         return next((s for s in self.sources if isinstance(s, kind)), None)
+
+
+def _match_nodes(tree: DraftTree, key: dict[tuple[int, int], int]) -> Tensor:
+    """For each node of ``tree`` (ancestors first), the index of the node with the same token path in the tree
+    whose ``(parent, token) -> index`` map is ``key``, or -1 where that tree lacks the path."""
+    at = [0]
+    for p, t in zip(tree.parents.tolist()[1:], tree.tokens.tolist()[1:]):
+        at.append(key.get((at[p], t), -1) if at[p] >= 0 else -1)
+    return torch.tensor(at, dtype=torch.long, device=HOST)
 
 
 def scale_scores(tree: DraftTree, scale: float) -> DraftTree:

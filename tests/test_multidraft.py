@@ -272,6 +272,46 @@ def test_merged_drafter_expands_incrementally_and_exactly():
     assert not can_extend(sampling)                                             # sampled draws: redraft instead
 
 
+def _count_forwards(drafter) -> list[int]:
+    """Record the rows of every ``tree_forward`` call of ``drafter`` (a list that grows as it is called)."""
+    calls, real = [], drafter.tree_forward
+
+    def counted(tokens, features, parents):
+        calls.append(int(tokens.numel()))
+        return real(tokens, features, parents)
+    drafter.tree_forward = counted
+    return calls
+
+
+@pytest.mark.parametrize("seed,total,depth,top_k", [(0, 14, 4, 3), (1, 30, 5, 4), (2, 60, 5, 10), (3, 17, 1, 10)])
+def test_merged_tree_inputs_reuse_the_search_outputs(seed, total, depth, top_k):
+    """The EAGLE source's own search outputs give its slice of the merged inputs: the same states as feeding every
+    inner node again (``tree_inputs`` without them), with EAGLE forwards beyond the search's ``depth`` levels only
+    for the parents lookup alone proposed (and their paths): fewer rows than feeding every inner node."""
+    merged, h = _eagle_lookup(seed)
+    calls = _count_forwards(merged.sources[0])
+    tree, inputs = merged.grow_tree_with_inputs(13, h, total, depth, top_k)
+    extra = calls[depth:]                                               # after the beam's own levels
+    calls.clear()
+    ref = merged.tree_inputs(tree, h)                                   # every inner node fed again
+    assert torch.allclose(inputs, ref, atol=1e-9) and merged.tree_size == 0
+    assert sum(extra) < sum(calls) and len(extra) <= len(calls)
+
+
+def test_merged_tree_inputs_cost_no_forward_when_lookup_adds_nothing():
+    """With no earlier occurrence to copy, the merged tree is EAGLE's and its inputs come from the search alone."""
+    eagle, look = _random_eagle(5), LookupDrafter(V_TINY, max_matches=4)
+    merged = MergedDrafter([eagle, look], ["eagle", "lookup"])
+    prompt = [1, 2, 3, 4, 5, 6]
+    h = merged.start(prompt, 13, torch.randn(len(prompt), 16, generator=torch.Generator().manual_seed(5),
+                                             dtype=torch.float64))
+    calls = _count_forwards(eagle)
+    tree, inputs = merged.grow_tree_with_inputs(13, h, 30, 4, 4)
+    assert calls == [4] * 4                                             # the beam's levels, nothing more
+    assert torch.equal(tree.tokens, eagle.grow_tree(13, h[:16], 30, 4, 4).tokens)
+    assert torch.allclose(inputs, merged.tree_inputs(tree, h), atol=1e-9)
+
+
 def test_small_lm_drafter_cache_equals_plain_forward(tmp_path):
     from transformers import AutoModelForCausalLM
     from tests.helpers import tiny_llama
