@@ -74,6 +74,12 @@ class TreeConfig:
     expand_subseq_token: int = -1  # max nodes sent per step after the fill (-1 = all waiting nodes)
     expand_levels: int = 2       # continuous: levels grown per step below the best leaves, tree kept to
                                  # expand_total_token nodes (0 = redraft expand_depth levels from each new root)
+    lookahead_min_prob: float = 0.0  # continuous (incremental): > 0 keeps the tree D levels deep below the root
+                                 # instead of growing expand_levels per step; D = deepest level the target's path
+                                 # reaches with probability >= this at the measured per-level acceptance
+                                 # (pipeline/budget.py: lookahead_levels); 0 = off
+    lookahead_max_levels: int = 4  # ... levels grown per verified step at most (tree.budget: also what the
+                                 # profile's ring step leaves rank 0 for drafting, affordable_levels)
     ahead_levels: int = 0        # continuous: when a ring link is free and nothing waits, grow this many levels
                                  # below the best leaves and send them (draft ahead; 0 = off)
     ahead_min_prob: float = 0.02  # ... only while the best new node's draft path probability is at least this
@@ -238,6 +244,10 @@ class RunConfig:
                 raise ConfigError(f"{k}={getattr(self.tree, k)} must be >= 0")
         if self.model.draft_vocab < 0:
             raise ConfigError(f"model.draft_vocab={self.model.draft_vocab} must be >= 0 (0 = the whole vocabulary)")
+        if not 0 <= self.tree.lookahead_min_prob < 1:
+            raise ConfigError(f"tree.lookahead_min_prob={self.tree.lookahead_min_prob} must be in [0, 1) (0 = off)")
+        if self.tree.lookahead_max_levels < 1:
+            raise ConfigError(f"tree.lookahead_max_levels={self.tree.lookahead_max_levels} must be >= 1")
         if not 0 <= self.tree.ahead_min_prob <= 1:
             raise ConfigError(f"tree.ahead_min_prob={self.tree.ahead_min_prob} must be in [0, 1]")
         if self.tree.expand_subseq_token < 1 and self.tree.expand_subseq_token != -1:

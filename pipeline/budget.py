@@ -521,6 +521,45 @@ def choose_expansion(costs: StepCosts, acceptance: "AcceptanceStats | float", se
     return Expansion(total, depth, top_k)
 
 
+def affordable_levels(costs: StepCosts, segment_size: int, top_k: int, max_levels: int,
+                      in_flight: int | None = None, ctx: int | None = None) -> int:
+    """Levels of ``top_k`` rows rank 0 can draft per step while the stages compute: the most ``L`` in
+    ``[1, max_levels]`` with ``expansion_time(L, top_k)`` within the step that the ring imposes
+    (``ring_period - verify_time - overhead`` at ``segment_size`` rows, as :func:`choose_expansion`); at least 1,
+    so the tree keeps growing when even one level overruns (the step then waits for rank 0)."""
+    if max_levels < 1 or top_k < 1:
+        raise ValueError(f"max_levels={max_levels} and top_k={top_k} must be >= 1")
+    w = max(1, segment_size)
+    budget = costs.ring_period(w, in_flight, ctx) - costs.verify_time(w) - costs.rank0_overhead_s
+    for levels in range(max_levels, 0, -1):
+        if costs.expansion_time(levels, top_k) <= budget:
+            return levels
+    return 1
+
+
+def lookahead_levels(alpha: float, depth_below_root: int, min_prob: float, max_per_step: int,
+                     max_depth: int = 32) -> int:
+    """Levels to grow below a tree whose deepest node lies ``depth_below_root`` levels under the root, so that
+    the tree reaches the *useful lookahead* ``D = useful_levels(alpha, min_prob, max_depth)`` (the deepest level
+    the target's path reaches with probability ``alpha ** D >= min_prob``): ``clamp(D - depth_below_root, 0,
+    max_per_step)``.
+
+    Why a lookahead and not a fixed number of levels per step: the root advances by the accepted tokens of every
+    verified step, on average ``1 / (1 - alpha)`` for a deep enough tree, so a fixed growth of ``g`` levels per
+    step caps the advance at ``g`` whatever the draft (the tree runs out below the path and the round ends),
+    while growing more than the advance drafts levels nobody reaches. Keeping the tree ``D`` levels deep grows
+    exactly what the last step consumed, up to the per-step drafting cap (:func:`affordable_levels`), and
+    drafts nothing when the tree is deep enough (rank 0 sends at once).
+
+    Properties (``tests/test_budget.py``): 0 when the tree already reaches ``D``; never more than
+    ``max_per_step``; non-decreasing in ``alpha`` and non-increasing in ``depth_below_root`` and ``min_prob``.
+    """
+    if max_per_step < 0 or depth_below_root < 0:
+        raise ValueError(f"max_per_step={max_per_step} and depth_below_root={depth_below_root} must be >= 0")
+    target = useful_levels(alpha, min_prob, max_depth)
+    return max(0, min(max_per_step, target - depth_below_root))
+
+
 class StepPlan(NamedTuple):
     segment_size: int
     expansion: Expansion

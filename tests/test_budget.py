@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pipeline.budget import (AcceptanceStats, Affine, Expansion, OnlineCosts, StepCosts, choose_expansion,
-                             choose_segment_size, expected_rate, fit_affine, main, path_probs, plan_step,
-                             useful_levels)
+from pipeline.budget import (AcceptanceStats, Affine, Expansion, OnlineCosts, StepCosts, affordable_levels,
+                             choose_expansion, choose_segment_size, expected_rate, fit_affine, lookahead_levels,
+                             main, path_probs, plan_step, useful_levels)
 from config.profiles import load_profile
 
 MS = 1e-3
@@ -269,6 +269,50 @@ def test_acceptance_stats_estimate_alpha_with_censoring():
     assert abs(st.alpha - 0.7) < 0.03
     assert AcceptanceStats.alpha_from_tau(0.7 / 0.3) == pytest.approx(0.7)
     assert AcceptanceStats().alpha == pytest.approx(0.6)      # the prior before any step
+
+
+def test_lookahead_grows_what_the_tree_lacks_up_to_the_cap():
+    # alpha 0.5, min_prob 0.05: useful lookahead floor(log .05 / log .5) = 4 levels below the root
+    assert lookahead_levels(0.5, 0, 0.05, 8) == 4
+    assert lookahead_levels(0.5, 3, 0.05, 8) == 1
+    assert lookahead_levels(0.5, 4, 0.05, 8) == 0             # deep enough: nothing to draft this step
+    assert lookahead_levels(0.5, 9, 0.05, 8) == 0
+    assert lookahead_levels(0.5, 0, 0.05, 2) == 2             # the per-step cap
+    assert lookahead_levels(1.0, 5, 0.05, 3, max_depth=6) == 1  # a perfect draft: up to max_depth
+    assert lookahead_levels(0.0, 0, 0.05, 3) == 1             # never below one useful level
+    rng = random.Random(11)
+    for _ in range(500):
+        a, d, m, cap = rng.random(), rng.randint(0, 12), rng.uniform(0.001, 0.5), rng.randint(0, 6)
+        n = lookahead_levels(a, d, m, cap)
+        assert 0 <= n <= cap
+        assert lookahead_levels(min(1.0, a + rng.random() * (1 - a)), d, m, cap) >= n   # monotone in alpha
+        assert lookahead_levels(a, d + rng.randint(0, 3), m, cap) <= n                 # and in the depth
+        assert lookahead_levels(a, d, min(0.99, m * (1 + rng.random())), cap) <= n     # and in min_prob
+    with pytest.raises(ValueError):
+        lookahead_levels(0.5, -1, 0.05, 2)
+    with pytest.raises(ValueError):
+        lookahead_levels(0.5, 0, 0.0, 2)
+
+
+def test_affordable_levels_fit_the_ring_step():
+    slow = costs(stage=(25 * MS, 0.0), level=(6 * MS, 0.0))       # 6 + 6 L <= 25 ms -> L <= 3
+    assert affordable_levels(slow, 8, 10, 8) == 3
+    assert affordable_levels(slow, 8, 10, 2) == 2                 # the caller's cap
+    per_row = costs(stage=(25 * MS, 0.0), level=(0.0, 1 * MS))   # 1 + 10 L <= 25 -> L <= 2 at k = 10
+    assert affordable_levels(per_row, 8, 10, 8) == 2
+    assert affordable_levels(per_row, 8, 4, 8) == 6              # a narrower beam affords more levels
+    hopeless = costs(stage=(25 * MS, 0.0), level=(30 * MS, 0.0))
+    assert affordable_levels(hopeless, 8, 10, 8) == 1             # at least one level: the tree keeps growing
+    rng = random.Random(12)
+    for _ in range(300):
+        c, w, k, cap = random_costs(rng), rng.randint(1, 40), rng.randint(1, 10), rng.randint(1, 8)
+        n = affordable_levels(c, w, k, cap)
+        budget = c.ring_period(w) - c.verify_time(w) - c.rank0_overhead_s
+        assert 1 <= n <= cap
+        assert n == 1 or c.expansion_time(n, k) <= budget
+        assert n == cap or c.expansion_time(n + 1, k) > budget
+    with pytest.raises(ValueError):
+        affordable_levels(slow, 8, 10, 0)
 
 
 # -- the edge_orin_7b profile -----------------------------------------------------------------------------

@@ -84,6 +84,11 @@ def test_bad_oracle_noise_is_one_setup_error(tiny, spec):
     ["tree.first_levels=1", "tree.ahead_levels=2", "tree.ahead_min_prob=0", "tree.subseq_token=3"],
     # the whole first tree before the first send; cost-aware segment sizes from a profile
     ["tree.first_levels=0", "tree.budget=edge_orin_7b"],
+    # a lookahead kept from the measured acceptance (steps that draft nothing), capped per step
+    ["tree.lookahead_min_prob=0.05", "tree.lookahead_max_levels=3", "tree.subseq_token=4"],
+    # ... capped by what the profile's step affords, with one-node expansions
+    ["tree.lookahead_min_prob=0.3", "tree.budget=edge_orin_7b", "tree.expand_total_token=2",
+     "tree.first_levels=0", "tree.init_total_token=6"],
 ])
 def test_tree_shapes(tiny, overrides):
     full, splits = tiny
@@ -109,3 +114,51 @@ def test_stop_token_inside_accepted_segment(tiny):
     res = run_threaded(splits[6], PROMPTS[:1], MODES, ["max_new_tokens=20"], stop, f"oracle:{full}")
     _check(full, res, 20, stop)
     assert all(rows[0].output_ids[-1] == stop_tok for rows in res.values())
+
+
+def test_lookahead_measures_acceptance_with_censoring_and_grows_only_what_is_missing():
+    """ContinuousMode's lookahead (``tree.lookahead_min_prob``): ``observe`` counts accepted draft tokens and a
+    bonus token the tree holds as successes, a last node with drafted children none of which the target chose as
+    a failure, and a path ending at a leaf as censored; ``grow`` drafts nothing when the tree is already as deep
+    as the lookahead and otherwise the missing levels, up to the per-step cap."""
+    from types import SimpleNamespace
+    from config.run_config import TreeConfig
+    from draft.tree import DraftTree
+    from pipeline.budget import AcceptanceStats
+    from pipeline.modes.flowspec import ContinuousMode, StepVerdict
+
+    # root 0 -> 1 (a), 2 (b); 1 -> 3 (c); 3 -> 4 (d)
+    tree = DraftTree(torch.tensor([9, 10, 11, 12, 13]), torch.tensor([-1, 0, 0, 1, 3]), torch.zeros(5))
+    mode = ContinuousMode()
+    mode.acceptance = AcceptanceStats(half_life=1e12, prior_weight=0.0)
+    verdict = lambda path, new_root: StepVerdict(len(tree), path, 0, new_root, [], torch.zeros(0))  # noqa: E731
+    mode.observe(tree, verdict([0, 1], 3))      # 1 accepted + the bonus already drafted: 2 successes
+    assert (mode.acceptance.successes, mode.acceptance.trials) == pytest.approx((2, 2))
+    mode.observe(tree, verdict([0, 1], None))   # node 1 had a child, the target chose another token: a failure
+    assert (mode.acceptance.successes, mode.acceptance.trials) == pytest.approx((3, 4))
+    mode.observe(tree, verdict([0, 2], None))   # node 2 is a leaf: censored
+    assert (mode.acceptance.successes, mode.acceptance.trials) == pytest.approx((4, 5))
+
+    calls = []
+
+    class Drafter:
+        def extend_tree(self, tree, inputs, root_hidden, levels, top_k, max_new):
+            calls.append(levels)
+            return tree, inputs
+
+    cfg = SimpleNamespace(tree=TreeConfig(lookahead_min_prob=0.05, lookahead_max_levels=2))
+    engine = SimpleNamespace(cfg=cfg, drafter=Drafter(), comm=SimpleNamespace(world=5),
+                             tracer=SimpleNamespace(span=lambda name: __import__("contextlib").nullcontext()))
+    mode.inputs = torch.zeros(len(tree), 4)
+    mode.acceptance = AcceptanceStats(prior_alpha=0.5)           # lookahead floor(log .05 / log .5) = 4 levels
+    mode.grow(engine, tree, torch.zeros(4), True)                 # tree 3 levels deep: 1 missing
+    deep = DraftTree(torch.arange(6), torch.tensor([-1, 0, 1, 2, 3, 4]), torch.zeros(6))
+    mode.inputs = torch.zeros(len(deep), 4)
+    mode.grow(engine, deep, torch.zeros(4), True)                 # 5 levels deep: nothing to draft
+    mode.inputs = torch.zeros(1, 4)
+    mode.grow(engine, DraftTree.single(9), torch.zeros(4), True)  # a bare root: 4 missing, 2 per step
+    assert calls == [1, 2]
+    cfg.tree.lookahead_min_prob = 0.0                              # off: the fixed expand_levels per step
+    mode.inputs = torch.zeros(len(deep), 4)
+    mode.grow(engine, deep, torch.zeros(4), True)
+    assert calls == [1, 2, cfg.tree.expand_levels]

@@ -347,6 +347,8 @@ EXACT_CASES = [
     ("continuous", 3, 0.3, 0.8, 4, "onehot", 2, {"tree.first_levels": 0}, ("CONTINUE", "expand")),
     ("continuous", 3, 1.0, 1.0, 0, "target", 3,   # quick-started first trees and drafting ahead
      {"tree.first_levels": 1, "tree.ahead_levels": 1, "tree.ahead_min_prob": 0.0}, ("CONTINUE", "expand")),
+    ("continuous", 3, 1.0, 1.0, 0, "target", 3,   # a lookahead from the measured acceptance
+     {"tree.lookahead_min_prob": 0.05, "tree.lookahead_max_levels": 3}, ("CONTINUE", "expand")),
     ("continuous", 4, 2.0, 0.9, 0, "random", 2, {"tree.none_expand": True, "tree.first_levels": 0},
      ("CONTINUE", "expand")),
     ("continuous", 3, 1.0, 1.0, 0, "disjoint", 2, {"tree.none_expand": True}, ()),

@@ -23,9 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
+from config.profiles import load_profile
 from draft.protocol import can_extend
 from draft.tree import DraftTree, keep_indices_for, merge_trees, split_sizes
 from model.devices import HOST
+from pipeline.budget import (AcceptanceStats, StepCosts, affordable_levels, choose_segment_size, lookahead_levels,
+                             path_probs)
 from pipeline.engine import DecodeResult, Engine, OutputBuffer
 from pipeline.messages import Segment, Status
 from pipeline.outbox import Outbox, RankTree
@@ -95,11 +98,8 @@ class StreamingMode:
             return None
         key = (name, engine.comm.world)
         if getattr(self, "_costs_key", None) != key:
-            from pipeline.budget import StepCosts
-            from config.profiles import load_profile
             self._costs = StepCosts.from_profile(load_profile(name), engine.comm.world)
             self._costs_key = key
-        from pipeline.budget import choose_segment_size, path_probs
         return choose_segment_size(path_probs(state.tree.scores[state.sent:]), self._costs)
 
     def grow(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor, verified: bool) -> DraftTree:
@@ -111,6 +111,9 @@ class StreamingMode:
 
     def on_reroot(self, keep: torch.Tensor, accepted_len: int) -> None:
         pass
+
+    def observe(self, tree: DraftTree, verdict: StepVerdict) -> None:
+        """Called with every verified step before the re-root (the tree the verdict's indices refer to)."""
 
     # -- the loop ------------------------------------------------------------------------------------
     def decode(self, engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
@@ -180,6 +183,7 @@ class StreamingMode:
                 state.set_tree(self.grow(engine, state.tree, root_hidden, False))
                 self.top_up(engine, box, state, root_hidden)
                 continue
+            self.observe(state.tree, verdict)
             path = verdict.path
             accepts.append(out.extend(verdict.committed))
             pending_tokens += verdict.committed
@@ -231,6 +235,8 @@ class ContinuousMode(StreamingMode):
     def __init__(self) -> None:
         self.inputs: torch.Tensor | None = None   # draft input feature per tree node (incremental expansion)
         self.quick_fill = False                   # the round's quick-started first tree is not sent yet
+        self.acceptance = AcceptanceStats()       # per-level acceptance of this generation (tree.lookahead_*)
+        self._level_cap: tuple | None = None      # (key, levels per step the profile affords)
 
     @staticmethod
     def incremental(engine: Engine) -> bool:
@@ -283,11 +289,52 @@ class ContinuousMode(StreamingMode):
         if self.inputs is not None:
             self.inputs = self.inputs[keep[accepted_len:].to(self.inputs.device)]
 
-    def grow(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor, verified: bool) -> DraftTree:
+    def decode(self, engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
+               out: OutputBuffer) -> DecodeResult:
+        self.acceptance = AcceptanceStats()   # measured per generation: a generation's trees depend on it alone
+        return super().decode(engine, logits, features, prompt_ids, out)
+
+    def observe(self, tree: DraftTree, verdict: StepVerdict) -> None:
+        """Per-level acceptance for the lookahead (:class:`pipeline.budget.AcceptanceStats`): every accepted draft
+        token is a success, and so is a bonus token the tree already holds (``new_root``); the step failed a level
+        when the path's last node had drafted children and the target's token is none of them. A path that ends
+        at a leaf says nothing about the next level (censored)."""
+        last = verdict.path[-1]
+        hit = verdict.new_root is not None
+        had_children = hit or bool((tree.parents == last).any())
+        self.acceptance.record(len(verdict.path) - 1 + int(hit), rejected=had_children and not hit)
+
+    def lookahead(self, engine: Engine, tree: DraftTree) -> int:
+        """Levels to grow after a verified step with ``tree.lookahead_min_prob > 0``: what keeps the tree its
+        useful lookahead deep below the root at the measured acceptance (:func:`pipeline.budget.lookahead_levels`),
+        at most ``tree.lookahead_max_levels`` per step and, with ``tree.budget``, at most what the profile's ring
+        step leaves rank 0 for drafting (:func:`pipeline.budget.affordable_levels`). 0: the tree is deep enough,
+        nothing is drafted this step."""
         t = engine.cfg.tree
+        cap = t.lookahead_max_levels
+        if t.budget:
+            key = (t.budget, engine.comm.world, t.subseq_token, t.expand_topk, cap)
+            if self._level_cap is None or self._level_cap[0] != key:
+                costs = StepCosts.from_profile(load_profile(t.budget), engine.comm.world)
+                self._level_cap = (key, affordable_levels(costs, t.subseq_token, t.expand_topk, cap))
+            cap = self._level_cap[1]
+        depth = int(tree.depths.max()) if len(tree) > 1 else 0
+        return lookahead_levels(self.acceptance.alpha, depth, t.lookahead_min_prob, cap)
+
+    def grow(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor, verified: bool) -> DraftTree:
+        """After a verified step (``verified``): incremental expansion grows ``tree.expand_levels`` levels, or with
+        ``tree.lookahead_min_prob > 0`` what :meth:`lookahead` says (none when the tree is deep enough); the
+        redraft expansion merges a fresh ``expand_depth`` tree. After a result that verified nothing: the
+        none-expansion when ``tree.none_expand`` is on."""
+        t = engine.cfg.tree
+        levels = t.expand_levels
         if verified:
             if t.expand_total_token == 0:   # expansion off: the round keeps its first tree
                 return tree
+            if t.lookahead_min_prob > 0 and self.inputs is not None:
+                levels = self.lookahead(engine, tree)
+                if levels == 0:
+                    return tree
             total, depth = t.expand_total_token, t.expand_depth
         elif t.none_expand:
             total, depth = t.expand_total_token + t.none_expand_size, t.expand_depth + t.none_expand_depth
@@ -295,7 +342,7 @@ class ContinuousMode(StreamingMode):
             return tree
         with engine.tracer.span("expand"):
             if self.inputs is not None:
-                levels = t.expand_levels if verified else t.none_expand_depth
+                levels = levels if verified else t.none_expand_depth
                 room = max(total - len(tree), t.expand_topk if verified else t.none_expand_size)
                 tree, self.inputs = engine.drafter.extend_tree(tree, self.inputs, root_hidden, levels,
                                                                t.expand_topk, room)
