@@ -28,7 +28,7 @@ from torch import Tensor
 
 from draft.eagle3 import (Eagle3Head, default_aux_layers, init_eagle3_head, load_eagle3_head, save_eagle3_head,
                           vocab_from_ids)
-from draft.train.batches import epoch_batches
+from draft.train.batches import epoch_batches, require_full_batch
 from draft.train.objective import unrolled_forward
 from draft.train.records import held_out_order, load_records, pad_batch
 from draft.train.target import default_target, load_target, resolve_device
@@ -91,6 +91,7 @@ def train_eagle3(args) -> int:
         return 2
     order, n_val = held_out_order(len(records), args.seed, args.val_count, args.val_frac)
     val_idx, train_idx = order[:n_val], order[n_val:] or order[:1]   # unsorted; all held out: the first trains too
+    require_full_batch(len(train_idx), args.batch_size)
     layers = default_aux_layers(tcfg.num_hidden_layers)
     vocab_map = None
     if args.draft_vocab and args.draft_vocab < tcfg.vocab_size:

@@ -165,3 +165,19 @@ def test_eval_resume_across_the_default_draft_change(tmp_path, capsys):
     assert _eval(tmp_path, data.parent, "--max-new-tokens", "32") == 2
     err = capsys.readouterr().err
     assert "draft_sources: 'eagle' vs 'eagle,lookup'" in err and "overrides:" not in err
+
+
+# -- scripts/gpu_head_recipe.sh: help, bad steps and missing inputs are one line each ---------------------
+def test_gpu_head_recipe_help_and_errors(tmp_path):
+    script = ["bash", "scripts/gpu_head_recipe.sh"]
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "HOME": str(tmp_path)}
+    h = subprocess.run(script + ["--help"], cwd=REPO, capture_output=True, text=True, env=env, timeout=60)
+    assert h.returncode == 0 and "Example" in h.stdout and "set -euo" not in h.stdout
+    bad = subprocess.run(script + ["bogus"], cwd=REPO, capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("gpu_head_recipe: give a step")
+    for step, what in (("train", "run the data step first"), ("eval", "run the train step first")):
+        r = subprocess.run(script + [step, str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True,
+                           env={**env, "DEVICE": "cpu"}, timeout=120)
+        if "no " in r.stderr and "question.jsonl" in r.stderr:
+            pytest.skip("the six evaluation sets are not beside the checkout (../shared/data)")
+        assert r.returncode == 2 and what in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -287,6 +287,9 @@ def test_train_eagle3_cli(tiny, tmp_path):
     head = load_draft_head(out, cfg, torch.zeros(cfg.vocab_size, cfg.hidden_size))
     assert isinstance(head, Eagle3Head) and head.draft_vocab == 40 and int(head.vocab_map.max()) < 60
     assert stage_taps("auto", out, LAYERS) == [1, 2, 3]
+    # fewer training conversations (8) than one batch: one error line (every epoch was empty: an endless loop)
+    assert te.main(argv[:argv.index("--batch-size") + 1] + ["9"] + argv[argv.index("--batch-size") + 2:]
+                   + ["--out", str(tmp_path / "h9")]) == 2
 
 
 def test_broad_prompts_cover_every_kind(monkeypatch):

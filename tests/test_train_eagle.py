@@ -394,6 +394,8 @@ def test_train_cli_end_to_end_with_resume(target, target_dir, tmp_path):
     assert te.main(base + ["--out", str(tmp_path / "h4"), "--max-steps", "1", "--unroll-steps", "2",
                            "--unroll-decay", "0"]) == 2
     assert te.main(base + ["--out", str(tmp_path / "h4"), "--max-steps", "1", "--eval-steps", "-1"]) == 2
+    # fewer training conversations (8) than one batch: one error line (was an IndexError traceback)
+    assert te.main(base + ["--out", str(tmp_path / "h4"), "--max-steps", "1", "--batch-size", "9"]) == 2
     assert te.main(base + ["--out", str(tmp_path / "h4"), "--max-steps", "1", "--arch", "eagle3",
                            "--unroll-steps", "2"]) == 2
     # a head for another model is refused as the starting point

@@ -63,6 +63,17 @@ class ConversationBatches:
         return self.store.get(self.record_ids[i]).shape[-1]
 
 
+def require_full_batch(n_train: int, batch_size: int) -> None:
+    """One clear error instead of an epoch with no batch (:func:`epoch_batches` drops incomplete batches, so
+    fewer training conversations than ``batch_size`` would make every epoch empty: an IndexError in the
+    EAGLE-1/2 loop, an endless loop in the EAGLE-3 one)."""
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    if n_train < batch_size:
+        raise ValueError(f"{n_train} training conversations are fewer than --batch-size {batch_size}: "
+                         f"lower --batch-size or add data")
+
+
 def epoch_batches(train_idx: list[int], lengths: list[int], batch_size: int, seed: int, epoch: int,
                   bucket: int = 64) -> list[list[int]]:
     """The batches of one epoch (deterministic in ``seed, epoch``, so a resumed run sees the same order).

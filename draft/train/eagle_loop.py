@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from draft.eagle import EagleHead, init_untrained_head, load_eagle_head, save_eagle_head
-from draft.train.batches import ConversationBatches, epoch_batches
+from draft.train.batches import ConversationBatches, epoch_batches, require_full_batch
 from draft.train.features import FeatureStore
 from draft.train.objective import evaluate, train_step
 from draft.train.plots import save_loss_plot
@@ -149,6 +149,7 @@ def prepare_run(args) -> TrainRun | None:
         print("error: the dataset needs at least 2 usable conversations", file=sys.stderr)
         return None
     records, train_idx, val_idx = split
+    require_full_batch(len(train_idx), args.batch_size)
     head, lm_head, emb_w = build_heads(args, tcfg, target_dir, dev)
     data = feature_source(args, records, target_dir, dev)
     lengths = [min(len(r["input_ids"]), args.max_len) for r in records]
