@@ -327,22 +327,22 @@ class ContinuousMode(StreamingMode):
         redraft expansion merges a fresh ``expand_depth`` tree. After a result that verified nothing: the
         none-expansion when ``tree.none_expand`` is on."""
         t = engine.cfg.tree
-        levels = t.expand_levels
         if verified:
             if t.expand_total_token == 0:   # expansion off: the round keeps its first tree
                 return tree
+            levels = t.expand_levels
             if t.lookahead_min_prob > 0 and self.inputs is not None:
                 levels = self.lookahead(engine, tree)
                 if levels == 0:
                     return tree
             total, depth = t.expand_total_token, t.expand_depth
         elif t.none_expand:
+            levels = t.none_expand_depth
             total, depth = t.expand_total_token + t.none_expand_size, t.expand_depth + t.none_expand_depth
         else:
             return tree
         with engine.tracer.span("expand"):
             if self.inputs is not None:
-                levels = levels if verified else t.none_expand_depth
                 room = max(total - len(tree), t.expand_topk if verified else t.none_expand_size)
                 tree, self.inputs = engine.drafter.extend_tree(tree, self.inputs, root_hidden, levels,
                                                                t.expand_topk, room)
