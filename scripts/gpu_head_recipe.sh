@@ -3,7 +3,8 @@
 # a lent GPU machine (and run unchanged, much slower, on a CPU):
 #
 #   bash scripts/gpu_head_recipe.sh data  OUT   # self-distilled data: the default head's kinds + broad kinds,
-#                                               # half greedy, half sampled; the six sets' records [30, 50) excluded
+#                                               # half greedy, half sampled (float32 target, as at inference);
+#                                               # the six sets' records [30, 50) excluded
 #   bash scripts/gpu_head_recipe.sh train OUT   # EAGLE-1/2 head with the training-time test (--unroll-steps 5),
 #                                               # from the shipped head, saved in bf16 to OUT/head
 #   bash scripts/gpu_head_recipe.sh eval  OUT   # tau per category (held-out kinds + six sets), T = 0 and T = 1,
@@ -15,7 +16,7 @@
 # when run again with OUT carried back. Settings (environment):
 #   PYTHON=python3  DEVICE=cuda (cpu where none)  BUDGET_S=480 (seconds per data/train step)
 #   SCALE=1 (prompt counts x SCALE; e.g. 0.01 for a CPU smoke run)  BATCH=384 (generation batch)
-#   TRAIN_BATCH=32 (conversations per training step)
+#   TRAIN_BATCH=32 (conversations per training step)  LR=5e-4 (a fine-tune of the shipped head)
 #   RECORDS=4 (tau prompts per category)  TAU_TOKENS=64
 # Example, on the lent machine after `bash .device/setup.sh`: DEVICE=cuda bash scripts/gpu_head_recipe.sh data $OUT
 set -euo pipefail
@@ -31,7 +32,7 @@ step="$1"; OUT="${2:-outputs/head_recipe}"
 PY="${PYTHON:-python3}"
 "$PY" -c 'import torch' 2>/dev/null || { echo "gpu_head_recipe: $PY has no torch (set PYTHON, e.g. PYTHON=.venv/bin/python)" >&2; exit 2; }
 DEVICE="${DEVICE:-$("$PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')}"
-BUDGET_S="${BUDGET_S:-480}"; SCALE="${SCALE:-1}"; BATCH="${BATCH:-384}"; TRAIN_BATCH="${TRAIN_BATCH:-32}"; RECORDS="${RECORDS:-4}"; TAU_TOKENS="${TAU_TOKENS:-64}"
+BUDGET_S="${BUDGET_S:-480}"; SCALE="${SCALE:-1}"; BATCH="${BATCH:-384}"; TRAIN_BATCH="${TRAIN_BATCH:-32}"; LR="${LR:-5e-4}"; RECORDS="${RECORDS:-4}"; TAU_TOKENS="${TAU_TOKENS:-64}"
 SHIPPED="draft/heads/SmolLM2-135M-Instruct"
 mkdir -p "$OUT"
 n() { "$PY" -c "import sys; print(max(1, round(float(sys.argv[1]) * float(sys.argv[2]))))" "$1" "$SCALE"; }
@@ -46,11 +47,10 @@ for set in mt_bench humaneval gsm8k alpaca sum qa; do
 done
 
 do_data() {
-  local dtype=float32; [[ "$DEVICE" == cuda* ]] && dtype=bfloat16
   log "data: $(n 6000) self prompts + $(n 4000) broad prompts on $DEVICE, budget ${BUDGET_S}s"
   "$PY" -m draft.train_eagle data --out "$OUT/data.jsonl" --self-prompts "$(n 6000)" --broad "$(n 4000)" \
       --followup-frac 0.2 --temperature 0.8 --sample-frac 0.5 --max-new-tokens 256 --batch-size "$BATCH" \
-      --device "$DEVICE" --dtype "$dtype" --time-budget "$BUDGET_S" --resume --no-progress "${exclude[@]}"
+      --device "$DEVICE" --dtype float32 --time-budget "$BUDGET_S" --resume --no-progress "${exclude[@]}"
   log "data: $(cat "$OUT/data.jsonl" 2>/dev/null | wc -l) conversations in $OUT/data.jsonl"
 }
 
@@ -59,7 +59,7 @@ do_train() {
   local amp=none; [[ "$DEVICE" == cuda* ]] && amp=bf16
   log "train: --unroll-steps 5 from $SHIPPED on $DEVICE, budget ${BUDGET_S}s"
   "$PY" -m draft.train_eagle train --data "$OUT/data.jsonl" --out "$OUT/head" --init-from "$SHIPPED" \
-      --unroll-steps 5 --batch-size "$TRAIN_BATCH" --max-len 1024 --lr 1e-3 --epochs 3 --cache-features cpu --amp "$amp" \
+      --unroll-steps 5 --batch-size "$TRAIN_BATCH" --max-len 1024 --lr "$LR" --epochs 3 --cache-features cpu --amp "$amp" \
       --val-count "$(n 40)" --val-every 200 --time-budget "$BUDGET_S" --save-dtype bfloat16 --device "$DEVICE" \
       --resume --no-progress
   cp "$SHIPPED/token_counts.safetensors" "$OUT/head/" 2>/dev/null || true
