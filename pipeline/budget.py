@@ -293,6 +293,11 @@ class StepCosts:
         (at least :data:`MIN_PERIOD_S`)."""
         return max(self.ring_period(w, in_flight, ctx), self.rank0_time(w, draft_s), MIN_PERIOD_S)
 
+    def draft_budget(self, w: int, in_flight: int | None = None, ctx: int | None = None) -> float:
+        """Seconds rank 0 can draft per step while the stages compute a ``w``-row segment: the step the ring
+        imposes less the verification and the bookkeeping (the module docstring's expansion rule)."""
+        return self.ring_period(w, in_flight, ctx) - self.verify_time(w) - self.rank0_overhead_s
+
     def expansion_time(self, depth: int, top_k: int) -> float:
         """Rank 0's drafting per step: commit + root log-probs, then ``depth`` levels of ``top_k`` rows."""
         return self.draft_level_time(1) + depth * self.draft_level_time(top_k)
@@ -498,7 +503,7 @@ def choose_expansion(costs: StepCosts, acceptance: "AcceptanceStats | float", se
         raise ValueError("max_depth and max_top_k must be >= 1, segment_size >= 0")
     w = max(1, segment_size)
     k_flight = in_flight or costs.in_flight_default()
-    budget = costs.ring_period(w, k_flight, ctx) - costs.verify_time(w) - costs.rank0_overhead_s
+    budget = costs.draft_budget(w, k_flight, ctx)
     want = useful_levels(alpha, min_value, max_depth + 1) - 1          # grow_tree depth for that many levels
     want = max(1, want)
 
@@ -524,13 +529,12 @@ def choose_expansion(costs: StepCosts, acceptance: "AcceptanceStats | float", se
 def affordable_levels(costs: StepCosts, segment_size: int, top_k: int, max_levels: int,
                       in_flight: int | None = None, ctx: int | None = None) -> int:
     """Levels of ``top_k`` rows rank 0 can draft per step while the stages compute: the most ``L`` in
-    ``[1, max_levels]`` with ``expansion_time(L, top_k)`` within the step that the ring imposes
-    (``ring_period - verify_time - overhead`` at ``segment_size`` rows, as :func:`choose_expansion`); at least 1,
+    ``[1, max_levels]`` with ``expansion_time(L, top_k)`` within :meth:`StepCosts.draft_budget` at
+    ``segment_size`` rows (as :func:`choose_expansion`); at least 1,
     so the tree keeps growing when even one level overruns (the step then waits for rank 0)."""
     if max_levels < 1 or top_k < 1:
         raise ValueError(f"max_levels={max_levels} and top_k={top_k} must be >= 1")
-    w = max(1, segment_size)
-    budget = costs.ring_period(w, in_flight, ctx) - costs.verify_time(w) - costs.rank0_overhead_s
+    budget = costs.draft_budget(max(1, segment_size), in_flight, ctx)
     for levels in range(max_levels, 0, -1):
         if costs.expansion_time(levels, top_k) <= budget:
             return levels

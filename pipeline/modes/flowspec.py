@@ -93,14 +93,17 @@ class StreamingMode:
         waiting nodes, in send order, that maximises expected tokens per second of the step's bottleneck,
         each node worth its draft path probability ``exp(score)`` (:func:`pipeline.budget.choose_segment_size`
         states the rule and its properties)."""
-        name = engine.cfg.tree.budget
-        if not name or not state.waiting:
+        if not engine.cfg.tree.budget or not state.waiting:
             return None
-        key = (name, engine.comm.world)
+        return choose_segment_size(path_probs(state.tree.scores[state.sent:]), self.profile_costs(engine))
+
+    def profile_costs(self, engine: Engine) -> StepCosts:
+        """The step costs of the ``tree.budget`` profile for this ring, loaded once per (profile, world)."""
+        key = (engine.cfg.tree.budget, engine.comm.world)
         if getattr(self, "_costs_key", None) != key:
-            self._costs = StepCosts.from_profile(load_profile(name), engine.comm.world)
+            self._costs = StepCosts.from_profile(load_profile(key[0]), key[1])
             self._costs_key = key
-        return choose_segment_size(path_probs(state.tree.scores[state.sent:]), self._costs)
+        return self._costs
 
     def grow(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor, verified: bool) -> DraftTree:
         return tree
@@ -235,8 +238,7 @@ class ContinuousMode(StreamingMode):
     def __init__(self) -> None:
         self.inputs: torch.Tensor | None = None   # draft input feature per tree node (incremental expansion)
         self.quick_fill = False                   # the round's quick-started first tree is not sent yet
-        self.acceptance = AcceptanceStats()       # per-level acceptance of this generation (tree.lookahead_*)
-        self._level_cap: tuple | None = None      # (key, levels per step the profile affords)
+        self.acceptance: AcceptanceStats | None = None   # per-level acceptance, measured with tree.lookahead_*
 
     @staticmethod
     def incremental(engine: Engine) -> bool:
@@ -291,14 +293,17 @@ class ContinuousMode(StreamingMode):
 
     def decode(self, engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
                out: OutputBuffer) -> DecodeResult:
-        self.acceptance = AcceptanceStats()   # measured per generation: a generation's trees depend on it alone
+        # measured per generation (a generation's trees depend on it alone), and only when the lookahead reads it
+        self.acceptance = AcceptanceStats() if engine.cfg.tree.lookahead_min_prob > 0 else None
         return super().decode(engine, logits, features, prompt_ids, out)
 
     def observe(self, tree: DraftTree, verdict: StepVerdict) -> None:
         """Per-level acceptance for the lookahead (:class:`pipeline.budget.AcceptanceStats`): every accepted draft
         token is a success, and so is a bonus token the tree already holds (``new_root``); the step failed a level
         when the path's last node had drafted children and the target's token is none of them. A path that ends
-        at a leaf says nothing about the next level (censored)."""
+        at a leaf says nothing about the next level (censored). Nothing to do without the lookahead."""
+        if self.acceptance is None:
+            return
         last = verdict.path[-1]
         hit = verdict.new_root is not None
         had_children = hit or bool((tree.parents == last).any())
@@ -313,11 +318,7 @@ class ContinuousMode(StreamingMode):
         t = engine.cfg.tree
         cap = t.lookahead_max_levels
         if t.budget:
-            key = (t.budget, engine.comm.world, t.subseq_token, t.expand_topk, cap)
-            if self._level_cap is None or self._level_cap[0] != key:
-                costs = StepCosts.from_profile(load_profile(t.budget), engine.comm.world)
-                self._level_cap = (key, affordable_levels(costs, t.subseq_token, t.expand_topk, cap))
-            cap = self._level_cap[1]
+            cap = affordable_levels(self.profile_costs(engine), t.subseq_token, t.expand_topk, cap)
         depth = int(tree.depths.max()) if len(tree) > 1 else 0
         return lookahead_levels(self.acceptance.alpha, depth, t.lookahead_min_prob, cap)
 
