@@ -172,6 +172,8 @@ class BeamTreeDrafter:
         for level in range(levels):
             cs, ct = (x.to(HOST) for x in self.top_tokens(f_out, top_k))       # one device->host copy per level
             kk = cs.shape[-1]
+            if kk == 0:       # no source proposes a token below some frontier node (merged top-k): stop here
+                break
             cum = (f_score[:, None] + cs).reshape(-1)
             cand_tok.append(ct.reshape(-1))
             cand_par.append(f_par_node.repeat_interleave(kk))
@@ -188,6 +190,8 @@ class BeamTreeDrafter:
             f_score = cum[best]
             n_cand += cum.numel()
         self.drop_tree()
+        if not cand_score:
+            return tree, inputs
         scores = torch.cat(cand_score)
         chosen = top_node_order(scores, max_new + 1)                      # + 1: the helper counts a root
         par = torch.cat(cand_par)[chosen]

@@ -812,3 +812,38 @@ def test_shipped_smollm2_student_drafts_exactly(tmp_path):
                        dtype=torch.float32)
     ref = hf_greedy(full, prompts[0], 16, stop, torch.float32)
     assert res["sps"][0].output_ids == ref and res["naive"][0].output_ids == ref
+
+
+@pytest.mark.parametrize("empty_from_level", [0, 1])
+def test_extend_tree_stops_where_no_source_proposes_a_token(empty_from_level):
+    """A merged top-k can be empty below some frontier node (no source proposes a valid token there: the union
+    keeps ``min`` valid entries over rows). Incremental expansion then stops at that level instead of feeding
+    the head zero rows (a reshape error seen in the simulator under load); what was found before stays."""
+    from draft.drafter import BeamTreeDrafter
+    from draft.tree import DraftTree, check_tree
+
+    class Stub(BeamTreeDrafter):
+        def __init__(self):
+            self.calls, self.fed = 0, []
+
+        tree_size = 0
+
+        def tree_forward(self, tokens, features, parents):
+            assert tokens.numel() > 0, "fed zero rows"
+            self.fed.append(tokens.numel())
+            return torch.zeros(tokens.numel(), 4)
+
+        def drop_tree(self):
+            pass
+
+        def top_tokens(self, hidden, k):
+            level, self.calls = self.calls, self.calls + 1
+            if level >= empty_from_level:
+                return torch.zeros(hidden.shape[0], 0), torch.zeros(hidden.shape[0], 0, dtype=torch.long)
+            return (torch.full((hidden.shape[0], 2), -1.0),
+                    torch.arange(2).repeat(hidden.shape[0], 1) + 10)
+
+    tree = DraftTree(torch.tensor([5, 6]), torch.tensor([-1, 0]), torch.tensor([0.0, -0.5]))
+    grown, inputs = Stub().extend_tree(tree, torch.zeros(2, 4), torch.zeros(4), 3, 2, 8)
+    check_tree(grown)
+    assert len(grown) == len(inputs) == 2 + (0 if empty_from_level == 0 else 2)
