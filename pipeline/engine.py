@@ -39,6 +39,15 @@ class Decoder(Protocol):
                  out: "OutputBuffer") -> DecodeResult: ...
 
 
+class StepObserver(Protocol):
+    """Instrumentation of verification outcomes, attached from outside (``engine.step_observers``): called with
+    every verified step of the tree modes -- the tree the step's indices refer to, the accepted ``path`` (node
+    indices, root first), the target's ``token`` after it and whether the generation ``finished`` with it --
+    before the tree is re-rooted or dropped. It must not change the tree (e.g. :class:`pipeline.tree_stats.TreeStats`)."""
+
+    def __call__(self, tree, path: list[int], token: int | None, finished: bool) -> None: ...
+
+
 @dataclass
 class GenResult:
     """One generation. ``accept_lengths[i]`` = tokens committed by verification step ``i`` counting the
@@ -123,8 +132,14 @@ class Engine:
         self.stop_text = None  # stop strings (gen.stop): see OutputBuffer and model.prompts.StopText
         self.cancel = None
         self.gen = 0           # generation number: stages ignore decisions of other generations
+        self.step_observers: list[StepObserver] = []   # e.g. pipeline.tree_stats.TreeStats (the simulator's)
         if self.emu is not None:
             self.emu.install_rank0(self)
+
+    def observe_step(self, tree, path: list[int], token: int | None, finished: bool) -> None:
+        """Hand one verified step to every :class:`StepObserver` (modes call it; nothing happens without one)."""
+        for observer in self.step_observers:
+            observer(tree, path, token, finished)
 
     @torch.no_grad()
     def logits(self, hidden: Tensor) -> Tensor:

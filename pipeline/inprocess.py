@@ -25,13 +25,14 @@ from pipeline.worker import StageWorker
 
 def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], overrides: list[str],
                  stop_ids: set[int], drafter: str | None = None, dtype=torch.float64,
-                 guard=nullcontext) -> dict[str, list]:
+                 guard=nullcontext, step_observers=()) -> dict[str, list]:
     """Generate every prompt in every mode; returns ``{mode: [GenResult, ...]}``.
 
     ``drafter``: a ``model.head_dir`` value, chosen exactly as ``pipeline.run`` does (an EAGLE head directory,
     ``oracle:<dir>``, ``adversary:<dir>``); None = the untrained head. ``guard()``: a context manager that every
     rank's thread enters around its decode work once the models are loaded (``tests/test_device_guard.py``
-    passes ``lambda: torch.device("meta")``).
+    passes ``lambda: torch.device("meta")``). ``step_observers``: rank 0's step observers
+    (e.g. a :class:`pipeline.tree_stats.TreeStats`).
     """
     from model.stage_format import read_manifest
     world = len(read_manifest(stage_root)["split"])
@@ -54,6 +55,7 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
     d = make_drafter(cfg, stage_root, models[0], dtype, "cpu")
     sampler = Sampler(cfg.gen.temperature, cfg.gen.top_p, cfg.gen.top_k_sampling, torch.Generator())
     engine = Engine(models[0], comm0, d, sampler, stop_ids, cfg)
+    engine.step_observers = list(step_observers)
     results: dict[str, list] = {}
     with stage_threads(world, stage) as errors:
         try:

@@ -219,6 +219,9 @@ def test_simulator_reproduces_an_emulated_run(tmp_path):
     assert len(read_jsonl(out / "predictions.jsonl")) == len(rows)
     raw = {r["mode"]: r for r in _csv(out / "summary.csv")}
     assert set(raw) == set(modes)
+    # how the trees met the target: one block per tree mode (pipeline/tree_stats.py), none for ar
+    assert {r["label"] for r in _csv(out / "tree_stats.csv")} == {f"{m}, 2 stages, T=0" for m in modes if m != "ar"}
+    assert "coverage" in (out / "tree_stats.md").read_text()
     out_c = tmp_path / "sim_cal"
     assert main([str(rows_path), *common, "--profile", str(prof), "--calibrate", "ar", "--out-dir", str(out_c),
                  "--quiet"]) == 0

@@ -189,6 +189,7 @@ class StreamingMode:
             self.observe(state.tree, verdict)
             path = verdict.path
             accepts.append(out.extend(verdict.committed))
+            engine.observe_step(state.tree, path, verdict.token, out.finished)
             pending_tokens += verdict.committed
             pending_feats.append(verdict.features)
             path_gids = state.gids[path].tolist()

@@ -52,6 +52,7 @@ def whole_tree_rounds(engine: Engine, logits: torch.Tensor, features: torch.Tens
             path, x = verify(tree, extra, tlogits)
         committed = tree.tokens[path[1:]].tolist() + [x]
         accepts.append(out.extend(committed))
+        engine.observe_step(tree, path, x, out.finished)
         box.decide(Status.TRUNCATE, state.gids[path].tolist(), -1, out.finished)
         if not out.finished:
             with engine.tracer.span("draft"):

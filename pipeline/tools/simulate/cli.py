@@ -3,7 +3,9 @@
 :func:`run` replays every recorded row through every requested (mode, stage count) once (:func:`.replayer.replay`),
 then for every link bandwidth times it (:func:`.predict.timed_passes`, with the direct-decision passes) and
 writes one prediction per generation (``predictions.jsonl``), the summary (``summary.md``/``.csv``), the
-paper-style tables of rows that name a dataset, and the requested Gantt charts. Bad input (a missing or
+paper-style tables of rows that name a dataset, the requested Gantt charts, and how the draft trees met the
+target (``tree_stats.md``/``.csv``: acceptance by sibling rank and draft probability, why rounds ended;
+:mod:`pipeline.tree_stats`). Bad input (a missing or
 malformed rows file, an unknown profile, no rows left after filtering) is one ``error:`` line and exit code 2.
 """
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pipeline.tools.simulate.replayer import replay
 from pipeline.tools.simulate.report import (draw_gantt, rank0_turnaround, stage_utilization, summarize, to_timeline,
                                             write_paper_tables, write_summary)
 from pipeline.tools.simulate.timing import TimingConfig
+from pipeline.tree_stats import TreeStats, write_tree_stats
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,7 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=0, help="at most this many rows per input (0 = all)")
     p.add_argument("--stage-dir", default="", help="split checkpoint of the recorded run (default: embedded SmolLM2)")
     p.add_argument("--head-dir", default="", help="EAGLE head of the recorded run (default: the default head)")
-    p.add_argument("--out-dir", default=str(REPO / "outputs" / "sim"), help="predictions.jsonl, summary.md/csv")
+    p.add_argument("--out-dir", default=str(REPO / "outputs" / "sim"),
+                   help="predictions.jsonl, summary.md/csv, tree_stats.md/csv")
     p.add_argument("--no-plots", action="store_true", help="skip the paper-style plots")
     p.add_argument("--direct-passes", type=int, default=1, metavar="K",
                    help="replay passes that deliver rank 0's point-to-point decisions on the previous pass's "
@@ -162,10 +166,17 @@ def run(args) -> int:
     bar = tqdm(total=sum(len(v) * (1 + (passes * len(bandwidths) if m != "ar" else 0)) for (m, _), v in groups.items()),
                desc="replaying", disable=args.quiet)
 
-    def replay_rows(grows: list[dict], mode: str, n: int, upto=None):
-        return replay(grows, mode, n, cfg, drafter, target.vocab_size, target.features, bar, upto)
+    def replay_rows(grows: list[dict], mode: str, n: int, upto=None, stats=None):
+        return replay(grows, mode, n, cfg, drafter, target.vocab_size, target.features, bar, upto, stats)
 
-    sessions = [(replay_rows(grows, mode, n), grows) for (mode, n), grows in sorted(groups.items())]
+    # the first replay of every (mode, stages) also collects its tree statistics (rank 0 replays the same steps
+    # in every later pass, so once is all of them)
+    tree_stats: dict[str, TreeStats] = {}
+    sessions = []
+    for (mode, n), grows in sorted(groups.items()):
+        per_temp: dict[str, TreeStats] = {}
+        sessions.append((replay_rows(grows, mode, n, stats=per_temp if mode != "ar" else None), grows))
+        tree_stats.update({f"{mode}, {n} stages, {t}": s for t, s in sorted(per_temp.items())})
 
     def timing(n: int, prof: Profile, overhead: float) -> TimingConfig:
         scale = (recorded_world - 1) / n if args.stage_cost_scale == "auto" else float(args.stage_cost_scale)
@@ -207,6 +218,8 @@ def run(args) -> int:
     write_summary(table, out_dir, label)
     paper = write_paper_tables(preds, out_dir, label, args) if any(p.get("dataset") for p in preds) else []
     print((out_dir / "summary.md").read_text())
+    if tree_stats:
+        print(f"[simulate] draft trees against the target: {write_tree_stats(tree_stats, out_dir)}", file=sys.stderr)
     for path in paper:
         print(f"[simulate] paper-style table: {path}", file=sys.stderr)
     return 0

@@ -63,6 +63,17 @@ class OpLog:
             self.last = now
 
 
+    @contextmanager
+    def untimed(self):
+        """Work that is not part of the replayed run (instrumentation such as a step observer): its CPU time
+        is left out of the next host op."""
+        t0 = time.thread_time()
+        try:
+            yield
+        finally:
+            self.last += time.thread_time() - t0
+
+
 class Recorder:
     """The ring observer: per-rank :class:`OpLog` entries for every send, receive and broadcast."""
 

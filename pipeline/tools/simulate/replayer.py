@@ -27,6 +27,7 @@ from pipeline.tools.simulate.drafter import ReplayDrafter, record_drafter
 from pipeline.tools.simulate.oplog import MarkTracer, OpLog, Recorder
 from pipeline.tools.simulate.recorded import Committed, TargetFeatures
 from pipeline.tools.simulate.transport import ScheduledDirect, SimComm
+from pipeline.tree_stats import TreeStats
 
 
 @dataclass
@@ -58,10 +59,13 @@ class Session:
 
 
 def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: int,
-           features: TargetFeatures, progress=None, direct_upto: list[list[int]] | None = None) -> Session:
+           features: TargetFeatures, progress=None, direct_upto: list[list[int]] | None = None,
+           tree_stats: dict | None = None) -> Session:
     """Replay ``rows`` (recorded generations) through ``mode`` on ``stages`` layer stages; returns the op logs.
     ``direct_upto``: the direct-decision schedule of a later pass (:class:`ScheduledDirect`); ``None``:
-    decisions reach the stages on the ring only (pass 0)."""
+    decisions reach the stages on the ring only (pass 0). ``tree_stats``: a dict that receives one
+    :class:`pipeline.tree_stats.TreeStats` per row temperature (``"T=0.0"``...), fed every verified step as a
+    step observer whose CPU time is left out of rank 0's host work."""
     from pipeline.engine import timed_generation
     from pipeline.local_ring import LocalRing, stage_threads
     from model.stage_format import even_split, tap_row_factors
@@ -100,6 +104,9 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
                 committed.features = features(committed.seq)
                 # the recorded answer ends where it ended: exactly len(output) tokens, no stop token needed
                 engine.cfg = replace(cfg, gen=replace(cfg.gen, max_new_tokens=len(output)))
+                if tree_stats is not None:
+                    stats = tree_stats.setdefault(f"T={float(row.get('temperature', 0.0)):g}", TreeStats())
+                    engine.step_observers = [untimed_observer(stats, log0)]
                 res = timed_generation(engine, prompt, new_decoder(mode))
                 if res.output_ids != output:
                     raise AssertionError(f"replay of question {row.get('question_id')} diverged from its "
@@ -111,3 +118,11 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
             if not errors:
                 engine.shutdown()
     return session
+
+
+def untimed_observer(observer, log: OpLog):
+    """``observer`` as a step observer whose own CPU time is not rank 0's host work (:meth:`OpLog.untimed`)."""
+    def observe(*args) -> None:
+        with log.untimed():
+            observer(*args)
+    return observe
