@@ -43,7 +43,6 @@ def q_bin(q: float) -> int:
             return i
     return 0
 
-
 @dataclass
 class Cell:
     """Trials of one (sibling rank, probability bin): how many, how many the target took, the summed ``q``."""
@@ -61,6 +60,26 @@ class Cell:
 def sibling_ranks(tree: DraftTree, children: torch.Tensor) -> torch.Tensor:
     """Rank of each of ``children`` (siblings: one parent) by score, best first; ties keep index order."""
     return torch.sort(torch.sort(-tree.scores[children].double(), stable=True).indices).indices
+
+
+def path_children(tree: DraftTree, path: list[int], token: int) -> list[tuple[int, list[tuple[int, int, float, bool]]]]:
+    """For every node ``u`` of a verified ``path`` (root first) with the target's ``token`` after it: ``(u,
+    [(child, sibling rank, q, hit), ...])`` over all of ``u``'s drafted children, where ``q`` is the draft's
+    conditional probability ``exp(score[child] - score[u])`` (clamped to [0, 1]) and ``hit`` says the target's
+    token at ``u`` is the child's (the next path node's token, or ``token`` after the last one)."""
+    tokens = tree.tokens.tolist()
+    targets = [tokens[v] for v in path[1:]] + [int(token)]
+    out = []
+    for u, target in zip(path, targets):
+        children = (tree.parents == u).nonzero().flatten()
+        trials = []
+        if children.numel():
+            ranks = sibling_ranks(tree, children).tolist()
+            cond = (tree.scores[children] - tree.scores[u]).double().tolist()
+            for c, r, lq in zip(children.tolist(), ranks, cond):
+                trials.append((c, r, min(1.0, math.exp(min(0.0, lq))), tokens[c] == target))
+        out.append((u, trials))
+    return out
 
 
 @dataclass
@@ -82,23 +101,15 @@ class TreeStats:
         if not path or token is None:
             return
         self.steps += 1
-        tokens = tree.tokens.tolist()
-        targets = [tokens[v] for v in path[1:]] + [int(token)]
-        for u, target in zip(path, targets):
-            children = (tree.parents == u).nonzero().flatten()
+        for u, trials in path_children(tree, path, token):
             hit = False
-            if children.numel():
-                ranks = sibling_ranks(tree, children).tolist()
-                cond = (tree.scores[children] - tree.scores[u]).double().tolist()
-                for c, r, lq in zip(children.tolist(), ranks, cond):
-                    q = min(1.0, math.exp(min(0.0, lq)))
-                    ok = tokens[c] == target
-                    hit |= ok
-                    self.cells.setdefault((min(r, self.max_rank), q_bin(q)), Cell()).add(q, ok)
+            for _, rank, q, ok in trials:
+                hit |= ok
+                self.cells.setdefault((min(rank, self.max_rank), q_bin(q)), Cell()).add(q, ok)
             self.path_nodes += 1
             self.covered += int(hit)
             if u == path[-1] and not hit and not finished:
-                self.ends[int(children.numel())] += 1
+                self.ends[len(trials)] += 1
 
     def merge(self, other: "TreeStats") -> "TreeStats":
         """Add ``other``'s counts to these (same ``max_rank``); returns ``self``."""
