@@ -410,7 +410,7 @@ def make_merged_runner(mode, world, target, drafter, sampler, horizon, overrides
     ring = FakeRing(world, lockstep, getattr(sampler, "live", lambda: True))
     engine = SimpleNamespace(comm=ring, gen=1, cfg=apply_overrides(DEFAULT, {**TREE, **overrides}), drafter=drafter,
                              sampler=sampler, tracer=SimpleNamespace(span=lambda *a, **k: nullcontext()),
-                             logits=lambda hidden: target[hidden[:, 0].long()])
+                             observe_step=lambda *a: None, logits=lambda hidden: target[hidden[:, 0].long()])
     first = torch.full((V,), -1e9)
     first[ROOT] = 0.0
 

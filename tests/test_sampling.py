@@ -236,7 +236,7 @@ def make_runner(mode: str, world: int, tables, sampler: Sampler, horizon: int, o
     engine = SimpleNamespace(comm=ring, gen=1, cfg=apply_overrides(DEFAULT, {**TREE, **overrides}),
                              drafter=drafter or MarkovDrafter(draft_logits), sampler=sampler,
                              tracer=SimpleNamespace(span=lambda *a, **k: nullcontext()),
-                             logits=lambda hidden: target[hidden[:, 0].long()])
+                             observe_step=lambda *a: None, logits=lambda hidden: target[hidden[:, 0].long()])
     first = torch.full((V,), -1e9)
     first[ROOT] = 0.0                      # the prefill "logits" force the first token to ROOT
 
@@ -803,7 +803,7 @@ def make_online_runner(mode: str, world: int, target: torch.Tensor, tables: list
     od.commit = commit
     engine = SimpleNamespace(comm=ring, gen=1, cfg=apply_overrides(DEFAULT, {**TREE, **overrides}), drafter=od,
                              sampler=sampler, tracer=SimpleNamespace(span=lambda *a, **k: nullcontext()),
-                             logits=lambda hidden: target[hidden[:, 0].long()])
+                             observe_step=lambda *a: None, logits=lambda hidden: target[hidden[:, 0].long()])
     first = torch.full((V,), -1e9)
     first[ROOT] = 0.0
 
