@@ -43,7 +43,8 @@ class StepObserver(Protocol):
     """Instrumentation of verification outcomes, attached from outside (``engine.step_observers``): called with
     every verified step of the tree modes -- the tree the step's indices refer to, the accepted ``path`` (node
     indices, root first), the target's ``token`` after it and whether the generation ``finished`` with it --
-    before the tree is re-rooted or dropped. It must not change the tree (e.g. :class:`pipeline.tree_stats.TreeStats`)."""
+    before the tree is re-rooted or dropped. It must not change the tree (e.g.
+    :class:`pipeline.tree_stats.TreeStats`)."""
 
     def __call__(self, tree, path: list[int], token: int | None, finished: bool) -> None: ...
 

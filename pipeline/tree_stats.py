@@ -43,6 +43,7 @@ def q_bin(q: float) -> int:
             return i
     return 0
 
+
 @dataclass
 class Cell:
     """Trials of one (sibling rank, probability bin): how many, how many the target took, the summed ``q``."""
@@ -56,16 +57,26 @@ class Cell:
         self.accepted += int(hit)
         self.q_sum += q
 
+    def absorb(self, other: "Cell") -> "Cell":
+        """Add ``other``'s counts to these; returns ``self``."""
+        self.trials += other.trials
+        self.accepted += other.accepted
+        self.q_sum += other.q_sum
+        return self
+
+
+Trial = tuple[int, int, float, bool]   # (child, sibling rank, q, hit)
+
 
 def sibling_ranks(tree: DraftTree, children: torch.Tensor) -> torch.Tensor:
     """Rank of each of ``children`` (siblings: one parent) by score, best first; ties keep index order."""
     return torch.sort(torch.sort(-tree.scores[children].double(), stable=True).indices).indices
 
 
-def path_children(tree: DraftTree, path: list[int], token: int) -> list[tuple[int, list[tuple[int, int, float, bool]]]]:
+def path_children(tree: DraftTree, path: list[int], token: int) -> list[tuple[int, list[Trial]]]:
     """For every node ``u`` of a verified ``path`` (root first) with the target's ``token`` after it: ``(u,
     [(child, sibling rank, q, hit), ...])`` over all of ``u``'s drafted children, where ``q`` is the draft's
-    conditional probability ``exp(score[child] - score[u])`` (clamped to [0, 1]) and ``hit`` says the target's
+    conditional probability ``exp(score[child] - score[u])`` (at most 1) and ``hit`` says the target's
     token at ``u`` is the child's (the next path node's token, or ``token`` after the last one)."""
     tokens = tree.tokens.tolist()
     targets = [tokens[v] for v in path[1:]] + [int(token)]
@@ -77,7 +88,7 @@ def path_children(tree: DraftTree, path: list[int], token: int) -> list[tuple[in
             ranks = sibling_ranks(tree, children).tolist()
             cond = (tree.scores[children] - tree.scores[u]).double().tolist()
             for c, r, lq in zip(children.tolist(), ranks, cond):
-                trials.append((c, r, min(1.0, math.exp(min(0.0, lq))), tokens[c] == target))
+                trials.append((c, r, math.exp(min(0.0, lq)), tokens[c] == target))
         out.append((u, trials))
     return out
 
@@ -114,10 +125,7 @@ class TreeStats:
     def merge(self, other: "TreeStats") -> "TreeStats":
         """Add ``other``'s counts to these (same ``max_rank``); returns ``self``."""
         for key, c in other.cells.items():
-            mine = self.cells.setdefault(key, Cell())
-            mine.trials += c.trials
-            mine.accepted += c.accepted
-            mine.q_sum += c.q_sum
+            self.cells.setdefault(key, Cell()).absorb(c)
         self.ends.update(other.ends)
         self.steps += other.steps
         self.path_nodes += other.path_nodes
@@ -141,10 +149,7 @@ class TreeStats:
         """The same trials per sibling rank alone."""
         per: dict[int, Cell] = {}
         for (r, _), c in self.cells.items():
-            tot = per.setdefault(r, Cell())
-            tot.trials += c.trials
-            tot.accepted += c.accepted
-            tot.q_sum += c.q_sum
+            per.setdefault(r, Cell()).absorb(c)
         return [{"rank": self.rank_label(r), "trials": c.trials, "acceptance": round(c.accepted / c.trials, 4),
                  "mean_q": round(c.q_sum / c.trials, 4)} for r, c in sorted(per.items())]
 

@@ -62,7 +62,6 @@ class OpLog:
             self.ops.append((kind, *args, now - t0))
             self.last = now
 
-
     @contextmanager
     def untimed(self):
         """Work that is not part of the replayed run (instrumentation such as a step observer): its CPU time

@@ -64,8 +64,8 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
     """Replay ``rows`` (recorded generations) through ``mode`` on ``stages`` layer stages; returns the op logs.
     ``direct_upto``: the direct-decision schedule of a later pass (:class:`ScheduledDirect`); ``None``:
     decisions reach the stages on the ring only (pass 0). ``tree_stats``: a dict that receives one
-    :class:`pipeline.tree_stats.TreeStats` per row temperature (``"T=0"``, ``"T=1"``...), fed every verified step as a
-    step observer whose CPU time is left out of rank 0's host work."""
+    :class:`pipeline.tree_stats.TreeStats` per row temperature (``"T=0"``, ``"T=1"``...), fed every verified
+    step as a step observer whose CPU time is left out of rank 0's host work."""
     from pipeline.engine import timed_generation
     from pipeline.local_ring import LocalRing, stage_threads
     from model.stage_format import even_split, tap_row_factors
