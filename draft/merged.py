@@ -141,7 +141,7 @@ class MergedDrafter(BeamTreeDrafter):
             if found is not None:
                 at = _match_nodes(found[0], key)
                 hit = (at >= 0) & found[2].to(HOST)
-                states[at[hit].to(states.device)] = found[1][hit.to(found[1].device)].to(states.dtype)
+                states[at[hit].to(states.device)] = found[1][hit.to(found[1].device)].to(states.device, states.dtype)
                 known[at[hit]] = True
             feed = has_child & ~known
             for j in range(n - 1, 0, -1):                            # ancestors of a fed node are fed (its path)
@@ -157,7 +157,7 @@ class MergedDrafter(BeamTreeDrafter):
                 par = parents[level]
                 out = src.tree_forward(tree.tokens[level], states[par.to(states.device)], slot[par])
                 slot[level] = start + torch.arange(level.numel(), device=HOST)
-                states[level.to(states.device)] = out.to(states.dtype)
+                states[level.to(states.device)] = out.to(states.device, states.dtype)   # lookup's states live on the host
             if bool(feed.any()):
                 src.drop_tree()
             rows = states[parents.clamp(min=0).to(states.device)]

@@ -91,7 +91,7 @@ def test_run_pipe_print_config_does_not_launch():
 
 ENTRY_POINTS = ["pipeline.run", "pipeline.tools.bench", "pipeline.tools.eval", "pipeline.tools.simulate", "pipeline.tools.timeline",
                 "pipeline.tools.profile", "pipeline.tools.quant_report", "split_and_save_models", "draft.train_eagle",
-                "data.prepare"]
+                "data.prepare", "pipeline.tools.hf_generate"]
 
 
 @pytest.mark.parametrize("module", ENTRY_POINTS)
@@ -165,6 +165,38 @@ def test_eval_resume_across_the_default_draft_change(tmp_path, capsys):
     assert _eval(tmp_path, data.parent, "--max-new-tokens", "32") == 2
     err = capsys.readouterr().err
     assert "draft_sources: 'eagle' vs 'eagle,lookup'" in err and "overrides:" not in err
+
+
+# -- the GPU-host goal: scripts/gpu_goals.sh and pipeline.tools.hf_generate fail in one line ----------------
+def test_gpu_goals_help_and_no_cuda(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "HOME": str(tmp_path)}
+    h = subprocess.run(["bash", "scripts/gpu_goals.sh", "--help"], cwd=REPO, capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert h.returncode == 0 and "Example" in h.stdout and "set -uo" not in h.stdout
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the no-GPU message is not reachable")
+    r = subprocess.run(["bash", "scripts/gpu_goals.sh", str(tmp_path / "out")], cwd=REPO, capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("gpu_goals: no "), r.stderr
+
+
+def test_hf_generate_bad_input_is_one_line(tmp_path, capsys):
+    from pipeline.tools.hf_generate import main
+    out = str(tmp_path / "o.jsonl")
+    assert main(["--output", out]) == 2
+    assert capsys.readouterr().err.strip() == "error: give --prompts-file FILE or --prompt-ids (one of the two)"
+    assert main(["--output", out, "--prompt-ids", "1,x"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --prompt-ids takes comma-separated integers"
+    assert main(["--output", out, "--prompt-ids", "1,2", f"model.stage_dir={tmp_path}"]) == 2
+    assert "has no manifest.json" in capsys.readouterr().err
+
+
+def test_bench_hf_generate_refuses_an_emulated_testbed(capsys):
+    from pipeline.tools.bench import main
+    assert main(["--hf-generate", "--prompt-ids", "1,2", "emu.profile=edge_orin_7b"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --hf-generate times real HF generate") and "emu.profile=edge_orin_7b" in err
 
 
 # -- scripts/gpu_head_recipe.sh: help, bad steps and missing inputs are one line each ---------------------

@@ -169,19 +169,20 @@ def test_bench_tiny_model_end_to_end(tiny_stages, tmp_path):
     full, stages = tiny_stages
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "pipeline.tools.bench", f"model.stage_dir={stages}", "dtype=float64", "max_new_tokens=8",
-           "comm.timeout_s=60", "--launch", "single", "--warmup", "1", "--out-dir", str(out), "--gantt-window", "0.05"]
+           "comm.timeout_s=60", "--launch", "single", "--warmup", "1", "--out-dir", str(out), "--gantt-window", "0.05",
+           "--hf-generate"]
     for p in PROMPTS:
         cmd += ["--prompt-ids", ",".join(map(str, p))]
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     rows = read_jsonl(out / "rows.jsonl")
     assert sorted((r["mode"], r["question_id"]) for r in rows) == sorted(
-        (m, q) for m in COMPARED_MODES for q in range(len(PROMPTS)))
+        (m, q) for m in (*COMPARED_MODES, bench.HF) for q in range(len(PROMPTS)))
     ref = {q: hf_greedy(full, p, 8, {2}, torch.float64) for q, p in enumerate(PROMPTS)}
     for r in rows:
         assert r["output_ids"] == ref[r["question_id"]], f"{r['mode']} q{r['question_id']} differs from HF"
     md = (out / "summary.md").read_text()
-    assert "All 8 generations of the speculative modes equal ar's" in md
+    assert "All 10 generations of the speculative modes equal ar's" in md   # hf_generate's 2 included
     for m in COMPARED_MODES:
         assert f"| `{m}` | {MODE_LABELS[m]} | 2 | 16 |" in md
         png = out / f"gantt_{m}.png"
@@ -191,8 +192,13 @@ def test_bench_tiny_model_end_to_end(tiny_stages, tmp_path):
         width = float(win[0]["window_end_s"]) - float(win[0]["window_start_s"])
         assert len(win) == 3 and 0 < width <= 0.05 + 1e-5
     table = list(csv.DictReader((out / "summary.csv").open()))
-    assert [r["mode"] for r in table] == list(COMPARED_MODES)
+    assert [r["mode"] for r in table] == [*COMPARED_MODES, bench.HF]
+    hf = table.pop()   # one-process HF generate: no pipeline, no trace; every mode's speed-up over it
+    assert int(hf["new_tokens"]) == 16 and float(hf["speedup_vs_hf_generate"]) == pytest.approx(1.0)
+    assert f"| `{bench.HF}` | {bench.HF} | 2 | 16 |" in md and "× HF" in md
     for r in table:
+        assert float(r["speedup_vs_hf_generate"]) == pytest.approx(float(r["tokens_per_s"]) / float(hf["tokens_per_s"]),
+                                                               rel=1e-3)
         assert int(r["new_tokens"]) == 16 and float(r["tokens_per_s"]) > 0
         for i in range(3):   # trace-based shares over the decode phases: every rank computes, waits, and
             b, w = float(r[f"trace_busy_r{i}"]), float(r[f"trace_wait_r{i}"])   # never both at once

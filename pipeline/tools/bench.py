@@ -44,6 +44,9 @@ class BenchError(RuntimeError):
     pass
 
 
+HF = "hf_generate"  # pipeline.tools.hf_generate's rows: one-process HF generate, the single-device baseline
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     from pipeline.cli import DefaultsOnce  # each default shown once
     p = argparse.ArgumentParser(
@@ -75,6 +78,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-gantt", action="store_true", help="skip the Gantt PNGs (utilization is still computed)")
     p.add_argument("--timeout", type=float, default=0, help="seconds per launch before it is killed (0 = none)")
     p.add_argument("--quiet", action="store_true", help="no per-generation progress lines")
+    p.add_argument("--hf-generate", action="store_true",
+                   help="also time one-process HF generate of the unsplit model on the same prompts, device and "
+                        "dtype (pipeline.tools.hf_generate; mode hf_generate, one device, no pipeline) and report "
+                        "every mode's speed-up over it")
     p.add_argument("--summarize-only", action="store_true",
                    help="launch nothing: redo the summary and charts from --out-dir's rows.jsonl and traces")
     return p.parse_intermixed_args(argv)
@@ -103,7 +110,7 @@ def aggregate(rows: list[dict], modes: list[str]) -> dict[str, dict]:
                   "prefill_s": sum(r.get("prefill_s") or 0.0 for r in rs),
                   "flagged": sum(bool(r.get("emu_flag")) for r in rs)}
     for m, a in out.items():
-        for base in ("naive", "ar"):
+        for base in ("naive", "ar", HF):
             b = out.get(base)
             a[f"speedup_{base}"] = a["tps"] / b["tps"] if b and b["tps"] > 0 else None
     return out
@@ -133,15 +140,19 @@ def summarize(agg: dict, trace_util: dict, mismatch: tuple, meta: dict, gantts: 
       "counters)" + ("; * = some of the mode's rows were flagged by the emulation for overruns (the host did not "
                      "keep the modeled times: that tok/s is not the testbed's)" if any(a.get("flagged") for a in
                                                                                       agg.values()) else "")
-      + "\n\n")
+      + ("; `hf_generate` = one-process HF `generate` of the unsplit model on one device (no pipeline), × HF = "
+         "speed-up over it" if HF in agg else "") + "\n\n")
     busy_cols = "".join(f" busy r{i} |" for i in range(world))
-    w("| mode | method | generations | new tokens | decode s | tok/s | × naive | × ar | τ | tok/step |" + busy_cols + "\n")
-    w("|---" * (10 + world) + "|\n")
+    hf = HF in agg
+    w("| mode | method | generations | new tokens | decode s | tok/s | × naive | × ar |" + (" × HF |" if hf else "")
+      + " τ | tok/step |" + busy_cols + "\n")
+    w("|---" * (10 + hf + world) + "|\n")
     for m, a in agg.items():
         w(f"| `{m}` | {label(m)} | {a['generations']} | {a['new_tokens']} | {a['decode_s']:.2f} | "
           f"{a['tps']:.2f}{' *' if a.get('flagged') else ''} | {_f(a['speedup_naive'])} | {_f(a['speedup_ar'])} | "
-          f"{_f(a['tau']) if m != 'ar' else '1.00'} | {a['tokens_per_step']:.2f} |"
-          + "".join(f" {b:.0%} |" for b in a["busy"]) + "\n")
+          + (f"{_f(a['speedup_hf_generate'])} | " if hf else "") +
+          f"{_f(a['tau']) if m not in ('ar', HF) else '1.00'} | {_f(a['tokens_per_step'] or None)} |"
+          + "".join(f" {b:.0%} |" for b in a["busy"]) + " – |" * (world - len(a["busy"])) + "\n")
     if any(trace_util.get(m, {}).get("decode") for m in agg):
         w("\nFrom the traces, over every recorded generation's decode phase: busy / wait share per rank "
           "(wait = blocked in recv or broadcast; the rest is send and untraced Python)\n\n")
@@ -163,7 +174,7 @@ def summarize(agg: dict, trace_util: dict, mismatch: tuple, meta: dict, gantts: 
     buf = io.StringIO()
     cw = csv.writer(buf)
     cw.writerow(["mode", "method", "generations", "new_tokens", "decode_s", "prefill_s", "tokens_per_s",
-                 "speedup_vs_naive", "speedup_vs_ar", "tau", "tokens_per_pipeline_step"]
+                 "speedup_vs_naive", "speedup_vs_ar", "speedup_vs_hf_generate", "tau", "tokens_per_pipeline_step"]
                 + [f"busy_r{i}" for i in range(world)] + [f"trace_busy_r{i}" for i in range(world)]
                 + [f"trace_wait_r{i}" for i in range(world)])
     for m, a in agg.items():
@@ -172,7 +183,8 @@ def summarize(agg: dict, trace_util: dict, mismatch: tuple, meta: dict, gantts: 
         cw.writerow([m, label(m), a["generations"], a["new_tokens"], round(a["decode_s"], 6),
                      round(a["prefill_s"], 6), round(a["tps"], 4),
                      "" if a["speedup_naive"] is None else round(a["speedup_naive"], 4),
-                     "" if a["speedup_ar"] is None else round(a["speedup_ar"], 4), round(a["tau"], 4),
+                     "" if a["speedup_ar"] is None else round(a["speedup_ar"], 4),
+                     "" if a["speedup_hf_generate"] is None else round(a["speedup_hf_generate"], 4), round(a["tau"], 4),
                      round(a["tokens_per_step"], 4)] + [round(b, 4) for b in a["busy"]] + [""] * (world - len(a["busy"]))
                     + [round(x["busy_frac"], 4) for x in u] + pad + [round(x["wait_frac"], 4) for x in u] + pad)
     return md.getvalue(), buf.getvalue()
@@ -253,6 +265,33 @@ def launch(tag: str, modes: list[str], run_args: list[str], world: int, out_dir:
     return rc
 
 
+def run_hf_generate(prompt_args: list[str], args, out_dir: Path, rows_path: Path, n_prompts: int, log) -> int:
+    """One-process HF ``generate`` on the same prompts and overrides (``pipeline.tools.hf_generate``), its rows
+    appended to ``rows_path``."""
+    part = out_dir / "tmp" / f"{HF}.rows.jsonl"
+    part.parent.mkdir(parents=True, exist_ok=True)
+    part.unlink(missing_ok=True)
+    logf = out_dir / "logs" / f"{HF}.log"
+    logf.parent.mkdir(parents=True, exist_ok=True)
+    ask = [a for a in prompt_args if a != "--first-turn-only"]  # hf_generate asks first turns only
+    cmd = [sys.executable, "-m", "pipeline.tools.hf_generate", *args.overrides, *ask, "--output", str(part),
+           "--warmup", str(args.warmup), "--quiet"]
+    log(f"[bench] {HF}: one process, HF generate of the unsplit model (log {logf})")
+    t_start = time.time()
+    rc = run_job(cmd, logf, child_env(), lambda: None, poll_s=0.5, grace_s=30.0, timeout_s=args.timeout,
+                 on_timeout=lambda: log(f"[bench] {HF}: over --timeout {args.timeout:g} s; stopping it"))
+    rows = read_rows(part) if part.is_file() else []
+    with open(rows_path, "a", encoding="utf-8") as out:
+        for row in rows:
+            out.write(json.dumps(row) + "\n")
+    if rc:
+        log(f"[bench] {HF}: exited {rc}; last log lines:{log_tail(logf, 12)}")
+    elif len(rows) != n_prompts:
+        log(f"[bench] {HF}: expected {n_prompts} rows, got {len(rows)}")
+    log(f"[bench] {HF}: done in {time.time() - t_start:.0f} s")
+    return rc
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -290,6 +329,9 @@ def _main(args, log) -> int:
     except ConfigError as e:
         raise BenchError(str(e)) from None
 
+    if args.hf_generate and cfg.emu.profile:
+        raise BenchError("--hf-generate times real HF generate: it cannot be compared with an emulated testbed "
+                         f"(emu.profile={cfg.emu.profile}); drop one of the two")
     # prompts
     if args.prompt_ids and args.prompts_file:
         raise BenchError("give --prompts-file or --prompt-ids, not both")
@@ -366,13 +408,19 @@ def _main(args, log) -> int:
         rc = launch(tag, ms, run_args, world, out_dir, rows_path, n_prompts * len(ms), args, log)
         if rc:
             failures.append(f"{tag} (exit {rc})")
+    if args.hf_generate and not args.summarize_only:
+        rc = run_hf_generate(prompt_args, args, out_dir, rows_path, n_prompts, log)
+        if rc:
+            failures.append(f"{HF} (exit {rc})")
     shutil.rmtree(out_dir / "tmp", ignore_errors=True)
 
     rows = read_rows(rows_path)
+    if any(r["mode"] == HF for r in rows) and HF not in modes:
+        modes = [*modes, HF]
     agg = aggregate(rows, modes)
     trace_util, gantts = {}, {}
     for mi, m in enumerate(modes):
-        if m not in agg:
+        if m not in agg or m == HF:
             continue
         tdir = out_dir / "traces" / (m if args.launch == "per-mode" else "all")
         trace_util[m] = analyze_traces(tdir, m, mi, len(modes), agg[m]["generations"], args.warmup, args, out_dir,

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The FlowSpec-speed issue's GPU-host goal in one command: real (not emulated) SmolLM2 through 5 ranks on one GPU
+# (gloo), the pipeline modes side by side with one-process HF generate of the unsplit model on the same GPU,
+# prompts, dtype and max_new_tokens (pipeline.tools.bench --hf-generate). Goal: continuous >= 2x ar and faster
+# than HF generate.
+#
+#   bash scripts/gpu_goals.sh [OUT_DIR] [key=value ...]     # default OUT_DIR: outputs/gpu_goals
+#
+# Settings (environment): N=6 (MT-bench records [BEGIN, BEGIN + N)), BEGIN=0, TOKENS=128 (max_new_tokens),
+# MODES=ar,naive,pipedec,continuous, PYTHON=python3, BENCH_DIR=OUT_DIR/bench (the whole bench folder). Writes
+# OUT_DIR/summary.md, summary.csv, rows.jsonl, gantt_continuous.png and bench.log. Exit status:
+# the bench's (3 when some output differs from ar's at T = 0).
+# Example, on the lent machine after `bash .device/setup.sh`: N=6 bash scripts/gpu_goals.sh "$OUT/goals"
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+case "${1:-}" in -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;; esac
+OUT="${1:-outputs/gpu_goals}"; shift || true
+PY="${PYTHON:-python3}"; N="${N:-6}"; BEGIN="${BEGIN:-0}"; TOKENS="${TOKENS:-128}"
+MODES="${MODES:-ar,naive,pipedec,continuous}"; BENCH="${BENCH_DIR:-$OUT/bench}"
+Q=../shared/data/mt_bench/question.jsonl; [[ -f "$Q" ]] || Q=data/mt_bench/question.jsonl
+[[ -f "$Q" ]] || { echo "gpu_goals: no mt_bench/question.jsonl in ../shared/data or data/" >&2; exit 2; }
+"$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' \
+  || { echo "gpu_goals: no CUDA device visible to $PY" >&2; exit 2; }
+mkdir -p "$OUT"
+"$PY" -m model.default_model >/dev/null || { echo "gpu_goals: the default model is not available" >&2; exit 2; }
+OMP_NUM_THREADS=1 "$PY" -m pipeline.tools.bench --prompts-file "$Q" --begin "$BEGIN" -n "$N" --modes "$MODES" \
+  --hf-generate --quiet --out-dir "$BENCH" device=cuda max_new_tokens="$TOKENS" "$@" 2>&1 | tee "$OUT/bench.log"
+rc=${PIPESTATUS[0]}
+for f in summary.md summary.csv rows.jsonl gantt_continuous.png; do
+  [[ -f "$BENCH/$f" ]] && cp "$BENCH/$f" "$OUT/$f"
+done
+exit "$rc"
