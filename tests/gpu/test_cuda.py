@@ -7,7 +7,10 @@
 * T > 0: the same seed gives the same tokens twice, in every mode;
 * bitsandbytes int8 / nf4 stages load on CUDA and answer;
 * NCCL with several ranks on one GPU is one clear line before any rank connects;
-* the emulated testbed, the simulator and the bench run on CUDA.
+* merged draft sources with a small LM (``draft.sources=eagle,lookup,ssm:<dir>``) and ``sps`` on CUDA ranks equal
+  HF ``generate`` (prompt lookup keeps its states on the host: the first GPU run found ``continuous`` mixing them
+  with the GPU's, see docs/gpu_h200);
+* the emulated testbed, the simulator and the bench (with the one-process HF ``generate`` baseline) run on CUDA.
 """
 from __future__ import annotations
 
@@ -87,6 +90,19 @@ def test_tiny_float64_all_modes_equal_hf_on_cuda(tiny, tmp_path, world, drafter)
     head = () if drafter == "untrained" else (f"head_dir=oracle:{full}",)
     rows, _ = run_cuda(world, splits[world], tmp_path / "o.jsonl", TINY_PROMPTS, 16, "float64", head)
     assert_equal_hf(rows, full, 16, {2}, "float64", 5 * len(TINY_PROMPTS), f"tiny/{world}/{drafter}")
+
+
+LOOKUP_PROMPTS = [[1, 5, 9, 13, 22, 7, 5, 9, 13], [1] + list(range(3, 40)) + list(range(3, 20))]  # lookup hits
+
+
+@pytest.mark.parametrize("world", [3, 5])
+def test_tiny_merged_sources_with_a_small_lm_and_sps_equal_hf_on_cuda(tiny, tmp_path, world):
+    full, splits = tiny
+    ssm = tiny_llama(tmp_path / "ssm", seed=3, layers=1, dtype=torch.float64)
+    stages = splits[5] if world == 5 else split_checkpoint(full, tmp_path / "s3", [0, 2, 2], progress=False)
+    rows, _ = run_cuda(world, stages, tmp_path / "o.jsonl", LOOKUP_PROMPTS, 16, "float64",
+                       (f"draft.sources=eagle,lookup,ssm:{ssm}",), modes=ALL_MODES + ",sps")
+    assert_equal_hf(rows, full, 16, {2}, "float64", 6 * len(LOOKUP_PROMPTS), f"tiny/{world}/eagle,lookup,ssm + sps")
 
 
 @pytest.mark.skipif(not STORIES.is_dir() or not DATA.is_dir(), reason="../shared is not available")
@@ -208,7 +224,8 @@ def test_emulation_and_simulator_on_cuda(smol, tmp_path):
 def test_bench_all_modes_on_cuda(smol, tmp_path):
     out = tmp_path / "bench"
     res = subprocess.run([sys.executable, "-m", "pipeline.tools.bench", "--prompts-file", str(DATA / "mt_bench" /
-                          "question.jsonl"), "-n", "4", "--out-dir", str(out), "device=cuda",
+                          "question.jsonl"), "-n", "4", "--out-dir", str(out), "--hf-generate", "device=cuda",
                           "max_new_tokens=64"], cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, res.stderr[-3000:]   # 3 would mean an output (HF generate's too) differs from ar's
+    assert "| `hf_generate` |" in res.stdout and "× HF" in res.stdout
     report(check="bench all modes on cuda", table=res.stdout[-4000:])
