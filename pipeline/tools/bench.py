@@ -17,7 +17,11 @@ modes in order), one untimed warm-up generation per mode. Then it writes to ``--
   the decode of recorded generation ``--gantt-generation``) drawn by ``pipeline/tools/timeline.py``;
 * ``traces/<mode>/trace_rank<r>.json`` and ``logs/<mode>.log``.
 
-At temperature 0 every mode's ``output_ids`` must equal ``ar``'s for the same prompt: mismatches are
+``--hf-generate`` adds the single-device baseline: one-process HF ``generate`` of the unsplit model on the same
+prompts, device, dtype and clock (:mod:`pipeline.tools.hf_generate`), as mode ``hf_generate`` with a ``× HF``
+column (refused with an emulated testbed, whose times it would not share).
+
+At temperature 0 every mode's ``output_ids`` (and HF ``generate``'s) must equal ``ar``'s for the same prompt: mismatches are
 printed loudly and the exit status is 3 (2 when a launch failed).
 """
 from __future__ import annotations
