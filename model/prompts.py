@@ -77,6 +77,28 @@ def chat_prompt_ids(tokenizer, turns: list[str], answers: list[str], system: str
     return tokenizer(text)["input_ids"]
 
 
+def prompt_records(prompt_ids: list[str], prompts_file: str | None, begin: int | None = None,
+                   end: int | None = None, texts: list[str] = ()) -> list[dict]:
+    """The records a run asks, from its prompt options: ``--prompt-ids`` (comma-separated ids, one record each,
+    its only turn a list of ints), else records ``[begin, end)`` of ``prompts_file``, else ``texts`` (one turn
+    each). A malformed id list is a :class:`PromptError`."""
+    if prompt_ids:
+        try:
+            return [{"question_id": i, "turns": [[int(t) for t in p.split(",")]]} for i, p in enumerate(prompt_ids)]
+        except ValueError:
+            raise PromptError("--prompt-ids takes comma-separated integers") from None
+    if prompts_file:
+        return load_questions(prompts_file, begin, end)
+    return [{"question_id": i, "turns": [t]} for i, t in enumerate(texts)]
+
+
+def eos_ids(generation_config: dict | None, default=None) -> set[int]:
+    """The ``eos_token_id`` of a generation config (an int or a list; ``default`` when absent): the stop ids
+    of raw-id prompts, which have no tokenizer."""
+    eos = (generation_config or {}).get("eos_token_id", default)
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
 def stop_token_ids(tokenizer, generation_config: dict | None = None) -> set[int]:
     ids: set[int] = set()
     eos = (generation_config or {}).get("eos_token_id")

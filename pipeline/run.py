@@ -231,22 +231,13 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
 
 
 def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) -> int:
-    from model.prompts import PromptError, chat_prompt_ids, load_questions, stop_token_ids
+    from model.prompts import PromptError, chat_prompt_ids, eos_ids, prompt_records, stop_token_ids
     from pipeline.engine import timed_generation
     from pipeline.modes import new_decoder
 
     try:  # prompts first: a bad prompt fails before tokenizer and draft head load
-        if args.prompt_ids:
-            try:
-                records = [{"question_id": i, "turns": [[int(t) for t in p.split(",")]]}
-                           for i, p in enumerate(args.prompt_ids)]
-            except ValueError:
-                raise PromptError("--prompt-ids takes comma-separated integers") from None
-        elif args.prompts_file:
-            records = load_questions(args.prompts_file, args.begin, args.end)
-        else:
-            texts = args.prompt or ["Explain in two sentences why the sky is blue."]
-            records = [{"question_id": i, "turns": [t]} for i, t in enumerate(texts)]
+        records = prompt_records(args.prompt_ids, args.prompts_file, args.begin, args.end,
+                                 args.prompt or ["Explain in two sentences why the sky is blue."])
     except PromptError as e:
         raise SetupError(str(e)) from None
     if not records:
@@ -262,8 +253,7 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
         tokenizer = load_tokenizer(stage_root)
         stop_ids = stop_token_ids(tokenizer, gen_cfg)
     else:
-        eos = gen_cfg.get("eos_token_id", getattr(model.config, "eos_token_id", None))
-        stop_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        stop_ids = eos_ids(gen_cfg, getattr(model.config, "eos_token_id", None))
 
     from pipeline.outputs import AnswerFile, OutputFileError, drafter_fields, head_identity, provenance, resume_rows
     needs_head = any(m != "ar" for m in modes)

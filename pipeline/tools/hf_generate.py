@@ -103,7 +103,7 @@ def main(argv=None) -> int:
 def _main(args) -> int:
     from config.paths import DEFAULT_STAGE_DIR
     from config.run_config import DEFAULT, ConfigError, apply_overrides
-    from model.prompts import PromptError, chat_prompt_ids, load_questions, stop_token_ids
+    from model.prompts import PromptError, chat_prompt_ids, eos_ids, prompt_records, stop_token_ids
     try:
         cfg = apply_overrides(DEFAULT, args.overrides)
     except ConfigError as e:
@@ -111,13 +111,7 @@ def _main(args) -> int:
     if bool(args.prompts_file) == bool(args.prompt_ids):
         raise HFBaselineError("give --prompts-file FILE or --prompt-ids (one of the two)")
     try:
-        if args.prompt_ids:
-            records = [{"question_id": i, "turns": [[int(t) for t in p.split(",")]]}
-                       for i, p in enumerate(args.prompt_ids)]
-        else:
-            records = load_questions(args.prompts_file, args.begin, args.end)
-    except ValueError:
-        raise HFBaselineError("--prompt-ids takes comma-separated integers") from None
+        records = prompt_records(args.prompt_ids, args.prompts_file, args.begin, args.end)
     except PromptError as e:
         raise HFBaselineError(str(e)) from None
     if not records:
@@ -145,11 +139,7 @@ def _main(args) -> int:
     torch.set_num_threads(max(1, cfg.model.num_threads))
     gen_cfg = generation_config(stage_root)
     tokenizer = None if args.prompt_ids else load_tokenizer(stage_root)
-    if tokenizer is not None:
-        stop_ids = stop_token_ids(tokenizer, gen_cfg)
-    else:
-        eos = gen_cfg.get("eos_token_id")
-        stop_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    stop_ids = stop_token_ids(tokenizer, gen_cfg) if tokenizer is not None else eos_ids(gen_cfg)
 
     def prompt(rec) -> list[int]:
         if tokenizer is None:
