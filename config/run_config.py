@@ -45,6 +45,8 @@ class ModelConfig:
     max_seq_len: int = 2048      # KV slots per stage (prompt + new tokens + tree nodes)
     verify_checksums: bool = True
     num_threads: int = 1         # torch threads per rank on CPU (several ranks share the cores)
+    lean_layers: bool = True     # decoder layers (stages, EAGLE head) run model/lean_layer.py's forward on their own
+                                 # weights: fewer dispatches than transformers' layer, same math; false = transformers'
     eagle3_taps: str = "auto"    # layer outputs the stages forward for an EAGLE-3 head: auto (from head_dir) | none | 1,14,26
     draft_vocab: int = 0         # EAGLE-1/2 head: draft only over the N tokens the target emits most (draft/vocab.py;
                                  # cuts rank 0's draft lm_head to N/V; output unchanged); 0 = the whole vocabulary

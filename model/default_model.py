@@ -197,3 +197,15 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def resolve_stage_root(stage_dir: str | Path = "") -> Path:
+    """A run's stage root: ``stage_dir`` (``model.stage_dir``) when given, else the default SmolLM2 split, built
+    on first use (:func:`ensure_default_stages`). The one place the tools resolve it."""
+    from config.paths import DEFAULT_STAGE_DIR
+    if stage_dir:
+        return Path(stage_dir)
+    if (DEFAULT_STAGE_DIR / MANIFEST).is_file():
+        return DEFAULT_STAGE_DIR
+    return Path(ensure_default_stages())
+

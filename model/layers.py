@@ -12,6 +12,7 @@ from torch import nn
 
 from model.hf_compat import cache_arg
 from model.kv_cache import KVCache
+from model.lean_layer import lean_forward, lean_supported
 
 SUPPORTED_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 
@@ -37,6 +38,11 @@ class LayerBlock(nn.Module):
     ``forward`` appends the rows' keys/values to ``cache`` at ``cache.length``; the caller advances the
     cache afterwards (``KVCache.commit_forward``). With ``taps`` (block-local layer indices) it also appends
     those layers' outputs to ``tapped`` (EAGLE-3 features, see :meth:`model.stage_model.StageModel.set_taps`).
+
+    ``lean`` (default: on wherever :func:`model.lean_layer.lean_supported` holds for every layer): each layer runs
+    as :func:`model.lean_layer.lean_forward` on the same weights, a fraction of the transformers layer's operator
+    dispatches; off, the transformers layers' own forward (the reference; run key ``model.lean_layers=false``,
+    :func:`set_lean`).
     """
 
     def __init__(self, config, num_layers: int, skip_first_input_norm: bool = False) -> None:
@@ -51,6 +57,8 @@ class LayerBlock(nn.Module):
         cfg = config
         self.num_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.lean_ok = all(lean_supported(layer) for layer in self.layers)
+        self.lean = self.lean_ok
 
     def new_cache(self, max_len: int, dtype: torch.dtype, device) -> KVCache:
         return KVCache(len(self.layers), self.num_kv_heads, self.head_dim, max_len, dtype, device)
@@ -60,6 +68,13 @@ class LayerBlock(nn.Module):
         positions = positions.to(hidden.device)
         mask = mask.to(device=hidden.device, dtype=hidden.dtype)
         pos_emb = self.rotary_emb(hidden, positions)
+        if self.lean:
+            cos, sin = pos_emb
+            for i, layer in enumerate(self.layers):
+                hidden = lean_forward(layer, hidden, cos, sin, mask, cache, i)
+                if i in taps:
+                    tapped.append(hidden)
+            return hidden
         cache_kw = {self.cache_arg: cache}
         for i, layer in enumerate(self.layers):
             out = layer(hidden, attention_mask=mask, position_ids=positions, use_cache=True,
@@ -68,3 +83,15 @@ class LayerBlock(nn.Module):
             if i in taps:
                 tapped.append(hidden)
         return hidden
+
+
+def set_lean(module: nn.Module, on: bool) -> int:
+    """Turn the lean layer path on or off in every :class:`LayerBlock` inside ``module`` (a stage model, a draft
+    head, a drafter's head); a block whose layers it cannot run stays on the transformers path. Returns how many
+    blocks run lean."""
+    n = 0
+    for m in module.modules():
+        if isinstance(m, LayerBlock):
+            m.lean = bool(on) and m.lean_ok
+            n += m.lean
+    return n

@@ -46,6 +46,8 @@ def load_rank_stage(cfg, stage_root: Path, rank: int, world: int, dtype, device:
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise SetupError(f"cannot load stage {rank} from {stage_dir(stage_root, rank)}: "
                          f"{type(e).__name__}: {first}") from None
+    from model.layers import set_lean
+    set_lean(model, cfg.model.lean_layers)
     try:
         model.set_taps(stage_taps(cfg.model.eagle3_taps, head_choice(cfg, stage_root), model.config.num_hidden_layers))
     except HeadError as e:
@@ -171,6 +173,8 @@ def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
         else:
             head = load_draft_head(head_dir, model.config, model.embed_tokens.weight.data, dtype, device)
         check_taps(head, getattr(model, "taps", []))
+        from model.layers import set_lean
+        set_lean(head, cfg.model.lean_layers)
         if cfg.model.draft_vocab:   # before the counts are looked up: their error would be the wrong one
             from draft.vocab import require_shared_lm_head
             require_shared_lm_head(head)

@@ -367,10 +367,11 @@ def _main(args, log) -> int:
     # world
     from model.stage_format import StageDirError, read_manifest
     from config.paths import DEFAULT_HEAD_DIR, DEFAULT_STAGE_DIR
-    stage_root = Path(cfg.model.stage_dir) if cfg.model.stage_dir else DEFAULT_STAGE_DIR
-    if not cfg.model.stage_dir and not (DEFAULT_STAGE_DIR / "manifest.json").is_file() and not args.summarize_only:
-        from model.default_model import ensure_default_stages
-        stage_root = Path(ensure_default_stages())
+    if args.summarize_only:
+        stage_root = Path(cfg.model.stage_dir) if cfg.model.stage_dir else DEFAULT_STAGE_DIR
+    else:
+        from model.default_model import resolve_stage_root
+        stage_root = resolve_stage_root(cfg.model.stage_dir)
     world = args.world
     if not world and not args.summarize_only:
         try:

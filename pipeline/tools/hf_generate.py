@@ -101,7 +101,6 @@ def main(argv=None) -> int:
 
 
 def _main(args) -> int:
-    from config.paths import DEFAULT_STAGE_DIR
     from config.run_config import DEFAULT, ConfigError, apply_overrides
     from model.prompts import PromptError, chat_prompt_ids, eos_ids, prompt_records, stop_token_ids
     try:
@@ -117,10 +116,8 @@ def _main(args) -> int:
     if not records:
         raise HFBaselineError("no prompts in the given range")
 
-    stage_root = Path(cfg.model.stage_dir) if cfg.model.stage_dir else DEFAULT_STAGE_DIR
-    if not cfg.model.stage_dir and not (stage_root / "manifest.json").is_file():
-        from model.default_model import ensure_default_stages
-        stage_root = Path(ensure_default_stages())
+    from model.default_model import resolve_stage_root
+    stage_root = resolve_stage_root(cfg.model.stage_dir)
     manifest_path = stage_root / "manifest.json"
     if not manifest_path.is_file():
         raise HFBaselineError(f"{stage_root} has no manifest.json (not a split checkpoint)")

@@ -118,14 +118,8 @@ def stage_memory(root: Path, quant: str, compute_dtype: torch.dtype) -> list[int
 def _stage_dir(overrides: list[str]) -> Path:
     """The run's stage root: ``model.stage_dir`` if given, else the default SmolLM2 split (built if missing)."""
     from config.run_config import RunConfig, apply_overrides
-    from config.paths import DEFAULT_STAGE_DIR
-    cfg = apply_overrides(RunConfig(), overrides)
-    if cfg.model.stage_dir:
-        return Path(cfg.model.stage_dir)
-    if not (DEFAULT_STAGE_DIR / "manifest.json").is_file():
-        from model.default_model import ensure_default_stages
-        return Path(ensure_default_stages())
-    return DEFAULT_STAGE_DIR
+    from model.default_model import resolve_stage_root
+    return resolve_stage_root(apply_overrides(RunConfig(), overrides).model.stage_dir)
 
 
 def run_one(quant: str, args, stage_dir: Path, world: int, out: Path) -> list[dict]:

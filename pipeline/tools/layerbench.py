@@ -1,0 +1,225 @@
+"""Per-call cost of a stage step and of rank 0's drafting calls, transformers layers against lean layers, side
+by side in one run: ``python -m pipeline.tools.layerbench``.
+
+At batch 1 these calls are short, and on a GPU (or on a CPU with a small model) their time is mostly the host's:
+Python, operator dispatch, kernel launches. This measures exactly the calls the step loop makes, on the run's
+own stage root, head and drafter (``key=value`` overrides as for ``pipeline.run``), on ``--device``:
+
+* ``stage step, w rows``: one verification stage's layers (``--stage``, a hidden-input stage) on a ``w``-row
+  tree segment after a ``--ctx``-token context (``w = 1`` is an ``ar`` step, ``w = 16`` a FlowSpec segment);
+* ``draft head forward``: one EAGLE head forward over a 10-row tree level;
+* ``first tree``, ``finish first tree``, ``expand``, ``commit``: what ``continuous`` runs at a round start (the
+  quick first ``tree.first_levels`` levels, then the rest of the ``tree.init_depth`` levels), after each verified
+  step (``tree.expand_levels`` levels) and per commit of 3 accepted tokens.
+
+Each call runs ``--repeat`` times per block with the lean layers off, then on (``model.lean_layers``,
+:mod:`model.lean_layer`), for ``--blocks`` alternating blocks (load drift hits both alike); the table gives the
+median per-call milliseconds of each and their ratio (CUDA synchronised around every call). Drafted trees are
+the same either way; the numbers are this host's only.
+
+Example::
+
+    python -m pipeline.tools.layerbench --device cpu --blocks 3 --repeat 20 --json outputs/layerbench.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+class LayerBenchError(ValueError):
+    pass
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from pipeline.cli import DefaultsOnce  # each default shown once
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline.tools.layerbench", description=__doc__.split("\n\n")[0],
+        formatter_class=DefaultsOnce,
+        epilog="Example: python -m pipeline.tools.layerbench --device cpu --blocks 3 --repeat 20 "
+               "model.stage_dir=/path/to/stages")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16", "float64"))
+    p.add_argument("--stage", type=int, default=2, help="verification stage whose layers are timed (rank >= 2: "
+                   "it takes hidden rows)")
+    p.add_argument("--rows", default="1,16", help="comma-separated segment sizes for the stage step")
+    p.add_argument("--ctx", type=int, default=256, help="context tokens cached before every timed call")
+    p.add_argument("--repeat", type=int, default=20, help="timed calls per block")
+    p.add_argument("--blocks", type=int, default=3, help="alternating blocks per setting")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
+    p.add_argument("--json", help="also write the table as JSON here")
+    p.add_argument("overrides", nargs="*", help="key=value run overrides (model.stage_dir, model.head_dir, "
+                   "draft.sources, tree.*)")
+    args = p.parse_args(argv)
+    if args.repeat < 1 or args.blocks < 1 or args.ctx < 1:
+        p.error("--repeat, --blocks and --ctx must be >= 1")
+    try:
+        args.rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        p.error(f"--rows takes comma-separated integers, got {args.rows!r}")
+    if any(r < 1 for r in args.rows):
+        p.error("--rows must be >= 1")
+    if args.stage < 2:
+        p.error("--stage must be >= 2 (stage 1 takes token ids, rank 0 has no layers)")
+    return args
+
+
+def _calls(args, cfg, stage_root: Path):
+    """``[(name, fn)]``: every timed call, each leaving the caches as it found them."""
+    import torch
+
+    from model.stage_format import read_manifest
+    from pipeline.build import load_rank_stage, make_drafter
+    world = len(read_manifest(stage_root)["split"])
+    if args.stage >= world:
+        raise LayerBenchError(f"--stage {args.stage}: {stage_root} has stages 1..{world - 1}")
+    dtype = getattr(torch, args.dtype)
+    dev = torch.device(args.device)
+    stage = load_rank_stage(cfg, stage_root, args.stage, world, dtype, args.device)
+    rank0 = load_rank_stage(cfg, stage_root, 0, world, dtype, args.device)
+    drafter = make_drafter(cfg, stage_root, rank0, dtype, args.device)
+    hidden = rank0.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    cache = stage.block.new_cache(args.ctx + max(args.rows) + 8, dtype, dev)
+    pos, mask = cache.context_inputs(args.ctx, dtype)
+    with torch.no_grad():
+        stage(torch.randn(1, args.ctx, hidden, generator=g).to(dev, dtype), pos, mask, cache)
+    cache.commit_forward(args.ctx, as_context=True)
+
+    def stage_step(w: int):
+        x = torch.randn(1, w, hidden, generator=g).to(dev, dtype)
+        parents = torch.arange(-1, w - 1)
+
+        def call():
+            p, m, anc, depth = cache.tree_inputs(parents, dtype)
+            with torch.no_grad():
+                stage(x, p, m, cache)
+            cache.truncate_tree()
+        return call
+
+    prompt = [int(t) for t in torch.randint(3, rank0.config.vocab_size, (args.ctx,), generator=g)]
+    root_hidden = drafter.start(prompt, 5, torch.randn(args.ctx, hidden, generator=g).to(dev, dtype))
+    t = cfg.tree
+    first = (lambda: drafter.grow_tree_with_inputs(5, root_hidden, min(t.init_total_token, t.subseq_token + 1),
+                                                   max(t.first_levels - 1, 0), t.init_topk))
+    tree, inputs = first()
+    finish = (lambda: drafter.extend_tree(tree, inputs, root_hidden, t.init_depth + 1 - max(t.first_levels, 1),
+                                          t.init_topk, max(t.init_total_token - len(tree), 1)))
+    big, big_inputs = finish()
+    expand = (lambda: drafter.extend_tree(big, big_inputs, root_hidden, t.expand_levels, t.expand_topk,
+                                          max(t.expand_total_token - len(big), t.expand_topk)))
+    head_drafter = next((s for s in getattr(drafter, "sources", [drafter]) if hasattr(s, "head")), None)
+    rows10 = torch.randn(10, hidden, generator=g).to(dev, dtype)
+
+    def head_forward():
+        head_drafter.tree_forward(torch.arange(10), rows10, torch.full((10,), -1))
+        head_drafter.drop_tree()
+
+    feats3 = torch.randn(3, hidden, generator=g).to(dev, dtype)
+    snapshot = [(s, s.cache.length, s.cache.context_len) for s in getattr(drafter, "sources", [drafter])
+                if hasattr(s, "cache")]
+
+    def commit():
+        drafter.commit(torch.tensor([7, 8, 9]), feats3)
+        for s, length, ctx in snapshot:          # back to the same context: every call appends at the same spot
+            s.cache.length, s.cache.context_len = length, ctx
+
+    calls = [(f"stage step, {w} row{'s' if w > 1 else ''} ({stage.num_layers} layers)", stage_step(w))
+             for w in args.rows]
+    if head_drafter is not None:
+        calls.append(("draft head forward, 10 rows", head_forward))
+    calls += [(f"first tree ({t.first_levels} levels)", first),
+              (f"finish first tree ({t.init_depth + 1 - max(t.first_levels, 1)} levels)", finish),
+              (f"expand ({t.expand_levels} levels)", expand)]
+    if snapshot:
+        calls.append(("commit 3 tokens", commit))
+    blocks = [stage.block] + ([head_drafter.head.block] if head_drafter is not None and
+                              hasattr(head_drafter.head, "block") else [])
+    return calls, blocks
+
+
+def measure(args, calls, blocks) -> list[dict]:
+    import torch
+
+    from model.layers import set_lean
+    cuda = args.device.startswith("cuda")
+
+    def once(fn) -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    rows = []
+    for name, fn in calls:
+        times = {False: [], True: []}
+        for lean in (False, True):          # warm both paths
+            for b in blocks:
+                set_lean(b, lean)
+            for _ in range(2):
+                once(fn)
+        for _ in range(args.blocks):
+            for lean in (False, True):
+                for b in blocks:
+                    set_lean(b, lean)
+                times[lean] += [once(fn) for _ in range(args.repeat)]
+        ref, lean = statistics.median(times[False]) * 1e3, statistics.median(times[True]) * 1e3
+        rows.append({"call": name, "transformers_ms": round(ref, 3), "lean_ms": round(lean, 3),
+                     "lean_vs_transformers": round(lean / ref, 3) if ref else None})
+    for b in blocks:
+        set_lean(b, True)
+    return rows
+
+
+def table(rows: list[dict], header: str) -> str:
+    out = [header, "", "| call | transformers layers, ms | lean layers, ms | lean / transformers |",
+           "|---|---|---|---|"]
+    out += [f"| {r['call']} | {r['transformers_ms']:.3f} | {r['lean_ms']:.3f} | {r['lean_vs_transformers']} |"
+            for r in rows]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        import torch
+
+        from config.run_config import DEFAULT, ConfigError, apply_overrides
+        from model.default_model import resolve_stage_root
+        from pipeline.build import SetupError
+        try:
+            cfg = apply_overrides(DEFAULT, args.overrides)
+        except ConfigError as e:
+            raise LayerBenchError(str(e)) from None
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            raise LayerBenchError(f"--device {args.device}: no CUDA device here")
+        torch.set_num_threads(args.threads)
+        stage_root = resolve_stage_root(cfg.model.stage_dir)
+        try:
+            calls, blocks = _calls(args, cfg, stage_root)
+        except SetupError as e:
+            raise LayerBenchError(str(e)) from None
+        rows = measure(args, calls, blocks)
+    except LayerBenchError as e:
+        print(f"layerbench: error: {e}", file=sys.stderr)
+        return 2
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU, {args.threads} thread(s)"
+    header = (f"# Per-call time, transformers vs lean decoder layers ({stage_root.name}, {args.dtype}, {where}, "
+              f"context {args.ctx}; median of {args.blocks} x {args.repeat} calls each)")
+    print(table(rows, header))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"device": where, "stage_root": str(stage_root), "dtype": args.dtype,
+                                               "ctx": args.ctx, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
