@@ -60,6 +60,12 @@ class LayerBlock(nn.Module):
         self.lean_ok = all(lean_supported(layer) for layer in self.layers)
         self.lean = self.lean_ok
 
+    def refresh_lean(self) -> None:
+        """Re-check :func:`model.lean_layer.lean_supported` after the layers' modules were replaced (e.g. by
+        quantized linears); a block that no longer qualifies falls back to the transformers path."""
+        self.lean_ok = all(lean_supported(layer) for layer in self.layers)
+        self.lean = self.lean and self.lean_ok
+
     def new_cache(self, max_len: int, dtype: torch.dtype, device) -> KVCache:
         return KVCache(len(self.layers), self.num_kv_heads, self.head_dim, max_len, dtype, device)
 
@@ -92,6 +98,7 @@ def set_lean(module: nn.Module, on: bool) -> int:
     n = 0
     for m in module.modules():
         if isinstance(m, LayerBlock):
+            m.refresh_lean()
             m.lean = bool(on) and m.lean_ok
             n += m.lean
     return n

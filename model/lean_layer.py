@@ -44,13 +44,15 @@ def _rms_norm(norm: nn.Module, x: Tensor) -> Tensor:
 
 
 def _has_linears(module: nn.Module, names: tuple[str, ...]) -> bool:
-    return all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
+    """Plain ``nn.Linear`` modules only: a subclass (bitsandbytes' quantized linears) keeps its own forward."""
+    return all(type(getattr(module, n, None)) is nn.Linear for n in names)
 
 
 def lean_supported(layer: nn.Module) -> bool:
     """Whether :func:`lean_forward` computes this decoder layer: a pre-norm block whose attention has separate
     q/k/v/o projections, rotary positions and no extra norms, whose MLP is gated (``down(act(gate) * up)``), and
-    whose norms are RMSNorms with ``variance_epsilon`` (or an ``nn.Identity`` input norm)."""
+    whose norms are RMSNorms with ``variance_epsilon`` (or an ``nn.Identity`` input norm). Every projection must be a
+    plain ``nn.Linear``: quantized ones (``model.quant``) keep the transformers path."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if attn is None or mlp is None:
         return False

@@ -136,4 +136,5 @@ def load_stage(root: str | Path, rank: int, world_size: int, dtype: torch.dtype 
     if quant != "none" and model.block is not None:
         from model.quant import quantize_linears
         quantize_linears(model.block, quant, quant_compute_dtype or dtype, device)
+        model.block.refresh_lean()   # quantized projections run through bitsandbytes' own modules
     return model.to(device).eval()

@@ -8,8 +8,9 @@
 #
 # Settings (environment): N=6 (MT-bench records [BEGIN, BEGIN + N)), BEGIN=0, TOKENS=128 (max_new_tokens),
 # MODES=ar,naive,pipedec,continuous, PYTHON=python3, BENCH_DIR=OUT_DIR/bench (the whole bench folder). Writes
-# OUT_DIR/summary.md, summary.csv, rows.jsonl, gantt_continuous.png and bench.log. Exit status:
-# the bench's (3 when some output differs from ar's at T = 0).
+# OUT_DIR/summary.md, summary.csv, rows.jsonl, gantt_continuous.png and bench.log, then layerbench.md/json
+# (pipeline.tools.layerbench on the GPU: a stage step and rank 0's drafting calls, transformers vs lean layers;
+# LAYERBENCH=0 skips it). Exit status: the bench's (3 when some output differs from ar's at T = 0).
 # Example, on the lent machine after `bash .device/setup.sh`: N=6 bash scripts/gpu_goals.sh "$OUT/goals"
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,4 +31,8 @@ rc=${PIPESTATUS[0]}
 for f in summary.md summary.csv rows.jsonl gantt_continuous.png; do
   [[ -f "$BENCH/$f" ]] && cp "$BENCH/$f" "$OUT/$f"
 done
+if [[ "${LAYERBENCH:-1}" != 0 ]]; then
+  OMP_NUM_THREADS=1 "$PY" -m pipeline.tools.layerbench --device cuda --json "$OUT/layerbench.json" "$@" \
+    > "$OUT/layerbench.md" 2> "$OUT/layerbench.log" || echo "gpu_goals: layerbench failed (see layerbench.log)" >&2
+fi
 exit "$rc"

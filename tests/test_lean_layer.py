@@ -137,6 +137,19 @@ def test_unsupported_layers_keep_the_transformers_path():
     assert not lean_layer.lean_supported(torch.nn.Linear(2, 2))
 
 
+def test_quantized_projections_keep_the_transformers_path():
+    """A subclass of nn.Linear (bitsandbytes' quantized linears) has its own forward: never run it as F.linear."""
+    class QuantLinear(torch.nn.Linear):
+        pass
+    blk = block_for("llama")
+    old = blk.layers[0].mlp.up_proj
+    q = QuantLinear(old.in_features, old.out_features, bias=False).to(torch.float64)
+    blk.layers[0].mlp.up_proj = q
+    assert blk.lean       # decided at construction ...
+    blk.refresh_lean()    # ... and re-checked after modules were swapped (model.stage_model does it after quant)
+    assert not blk.lean_ok and not blk.lean and set_lean(blk, True) == 0
+
+
 def test_run_key_reaches_stages_and_head(tmp_path):
     """``model.lean_layers`` switches both the verification stages and rank 0's head."""
     from config.run_config import DEFAULT, apply_overrides

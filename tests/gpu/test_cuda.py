@@ -229,3 +229,23 @@ def test_bench_all_modes_on_cuda(smol, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]   # 3 would mean an output (HF generate's too) differs from ar's
     assert "| `hf_generate` |" in res.stdout and "× HF" in res.stdout
     report(check="bench all modes on cuda", table=res.stdout[-4000:])
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("float16", 2e-2), ("bfloat16", 5e-2)])
+def test_lean_layers_agree_with_transformers_on_cuda(dtype, tol):
+    """model/lean_layer.py on CUDA tensors: the same layer outputs and cache contents as the transformers layers
+    (tests/test_lean_layer.py checks float64 on the CPU to 1e-12)."""
+    from model.layers import set_lean
+    from tests.test_lean_layer import block_for
+    dt = getattr(torch, dtype)
+    outs = []
+    for lean in (False, True):
+        blk = block_for("llama", kv_heads=2, dtype=dt).cuda()
+        set_lean(blk, lean)
+        cache = blk.new_cache(32, dt, "cuda")
+        g = torch.Generator().manual_seed(1)
+        pos, mask = cache.context_inputs(7, dt)
+        x = torch.randn(1, 7, 64, generator=g).to("cuda", dt)
+        with torch.no_grad():
+            outs.append(blk(x, pos, mask, cache).float().cpu())
+    torch.testing.assert_close(outs[1], outs[0], rtol=tol, atol=tol)
