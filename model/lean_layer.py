@@ -14,9 +14,10 @@ path accepts in this project -- ``hidden [1, n, H]``, the rotary ``(cos, sin)``,
 ``[1, 1, n, length + n]`` and a :class:`model.kv_cache.KVCache` -- it returns the transformers layer's output up
 to floating-point reassociation (the same operations in the same order, except that grouped-query attention
 always repeats the key/value heads instead of transformers' single-query packing), and it writes the same keys
-and values into the cache. It supports autograd (the heads' trainer runs it too). Layers it cannot run
-(:func:`lean_supported` false: another attention layout, query/key norms, a non-SiLU-gated MLP) keep the
-transformers path.
+and values into the cache. It supports autograd, batches and autocast (the heads' trainer runs it too). Layers it
+cannot run (:func:`lean_supported` false: another attention layout, query/key norms, an attention backend other
+than sdpa, quantized projections) keep the transformers path. Sliding windows are applied by neither path: the
+project passes its own masks, and transformers' sdpa backend ignores the window.
 """
 from __future__ import annotations
 
@@ -43,6 +44,15 @@ def _rms_norm(norm: nn.Module, x: Tensor) -> Tensor:
     return norm.weight * h.to(dtype)
 
 
+def _repeat_kv(x: Tensor, groups: int) -> Tensor:
+    """transformers' ``repeat_kv``: ``[b, kv, s, d]`` -> ``[b, kv * groups, s, d]``, kv head ``j`` serving query
+    heads ``j * groups .. (j + 1) * groups - 1``."""
+    if groups == 1:
+        return x
+    b, kv, s, d = x.shape
+    return x[:, :, None].expand(b, kv, groups, s, d).reshape(b, kv * groups, s, d)
+
+
 def _has_linears(module: nn.Module, names: tuple[str, ...]) -> bool:
     """Plain ``nn.Linear`` modules only: a subclass (bitsandbytes' quantized linears) keeps its own forward."""
     return all(type(getattr(module, n, None)) is nn.Linear for n in names)
@@ -51,8 +61,9 @@ def _has_linears(module: nn.Module, names: tuple[str, ...]) -> bool:
 def lean_supported(layer: nn.Module) -> bool:
     """Whether :func:`lean_forward` computes this decoder layer: a pre-norm block whose attention has separate
     q/k/v/o projections, rotary positions and no extra norms, whose MLP is gated (``down(act(gate) * up)``), and
-    whose norms are RMSNorms with ``variance_epsilon`` (or an ``nn.Identity`` input norm). Every projection must be a
-    plain ``nn.Linear``: quantized ones (``model.quant``) keep the transformers path."""
+    whose norms are RMSNorms with ``variance_epsilon`` (or an ``nn.Identity`` input norm), on the sdpa attention
+    backend (the one the project sets: others may apply sliding windows). Every projection must be a plain
+    ``nn.Linear``: quantized ones (``model.quant``) keep the transformers path. Any ``act_fn`` is fine."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if attn is None or mlp is None:
         return False
@@ -62,6 +73,8 @@ def lean_supported(layer: nn.Module) -> bool:
     if any(hasattr(attn, n) for n in ("q_norm", "k_norm")) or not callable(getattr(mlp, "act_fn", None)):
         return False
     if not all(hasattr(attn, n) for n in ("head_dim", "num_key_value_groups", "scaling")):
+        return False
+    if getattr(getattr(attn, "config", None), "_attn_implementation", "sdpa") != "sdpa":
         return False
     norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
     return all(isinstance(n, nn.Identity) or (hasattr(n, "variance_epsilon") and hasattr(n, "weight"))
@@ -84,11 +97,7 @@ def lean_forward(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, mas
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
     k, v = cache.update(k, v, layer_idx)
-    groups = attn.num_key_value_groups
-    if groups > 1:   # transformers' repeat_kv: [b, kv, s, d] -> [b, kv * groups, s, d], kv head j serves j*groups..
-        s = k.shape[2]
-        k = k[:, :, None].expand(b, k.shape[1], groups, s, d).reshape(b, -1, s, d)
-        v = v[:, :, None].expand(b, v.shape[1], groups, s, d).reshape(b, -1, s, d)
+    k, v = _repeat_kv(k, attn.num_key_value_groups), _repeat_kv(v, attn.num_key_value_groups)
     dropout = getattr(attn, "attention_dropout", 0.0) if attn.training else 0.0
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=attn.scaling)
     o = o.transpose(1, 2).reshape(b, n, -1)

@@ -20,6 +20,8 @@ def config(family: str, kv_heads: int = 2):
                   vocab_size=97, max_position_embeddings=256, rms_norm_eps=1e-5)
     if family == "llama":
         return LlamaConfig(**common, attention_bias=False)
+    if family == "llama_head_dim":      # head_dim set apart from hidden / heads
+        return LlamaConfig(**common, head_dim=24)
     if family == "llama_bias":
         return LlamaConfig(**common, attention_bias=True, mlp_bias=True)
     if family == "mistral":
@@ -35,9 +37,10 @@ def block_for(family: str, kv_heads: int = 2, layers: int = 2, eagle: bool = Fal
     return blk
 
 
-def run(blk: LayerBlock, lean: bool, dtype=torch.float64, grad: bool = False):
-    """A context of 7 tokens, then a 6-node tree segment, then 3 more nodes (as a stage and a draft head see
-    them). Returns every forward's output and the cache."""
+def run(blk: LayerBlock, lean: bool, dtype=torch.float64, grad: bool = False, tree: bool = True):
+    """A context of 7 tokens, then a 6-node tree segment, 3 more nodes and one node alone (an ``ar`` step; the
+    one-row case transformers treats apart), as a stage and a draft head see them. Returns every forward's output
+    and the cache."""
     set_lean(blk, lean)
     assert blk.lean == lean
     cache = blk.new_cache(64, dtype, "cpu")
@@ -48,7 +51,7 @@ def run(blk: LayerBlock, lean: bool, dtype=torch.float64, grad: bool = False):
     pos, mask = cache.context_inputs(7, dtype)
     outs.append(blk(x, pos, mask, cache))
     cache.commit_forward(7, as_context=True)
-    for parents in (torch.tensor([-1, 0, 0, 1, 1, 2]), torch.tensor([3, 5, 6])):
+    for parents in (torch.tensor([-1, 0, 0, 1, 1, 2]), torch.tensor([3, 5, 6]), torch.tensor([8])) if tree else ():
         y = torch.randn(1, len(parents), h, generator=g, dtype=dtype)
         pos, mask, anc, depth = cache.tree_inputs(parents, dtype)
         outs.append(blk(y, pos, mask, cache))
@@ -57,7 +60,7 @@ def run(blk: LayerBlock, lean: bool, dtype=torch.float64, grad: bool = False):
 
 
 @pytest.mark.parametrize("family,kv_heads", [("llama", 2), ("llama", 4), ("llama", 1), ("llama_bias", 2),
-                                             ("mistral", 2), ("qwen2", 2)])
+                                             ("llama_head_dim", 2), ("mistral", 2), ("qwen2", 2)])
 def test_lean_equals_transformers_layer(family, kv_heads):
     blk = block_for(family, kv_heads)
     assert blk.lean_ok
@@ -80,12 +83,13 @@ def test_eagle_first_layer_without_input_norm_and_float32():
 
 
 def test_gradients_match():
-    """The heads' trainer backpropagates through the same forward."""
+    """Gradients through the project's KV cache (a context forward: the preallocated cache is written in place,
+    so later segments would overwrite what autograd saved; the trainer's own cache is tested below)."""
     blk = block_for("qwen2")
     grads = []
     for lean in (False, True):
         blk.zero_grad()
-        outs, _, x = run(blk, lean=lean, grad=True)
+        outs, _, x = run(blk, lean=lean, grad=True, tree=False)
         sum(o.pow(2).sum() for o in outs).backward()
         grads.append([x.grad.clone()] + [p.grad.clone() for p in blk.parameters() if p.grad is not None])
     assert len(grads[0]) == len(grads[1]) > 10
@@ -104,26 +108,44 @@ def test_a_planted_rotary_bug_fails(monkeypatch):
 
 
 def test_a_planted_kv_head_order_bug_fails(monkeypatch):
-    """Grouped-query heads must serve query heads in transformers' order (kv head j -> query heads j*g..)."""
+    """Grouped-query heads must serve query heads in transformers' order (kv head j -> query heads j*g..): a tiled
+    repeat (kv head j -> query heads j, j + kv, ...) is caught by the comparison."""
     blk = block_for("llama", kv_heads=2)
     ref, _, _ = run(blk, lean=False)
-    real = lean_layer.lean_forward
-
-    def swapped(layer, hidden, cos, sin, mask, cache, idx):
-        attn = layer.self_attn
-        w = attn.q_proj.weight.data
-        d = attn.head_dim
-        perm = torch.arange(w.shape[0]).view(-1, d)[[0, 2, 1, 3]].flatten()   # interleaved instead of blocked
-        saved = w.clone()
-        attn.q_proj.weight.data = w[perm]
-        try:
-            out = real(layer, hidden, cos, sin, mask, cache, idx)
-        finally:
-            attn.q_proj.weight.data = saved
-        return out
-    monkeypatch.setattr("model.layers.lean_forward", swapped)
+    monkeypatch.setattr(lean_layer, "_repeat_kv", lambda x, g: x.repeat(1, g, 1, 1))
     got, _, _ = run(blk, lean=True)
-    assert not torch.allclose(got[-1], ref[-1], rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(got[0], ref[0], rtol=1e-6, atol=1e-6)
+
+
+def test_trainer_batches_autocast_and_dropout_match():
+    """The heads' trainer runs the lean path too: batch 3 through the unrolled training-time test (its own
+    StepCache), with bf16 autocast and with train-mode dropout (same seed), gives the transformers path's outputs
+    and gradients."""
+    from draft.eagle import EagleHead
+    from draft.train.objective import unrolled_forward
+    cfg = config("llama")
+    cfg.attention_dropout = 0.3
+    torch.manual_seed(0)
+    head = EagleHead(cfg).float()
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, 97, (3, 9), generator=g)
+    feats = torch.randn(3, 9, 64, generator=g)
+    for autocast, train in ((False, False), (True, False), (False, True)):
+        head.train(train)
+        results = []
+        for lean in (False, True):
+            set_lean(head, lean)
+            head.zero_grad()
+            torch.manual_seed(5)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                outs = list(unrolled_forward(head, tokens, feats, 3))
+            loss = sum(o.float().pow(2).sum() for o in outs)
+            loss.backward()
+            results.append([o.detach().float() for o in outs] + [p.grad.clone() for p in head.parameters()
+                                                                  if p.grad is not None])
+        assert len(results[0]) == len(results[1]) > 3
+        for a, b in zip(*results):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
 def test_unsupported_layers_keep_the_transformers_path():
@@ -132,9 +154,23 @@ def test_unsupported_layers_keep_the_transformers_path():
     assert not lean_layer.lean_supported(blk.layers[1])
     fresh = LayerBlock(config("llama"), 1)
     assert fresh.lean_ok and fresh.lean
-    blk.lean_ok = all(lean_layer.lean_supported(layer) for layer in blk.layers)
     assert set_lean(blk, True) == 0 and not blk.lean
     assert not lean_layer.lean_supported(torch.nn.Linear(2, 2))
+    eager = LayerBlock(config("llama"), 1)
+    eager.layers[0].self_attn.config._attn_implementation = "eager"    # another backend: its own semantics
+    assert set_lean(eager, True) == 0
+    # and the forward really takes the transformers path then
+    calls = []
+    real = lean_layer.lean_forward
+    import model.layers as layers_mod
+    layers_mod.lean_forward = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        run(block_for("llama"), lean=False)
+        assert calls == []
+        run(block_for("llama"), lean=True)
+        assert len(calls) == 2 * 4       # 2 layers x 4 forwards
+    finally:
+        layers_mod.lean_forward = real
 
 
 def test_quantized_projections_keep_the_transformers_path():
@@ -193,3 +229,5 @@ def test_layerbench_times_every_call_both_ways(tmp_path, capsys):
     assert main(["tree.nope=1", f"model.stage_dir={root}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("layerbench: error:") and "\n" not in err
+    assert main([f"model.stage_dir={root}", "osd.enabled=true"]) == 2
+    assert capsys.readouterr().err.strip().startswith("layerbench: error: osd.enabled")

@@ -69,7 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _calls(args, cfg, stage_root: Path):
-    """``[(name, fn)]``: every timed call, each leaving the caches as it found them."""
+    """``[(name, fn, setup)]``: every timed call, each leaving the caches as it found them or, where it cannot
+    (a commit appends to every source's context), preceded by an untimed ``setup`` that restores them."""
     import torch
 
     from model.stage_format import read_manifest
@@ -113,6 +114,9 @@ def _calls(args, cfg, stage_root: Path):
     expand = (lambda: drafter.extend_tree(big, big_inputs, root_hidden, t.expand_levels, t.expand_topk,
                                           max(t.expand_total_token - len(big), t.expand_topk)))
     head_drafter = next((s for s in getattr(drafter, "sources", [drafter]) if hasattr(s, "head")), None)
+    if head_drafter is None or not hasattr(head_drafter.head, "block"):
+        print("layerbench: note: the drafter has no EAGLE-1/2 head (no lean block): its rows time one path twice",
+              file=sys.stderr)
     rows10 = torch.randn(10, hidden, generator=g).to(dev, dtype)
 
     def head_forward():
@@ -120,25 +124,24 @@ def _calls(args, cfg, stage_root: Path):
         head_drafter.drop_tree()
 
     feats3 = torch.randn(3, hidden, generator=g).to(dev, dtype)
-    snapshot = [(s, s.cache.length, s.cache.context_len) for s in getattr(drafter, "sources", [drafter])
-                if hasattr(s, "cache")]
+    start_feats = torch.randn(args.ctx, hidden, generator=g).to(dev, dtype)
+
+    def restart():                       # untimed: every source back to the same context before each commit
+        drafter.start(prompt, 5, start_feats)
 
     def commit():
         drafter.commit(torch.tensor([7, 8, 9]), feats3)
-        for s, length, ctx in snapshot:          # back to the same context: every call appends at the same spot
-            s.cache.length, s.cache.context_len = length, ctx
 
-    calls = [(f"stage step, {w} row{'s' if w > 1 else ''} ({stage.num_layers} layers)", stage_step(w))
+    calls = [(f"stage step, {w} row{'s' if w > 1 else ''} ({stage.num_layers} layers)", stage_step(w), None)
              for w in args.rows]
-    if head_drafter is not None:
-        calls.append(("draft head forward, 10 rows", head_forward))
-    calls += [(f"first tree ({t.first_levels} levels)", first),
-              (f"finish first tree ({t.init_depth + 1 - max(t.first_levels, 1)} levels)", finish),
-              (f"expand ({t.expand_levels} levels)", expand)]
-    if snapshot:
-        calls.append(("commit 3 tokens", commit))
-    blocks = [stage.block] + ([head_drafter.head.block] if head_drafter is not None and
-                              hasattr(head_drafter.head, "block") else [])
+    heads = [s.head for s in getattr(drafter, "sources", [drafter]) if hasattr(getattr(s, "head", None), "block")]
+    if head_drafter is not None and hasattr(head_drafter.head, "block"):
+        calls.append(("draft head forward, 10 rows", head_forward, None))
+    calls += [(f"first tree ({t.first_levels} levels)", first, None),
+              (f"finish first tree ({t.init_depth + 1 - max(t.first_levels, 1)} levels)", finish, None),
+              (f"expand ({t.expand_levels} levels)", expand, None),
+              ("commit 3 tokens", commit, restart)]
+    blocks = [stage.block] + [h.block for h in heads]
     return calls, blocks
 
 
@@ -148,7 +151,9 @@ def measure(args, calls, blocks) -> list[dict]:
     from model.layers import set_lean
     cuda = args.device.startswith("cuda")
 
-    def once(fn) -> float:
+    def once(fn, setup=None) -> float:
+        if setup is not None:
+            setup()
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -158,18 +163,18 @@ def measure(args, calls, blocks) -> list[dict]:
         return time.perf_counter() - t0
 
     rows = []
-    for name, fn in calls:
+    for name, fn, setup in calls:
         times = {False: [], True: []}
         for lean in (False, True):          # warm both paths
             for b in blocks:
                 set_lean(b, lean)
             for _ in range(2):
-                once(fn)
-        for _ in range(args.blocks):
-            for lean in (False, True):
+                once(fn, setup)
+        for i in range(args.blocks):
+            for lean in ((False, True) if i % 2 == 0 else (True, False)):   # alternate which goes first
                 for b in blocks:
                     set_lean(b, lean)
-                times[lean] += [once(fn) for _ in range(args.repeat)]
+                times[lean] += [once(fn, setup) for _ in range(args.repeat)]
         ref, lean = statistics.median(times[False]) * 1e3, statistics.median(times[True]) * 1e3
         rows.append({"call": name, "transformers_ms": round(ref, 3), "lean_ms": round(lean, 3),
                      "lean_vs_transformers": round(lean / ref, 3) if ref else None})
@@ -198,6 +203,8 @@ def main(argv=None) -> int:
             cfg = apply_overrides(DEFAULT, args.overrides)
         except ConfigError as e:
             raise LayerBenchError(str(e)) from None
+        if cfg.osd.enabled:
+            raise LayerBenchError("osd.enabled: an online drafter learns from every timed commit; time it without")
         if args.device.startswith("cuda") and not torch.cuda.is_available():
             raise LayerBenchError(f"--device {args.device}: no CUDA device here")
         torch.set_num_threads(args.threads)

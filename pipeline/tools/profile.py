@@ -56,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--warmup", type=int, default=2, help="untimed runs per point")
     m.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = leave torch's default)")
     m.add_argument("--no-rank0", action="store_true", help="do not measure rank 0 (lm_head, draft head)")
+    m.add_argument("--transformers-layers", action="store_true",
+                   help="time the transformers layers' own forward instead of the lean one the runs use by default "
+                        "(model.lean_layers; profiles measured before 2026-11-26 timed the transformers path)")
     m.add_argument("--seed", type=int, default=0)
     o = p.add_argument_group("link model and output")
     o.add_argument("--bandwidth-mbps", type=float, default=150.0, help="link bandwidth (0 = unlimited)")
@@ -158,7 +161,7 @@ def measure_stage(block, cfg, ws, ctxs, dtype, device, repeat, warmup, log) -> l
     return grid
 
 
-def measure_rank0(cfg, ws, ctxs, dtype, device, repeat, warmup, log) -> dict:
+def measure_rank0(cfg, ws, ctxs, dtype, device, repeat, warmup, log, transformers_layers: bool = False) -> dict:
     import torch
     from torch import nn
     measure = _timer(device)
@@ -169,6 +172,8 @@ def measure_rank0(cfg, ws, ctxs, dtype, device, repeat, warmup, log) -> dict:
         lm_head.weight.normal_(0, 0.02)
         fc.weight.normal_(0, 0.02)
     head = build_block(cfg, 1, dtype, device, skip_first_input_norm=True)
+    from model.layers import set_lean
+    set_lean(head, not transformers_layers)
     lm = []
     for w in ws:
         x = torch.randn(w, h, device=device).to(dtype)
@@ -220,6 +225,8 @@ def main(argv=None) -> int:
     log(f"profiling {args.layers} layers hidden={shape['hidden']} intermediate={shape['intermediate']} "
         f"heads={shape['heads']}/{shape['kv_heads']} {dtype_name} on {device}")
     block = build_block(cfg, args.layers, dtype, device)
+    from model.layers import set_lean
+    set_lean(block, not args.transformers_layers)
     grid = measure_stage(block, cfg, ws, ctxs, dtype, device, args.repeat, args.warmup, log)
     del block
     out = Path(args.out)
@@ -242,7 +249,8 @@ def main(argv=None) -> int:
                  "hidden_bytes_per_token": args.hidden_bytes or shape["hidden"] * 2, "header_bytes": 384},
     }
     if not args.no_rank0:
-        prof["rank0"] = measure_rank0(cfg, ws, ctxs, dtype, device, args.repeat, args.warmup, log)
+        prof["rank0"] = measure_rank0(cfg, ws, ctxs, dtype, device, args.repeat, args.warmup, log,
+                                      args.transformers_layers)
     from config.profiles import Profile
     Profile.from_dict(json.loads(json.dumps(prof)), str(out))   # validate before writing
     out.parent.mkdir(parents=True, exist_ok=True)
