@@ -150,6 +150,11 @@ def pack_state(conts: list[list[int]], width: int, token_logp: float) -> Tensor:
     """The compact state (module docstring) of the next tokens of ``conts``: ``width // 2`` id slots then as many
     score slots, ids in order of first appearance, unused slots id ``-1`` and score ``FLOOR``. float32: ids up to
     2**24 are exact (:class:`LookupDrafter` checks its vocabulary), and widening it beside a feature is exact."""
+    return torch.tensor(state_row(conts, width, token_logp), dtype=torch.float32, device=HOST)
+
+
+def state_row(conts: list[list[int]], width: int, token_logp: float) -> list[float]:
+    """:func:`pack_state` as a Python list (many rows become one tensor at once: :meth:`LookupDrafter.tree_forward`)."""
     slots = width // 2
     counts: dict[int, int] = {}
     for c in conts:
@@ -157,8 +162,8 @@ def pack_state(conts: list[list[int]], width: int, token_logp: float) -> Tensor:
             counts[c[0]] = counts.get(c[0], 0) + 1
     n = sum(counts.values())
     ids = list(counts)[:slots]
-    row = ids + [-1] * (slots - len(ids)) + [math.log(counts[t] / n) + token_logp for t in ids]
-    return torch.tensor(row + [FLOOR] * (slots - len(ids)), dtype=torch.float32, device=HOST)
+    return ids + [-1] * (slots - len(ids)) + [math.log(counts[t] / n) + token_logp for t in ids] + \
+        [FLOOR] * (slots - len(ids))
 
 
 class LookupDrafter(TokenHistory):
@@ -205,7 +210,10 @@ class LookupDrafter(TokenHistory):
         return continuation_trie(root_token, self.continuations(path, depth + 1), self.token_logp, total_token)
 
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
-        return torch.stack([self.state(path) for path in self.add_tree_paths(tokens, parents)])
+        """Every node's state (one tensor built at once; equal to stacking :meth:`state` per node)."""
+        w, lp = self.state_width, self.token_logp
+        rows = [state_row(self.continuations(path, 1), w, lp) for path in self.add_tree_paths(tokens, parents)]
+        return torch.tensor(rows, dtype=torch.float32, device=HOST).reshape(len(rows), w)
 
     def logprobs(self, hidden: Tensor) -> Tensor:
         """The states spread over the vocabulary: ``[..., V]`` float64, ``FLOOR`` where no occurrence supports a
