@@ -27,7 +27,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 
@@ -146,21 +145,14 @@ def _calls(args, cfg, stage_root: Path):
 
 
 def measure(args, calls, blocks) -> list[dict]:
-    import torch
-
     from model.layers import set_lean
+    from pipeline.tools.profile import timed_call
     cuda = args.device.startswith("cuda")
 
     def once(fn, setup=None) -> float:
         if setup is not None:
             setup()
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        return timed_call(fn, cuda)
 
     rows = []
     for name, fn, setup in calls:

@@ -127,17 +127,21 @@ def _timer(device: str):
     def measure(fn, repeat: int, warmup: int) -> float:
         for _ in range(warmup):
             fn()
-        times = []
-        for _ in range(repeat):
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return statistics.median(timed_call(fn, cuda) for _ in range(repeat))
     return measure
+
+
+def timed_call(fn, cuda: bool) -> float:
+    """Seconds of one call of ``fn``, with CUDA synchronised before and after (queued work is not counted to
+    it, its own kernels are)."""
+    import torch
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def measure_stage(block, cfg, ws, ctxs, dtype, device, repeat, warmup, log) -> list[list[float]]:
