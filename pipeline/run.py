@@ -273,7 +273,7 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
     if not args.quiet:  # say which mode runs and, when nobody chose it, why it is the default
         chosen = args.modes or any(o.split("=", 1)[0] in ("mode", "gen.mode") for o in args.overrides)
         why = ("chosen" if chosen else "the default; FlowSpec is mode=continuous and becomes the default once it "
-               "is the fastest speculative mode on the default setup, see README Results")
+               "is the fastest speculative mode on the default setup, see docs/results.md")
         print(f"[rank 0] mode={','.join(modes)} ({why})", file=sys.stderr, flush=True)
     engine = make_engine(cfg, comm, model, stage_root, modes, stop_ids, dtype, device)
     drafter = engine.drafter
