@@ -164,6 +164,9 @@ class DraftConfig:
     lookup_max_matches: int = 8  # most recent occurrences whose continuations form the lookup tree
     lookup_token_prob: float = 0.6  # prior probability that one copied token is right (its score)
     ssm_sample: bool = True      # T > 0: small LMs draw sampled children (SpecInfer), verified by walk_proposals
+    eagle_sample: bool = False   # T > 0: the eagle source (model.head_dir's drafter) draws sampled chains from its own
+                                 # law instead of its top-k beam (BeamTreeDrafter.sampled_tree, walk_proposals)
+    sample_chains: int = 0       # chains of the eagle source's sampled trees (0: the tree's top_k)
     ssm_temperature: float = -1.0  # temperature of the small LM's proposal q (-1 = gen.temperature)
     ssm_score_scale: float = -1.0  # merge calibration: a small LM's log-scores x this before the merge (> 1 trusts
                                    # it less; its own tree is unchanged; draft/merged.py); -1 = the student's own
@@ -293,6 +296,8 @@ class RunConfig:
         if self.draft.ssm_score_scale <= 0 and self.draft.ssm_score_scale != -1:
             raise ConfigError(f"draft.ssm_score_scale={self.draft.ssm_score_scale} must be > 0 "
                               "(or -1: the student's own merge_score_scale)")
+        if self.draft.sample_chains < 0:
+            raise ConfigError(f"draft.sample_chains={self.draft.sample_chains} must be >= 0 (0: the tree's top_k)")
         if self.draft.ssm_temperature != -1 and self.draft.ssm_temperature <= 0:
             raise ConfigError(f"draft.ssm_temperature={self.draft.ssm_temperature} must be > 0 (or -1: gen.temperature)")
         self._validate_osd()

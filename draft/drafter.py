@@ -16,6 +16,8 @@ feature is the draft's own prediction for the parent, and drops them afterwards.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from draft.eagle import EagleHead
@@ -37,10 +39,127 @@ class BeamTreeDrafter:
     :class:`draft.ssm.SmallLMDrafter`.
     """
 
-    supports_extend = True   # grow_tree is the EAGLE-2 search: extend_tree may continue its trees
     vocab_map: Tensor | None = None   # reduced draft vocabulary (draft id -> target id); None = the target's
+    # sampled drafting (T > 0, :meth:`sampled_tree`): off unless a subclass or :meth:`set_sampling` turns it on
+    sample: bool = False
+    temperature: float = 1.0
+    seed: int = 0
+    sample_chains: int = 0                 # chains of a sampled tree (0: the call's top_k)
+    sample_distinct: bool = True           # chains meeting at a node draw distinct children (without replacement)
+    generator: torch.Generator | None = None
     meter: OpMeter = NULL_METER   # instrumentation sees each draft log-prob call as an lm_head op (model.meter)
     # a subclass that sets vocab_map also implements draft_logprobs (log-probs over the draft vocabulary, metered)
+
+    @property
+    def supports_extend(self) -> bool:
+        """``extend_tree`` may continue this drafter's trees: they come from the deterministic EAGLE-2 search.
+        Not while it samples (:attr:`samples`): a sampled tree's draws may not be re-ranked or cut by value, so
+        ``continuous`` redrafts those from the root instead."""
+        return not self.samples
+
+    # -- sampled trees (SpecInfer's multi-step speculative sampling; T > 0) --------------------------------------
+    def set_sampling(self, sample: bool, temperature: float, seed: int, chains: int = 0, distinct: bool = True) -> None:
+        """Draw sampled trees (:meth:`sampled_tree`) when ``sample`` and ``temperature > 0``: children drawn from
+        ``q = softmax(logprobs / temperature)``, reseeded with ``seed`` at every :meth:`start` (a seeded run
+        repeats); ``chains``: chains per tree (0: the call's ``top_k``); ``distinct``: chains that meet at a node
+        draw distinct children there (without replacement), else i.i.d. draws that may join."""
+        self.sample, self.temperature, self.seed = bool(sample), float(temperature), int(seed)
+        self.sample_chains, self.sample_distinct = chains, distinct
+        self.generator = torch.Generator(device=HOST).manual_seed(self.seed)
+
+    def reseed(self) -> None:
+        """Restart the draws of a sampling drafter (called by ``start``: one generation, one stream)."""
+        if self.generator is not None:
+            self.generator.manual_seed(self.seed)
+
+    @property
+    def samples(self) -> bool:
+        """True when ``grow_tree`` draws sampled proposals (sampling on, with a temperature > 0)."""
+        return self.sample and self.temperature > 0
+
+    def draw(self, q: Tensor) -> int:
+        """One token from ``q`` (the drafter's own generator; tests replace this to enumerate the draws)."""
+        if self.generator is None:
+            self.generator = torch.Generator(device=HOST).manual_seed(self.seed)
+        return int(torch.multinomial(q.float(), 1, generator=self.generator))
+
+    def proposal(self, hidden: Tensor) -> Tensor:
+        """q per row of ``hidden``: the distribution sampled children are drawn from, ``softmax(logprobs /
+        temperature)``, float64 on the host (what :func:`pipeline.verify.walk_proposals` reads). One metered
+        log-prob call for all rows."""
+        return torch.softmax(self.logprobs(hidden).double().to(HOST) / self.temperature, dim=-1)
+
+    @torch.no_grad()
+    def sampled_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int,
+                     width: int) -> DraftTree:
+        """A sampled tree: ``width`` chains of draws from the drafter's own law q.
+
+        Shape: ``width`` chains (at most ``total_token - 1``), each ``min(depth + 1, (total_token - 1) // width)``
+        draws long, level by level, chains in order (the draw order). A chain draws its next token at its current
+        node u from q(u). With ``sample_distinct`` (the default) a chain that finds others already drew at u this
+        level draws from q(u) without their tokens, renormalised, so the chains through u take distinct children
+        (a node the draft finds likely collects several chains, hence several children) and the tree has one node
+        per draw; a chain stops where q(u) has no token left. Without it chains draw i.i.d. from q(u) and join
+        where they draw the same token (SpecInfer's small-LM trees).
+        Exactness (:func:`pipeline.verify.walk_proposals`): every draw is kept as a proposal ``(child, q_j)`` of
+        its node in draw order, ``q_j`` the distribution it was drawn from, a fresh draw given everything drawn
+        before it at that node; how many proposals a node gets depends only on draws above it (how many chains
+        arrive), never on its own draws; nothing is re-ranked or dropped by a drawn value.
+        Model work: one ``tree_forward`` and one log-prob call per level, over the level's new nodes.
+        Scores: the best cumulative ``log q`` of the chains through a node (never above its parent's).
+        """
+        width = max(1, min(width, total_token - 1))
+        length = min(depth + 1, (total_token - 1) // width) if total_token > 1 else 0
+        if length <= 0:
+            return DraftTree.single(root_token)
+        distinct = getattr(self, "sample_distinct", True)
+        index: dict[tuple[int, int], int] = {}
+        tokens, parents, scores, props = [root_token], [-1], [0.0], [[]]
+        q_of = {0: self.proposal(root_hidden[None])[0]}          # node -> q its children are drawn from
+        out_of = {0: root_hidden}                                # node -> its draft output (what a child is fed)
+        slot_of = {0: -1}                                        # node -> its draft-cache tree slot
+        chain_node, chain_score = [0] * width, [0.0] * width
+        alive = [True] * width
+        for level in range(length):
+            left = dict(q_of) if distinct else q_of              # node -> what its next chain draws from
+            for c in range(width):
+                if not alive[c]:
+                    continue
+                u = chain_node[c]
+                q = left[u]
+                if distinct and float(q.sum()) <= 0:             # every token of q(u) drawn by earlier chains
+                    alive[c] = False
+                    continue
+                x = self.draw(q)
+                chain_score[c] += math.log(float(q[x]))
+                v = index.get((u, x))
+                if v is None:
+                    v = index[(u, x)] = len(tokens)
+                    tokens.append(x)
+                    parents.append(u)
+                    scores.append(chain_score[c])
+                    props.append([])
+                else:
+                    scores[v] = max(scores[v], chain_score[c])
+                props[u].append((v, q))
+                chain_node[c] = v
+                if distinct:
+                    rest = q.clone()
+                    rest[x] = 0.0
+                    mass = float(rest.sum())
+                    left[u] = rest / mass if mass > 0 else rest
+            need = sorted({chain_node[c] for c in range(width) if alive[c]})
+            if level + 1 < length and need:                      # the chains' nodes are this level's new ones
+                start = self.tree_size
+                out = self.tree_forward(torch.tensor([tokens[v] for v in need], device=HOST),
+                                        torch.stack([out_of[parents[v]] for v in need]),
+                                        torch.tensor([slot_of[parents[v]] for v in need], device=HOST))
+                qs = self.proposal(out)
+                for i, v in enumerate(need):
+                    out_of[v], slot_of[v], q_of[v] = out[i], start + i, qs[i]
+        self.drop_tree()
+        return DraftTree(torch.tensor(tokens, device=HOST), torch.tensor(parents, device=HOST),
+                         torch.tensor(scores, device=HOST), proposals=props)
 
     def top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Best ``min(k, draft vocabulary)`` (log-prob, target token) per row of ``hidden``; for a reduced
@@ -61,12 +180,15 @@ class BeamTreeDrafter:
         ``root_hidden`` is the draft output of the root's entry (returned by :meth:`commit`). A beam of
         width ``top_k`` runs for ``depth`` expansions after the first level; all ``top_k + depth * top_k**2``
         candidates compete for ``total_token - 1`` places by cumulative log-prob (root included in
-        ``total_token``, as in EAGLE). The draft is deterministic: top-k, never sampled.
+        ``total_token``, as in EAGLE). The draft is deterministic: top-k, never sampled; a drafter that
+        samples (:attr:`samples`, T > 0) draws :meth:`sampled_tree` instead.
 
         Placement (``model/devices.py``): the beam's candidates stay on the draft head's device; per level
         only the ``top_k`` chosen parent rows go to the host (the draft cache's tree bookkeeping), and the
         candidates cross once at the end, where :func:`select_top_nodes` re-ranks them on the host.
         """
+        if self.samples:
+            return self.sampled_tree(root_token, root_hidden, total_token, depth, self.sample_chains or top_k)
         return self.grow_tree_with_inputs(root_token, root_hidden, total_token, depth, top_k)[0]
 
     @torch.no_grad()
@@ -207,12 +329,16 @@ class Drafter(BeamTreeDrafter):
     """The EAGLE drafter: an EAGLE-1/2 or EAGLE-3 head with its own KV cache (see the module docstring)."""
 
     def __init__(self, head: EagleHead, lm_head: torch.nn.Linear, max_len: int,
-                 draft_ids: Tensor | None = None, context_vocab: bool = True, full_root: bool = True) -> None:
+                 draft_ids: Tensor | None = None, context_vocab: bool = True, full_root: bool = True,
+                 sample: bool = False, temperature: float = 1.0, seed: int = 0, sample_chains: int = 0) -> None:
         """``draft_ids``: draft only over these target ids (strictly increasing; :func:`draft.vocab.top_ids`),
         plus, with ``context_vocab``, every token of the generation's context (:class:`draft.vocab.DraftVocab`);
         for a head that uses the target's ``lm_head``; an EAGLE-3 head brings its own vocabulary instead.
         ``full_root``: a tree's first level (one row) is still drafted over the whole vocabulary: a token missed
-        there ends the verification step at once, deeper levels cost ``top_k`` rows per call."""
+        there ends the verification step at once, deeper levels cost ``top_k`` rows per call.
+        ``sample``, ``temperature``, ``seed``, ``sample_chains``: sampled trees at T > 0
+        (:meth:`BeamTreeDrafter.set_sampling`; the run key ``draft.eagle_sample``)."""
+        self.set_sampling(sample, temperature, seed, sample_chains)
         self.head = head
         self.lm_head = lm_head
         p = next(head.parameters())
@@ -254,6 +380,7 @@ class Drafter(BeamTreeDrafter):
     def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
         """New generation: entries pair each prompt token's feature with the token after it."""
         self.reset()
+        self.reseed()
         if self.dvocab is not None:
             self.dvocab.begin(list(prompt_ids) + [int(first_token)])
         return self.commit(torch.tensor(prompt_ids[1:] + [first_token], device=HOST), features)

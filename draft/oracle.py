@@ -68,6 +68,7 @@ class OracleDrafter(TokenHistory, BeamTreeDrafter):
 
     def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
         self.reset()
+        self.reseed()
         self.context = list(prompt_ids)
         return self.commit(torch.tensor([first_token], device=HOST), features)
 

@@ -12,7 +12,8 @@ Two ways to draft a tree (``grow_tree``):
     q at the root, each extended as a chain of further draws, ``min(depth + 1, (total_token - 1) // top_k)``
     tokens long (a fixed shape, independent of the drawn values). Every draw is recorded as a proposal
     ``(child, q)`` in draw order (``DraftTree.proposals``), which ``pipeline.verify.walk_proposals`` verifies
-    with SpecInfer's multi-step speculative sampling. ``q`` = softmax(logits / temperature).
+    with SpecInfer's multi-step speculative sampling. ``q`` = softmax(logits / temperature). The chains are
+    :meth:`draft.drafter.BeamTreeDrafter.sampled_tree`, shared with the EAGLE head's sampled trees.
 
 Shipped students share the target's vocabulary (``"shares_target_vocab": true`` in their ``config.json``): their
 ``model.safetensors`` holds the decoder layers and final norm only, and :func:`load_small_lm` takes the
@@ -26,13 +27,11 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from pathlib import Path
 
 import torch
 
 from draft.drafter import BeamTreeDrafter
-from draft.tree import DraftTree
 from model.devices import HOST
 from model.hf_compat import cache_arg, output_cache
 from model.meter import hidden_rows
@@ -99,6 +98,7 @@ class SmallLMDrafter(BeamTreeDrafter):
     """See the module docstring. ``model``: a loaded causal LM or a directory to load one from."""
 
     supports_extend = False  # its trees may carry sampled draws: ContinuousMode redraws from the root
+    sample_distinct = False  # SpecInfer's i.i.d. chains (they may join)
 
     def __init__(self, model, vocab_size: int, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", sample: bool = False, temperature: float = 1.0,
@@ -109,9 +109,7 @@ class SmallLMDrafter(BeamTreeDrafter):
         self.cache_arg = cache_arg(type(model))   # the release's name of the KV-cache argument
         self.device = torch.device(device)
         self.vocab_size = vocab_size
-        self.sample, self.temperature, self.seed = sample, temperature, seed
-        self.generator = torch.Generator(device=HOST).manual_seed(seed)
-        self.draw = self._draw                  # tests swap in an enumerating draw
+        self.set_sampling(sample, temperature, seed, distinct=False)   # i.i.d. chains; tests swap in ``draw``
         self.cache = None
         self.ctx_len = 0
         self.tree_paths: list[list[int]] = []   # per tree entry: its tokens below the context
@@ -146,7 +144,7 @@ class SmallLMDrafter(BeamTreeDrafter):
 
     def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
         self.reset()
-        self.generator.manual_seed(self.seed)
+        self.reseed()
         return self._feed(list(prompt_ids) + [first_token])
 
     def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
@@ -193,68 +191,3 @@ class SmallLMDrafter(BeamTreeDrafter):
         with self.meter.op("lm_head", hidden_rows(hidden)):
             return hidden.double()
 
-    # -- trees ----------------------------------------------------------------------------------------
-    @property
-    def samples(self) -> bool:
-        """True when ``grow_tree`` draws sampled proposals (``sample`` with a temperature > 0)."""
-        return self.sample and self.temperature > 0
-
-    def _draw(self, q: Tensor) -> int:
-        return int(torch.multinomial(q.float(), 1, generator=self.generator))
-
-    def proposal(self, hidden: Tensor) -> Tensor:
-        """q: the distribution sampled drafts are drawn from (float64, sums to 1)."""
-        return torch.softmax(self.logprobs(hidden) / self.temperature, dim=-1)
-
-    def grow_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int) -> DraftTree:
-        if not self.samples:
-            return super().grow_tree(root_token, root_hidden, total_token, depth, top_k)
-        return self.sampled_tree(root_token, root_hidden, total_token, depth, top_k)
-
-    @torch.no_grad()
-    def sampled_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int,
-                     width: int) -> DraftTree:
-        """``width`` chains of i.i.d. draws (module docstring), merged by token path; proposals in draw order."""
-        width = max(1, min(width, total_token - 1))
-        length = min(depth + 1, (total_token - 1) // width) if total_token > 1 else 0
-        if length <= 0:
-            return DraftTree.single(root_token)
-        index: dict[tuple[int, int], int] = {}
-        tokens, parents, scores, props = [root_token], [-1], [0.0], [[]]
-        q_root = self.proposal(root_hidden)
-        chain_node = [0] * width           # current union node of each chain
-        chain_score = [0.0] * width
-        chain_q = [q_root] * width
-        for level in range(length):
-            drawn = []
-            for c in range(width):           # chain order, then level order: the draw order
-                x = self.draw(chain_q[c])
-                u = chain_node[c]
-                chain_score[c] += math.log(float(chain_q[c][x]))
-                key = (u, x)
-                v = index.get(key)
-                if v is None:
-                    v = index[key] = len(tokens)
-                    tokens.append(x)
-                    parents.append(u)
-                    scores.append(chain_score[c])
-                    props.append([])
-                else:
-                    scores[v] = max(scores[v], chain_score[c])
-                props[u].append((v, chain_q[c]))
-                chain_node[c] = v
-                drawn.append(x)
-            if level + 1 < length:         # one forward per level for all chains (on the chains' paths)
-                paths = [self._union_path(c_node, tokens, parents) for c_node in chain_node]
-                lp = self._paths_logprobs(paths)
-                chain_q = [self.proposal(lp[c]) for c in range(width)]
-        return DraftTree(torch.tensor(tokens, device=HOST), torch.tensor(parents, device=HOST),
-                         torch.tensor(scores, device=HOST), proposals=props)
-
-    @staticmethod
-    def _union_path(node: int, tokens: list[int], parents: list[int]) -> list[int]:
-        path = []
-        while node > 0:
-            path.append(tokens[node])
-            node = parents[node]
-        return path[::-1]

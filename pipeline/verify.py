@@ -211,7 +211,7 @@ def walk_proposals(tree: DraftTree, n_verified: int, logits: Tensor, sampler: Sa
                     if sampler.accept(min(1.0, float(rn[t]) / qt) if qt > 0 else 0.0):
                         child = c
                         break
-                    res = torch.clamp(rn - q.to(rn.dtype), min=0.0)
+                    res = torch.clamp(rn - q.to(rn.device, rn.dtype), min=0.0)
                     r = res if float(res.sum()) > 0 else rn   # r = q exactly: unreachable (accepts surely)
             if child is None:
                 x = sampler.draw(r)          # torch.multinomial normalises the residual

@@ -290,3 +290,22 @@ def test_calibrating_a_what_if_rank0_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["rows.jsonl", "--calibrate", "ar", "--rank0-cost-scale", "0"])
     assert e.value.code == 2 and "--calibrate" in capsys.readouterr().err
+
+
+def test_sampled_drafts_are_replayed_deterministic_at_t_above_0(tmp_path, capsys):
+    """The stand-in target knows only the recorded token, so it cannot price a sampled draft's acceptance: rows at
+    T > 0 are replayed with deterministic drafts, and the simulator says so (rows at T = 0 need no note)."""
+    full = tiny_llama(tmp_path / "full", layers=2, vocab=96, dtype=torch.float64)
+    stages = Path(split_checkpoint(full, tmp_path / "stages", [0, 1, 1], progress=False))
+    rows = tmp_path / "rows.jsonl"
+    g = torch.Generator().manual_seed(0)
+    out_ids = torch.randint(3, 96, (12,), generator=g).tolist()
+    rows.write_text(json.dumps({"mode": "naive", "temperature": 1.0, "prompt_ids": [1, 5, 9], "output_ids": out_ids,
+                                "world_size": 3}) + "\n")
+    common = [str(rows), "--modes", "naive,continuous", "--stages", "2", "--no-plots", "--quiet",
+              f"model.stage_dir={stages}", "dtype=float64", "max_new_tokens=12", "temperature=1.0",
+              "draft.sources=eagle", "draft.eagle_sample=true"]
+    assert main([*common, "--out-dir", str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err
+    assert "replayed with deterministic drafts" in err and "Traceback" not in err
+    assert len(read_jsonl(tmp_path / "o" / "predictions.jsonl")) == 2

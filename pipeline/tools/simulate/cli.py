@@ -136,6 +136,15 @@ def run(args) -> int:
         print("error: no rows to simulate", file=sys.stderr)
         return 2
     cfg = apply_overrides(DEFAULT, args.overrides)
+    sampled = cfg.draft.eagle_sample or (cfg.draft.ssm_sample and "ssm:" in cfg.draft.sources)
+    if sampled and any(float(r.get("temperature") or 0) > 0 for r in rows):
+        # the stand-in target knows only the recorded token, so a sampled draft x would be accepted iff it equals
+        # that token, not with min(1, p(x) / q(x)): its acceptance would be underpriced. Deterministic trees are
+        # exact in law (a child is taken iff the target's sample is its token).
+        cfg.draft.eagle_sample = cfg.draft.ssm_sample = False
+        print("[simulate] note: rows at T > 0 are replayed with deterministic drafts (draft.eagle_sample=false "
+              "draft.ssm_sample=false): a replay can price only deterministic trees at T > 0; time sampled drafts "
+              "with an emulated run (emu.profile=...)", file=sys.stderr)
     if args.stage_dir:
         cfg.model.stage_dir = args.stage_dir
     if args.head_dir:
