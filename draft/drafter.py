@@ -112,7 +112,7 @@ class BeamTreeDrafter:
         length = min(depth + 1, (total_token - 1) // width) if total_token > 1 else 0
         if length <= 0:
             return DraftTree.single(root_token)
-        distinct = getattr(self, "sample_distinct", True)
+        distinct = self.sample_distinct
         index: dict[tuple[int, int], int] = {}
         tokens, parents, scores, props = [root_token], [-1], [0.0], [[]]
         q_of = {0: self.proposal(root_hidden[None])[0]}          # node -> q its children are drawn from
@@ -148,8 +148,8 @@ class BeamTreeDrafter:
                     rest[x] = 0.0
                     mass = float(rest.sum())
                     left[u] = rest / mass if mass > 0 else rest
-            need = sorted({chain_node[c] for c in range(width) if alive[c]})
-            if level + 1 < length and need:                      # the chains' nodes are this level's new ones
+            need = sorted({chain_node[c] for c in range(width) if alive[c]}) if level + 1 < length else []
+            if need:                                             # the chains' nodes are this level's new ones
                 start = self.tree_size
                 out = self.tree_forward(torch.tensor([tokens[v] for v in need], device=HOST),
                                         torch.stack([out_of[parents[v]] for v in need]),
@@ -329,16 +329,13 @@ class Drafter(BeamTreeDrafter):
     """The EAGLE drafter: an EAGLE-1/2 or EAGLE-3 head with its own KV cache (see the module docstring)."""
 
     def __init__(self, head: EagleHead, lm_head: torch.nn.Linear, max_len: int,
-                 draft_ids: Tensor | None = None, context_vocab: bool = True, full_root: bool = True,
-                 sample: bool = False, temperature: float = 1.0, seed: int = 0, sample_chains: int = 0) -> None:
+                 draft_ids: Tensor | None = None, context_vocab: bool = True, full_root: bool = True) -> None:
         """``draft_ids``: draft only over these target ids (strictly increasing; :func:`draft.vocab.top_ids`),
         plus, with ``context_vocab``, every token of the generation's context (:class:`draft.vocab.DraftVocab`);
         for a head that uses the target's ``lm_head``; an EAGLE-3 head brings its own vocabulary instead.
         ``full_root``: a tree's first level (one row) is still drafted over the whole vocabulary: a token missed
         there ends the verification step at once, deeper levels cost ``top_k`` rows per call.
-        ``sample``, ``temperature``, ``seed``, ``sample_chains``: sampled trees at T > 0
-        (:meth:`BeamTreeDrafter.set_sampling`; the run key ``draft.eagle_sample``)."""
-        self.set_sampling(sample, temperature, seed, sample_chains)
+        Sampled trees at T > 0: :meth:`BeamTreeDrafter.set_sampling` (the run key ``draft.eagle_sample``)."""
         self.head = head
         self.lm_head = lm_head
         p = next(head.parameters())

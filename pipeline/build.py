@@ -162,9 +162,9 @@ def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
                 raise SetupError("model.draft_vocab applies to EAGLE heads, not to the oracle/adversary test drafters")
             what = f"{kind} drafter" + (f" with Gumbel noise {noise:g}" if noise else "")
             print(f"[rank 0] using the {what} (full model {path}); for tests and ablations", file=sys.stderr)
-            oracle = OracleDrafter(path, adversarial=(kind == "adversary"), dtype=dtype, device=device, noise=noise)
-            oracle.set_sampling(*_eagle_sampling(cfg))
-            return oracle
+            drafter = OracleDrafter(path, adversarial=(kind == "adversary"), dtype=dtype, device=device, noise=noise)
+            drafter.set_sampling(*_eagle_sampling(cfg))
+            return drafter
         if head_dir is None:
             print(f"[rank 0] WARNING: {'model.head_dir=untrained' if cfg.model.head_dir else 'no draft head given'}: "
                   "using an UNTRAINED random head "
@@ -180,10 +180,10 @@ def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
         if cfg.model.draft_vocab:   # before the counts are looked up: their error would be the wrong one
             from draft.vocab import require_shared_lm_head
             require_shared_lm_head(head)
-        sample, temperature, seed, chains = _eagle_sampling(cfg)
-        return Drafter(head, model.lm_head, cfg.model.max_seq_len + 64, draft_ids=_draft_ids(cfg, head_dir, model),
-                       context_vocab=cfg.model.draft_vocab_context, full_root=cfg.model.draft_vocab_full_root,
-                       sample=sample, temperature=temperature, seed=seed, sample_chains=chains)
+        drafter = Drafter(head, model.lm_head, cfg.model.max_seq_len + 64, draft_ids=_draft_ids(cfg, head_dir, model),
+                          context_vocab=cfg.model.draft_vocab_context, full_root=cfg.model.draft_vocab_full_root)
+        drafter.set_sampling(*_eagle_sampling(cfg))
+        return drafter
     except HeadError as e:
         raise SetupError(str(e)) from None
 
