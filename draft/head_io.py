@@ -24,6 +24,8 @@ def head_config_from_target(target_config, bias: bool = True):
                 "has_final_norm", "quantization_config", "source_model"):
         d.pop(key, None)
     d.update(num_hidden_layers=1, bias=bias, architectures=["LlamaForCausalLM"])
+    if isinstance(d.get("layer_types"), list):      # Qwen2/Qwen3/Mistral configs list one type per layer
+        d["layer_types"] = d["layer_types"][:1]
     cfg = type(target_config).from_dict(d)
     cfg._attn_implementation = "sdpa"
     return cfg

@@ -1,6 +1,6 @@
 """Run a family's own transformers decoder layers on our :class:`~model.kv_cache.KVCache`.
 
-One code path serves Llama, Mistral and Qwen2 layouts: the decoder-layer, rotary-embedding and
+One code path serves Llama, Mistral, Qwen2 and Qwen3 layouts: the decoder-layer, rotary-embedding and
 RMSNorm classes are looked up from the config's ``model_type``.
 """
 from __future__ import annotations
@@ -12,20 +12,21 @@ from torch import nn
 
 from model.hf_compat import cache_arg
 from model.kv_cache import KVCache
+from config.errors import UserError
 from model.lean_layer import lean_forward, lean_supported
+from model.stage_format import SUPPORTED_FAMILIES
 
-SUPPORTED_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
 
-
-class UnsupportedModel(ValueError):
-    pass
+class UnsupportedModel(UserError, ValueError):
+    """A config whose ``model_type`` is not one of :data:`model.stage_format.SUPPORTED_FAMILIES` (one line)."""
 
 
 def family_classes(config) -> tuple[type, type, type]:
     """``(DecoderLayer, RotaryEmbedding, RMSNorm)`` classes for the config's model family."""
     mt = getattr(config, "model_type", None)
     if mt not in SUPPORTED_FAMILIES:
-        raise UnsupportedModel(f"unsupported architecture model_type={mt!r}; supported: {sorted(SUPPORTED_FAMILIES)}")
+        raise UnsupportedModel(f"unsupported architecture model_type={mt!r}; supported: "
+                               f"{', '.join(SUPPORTED_FAMILIES)}")
     prefix = SUPPORTED_FAMILIES[mt]
     mod = importlib.import_module(f"transformers.models.{mt}.modeling_{mt}")
     return (getattr(mod, f"{prefix}DecoderLayer"), getattr(mod, f"{prefix}RotaryEmbedding"),

@@ -6,8 +6,11 @@ model): a transformers 5 Llama decoder layer called from :class:`model.layers.La
 operators per call (kwarg plumbing, the attention-interface registry, GQA packing decisions, deprecation
 wrappers, ``nn.Module.__call__`` hooks on every Linear), of which a few dozen launch kernels. The first GPU
 run (docs/gpu_h200) found rank 0's drafting launch-bound (30-40 ms per round start against a 5 ms stage step).
-:func:`lean_forward` runs one layer of the supported families (Llama, Mistral, Qwen2: one code path, the
-differences are biases, which ``F.linear`` takes as ``None`` or a tensor) as the plain sequence of kernels.
+:func:`lean_forward` runs one layer of the supported families (Llama, Mistral, Qwen2, Qwen3: one code path, the
+differences are biases, which ``F.linear`` takes as ``None`` or a tensor, Qwen3's per-head query/key RMSNorms and
+a ``head_dim`` other than hidden/heads, read from the attention module) as the plain sequence of kernels. Rotary
+scaling (Llama-3's ``llama3`` type and the others) lives in the family's rotary embedding, which computes the
+``(cos, sin)`` passed in.
 
 Contract (tested against the transformers layer in ``tests/test_lean_layer.py``): for every input the module
 path accepts in this project -- ``hidden [1, n, H]``, the rotary ``(cos, sin)``, an explicit additive mask
@@ -15,7 +18,7 @@ path accepts in this project -- ``hidden [1, n, H]``, the rotary ``(cos, sin)``,
 to floating-point reassociation (the same operations in the same order, except that grouped-query attention
 always repeats the key/value heads instead of transformers' single-query packing), and it writes the same keys
 and values into the cache. It supports autograd, batches and autocast (the heads' trainer runs it too). Layers it
-cannot run (:func:`lean_supported` false: another attention layout, query/key norms, an attention backend other
+cannot run (:func:`lean_supported` false: another attention layout, other query/key norms, an attention backend other
 than sdpa, quantized projections) keep the transformers path. Sliding windows are applied by neither path: the
 project passes its own masks, and transformers' sdpa backend ignores the window.
 """
@@ -60,8 +63,9 @@ def _has_linears(module: nn.Module, names: tuple[str, ...]) -> bool:
 
 def lean_supported(layer: nn.Module) -> bool:
     """Whether :func:`lean_forward` computes this decoder layer: a pre-norm block whose attention has separate
-    q/k/v/o projections, rotary positions and no extra norms, whose MLP is gated (``down(act(gate) * up)``), and
-    whose norms are RMSNorms with ``variance_epsilon`` (or an ``nn.Identity`` input norm), on the sdpa attention
+    q/k/v/o projections (biases allowed, any ``head_dim``), rotary positions and no extra norms but Qwen3's, whose MLP is gated (``down(act(gate) * up)``), and
+    whose norms are RMSNorms with ``variance_epsilon`` (or an ``nn.Identity`` input norm; Qwen3's per-head
+    ``q_norm``/``k_norm`` too, applied before the rotation), on the sdpa attention
     backend (the one the project sets: others may apply sliding windows). Every projection must be a plain
     ``nn.Linear``: quantized ones (``model.quant``) keep the transformers path. Any ``act_fn`` is fine."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -70,15 +74,21 @@ def lean_supported(layer: nn.Module) -> bool:
     if not _has_linears(attn, ("q_proj", "k_proj", "v_proj", "o_proj")) or not _has_linears(
             mlp, ("gate_proj", "up_proj", "down_proj")):
         return False
-    if any(hasattr(attn, n) for n in ("q_norm", "k_norm")) or not callable(getattr(mlp, "act_fn", None)):
+    qk = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
+    if any(n is not None for n in qk) and not all(_is_rms(n) for n in qk):   # Qwen3: both, RMSNorms over head_dim
+        return False
+    if not callable(getattr(mlp, "act_fn", None)):
         return False
     if not all(hasattr(attn, n) for n in ("head_dim", "num_key_value_groups", "scaling")):
         return False
     if getattr(getattr(attn, "config", None), "_attn_implementation", "sdpa") != "sdpa":
         return False
     norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
-    return all(isinstance(n, nn.Identity) or (hasattr(n, "variance_epsilon") and hasattr(n, "weight"))
-               for n in norms) and not isinstance(norms[1], nn.Identity)
+    return all(isinstance(n, nn.Identity) or _is_rms(n) for n in norms) and not isinstance(norms[1], nn.Identity)
+
+
+def _is_rms(norm) -> bool:
+    return hasattr(norm, "variance_epsilon") and isinstance(getattr(norm, "weight", None), torch.Tensor)
 
 
 def lean_forward(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache,
@@ -90,8 +100,12 @@ def lean_forward(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, mas
     b, n, _ = hidden.shape
     d = attn.head_dim
     x = _rms_norm(layer.input_layernorm, hidden)
-    q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(b, n, -1, d).transpose(1, 2)
-    k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(b, n, -1, d).transpose(1, 2)
+    q = F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(b, n, -1, d)
+    k = F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(b, n, -1, d)
+    q_norm = getattr(attn, "q_norm", None)
+    if q_norm is not None:               # Qwen3: RMSNorm of every head's query and key before the rotation
+        q, k = _rms_norm(q_norm, q), _rms_norm(attn.k_norm, k)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(b, n, -1, d).transpose(1, 2)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     q = q * cos + _rotate_half(q) * sin

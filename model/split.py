@@ -16,10 +16,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from model.stage_format import (FORMAT, MANIFEST, WEIGHTS, parse_split,
+from model.stage_format import (FORMAT, MANIFEST, SUPPORTED_MODEL_TYPES, WEIGHTS, parse_split,
                                 sha256_file, stage_dir, stage_fields)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja", "chat_template.json", "added_tokens.json",

@@ -24,6 +24,11 @@ from config.errors import UserError
 FORMAT = "flowspec-stages/1"
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
+# model_type -> the class-name prefix of its transformers module (``transformers.models.<type>.modeling_<type>``).
+# Tested families (tests/test_families.py): Llama 1/2/3.x (GQA, ``rope_scaling`` llama3, tied or untied
+# embeddings), Mistral, Qwen2/Qwen2.5 (q/k/v biases), Qwen3 (``q_norm``/``k_norm``, free ``head_dim``).
+SUPPORTED_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_FAMILIES)
 STAGE_FIELDS = ("stage_index", "num_stages", "split", "layer_range", "has_embedding", "has_lm_head",
                 "has_final_norm")
 
