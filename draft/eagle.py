@@ -1,9 +1,12 @@
 """EAGLE-1/2 draft head: ``fc([embed(token) ; feature])`` -> one decoder layer -> predicted feature.
 
-Checkpoint format (as published by EAGLE): ``config.json`` (a Llama-style config with
-``num_hidden_layers = 1`` and optional ``bias``) plus ``model.safetensors`` or ``pytorch_model.bin`` with
-keys ``fc.weight``, optional ``fc.bias``, ``layers.0.*`` (no ``input_layernorm`` on layer 0) and an
-optional ``embed_tokens.weight`` (taken from the target when absent). The head has no ``lm_head``: the
+Checkpoint format (as published by EAGLE, ``yuhuili/EAGLE-Vicuna-7B-v1.3``, ``EAGLE-LLaMA3-Instruct-8B`` ...):
+``config.json`` (a Llama-style config with ``num_hidden_layers = 1``, optional ``bias`` for ``fc`` and
+``qkv_bias`` for q/k/v biases on Qwen2 drafts) plus ``model.safetensors`` or ``pytorch_model.bin`` (read with
+``torch.load(weights_only=True)``) with keys ``fc.weight``, optional ``fc.bias``, ``layers.0.*`` (no
+``input_layernorm`` on layer 0; a stale ``rotary_emb.inv_freq`` is ignored) and an optional
+``embed_tokens.weight`` (taken from the target when absent). The layouts tested are in
+``tests/test_heads_layouts.py``. The head has no ``lm_head``: the
 target's ``lm_head`` (held by rank 0) turns predicted features into logits.
 """
 from __future__ import annotations
@@ -104,9 +107,22 @@ def load_eagle_head(head_dir: str | Path, target_config, target_embed: torch.Ten
     state = read_head_weights(head_dir)
     if any(k.startswith("midlayer.") for k in state):
         raise HeadError(f"{head_dir} has EAGLE-3 weights (midlayer.*) but its config.json lacks draft_vocab_size")
-    state = {k: v for k, v in state.items() if k != "layers.0.input_layernorm.weight"}
+    # Layer 0 of an EAGLE-1/2 head has no input norm; checkpoints written by transformers < 4.31 carry the rotary
+    # inv_freq buffer (recomputed here from the config).
+    state = {k: v for k, v in state.items()
+             if k != "layers.0.input_layernorm.weight" and not k.endswith("rotary_emb.inv_freq")}
+    raw = read_head_config(head_dir) or {}
     cfg._attn_implementation = "sdpa"
-    head = EagleHead(cfg, bias="fc.bias" in state)
+    qkv_bias = bool(raw.get("qkv_bias")) or "layers.0.self_attn.q_proj.bias" in state
+    if qkv_bias and not getattr(cfg, "attention_bias", True):
+        cfg.attention_bias = True          # EAGLE's Qwen2 drafts: a Llama config with "qkv_bias": q/k/v biases only
+    try:
+        head = EagleHead(cfg, bias="fc.bias" in state)
+    except (ValueError, TypeError, AttributeError, KeyError) as e:
+        raise HeadError(f"EAGLE head {head_dir}: unusable config: {e}") from None
+    attn = head.block.layers[0].self_attn
+    if qkv_bias and getattr(attn.o_proj, "bias", None) is not None and "layers.0.self_attn.o_proj.bias" not in state:
+        attn.o_proj.bias = None
     mapped = {("block." + k if k.startswith("layers.") else k): v for k, v in state.items()}
     if "embed_tokens.weight" not in mapped:
         if target_embed is None:
@@ -117,5 +133,9 @@ def load_eagle_head(head_dir: str | Path, target_config, target_embed: torch.Ten
     if missing or unexpected:
         raise HeadError(f"draft head {head_dir} does not have the EAGLE-1/2 layout: missing {missing[:4]}, "
                         f"unexpected {unexpected[:4]}")
+    shapes = {k: v.shape for k, v in head.state_dict().items()}
+    bad = [f"{k} {tuple(mapped[k].shape)} != {tuple(shapes[k])}" for k in sorted(own) if mapped[k].shape != shapes[k]]
+    if bad:
+        raise HeadError(f"EAGLE head {head_dir} does not fit its config / the target: {bad[0]}")
     head.load_state_dict(mapped, strict=False)
     return head.to(device=device, dtype=dtype).eval()

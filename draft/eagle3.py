@@ -276,6 +276,7 @@ def load_eagle3_head(head_dir: str | Path, target_config, target_embed: Tensor |
         if vd == V and bool((vocab_map == torch.arange(V)).all()):
             vocab_map = None
     state.pop("t2d", None)
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     cfg._attn_implementation = "sdpa"
     try:
         head = Eagle3Head(cfg, Ht, layers, vocab_map, V)

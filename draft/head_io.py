@@ -52,7 +52,9 @@ def read_head_weights(head_dir: Path) -> dict[str, torch.Tensor]:
         if binf.is_file():
             return torch.load(str(binf), map_location="cpu", weights_only=True)
     except Exception as e:
-        raise HeadError(f"cannot read draft head weights in {head_dir}: {e}") from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]     # torch.load's refusal is a page long
+        raise HeadError(f"cannot read draft head weights in {head_dir} (safetensors, or a .bin read with "
+                        f"torch.load(weights_only=True)): {first}") from None
     raise HeadError(f"{head_dir} has neither model.safetensors nor pytorch_model.bin")
 
 
