@@ -5,7 +5,10 @@ The library behind ``split_and_save_models.py`` (its command line) and ``model.d
     python split_and_save_models.py --model <hf_checkpoint_dir | default> --out <stage_root> \\
         (--split 0+8+8+7+7 | --stages N) [--dtype float32|float16|bfloat16] [--force]
 
-Stage ``r`` is written as soon as its tensors are collected, so the peak memory is about one stage.
+Stage ``r`` is written as soon as its tensors are collected, reading them shard by shard (one source shard open
+at a time, :class:`WeightSource`), so the peak memory is about one stage plus what one shard maps; sharded
+``.bin`` checkpoints (Vicuna's ``pytorch_model-0000X-of-0000N.bin`` + ``pytorch_model.bin.index.json``) and
+safetensors ones alike.
 The manifest is written last: a stage root without ``manifest.json`` is an interrupted split.
 """
 from __future__ import annotations
@@ -47,19 +50,32 @@ def torch_dtype(name: str | None):
 
 
 class WeightSource:
-    """Tensor-by-tensor access to a safetensors or .bin checkpoint (single file or sharded)."""
+    """Tensor-by-tensor access to a safetensors or .bin checkpoint (single file or sharded), one shard open at a
+    time.
+
+    Memory: a sharded checkpoint's key -> shard map comes from its index (no shard is opened to list keys); a
+    ``.bin`` shard is opened with ``torch.load(mmap=True, weights_only=True)`` and a safetensors one is read
+    tensor by tensor (:func:`model.stage_format.iter_safetensors`); :meth:`get` closes the previous shard
+    when it moves to another, so the pages of a mapped shard leave the resident set with it. The splitter reads
+    each stage's tensors grouped by shard (:meth:`shard_order`): its peak is about one stage's tensors plus the
+    pages of one shard that they came from."""
 
     def __init__(self, model_dir: Path) -> None:
         self.model_dir = model_dir
-        self.kind, files = self._find_files(model_dir)
+        self.kind, files, weight_map = self._find_files(model_dir)
         self.key_file: dict[str, Path] = {}
         self._handles: dict[Path, object] = {}
-        for f in files:
-            for key in self._keys(f):
-                self.key_file.setdefault(key, f)
+        if weight_map is not None:
+            for key, name in weight_map.items():
+                self.key_file[key] = model_dir / name
+        else:
+            for f in files:
+                for key in self._keys(f):
+                    self.key_file.setdefault(key, f)
+            self.close()
 
     @staticmethod
-    def _find_files(d: Path) -> tuple[str, list[Path]]:
+    def _find_files(d: Path) -> tuple[str, list[Path], dict | None]:
         for index, kind in ((SAFE_INDEX, "safetensors"), (BIN_INDEX, "bin")):
             p = d / index
             if p.is_file():
@@ -71,11 +87,13 @@ class WeightSource:
                 missing = [f.name for f in files if not f.is_file()]
                 if missing:
                     raise FileNotFoundError(f"{p} names shard files that are missing: {', '.join(missing[:4])}")
-                return kind, files
+                if not isinstance(weight_map, dict):
+                    raise ValueError(f"{p} is not a valid shard index: weight_map is not a mapping")
+                return kind, files, weight_map
         if (d / SAFE_SINGLE).is_file():
-            return "safetensors", [d / SAFE_SINGLE]
+            return "safetensors", [d / SAFE_SINGLE], None
         if (d / BIN_SINGLE).is_file():
-            return "bin", [d / BIN_SINGLE]
+            return "bin", [d / BIN_SINGLE], None
         raise FileNotFoundError(f"no weights in {d}: expected {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE} "
                                 f"or {BIN_INDEX}")
 
@@ -83,12 +101,13 @@ class WeightSource:
         h = self._handles.get(f)
         if h is not None:
             return h
+        self.close()                       # one shard at a time
         if self.kind == "safetensors":
-            from safetensors import safe_open
+            from model.stage_format import StageDirError, safetensors_header
 
             try:
-                h = safe_open(str(f), framework="pt", device="cpu")
-            except Exception as e:  # SafetensorError and friends: corrupt / truncated file
+                h, _ = safetensors_header(f)
+            except (StageDirError, OSError) as e:  # corrupt / truncated file
                 raise ValueError(f"cannot read {f}: {e}") from None
         else:
             import torch
@@ -106,18 +125,36 @@ class WeightSource:
         h = self._open(f)
         return list(h.keys())
 
-    def get(self, key: str):
-        """An owned (non-shared), contiguous copy of tensor ``key``."""
+    def get(self, key: str, dtype=None):
+        """An owned (non-shared), contiguous copy of tensor ``key`` (floating ones cast to ``dtype`` when given)."""
         import torch
 
         f = self.key_file[key]
         h = self._open(f)
-        t = h.get_tensor(key) if self.kind == "safetensors" else h[key]
-        # Always copy: safetensors may hand back mmap-backed/cached views and tied .bin weights share
-        # storage, and save_file refuses tensors that share memory (rank 0 holds embed + lm_head).
+        if self.kind == "safetensors":
+            from model.stage_format import StageDirError, iter_safetensors
+
+            if key not in h:
+                raise ValueError(f"{f} has no tensor {key} (its index says it does)")
+            try:
+                return next(iter_safetensors(f, dtype, {key}))[1]
+            except StageDirError as e:
+                raise ValueError(str(e)) from None
+        if key not in h:
+            raise ValueError(f"{f} has no tensor {key} (its index says it does)")
+        t = h[key]
+        # Always copy: a .bin tensor is a view of the mapped shard (and tied weights share storage), and
+        # save_file refuses tensors that share memory (rank 0 holds embed + lm_head).
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            return t.to(dtype, memory_format=torch.contiguous_format)
         return t.clone(memory_format=torch.contiguous_format)
 
+    def shard_order(self, keys: list[str]) -> list[str]:
+        """``keys`` grouped by the shard that holds them (shards in file order): each shard is opened once."""
+        return sorted(keys, key=lambda k: str(self.key_file[k]))
+
     def close(self) -> None:
+        """Drop the open shard (a mapped ``.bin`` is unmapped once its tensors' copies are all that remain)."""
         self._handles.clear()
 
 
@@ -278,9 +315,16 @@ def split_checkpoint(model_dir: str | Path, out_dir: str | Path, split: list[int
         for rank in range(len(split)):
             bar.set_postfix_str(f"stage {rank}")
             tensors: dict[str, torch.Tensor] = {}
+            src_of = dict((key, name) for name, key in plan[rank])      # tied lm_head: the same key twice
+            names_of: dict[str, list[str]] = {}
             for name, key in plan[rank]:
-                tensors[name], dtype_name = cast_for_output(source.get(key), out_dtype, dtype_name)
-                bar.update(1)
+                names_of.setdefault(key, []).append(name)
+            for key in source.shard_order(list(src_of)):
+                t, dtype_name = cast_for_output(source.get(key, out_dtype), out_dtype, dtype_name)
+                for i, name in enumerate(names_of[key]):
+                    tensors[name] = t if i == 0 else t.clone()
+                    bar.update(1)
+            source.close()
             cfg = dict(config)
             cfg.update(stage_fields(split, rank))
             cfg["source_model"] = str(model_dir.resolve())

@@ -90,6 +90,64 @@ def stage_fields(split: list[int], rank: int) -> dict:
     }
 
 
+SAFE_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                   "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+READ_CHUNK = 1 << 26      # bytes per read() call: a >2 GiB tensor is read in pieces (one read() may stop short)
+
+
+def safetensors_header(path: str | Path) -> tuple[dict, int]:
+    """``({name: {"dtype", "shape", "data_offsets"}}, offset of the data section)`` of a safetensors file."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise StageDirError(f"{path} is not a safetensors file (truncated header)")
+        n = int.from_bytes(raw, "little")
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise StageDirError(f"{path} is not a safetensors file: {e}") from None
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def iter_safetensors(path: str | Path, dtype=None, names=None):
+    """Yield ``(name, tensor)`` for every tensor of a safetensors file (or those in ``names``), one at a time, each
+    read straight into its own fresh CPU tensor (floating ones cast to ``dtype`` when given).
+
+    Why not ``safetensors.torch.load_file`` / ``safe_open``: they map the whole file, and every page a tensor
+    was copied from stays in the process's resident set while the map lives, so a rank that loads a 3 GiB
+    stage peaks at about twice that. Here the file is read with ``readinto`` (the kernel's page cache holds
+    the file, not the process): the resident set grows by the tensors kept, plus one tensor during a cast.
+    Invariant: the tensors equal ``load_file``'s, bit for bit (``tests/test_split.py``)."""
+    import torch
+
+    header, start = safetensors_header(path)
+    items = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    with open(path, "rb") as f:
+        for name, info in items:
+            if names is not None and name not in names:
+                continue
+            kind = SAFE_DTYPE_NAMES.get(info["dtype"])
+            if kind is None:
+                raise StageDirError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+            t = torch.empty(info["shape"], dtype=getattr(torch, kind))
+            a, b = info["data_offsets"]
+            if b - a != t.numel() * t.element_size():
+                raise StageDirError(f"{path}: tensor {name} has {b - a} bytes for shape {info['shape']}")
+            if t.numel():
+                buf = memoryview(t.view(-1).view(torch.uint8).numpy())
+                f.seek(start + a)
+                done = 0
+                while done < len(buf):
+                    got = f.readinto(buf[done:done + READ_CHUNK])
+                    if not got:
+                        raise StageDirError(f"{path} is truncated (tensor {name})")
+                    done += got
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)
+            yield name, t
+
+
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

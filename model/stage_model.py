@@ -5,13 +5,12 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoConfig
 
 from model.layers import LayerBlock, family_classes
-from model.stage_format import (STAGE_FIELDS, WEIGHTS, StageDirError, check_world, stage_dir,  # noqa: F401
-                                verify_stage_file)
+from model.stage_format import (STAGE_FIELDS, WEIGHTS, StageDirError, check_world, iter_safetensors,  # noqa: F401
+                                stage_dir, verify_stage_file)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
@@ -65,7 +64,9 @@ class StageModel(nn.Module):
         self.local_taps = [i - start for i in self.taps if start <= i < end]
         self.out_width = self.config.hidden_size * (1 + sum(1 for i in self.taps if i < end))
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, state: dict[str, torch.Tensor], assign: bool = False) -> None:
+        """Load a stage file's tensors (names as in ``model/stage_format.py``); ``assign``: the tensors become the
+        parameters themselves (a model built on the meta device: no second copy)."""
         mapped = {}
         for k, v in state.items():
             mapped["block." + k if k.startswith("layers.") else k] = v
@@ -75,7 +76,7 @@ class StageModel(nn.Module):
         if missing or unexpected:
             raise StageDirError(f"stage {self.rank} weights do not match its config: missing {missing[:4]} "
                                 f"unexpected {unexpected[:4]}")
-        self.load_state_dict(mapped, strict=True)
+        self.load_state_dict(mapped, strict=True, assign=assign)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
         """``x``: token ids ``[1, n]`` on the first layer stage, hidden ``[1, n, H]`` elsewhere."""
@@ -121,18 +122,27 @@ def load_stage(root: str | Path, rank: int, world_size: int, dtype: torch.dtype 
     if config.stage_index != rank:
         raise StageDirError(f"{stage_dir(root, rank)} holds stage {config.stage_index}, expected {rank}")
     config._attn_implementation = "sdpa"
+    # Built on the meta device (no random weights materialised), then every parameter *is* a tensor read from the
+    # file, one at a time and already in ``dtype`` (stage_format.iter_safetensors): the rank's resident set is the
+    # stage's weights plus one tensor, not two copies of the stage.
     with torch.device("meta"):
         model = StageModel(config)
-    model = model.to_empty(device="cpu")
+    path = stage_dir(root, rank) / WEIGHTS
     try:
-        state = load_file(str(stage_dir(root, rank) / WEIGHTS))
-    except Exception as e:  # corrupt safetensors header etc.
-        raise StageDirError(f"cannot read {stage_dir(root, rank) / WEIGHTS}: {e}") from None
-    model.load_weights(state)
+        state = dict(iter_safetensors(path, dtype))
+    except StageDirError:
+        raise
+    except Exception as e:  # an unreadable file
+        raise StageDirError(f"cannot read {path}: {e}") from None
+    model.load_weights(state, assign=True)
+    del state
     if model.block is not None:  # rotary buffers were created on meta; rebuild them
         _, rotary_cls, _ = family_classes(config)
         model.block.rotary_emb = rotary_cls(config=config)
     model = model.to(dtype=dtype)
+    on_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if on_meta:
+        raise StageDirError(f"stage {rank}: {on_meta[:3]} were not loaded from {path}")
     if quant != "none" and model.block is not None:
         from model.quant import quantize_linears
         quantize_linears(model.block, quant, quant_compute_dtype or dtype, device)
