@@ -1,21 +1,10 @@
 """Published draft-head layouts: random-weight files written in exactly the layout users download, loaded, drafted
 with, and checked against their target.
 
-Writers below reproduce each layout's keys, dtypes, file names and config fields (``../shared/reference``
-section 3: EAGLE's ``cnets1.py`` / ``cnets.py`` and SpecForge's saved drafts):
-
-* EAGLE-1/2 ``yuhuili/EAGLE-Vicuna-7B-v1.3``: ``pytorch_model.bin`` (float16) with ``fc.weight``/``fc.bias``,
-  ``layers.0.*`` without ``input_layernorm``, ``embed_tokens.weight`` and the stale rotary ``inv_freq`` a
-  transformers-4.28 save carries; a LLaMA-1 config with no ``bias`` key (fc bias defaults to present).
-* EAGLE-1/2 ``yuhuili/EAGLE-LLaMA3-Instruct-8B``: bfloat16 ``pytorch_model.bin``, GQA, ``rope_theta`` 500000,
-  ``"bias": false`` (no ``fc.bias``), no ``embed_tokens``.
-* EAGLE-1/2 for Qwen2 targets: a Llama config with ``"qkv_bias": true`` (q/k/v biases, none on o_proj).
-* EAGLE-3 by its authors (``yuhuili/EAGLE3-LLaMA3.1-Instruct-8B``): ``pytorch_model.bin`` (float16),
-  ``architectures: [LlamaForCausalLMEagle3]``, ``draft_vocab_size``, no target layer ids (the default taps), keys
-  ``fc.weight [H, 3H]``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight [Vd, H]``, ``d2t`` (int64 offsets),
-  ``t2d`` (bool), no ``embed_tokens``.
-* EAGLE-3 by SpecForge: ``model.safetensors`` (bfloat16) with the same keys plus ``embed_tokens.weight``, the
-  target layer ids in ``eagle_config.eagle_aux_hidden_state_layer_ids``.
+The writers (:mod:`draft.head_layouts`) reproduce each layout's keys, dtypes, file names and config fields:
+EAGLE-1/2 as ``yuhuili/EAGLE-Vicuna-7B-v1.3`` (fp16 .bin, fc bias, stale inv_freq), ``EAGLE-LLaMA3-Instruct-8B``
+(bf16 .bin, ``bias: false``) and EAGLE's Qwen2 drafts (``qkv_bias``); EAGLE-3 as its authors write it (fp16 .bin,
+default taps) and as SpecForge does (bf16 safetensors, ``eagle_config`` layer ids, ``embed_tokens``).
 """
 from __future__ import annotations
 
@@ -24,13 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from config.errors import UserError
 from draft.drafter import Drafter
 from draft.eagle import EagleHead
 from draft.eagle3 import Eagle3Head, stage_taps
 from draft.head_io import HeadError
+from draft.head_layouts import write_eagle1, write_eagle3
 from draft.load_head import load_draft_head
 from model.split import split_checkpoint
 from pipeline.inprocess import run_threaded
@@ -40,106 +30,6 @@ from tests.test_families import family_checkpoint
 MODES = ["ar", "naive", "continuous"]
 PROMPTS = [[1, 5, 9, 13, 22, 7]]
 MAX_NEW = 8
-
-
-def _cfg_dict(target_cfg, **over) -> dict:
-    """The config fields a published head carries (a one-layer Llama config at the target's widths)."""
-    t = target_cfg
-    d = {"architectures": ["LlamaForCausalLM"], "bos_token_id": t.bos_token_id, "eos_token_id": t.eos_token_id,
-         "hidden_act": "silu", "hidden_size": t.hidden_size, "initializer_range": 0.02,
-         "intermediate_size": t.intermediate_size, "max_position_embeddings": 2048, "model_type": "llama",
-         "num_attention_heads": t.num_attention_heads, "num_hidden_layers": 1, "pad_token_id": 0,
-         "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "torch_dtype": "float16",
-         "transformers_version": "4.28.1", "use_cache": True, "vocab_size": t.vocab_size}
-    d.update(over)
-    return {k: v for k, v in d.items() if v is not None}
-
-
-def _rand(shape, dtype, g, std=0.05):
-    return (torch.randn(*shape, generator=g) * std).to(dtype)
-
-
-def _layer(prefix: str, h: int, heads: int, kv: int, inter: int, in_w: int, dtype, g, qkv_bias=False) -> dict:
-    hd = h // heads
-    s = {f"{prefix}self_attn.q_proj.weight": _rand((heads * hd, in_w), dtype, g),
-         f"{prefix}self_attn.k_proj.weight": _rand((kv * hd, in_w), dtype, g),
-         f"{prefix}self_attn.v_proj.weight": _rand((kv * hd, in_w), dtype, g),
-         f"{prefix}self_attn.o_proj.weight": _rand((h, heads * hd), dtype, g),
-         f"{prefix}mlp.gate_proj.weight": _rand((inter, h), dtype, g),
-         f"{prefix}mlp.up_proj.weight": _rand((inter, h), dtype, g),
-         f"{prefix}mlp.down_proj.weight": _rand((h, inter), dtype, g),
-         f"{prefix}post_attention_layernorm.weight": torch.ones(h, dtype=dtype)}
-    if qkv_bias:
-        for n, w in (("q", heads), ("k", kv), ("v", kv)):
-            s[f"{prefix}self_attn.{n}_proj.bias"] = _rand((w * hd,), dtype, g)
-    return s
-
-
-def write_eagle1(out: Path, target_cfg, flavor: str, seed: int = 0) -> Path:
-    """An EAGLE-1/2 head in a published layout: ``vicuna``, ``llama3`` or ``qwen2`` (see the module docstring)."""
-    g = torch.Generator().manual_seed(seed)
-    t = target_cfg
-    h, v = t.hidden_size, t.vocab_size
-    kv = {"vicuna": t.num_attention_heads}.get(flavor, t.num_key_value_heads)
-    if flavor == "vicuna":
-        dtype, cfg = torch.float16, _cfg_dict(t)                      # no num_key_value_heads, no "bias"
-    elif flavor == "llama3":
-        dtype, cfg = torch.bfloat16, _cfg_dict(t, num_key_value_heads=kv, rope_theta=500000.0, bias=False,
-                                               torch_dtype="bfloat16", rms_norm_eps=1e-05)
-    elif flavor == "qwen2":
-        dtype, cfg = torch.bfloat16, _cfg_dict(t, num_key_value_heads=kv, qkv_bias=True, bias=True,
-                                               rope_theta=1000000.0, torch_dtype="bfloat16")
-    else:
-        raise KeyError(flavor)
-    state = {"fc.weight": _rand((h, 2 * h), dtype, g)}
-    if flavor != "llama3":
-        state["fc.bias"] = _rand((h,), dtype, g)
-    state.update(_layer("layers.0.", h, t.num_attention_heads, kv, t.intermediate_size, h, dtype, g,
-                        qkv_bias=flavor == "qwen2"))
-    if flavor == "vicuna":
-        state["embed_tokens.weight"] = _rand((v, h), dtype, g, 1.0)
-        hd = h // t.num_attention_heads
-        state["layers.0.self_attn.rotary_emb.inv_freq"] = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    torch.save(state, out / "pytorch_model.bin")
-    return out
-
-
-def write_eagle3(out: Path, target_cfg, flavor: str, draft_ids: torch.Tensor, aux: list[int] | None = None,
-                 seed: int = 0) -> Path:
-    """An EAGLE-3 head: ``authors`` (EAGLE-3 repository) or ``specforge``; ``draft_ids`` = the sorted target ids of
-    the draft vocabulary (``d2t[i] = draft_ids[i] - i``, ``t2d[draft_ids] = True``)."""
-    g = torch.Generator().manual_seed(seed)
-    t = target_cfg
-    h, v, vd = t.hidden_size, t.vocab_size, int(draft_ids.numel())
-    kv = t.num_key_value_heads
-    dtype = torch.float16 if flavor == "authors" else torch.bfloat16
-    cfg = _cfg_dict(t, architectures=["LlamaForCausalLMEagle3"], num_key_value_heads=kv, draft_vocab_size=vd,
-                    rms_norm_eps=1e-05, torch_dtype=str(dtype).removeprefix("torch."))
-    if flavor == "specforge":
-        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux), "use_aux_hidden_state": True}
-        cfg["target_hidden_size"] = h
-        cfg["transformers_version"] = "4.51.0"
-    state = {"fc.weight": _rand((h, 3 * h), dtype, g)}
-    state.update(_layer("midlayer.", h, t.num_attention_heads, kv, t.intermediate_size, 2 * h, dtype, g))
-    state.update({"midlayer.hidden_norm.weight": torch.ones(h, dtype=dtype),
-                  "midlayer.input_layernorm.weight": torch.ones(h, dtype=dtype),
-                  "norm.weight": torch.ones(h, dtype=dtype),
-                  "lm_head.weight": _rand((vd, h), dtype, g, 1.0),
-                  "d2t": (draft_ids - torch.arange(vd)).long()})
-    t2d = torch.zeros(v, dtype=torch.bool)
-    t2d[draft_ids] = True
-    state["t2d"] = t2d
-    out.mkdir(parents=True, exist_ok=True)
-    if flavor == "specforge":
-        state["embed_tokens.weight"] = _rand((v, h), dtype, g, 1.0)
-        save_file({k: x.contiguous() for k, x in state.items()}, str(out / "model.safetensors"),
-                  metadata={"format": "pt"})
-    else:
-        torch.save(state, out / "pytorch_model.bin")
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out
 
 
 DRAFT_IDS = torch.tensor([0, 1, 2, 3, 5, 7, 9, 11, 13, 20, 22, 30, 31, 40, 41, 42, 43, 44, 45, 46, 47, 60, 70, 95])
