@@ -147,8 +147,8 @@ def write_head(out: Path, cfg: dict) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 def run_measured(cmd: list[str], env: dict | None = None, timeout: float = 7200) -> dict:
-    """Run ``cmd`` in its own process; ``{"rc", "wall_s", "peak_rss", "stdout", "stderr"}`` (peak RSS in bytes from
-    ``wait4``: the child's own high-water mark)."""
+    """Run ``cmd`` in its own process; ``{"rc", "wall_s", "peak_rss", "stdout", "stderr"}`` (peak RSS in bytes: the
+    child's own high-water mark, :func:`_communicate_wait4`)."""
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, cwd=REPO, env=env or child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
@@ -157,8 +157,24 @@ def run_measured(cmd: list[str], env: dict | None = None, timeout: float = 7200)
             "stderr": err}
 
 
+def _hwm(pid: int) -> int:
+    """``VmHWM`` of a running process in bytes (0 once it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _communicate_wait4(p: subprocess.Popen, timeout: float):
-    """Read the pipes to the end, then reap the child with ``os.wait4`` to get its own rusage."""
+    """Read the pipes to the end and sample the child's ``VmHWM`` (its resident high-water mark) until it exits.
+
+    Why not ``wait4``'s ``ru_maxrss``: Linux carries a parent's high-water mark into a forked child and keeps it
+    across ``exec``, so a child of this script (which held a 9 GiB shard while writing the checkpoint) would
+    report at least that. ``VmHWM`` belongs to the child's own address space, made by ``exec``; it only grows,
+    so its last sample is the peak unless the peak came in the last 0.1 s before exit."""
     import threading
     bufs = {"out": [], "err": []}
     readers = [threading.Thread(target=lambda s=s, k=k: bufs[k].append(s.read()), daemon=True)
@@ -166,7 +182,9 @@ def _communicate_wait4(p: subprocess.Popen, timeout: float):
     for r in readers:
         r.start()
     deadline = time.time() + timeout
+    peak = 0
     while True:
+        peak = max(peak, _hwm(p.pid))
         pid, status, ru = os.wait4(p.pid, os.WNOHANG)
         if pid:
             break
@@ -174,9 +192,9 @@ def _communicate_wait4(p: subprocess.Popen, timeout: float):
             p.kill()
             pid, status, ru = os.wait4(p.pid, 0)
             break
-        time.sleep(0.2)
+        time.sleep(0.1)
     p.returncode = os.waitstatus_to_exitcode(status)
-    p.peak_rss = ru.ru_maxrss * 1024
+    p.peak_rss = peak
     for r in readers:
         r.join()
     return "".join(bufs["out"]), "".join(bufs["err"])
@@ -232,6 +250,28 @@ def probe_hf(ckpt: str, prompt: list[int], tokens: int) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # The rehearsal
 # ---------------------------------------------------------------------------------------------------------------
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def wait_for_memory(need: int, what: str, patience_s: float) -> bool:
+    """Wait up to ``patience_s`` for ``need`` bytes of MemAvailable (the machine is shared); False if it never
+    comes (the caller stops rather than push others' processes into the OOM killer)."""
+    deadline = time.time() + patience_s
+    while True:
+        have = mem_available()
+        if have >= need:
+            return True
+        if time.time() > deadline:
+            log(f"not enough free memory for {what}: {have / GIB:.1f} GiB available, {need / GIB:.1f} GiB needed")
+            return False
+        log(f"waiting for memory for {what}: {have / GIB:.1f} of {need / GIB:.1f} GiB available")
+        time.sleep(30)
+
 
 def stage_bytes(root: Path) -> dict[int, int]:
     man = json.loads((root / "manifest.json").read_text())
@@ -294,6 +334,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated prompt token ids (default: 8 ids, 1,319,13563,1546,263,12758,5199,322 folded "
                          "into the vocabulary)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and stages (default: delete at the end)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse the checkpoint and head already in --work (same shape), skipping step 1")
+    ap.add_argument("--memory-patience", type=float, default=600,
+                    help="seconds to wait for enough MemAvailable before the ranks / HF phases (default 600; then "
+                         "exit 3 without running them)")
     ap.add_argument("--no-load-probe", action="store_true",
                     help="skip step 3 (each rank's stage loaded alone: load time, RSS once loaded)")
     ap.add_argument("--probe-load", nargs=3, metavar=("ROOT", "RANK", "WORLD"), help=argparse.SUPPRESS)
@@ -328,9 +373,17 @@ def main(argv: list[str] | None = None) -> int:
     checks: list[tuple[str, bool, str]] = []
 
     cfg = vicuna_config(args.layers, args.hidden, args.intermediate, args.heads, args.vocab)
-    log(f"writing a random {args.layers}-layer, hidden {args.hidden} checkpoint in Vicuna's layout to {ckpt}")
-    summary["checkpoint"] = write_checkpoint(ckpt, cfg)
-    summary["head_bytes"] = write_head(head, cfg)
+    index = ckpt / "pytorch_model.bin.index.json"
+    if args.reuse and index.is_file() and json.loads((ckpt / "config.json").read_text()) == cfg \
+            and (head / "pytorch_model.bin").is_file():
+        log(f"reusing the checkpoint and head in {work}")
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        summary["checkpoint"] = {"shards": {n: (ckpt / n).stat().st_size for n in names}, "write_s": float("nan")}
+        summary["head_bytes"] = (head / "pytorch_model.bin").stat().st_size
+    else:
+        log(f"writing a random {args.layers}-layer, hidden {args.hidden} checkpoint in Vicuna's layout to {ckpt}")
+        summary["checkpoint"] = write_checkpoint(ckpt, cfg)
+        summary["head_bytes"] = write_head(head, cfg)
     largest = max(summary["checkpoint"]["shards"].values())
 
     log(f"splitting {summary['split']}")
@@ -357,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
             f"GiB, peak {pr['peak_rss'] / GIB:.2f} GiB")
     summary["load"] = loads
 
+    need = sum(sbytes.values()) + summary["head_bytes"] + world * GIB // 2 + GIB
+    if not wait_for_memory(need, f"{world} ranks", args.memory_patience):
+        return 3
     log(f"running {world} ranks: {args.modes}, {args.tokens} tokens")
     out = work / "rows.jsonl"
     out.unlink(missing_ok=True)
@@ -382,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     summary["rows"] = [{k: row.get(k) for k in ("mode", "output_ids", "tau", "decode_s", "prefill_s",
                                                   "tokens_per_s", "rounds")} for row in rows]
 
+    if not wait_for_memory(sum(sbytes.values()) + GIB, "HF generate", args.memory_patience):
+        return 3
     log("HF generate on the unsplit checkpoint (bfloat16)")
     hf = run_measured([sys.executable, "-m", "scripts.rehearse_7b", "--work", str(work), "--probe-hf", str(ckpt),
                        ",".join(map(str, prompt)), str(args.tokens)])
