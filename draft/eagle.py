@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoConfig
 
-from draft.head_io import (HeadError, head_config_from_target, init_head_weights, is_eagle3_config,
+from draft.head_io import (HeadError, assign_weights, head_config_from_target, init_head_weights, is_eagle3_config,
                            read_head_config, read_head_weights)
 from model.layers import LayerBlock
 from model.meter import NULL_METER, OpMeter, cache_length
@@ -117,7 +117,8 @@ def load_eagle_head(head_dir: str | Path, target_config, target_embed: torch.Ten
     if qkv_bias and not getattr(cfg, "attention_bias", True):
         cfg.attention_bias = True          # EAGLE's Qwen2 drafts: a Llama config with "qkv_bias": q/k/v biases only
     try:
-        head = EagleHead(cfg, bias="fc.bias" in state)
+        with torch.device("meta"):       # no random weights materialised: the file's tensors become the parameters
+            head = EagleHead(cfg, bias="fc.bias" in state)
     except (ValueError, TypeError, AttributeError, KeyError) as e:
         raise HeadError(f"EAGLE head {head_dir}: unusable config: {e}") from None
     attn = head.block.layers[0].self_attn
@@ -137,5 +138,5 @@ def load_eagle_head(head_dir: str | Path, target_config, target_embed: torch.Ten
     bad = [f"{k} {tuple(mapped[k].shape)} != {tuple(shapes[k])}" for k in sorted(own) if mapped[k].shape != shapes[k]]
     if bad:
         raise HeadError(f"EAGLE head {head_dir} does not fit its config / the target: {bad[0]}")
-    head.load_state_dict(mapped, strict=False)
+    assign_weights(head, mapped, dtype, ["block.rotary_emb"], cfg, head_dir)
     return head.to(device=device, dtype=dtype).eval()

@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoConfig
 
-from draft.head_io import (HeadError, head_config_from_target, init_head_weights, is_eagle3_config,
+from draft.head_io import (HeadError, assign_weights, head_config_from_target, init_head_weights, is_eagle3_config,
                            read_head_config, read_head_weights)
 from model.hf_compat import cache_arg
 from model.kv_cache import KVCache
@@ -279,7 +279,8 @@ def load_eagle3_head(head_dir: str | Path, target_config, target_embed: Tensor |
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     cfg._attn_implementation = "sdpa"
     try:
-        head = Eagle3Head(cfg, Ht, layers, vocab_map, V)
+        with torch.device("meta"):       # no random weights materialised: the file's tensors become the parameters
+            head = Eagle3Head(cfg, Ht, layers, vocab_map, V)
     except (ValueError, TypeError, AttributeError) as e:
         raise HeadError(f"EAGLE-3 head {head_dir}: unusable config: {e}") from None
     if "embed_tokens.weight" not in state:
@@ -294,7 +295,7 @@ def load_eagle3_head(head_dir: str | Path, target_config, target_embed: Tensor |
     bad = [f"{k} {tuple(state[k].shape)} != {tuple(v.shape)}" for k, v in own.items() if state[k].shape != v.shape]
     if bad:
         raise HeadError(f"EAGLE-3 head {head_dir} does not fit the target: {bad[0]}")
-    head.load_state_dict(state, strict=False)
+    assign_weights(head, state, dtype, ["rotary_emb"], cfg, head_dir)
     return head.to(device=device, dtype=dtype).eval()
 
 

@@ -230,7 +230,15 @@ def probe_load(root: str, rank: int, world: int) -> None:
     model = load_stage(root, rank, world, torch.bfloat16)
     dt = time.perf_counter() - t0
     n = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(json.dumps({"rank": rank, "load_s": dt, "rss": _vm("VmRSS"), "hwm": _vm("VmHWM"), "param_bytes": n}))
+    out = {"rank": rank, "load_s": dt, "rss": _vm("VmRSS"), "hwm": _vm("VmHWM"), "param_bytes": n}
+    head = Path(root).parent / "eagle_head"
+    if rank == 0 and head.is_dir():      # rank 0 also loads the draft head, as pipeline.run does
+        from draft.load_head import load_draft_head
+        t0 = time.perf_counter()
+        h = load_draft_head(head, model.config, model.embed_tokens.weight.data, torch.bfloat16)
+        out.update(head_load_s=time.perf_counter() - t0, rss=_vm("VmRSS"), hwm=_vm("VmHWM"),
+                   head_param_bytes=sum(p.numel() * p.element_size() for p in h.parameters()))
+    print(json.dumps(out))
 
 
 def probe_hf(ckpt: str, prompt: list[int], tokens: int) -> None:
@@ -386,19 +394,28 @@ def main(argv: list[str] | None = None) -> int:
         summary["head_bytes"] = write_head(head, cfg)
     largest = max(summary["checkpoint"]["shards"].values())
 
-    log(f"splitting {summary['split']}")
-    sp = run_measured([sys.executable, "split_and_save_models.py", "--model", str(ckpt), "--split", summary["split"],
-                       "--out", str(stages), "--force", "--no-progress"])
-    if sp["rc"]:
-        print(sp["stderr"][-3000:], file=sys.stderr)
-        return 1
-    summary["split_run"] = {"wall_s": sp["wall_s"], "peak_rss": sp["peak_rss"], "largest_shard": largest}
+    partial = work / "partial.json"     # the measured phases so far (a rerun with --reuse picks them up)
+    before = json.loads(partial.read_text()) if args.reuse and partial.is_file() else {}
+    if before.get("split") == summary["split"] and "split_run" in before and (stages / "manifest.json").is_file():
+        log(f"reusing the split in {stages} (measured before)")
+        summary["split_run"] = before["split_run"]
+        sp = {"peak_rss": before["split_run"]["peak_rss"]}
+    else:
+        log(f"splitting {summary['split']}")
+        sp = run_measured([sys.executable, "split_and_save_models.py", "--model", str(ckpt), "--split",
+                           summary["split"], "--out", str(stages), "--force", "--no-progress"])
+        if sp["rc"]:
+            print(sp["stderr"][-3000:], file=sys.stderr)
+            return 1
+        summary["split_run"] = {"wall_s": sp["wall_s"], "peak_rss": sp["peak_rss"], "largest_shard": largest}
+        log(f"split in {sp['wall_s']:.0f} s, peak RSS {sp['peak_rss'] / GIB:.2f} GiB")
+        partial.write_text(json.dumps(summary, indent=2))
     checks.append(("splitter peak RSS <= largest shard + 1.5 GiB", sp["peak_rss"] <= largest + SLACK,
                    f"{sp['peak_rss'] / GIB:.2f} GiB vs {largest / GIB:.2f} + 1.5 GiB"))
     sbytes = stage_bytes(stages)
 
-    loads = {}
-    for r in range(0 if args.no_load_probe else world):
+    loads = {int(k): v for k, v in before.get("load", {}).items()} if before.get("split") == summary["split"] else {}
+    for r in [r for r in range(0 if args.no_load_probe else world) if r not in loads]:
         pr = run_measured([sys.executable, "-m", "scripts.rehearse_7b", "--work", str(work), "--probe-load",
                            str(stages), str(r), str(world)])
         if pr["rc"]:
@@ -409,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"rank {r}: loaded {sbytes[r] / GIB:.2f} GiB in {loads[r]['load_s']:.1f} s, RSS {loads[r]['rss'] / GIB:.2f} "
             f"GiB, peak {pr['peak_rss'] / GIB:.2f} GiB")
     summary["load"] = loads
+    partial.write_text(json.dumps(summary, indent=2))
 
     need = sum(sbytes.values()) + summary["head_bytes"] + world * GIB // 2 + GIB
     if not wait_for_memory(need, f"{world} ranks", args.memory_patience):
