@@ -17,7 +17,8 @@ from model.stage_format import StageDirError, even_split, parse_split
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description="Split a Hugging Face LLaMA-family checkpoint (llama, mistral, qwen2) into FlowSpec pipeline "
+        description="Split a Hugging Face LLaMA-family checkpoint (llama, mistral, qwen2, qwen3; safetensors or .bin, "
+                    "sharded or not) into FlowSpec pipeline "
                     "stages: stage 0 is the draft stage (embedding + lm_head, no layers), stages 1.. hold the "
                     "decoder layers.",
         epilog="Example: python split_and_save_models.py --model default --split 0+8+8+7+7 "
