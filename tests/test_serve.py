@@ -552,3 +552,83 @@ def test_unknown_model_is_404_model_not_found(server):
         assert r.status_code == 404, r.text
         err = r.json()["error"]
         assert err["code"] == "model_not_found" and err["param"] == "model", err
+
+
+# -- SIGTERM: a graceful stop (issue 42) ----------------------------------------------------------------------
+def _stream_in_thread(url: str, body: dict, out: dict) -> threading.Thread:
+    """POST a streamed completion in a thread: ``out`` gets "first" (an Event set at the first content chunk),
+    "events" (parsed SSE events) and "done" (the stream ended with [DONE])."""
+    out["first"], out["events"], out["done"], out["error"] = threading.Event(), [], False, None
+
+    def run() -> None:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+                out["status"] = r.status_code
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        out["done"] = True
+                    elif line.startswith("data: "):
+                        e = json.loads(line[6:])
+                        out["events"].append(e)
+                        if e.get("choices") and e["choices"][0].get("text"):
+                            out["first"].set()
+        except httpx.HTTPError as e:
+            out["error"] = repr(e)
+        out["first"].set()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("grace", [60, 0])
+def test_sigterm_finishes_or_truncates_the_request_in_flight(stories_stages, tmp_path, grace):
+    """SIGTERM to the launcher (was: the request in flight aborted with a 503): new requests get 503 while the one
+    in flight finishes (grace 60 s) or ends at its next commit with finish_reason "cancelled" (grace 0); then
+    every rank exits and the launcher says it was stopped (143), within the grace + a few seconds."""
+    s = Server([f"model.stage_dir={stories_stages}", f"head_dir=oracle:{STORIES}", "comm.timeout_s=10",
+                "--stop-grace-s", str(grace)], tmp_path / "server.log")
+    try:
+        out: dict = {}
+        max_tokens = 40 if grace else 400   # naive mode: several seconds on a loaded 2-core box
+        t = _stream_in_thread(s.url, {"prompt": "Once upon a time", "max_tokens": max_tokens, "mode": "naive"}, out)
+        assert out["first"].wait(120) and out["error"] is None, (out, s.log.read_text()[-2000:])
+        t0 = time.monotonic()
+        os.kill(s.proc.pid, signal.SIGTERM)   # the launcher (run_serve.sh exec'ed it)
+        time.sleep(0.5)
+        try:
+            late = post(s, "/v1/completions", {"prompt": "Hi", "max_tokens": 4}, timeout=30)
+            late_code = late.status_code
+        except httpx.HTTPError:
+            late_code = None   # the server had already finished and closed
+        t.join(120)
+        code = s.proc.wait(grace + 30)
+        took = time.monotonic() - t0
+    finally:
+        s.stop(signal.SIGKILL)
+    log = s.log.read_text()
+    assert out["done"] and out["error"] is None and out.get("status") == 200, (out, log[-2000:])
+    assert not any("error" in e for e in out["events"]), (out["events"][-2:], log[-2000:])
+    final = [e["choices"][0]["finish_reason"] for e in out["events"] if e.get("choices")][-1]
+    n = out["events"][-1]["speculative"]["new_tokens"]
+    if grace:
+        assert final in ("length", "stop"), (final, log[-2000:])
+        assert late_code in (503, None), late_code
+    else:
+        assert final == "cancelled" and n < max_tokens, (final, n, log[-2000:])
+    assert code == 143 and took < grace + 20, (code, took, log[-2000:])
+    assert "Traceback" not in log and "lost rank" not in log, log[-2000:]
+    assert "[launch] stopped by SIGTERM" in log, log[-2000:]
+
+
+def test_bad_server_flag_is_one_line_once(stories_stages):
+    """A bad run_serve.sh flag: one line from the launcher, exit 2, before any rank starts (was: argparse's usage
+    and error printed once per rank)."""
+    for flag, needle in ((["--bogus"], "unrecognized arguments: --bogus"), (["--queue-size", "0"], "--queue-size"),
+                         (["--max-body-bytes", "5"], "--max-body-bytes")):
+        res = subprocess.run([str(REPO / "run_serve.sh"), f"model.stage_dir={stories_stages}", *flag], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+        lines = [l for l in res.stderr.splitlines() if l.strip() and "Requirement already" not in l]
+        assert res.returncode == 2 and len(lines) == 1, res.stderr
+        assert lines[0].startswith("[launch] error:") and needle in lines[0], res.stderr
+        assert "usage:" not in res.stderr + res.stdout
