@@ -140,13 +140,17 @@ class BoundedStore:
                 box.append(None)
             done.set()
 
-    def call(self, name: str, *args):
+    def call(self, name: str, *args, wait_s: float | None = None):
+        """``raw.name(*args)``; ``wait_s`` (< ``deadline_s``): give up sooner without declaring the store dead
+        (a signal handler that must not wait long)."""
         if self.dead is not None:
             raise StoreUnresponsive(self.dead)
         box: list = []
         done = threading.Event()
         self._jobs.put((getattr(self.raw, name), args, box, done))
-        if not done.wait(self.deadline_s):
+        if not done.wait(self.deadline_s if wait_s is None else min(wait_s, self.deadline_s)):
+            if wait_s is not None and wait_s < self.deadline_s:
+                raise StoreUnresponsive(f"{self.what} did not answer within {wait_s:g}s")
             self.dead = f"{self.what} did not answer within {self.deadline_s:g}s"
             raise StoreUnresponsive(self.dead)
         if len(box) == 2:
@@ -588,10 +592,10 @@ class Comm:
         how = ("stopped answering for {:g}s (frozen, powered off or unreachable)".format(self.store.deadline_s)
                if isinstance(err, StoreUnresponsive) else "is gone")
         if store_on_rank0() and self.rank != 0:
-            return PeerLost(0, f"its process stopped (the rendezvous store it hosted {how})")
+            return PeerLost(0, f"its process stopped: the rendezvous store it hosted {how}")
         if os.environ.get("GROUP_RANK", "0") != "0":  # node 0's launcher (agent) hosted it: node 0 is gone
-            return PeerLost(0, f"host 0 is lost (its launcher's rendezvous store {how})")
-        return PeerLost(None, f"the rendezvous store {how} (this host's launcher stopped)")
+            return PeerLost(0, f"host 0 is lost: its launcher's rendezvous store {how}")
+        return PeerLost(None, f"the rendezvous store {how}: this host's launcher stopped")
 
     def _failed_peers(self) -> list[tuple[int, int | None, str]]:
         """``(reporter, root cause rank or None, reason)`` of every peer that reported going down."""

@@ -358,9 +358,10 @@ class Launcher:
         if self.stop_signal is None:
             self.stop_signal = sig
             if self.store is not None and self.procs:  # before any rank hears it: a stop, not a lost rank
-                try:
-                    if not self.store.check([STOP_KEY]):
-                        self.store.set(STOP_KEY, f"{self.o['node_rank']}|{signal.Signals(sig).name}")
+                try:   # briefly: a frozen host 0 must not delay passing the signal on
+                    if not self.store.call("check", [STOP_KEY], wait_s=1.0):
+                        self.store.call("set", STOP_KEY, f"{self.o['node_rank']}|{signal.Signals(sig).name}",
+                                        wait_s=1.0)
                 except Exception:
                     pass
         for p in self.procs.values():
@@ -572,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         check_options(o)
         tag = "[launch]" if o["nnodes"] == 1 else f"[launch node {o['node_rank']}]"
         if {"-h", "--help", "--print-config"} & set(args):  # nothing to launch: the module answers itself
-            os.execv(sys.executable, [sys.executable, "-m", module, *args])
+            os.execv(sys.executable, [sys.executable, *([module] if is_script(module) else ["-m", module]), *args])
         timeout_s, heartbeat_s, stop_grace = read_timeouts(module, args, o["nnodes"] * o["nproc_per_node"], tag)
         launcher = Launcher(o, module, args, timeout_s, heartbeat_s, stop_grace)
         return launcher.run()
