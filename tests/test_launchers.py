@@ -118,7 +118,7 @@ def _frozen_host0(work, fault: str, stop_launcher_when: str):
     t_freeze = gone = loaded = None
     try:
         start = time.monotonic()
-        while time.monotonic() - start < 120 and t_freeze is None:
+        while time.monotonic() - start < 300 and t_freeze is None:   # a loaded 2-core box starts slowly
             kids = {p for p in descendants(host0) if is_rank(p)}
             ranks_everywhere = [p for p in descendants({q.pid for q in procs}) if is_rank(p)]
             if stop_launcher_when == "rank0-stopped":
@@ -175,6 +175,7 @@ def test_frozen_host0_every_other_process_exits_naming_it(case, work):
     fault = "rank=0,at=segment,count=15,sig=STOP" if case == "rank0-and-launcher" else ""
     codes, out, gone = _frozen_host0(work / f"frozen-{case}", fault,
                                      "rank0-stopped" if fault else "decoding")
+    print(f"\nhost 0 frozen ({case}): hosts 1 and 2 gone {gone} s after the freeze, exit codes {codes}")
     assert gone is not None and gone <= FROZEN_TIMEOUT_S + SLACK_S, (gone, out[-4000:])
     # the launcher alone may freeze after the answer (then the ranks finish cleanly and only the launchers,
     # which can no longer tell host 0 they are done, name it); otherwise every rank names rank 0 too
