@@ -145,19 +145,17 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
 
 def child(module: str, args: list[str]) -> None:
     """A rank: die with the launcher (parent-death signal, and a check that it is still our parent, since
-    it may have died before the signal was armed), then run ``module`` (or a script path, with its folder first on
-    ``sys.path`` as ``python script.py`` has it) as ``__main__``."""
+    it may have died before the signal was armed), then run ``module`` as ``__main__``, or exec ``python SCRIPT``
+    for a script path (``PR_SET_PDEATHSIG`` survives ``execve``)."""
     set_parent_death_signal()
     parent = os.environ.get("FLOWSPEC_LAUNCHER_PID")
     if parent and os.getppid() != int(parent):
         os._exit(128 + signal.SIGKILL)
+    if is_script(module):   # ``python script.py`` exactly (its folder first on sys.path); the death signal stays
+        os.execv(sys.executable, [sys.executable, module, *args])
     import runpy
     sys.argv = [module, *args]
-    if is_script(module):
-        sys.path.insert(0, os.path.dirname(os.path.abspath(module)))
-        runpy.run_path(module, run_name="__main__")
-    else:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 # -- store ---------------------------------------------------------------------------------------------
