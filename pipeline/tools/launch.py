@@ -178,28 +178,33 @@ def _bounded(fn, seconds: float):
     return box.get("r"), box.get("e")
 
 
-def one_host(o: dict) -> bool:
-    """The job runs on this host only: ``--standalone``, ``--nnodes 1`` or a loopback ``--master-addr``."""
+def loopback_address(o: dict) -> str | None:
+    """Where the store listens when the job runs on this host only, else None (several hosts): 127.0.0.1 with
+    ``--standalone`` or ``--nnodes 1``; the loopback address ``--master-addr`` names (127.0.0.1, 127.0.1.1,
+    ::1, localhost) when every host runs here."""
     if o["standalone"] or o["nnodes"] == 1:
-        return True
+        return "127.0.0.1"
     try:
         import ipaddress
-        return all(ipaddress.ip_address(info[4][0]).is_loopback
-                   for info in socket.getaddrinfo(o["master_addr"], None, proto=socket.IPPROTO_TCP))
+        addrs = [info[4][0] for info in socket.getaddrinfo(o["master_addr"], None, proto=socket.IPPROTO_TCP)]
+        if addrs and all(ipaddress.ip_address(a).is_loopback for a in addrs):
+            return next((a for a in addrs if ":" not in a), addrs[0])
     except (OSError, ValueError):
-        return False
+        pass
+    return None
 
 
-def loopback_socket(port: int) -> socket.socket:
-    """A listening TCP socket bound to 127.0.0.1:``port`` (0: a free port), for TCPStore's ``master_listen_fd``.
+def loopback_socket(port: int, host: str = "127.0.0.1") -> socket.socket:
+    """A listening TCP socket bound to ``host``:``port`` (a loopback address; port 0: a free one), for TCPStore's
+    ``master_listen_fd``.
 
     Why: given a host name, torch's TCPStore server binds the wildcard address (every interface, IPv6 and IPv4)
     whatever the name; an unauthenticated store reachable from the LAN lets anyone write a failure record that
     stops the job. The caller keeps the socket object alive as long as the store."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", port))
+        sock.bind((host, port))
         sock.listen(128)
     except OSError:
         sock.close()
@@ -208,8 +213,8 @@ def loopback_socket(port: int) -> socket.socket:
 
 
 def open_store(o: dict, timeout_s: float, deadline: float, tag: str):
-    """Node 0: the store server (``LaunchError`` if the port is taken), listening on 127.0.0.1 only when the job
-    runs on one host (:func:`one_host`); others: a client of node 0's. Either is returned wrapped in
+    """Node 0: the store server (``LaunchError`` if the port is taken), listening on loopback only when the job
+    runs on one host (:func:`loopback_address`); others: a client of node 0's. Either is returned wrapped in
     ``pipeline.comm.BoundedStore`` (every call bounded by ``timeout_s``)."""
     import datetime
 
@@ -221,15 +226,16 @@ def open_store(o: dict, timeout_s: float, deadline: float, tag: str):
     if o["node_rank"] == 0:
         host = "127.0.0.1" if o["standalone"] else addr
         listen = None
-        if one_host(o):
-            host = "127.0.0.1"
+        loop = loopback_address(o)
+        if loop is not None:
+            host = loop
             try:
-                listen = loopback_socket(port)
+                listen = loopback_socket(port, loop)
             except OSError as e:
                 if e.errno == 98:   # EADDRINUSE
                     raise LaunchError(f"cannot open the rendezvous on port {port}: it is already in use by another "
                                       f"program or job; choose a free MASTER_PORT", 2) from None
-                raise LaunchError(f"cannot open the rendezvous at 127.0.0.1:{port}: {e.strerror or e}", 2) from None
+                raise LaunchError(f"cannot open the rendezvous at {loop}:{port}: {e.strerror or e}", 2) from None
             port = listen.getsockname()[1]
         kw = {} if listen is None else {"master_listen_fd": listen.fileno()}
         store, err = _bounded(lambda: TCPStore(host, port, None, True, td, wait_for_workers=False, **kw), timeout_s)
@@ -390,7 +396,7 @@ class Launcher:
                 raise LaunchError(f"lost node 0 during the rendezvous: its store failed ({first})", 3) from None
         if self.stop_signal is not None:
             return 128 + self.stop_signal
-        addr = "127.0.0.1" if one_host(self.o) else self.o["master_addr"]   # the store listens there (open_store)
+        addr = loopback_address(self.o) or self.o["master_addr"]   # where the store listens (open_store)
         env = dict(os.environ, MASTER_ADDR=addr, MASTER_PORT=str(port),
                    WORLD_SIZE=str(self.world), LOCAL_WORLD_SIZE=str(self.o["nproc_per_node"]),
                    GROUP_RANK=str(self.o["node_rank"]), NODE_RANK=str(self.o["node_rank"]),
