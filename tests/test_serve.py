@@ -632,3 +632,28 @@ def test_bad_server_flag_is_one_line_once(stories_stages):
         assert res.returncode == 2 and len(lines) == 1, res.stderr
         assert lines[0].startswith("[launch] error:") and needle in lines[0], res.stderr
         assert "usage:" not in res.stderr + res.stdout
+
+
+def test_second_sigterm_stops_at_once(stories_stages, tmp_path):
+    """The graceful stop is bounded by the operator too: a second SIGTERM ends every rank at once (the request in
+    flight gets a 503 error event), far sooner than --stop-grace-s."""
+    s = Server([f"model.stage_dir={stories_stages}", f"head_dir=oracle:{STORIES}", "comm.timeout_s=10",
+                "--stop-grace-s", "120"], tmp_path / "server.log")
+    try:
+        out: dict = {}
+        t = _stream_in_thread(s.url, {"prompt": "Once upon a time", "max_tokens": 400, "mode": "naive"}, out)
+        assert out["first"].wait(120) and out["error"] is None, (out, s.log.read_text()[-2000:])
+        t0 = time.monotonic()
+        os.kill(s.proc.pid, signal.SIGTERM)
+        time.sleep(1.0)
+        os.kill(s.proc.pid, signal.SIGTERM)
+        code = s.proc.wait(60)
+        took = time.monotonic() - t0
+        t.join(30)
+    finally:
+        s.stop(signal.SIGKILL)
+    log = s.log.read_text()
+    assert code == 143 and took < 20, (code, took, log[-2000:])
+    assert "Traceback" not in log and "lost rank" not in log, log[-2000:]
+    last = out["events"][-1] if out["events"] else {}
+    assert "error" in last or out["error"] is not None or not out["done"], (last, log[-2000:])
