@@ -16,6 +16,9 @@
 # serves HTTP from host 0 instead, see run_serve.sh).
 # No bootstrap here: install requirements_jetson.txt (see README) and set PYTHON if not `python3`.
 # Optional link shaping for experiments: scripts/shape_link.sh (tc netem/tbf, needs root on that host).
+# Security: host 0's launcher holds the rendezvous store on MASTER_PORT, unauthenticated and on every interface
+# when the hosts differ (all on 127.0.0.1: loopback only). Make MASTER_PORT reachable only from the cluster's
+# hosts (firewall, private network): whoever reaches it can stop the job. See docs/failures.md.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 NODE_RANK="${NODE_RANK:-}"; NNODES="${NNODES:-}"; MASTER_ADDR="${MASTER_ADDR:-}"

@@ -7,7 +7,9 @@
 #
 # Every argument goes to `python -m pipeline.serve` (see `./run_serve.sh --help`): config overrides
 # key=value (config/run_config.py; mode= is the default mode of requests) and --host, --port,
-# --queue-size, --modes, --template, --model-name, --warmup, --access-log.
+# --queue-size, --modes, --template, --model-name, --warmup, --access-log, --max-body-bytes (1 MiB: HTTP 413 above),
+# --max-prompt-chars, --stop-grace-s (SIGTERM finishes the request in flight within it; a second signal or
+# Ctrl-C stops at once). A bad flag is one line before any rank starts. Failures: docs/failures.md.
 # Several machines: set NODE_RANK/NNODES/MASTER_ADDR/STAGE_DIR as for run_jetson.sh and run this script on
 # every host; it then hands over to run_jetson.sh with ENTRY=pipeline.serve (host 0 serves HTTP).
 # The number of local processes follows the stage root's manifest (set NPROC to force it).

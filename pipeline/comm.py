@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue
 import re
 import threading
 import time
@@ -37,6 +38,8 @@ from pipeline.trace import Tracer
 HB_PREFIX = "flowspec/hb/"
 FAIL_PREFIX = "flowspec/fail/"
 DONE_PREFIX = "flowspec/done/"
+STOP_KEY = "flowspec/launch/stop"   # written by pipeline.tools.launch before it passes an operator's signal on
+RECORD_CHARS = 200                  # a record's text is shown at most this long (see record_text)
 MAX_PENDING = 64   # sends per destination kept in flight before the oldest is waited for (see Comm.send)
 HEADER_BYTES = HEADER_LEN * 8
 FRAME_BYTES = 256 * 1024   # gloo wire: a message whose header + payload fit travels as one frame (see Comm.send)
@@ -56,18 +59,118 @@ class PeerLost(UserError, RuntimeError):
 
     exit_code = 3
 
-    def __init__(self, lost: int | None, detail: str) -> None:
+    def __init__(self, lost: int | None, detail: str, reason: str | None = None) -> None:
         self.lost = lost
         self.detail = detail
+        self.reason = detail if reason is None else reason   # what this rank's own record repeats (unquoted)
         who = f"rank {lost}" if lost is not None else "a peer rank"
         super().__init__(f"lost {who}: {detail}")
 
     def fault_report(self) -> tuple[int, str, int | None]:
-        return self.exit_code, self.detail, (-1 if self.lost is None else self.lost)
+        return self.exit_code, self.reason, (-1 if self.lost is None else self.lost)
 
 
 class RendezvousError(UserError, RuntimeError):
     """The process group could not be formed (port taken, a rank never joined, unreachable master)."""
+
+
+class Stopped(UserError, RuntimeError):
+    """The operator stopped the job (a signal to a launcher, passed on to every rank): not a lost rank."""
+
+    operator_stop = True   # pipeline.faults.peer_failed / pipeline.run._fail: a stop, not a failure
+
+    def __init__(self, sig: str, node: str) -> None:
+        self.sig = sig
+        super().__init__(f"stopped: the operator stopped the job ({sig} to the launcher of node {node}); exiting")
+        import signal
+        self.exit_code = 128 + int(getattr(signal, sig, signal.SIGTERM))
+
+    def fault_report(self) -> tuple[int, str, int | None]:
+        return self.exit_code, f"interrupted by {self.sig}", None
+
+
+def record_text(raw: str, limit: int = RECORD_CHARS) -> str:
+    """A failure record's free text as it may be shown: printable characters only (control characters, terminal
+    escapes and line breaks become spaces or are dropped), runs of blanks collapsed, at most ``limit`` characters.
+
+    Why: anyone who can reach the rendezvous store can write a record (on several hosts it listens on
+    MASTER_ADDR), so every line that shows one quotes it as "a record in the store says: ..." (:func:`quoted`),
+    never as the job's own words, and it can neither forge extra lines nor flood the terminal."""
+    text = "".join(c if c.isprintable() else " " for c in str(raw))
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def quoted(raw: str, reporter: int | None = None) -> str:
+    """``a record in the store [by rank R] says: "TEXT"`` (TEXT: :func:`record_text`)."""
+    who = "" if reporter is None else f" by rank {reporter}"
+    return f'a record in the store{who} says: "{record_text(raw)}"'
+
+
+class StoreUnresponsive(RuntimeError):
+    """A call to the rendezvous store did not return within its deadline (its host frozen or unreachable)."""
+
+
+class BoundedStore:
+    """A store client whose every call returns or raises within ``deadline_s`` of wall time.
+
+    Why: torch's TCPStore client ``timeout`` bounds waiting for a *key*, not a call to a server that is alive but
+    does not answer (its host's launcher stopped with SIGSTOP, a frozen host, a pulled cable: TCP keeps the
+    connection for about 15 minutes); such a call never returned, so every watchdog and launcher hung silently.
+    Here one worker thread makes the calls, in order (the client is one socket); a caller waits for its call at
+    most ``deadline_s`` and then gets :class:`StoreUnresponsive`. From then on the store is ``dead`` and every call
+    raises at once (the worker may stay blocked in the stuck call: a daemon thread, it cannot hold the process).
+    Attributes that are not methods (``port``) are read straight from the client.
+
+    Invariant: no call through this object blocks its caller longer than ``deadline_s`` (+ scheduling)."""
+
+    def __init__(self, store, deadline_s: float, what: str = "the rendezvous store") -> None:
+        self.raw, self.deadline_s, self.what = store, float(deadline_s), what
+        self.dead: str | None = None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, daemon=True, name="flowspec-store").start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, args, box, done = self._jobs.get()
+            try:
+                box.append(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box.append(e)
+                box.append(None)
+            done.set()
+
+    def call(self, name: str, *args, wait_s: float | None = None):
+        """``raw.name(*args)``; ``wait_s`` (< ``deadline_s``): give up sooner without declaring the store dead
+        (a signal handler that must not wait long)."""
+        if self.dead is not None:
+            raise StoreUnresponsive(self.dead)
+        box: list = []
+        done = threading.Event()
+        self._jobs.put((getattr(self.raw, name), args, box, done))
+        if not done.wait(self.deadline_s if wait_s is None else min(wait_s, self.deadline_s)):
+            if wait_s is not None and wait_s < self.deadline_s:
+                raise StoreUnresponsive(f"{self.what} did not answer within {wait_s:g}s")
+            self.dead = f"{self.what} did not answer within {self.deadline_s:g}s"
+            raise StoreUnresponsive(self.dead)
+        if len(box) == 2:
+            raise box[0]
+        return box[0]
+
+    def set(self, key: str, value) -> None:
+        return self.call("set", key, value)
+
+    def get(self, key: str) -> bytes:
+        return self.call("get", key)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.call("check", keys)
+
+    def add(self, key: str, amount: int) -> int:
+        return self.call("add", key, amount)
+
+    def __getattr__(self, name: str):
+        return getattr(self.raw, name)
 
 
 def store_on_rank0() -> bool:
@@ -86,7 +189,8 @@ _store = None  # the raw store client under pipeline.tools.launch (the launcher 
 
 def _watch_records(store, rank: int, world: int, done: threading.Event, every: float) -> None:
     """Before the process group exists: a rank whose launcher recorded it as failed (it died or exited while
-    the others wait to connect) ends the wait at once, naming it."""
+    the others wait to connect) ends the wait at once, naming it; so does a store that stops answering
+    (``store`` is a :class:`BoundedStore`: host 0 frozen or unreachable)."""
     while not done.wait(every):
         try:
             for r in range(world):
@@ -95,11 +199,13 @@ def _watch_records(store, rank: int, world: int, done: threading.Event, every: f
                     if done.is_set():
                         return
                     who = f"rank {root}" if root.lstrip("-").isdigit() and int(root) >= 0 else "a peer rank"
-                    faults.fatal(f"[rank {rank}] error: lost {who} before the process group formed: {reason}", 3)
-        except Exception:
+                    faults.fatal(f"[rank {rank}] error: lost {who} before the process group formed: "
+                                 f"{quoted(reason)}", 3, record_text(reason))
+        except Exception as e:
             if done.is_set():
                 return
-            faults.fatal(f"[rank {rank}] error: lost rank 0: the rendezvous store of its launcher is gone", 3)
+            how = "stopped answering (host 0 frozen or unreachable)" if isinstance(e, StoreUnresponsive) else "is gone"
+            faults.fatal(f"[rank {rank}] error: lost rank 0: the rendezvous store of its launcher {how}", 3)
 
 
 def init_process_group(backend: str, timeout_s: float) -> None:
@@ -121,8 +227,8 @@ def init_process_group(backend: str, timeout_s: float) -> None:
             global _store
             td = datetime.timedelta(seconds=timeout_s)
             _store = dist.TCPStore(os.environ["MASTER_ADDR"], int(port), None, False, td, wait_for_workers=False)
-            threading.Thread(target=_watch_records, args=(_store, rank, int(world), done, 0.2), daemon=True,
-                             name="flowspec-prejoin").start()
+            threading.Thread(target=_watch_records, args=(BoundedStore(_store, timeout_s), rank, int(world), done, 0.2),
+                             daemon=True, name="flowspec-prejoin").start()
             dist.init_process_group(backend=backend, store=_store, rank=rank, world_size=int(world), timeout=td)
         else:
             dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
@@ -176,7 +282,8 @@ class Comm:
         self._direct_work = None
         self._closing = False
         self._failing = False
-        self.store = _store if _store is not None else dist.distributed_c10d._get_default_store()
+        raw = _store if _store is not None else dist.distributed_c10d._get_default_store()
+        self.store = BoundedStore(raw, timeout_s)   # a frozen store host cannot hang a watchdog (BoundedStore)
         self._hb_count = 0
         self._seen: dict[int, tuple[str, float]] = {}
         self.store.set(HB_PREFIX + str(self.rank), "0")
@@ -474,19 +581,21 @@ class Comm:
                 if stale or time.monotonic() > deadline:
                     break
                 time.sleep(self.heartbeat_s / 2)
-        except Exception:  # the store itself is gone
-            return self._store_lost()
+        except Exception as e:  # the store itself is gone, or does not answer
+            return self._store_lost(e)
         if stale:
             return PeerLost(stale[0], "its process stopped (no heartbeat)")
         text = str(err).strip().splitlines()[0][:160] if err and str(err).strip() else "no response"
         return PeerLost(peer, f"communication failed ({text})")
 
-    def _store_lost(self) -> PeerLost:
+    def _store_lost(self, err: BaseException | None = None) -> PeerLost:
+        how = ("stopped answering for {:g}s (frozen, powered off or unreachable)".format(self.store.deadline_s)
+               if isinstance(err, StoreUnresponsive) else "is gone")
         if store_on_rank0() and self.rank != 0:
-            return PeerLost(0, "its process stopped (the rendezvous store it hosted is gone)")
+            return PeerLost(0, f"its process stopped: the rendezvous store it hosted {how}")
         if os.environ.get("GROUP_RANK", "0") != "0":  # node 0's launcher (agent) hosted it: node 0 is gone
-            return PeerLost(0, "its host's launcher stopped (the rendezvous store it hosted is gone)")
-        return PeerLost(None, "the rendezvous store is gone (the launcher stopped)")
+            return PeerLost(0, f"host 0 is lost: its launcher's rendezvous store {how}")
+        return PeerLost(None, f"the rendezvous store {how}: this host's launcher stopped")
 
     def _failed_peers(self) -> list[tuple[int, int | None, str]]:
         """``(reporter, root cause rank or None, reason)`` of every peer that reported going down."""
@@ -498,18 +607,26 @@ class Comm:
                 out.append((r, r if root == self.rank else root, reason))  # blamed us: it is the lost one
         return out
 
-    def _reported_loss(self) -> PeerLost | None:
-        """The root cause among the peers' failure records: a rank's own failure first."""
+    def _reported_loss(self) -> PeerLost | Stopped | None:
+        """The root cause among the peers' failure records: a rank's own failure first; :class:`Stopped` when a
+        launcher recorded an operator's signal (``STOP_KEY``) before passing it on.
+
+        Why the stop key comes first: the launcher writes it before it signals any rank, so a peer's record
+        "interrupted by SIGTERM" that this rank reads can only be part of that stop; reading it as a lost rank
+        raced this rank's own signal handler (1 run in 6 blamed rank 1 for the operator's SIGTERM). A record's text
+        is shown quoted (:func:`quoted`): anyone who reaches the store can write one."""
         failed = self._failed_peers()
         if not failed:
             return None
+        if self.store.check([STOP_KEY]):
+            node, _, sig = self.store.get(STOP_KEY).decode().partition("|")
+            return Stopped(sig if sig in ("SIGINT", "SIGTERM", "SIGHUP") else "SIGTERM", record_text(node, 8))
         failed.sort(key=lambda f: (f[1] != f[0], f[1] is None))
         reporter, root, reason = failed[0]
-        if root == reporter and reason.startswith("its process"):  # written by its launcher
-            return PeerLost(root, reason)
+        text = record_text(reason)
         if root == reporter:
-            return PeerLost(root, f"it failed ({reason})")
-        return PeerLost(root, f"{reason} (reported by rank {reporter})")
+            return PeerLost(root, quoted(reason), text)
+        return PeerLost(root, quoted(reason, reporter), text)
 
     def _stale_peers(self, max_age: float) -> list[int]:
         now = time.monotonic()
@@ -532,10 +649,10 @@ class Comm:
                 self.store.set(HB_PREFIX + str(self.rank), str(self._hb_count))
                 lost = self._reported_loss()
                 stale = self._stale_peers(self.timeout_s)
-            except Exception:
+            except Exception as e:
                 if self._closing or self._failing:
                     return
-                lost, stale = self._store_lost(), []
+                lost, stale = self._store_lost(e), []
             if self._closing or self._failing:
                 return
             if lost is None and stale:
@@ -544,6 +661,8 @@ class Comm:
                 self._die(lost)
             time.sleep(self.heartbeat_s)
 
-    def _die(self, lost: PeerLost) -> None:
-        faults.fatal(f"[rank {self.rank}] error: {lost}", 3, lost.detail,
+    def _die(self, lost: PeerLost | Stopped) -> None:
+        if isinstance(lost, Stopped):   # the operator's stop: this rank's own signal line, if it comes first
+            faults.fatal(f"[rank {self.rank}] {lost}", lost.exit_code, f"interrupted by {lost.sig}")
+        faults.fatal(f"[rank {self.rank}] error: {lost}", 3, lost.reason,
                      -1 if lost.lost is None else lost.lost)

@@ -62,7 +62,8 @@ def peer_failed() -> bool:
         loss = _loss_probe() if _loss_probe is not None else None
     except Exception:
         return False
-    return loss is not None and "interrupted by SIG" not in str(loss)
+    return (loss is not None and "interrupted by SIG" not in str(loss)
+            and not getattr(loss, "operator_stop", False))
 
 
 def fatal(line: str, code: int, reason: str | None = None, lost: int | None = None) -> NoReturn:

@@ -114,7 +114,7 @@ def _fail(rank, e: BaseException) -> int:
     if isinstance(e, KeyboardInterrupt):
         line, code, reason = f"[rank {rank}] interrupted; exiting", 130, "interrupted"
     elif isinstance(e, UserError):   # the message is the whole story (config.errors)
-        line = f"[rank {rank}] error: {e}"
+        line = f"[rank {rank}] {e}" if getattr(e, "operator_stop", False) else f"[rank {rank}] error: {e}"
         code, reason, lost = e.fault_report()
     else:
         line = f"[rank {rank}] error: {type(e).__name__}: {detail}" if detail else f"[rank {rank}] error: {type(e).__name__}"

@@ -26,7 +26,13 @@ Invariants:
   consistent, and the next request's prefill resets the caches anyway;
 * a fatal error on rank 0 (a lost rank, Ctrl-C) answers every pending request with 503 before the process
   exits (:func:`pipeline.faults.on_fatal`); the existing fault machinery then stops every rank within
-  ``comm.timeout_s``, naming the lost rank.
+  ``comm.timeout_s``, naming the lost rank;
+* SIGTERM is a graceful stop (:func:`graceful_signals`): new requests get 503, the request in flight finishes
+  or, after ``--stop-grace-s``, ends at its next commit (``finish_reason`` "cancelled"), then every rank exits;
+  a second signal (or Ctrl-C) stops at once;
+* what a client sends is bounded before any work: the body (``--max-body-bytes``, HTTP 413), the prompt's
+  characters (``--max-prompt-chars``, before tokenising), JSON of any depth (a 400, never a 500); JSON
+  decoding and tokenising run off the event loop, so ``/health`` and streams never wait behind them.
 """
 from __future__ import annotations
 
@@ -52,6 +58,9 @@ except ImportError:
     HTTPRequest = None
 
 STATIC = Path(__file__).resolve().parent / "static"
+MAX_BODY_BYTES = 1 << 20      # --max-body-bytes default (OpenAI-style 413 above it)
+CHARS_PER_SLOT = 16           # --max-prompt-chars default: this many characters per KV slot (model.max_seq_len)
+STOP_GRACE_S = 30.0           # --stop-grace-s default
 ALL_MODES = ",".join(COMPARED_MODES)
 
 EXAMPLES = """examples:
@@ -62,8 +71,18 @@ EXAMPLES = """examples:
 Config overrides are key=value words as for pipeline.run (mode= sets the default mode of requests)."""
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+class UsageError(ValueError):
+    """A bad server flag, as one line (``parse_args(..., one_line=True)``: the launcher checks them once)."""
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def parse_args(argv: list[str] | None = None, one_line: bool = False) -> argparse.Namespace:
+    """The server's flags; ``one_line``: raise :class:`UsageError` instead of printing the usage and exiting."""
+    p = (_OneLineParser if one_line else argparse.ArgumentParser)(
         prog="python -m pipeline.serve",
         description="Serve the pipeline over HTTP from rank 0 (OpenAI-compatible API, live page). Launch one "
                     "process per rank (./run_serve.sh does).",
@@ -80,21 +99,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=0, help="untimed warm-up generations per mode before serving")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn access log)")
     p.add_argument("--no-http", action="store_true", help="no HTTP server (in-process API only: main(client=...))")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                   help=f"largest request body accepted (default {MAX_BODY_BYTES}); larger: HTTP 413")
+    p.add_argument("--max-prompt-chars", type=int, default=0,
+                   help=f"longest prompt in characters, all messages together, checked before tokenising (default "
+                        f"0: {CHARS_PER_SLOT} x model.max_seq_len); longer: HTTP 400 context_length_exceeded")
+    p.add_argument("--stop-grace-s", type=float, default=STOP_GRACE_S,
+                   help=f"SIGTERM: seconds the request in flight may still run before it is cut at its next commit "
+                        f"(default {STOP_GRACE_S:g}); new requests get 503 meanwhile; a second signal stops at once")
     args = p.parse_intermixed_args(argv)
     if not 0 <= args.port < 65536:
         p.error(f"--port {args.port} is not a TCP port")
     if args.queue_size < 1:
         p.error("--queue-size must be >= 1")
+    if args.max_body_bytes < 1024 or args.max_prompt_chars < 0:
+        p.error("--max-body-bytes must be >= 1024 and --max-prompt-chars >= 0")
+    if not 0 <= args.stop_grace_s <= 3600:
+        p.error("--stop-grace-s must be in [0, 3600]")
     return args
+
+
+def run_argv(sargs: argparse.Namespace) -> list[str]:
+    """The ``pipeline.run`` arguments every rank of the server runs with (and the launcher checks once)."""
+    return [*sargs.overrides, "--modes", sargs.modes, "--template", sargs.template]
 
 
 # -- the in-process API ---------------------------------------------------------------------------------
 class RequestError(ValueError):
-    """A bad request (HTTP 400). ``param`` names the offending field."""
+    """A bad request (HTTP ``status``, 400 by default). ``param`` names the offending field."""
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400) -> None:
         super().__init__(message)
-        self.param, self.code = param, code
+        self.param, self.code, self.status = param, code, status
 
 
 class QueueFull(RuntimeError):
@@ -304,11 +340,13 @@ class RequestManager:
     """
 
     def __init__(self, tokenizer, stop_ids: set[int], modes: list[str], default_mode: str, cfg, model_config,
-                 world: int, queue_size: int, model_name: str, template: str = "auto") -> None:
+                 world: int, queue_size: int, model_name: str, template: str = "auto",
+                 max_prompt_chars: int = 0) -> None:
         self.tokenizer, self.stop_ids = tokenizer, stop_ids
         self.modes, self.default_mode, self.cfg = modes, default_mode, cfg
         self.world, self.queue_size, self.model_name, self.template = world, queue_size, model_name, template
         self.vocab = model_config.vocab_size
+        self.max_prompt_chars = max_prompt_chars or CHARS_PER_SLOT * cfg.model.max_seq_len
         self.max_positions = getattr(model_config, "max_position_embeddings", None) or (1 << 30)
         t = cfg.tree
         self.tree_room = max(t.total_token, t.init_total_token + 4 * t.expand_total_token,
@@ -330,6 +368,13 @@ class RequestManager:
     # -- submission -----------------------------------------------------------------------------------
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def check_chars(self, n: int, param: str) -> None:
+        """Refuse a prompt of more than ``max_prompt_chars`` characters before tokenising it (a tokenizer's time
+        and memory grow with the text; no prompt that long fits the stages' KV slots anyway)."""
+        if n > self.max_prompt_chars:
+            raise RequestError(f"the prompt has {n} characters, more than this server accepts "
+                               f"({self.max_prompt_chars}, --max-prompt-chars)", param, "context_length_exceeded")
 
     def prompt_ids(self, prompt=None, messages=None) -> list[int]:
         from model.prompts import chat_prompt_ids
@@ -357,12 +402,14 @@ class RequestManager:
                 raise RequestError("the last message must be the user's", "messages")
             if not turns[-1].strip():
                 raise RequestError("the last user message is empty", "messages")
+            self.check_chars(sum(map(len, turns)) + sum(map(len, answers)) + len(system or ""), "messages")
             return chat_prompt_ids(self.tokenizer, turns, answers, system, self.template)
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise RequestError("prompt is empty", "prompt")
+            self.check_chars(len(prompt), "prompt")
             return list(self.tokenizer(prompt)["input_ids"])
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             if min(prompt) < 0 or max(prompt) >= self.vocab:
@@ -494,6 +541,25 @@ class RequestManager:
             self._retire(r)
             r._fail(503, "the server is stopping")
 
+    def begin_stop(self, grace_s: float) -> None:
+        """A graceful stop (SIGTERM): refuse new requests (503), answer the waiting ones 503, let the request in
+        flight finish, and cut it at its next commit (``finish_reason`` "cancelled") once ``grace_s`` has passed;
+        the serving loop then ends and every rank exits normally. Returns at once."""
+        self.stop()
+
+        def cut() -> None:
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline:
+                with self._cond:
+                    if self.current is None:
+                        return
+                    self._cond.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+            cur = self.current
+            if cur is not None:
+                cur.cancel()
+
+        threading.Thread(target=cut, daemon=True, name="flowspec-stop-grace").start()
+
     def fail_all(self, reason: str, wait_s: float = 2.0) -> None:
         """The pipeline is going down: answer every pending request 503, give HTTP a moment to send it."""
         with self._cond:
@@ -560,8 +626,10 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     default_mode = cfg.gen.mode if cfg.gen.mode in modes else modes[0]
     name = sargs.model_name or _model_name(stage_root, sdir)
     manager = RequestManager(tokenizer, stop_ids, modes, default_mode, cfg, model.config, comm.world,
-                             sargs.queue_size, name, sargs.template)
+                             sargs.queue_size, name, sargs.template, sargs.max_prompt_chars)
     faults.on_fatal(manager.fail_all)
+    global _graceful_stop
+    _graceful_stop = manager.begin_stop   # SIGTERM from here on: a graceful stop (graceful_signals)
     keep_max = cfg.gen.max_new_tokens
 
     def generate(req: Request) -> None:
@@ -588,7 +656,7 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
 
     server = None
     if sock is not None:
-        server = _start_http(manager, sock, sargs.access_log)
+        server = _start_http(manager, sock, sargs.access_log, sargs.max_body_bytes)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         print(f"[serve] ready: http://{shown}:{port}/ (OpenAI API at /v1, {comm.world} ranks, modes "
@@ -636,9 +704,9 @@ def _model_name(stage_root: Path, sdir: Path) -> str:
     return name
 
 
-def _start_http(manager: RequestManager, sock: socket.socket, access_log: bool):
+def _start_http(manager: RequestManager, sock: socket.socket, access_log: bool, max_body_bytes: int = MAX_BODY_BYTES):
     import uvicorn
-    app = make_app(manager)
+    app = make_app(manager, max_body_bytes)
     config = uvicorn.Config(app, log_level="warning", access_log=access_log, lifespan="off",
                             timeout_graceful_shutdown=2, timeout_keep_alive=5)
     server = uvicorn.Server(config)
@@ -662,8 +730,53 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 
 
-def make_app(manager: RequestManager):
-    """The FastAPI app over ``manager`` (all endpoints; errors are OpenAI-style JSON bodies)."""
+class BodyTooLarge(Exception):
+    """The request body is longer than the server's ``--max-body-bytes`` (HTTP 413)."""
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The request body, refused (:class:`BodyTooLarge`) as soon as it is known to exceed ``limit`` bytes: by its
+    Content-Length before reading anything, else while it streams in (chunked). Never holds more than ``limit``
+    (+ one chunk) in memory."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise BodyTooLarge(int(declared))
+        except ValueError:
+            pass   # malformed header: the body's real length decides
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(size)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def decode_body(raw: bytes, allowed: set[str]) -> dict:
+    """The JSON object of a request body, or :class:`RequestError` (400) for anything malformed: not UTF-8, not
+    JSON, nested deeper than the parser's recursion limit (a ``RecursionError``), not an object, unknown fields.
+    Pure: the HTTP layer runs it off the event loop."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise RequestError("the request body is not valid JSON (or is nested too deeply)", None,
+                           "invalid_json") from None
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", None, "invalid_json")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise RequestError(f"Unrecognized request argument supplied: {str(unknown[0])[:100]}", str(unknown[0])[:100],
+                           "unknown_parameter")
+    return body
+
+
+def make_app(manager: RequestManager, max_body_bytes: int = MAX_BODY_BYTES):
+    """The FastAPI app over ``manager`` (all endpoints; errors are OpenAI-style JSON bodies, 4xx for anything a
+    client can get wrong, and a JSON 500 for the rest)."""
+    import concurrent.futures
+
     from fastapi import FastAPI
     from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.background import BackgroundTask
@@ -671,6 +784,12 @@ def make_app(manager: RequestManager):
 
     app = FastAPI(title="FlowSpec pipeline server", docs_url=None, redoc_url=None, openapi_url=None)
     page = (STATIC / "serve.html").read_text(encoding="utf-8")
+    # JSON decoding and tokenising leave the event loop (one worker: the tokenizer is shared, and submission
+    # order stays arrival order); /health and the streams keep answering while a large prompt is processed
+    worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flowspec-parse")
+
+    async def off_loop(fn, *args, **kw):
+        return await asyncio.get_running_loop().run_in_executor(worker, lambda: fn(*args, **kw))
 
     def error(status: int, message: str, type_: str, param=None, code=None) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
@@ -681,21 +800,18 @@ def make_app(manager: RequestManager):
         return error(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500
                      else "server_error", None, "not_found" if exc.status_code == 404 else None)
 
+    @app.exception_handler(Exception)
+    async def server_error(request, exc):   # never a plain-text 500 with a traceback
+        return error(500, f"internal error: {type(exc).__name__}", "server_error")
+
     async def parse(request: HTTPRequest, allowed: set[str]):
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise RequestError("the request body is not valid JSON", None, "invalid_json") from None
-        if not isinstance(body, dict):
-            raise RequestError("the request body must be a JSON object", None, "invalid_json")
-        unknown = sorted(set(body) - allowed)
-        if unknown:
-            raise RequestError(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0],
-                               "unknown_parameter")
-        if body.get("model") not in (None, manager.model_name):
-            raise RequestError(f"The model {body.get('model')!r} does not exist; this server serves "
-                               f"{manager.model_name!r}", "model", "model_not_found")
+        raw = await read_body(request, max_body_bytes)
+        body = await off_loop(decode_body, raw, allowed)
+        model = body.get("model")
+        if model is not None and model != manager.model_name:
+            shown = repr(model)[:120] if isinstance(model, str) else f"of type {type(model).__name__}"
+            raise RequestError(f"The model {shown} does not exist; this server serves {manager.model_name!r}",
+                               "model", "model_not_found", status=404)
         if body.get("n", 1) != 1:
             raise RequestError("only n=1 is supported (batch 1)", "n")
         for k in ("presence_penalty", "frequency_penalty"):
@@ -716,16 +832,20 @@ def make_app(manager: RequestManager):
                             top_p=body.get("top_p"), top_k=body.get("top_k"), seed=body.get("seed"),
                             stop=body.get("stop"))
             if chat:
-                req = manager.submit(messages=body.get("messages"), **sampling) if "messages" in body else None
-                if req is None:
+                if "messages" not in body:
                     raise RequestError("messages is required", "messages")
+                req = await off_loop(manager.submit, messages=body.get("messages"), **sampling)
             else:
                 if "prompt" not in body:
                     raise RequestError("prompt is required", "prompt")
-                req = manager.submit(prompt=body["prompt"], **sampling)
+                req = await off_loop(manager.submit, prompt=body["prompt"], **sampling)
+        except BodyTooLarge:
+            manager.m["bad_requests"] += 1
+            return error(413, f"the request body is larger than this server accepts ({max_body_bytes} bytes, "
+                              f"--max-body-bytes)", "invalid_request_error", None, "request_too_large")
         except RequestError as e:
             manager.m["bad_requests"] += 1
-            return error(400, str(e), "invalid_request_error", e.param, e.code)
+            return error(e.status, str(e), "invalid_request_error", e.param, e.code)
         except QueueFull as e:
             return error(429, str(e), "rate_limit_error", None, "queue_full")
         except Unavailable as e:
@@ -903,20 +1023,66 @@ def main(argv: list[str] | None = None, client=None) -> int:
     starts (the in-process API: ``manager.submit(...)``; call ``manager.stop()`` to end the job)."""
     from pipeline import run
     sargs = parse_args(sys.argv[1:] if argv is None else argv)
-    run_argv = [*sargs.overrides, "--modes", sargs.modes, "--template", sargs.template]
-
     def rank0(args, cfg, modes, comm, model, stage_root, dtype, device):
         return serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root, dtype, device)
 
-    return run.main(run_argv, rank0=rank0)
+    return run.main(run_argv(sargs), rank0=rank0)
+
+
+_graceful_stop = None   # rank 0's RequestManager.begin_stop once it serves (set by serve_rank0)
+
+
+def graceful_signals(grace_s: float) -> None:
+    """Every rank of the server: SIGINT (Ctrl-C) stops at once, as in ``pipeline.run``; the first SIGTERM is a
+    graceful stop. Rank 0, once serving, calls :meth:`RequestManager.begin_stop` (one line says so) and ends
+    normally, sending the stages the ring's ``Shutdown``; the stage ranks keep computing until then. A second
+    signal stops at once; a rank still alive ``grace_s`` + 30 s after the first leaves anyway (a backstop: the
+    launcher kills its ranks after the grace too). SIGTERM before rank 0 serves stops at once. Signals are taken
+    by a ``sigwait`` thread, as in :func:`pipeline.run._exit_on_signals` (imports made before it starts)."""
+    import signal
+
+    from pipeline import faults
+    sigs = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    rank = os.environ.get("RANK", "0")
+
+    def leave(sig) -> None:
+        line = f"[rank {rank}] interrupted by {sig.name}; exiting"
+        if sig == signal.SIGTERM and faults.peer_failed():
+            line = ""
+        faults.fatal(line, 128 + sig.value, f"interrupted by {sig.name}")
+
+    def backstop(sig) -> None:
+        time.sleep(grace_s + 30.0)
+        leave(sig)
+
+    def wait() -> None:
+        sig = signal.Signals(signal.sigwait(sigs))
+        stop = _graceful_stop
+        if sig != signal.SIGTERM or (rank == "0" and stop is None):
+            leave(sig)
+        if stop is not None:
+            print(f"[rank {rank}] SIGTERM: stopping; the request in flight may finish (at most {grace_s:g}s), new "
+                  f"requests get 503; a second signal stops at once", file=sys.stderr, flush=True)
+            stop(grace_s)
+        threading.Thread(target=backstop, args=(sig,), daemon=True, name="flowspec-stop-backstop").start()
+        leave(signal.Signals(signal.sigwait(sigs)))
+
+    threading.Thread(target=wait, daemon=True, name="flowspec-signals").start()
 
 
 def entry(argv: list[str] | None = None, client=None) -> int:
-    """What ``python -m pipeline.serve`` runs: signals handled like ``pipeline.run`` (Ctrl-C stops every rank)."""
+    """What ``python -m pipeline.serve`` runs: Ctrl-C stops every rank at once, SIGTERM gracefully
+    (:func:`graceful_signals`)."""
     from pipeline import run
     if not run.debug():
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    run._exit_on_signals()
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        grace = parse_args(argv, one_line=True).stop_grace_s
+    except UsageError:
+        grace = STOP_GRACE_S   # main() prints the usage
+    graceful_signals(grace)
     return main(argv, client)
 
 

@@ -3,6 +3,7 @@
 One host:        python -m pipeline.tools.launch --standalone --nproc-per-node=3 -m pipeline.run model.stage_dir=DIR
 Several hosts:   python -m pipeline.tools.launch --nnodes=3 --node-rank=1 --master-addr=10.0.0.1 --master-port=29500 \\
                      -m pipeline.run model.stage_dir=DIR        (the same command on every host, own --node-rank)
+A script:        python -m pipeline.tools.launch --standalone --nproc-per-node=2 path/to/script.py ARGS  (as torchrun)
 
 Options (torchrun's spellings, ``--nproc_per_node`` and ``--nproc-per-node`` alike): ``--standalone``,
 ``--nnodes N`` (1), ``--node-rank K`` (0), ``--nproc-per-node P`` (1), ``--master-addr A`` (127.0.0.1),
@@ -27,6 +28,15 @@ What the launcher guarantees (invariants the tests in tests/test_launchers.py ch
   launcher are passed on to its ranks, which stop with one line each.
 * Node 0's launcher keeps the store up (briefly, bounded) until the other hosts' ranks have read the
   failure records, so a lost rank 0 is named as such on every host.
+* Every call to the store (ranks' watchdogs and launchers alike) returns within ``comm.timeout_s``
+  (``pipeline.comm.BoundedStore``): a host 0 that is frozen (SIGSTOP), powered off or unplugged makes every
+  other process exit within ``comm.timeout_s`` + a few seconds, naming host 0 (rank 0), never a silent hang.
+* On one host (``--standalone``, ``--nnodes 1``, or a loopback ``--master-addr``) the store listens on
+  127.0.0.1 only (a pre-bound loopback socket handed to TCPStore); on several hosts it listens on every
+  interface, unauthenticated: MASTER_PORT must be reachable only from the cluster's hosts. A failure record's
+  text is only ever shown quoted (``a record in the store says: "..."``, sanitized, bounded).
+* An operator's signal to a launcher is recorded in the store before it is passed on, so every rank reports
+  a stop, never a lost rank.
 
 Exit codes: 0 every rank succeeded; 2 bad input (a rank's own ``error:``, or the argument check); 3 a rank
 was lost (killed, frozen, lost a peer) or a node never joined; 1 an unexpected exception in a rank;
@@ -48,6 +58,7 @@ FAIL_PREFIX = "flowspec/fail/"      # shared with pipeline/comm.py
 DONE_PREFIX = "flowspec/done/"
 NODE_PREFIX = "flowspec/launch/node/"
 ABORT_KEY = "flowspec/launch/abort"
+STOP_KEY = "flowspec/launch/stop"   # "<node rank>|<signal name>": an operator's stop (shared with pipeline/comm.py)
 PR_SET_PDEATHSIG = 1
 POLL_S = 0.05
 
@@ -62,8 +73,14 @@ class LaunchError(Exception):
 OPTIONS = {"nnodes": int, "node_rank": int, "nproc_per_node": int, "master_addr": str, "master_port": int}
 
 
+def is_script(target: str) -> bool:
+    """A launch target given as a script path (``path/to/x.py``, as torchrun takes it) rather than ``-m MODULE``."""
+    return target.endswith(".py") or os.sep in target
+
+
 def parse(argv: list[str]) -> tuple[dict, str, list[str]]:
-    """``(options, module, module_args)``; torchrun's option spellings, ``-m MODULE`` ends the options."""
+    """``(options, target, args)``; torchrun's option spellings. ``-m MODULE`` or a script path (the first
+    argument that is not an option, as torchrun's ``training_script``) ends the options."""
     opts: dict = {"standalone": False, "nnodes": 1, "node_rank": 0, "nproc_per_node": 1,
                   "master_addr": "127.0.0.1", "master_port": None}
     i = 0
@@ -78,7 +95,11 @@ def parse(argv: list[str]) -> tuple[dict, str, list[str]]:
             i += 1
             continue
         if not a.startswith("--"):
-            raise LaunchError(f"unexpected argument {a!r} before -m MODULE", 2)
+            if not is_script(a) or a.startswith("-"):
+                raise LaunchError(f"unexpected argument {a!r} before -m MODULE (or a script path ending in .py)", 2)
+            if not os.path.isfile(a):
+                raise LaunchError(f"no script {a!r} (give a file path, or -m MODULE)", 2)
+            return opts, a, argv[i + 1:]
         name, eq, value = a[2:].partition("=")
         name = name.replace("-", "_")
         if name not in OPTIONS:
@@ -93,7 +114,7 @@ def parse(argv: list[str]) -> tuple[dict, str, list[str]]:
         except ValueError:
             raise LaunchError(f"--{name.replace('_', '-')} takes {OPTIONS[name].__name__}, got {value!r}", 2) from None
         i += 1
-    raise LaunchError("missing -m MODULE (e.g. -m pipeline.run)", 2)
+    raise LaunchError("missing -m MODULE or a script path (e.g. -m pipeline.run)", 2)
 
 
 def check_options(o: dict) -> None:
@@ -124,11 +145,14 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
 
 def child(module: str, args: list[str]) -> None:
     """A rank: die with the launcher (parent-death signal, and a check that it is still our parent, since
-    it may have died before the signal was armed), then run ``module`` as ``__main__``."""
+    it may have died before the signal was armed), then run ``module`` as ``__main__``, or exec ``python SCRIPT``
+    for a script path (``PR_SET_PDEATHSIG`` survives ``execve``)."""
     set_parent_death_signal()
     parent = os.environ.get("FLOWSPEC_LAUNCHER_PID")
     if parent and os.getppid() != int(parent):
         os._exit(128 + signal.SIGKILL)
+    if is_script(module):   # ``python script.py`` exactly (its folder first on sys.path); the death signal stays
+        os.execv(sys.executable, [sys.executable, module, *args])
     import runpy
     sys.argv = [module, *args]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -154,15 +178,67 @@ def _bounded(fn, seconds: float):
     return box.get("r"), box.get("e")
 
 
+def loopback_address(o: dict) -> str | None:
+    """Where the store listens when the job runs on this host only, else None (several hosts): 127.0.0.1 with
+    ``--standalone`` or ``--nnodes 1``; the loopback address ``--master-addr`` names (127.0.0.1, 127.0.1.1,
+    ::1, localhost) when every host runs here."""
+    if o["standalone"] or o["nnodes"] == 1:
+        return "127.0.0.1"
+    try:
+        import ipaddress
+        addrs = [info[4][0] for info in socket.getaddrinfo(o["master_addr"], None, proto=socket.IPPROTO_TCP)]
+        if addrs and all(ipaddress.ip_address(a).is_loopback for a in addrs):
+            return next((a for a in addrs if ":" not in a), addrs[0])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def loopback_socket(port: int, host: str = "127.0.0.1") -> socket.socket:
+    """A listening TCP socket bound to ``host``:``port`` (a loopback address; port 0: a free one), for TCPStore's
+    ``master_listen_fd``.
+
+    Why: given a host name, torch's TCPStore server binds the wildcard address (every interface, IPv6 and IPv4)
+    whatever the name; an unauthenticated store reachable from the LAN lets anyone write a failure record that
+    stops the job. The caller keeps the socket object alive as long as the store."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def open_store(o: dict, timeout_s: float, deadline: float, tag: str):
-    """Node 0: the store server (``LaunchError`` if the port is taken); others: a client of node 0's."""
+    """Node 0: the store server (``LaunchError`` if the port is taken), listening on loopback only when the job
+    runs on one host (:func:`loopback_address`); others: a client of node 0's. Either is returned wrapped in
+    ``pipeline.comm.BoundedStore`` (every call bounded by ``timeout_s``)."""
     import datetime
+
     from torch.distributed import TCPStore
+
+    from pipeline.comm import BoundedStore
     addr, port = o["master_addr"], o["master_port"]
     td = datetime.timedelta(seconds=timeout_s)
     if o["node_rank"] == 0:
         host = "127.0.0.1" if o["standalone"] else addr
-        store, err = _bounded(lambda: TCPStore(host, port, None, True, td, wait_for_workers=False), timeout_s)
+        listen = None
+        loop = loopback_address(o)
+        if loop is not None:
+            host = loop
+            try:
+                listen = loopback_socket(port, loop)
+            except OSError as e:
+                if e.errno == 98:   # EADDRINUSE
+                    raise LaunchError(f"cannot open the rendezvous on port {port}: it is already in use by another "
+                                      f"program or job; choose a free MASTER_PORT", 2) from None
+                raise LaunchError(f"cannot open the rendezvous at {loop}:{port}: {e.strerror or e}", 2) from None
+            port = listen.getsockname()[1]
+        kw = {} if listen is None else {"master_listen_fd": listen.fileno()}
+        store, err = _bounded(lambda: TCPStore(host, port, None, True, td, wait_for_workers=False, **kw), timeout_s)
         if err is not None:
             text = str(err)
             if "EADDRINUSE" in text or "in use" in text:
@@ -170,14 +246,16 @@ def open_store(o: dict, timeout_s: float, deadline: float, tag: str):
                                   f"program or job; choose a free MASTER_PORT", 2)
             first = next((l.strip() for l in text.splitlines() if l.strip()), type(err).__name__)[:200]
             raise LaunchError(f"cannot open the rendezvous at {host}:{port}: {first}", 2)
-        return store
+        bounded = BoundedStore(store, timeout_s, "the rendezvous store")
+        bounded.listen_socket = listen
+        return bounded
     left = max(0.5, deadline - time.monotonic())
     store, err = _bounded(lambda: TCPStore(addr, port, None, False, datetime.timedelta(seconds=left),
                                            wait_for_workers=False), left + 1.0)
     if err is not None:
         raise LaunchError(f"no rendezvous at {addr}:{port} within {timeout_s:g}s: node 0 did not answer (not "
                           f"started, unreachable, or another program holds port {port})", 3)
-    return store
+    return BoundedStore(store, timeout_s, "node 0's rendezvous store")
 
 
 def node_rendezvous(store, o: dict, deadline: float, timeout_s: float) -> None:
@@ -262,13 +340,16 @@ def describe_exit(code: int) -> str:
 
 # -- the launcher --------------------------------------------------------------------------------------
 class Launcher:
-    def __init__(self, o: dict, module: str, args: list[str], timeout_s: float, heartbeat_s: float) -> None:
+    def __init__(self, o: dict, module: str, args: list[str], timeout_s: float, heartbeat_s: float,
+                 stop_grace_s: float = 0.0) -> None:
         self.o, self.module, self.args = o, module, args
         self.timeout_s, self.heartbeat_s = timeout_s, heartbeat_s
         self.world = o["nnodes"] * o["nproc_per_node"]
         self.first_rank = o["node_rank"] * o["nproc_per_node"]
         self.tag = "[launch]" if o["nnodes"] == 1 else f"[launch node {o['node_rank']}]"
         self.grace = max(3.0, min(timeout_s, 10 * heartbeat_s))  # survivors' time to name a lost rank
+        self.stop_grace = stop_grace_s   # a server's graceful stop (SIGTERM): its ranks' time to finish
+        self.signals = 0
         self.procs: dict[int, subprocess.Popen] = {}
         self.codes: dict[int, int] = {}
         self.killed: set[int] = set()       # ranks this launcher had to kill
@@ -277,8 +358,16 @@ class Launcher:
         self.records: dict = {}
 
     def _on_signal(self, sig, _frame) -> None:
+        self.signals += 1
         if self.stop_signal is None:
             self.stop_signal = sig
+            if self.store is not None and self.procs:  # before any rank hears it: a stop, not a lost rank
+                try:   # briefly: a frozen host 0 must not delay passing the signal on
+                    if not self.store.call("check", [STOP_KEY], wait_s=1.0):
+                        self.store.call("set", STOP_KEY, f"{self.o['node_rank']}|{signal.Signals(sig).name}",
+                                        wait_s=1.0)
+                except Exception:
+                    pass
         for p in self.procs.values():
             if p.poll() is None:
                 try:
@@ -294,12 +383,21 @@ class Launcher:
         self.store = open_store(self.o, self.timeout_s, deadline, self.tag)
         port = self.store.port if self.o["node_rank"] == 0 else self.o["master_port"]
         if self.stop_signal is None:
-            node_rendezvous(self.store, self.o, deadline, self.timeout_s)
-            if self.o["node_rank"] != 0:
-                self.store.set(NODE_PREFIX + f"ack/{self.o['node_rank']}", "1")
+            from pipeline.comm import StoreUnresponsive
+            try:
+                node_rendezvous(self.store, self.o, deadline, self.timeout_s)
+                if self.o["node_rank"] != 0:
+                    self.store.set(NODE_PREFIX + f"ack/{self.o['node_rank']}", "1")
+            except StoreUnresponsive as e:
+                raise LaunchError(f"lost node 0 during the rendezvous: {e} (host 0 frozen, powered off or "
+                                  f"unreachable)", 3) from None
+            except (RuntimeError, OSError) as e:
+                first = next((l.strip() for l in str(e).splitlines() if l.strip()), type(e).__name__)[:160]
+                raise LaunchError(f"lost node 0 during the rendezvous: its store failed ({first})", 3) from None
         if self.stop_signal is not None:
             return 128 + self.stop_signal
-        env = dict(os.environ, MASTER_ADDR=self.o["master_addr"], MASTER_PORT=str(port),
+        addr = loopback_address(self.o) or self.o["master_addr"]   # where the store listens (open_store)
+        env = dict(os.environ, MASTER_ADDR=addr, MASTER_PORT=str(port),
                    WORLD_SIZE=str(self.world), LOCAL_WORLD_SIZE=str(self.o["nproc_per_node"]),
                    GROUP_RANK=str(self.o["node_rank"]), NODE_RANK=str(self.o["node_rank"]),
                    FLOWSPEC_LAUNCH_STORE="1", FLOWSPEC_LAUNCHER_PID=str(os.getpid()))
@@ -341,8 +439,11 @@ class Launcher:
             alive = [r for r in self.procs if r not in self.codes]
             if not alive:
                 break
-            if self.stop_signal is not None and kill_at is None:
-                kill_at = now + self.grace
+            if self.stop_signal is not None and kill_at is None:   # a server's SIGTERM: its stop grace first
+                graceful = self.stop_signal == signal.SIGTERM and self.signals == 1 and self.stop_grace > 0
+                kill_at = now + self.grace + (self.stop_grace if graceful else 0.0)
+            elif self.stop_signal is not None and self.signals > 1:    # a second signal: stop at once
+                kill_at = min(kill_at, now + self.grace)
             if kill_at is None and self.store is not None and polls % 10 == 0:
                 # a failure on another host: this host's ranks should follow within the grace (and a rank of
                 # this host reported silent, e.g. frozen, is stopped below)
@@ -364,9 +465,22 @@ class Launcher:
             time.sleep(POLL_S)
         return self.finish()
 
+    def _operator_stop(self) -> tuple[str, str] | None:
+        """``(node rank, signal name)`` when some launcher recorded an operator's stop."""
+        try:
+            if self.store is not None and self.store.check([STOP_KEY]):
+                node, _, sig = self.store.get(STOP_KEY).decode().partition("|")
+                from pipeline.comm import record_text
+                return record_text(node, 8), record_text(sig, 8)
+        except Exception:
+            pass
+        return None
+
     def finish(self) -> int:
         records = read_records(self.store, self.world) if self.store is not None else {}
         records = records or self.records
+        store_dead = getattr(self.store, "dead", None)
+        stop = self._operator_stop() if self.stop_signal is None and not store_dead else None
         if self.o["nnodes"] > 1 and self.store is not None:
             k = self.o["node_rank"]
             if k != 0:  # tell node 0 this host has read what it needs
@@ -380,10 +494,21 @@ class Launcher:
             name = signal.Signals(self.stop_signal).name
             print(f"{self.tag} stopped by {name}: every rank of this host ended", file=sys.stderr, flush=True)
             return 128 + self.stop_signal
+        local = {r: c for r, c in self.codes.items() if c != 0}
+        if store_dead and self.o["node_rank"] != 0:  # host 0 frozen or unreachable: name it, once
+            what = f"; rank{'s' if len(local) > 1 else ''} {', '.join(map(str, sorted(local)))} stopped" if local else ""
+            code = 3 if local else 0
+            print(f"{self.tag} lost rank 0 (host 0): {store_dead} (host 0 frozen, powered off or unreachable)"
+                  f"{what}; exit {code}", file=sys.stderr, flush=True)
+            return code
         if not any(self.codes.values()):
             return 0
+        if stop is not None:
+            sig = stop[1] if stop[1] in ("SIGINT", "SIGTERM", "SIGHUP") else "SIGTERM"
+            print(f"{self.tag} stopped: the operator stopped node {stop[0]}'s launcher ({sig}); every rank of this "
+                  f"host ended", file=sys.stderr, flush=True)
+            return 128 + int(getattr(signal, sig))
         cause = root_cause(records)
-        local = {r: c for r, c in self.codes.items() if c != 0}
         if cause is None:  # no store (gone with node 0): what the local exits say
             r, c = min(local.items())
             if c == 3:
@@ -397,26 +522,38 @@ class Launcher:
         code = self.codes[root] if own else 3
         others = sorted(r for r in local if r != root)
         tail = f"; rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} stopped" if others else ""
+        from pipeline.comm import quoted
         if own:
-            msg = f"{self.tag} {who} failed ({reason}){tail}; exit {code}"
+            msg = f"{self.tag} {who} failed ({quoted(reason)}){tail}; exit {code}"
         else:
-            msg = f"{self.tag} lost {who}: {reason}{tail}; exit {code}"
+            msg = f"{self.tag} lost {who}: {quoted(reason)}{tail}; exit {code}"
         print(msg, file=sys.stderr, flush=True)
         return code
 
 
-def read_timeouts(module: str, args: list[str], world: int, tag: str) -> tuple[float, float]:
-    """``(comm.timeout_s, comm.heartbeat_s)`` of a ``pipeline.run`` command line, whose arguments are
-    checked here, once, before any rank starts (:func:`pipeline.run.check_args` prints the reason)."""
+def read_timeouts(module: str, args: list[str], world: int, tag: str) -> tuple[float, float, float]:
+    """``(comm.timeout_s, comm.heartbeat_s, stop grace s)`` of a ``pipeline.run`` or ``pipeline.serve`` command
+    line, whose arguments are checked here, once, before any rank starts (:func:`pipeline.run.check_args`
+    prints the reason; a bad server flag is one line, never each rank's usage text). The stop grace is the
+    server's ``--stop-grace-s`` (0 for a run): how long a SIGTERM leaves its ranks to finish the request in
+    flight before the launcher kills them."""
+    stop_grace = 0.0
+    if module == "pipeline.serve":
+        from pipeline.serve import UsageError, parse_args as serve_args, run_argv
+        try:
+            sargs = serve_args(args, one_line=True)
+        except UsageError as e:
+            raise LaunchError(f"{e} (see ./run_serve.sh --help)", 2) from None
+        module, args, stop_grace = "pipeline.run", run_argv(sargs), float(sargs.stop_grace_s)
     if module != "pipeline.run":
-        return 30.0, 0.5
+        return 30.0, 0.5, 0.0
     from pipeline.run import check_args, parse_args
     code = check_args(args, world, tag)
     if code:
         raise LaunchError("", code)
     from config.run_config import DEFAULT, apply_overrides
     cfg = apply_overrides(DEFAULT, parse_args(args).overrides)
-    return float(cfg.comm.timeout_s), float(cfg.comm.heartbeat_s)
+    return float(cfg.comm.timeout_s), float(cfg.comm.heartbeat_s), stop_grace
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -440,9 +577,9 @@ def main(argv: list[str] | None = None) -> int:
         check_options(o)
         tag = "[launch]" if o["nnodes"] == 1 else f"[launch node {o['node_rank']}]"
         if {"-h", "--help", "--print-config"} & set(args):  # nothing to launch: the module answers itself
-            os.execv(sys.executable, [sys.executable, "-m", module, *args])
-        timeout_s, heartbeat_s = read_timeouts(module, args, o["nnodes"] * o["nproc_per_node"], tag)
-        launcher = Launcher(o, module, args, timeout_s, heartbeat_s)
+            os.execv(sys.executable, [sys.executable, *([module] if is_script(module) else ["-m", module]), *args])
+        timeout_s, heartbeat_s, stop_grace = read_timeouts(module, args, o["nnodes"] * o["nproc_per_node"], tag)
+        launcher = Launcher(o, module, args, timeout_s, heartbeat_s, stop_grace)
         return launcher.run()
     except LaunchError as e:
         if str(e):
