@@ -70,7 +70,7 @@ class TreeConfig:
                                  # first segment (subseq_token nodes) goes out; the rest grows while it travels
                                  # (0 = draft the whole first tree first)
     expand_total_token: int = 64  # continuous: tree drafted from each new root (0 = no expansion after a
-                                  # verified step; none_expand and ahead_levels still apply)
+                                  # verified step; ahead_levels still applies)
     expand_depth: int = 6
     expand_topk: int = 10
     expand_subseq_token: int = -1  # max nodes sent per step after the fill (-1 = all waiting nodes)
@@ -85,9 +85,6 @@ class TreeConfig:
     ahead_levels: int = 0        # continuous: when a ring link is free and nothing waits, grow this many levels
                                  # below the best leaves and send them (draft ahead; 0 = off)
     ahead_min_prob: float = 0.02  # ... only while the best new node's draft path probability is at least this
-    none_expand: bool = False    # continuous: when nothing was verified, deepen the waiting frontier
-    none_expand_size: int = 48
-    none_expand_depth: int = 1
     pipedec_topk: int = 16       # pipedec: nodes per new tree layer
 
 
@@ -243,8 +240,7 @@ class RunConfig:
         for k, v in positive.items():
             if v < 1:
                 raise ConfigError(f"{k}={v} must be >= 1")
-        for k in ("depth", "init_depth", "expand_depth", "expand_total_token", "none_expand_size",
-                  "none_expand_depth", "ahead_levels", "first_levels"):
+        for k in ("depth", "init_depth", "expand_depth", "expand_total_token", "ahead_levels", "first_levels"):
             if getattr(self.tree, k) < 0:
                 raise ConfigError(f"{k}={getattr(self.tree, k)} must be >= 0")
         if self.model.draft_vocab < 0:
