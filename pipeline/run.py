@@ -222,8 +222,8 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
     if rank == 0:
         code = (rank0 or run_rank0)(args, cfg, modes, comm, model, stage_root, dtype, device)
     else:
-        from pipeline.worker import StageWorker
-        StageWorker(model, comm, cfg.model.max_seq_len, dtype, device).run()
+        from pipeline.build import make_stage_worker
+        make_stage_worker(cfg, comm, model, dtype, device).run()
         code = 0
     tracer.dump(cfg.comm.trace_dir)
     comm.close()
@@ -340,7 +340,7 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
                            "decode_s": round(res.decode_s, 6),
                            "tokens_per_s": round(res.new_tokens / res.decode_s, 3) if res.decode_s else None,
                            "busy_fraction": [round(b, 4) for b in res.busy_fraction], "world_size": comm.world}
-                    row.update(res.emu)  # emu_* fidelity fields when the emulated testbed is on
+                    row.update(res.meter_fields)  # emu_* fidelity fields when the emulated testbed is on
                     row.update(drafter_fields(drafter))  # drafter_version (online learning: draft/osd.py)
                     row.update(prov)
                     if out_f:
