@@ -19,8 +19,9 @@ import shutil
 import sys
 from pathlib import Path
 
+from config.paths import DATASETS
+
 HERE = Path(__file__).resolve().parent
-DATASETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
 SOURCES = {
     "mt_bench": "MT-bench: the 80 two-turn questions of FastChat's LLM judge (lm-sys/FastChat, "
                 "fastchat/llm_judge/data/mt_bench/question.jsonl)",

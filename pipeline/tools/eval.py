@@ -25,13 +25,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from config.modes import COMPARED_MODES, label
-from config.paths import REPO
+from config.paths import DATASET_LABELS, DATASETS, REPO
 from pipeline.tools.ranks import child_env, job_command, log_tail, run_job
 from pipeline.tools.rows import RowTailer, find_mismatches, losslessness_md, mismatch_banner
 
-DATASETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
-DATASET_LABELS = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "Alpaca",
-                  "sum": "CNN/DM", "qa": "NaturalQ"}
 META_KEYS = ("profile", "time_scale", "max_new_tokens", "stage_dir", "head_dir", "overrides", "world", "draft_sources")
 
 
