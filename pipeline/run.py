@@ -137,11 +137,11 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
             print(f"{_check_only or f'[rank {rank}]'} error: {text}", file=sys.stderr, flush=True)
         return code
 
-    from config.modes import MODES
+    from config.modes import MODES, canonical_mode
     from config.run_config import DEFAULT, ConfigError, apply_overrides
     try:
         cfg = apply_overrides(DEFAULT, args.overrides)
-        modes = args.modes.split(",") if args.modes else [cfg.gen.mode]
+        modes = [canonical_mode(m) for m in args.modes.split(",")] if args.modes else [cfg.gen.mode]
         for m in modes:
             if m not in MODES:
                 raise ConfigError(f"unknown mode {m!r}; choose one of {', '.join(MODES)}")

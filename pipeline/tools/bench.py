@@ -318,9 +318,9 @@ def main(argv=None) -> int:
 
 
 def _main(args, log) -> int:
-    from config.modes import MODES as VALID
+    from config.modes import MODES as VALID, canonical_mode
     from config.run_config import DEFAULT, ConfigError, apply_overrides
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = [canonical_mode(m) for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in VALID for m in modes):
         raise BenchError(f"--modes {args.modes!r}: choose from {', '.join(VALID)}")
     if len(set(modes)) != len(modes):

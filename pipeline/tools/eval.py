@@ -405,8 +405,8 @@ def main(argv=None) -> int:
 
 
 def _main(args, log) -> int:
-    from config.modes import MODES as VALID_MODES
-    datasets, modes = _split(args.datasets), _split(args.modes)
+    from config.modes import MODES as VALID_MODES, canonical_mode
+    datasets, modes = _split(args.datasets), [canonical_mode(m) for m in _split(args.modes)]
     try:
         temps = [float(t) for t in _split(args.temperatures)]
     except ValueError:
