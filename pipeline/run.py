@@ -66,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--answer-file", help="FastChat llm_judge / EAGLE answer file: one line per question "
                                          "(question_id, answer_id, model_id, choices[{index, turns}], tstamp); "
                                          "with several --modes put {mode} in the path")
-    p.add_argument("--model-id", help="model_id of --answer-file lines (default: <model>-<mode>)")
+    p.add_argument("--model-id", help="model_id of --answer-file lines (default: the answer file's stem, as "
+                                      "FastChat's llm_judge names a model by its answer file)")
     p.add_argument("--template", default="auto", help="auto (tokenizer's own, else vicuna) | raw | fschat name "
                                                       "(default: auto)")
     p.add_argument("--quiet", action="store_true", help="print only the summary lines")
@@ -261,8 +262,8 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
                       args.template, comm.world)
     try:  # an --output of another configuration is refused before the draft head loads
         done = resume_rows(Path(args.output), prov) if args.output else {}
-        answer_files = {m: AnswerFile(args.answer_file.replace("{mode}", m),
-                                      args.model_id or f"{model_name(stage_root)}-{m}")
+        answer_files = {m: AnswerFile(args.answer_file.replace("{mode}", m),   # llm_judge: model_id = file stem
+                                      args.model_id or Path(args.answer_file.replace("{mode}", m)).stem)
                         for m in modes} if args.answer_file else {}
     except OutputFileError as e:
         raise SetupError(str(e)) from None
