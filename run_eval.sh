@@ -16,6 +16,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
+export FLOWSPEC_PROG="pipeline.tools.eval=./run_eval.sh"   # usage lines name this script (config/invocation.py)
 for a in "$@"; do
   case "$a" in
     -h|--help)

@@ -24,6 +24,7 @@ import os
 import sys
 from pathlib import Path
 
+from config.invocation import prog
 from config.errors import UserError
 from config.paths import DEFAULT_STAGE_DIR
 from pipeline.build import (SetupError, generation_config, head_choice, load_rank_stage, load_tokenizer, loading_line,
@@ -37,7 +38,7 @@ def debug() -> bool:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.run",
+        prog=prog("pipeline.run"),
         description="Distributed (pipeline-parallel) speculative decoding. Launch one process per rank\n"
                     "with python -m pipeline.tools.launch (or torchrun); rank 0 drafts and verifies, ranks 1..N hold the decoder layers.",
         formatter_class=argparse.RawDescriptionHelpFormatter,

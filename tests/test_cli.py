@@ -67,6 +67,17 @@ def test_python_runconfig_refuses_a_typo_or_a_wrong_type_in_one_line():
         apply_overrides(DEFAULT, {"max_new_tokens": 2.5})
 
 
+def test_usage_lines_name_the_command_typed():
+    from config.invocation import prog
+    assert prog("pipeline.tools.eval", "/venv/bin/flowspec-eval", "") == "flowspec-eval"      # a console script
+    assert prog("pipeline.tools.eval", "/repo/pipeline/tools/eval.py", "") == "python -m pipeline.tools.eval"
+    assert prog("pipeline.tools.eval", "eval.py", "pipeline.tools.eval=./run_eval.sh") == "./run_eval.sh"
+    assert prog("pipeline.run", "run.py", "pipeline.tools.eval=./run_eval.sh") == "python -m pipeline.run"  # a child
+    for script, usage in (("run_eval.sh", "usage: ./run_eval.sh"), ("run_pipe.sh", "usage: ./run_pipe.sh")):
+        r = subprocess.run([str(REPO / script), "--help"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.startswith(usage), (script, r.stdout[:200])
+
+
 def test_flowspec_is_an_alias_of_continuous():
     from config.modes import canonical_mode
     assert apply_overrides(DEFAULT, ["mode=flowspec"]).gen.mode == "continuous"

@@ -37,6 +37,7 @@ import sys
 import time
 from pathlib import Path
 
+from config.invocation import prog
 from config.modes import COMPARED_MODES, label
 from config.paths import REPO
 from pipeline.outputs import read_rows
@@ -55,7 +56,7 @@ HF = "hf_generate"  # pipeline.tools.hf_generate's rows: one-process HF generate
 def parse_args(argv=None) -> argparse.Namespace:
     from pipeline.cli import DefaultsOnce  # each default shown once
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.tools.bench",
+        prog=prog("pipeline.tools.bench"),
         description="Run every decoding mode side by side on the same prompts through the pipeline (one pipeline.tools.launch "
                     "launch per mode, tracing on) and report decode throughput, speed-ups over naive and ar, τ, "
                     "accepted tokens per pipeline step, per-rank utilization and a Gantt chart per mode. At T=0 "

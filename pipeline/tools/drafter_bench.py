@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from config.invocation import prog
 from config.paths import DATASETS, REPO
 
 # held-out prompt kinds that the six evaluation sets do not have (written here; not used for training)
@@ -258,7 +259,7 @@ def draft_time(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.tools.drafter_bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog=prog("pipeline.tools.drafter_bench"), description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sources", action="append", default=[],
                     help="a draft.sources value, optionally followed by key=value overrides of this configuration "

@@ -28,6 +28,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from config.invocation import prog
 from config.modes import COMPARED_MODES, label
 from config.paths import DATASET_LABELS, DATASETS, REPO
 from pipeline.tools.ranks import child_env, job_command, log_tail, run_job
@@ -55,7 +56,7 @@ class EvalError(RuntimeError):
 def parse_args(argv=None) -> argparse.Namespace:
     from pipeline.cli import DefaultsOnce  # each default shown once
     p = argparse.ArgumentParser(
-        prog="run_eval.sh",
+        prog=prog("pipeline.tools.eval"),
         description="Sweep decoding modes x datasets x temperatures through the pipeline (optionally on the "
                     "emulated edge testbed), resumably, and summarise throughput ξ, speed-up SR over Chunk-PP "
                     "(naive) and τ as Markdown, CSV and plots. At T=0 every mode's output must equal ar's.",
