@@ -78,6 +78,24 @@ def test_usage_lines_name_the_command_typed():
         assert r.returncode == 0 and r.stdout.startswith(usage), (script, r.stdout[:200])
 
 
+def test_run_tests_sh_runs_the_paths_given_and_a_fast_tier():
+    import os
+
+    def words(*argv):
+        r = subprocess.run([str(REPO / "run_tests.sh"), *argv], capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, RUN_TESTS_DRY_RUN="1"), cwd=REPO)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines()
+    assert words() == ["tests"]                                           # everything (CI)
+    assert words("tests/test_sampling.py") == ["tests/test_sampling.py"]  # just that file, not the whole suite
+    assert words("tests/test_tree.py::test_reroot", "-x") == ["tests/test_tree.py::test_reroot", "-x"]
+    assert words("--fast") == ["-m", "not slow", "tests"]
+    assert words("-k", "draft") == ["-k", "draft", "tests"]               # an option's value is no path
+    from tests.conftest import is_slow
+    assert is_slow("test_e2e.py", "test_x") and is_slow("test_new_file.py", "test_x")   # new files: full tier
+    assert not is_slow("test_tree.py", "test_x") and is_slow("test_drafter_bench.py", "test_bench_on_stories260k")
+
+
 def test_flowspec_is_an_alias_of_continuous():
     from config.modes import canonical_mode
     assert apply_overrides(DEFAULT, ["mode=flowspec"]).gen.mode == "continuous"
