@@ -8,6 +8,7 @@
 #   ./run_eval.sh --datasets mt_bench,gsm8k --modes ar,naive,continuous --temperatures 0 --begin 30 --end 33
 #   ./run_eval.sh --profile none                    # real timing of this host instead of the emulated testbed
 #   ./run_eval.sh --data-dir /path/to/data tree.init_depth=5   # key=value words go to every pipeline run
+#   ./run_eval.sh --answer-dir llm_judge/data      # + FastChat llm_judge answers: <dataset>/model_answer/<model>-<mode>-t<T>.jsonl
 #
 # Datasets are read from data/<dataset>/question.jsonl (prepare them with `python -m data.prepare --from DIR`).
 # Results: outputs/eval/<profile>/{rows.jsonl,summary.md,summary.csv,xi.png,sr.png,tau.png,logs/}; rerunning
@@ -15,6 +16,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
+export FLOWSPEC_PROG="pipeline.tools.eval=./run_eval.sh"   # usage lines name this script (config/invocation.py)
 for a in "$@"; do
   case "$a" in
     -h|--help)

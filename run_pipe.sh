@@ -15,6 +15,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
 ENTRY="${ENTRY:-pipeline.run}"
+export FLOWSPEC_PROG="${FLOWSPEC_PROG:-$ENTRY=./run_pipe.sh}"   # usage lines name this script (config/invocation.py)
 for a in "$@"; do  # --help and --print-config need no bootstrap: the venv's python when there is one, else python3 (no torch needed)
   case "$a" in
     -h|--help|--print-config)

@@ -1,10 +1,32 @@
 #!/usr/bin/env bash
 # The test suite on a fresh machine: bootstrap (venv + requirements + default model, cached), then pytest.
-#   ./run_tests.sh                 # everything (about 17 minutes on 2 CPU cores)
-#   ./run_tests.sh -k tree -x      # any pytest arguments
+#   ./run_tests.sh                 # everything (what CI runs; about 17 minutes on 2 CPU cores)
+#   ./run_tests.sh --fast          # the fast tier: pure rules, laws, architecture, CLI checks (tests/conftest.py)
+#   ./run_tests.sh tests/test_sampling.py tests/test_tree.py::test_reroot   # just those paths
+#   ./run_tests.sh -k tree -x      # any pytest arguments (with no path: the whole tests/ folder)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
+args=()
+paths=0
+value=0   # the previous word was an option that takes a value (-k EXPR, -m MARK, ...): this one is no path
+for a in "$@"; do
+  if (( value )); then
+    args+=("$a"); value=0
+  elif [[ "$a" == --fast ]]; then
+    args+=(-m "not slow")
+  else
+    args+=("$a")
+    case "$a" in
+      -k|-m|-p|-o|-c|--deselect|--ignore|--ignore-glob|--durations|--maxfail|--basetemp|--rootdir|--junitxml) value=1 ;;
+      -*) ;;
+      # a test file, a folder of them or file::test: run only those (today's whole tests/ otherwise)
+      *) [[ -e "${a%%::*}" && ( "$a" == tests* || "$a" == *.py* ) ]] && paths=1 ;;
+    esac
+  fi
+done
+(( paths )) || args+=(tests)
+if [[ -n "${RUN_TESTS_DRY_RUN:-}" ]]; then printf '%s\n' "${args[@]}"; exit 0; fi   # tests/test_cli.py: the arguments
 PY="$(bash scripts/bootstrap.sh)"
 "$PY" -m model.default_model >/dev/null
-exec "$PY" -m pytest -q -ra "$@" tests
+exec "$PY" -m pytest -q -ra "${args[@]}"

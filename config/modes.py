@@ -30,6 +30,14 @@ MODES: tuple[str, ...] = tuple(m.name for m in MODE_INFO)
 COMPARED_MODES: tuple[str, ...] = tuple(m.name for m in MODE_INFO if m.compared)   # ar, naive, pruned, pipedec, continuous
 TP_MODES: tuple[str, ...] = tuple(m.name for m in MODE_INFO if m.needs_tp_split)
 MODE_LABELS: dict[str, str] = {m.name: m.label for m in MODE_INFO}
+MODE_ALIASES: dict[str, str] = {"flowspec": "continuous"}   # the paper's name for the method
+
+
+def canonical_mode(name: str) -> str:
+    """A mode name as the code knows it: ``"flowspec"`` -> ``"continuous"`` (any case); other names unchanged
+    (an unknown one is left for the caller's check to report)."""
+    key = name.strip()
+    return MODE_ALIASES.get(key.lower(), key)
 
 
 def label(mode: str) -> str:

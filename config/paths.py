@@ -18,3 +18,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_SPLIT = "0+8+8+7+7"
 DEFAULT_STAGE_DIR = CHECKPOINTS / DEFAULT_MODEL_NAME / f"stages_{DEFAULT_SPLIT}"
 DEFAULT_HEAD_DIR = HEADS / DEFAULT_MODEL_NAME
+
+# the six evaluation sets (data/<set>/question.jsonl; data/prepare.py builds them), in the order tables show them
+DATASETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
+DATASET_LABELS = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "Alpaca",
+                  "sum": "CNN/DM", "qa": "NaturalQ"}

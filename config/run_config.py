@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from config.errors import UserError
-from config.modes import MODES
+from config.modes import MODES, canonical_mode
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 DEVICES = ("cpu", "cuda")
@@ -34,8 +34,42 @@ class ConfigError(UserError, ValueError):
     pass
 
 
+_SCALARS = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+class Checked:
+    """A configuration section that refuses, in one line (:class:`ConfigError`), an attribute it does not have
+    (naming the nearest valid one: ``cfg.gen.max_new_token = 5``) and a value of the wrong type
+    (``cfg.gen.max_new_tokens = "x"``). An int is taken for a float field (as a float); a bool is not a number.
+    Properties with a setter (``gen.top_k_sampling``) stay settable. Why: a typo'd attribute on a Python
+    ``RunConfig`` used to be a silent no-op, and a wrong type surfaced as a raw ``TypeError`` deep in a rank."""
+
+    def __setattr__(self, name: str, value) -> None:
+        spec = {f.name: f.type for f in fields(self)}
+        if name not in spec:
+            if isinstance(getattr(type(self), name, None), property):
+                object.__setattr__(self, name, value)
+                return
+            import difflib
+            options = [*spec, *(k for k, v in vars(type(self)).items() if isinstance(v, property))]
+            close = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+            hint = f"; did you mean {self._where()}{close[0]}?" if close else ""
+            raise ConfigError(f"{type(self).__name__} has no setting {self._where()}{name}{hint}")
+        want = _SCALARS.get(spec[name]) or globals().get(spec[name])
+        if want is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if isinstance(want, type) and (not isinstance(value, want) or (want is not bool and isinstance(value, bool))):
+            raise ConfigError(f"{self._where()}{name}={value!r} must be {want.__name__}, "
+                              f"not {type(value).__name__}")
+        object.__setattr__(self, name, value)
+
+    def _where(self) -> str:
+        """``"gen."`` for a section of :class:`RunConfig` (its key prefix), "" for the whole config."""
+        return next((f"{f.name}." for f in fields(RunConfig) if f.type == type(self).__name__), "")
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(Checked):
     stage_dir: str = ""          # split checkpoint root ("" = the embedded default SmolLM2 split 0+8+8+7+7)
     head_dir: str = ""           # draft head dir ("" = the default model's head; untrained = a random head)
     dtype: str = "float32"       # compute dtype of every stage
@@ -56,7 +90,7 @@ class ModelConfig:
 
 
 @dataclass
-class TreeConfig:
+class TreeConfig(Checked):
     total_token: int = 60        # naive: nodes per tree incl. root (EAGLE-2 default)
     depth: int = 5               # naive: beam expansions after the first level
     top_k: int = 10              # naive: beam width / children per node
@@ -70,7 +104,7 @@ class TreeConfig:
                                  # first segment (subseq_token nodes) goes out; the rest grows while it travels
                                  # (0 = draft the whole first tree first)
     expand_total_token: int = 64  # continuous: tree drafted from each new root (0 = no expansion after a
-                                  # verified step; none_expand and ahead_levels still apply)
+                                  # verified step; ahead_levels still applies)
     expand_depth: int = 6
     expand_topk: int = 10
     expand_subseq_token: int = -1  # max nodes sent per step after the fill (-1 = all waiting nodes)
@@ -85,14 +119,11 @@ class TreeConfig:
     ahead_levels: int = 0        # continuous: when a ring link is free and nothing waits, grow this many levels
                                  # below the best leaves and send them (draft ahead; 0 = off)
     ahead_min_prob: float = 0.02  # ... only while the best new node's draft path probability is at least this
-    none_expand: bool = False    # continuous: when nothing was verified, deepen the waiting frontier
-    none_expand_size: int = 48
-    none_expand_depth: int = 1
     pipedec_topk: int = 16       # pipedec: nodes per new tree layer
 
 
 @dataclass
-class GenerationConfig:
+class GenerationConfig(Checked):
     mode: str = "naive"
     max_new_tokens: int = 128
     temperature: float = 0.0     # 0 = greedy
@@ -130,7 +161,7 @@ class GenerationConfig:
 
 
 @dataclass
-class CommConfig:
+class CommConfig(Checked):
     backend: str = "gloo"
     timeout_s: float = 30.0      # a dead rank makes every other rank exit within this time
     heartbeat_s: float = 0.5
@@ -139,7 +170,7 @@ class CommConfig:
 
 
 @dataclass
-class EmulationConfig:
+class EmulationConfig(Checked):
     """Emulated edge testbed (pipeline/emulation.py): stage compute and links take a profile's modeled time."""
     profile: str = ""            # "" = off; a JSON path or a builtin name in profiles/ (edge_orin_7b, zero)
     model_rank0: bool = True     # pad rank 0's draft head / lm_head calls to the profile's rank0 model too
@@ -154,7 +185,7 @@ class EmulationConfig:
 
 
 @dataclass
-class DraftConfig:
+class DraftConfig(Checked):
     """Several drafters in one tree (draft/merged.py) and their knobs. Default: the EAGLE head and prompt lookup
     (faster than the head alone in every mode at T = 0, about even at T = 1: README, "Several drafters in one
     tree"); "eagle" (or "") = the EAGLE head alone."""
@@ -174,7 +205,7 @@ class DraftConfig:
 
 
 @dataclass
-class SpsConfig:
+class SpsConfig(Checked):
     """Mode ``sps``: chain speculative sampling with a small LM (pipeline/modes/sps.py)."""
     variant: str = "google"      # google (Leviathan et al.) | deepmind (Chen et al.): same law, see sps.py
     gamma: int = 4               # draft tokens per chain
@@ -182,7 +213,7 @@ class SpsConfig:
 
 
 @dataclass
-class OsdConfig:
+class OsdConfig(Checked):
     """Online speculative decoding (draft/osd.py, docs/osd.md): the EAGLE head learns from served traffic."""
     enabled: bool = False        # wrap the EAGLE drafter in draft.osd.OnlineDrafter (output stays exact)
     loss: str = "fkl"            # fkl KL(p||q) | rkl KL(q||p) | jsd (generalised, jsd_beta) on top-k buckets
@@ -210,7 +241,7 @@ class OsdConfig:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Checked):
     model: ModelConfig = field(default_factory=ModelConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
     gen: GenerationConfig = field(default_factory=GenerationConfig)
@@ -224,6 +255,7 @@ class RunConfig:
         def choice(name, value, options):
             if value not in options:
                 raise ConfigError(f"{name}={value!r} is not valid; choose one of {', '.join(options)}")
+        self.gen.mode = canonical_mode(self.gen.mode)   # mode=flowspec is mode=continuous
         choice("mode", self.gen.mode, MODES)
         choice("dtype", self.model.dtype, DTYPES)
         choice("device", self.model.device, DEVICES)
@@ -243,8 +275,7 @@ class RunConfig:
         for k, v in positive.items():
             if v < 1:
                 raise ConfigError(f"{k}={v} must be >= 1")
-        for k in ("depth", "init_depth", "expand_depth", "expand_total_token", "none_expand_size",
-                  "none_expand_depth", "ahead_levels", "first_levels"):
+        for k in ("depth", "init_depth", "expand_depth", "expand_total_token", "ahead_levels", "first_levels"):
             if getattr(self.tree, k) < 0:
                 raise ConfigError(f"{k}={getattr(self.tree, k)} must be >= 0")
         if self.model.draft_vocab < 0:

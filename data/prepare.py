@@ -19,8 +19,10 @@ import shutil
 import sys
 from pathlib import Path
 
+from config.invocation import prog
+from config.paths import DATASETS
+
 HERE = Path(__file__).resolve().parent
-DATASETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
 SOURCES = {
     "mt_bench": "MT-bench: the 80 two-turn questions of FastChat's LLM judge (lm-sys/FastChat, "
                 "fastchat/llm_judge/data/mt_bench/question.jsonl)",
@@ -40,7 +42,7 @@ class PrepareError(RuntimeError):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m data.prepare",
+        prog=prog("data.prepare"),
         description="Copy and validate the six evaluation question sets into data/<dataset>/question.jsonl "
                     "(what ./run_eval.sh reads). The source is a local directory in the EAGLE/FlowSpec layout: "
                     "DIR/<dataset>/question.jsonl, FastChat question format. Nothing is downloaded.",

@@ -69,11 +69,6 @@ class TreeDrafter(Protocol):
         """Next-token log-scores ``[..., V]`` of states returned above (used to rank children)."""
 
 
-def is_tree_drafter(obj: object) -> bool:
-    """True when ``obj`` has every method of :class:`TreeDrafter` (a structural check, no inheritance)."""
-    return isinstance(obj, TreeDrafter)
-
-
 @runtime_checkable
 class ExtendableTreeDrafter(TreeDrafter, Protocol):
     """A :class:`TreeDrafter` whose trees come from the EAGLE-2 beam search and can be grown in place

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from config.invocation import prog
 from draft.eagle import HeadError
 from draft.train.dataset import cmd_data
 from draft.train.eagle_loop import train_eagle
@@ -48,7 +49,7 @@ def cmd_train(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m draft.train_eagle", description=__doc__,
+    ap = argparse.ArgumentParser(prog=prog("draft.train_eagle"), description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Example: python -m draft.train_eagle data --self-prompts 2000 --out "
                                         "outputs/eagle_data && python -m draft.train_eagle train --help\n"

@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from config.invocation import prog
+
 
 Tensor = torch.Tensor
 EXAMPLE = ("Example: python -m draft.train_ssm --target checkpoints/SmolLM2-135M-Instruct --out /tmp/ssm "
@@ -214,7 +216,7 @@ def write_card(out: Path, args, metrics: dict, n_train: int, n_eval: int) -> Non
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m draft.train_ssm", description=__doc__, epilog=EXAMPLE,
+    ap = argparse.ArgumentParser(prog=prog("draft.train_ssm"), description=__doc__, epilog=EXAMPLE,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="the target's full Hugging Face checkpoint directory")
     ap.add_argument("--out", required=True, help="output directory (ssm_<k>/, metrics.json, MODEL_CARD.md)")

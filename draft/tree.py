@@ -90,15 +90,6 @@ class DraftTree:
     def single(token: int) -> "DraftTree":
         return DraftTree(torch.tensor([token], device=HOST), torch.tensor([-1], device=HOST), torch.zeros(1, device=HOST))
 
-    def path_to(self, node: int) -> list[int]:
-        """Node indices from the root to ``node`` inclusive."""
-        path = []
-        par = self.parents.tolist()
-        while node >= 0:
-            path.append(node)
-            node = par[node]
-        return path[::-1]
-
 
 def check_tree(tree: DraftTree) -> None:
     """Raise ``ValueError`` unless ``tree`` satisfies the module invariants."""

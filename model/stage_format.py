@@ -19,6 +19,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from config.invocation import prog
 from config.errors import UserError
 
 FORMAT = "flowspec-stages/1"
@@ -200,7 +201,7 @@ def verify_stage_file(root: str | Path, manifest: dict, rank: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
-    ap = argparse.ArgumentParser(prog="python -m model.stage_format",
+    ap = argparse.ArgumentParser(prog=prog("model.stage_format"),
                                  description="Inspect a stage root written by split_and_save_models.py.")
     ap.add_argument("root", help="stage root directory (holds manifest.json)")
     ap.add_argument("--world", action="store_true", help="print only the number of ranks it needs")

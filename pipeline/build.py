@@ -83,9 +83,22 @@ def make_engine(cfg, comm, model, stage_root: Path, modes: list[str], stop_ids: 
     from pipeline.engine import Engine
     from pipeline.verify import Sampler
     drafter = make_drafter(cfg, stage_root, model, dtype, device) if any(m != "ar" for m in modes) else None
+    from pipeline.emulation import instrument_rank0
     if sampler is None:
         sampler = Sampler(cfg.gen.temperature, cfg.gen.top_p, cfg.gen.top_k, torch.Generator(device="cpu"))
-    return Engine(model, comm, drafter, sampler, stop_ids, cfg)
+    engine = Engine(model, comm, drafter, sampler, stop_ids, cfg)
+    instrument_rank0(engine, comm)   # the emulated testbed's meters when emu.profile is set
+    return engine
+
+
+def make_stage_worker(cfg, comm, model, dtype, device: str):
+    """A verification stage's :class:`pipeline.worker.StageWorker`, with the emulated testbed's meter when
+    ``emu.profile`` is set."""
+    from pipeline.emulation import instrument_stage
+    from pipeline.worker import StageWorker
+    worker = StageWorker(model, comm, cfg.model.max_seq_len, dtype, device)
+    instrument_stage(worker, comm)
+    return worker
 
 
 UNTRAINED = "untrained"   # model.head_dir=untrained: a random head (seed 0), e.g. to learn from scratch with osd.*

@@ -266,8 +266,8 @@ class Comm:
         self.next_rank = (self.rank + 1) % self.world
         self.prev_rank = (self.rank - 1) % self.world
         self.tracer = tracer or Tracer(self.rank, enabled=False)
-        self.emu = None   # pipeline.emulation.install sets the rank's Emulator when emu.profile is set
-        self.link = None  # ... and its LinkSender: every send then waits out the modeled link (see send)
+        self.link = None  # pipeline.emulation.install's LinkSender when emu.profile is set: every send then
+                          # waits out the modeled link (see send)
         # per destination: (works, send buffer) of sends not waited for yet, oldest first
         self._pending: dict[int, deque] = {}
         # recycled send buffers: (uint8 tensor, its int64 header view as numpy, its address)

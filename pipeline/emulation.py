@@ -22,9 +22,11 @@ payload, and each EAGLE-3 tapped feature riding along counts one more such row; 
 count their real bytes; every message adds ``header_bytes``.
 
 Fidelity: each rank counts modeled ops, overruns and their seconds, link messages delivered later than
-modeled, and sleep overshoot. Rank 0 gathers every rank's counters with ``Stats`` messages (one right after
-prefill, untimed, one after decode) and :func:`fidelity_fields` / :func:`prefill_fields` turn them into the
-``emu_*`` fields of an output row (decode phase; prefill overruns separately).
+modeled, and sleep overshoot. The counters ride on the meter stack (:class:`EmuMeter` is a counting meter,
+:mod:`model.meter`): rank 0 gathers every rank's meter counters with ``Stats`` messages (one right after
+prefill, untimed, one after decode) and :meth:`EmuMeter.row_fields` (:func:`fidelity_fields` /
+:func:`prefill_fields`) turns them into the ``emu_*`` fields of an output row (decode phase; prefill overruns
+separately).
 
 Time dilation (``emu.time_scale=s``): every modeled duration is multiplied by ``s``, so a host slower than
 the modeled devices can still keep up (no overruns); throughput in modeled time is then ``s`` times the
@@ -33,10 +35,11 @@ encoding) is divided by ``s`` in that view, so keep ``s`` as small as the overru
 
 The emulation hooks in without changing the transport: :func:`install` gives the ``Comm`` a
 :class:`LinkSender` (``comm.link``: its ``send`` hands messages to the link, its ``flush`` drains it first);
-the stage worker calls :meth:`Emulator.install_stage` and the engine :meth:`Emulator.install_rank0`, which
-install meters (:mod:`model.meter`, :class:`EmuMeter`) on the worker, the engine, its drafter and the draft
-head: every stage forward, ``lm_head`` application and draft-head forward runs inside ``meter.op(kind, rows,
-ctx)``, which pads it to the profile's model (no method is replaced, no call site knows about emulation).
+whoever builds the stage worker or the engine (``pipeline.build.make_stage_worker`` / ``make_engine``) calls
+:func:`instrument_stage` / :func:`instrument_rank0`, which stack meters (:mod:`model.meter`, :class:`EmuMeter`)
+on the worker, the engine, its drafter and the draft head: every stage forward, ``lm_head`` application and
+draft-head forward runs inside ``meter.op(kind, rows, ctx)``, which pads it to the profile's model (no method is
+replaced; the worker and the engine do not know about emulation).
 
 Profiles (JSON, their cost and link models) are read by ``config/profiles.py``.
 """
@@ -52,7 +55,7 @@ from contextlib import contextmanager
 from config.profiles import Profile, load_profile, with_link
 from model.meter import MeterStack, vocab_share
 
-# per-rank counters shipped in Stats.emu[rank]
+# per-rank counters: an EmuMeter's columns of a Stats counter table
 COUNTERS = ("ops", "modeled_s", "overrun_ops", "overrun_s", "link_msgs", "link_modeled_s", "link_late_msgs",
             "link_late_s", "oversleep_s")
 K = len(COUNTERS)
@@ -85,21 +88,6 @@ class Emulator:
     def _add(self, name: str, value: float = 1.0) -> None:
         with self.lock:
             self.counters[COUNTERS.index(name)] += value
-
-    # the engine's view: rank 0 gathers every rank's counters and turns them into output-row fields
-    @property
-    def counter_width(self) -> int:
-        """Counters per rank in a ``Stats.emu`` table (``len(COUNTERS)``)."""
-        return K
-
-    def row_fields(self, table) -> dict:
-        """Decode-phase ``emu_*`` fields of an output row from a gathered counter table."""
-        return fidelity_fields(table, self)
-
-    @staticmethod
-    def prefill_row_fields(table) -> dict:
-        """Prefill-phase ``emu_prefill_*`` fields from the counter table gathered right after prefill."""
-        return prefill_fields(table)
 
     def take(self) -> list[float]:
         """This rank's counters since the last call (then reset)."""
@@ -140,6 +128,8 @@ class Emulator:
             return self.stage_time(rows, ctx)
         if kind.startswith("group_"):
             return self.group_costs[kind].time(rows, ctx)
+        if not self.model_rank0:    # rank 0's ops run at host speed (emu.model_rank0=false or no rank0 section)
+            return None
         cost = self.rank0_costs[kind]
         if cost is None:
             return None
@@ -153,7 +143,6 @@ class Emulator:
         # the link thread must get the GIL soon after its wake-up time, not a 5 ms switch interval later
         sys.setswitchinterval(min(sys.getswitchinterval(), 2e-4))
         self.sender = LinkSender(self, comm)
-        comm.emu = self
 
     def install_tp_worker(self, worker, n: int, layers: int, profile_stages: int, real_hidden_bytes: float) -> None:
         """Pad every forward of a TP group rank to the modeled time of the whole group's forward
@@ -187,13 +176,12 @@ class Emulator:
     def install_rank0(self, engine) -> None:
         """Pad rank 0's ``lm_head`` applications, draft-head and small-LM forwards to the profile's rank0 models:
         meters (:mod:`model.meter`) on the engine and on every site of its drafter
-        (:func:`draft.protocol.install_meter`)."""
-        if not self.model_rank0:
-            return
+        (:func:`draft.protocol.install_meter`). The engine's meter carries rank 0's counters (its link's too) even
+        when rank 0 is not modeled (``emu.model_rank0=false``: nothing of rank 0's is padded)."""
         lm_head = getattr(getattr(engine, "model", None), "lm_head", None) or getattr(engine.drafter, "lm_head", None)
         self.vocab_size = int(getattr(lm_head, "out_features", 0) or 0)
         engine.meter = MeterStack(engine.meter, EmuMeter(self))
-        if engine.drafter is not None:
+        if engine.drafter is not None and self.model_rank0:
             from draft.protocol import install_meter
             install_meter(engine.drafter, EmuMeter(self))
 
@@ -201,10 +189,22 @@ class Emulator:
 class EmuMeter:
     """An :class:`model.meter.OpMeter` that waits out each op's modeled time (the profile's stage model and its
     ``rank0`` models; an op kind the profile does not model is not padded). Stacked after a site's tracing meter
-    (:class:`model.meter.MeterStack`), so the pad is traced and counted busy as part of the op."""
+    (:class:`model.meter.MeterStack`), so the pad is traced and counted busy as part of the op.
+
+    A counting meter (:class:`model.meter.CountingMeter`): its counters are its rank's :data:`COUNTERS` (ops,
+    pads, overruns and the rank's link), and :meth:`row_fields` turns every rank's into the ``emu_*`` fields."""
+
+    counter_names = COUNTERS
 
     def __init__(self, emu: Emulator) -> None:
         self.emu = emu
+
+    def take(self) -> list[float]:
+        return self.emu.take()
+
+    def row_fields(self, table, phase: str) -> dict:
+        """``emu_*`` fields of the decode phase (:func:`fidelity_fields`) or ``emu_prefill_*`` of the prefill."""
+        return prefill_fields(table) if phase == "prefill" else fidelity_fields(table, self.emu)
 
     @contextmanager
     def op(self, kind: str, rows: int, ctx: int = 0):
@@ -280,6 +280,10 @@ class LinkSender:
                 self.inflight -= 1
                 self.cv.notify_all()
 
+    def pad_fanout(self, msg, n: int) -> None:
+        """Rank 0's broadcast to a TP group of ``n`` ranks (:meth:`Emulator.pad_fanout`)."""
+        self.emu.pad_fanout(msg, n)
+
     def drain(self) -> None:
         """Wait until every queued message has been posted (the comm's ``flush`` then waits for the posts)."""
         with self.cv:
@@ -290,8 +294,9 @@ class LinkSender:
 
 
 def install(comm, cfg, device: str = "cpu") -> Emulator | None:
-    """Turn emulation on for this rank when ``cfg.emu.profile`` is set (``comm.emu`` is the emulator)."""
-    comm.emu = None
+    """Turn emulation on for this rank's links when ``cfg.emu.profile`` is set: the comm's link
+    (``comm.link``, a :class:`LinkSender`) then holds the rank's :class:`Emulator`, which
+    :func:`instrument_stage` / :func:`instrument_rank0` find there."""
     if not cfg.emu.profile:
         return None
     profile = with_link(load_profile(cfg.emu.profile), cfg.emu.bandwidth_mbps or None, None)
@@ -299,6 +304,27 @@ def install(comm, cfg, device: str = "cpu") -> Emulator | None:
                    cfg.emu.flag_threshold, device, cfg.emu.time_scale, cfg.emu.stage_cost_scale)
     emu.install_comm(comm)
     return emu
+
+
+def emulator_of(comm) -> Emulator | None:
+    """The rank's emulator: its link's (:func:`install`), None when the testbed is off or the transport has no
+    link (the in-process ring)."""
+    link = getattr(comm, "link", None)
+    return link.emu if isinstance(link, LinkSender) else None
+
+
+def instrument_stage(worker, comm) -> None:
+    """Stack the emulator's meter on a stage worker (:meth:`Emulator.install_stage`) when the testbed is on."""
+    emu = emulator_of(comm)
+    if emu is not None:
+        emu.install_stage(worker)
+
+
+def instrument_rank0(engine, comm) -> None:
+    """Stack the emulator's meters on the engine and its drafter (:meth:`Emulator.install_rank0`) when on."""
+    emu = emulator_of(comm)
+    if emu is not None:
+        emu.install_rank0(engine)
 
 
 # -- fidelity summary ---------------------------------------------------------------------------------

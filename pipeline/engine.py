@@ -9,7 +9,7 @@ import torch
 
 from draft.protocol import TreeDrafter
 from model.devices import HOST
-from model.meter import OpMeter, SpanMeter, hidden_rows
+from model.meter import OpMeter, SpanMeter, counter_fields, hidden_rows, take_counters
 from model.stage_model import StageModel
 from pipeline.messages import Context, Shutdown, Stats
 from pipeline.transport import Transport
@@ -61,7 +61,7 @@ class GenResult:
     accept_lengths: list[int] = field(default_factory=list)
     pipeline_steps: int = 0
     busy_fraction: list[float] = field(default_factory=list)
-    emu: dict = field(default_factory=dict)   # emulation fidelity fields (emu_*), empty when emulation is off
+    meter_fields: dict = field(default_factory=dict)   # the meters' counters as row fields (e.g. emu_*), or {}
 
     @property
     def new_tokens(self) -> int:
@@ -125,17 +125,15 @@ class Engine:
         self.cfg = cfg
         self.tracer = comm.tracer
         self.dtype = next(model.parameters()).dtype
-        self.emu = comm.emu   # pipeline.emulation.Emulator when emu.profile is set
-        # rank 0's verification lm_head (model.meter): traced as "lm_head" spans; the emulator stacks its pad after
+        # rank 0's verification lm_head (model.meter): traced as "lm_head" spans; instrumentation stacks its meters
+        # after it (pipeline.build.make_engine) and the meter stack carries their counters (collect_busy)
         self.meter: OpMeter = SpanMeter(self.tracer, {"lm_head": "lm_head"})
-        self.last_emu: dict = {}
+        self.last_counters: dict = {}   # the decode window's meter fields (collect_busy)
         self.on_commit = None  # serving (pipeline/serve.py): per-generation OutputBuffer hooks
         self.stop_text = None  # stop strings (gen.stop): see OutputBuffer and model.prompts.StopText
         self.cancel = None
         self.gen = 0           # generation number: stages ignore decisions of other generations
         self.step_observers: list[StepObserver] = []   # e.g. pipeline.tree_stats.TreeStats (the simulator's)
-        if self.emu is not None:
-            self.emu.install_rank0(self)
 
     def observe_step(self, tree, path: list[int], token: int | None, finished: bool) -> None:
         """Hand one verified step to every :class:`StepObserver` (modes call it; nothing happens without one)."""
@@ -166,47 +164,36 @@ class Engine:
         features = torch.cat(feats)
         return self.logits(features[-1:])[0], features
 
-    def collect_busy(self, wall_s: float) -> list[float]:
-        emu_table = None
-        if self.emu is not None:
-            emu_table = torch.zeros(self.comm.world, self.emu.counter_width, dtype=torch.float64, device=HOST)
-        self.comm.send_next(Stats(torch.zeros(self.comm.world, dtype=torch.float64, device=HOST), emu_table))
+    def _stats_trip(self) -> tuple[Stats, list[list[float]]]:
+        """One ring trip of a :class:`Stats` message: every rank writes its busy seconds and its meter's counters
+        (``model.meter``; a table of width 0 when rank 0's meter counts nothing). Returns the message and the
+        counter table with rank 0's row filled in."""
+        world = self.comm.world
+        width = len(getattr(self.meter, "counter_names", ()))
+        self.comm.send_next(Stats(torch.zeros(world, dtype=torch.float64, device=HOST),
+                                  torch.zeros(world, width, dtype=torch.float64, device=HOST)))
         msg = self.comm.recv_prev()
-        if self.emu is not None and msg.emu is not None:
-            msg.emu[0] = torch.tensor(self.emu.take(), dtype=torch.float64, device=HOST)
-            self.last_emu = self.emu.row_fields(msg.emu.tolist())
+        table = msg.counters.tolist() if msg.counters is not None else [[] for _ in range(world)]
+        table[0] = take_counters(self.meter)
+        return msg, table
+
+    def collect_busy(self, wall_s: float) -> list[float]:
+        """Busy fractions of every rank over ``wall_s`` (then every busy counter restarts); the meters' decode-phase
+        fields go to ``last_counters``."""
+        msg, table = self._stats_trip()
+        self.last_counters = counter_fields(self.meter, table, "decode")
         busy = msg.busy_s.tolist()
         busy[0] = self.tracer.busy_s
         self.tracer.reset_counters()
         return [min(1.0, b / wall_s) if wall_s > 0 else 0.0 for b in busy]
 
-    def collect_emu(self) -> list | None:
-        """Emulation counters of every rank since the last collection (one ring trip); None when off."""
-        if self.emu is None:
-            return None
-        world = self.comm.world
-        self.comm.send_next(Stats(torch.zeros(world, dtype=torch.float64, device=HOST),
-                                  torch.zeros(world, self.emu.counter_width, dtype=torch.float64, device=HOST),
-                                  emu_only=True))
-        msg = self.comm.recv_prev()
-        msg.emu[0] = torch.tensor(self.emu.take(), dtype=torch.float64, device=HOST)
-        return msg.emu.tolist()
-
-    def start_decode_window(self) -> list | None:
+    def start_decode_window(self) -> dict:
         """One untimed ring trip between prefill and decode: every rank restarts its busy counter, so that
         busy fractions cover the decode window only (the definition: :func:`pipeline.trace.busy_fraction`),
-        and, with emulation on, hands in its prefill counters (returned; None when emulation is off)."""
-        world = self.comm.world
-        emu_table = None
-        if self.emu is not None:
-            emu_table = torch.zeros(world, self.emu.counter_width, dtype=torch.float64, device=HOST)
-        self.comm.send_next(Stats(torch.zeros(world, dtype=torch.float64, device=HOST), emu_table))
-        msg = self.comm.recv_prev()
+        and hands in its meter's prefill counters (returned as row fields; {} when nothing counts)."""
+        _, table = self._stats_trip()
         self.tracer.reset_counters()
-        if emu_table is None or msg.emu is None:
-            return None
-        msg.emu[0] = torch.tensor(self.emu.take(), dtype=torch.float64, device=HOST)
-        return msg.emu.tolist()
+        return counter_fields(self.meter, table, "prefill")
 
     def shutdown(self) -> None:
         self.comm.send_direct(Shutdown())   # ends the stages' direct-decision inboxes
@@ -221,7 +208,7 @@ def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn: Decoder) 
     t0 = time.perf_counter()
     logits, features = engine.prefill(prompt_ids)
     t1 = time.perf_counter()
-    prefill_emu = engine.start_decode_window()  # untimed: busy counters restart, prefill emulation counters
+    prefill_fields = engine.start_decode_window()  # untimed: busy counters restart, prefill counters
     t1b = time.perf_counter()
     engine.tracer.mark("decode_begin")
     out = OutputBuffer(engine.stop_ids, engine.cfg.gen.max_new_tokens, engine.on_commit, engine.cancel,
@@ -231,7 +218,5 @@ def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn: Decoder) 
     t2 = time.perf_counter()
     engine.tracer.mark("gen_end", new_tokens=len(out.ids))
     busy = engine.collect_busy(t2 - t1b)  # decode window: pipeline.trace.busy_fraction's definition
-    emu = dict(engine.last_emu)
-    if prefill_emu is not None:
-        emu.update(engine.emu.prefill_row_fields(prefill_emu))
-    return GenResult(out.ids, t1 - t0, t2 - t1b, rounds, accepts, steps, busy, emu)
+    return GenResult(out.ids, t1 - t0, t2 - t1b, rounds, accepts, steps, busy,
+                     {**engine.last_counters, **prefill_fields})

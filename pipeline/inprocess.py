@@ -4,7 +4,7 @@ and modes.
 The ring itself is :mod:`pipeline.local_ring` (the :class:`pipeline.transport.Transport` surface and ordering,
 the real wire codec). The tests use it to sweep many world sizes and tree shapes quickly (the real
 multi-process path is covered by ``tests/test_e2e.py``); tools use it to measure acceptance without launching
-ranks (``pipeline/tools/eagle3_bench.py``).
+ranks (``pipeline/tools/drafter_bench.py``).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The whole ring in one process: one thread per rank, one FIFO queue per link.
 
 :class:`LocalComm` implements exactly the :class:`pipeline.comm.Comm` surface that the engine, the modes and
-the stage workers use (``rank``, ``world``, ``tracer``, ``emu``, ``send_next``, ``recv_prev``, ``send_direct``,
+the stage workers use (``rank``, ``world``, ``tracer``, ``send_next``, ``recv_prev``, ``send_direct``,
 ``open_direct_inbox``, ``poll_direct``) with the same ordering guarantees as the real transport: one FIFO per
 link, direct messages from rank 0 received in issue order. Messages go through the real wire codec (``pipeline.messages``), so a message cannot smuggle
 anything the real transport would drop.
@@ -36,8 +36,6 @@ class LocalComm:
     ``observer`` (optional) has ``on_send(rank, dst, msg)`` and ``on_recv(rank, src)``; each is called from
     the calling rank's own thread, before a send and after a receive.
     """
-
-    emu = None
 
     def __init__(self, ring: LocalRing, rank: int, tracer: Tracer | None = None, observer=None,
                  timeout_s: float = TIMEOUT_S, direct: bool = True) -> None:

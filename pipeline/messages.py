@@ -171,24 +171,24 @@ class Shutdown:
 
 @dataclass
 class Stats:
-    """Travels once around the ring after a generation; each rank writes its busy seconds (and, when the
-    emulated testbed is on, its emulation fidelity counters into row ``emu[rank]``)."""
+    """Travels once around the ring between generation phases; each rank writes its busy seconds and, when its
+    meter counts (``model.meter``: e.g. the emulated testbed's fidelity counters), those counters into row
+    ``counters[rank]``."""
 
-    busy_s: Tensor            # float64 [world]
-    emu: Tensor | None = None  # float64 [world, len(pipeline.emulation.COUNTERS)] or None
-    emu_only: bool = False     # collect emulation counters only; leave busy counters running
+    busy_s: Tensor                  # float64 [world]
+    counters: Tensor | None = None  # float64 [world, len(rank 0's meter.counter_names)] or None
 
     kind = Kind.STATS
 
     def ints(self) -> list[int]:
-        return [int(self.emu_only)]
+        return []
 
     def tensors(self) -> list[Tensor]:
-        return [self.busy_s] + ([self.emu] if self.emu is not None else [])
+        return [self.busy_s] + ([self.counters] if self.counters is not None else [])
 
     @classmethod
     def build(cls, ints, tensors) -> "Stats":
-        return cls(tensors[0], tensors[1] if len(tensors) > 1 else None, bool(ints[0]) if ints else False)
+        return cls(tensors[0], tensors[1] if len(tensors) > 1 else None)
 
 
 _CLASSES = {Kind.CONTEXT: Context, Kind.SEGMENT: Segment, Kind.SHUTDOWN: Shutdown, Kind.DECISION: Decision,

@@ -24,6 +24,7 @@ import os
 import sys
 from pathlib import Path
 
+from config.invocation import prog
 from config.errors import UserError
 from config.paths import DEFAULT_STAGE_DIR
 from pipeline.build import (SetupError, generation_config, head_choice, load_rank_stage, load_tokenizer, loading_line,
@@ -37,7 +38,7 @@ def debug() -> bool:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.run",
+        prog=prog("pipeline.run"),
         description="Distributed (pipeline-parallel) speculative decoding. Launch one process per rank\n"
                     "with python -m pipeline.tools.launch (or torchrun); rank 0 drafts and verifies, ranks 1..N hold the decoder layers.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -66,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--answer-file", help="FastChat llm_judge / EAGLE answer file: one line per question "
                                          "(question_id, answer_id, model_id, choices[{index, turns}], tstamp); "
                                          "with several --modes put {mode} in the path")
-    p.add_argument("--model-id", help="model_id of --answer-file lines (default: <model>-<mode>)")
+    p.add_argument("--model-id", help="model_id of --answer-file lines (default: the answer file's stem, as "
+                                      "FastChat's llm_judge names a model by its answer file)")
     p.add_argument("--template", default="auto", help="auto (tokenizer's own, else vicuna) | raw | fschat name "
                                                       "(default: auto)")
     p.add_argument("--quiet", action="store_true", help="print only the summary lines")
@@ -137,11 +139,11 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
             print(f"{_check_only or f'[rank {rank}]'} error: {text}", file=sys.stderr, flush=True)
         return code
 
-    from config.modes import MODES
+    from config.modes import MODES, canonical_mode
     from config.run_config import DEFAULT, ConfigError, apply_overrides
     try:
         cfg = apply_overrides(DEFAULT, args.overrides)
-        modes = args.modes.split(",") if args.modes else [cfg.gen.mode]
+        modes = [canonical_mode(m) for m in args.modes.split(",")] if args.modes else [cfg.gen.mode]
         for m in modes:
             if m not in MODES:
                 raise ConfigError(f"unknown mode {m!r}; choose one of {', '.join(MODES)}")
@@ -222,8 +224,8 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
     if rank == 0:
         code = (rank0 or run_rank0)(args, cfg, modes, comm, model, stage_root, dtype, device)
     else:
-        from pipeline.worker import StageWorker
-        StageWorker(model, comm, cfg.model.max_seq_len, dtype, device).run()
+        from pipeline.build import make_stage_worker
+        make_stage_worker(cfg, comm, model, dtype, device).run()
         code = 0
     tracer.dump(cfg.comm.trace_dir)
     comm.close()
@@ -261,8 +263,8 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
                       args.template, comm.world)
     try:  # an --output of another configuration is refused before the draft head loads
         done = resume_rows(Path(args.output), prov) if args.output else {}
-        answer_files = {m: AnswerFile(args.answer_file.replace("{mode}", m),
-                                      args.model_id or f"{model_name(stage_root)}-{m}")
+        answer_files = {m: AnswerFile(args.answer_file.replace("{mode}", m),   # llm_judge: model_id = file stem
+                                      args.model_id or Path(args.answer_file.replace("{mode}", m)).stem)
                         for m in modes} if args.answer_file else {}
     except OutputFileError as e:
         raise SetupError(str(e)) from None
@@ -340,7 +342,7 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
                            "decode_s": round(res.decode_s, 6),
                            "tokens_per_s": round(res.new_tokens / res.decode_s, 3) if res.decode_s else None,
                            "busy_fraction": [round(b, 4) for b in res.busy_fraction], "world_size": comm.world}
-                    row.update(res.emu)  # emu_* fidelity fields when the emulated testbed is on
+                    row.update(res.meter_fields)  # emu_* fidelity fields when the emulated testbed is on
                     row.update(drafter_fields(drafter))  # drafter_version (online learning: draft/osd.py)
                     row.update(prov)
                     if out_f:

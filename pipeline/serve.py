@@ -682,7 +682,7 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
         elif manager.stopping:
             break
         elif time.monotonic() - last_ring >= keepalive_s:  # idle: keep the stages' receives alive
-            comm.send_next(Stats(torch.zeros(comm.world, dtype=torch.float64), None, emu_only=True))
+            comm.send_next(Stats(torch.zeros(comm.world, dtype=torch.float64)))
             comm.recv_prev()
             last_ring = time.monotonic()
     if server is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from model.devices import HOST
-from model.meter import OpMeter, SpanMeter
+from model.meter import OpMeter, SpanMeter, take_counters
 from model.tp_model import SCHEDULES, DistCollectives, TPShard
 from pipeline.messages import Context, Segment, Shutdown, Stats
 from pipeline.worker import StageTree, context_chunk
@@ -26,16 +26,17 @@ from pipeline.worker import StageTree, context_chunk
 
 class GroupComm:
     """Rank 0's view of the TP group as one pipeline stage: ``send_next`` broadcasts to the group,
-    ``recv_prev`` receives from TP rank 0. ``world`` is the real world size (N + 1). Under ``emu.profile``
-    the broadcast first waits out the modeled fan-out (:meth:`pipeline.emulation.Emulator.pad_fanout`)."""
+    ``recv_prev`` receives from TP rank 0. ``world`` is the real world size (N + 1). On an emulated link
+    (``comm.link``) the broadcast first waits out the modeled fan-out
+    (:meth:`pipeline.emulation.LinkSender.pad_fanout`)."""
 
     def __init__(self, comm) -> None:
         self.comm, self.rank, self.world, self.tracer = comm, comm.rank, comm.world, comm.tracer
-        self.emu = comm.emu
+        self.link = comm.link
 
     def send_next(self, msg) -> None:
-        if self.emu is not None:
-            self.emu.pad_fanout(msg, self.world - 1)
+        if self.link is not None:
+            self.link.pad_fanout(msg, self.world - 1)
         self.comm.broadcast(msg)
 
     def recv_prev(self):
@@ -62,8 +63,8 @@ class TPWorker:
         self.tree = StageTree(self.cache)
         self.tracer = comm.tracer
         self.leader = coll.rank == 0
-        self.emu = comm.emu   # pipeline.emulation.Emulator when emu.profile is set (install_tp_worker pads forwards)
-        # every group forward (model.meter): traced as "compute" spans; the emulator stacks its pad after
+        # every group forward (model.meter): traced as "compute" spans; instrumentation stacks its meters after
+        # (pipeline.emulation.install_tp_worker) and the meter stack carries their counters (Stats)
         self.meter: OpMeter = SpanMeter(self.tracer, {f"group_{s}": "compute" for s in SCHEDULES})
 
     @torch.no_grad()
@@ -84,12 +85,12 @@ class TPWorker:
                 return
             if isinstance(msg, Stats):
                 every = self.coll.all_gather_floats(self.tracer.busy_s)
-                if not msg.emu_only:
-                    self.tracer.reset_counters()
-                    msg.busy_s[1:1 + self.coll.size] = torch.tensor(every, dtype=torch.float64, device=HOST)
-                if msg.emu is not None and self.emu is not None:    # every rank's emulation counters
-                    table = self.coll.all_gather_vectors(self.emu.take())
-                    msg.emu[1:1 + self.coll.size] = torch.tensor(table, dtype=torch.float64, device=HOST)
+                self.tracer.reset_counters()
+                msg.busy_s[1:1 + self.coll.size] = torch.tensor(every, dtype=torch.float64, device=HOST)
+                values = take_counters(self.meter)
+                if msg.counters is not None and values:    # every group rank's meter counters
+                    table = self.coll.all_gather_vectors(values)
+                    msg.counters[1:1 + self.coll.size] = torch.tensor(table, dtype=torch.float64, device=HOST)
                 self._reply(msg)
             elif isinstance(msg, Context):
                 out = context_chunk(self.cache, self.tree, msg, self.dtype,
@@ -141,8 +142,8 @@ def run_tp_rank(args, cfg, modes, comm, stage_root, dtype, device, run_rank0) ->
         return run_rank0(args, cfg, modes, GroupComm(comm), model, stage_root, dtype, device)
     coll = DistCollectives(group, 1, n, comm.rank - 1, host_staging=cfg.comm.backend != "nccl")
     worker = TPWorker(model, comm, coll, cfg.model.max_seq_len, dtype, device)
-    if comm.emu is not None:
+    if comm.link is not None:   # the emulated testbed (pipeline.emulation.install): pad the group's forwards
         real_bytes = model.config.hidden_size * torch.finfo(dtype).bits // 8
-        comm.emu.install_tp_worker(worker, n, cfg.emu.tp_layers, cfg.emu.tp_profile_stages, real_bytes)
+        comm.link.emu.install_tp_worker(worker, n, cfg.emu.tp_layers, cfg.emu.tp_profile_stages, real_bytes)
     worker.run()
     return 0

@@ -26,7 +26,6 @@ class Transport(Protocol):
     rank: int
     world: int
     tracer: Tracer
-    emu: object | None      # the rank's pipeline.emulation.Emulator when emu.profile is set, else None
 
     def send_next(self, msg: Message) -> None:
         """Send to the ring successor ``(rank + 1) % world``; never waits for the receiver to take it."""

@@ -18,7 +18,7 @@ import torch
 from draft.tree import admit_rows, decision_keep
 from model.devices import HOST
 from model.kv_cache import KVCache
-from model.meter import OpMeter, SpanMeter
+from model.meter import OpMeter, SpanMeter, take_counters
 from model.stage_model import StageModel
 from pipeline.messages import Context, Decision, Segment, Shutdown, Stats
 from pipeline.transport import Transport
@@ -86,6 +86,14 @@ def context_chunk(cache: KVCache, tree: StageTree, msg: Context, dtype: torch.dt
     return out
 
 
+def write_counters(msg: Stats, row: int, meter) -> None:
+    """Row ``row`` of a ``Stats`` message's counter table: what ``meter`` counted since the last trip (nothing
+    when the message carries no table or the meter counts nothing)."""
+    values = take_counters(meter)
+    if msg.counters is not None and values:
+        msg.counters[row] = torch.tensor(values, dtype=torch.float64, device=HOST)
+
+
 class StageWorker:
     def __init__(self, model: StageModel, comm: Transport, max_len: int, dtype: torch.dtype, device: str) -> None:
         self.model, self.comm = model, comm
@@ -94,11 +102,9 @@ class StageWorker:
         self.cache = model.block.new_cache(max_len, dtype, device) if model.block is not None else None
         self.tree = StageTree(self.cache)
         self.tracer = comm.tracer
-        self.emu = comm.emu   # pipeline.emulation.Emulator when emu.profile is set
-        # the block's forwards (model.meter): traced as "compute" spans; the emulator stacks its pad after
+        # the block's forwards (model.meter): traced as "compute" spans; instrumentation stacks its meters after
+        # (pipeline.build.make_stage_worker) and the meter stack carries their counters (Stats)
         self.meter: OpMeter = SpanMeter(self.tracer, {"stage_forward": "compute"})
-        if self.emu is not None:
-            self.emu.install_stage(self)
         comm.open_direct_inbox()                # rank 0's point-to-point decisions (ranks >= 2)
 
     @torch.no_grad()
@@ -118,11 +124,9 @@ class StageWorker:
                 comm.send_next(msg)
                 return
             if isinstance(msg, Stats):
-                if not msg.emu_only:
-                    msg.busy_s[self.rank] = self.tracer.busy_s
-                    self.tracer.reset_counters()
-                if msg.emu is not None and self.emu is not None:
-                    msg.emu[self.rank] = torch.tensor(self.emu.take(), dtype=torch.float64, device=HOST)
+                msg.busy_s[self.rank] = self.tracer.busy_s
+                self.tracer.reset_counters()
+                write_counters(msg, self.rank, self.meter)
                 comm.send_next(msg)
             elif isinstance(msg, Context):
                 out = context_chunk(self.cache, self.tree, msg, self.dtype, self._compute)

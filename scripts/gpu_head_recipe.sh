@@ -39,7 +39,8 @@ n() { "$PY" -c "import sys; print(max(1, round(float(sys.argv[1]) * float(sys.ar
 log() { echo "[head_recipe $(date +%H:%M:%S)] $*" >&2; }
 
 exclude=()
-for set in mt_bench humaneval gsm8k alpaca sum qa; do
+sets=($("$PY" -c "from config.paths import DATASETS; print(' '.join(DATASETS))"))
+for set in "${sets[@]}"; do
   f="../shared/data/$set/question.jsonl"
   [[ -f "$f" ]] || f="data/$set/question.jsonl"
   [[ -f "$f" ]] || { echo "gpu_head_recipe: no $set/question.jsonl in ../shared/data or data/ (the evaluation records must be excluded)" >&2; exit 2; }
@@ -68,13 +69,12 @@ do_train() {
 do_eval() {
   [[ -f "$OUT/head/model.safetensors" ]] || { echo "gpu_head_recipe: run the train step first" >&2; exit 2; }
   for temp in 0 1; do
-    local table="$OUT/tau_t$temp.json"
+    local table="$OUT/tau_t$temp/summary.csv"
     [[ -s "$table" ]] && { log "eval: $table exists"; continue; }
     log "eval: tau at T=$temp, $RECORDS prompts per category, $TAU_TOKENS tokens"
-    "$PY" -m pipeline.tools.eagle3_bench tau --head "$SHIPPED" --head "$OUT/head" --records "$RECORDS" \
-        --max-new-tokens "$TAU_TOKENS" --temperature "$temp" --seed 0 --set draft.sources=eagle \
-        --set "model.device=$DEVICE" > "$table.tmp"
-    mv "$table.tmp" "$table"
+    "$PY" -m pipeline.tools.drafter_bench --head "$SHIPPED" --head "$OUT/head" --sets "heldout,$(IFS=,; echo "${sets[*]}")" \
+        --begin 30 --end "$((30 + RECORDS))" --max-new-tokens "$TAU_TOKENS" --temperature "$temp" --seed 0 \
+        --out "$OUT/tau_t$temp" "model.device=$DEVICE"
     cat "$table"
   done
 }

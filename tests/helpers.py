@@ -10,11 +10,12 @@ from pathlib import Path
 
 import torch
 
+from config.paths import DATASETS  # noqa: F401  (re-exported for the tests)
+
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 STORIES = SHARED / "models" / "stories260K"
 DATA = SHARED / "data"
-DATASETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
 
 
 def free_port() -> int:

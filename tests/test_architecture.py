@@ -2,7 +2,8 @@
 no ``sys.path`` edits in the packages.
 
 Layers, lowest first: ``config`` -> ``model`` -> ``draft`` -> ``pipeline`` (the decoding core and its entry
-points) -> tools (``pipeline.tools``, ``split_and_save_models``, ``data``). A module may import its own layer
+points) -> tools (``pipeline.tools``, ``split_and_save_models``, ``data``) -> ``scripts`` (developer scripts,
+run as modules; nothing imports them). A module may import its own layer
 or lower ones, at module level or inside a function alike; the decode path therefore never reaches tooling.
 """
 from __future__ import annotations
@@ -11,11 +12,13 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("config", "model", "draft", "pipeline", "data")
+PACKAGES = ("config", "model", "draft", "pipeline", "data", "scripts")
 TOP_SCRIPTS = ("split_and_save_models",)
 
 
 def layer(module: str) -> int:
+    if module.split(".")[0] == "scripts":
+        return 5
     if module.startswith("pipeline.tools") or module in TOP_SCRIPTS or module.split(".")[0] == "data":
         return 4
     return {"config": 0, "model": 1, "draft": 2, "pipeline": 3}[module.split(".")[0]]
@@ -115,6 +118,13 @@ def test_layering_check_sees_a_planted_violation(tmp_path):
     path.write_text("def f():\n    from pipeline.engine import Engine\n")
     deps = project_imports("model.bad", path, set(modules()))
     assert "pipeline.engine" in deps and layer("pipeline.engine") > layer("model.bad")
+    path.write_text("import scripts.greedy_rows\n")              # a tool reaching a developer script
+    deps = project_imports("pipeline.tools.bad", path, set(modules()))
+    assert "scripts.greedy_rows" in deps and layer("scripts.greedy_rows") > layer("pipeline.tools.bad")
+
+
+def test_scripts_are_checked():
+    assert {"scripts.fault_matrix", "scripts.greedy_rows", "scripts.serve_bench"} <= set(modules())
 
 
 def test_mode_registry_matches_config_and_makes_fresh_strategies():

@@ -45,6 +45,64 @@ def test_typos_get_a_did_you_mean_not_a_wall_of_keys():
     assert "expected int" in _err(["max_new_tokens=many"])
 
 
+def test_python_runconfig_refuses_a_typo_or_a_wrong_type_in_one_line():
+    from config.run_config import RunConfig
+    cfg = RunConfig()
+    with pytest.raises(ConfigError, match=r"no setting gen\.max_new_token; did you mean gen\.max_new_tokens\?"):
+        cfg.gen.max_new_token = 5
+    with pytest.raises(ConfigError, match=r"gen\.max_new_tokens='x' must be int, not str"):
+        cfg.gen.max_new_tokens = "x"
+    with pytest.raises(ConfigError, match=r"tree\.expand_levels=True must be int, not bool"):
+        cfg.tree.expand_levels = True
+    with pytest.raises(ConfigError, match="did you mean model"):
+        cfg.modle = None
+    for bad in ("cfg.gen = 3", "cfg.emu.time_scale = '2'"):
+        with pytest.raises(ConfigError):
+            exec(bad)
+    cfg.gen.temperature = 1                        # an int for a float field is taken, as a float
+    cfg.gen.top_k_sampling = 4                     # a property with a setter stays settable
+    assert cfg.gen.temperature == 1.0 and isinstance(cfg.gen.temperature, float) and cfg.gen.top_k == 4
+    assert apply_overrides(DEFAULT, {"temperature": 1, "tree.expand_levels": 3}).gen.temperature == 1.0
+    with pytest.raises(ConfigError, match="must be int"):
+        apply_overrides(DEFAULT, {"max_new_tokens": 2.5})
+
+
+def test_usage_lines_name_the_command_typed():
+    from config.invocation import prog
+    assert prog("pipeline.tools.eval", "/venv/bin/flowspec-eval", "") == "flowspec-eval"      # a console script
+    assert prog("pipeline.tools.eval", "/repo/pipeline/tools/eval.py", "") == "python -m pipeline.tools.eval"
+    assert prog("pipeline.tools.eval", "eval.py", "pipeline.tools.eval=./run_eval.sh") == "./run_eval.sh"
+    assert prog("pipeline.run", "run.py", "pipeline.tools.eval=./run_eval.sh") == "python -m pipeline.run"  # a child
+    for script, usage in (("run_eval.sh", "usage: ./run_eval.sh"), ("run_pipe.sh", "usage: ./run_pipe.sh")):
+        r = subprocess.run([str(REPO / script), "--help"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.startswith(usage), (script, r.stdout[:200])
+
+
+def test_run_tests_sh_runs_the_paths_given_and_a_fast_tier():
+    import os
+
+    def words(*argv):
+        r = subprocess.run([str(REPO / "run_tests.sh"), *argv], capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, RUN_TESTS_DRY_RUN="1"), cwd=REPO)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.splitlines()
+    assert words() == ["tests"]                                           # everything (CI)
+    assert words("tests/test_sampling.py") == ["tests/test_sampling.py"]  # just that file, not the whole suite
+    assert words("tests/test_tree.py::test_reroot", "-x") == ["tests/test_tree.py::test_reroot", "-x"]
+    assert words("--fast") == ["-m", "not slow", "tests"]
+    assert words("-k", "draft") == ["-k", "draft", "tests"]               # an option's value is no path
+    from tests.conftest import is_slow
+    assert is_slow("test_e2e.py", "test_x") and is_slow("test_new_file.py", "test_x")   # new files: full tier
+    assert not is_slow("test_tree.py", "test_x") and is_slow("test_drafter_bench.py", "test_bench_on_stories260k")
+
+
+def test_flowspec_is_an_alias_of_continuous():
+    from config.modes import canonical_mode
+    assert apply_overrides(DEFAULT, ["mode=flowspec"]).gen.mode == "continuous"
+    assert canonical_mode("FlowSpec") == "continuous" and canonical_mode("naive") == "naive"
+    assert "not valid" in _err(["mode=flowspeed"])
+
+
 def test_hf_sampling_names():
     cfg = apply_overrides(DEFAULT, ["temperature=0.8", "do_sample=false"])  # place does not matter
     assert cfg.gen.temperature == 0.0

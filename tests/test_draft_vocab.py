@@ -252,7 +252,7 @@ def test_bad_draft_ids_and_eagle3_heads_are_refused(tiny):
     (2, VOCAB // 2, []),
     (3, 10, ["tree.subseq_token=2", "tree.expand_subseq_token=3", "model.draft_vocab_context=false"]),
     (5, VOCAB // 2, ["tree.subseq_token=1", "tree.init_total_token=12", "tree.total_token=9",
-                     "tree.none_expand=true", "prefill_chunk=4", "model.draft_vocab_full_root=false"]),
+                     "prefill_chunk=4", "model.draft_vocab_full_root=false"]),
 ])
 def test_all_modes_equal_hf_with_a_reduced_vocabulary(tiny, world, n, overrides):
     full, _, splits, head_dir = tiny

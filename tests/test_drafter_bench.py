@@ -1,4 +1,5 @@
-"""pipeline.tools.drafter_bench: τ per dataset per draft.sources on the in-process ring, identity check, resume."""
+"""pipeline.tools.drafter_bench: τ per set per configuration (sources x heads x draft vocabularies) on the in-process
+ring, identity check, resume."""
 from __future__ import annotations
 
 import json
@@ -26,12 +27,40 @@ def test_summary_rows_and_identity_flag():
     assert "**NO**" in markdown(s, ["x"])
 
 
+def test_configurations_cross_sources_heads_and_vocabularies():
+    """One CLI for draft.sources combinations, heads and reduced vocabularies (the old eagle3_bench): every
+    combination is one configuration, labelled by what varies; 'heldout' names the four held-out prompt kinds."""
+    from pipeline.tools.drafter_bench import HELDOUT, build_parser, configurations, expand_sets
+    args = build_parser().parse_args(["--head", "A", "--head", "B", "--draft-vocab", "0", "--draft-vocab", "64",
+                                      "--out", "o"])
+    cfgs = configurations(args)
+    assert [(c, h) for c, h, _ in cfgs] == [("eagle model.head_dir=A model.draft_vocab=0", "A"),
+                                           ("eagle model.head_dir=A model.draft_vocab=64", "A"),
+                                           ("eagle model.head_dir=B model.draft_vocab=0", "B"),
+                                           ("eagle model.head_dir=B model.draft_vocab=64", "B")]
+    assert cfgs[1][2] == ["draft.sources=eagle", "model.draft_vocab=64"]
+    one = configurations(build_parser().parse_args(["--sources", "eagle,lookup draft.lookup_token_prob=0.9",
+                                                    "--out", "o"]))
+    assert one == [("eagle,lookup draft.lookup_token_prob=0.9", None,
+                    ["draft.sources=eagle,lookup", "draft.lookup_token_prob=0.9"])]   # its own overrides last
+    assert expand_sets(["gsm8k", "heldout"]) == ["gsm8k", *HELDOUT] and len(HELDOUT) == 4
+
+
+def test_cli_needs_an_output_folder_and_key_value_overrides(capsys):
+    from pipeline.tools.drafter_bench import main
+    for argv in (["--sources", "eagle"], ["--out", "o", "notakeyvalue"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+    assert "--out is required" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not STORIES.is_dir() or not DATA.is_dir(), reason="../shared is not available")
 def test_bench_on_stories260k_is_exact_and_resumable(tmp_path, capsys):
     from model.split import split_checkpoint
     from pipeline.tools.drafter_bench import main
     stages = split_checkpoint(STORIES, tmp_path / "stages", [0, 3, 2], progress=False)
-    args = ["--sources", "eagle", "--sources", "eagle,lookup draft.lookup_token_prob=0.9", "--sets", "gsm8k,mt_bench",
+    args = ["--sources", "eagle", "--sources", "eagle,lookup draft.lookup_token_prob=0.9", "--sets", "gsm8k,mt_bench,rag",
             "--begin", "30",
             "--end", "32",
             "--max-new-tokens", "12", "--stage-dir", str(stages), "--head-dir", f"oracle:{STORIES}",
@@ -40,9 +69,9 @@ def test_bench_on_stories260k_is_exact_and_resumable(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "`eagle,lookup draft.lookup_token_prob=0.9`" in table and "**NO**" not in table   # own overrides
     rows = [json.loads(l) for l in (tmp_path / "out" / "rows.jsonl").read_text().splitlines()]
-    assert len(rows) == 8 and {r["dataset"] for r in rows} == {"gsm8k", "mt_bench"}
+    assert len(rows) == 12 and {r["dataset"] for r in rows} == {"gsm8k", "mt_bench", "rag"}   # a held-out kind
     assert all(r["output_ids"] and r["prompt_ids"] and r["world_size"] == 3 for r in rows)
     assert main(args) == 0                                   # resumed: nothing is generated twice
-    assert len((tmp_path / "out" / "rows.jsonl").read_text().splitlines()) == 8
+    assert len((tmp_path / "out" / "rows.jsonl").read_text().splitlines()) == 12
     assert main([*args[:-1], str(tmp_path / "o2"), "--data", str(tmp_path / "nope")]) == 2
     assert "no such file" in capsys.readouterr().err

@@ -199,7 +199,7 @@ def test_stages_forward_the_tapped_layers(tiny, world):
     (2, "reduced", []),
     (3, "full", ["tree.subseq_token=2", "tree.expand_subseq_token=3"]),
     (5, "reduced", ["tree.subseq_token=1", "tree.init_total_token=12", "tree.total_token=9"]),
-    (3, "reduced", ["tree.expand_levels=3", "tree.none_expand=true", "prefill_chunk=4"]),
+    (3, "reduced", ["tree.expand_levels=3", "prefill_chunk=4"]),
 ])
 def test_eagle3_all_modes_equal_hf(tiny, world, vocab, overrides):
     full, _, splits, heads = tiny

@@ -130,13 +130,48 @@ def test_tap_row_factors():
 
 def test_stats_message_roundtrip():
     from pipeline.messages import Stats, decode, encode
-    emu = torch.arange(3 * len(COUNTERS), dtype=torch.float64).reshape(3, -1)
-    for msg in (Stats(torch.ones(3, dtype=torch.float64)), Stats(torch.ones(3, dtype=torch.float64), emu, True)):
+    table = torch.arange(3 * len(COUNTERS), dtype=torch.float64).reshape(3, -1)
+    for msg in (Stats(torch.ones(3, dtype=torch.float64)), Stats(torch.ones(3, dtype=torch.float64), table),
+                Stats(torch.ones(3, dtype=torch.float64), torch.zeros(3, 0, dtype=torch.float64))):
         back = decode(*encode(msg))
-        assert torch.equal(back.busy_s, msg.busy_s) and back.emu_only == msg.emu_only
-        assert (back.emu is None) == (msg.emu is None)
-        if msg.emu is not None:
-            assert torch.equal(back.emu, emu)
+        assert torch.equal(back.busy_s, msg.busy_s)
+        assert (back.counters is None) == (msg.counters is None)
+        if msg.counters is not None:
+            assert torch.equal(back.counters, msg.counters)
+
+
+def test_the_meter_stack_carries_its_counters():
+    """Counters ride on the meters (model.meter): a stack concatenates its counting meters' columns, hands each
+    its own columns back for the row fields, and a meter that counts nothing adds no column; the worker writes
+    its stack's counters into a Stats table (pipeline.worker.write_counters) without knowing who counts."""
+    from model.meter import NULL_METER, MeterStack, SpanMeter, counter_fields, take_counters
+    from pipeline.trace import Tracer
+    from pipeline.messages import Stats
+    from pipeline.worker import write_counters
+
+    class Count:
+        def __init__(self, names, values):
+            self.counter_names, self.values = names, values
+
+        def op(self, kind, rows, ctx=0):
+            return NULL_METER.op(kind, rows, ctx)
+
+        def take(self):
+            return list(self.values)
+
+        def row_fields(self, table, phase):
+            return {f"{phase}_{n}": sum(r[i] for r in table) for i, n in enumerate(self.counter_names)}
+
+    stack = MeterStack(SpanMeter(Tracer(0), {}), Count(("a", "b"), (1.0, 2.0)), NULL_METER, Count(("c",), (5.0,)))
+    assert stack.counter_names == ("a", "b", "c") and take_counters(stack) == [1.0, 2.0, 5.0]
+    table = [[1.0, 2.0, 5.0], [10.0, 20.0, 50.0]]
+    assert counter_fields(stack, table, "decode") == {"decode_a": 11.0, "decode_b": 22.0, "decode_c": 55.0}
+    assert take_counters(SpanMeter(Tracer(0), {})) == [] and counter_fields(NULL_METER, table, "decode") == {}
+    msg = Stats(torch.zeros(2, dtype=torch.float64), torch.zeros(2, 3, dtype=torch.float64))
+    write_counters(msg, 1, stack)
+    assert msg.counters[1].tolist() == [1.0, 2.0, 5.0] and msg.counters[0].tolist() == [0.0, 0.0, 0.0]
+    write_counters(msg, 0, NULL_METER)                      # nothing counted: the row stays as it was
+    assert msg.counters[0].tolist() == [0.0, 0.0, 0.0]
 
 
 # -- unit-level padding and links -----------------------------------------------------------------------
@@ -151,8 +186,9 @@ def test_worker_compute_is_padded_to_modeled_time(tiny):
     model = load_stage(tiny.stages, 1, 3, torch.float64)
     step = 0.25                                                    # far above the real cost, even on a busy host
     emu = _emu({"stage": {"overhead_s": step}})
-    comm = SimpleNamespace(rank=1, tracer=Tracer(1), emu=emu, open_direct_inbox=lambda: None)
+    comm = SimpleNamespace(rank=1, tracer=Tracer(1), open_direct_inbox=lambda: None)
     worker = StageWorker(model, comm, 64, torch.float64, "cpu")
+    emu.install_stage(worker)                                      # what pipeline.build.make_stage_worker does
     ids = torch.tensor([[1, 5, 9, 13]])
     pos, mask = worker.cache.context_inputs(4, torch.float64)
     ref = model(ids, pos, mask, model.block.new_cache(64, torch.float64, "cpu"))   # also warms up
@@ -292,7 +328,9 @@ def test_stage_cost_scale_and_bandwidth_override(tmp_path):
     cfg = apply_overrides(DEFAULT, ["emu.profile=edge_orin_7b", "emu.bandwidth_mbps=1000", "emu.stage_cost_scale=1.5"])
     comm = SimpleNamespace(rank=1, world=3, send=lambda *a: None, post=lambda *a: None)
     emu = install(comm, cfg)
-    assert comm.emu is emu and emu.stage_cost_scale == 1.5
+    from pipeline.emulation import emulator_of
+    assert emulator_of(comm) is emu and comm.link is emu.sender and emu.stage_cost_scale == 1.5
+    assert emulator_of(SimpleNamespace()) is None                  # a transport without a link: no testbed
     assert {lm.bandwidth_mbps for lm in [emu.profile.link, *emu.profile.links.values()]} == {1000}
     assert emu.stage_time(1, 0) == pytest.approx(1.5 * emu.profile.stage.time(1, 0))
     for bad in ("emu.stage_cost_scale=0", "emu.bandwidth_mbps=-1"):

@@ -92,7 +92,7 @@ def test_bootstrap_rejects_old_python_in_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("script,expect", [
-    ("run_pipe.sh", "usage: python -m pipeline.run"),
+    ("run_pipe.sh", "usage: ./run_pipe.sh"),
     ("run_eval.sh", "--datasets"),
     ("run_jetson.sh", "Multi-node launcher"),
 ])
@@ -119,7 +119,11 @@ def test_pyproject_and_entry_points():
     for dep in ("torch>=2.6", "transformers>=5.20.2,<6"):  # one range in both places
         assert dep in proj["dependencies"] and dep in reqs
     scripts = proj["scripts"]
-    assert {"flowspec-run", "flowspec-eval", "flowspec-bench", "flowspec-split", "flowspec-simulate"} <= set(scripts)
+    assert {"flowspec-run", "flowspec-eval", "flowspec-bench", "flowspec-split", "flowspec-simulate",
+            "flowspec-serve"} <= set(scripts)
+    serve = proj["optional-dependencies"]["serve"]       # the server's own imports, declared (not via fschat)
+    for dep in ("fastapi", "uvicorn"):
+        assert any(d.startswith(dep) for d in serve) and any(r.startswith(dep) for r in reqs), dep
     for name, target in scripts.items():
         mod, func = target.split(":")
         assert callable(getattr(importlib.import_module(mod), func)), name

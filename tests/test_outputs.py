@@ -85,7 +85,7 @@ def test_answer_file_is_fastchat_llm_judge_format(run):
         for a, q in zip(lines, questions):
             assert set(a) == {"question_id", "answer_id", "model_id", "choices", "tstamp"}
             assert isinstance(a["answer_id"], str) and len(a["answer_id"]) >= 16
-            assert a["model_id"] == f"stories260K-{mode}"
+            assert a["model_id"] == f"answers_{mode}"                # llm_judge: model_id = file stem
             assert isinstance(a["tstamp"], float)
             (choice,) = a["choices"]
             assert choice["index"] == 0 and len(choice["turns"]) == len(q["turns"]) == 2

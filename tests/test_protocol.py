@@ -78,8 +78,8 @@ def test_bad_oracle_noise_is_one_setup_error(tiny, spec):
     # tiny trees: most fill segments are empty padding
     ["tree.init_total_token=2", "tree.total_token=2", "tree.expand_total_token=2", "tree.init_depth=1",
      "tree.expand_depth=1", "tree.pipedec_topk=1"],
-    # no expansion budget at all, and deepening when nothing was verified
-    ["tree.expand_total_token=0", "tree.none_expand=true", "tree.none_expand_size=8"],
+    # no expansion budget at all
+    ["tree.expand_total_token=0"],
     # quick-started first trees with one level, drafting ahead whatever the probability, small segments
     ["tree.first_levels=1", "tree.ahead_levels=2", "tree.ahead_min_prob=0", "tree.subseq_token=3"],
     # the whole first tree before the first send; cost-aware segment sizes from a profile

@@ -342,16 +342,16 @@ EXACT_CASES = [
     ("pruned", 3, 1.0, 0.9, 0, "random", 3, {}, ("CONTINUE", "EMPTY")),
     ("pruned", 4, 2.0, 1.0, 0, "target", 2, {"tree.subseq_token": 2}, ("CONTINUE",)),
     ("pruned", 3, 0.3, 1.0, 0, "disjoint", 2, {}, ()),
-    ("continuous", 3, 1.0, 1.0, 0, "target", 3, {"tree.none_expand": True, "tree.none_expand_size": 3},
+    ("continuous", 3, 1.0, 1.0, 0, "target", 3, {},
      ("CONTINUE", "EMPTY", "expand")),
     ("continuous", 3, 0.3, 0.8, 4, "onehot", 2, {"tree.first_levels": 0}, ("CONTINUE", "expand")),
     ("continuous", 3, 1.0, 1.0, 0, "target", 3,   # quick-started first trees and drafting ahead
      {"tree.first_levels": 1, "tree.ahead_levels": 1, "tree.ahead_min_prob": 0.0}, ("CONTINUE", "expand")),
     ("continuous", 3, 1.0, 1.0, 0, "target", 3,   # a lookahead from the measured acceptance
      {"tree.lookahead_min_prob": 0.05, "tree.lookahead_max_levels": 3}, ("CONTINUE", "expand")),
-    ("continuous", 4, 2.0, 0.9, 0, "random", 2, {"tree.none_expand": True, "tree.first_levels": 0},
+    ("continuous", 4, 2.0, 0.9, 0, "random", 2, {"tree.first_levels": 0},
      ("CONTINUE", "expand")),
-    ("continuous", 3, 1.0, 1.0, 0, "disjoint", 2, {"tree.none_expand": True}, ()),
+    ("continuous", 3, 1.0, 1.0, 0, "disjoint", 2, {}, ()),
     ("pipedec", 3, 1.0, 0.9, 0, "random", 3, {}, ("CONTINUE",)),
     ("pipedec", 4, 0.3, 1.0, 0, "target", 2, {}, ("CONTINUE",)),
     ("pipedec", 3, 2.0, 1.0, 0, "onehot", 2, {}, ("CONTINUE",)),
@@ -418,7 +418,7 @@ REDUCED_VOCAB = [0, 2, 3, 5, 6]
 
 @pytest.mark.parametrize("mode,world,temp,draft,overrides", [
     ("naive", 3, 1.0, "target", {}),
-    ("continuous", 3, 1.0, "random", {"tree.none_expand": True}),
+    ("continuous", 3, 1.0, "random", {}),
     ("pruned", 3, 2.0, "target", {}),
     ("pipedec", 3, 1.0, "random", {}),
 ])

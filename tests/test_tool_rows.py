@@ -68,3 +68,61 @@ def test_child_env_and_job_command(monkeypatch):
     cmd = job_command(3, ["max_new_tokens=8"])
     assert cmd[1:] == ["-m", "pipeline.tools.launch", "--standalone", "--nproc_per_node=3", "-m", "pipeline.run",
                        "max_new_tokens=8"]
+
+
+# -- results hygiene: the draft head in every summary and title, SR whatever modes ran --------------------------
+def _eval_row(mode, ds, xi, head="/x/heads/SmolLM2-135M-Instruct", sha="c1e25e5520385776eea5"):
+    return {"mode": mode, "dataset": ds, "question_id": 1, "turn": 0, "temperature": 0.0, "new_tokens": 10,
+            "decode_s": 10 / xi, "accept_lengths": [2] * 5, "output_ids": [1] * 10, "prompt_ids": [1],
+            "head_dir": "none" if mode == "ar" else head, "head_sha256": None if mode == "ar" else sha}
+
+
+def test_head_line_names_the_head_and_its_hash_and_flags_an_untrained_one():
+    from pipeline.tools.rows import head_line, sr_baseline, untrained
+    rows = [_eval_row("ar", "gsm8k", 5.0), _eval_row("continuous", "gsm8k", 10.0)]
+    assert head_line(rows) == "draft head: SmolLM2-135M-Instruct (sha256 c1e25e552038)" and not untrained(rows)
+    raw = [_eval_row("continuous", "gsm8k", 10.0, head="untrained", sha=None)]
+    assert "UNTRAINED" in head_line(raw) and untrained(raw)
+    assert head_line(rows[:1]) == "draft head: none (no drafting mode ran)"
+    assert [sr_baseline(m) for m in (["ar", "naive", "continuous"], ["continuous", "ar"], ["pipedec"], [])] == \
+        ["naive", "ar", "pipedec", None]
+
+
+def test_eval_summary_and_sr_bars_without_naive():
+    """The eval's SR used to need naive: without it every SR cell and bar was empty. Now SR falls back to ar,
+    the summary says so, and the summary names the head (and warns, on top, when it is untrained)."""
+    from pipeline.tools.eval import aggregate, bar_values, summarize
+    from pipeline.tools.rows import UNTRAINED_WARNING
+    rows = [_eval_row("ar", d, 5.0) for d in ("gsm8k", "qa")] + [_eval_row("continuous", d, 10.0)
+                                                                 for d in ("gsm8k", "qa")]
+    meta = {"world": 5, "max_new_tokens": 10, "begin": 0, "end": 1}
+    md, csv_text = summarize(rows, ["gsm8k", "qa"], ["ar", "continuous"], [0.0], meta, ([], 0, 0))
+    assert "SR against PP-AR (`ar`)" in md and "10.00 (2.00×)" in md and "sha256 c1e25e552038" in md
+    assert UNTRAINED_WARNING not in md and ",2.0," in csv_text
+    vals, _ = bar_values(aggregate(rows), 0.0, "continuous", "sr", ["gsm8k", "qa"], "ar")
+    assert vals == [2.0, 2.0, 2.0]                                      # gsm8k, qa, Mean
+    assert bar_values(aggregate(rows), 0.0, "continuous", "sr", ["gsm8k", "qa"], "naive")[0] == [0.0] * 3
+    raw = [dict(r, head_dir="untrained", head_sha256=None) if r["mode"] != "ar" else r for r in rows]
+    md, _ = summarize(raw, ["gsm8k", "qa"], ["ar", "continuous"], [0.0], meta, ([], 0, 0))
+    assert md.splitlines()[2] == f"**{UNTRAINED_WARNING}**"
+
+
+def test_eval_answer_dir_writes_llm_judge_files_named_by_their_model_id(tmp_path):
+    from pipeline.tools.eval import write_answers
+    rows = [dict(_eval_row(m, "mt_bench", 5.0), question_id=q, turn=t, text=f" {m} q{q} t{t} ")
+            for m in ("ar", "continuous") for q in (81, 82) for t in (0, 1)]
+    rows = [r for r in rows if not (r["question_id"] == 82 and r["turn"] == 1 and r["mode"] == "ar")]  # incomplete
+    paths = write_answers(rows, tmp_path, "SmolLM2-135M-Instruct")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in paths) == [
+        "mt_bench/model_answer/SmolLM2-135M-Instruct-ar-t0.jsonl",
+        "mt_bench/model_answer/SmolLM2-135M-Instruct-continuous-t0.jsonl"]
+    for p in paths:
+        lines = [json.loads(l) for l in p.read_text().splitlines()]
+        assert {a["model_id"] for a in lines} == {p.stem}                 # llm_judge's key: the file stem
+        assert all(set(a) == {"question_id", "answer_id", "model_id", "choices", "tstamp"} for a in lines)
+    ar = [json.loads(l) for l in paths[0].read_text().splitlines()]
+    assert [a["question_id"] for a in ar] == [81] and ar[0]["choices"][0]["turns"] == ["ar q81 t0", "ar q81 t1"]
+    write_answers(rows, tmp_path, "SmolLM2-135M-Instruct")                  # rerun: nothing written twice
+    assert len(paths[1].read_text().splitlines()) == 2
+    first = write_answers(rows, tmp_path / "f", "m", first_turn_only=True)
+    assert len(first) == 2 and all(len(p.read_text().splitlines()) == 2 for p in first)

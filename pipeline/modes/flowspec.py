@@ -231,7 +231,7 @@ class ContinuousMode(StreamingMode):
     its best leaves, up to ``expand_total_token`` nodes in all: the likely outcomes of the segments in flight
     are drafted ahead, at a cost that does not grow with the tree's depth. ``expand_levels = 0``: the paper
     code's expansion, a fresh ``expand_depth``-deep EAGLE-2 tree drafted from the new root and merged.
-    ``expand_total_token = 0``: no expansion after a verified step (the ablation; with ``none_expand`` and
+    ``expand_total_token = 0``: no expansion after a verified step (the ablation; with
     ``ahead_levels`` off, as by default, it is ``pruned`` with this mode's quick-started first tree and per-step
     commits).
     """
@@ -326,26 +326,19 @@ class ContinuousMode(StreamingMode):
     def grow(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor, verified: bool) -> DraftTree:
         """After a verified step (``verified``): incremental expansion grows ``tree.expand_levels`` levels, or with
         ``tree.lookahead_min_prob > 0`` what :meth:`lookahead` says (none when the tree is deep enough); the
-        redraft expansion merges a fresh ``expand_depth`` tree. After a result that verified nothing: the
-        none-expansion when ``tree.none_expand`` is on."""
+        redraft expansion merges a fresh ``expand_depth`` tree. A result that verified nothing grows nothing."""
         t = engine.cfg.tree
-        if verified:
-            if t.expand_total_token == 0:   # expansion off: the round keeps its first tree
-                return tree
-            levels = t.expand_levels
-            if t.lookahead_min_prob > 0 and self.inputs is not None:
-                levels = self.lookahead(engine, tree)
-                if levels == 0:
-                    return tree
-            total, depth = t.expand_total_token, t.expand_depth
-        elif t.none_expand:
-            levels = t.none_expand_depth
-            total, depth = t.expand_total_token + t.none_expand_size, t.expand_depth + t.none_expand_depth
-        else:
+        if not verified or t.expand_total_token == 0:   # expansion off: the round keeps its first tree
             return tree
+        levels = t.expand_levels
+        if t.lookahead_min_prob > 0 and self.inputs is not None:
+            levels = self.lookahead(engine, tree)
+            if levels == 0:
+                return tree
+        total, depth = t.expand_total_token, t.expand_depth
         with engine.tracer.span("expand"):
             if self.inputs is not None:
-                room = max(total - len(tree), t.expand_topk if verified else t.none_expand_size)
+                room = max(total - len(tree), t.expand_topk)
                 tree, self.inputs = engine.drafter.extend_tree(tree, self.inputs, root_hidden, levels,
                                                                t.expand_topk, room)
                 return tree

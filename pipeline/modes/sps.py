@@ -32,11 +32,6 @@ from pipeline.modes.naive import whole_tree_rounds
 from pipeline.verify import Sampler
 
 
-
-class SpsError(ValueError):
-    pass
-
-
 def sps_drafter(engine: Engine):
     """The small LM for ``sps``: ``sps.draft_dir``, else the engine's drafter if it is one, else the first
     ``ssm:<dir>`` of ``draft.sources``. Loaded once per engine."""

@@ -37,11 +37,13 @@ import sys
 import time
 from pathlib import Path
 
+from config.invocation import prog
 from config.modes import COMPARED_MODES, label
 from config.paths import REPO
 from pipeline.outputs import read_rows
 from pipeline.tools.ranks import child_env, job_command, log_tail, run_job
-from pipeline.tools.rows import RowTailer, find_mismatches, losslessness_md, mismatch_banner
+from pipeline.tools.rows import (UNTRAINED_WARNING, RowTailer, find_mismatches, head_line, losslessness_md,
+                                 mismatch_banner, untrained)
 
 
 class BenchError(RuntimeError):
@@ -54,7 +56,7 @@ HF = "hf_generate"  # pipeline.tools.hf_generate's rows: one-process HF generate
 def parse_args(argv=None) -> argparse.Namespace:
     from pipeline.cli import DefaultsOnce  # each default shown once
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.tools.bench",
+        prog=prog("pipeline.tools.bench"),
         description="Run every decoding mode side by side on the same prompts through the pipeline (one pipeline.tools.launch "
                     "launch per mode, tracing on) and report decode throughput, speed-ups over naive and ar, τ, "
                     "accepted tokens per pipeline step, per-rank utilization and a Gantt chart per mode. At T=0 "
@@ -124,13 +126,17 @@ def _f(v, fmt="{:.2f}", none="–"):
     return none if v is None else fmt.format(v)
 
 
-def summarize(agg: dict, trace_util: dict, mismatch: tuple, meta: dict, gantts: dict) -> tuple[str, str]:
+def summarize(agg: dict, trace_util: dict, mismatch: tuple, meta: dict, gantts: dict,
+              rows: list[dict] | None = None) -> tuple[str, str]:
     """Markdown and CSV text. ``trace_util``: mode -> {"decode": [per-rank rows], "window": [...], ...}."""
     md = io.StringIO()
     w = md.write
     world = max((len(a["busy"]) for a in agg.values()), default=0)
     w("# Benchmark: decoding modes side by side\n\n")
-    w(f"- model: `{meta['stage_dir']}`, draft head: `{meta['head_dir']}`, world {meta['world']} ranks\n")
+    if rows is not None and untrained(rows):
+        w(f"**{UNTRAINED_WARNING}**\n\n")
+    w(f"- model: `{meta['stage_dir']}`, draft head: `{meta['head_dir']}`, world {meta['world']} ranks"
+      + (f"; {head_line(rows)}" if rows is not None else "") + "\n")
     w(f"- prompts: {meta['prompts']}; max_new_tokens {meta['max_new_tokens']}, temperature {meta['temperature']:g}, "
       f"{meta['warmup']} untimed warm-up generation(s) per mode, "
       + ("one launch per mode" if meta["launch"] == "per-mode" else "all modes in one launch") + "\n")
@@ -196,8 +202,10 @@ def summarize(agg: dict, trace_util: dict, mismatch: tuple, meta: dict, gantts: 
 
 # -- traces ---------------------------------------------------------------------------------------------
 def analyze_traces(trace_dir: Path, mode: str, mode_index: int, n_modes: int, n_rows: int, warmup: int,
-                   args, out_dir: Path, tps: float | None) -> dict:
-    """Decode-phase utilization of one mode and its Gantt window (PNG + CSV)."""
+                   args, out_dir: Path, tps: float | None, heads: str = "") -> dict:
+    """Decode-phase utilization of one mode and its Gantt window (PNG + CSV). ``mode_index`` / ``n_modes``: the
+    mode's place among the modes the pipeline ran (with ``--launch single`` one trace holds them all, in order);
+    ``heads``: the draft-head line for the chart's title."""
     from pipeline.tools import timeline as T
     res = {"decode": [], "window": [], "png": None, "notes": []}
     try:
@@ -227,7 +235,7 @@ def analyze_traces(trace_dir: Path, mode: str, mode_index: int, n_modes: int, n_
     if not args.no_gantt:
         title = (f"{label(mode)} ({mode}): {1000 * (hi - lo):.0f} ms of recorded generation {k}'s decode "
                  f"({g.get('new_tokens')} tokens in {g['end'] - g['decode_begin']:.2f} s)"
-                 + (f"; mode average {tps:.1f} tok/s" if tps else ""))
+                 + (f"; mode average {tps:.1f} tok/s" if tps else "") + (f"\n{heads}" if heads else ""))
         res["png"] = T.gantt(tl, lo, hi, out_dir / f"gantt_{mode}.png", title, res["window"])
     return res
 
@@ -318,9 +326,9 @@ def main(argv=None) -> int:
 
 
 def _main(args, log) -> int:
-    from config.modes import MODES as VALID
+    from config.modes import MODES as VALID, canonical_mode
     from config.run_config import DEFAULT, ConfigError, apply_overrides
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = [canonical_mode(m) for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in VALID for m in modes):
         raise BenchError(f"--modes {args.modes!r}: choose from {', '.join(VALID)}")
     if len(set(modes)) != len(modes):
@@ -424,19 +432,23 @@ def _main(args, log) -> int:
         modes = [*modes, HF]
     agg = aggregate(rows, modes)
     trace_util, gantts = {}, {}
-    for mi, m in enumerate(modes):
-        if m not in agg or m == HF:
+    traced = [m for m in modes if m != HF]   # hf_generate runs outside the pipeline: no trace, not a launch mode
+    heads = head_line(rows)
+    for mi, m in enumerate(traced):
+        if m not in agg:
             continue
         tdir = out_dir / "traces" / (m if args.launch == "per-mode" else "all")
-        trace_util[m] = analyze_traces(tdir, m, mi, len(modes), agg[m]["generations"], args.warmup, args, out_dir,
-                                       agg[m]["tps"])
+        trace_util[m] = analyze_traces(tdir, m, mi, len(traced), agg[m]["generations"], args.warmup, args, out_dir,
+                                       agg[m]["tps"], heads)
         if trace_util[m]["png"]:
             gantts[m] = trace_util[m]["png"]
     mismatch = find_mismatches(rows)
-    md, csv_text = summarize(agg, trace_util, mismatch, meta, gantts)
+    md, csv_text = summarize(agg, trace_util, mismatch, meta, gantts, rows)
     (out_dir / "summary.md").write_text(md, encoding="utf-8")
     (out_dir / "summary.csv").write_text(csv_text, encoding="utf-8")
     print(md)
+    if untrained(rows):
+        print(UNTRAINED_WARNING, flush=True)
     log(f"[bench] {len(rows)} rows in {time.time() - t0:.0f} s -> {out_dir}/summary.md, summary.csv, rows.jsonl"
         + (f", {len(gantts)} Gantt chart(s)" if gantts else ""))
     code = 0

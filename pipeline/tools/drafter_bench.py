@@ -1,18 +1,28 @@
-"""Compare drafter combinations (``draft.sources``) on the six evaluation sets: τ per dataset, rank 0's work per
-verification round, and a check that every combination's output is token-identical to the first one's (T = 0).
+"""Compare drafters: τ per prompt set through the in-process ring for several configurations (``draft.sources``
+combinations, draft heads, reduced draft vocabularies), rank 0's work per verification round, a check that every
+configuration's output is token-identical to the first one's (T = 0); and, with ``--draft-time``, rank 0's
+drafting time per tree (``Drafter.grow_tree``) for EAGLE-1/2 vs EAGLE-3 heads, full vs reduced vocabulary.
 
+A configuration is every combination of ``--sources`` (a ``draft.sources`` value, optionally followed by
+``key=value`` overrides of that configuration alone), ``--head`` and ``--draft-vocab`` (``model.draft_vocab``).
 Every configuration runs mode ``naive`` (or ``--mode``) at the same tree budget (the run defaults: 60 nodes,
 depth 5, top-k 10) through the in-process ring (:mod:`pipeline.inprocess`: the real stage worker, engine and
-modes in one process), on the first turn of records ``[--begin, --end)`` of each dataset. Rows go to
-``OUT/rows.jsonl`` as each dataset finishes (one per generation, with ``prompt_ids``/``output_ids``, so
+modes in one process), on the first turn of records ``[--begin, --end)`` of each set: the six evaluation sets
+(``config.paths.DATASETS``) and the held-out prompt kinds written here (``translation``, ``rag``, ``extraction``,
+``roleplay``: ``--sets heldout`` names all four; their first ``end - begin`` prompts). Rows go to
+``OUT/rows.jsonl`` as each set finishes (one per generation, with ``prompt_ids``/``output_ids``, so
 ``python -m pipeline.tools.simulate OUT/rows.jsonl --modes naive draft.sources=...`` replays them under an
-emulation profile); a rerun skips the (sources, dataset) pairs already there. ``OUT/summary.csv`` and the
-markdown table printed at the end hold the per-dataset τ and the ratio to the first configuration.
+emulation profile); a rerun skips the (configuration, set) pairs already there. ``OUT/summary.csv`` and the
+markdown table printed at the end hold the per-set τ and the ratio to the first configuration.
 
-Example::
+Examples::
 
     python -m pipeline.tools.drafter_bench --sources eagle --sources eagle,lookup \\
         --sources eagle,lookup,ssm:draft/ssms/SmolLM2-135M-Instruct/ssm_1 --begin 30 --end 50 --out outputs/drafters
+    python -m pipeline.tools.drafter_bench --head draft/heads/SmolLM2-135M-Instruct --head /tmp/e3/head \\
+        --sets heldout,mt_bench,gsm8k --begin 30 --end 34 --max-new-tokens 64 --out outputs/heads
+    python -m pipeline.tools.drafter_bench --draft-vocab 0 --draft-vocab 16384 --out outputs/vocab
+    python -m pipeline.tools.drafter_bench --draft-time --draft-vocab 8192 --trees 20
 """
 from __future__ import annotations
 
@@ -25,13 +35,64 @@ from pathlib import Path
 
 import torch
 
-from config.paths import REPO
+from config.invocation import prog
+from config.paths import DATASETS, REPO
 
-SETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
+# held-out prompt kinds that the six evaluation sets do not have (written here; not used for training)
+HELDOUT = {
+    "translation": ["Translate into French: The library opens at nine and closes at six on weekdays.",
+                    "Translate this German sentence into English: Ich habe gestern einen langen Brief an meine "
+                    "Großmutter geschrieben.",
+                    "Translate into Spanish: Please remember to water the tomatoes before you leave for the weekend.",
+                    "What does this French sentence mean in English? Le train pour Lyon part dans dix minutes, "
+                    "mais nous avons encore le temps de prendre un café.",
+                    "Translate into German: The museum is closed on Mondays, but the garden is open every day."],
+    "rag": ["Passage: The Nile is about 6,650 km long and flows north through eleven countries before reaching "
+            "the Mediterranean Sea. Its two main tributaries are the White Nile and the Blue Nile.\n\nUsing only the "
+            "passage, answer and quote it: how long is the Nile and where does it end?",
+            "Passage: Honeybees communicate the location of flowers with a 'waggle dance'. The angle of the dance "
+            "shows the direction relative to the sun, and its length shows the distance.\n\nUsing only the passage, "
+            "answer and quote it: what does the length of the dance tell other bees?",
+            "Passage: The town library was built in 1911 with money from a local mill owner. It moved to a larger "
+            "building in 1978, and the old building now houses a small museum of weaving.\n\nUsing only the passage, "
+            "answer and quote it: what is in the old library building today?",
+            "Passage: Octopuses have three hearts. Two pump blood through the gills, and the third pumps it to the "
+            "rest of the body. Their blood is blue because it uses copper to carry oxygen.\n\nUsing only the passage, "
+            "answer and quote it: why is octopus blood blue?",
+            "Passage: The Great Wall was built over many centuries. Most of the parts that tourists visit today were "
+            "built during the Ming dynasty, between 1368 and 1644.\n\nUsing only the passage, answer and quote it: "
+            "when were the most visited parts of the wall built?"],
+    "extraction": ["Extract every person and city from this text as a JSON list: Maria flew from Madrid to Oslo "
+                   "to meet Tom, and then they took a train to Bergen with their friend Aiko.",
+                   "List all dates and amounts in this text: On 3 March we paid $120 for repairs, and on 15 April "
+                   "another $75 for new tyres.",
+                   "Extract the product names and prices as JSON from: The shop sells a blue kettle for 25 euros, "
+                   "a toaster for 40 euros and a set of four mugs for 12 euros.",
+                   "From this email, extract the sender, the meeting day and the room as JSON: Hi team, this is "
+                   "Priya. Our planning meeting moves to Thursday and will be held in room 4B.",
+                   "Find every company name in this sentence and return them as a JSON list: Last year Acme Foods "
+                   "bought a small bakery from Northwind Traders and partnered with Blue River Logistics."],
+    "roleplay": ["Let's role-play. You are a lighthouse keeper on a stormy night. A sailor knocks on your door. "
+                 "What do you say?",
+                 "Pretend you are a tour guide in ancient Rome. Describe what I see in the Forum.",
+                 "You are a grumpy but kind old wizard. A young apprentice asks you how to light a candle with magic. "
+                 "Answer in character.",
+                 "Role-play as a barista in a busy café. I walk in and ask what you would recommend on a cold "
+                 "morning.",
+                 "Act as the captain of a spaceship that has just landed on an unknown planet. Give your first "
+                 "report to mission control."],
+}
+
+
+def expand_sets(names: list[str]) -> list[str]:
+    """``heldout`` stands for the four held-out kinds; anything else is a set name."""
+    return [k for n in names for k in (list(HELDOUT) if n == "heldout" else [n])]
 
 
 def load_prompts(data: Path, name: str, begin: int, end: int, tok) -> list[list[int]]:
     from model.prompts import chat_prompt_ids
+    if name in HELDOUT:
+        return [chat_prompt_ids(tok, [t], [], "", "auto") for t in HELDOUT[name][:max(0, end - begin)]]
     path = data / name / "question.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (--data points at a folder of <dataset>/question.jsonl)")
@@ -81,6 +142,23 @@ def markdown(summary: list[dict], sets: list[str]) -> str:
     return "\n".join(lines)
 
 
+def configurations(args) -> list[tuple[str, str | None, list[str]]]:
+    """``(label, head, overrides)`` of every configuration: ``--sources`` x ``--head`` x ``--draft-vocab``. The label
+    names what varies (the sources string as given, then `` model.head_dir=H`` / `` model.draft_vocab=N``)."""
+    out = []
+    heads = args.head or [None]
+    vocabs = args.draft_vocab or [None]
+    for c in args.sources or ["eagle"]:
+        for h in heads:
+            for n in vocabs:
+                sources, *own = c.split()   # "eagle,lookup,ssm:DIR draft.ssm_score_scale=3": its own overrides last
+                label = c + (f" model.head_dir={h}" if h and len(heads) > 1 else "") + \
+                    (f" model.draft_vocab={n}" if n is not None and len(vocabs) > 1 else "")
+                over = [f"draft.sources={sources}", *([f"model.draft_vocab={n}"] if n is not None else []), *own]
+                out.append((label, h, over))
+    return out
+
+
 def run(args) -> int:
     from config.paths import DEFAULT_HEAD_DIR, DEFAULT_STAGE_DIR
     from model.prompts import stop_token_ids
@@ -88,7 +166,9 @@ def run(args) -> int:
     from pipeline.inprocess import run_threaded
     torch.set_num_threads(args.threads)
     stage_root = Path(args.stage_dir) if args.stage_dir else DEFAULT_STAGE_DIR
-    head = args.head_dir or str(DEFAULT_HEAD_DIR)
+    default_head = args.head_dir or str(DEFAULT_HEAD_DIR)
+    configs = configurations(args)
+    sets = expand_sets(args.sets)
     from model.stage_format import read_manifest
     world = len(read_manifest(stage_root)["split"])
     tok = load_tokenizer(stage_root)
@@ -100,16 +180,16 @@ def run(args) -> int:
     rows = read_rows(rows_path) if rows_path.is_file() else []
     done = {(r["sources"], r["dataset"]) for r in rows}
     data = Path(args.data)
-    prompts = {d: load_prompts(data, d, args.begin, args.end, tok) for d in args.sets}
-    for c in args.sources:
-        for d in args.sets:
+    prompts = {d: load_prompts(data, d, args.begin, args.end, tok) for d in sets}
+    for c, head, own in configs:
+        for d in sets:
             if (c, d) in done:
                 continue
             t0 = time.time()
-            sources, *own = c.split()     # "eagle,lookup,ssm:DIR draft.ssm_score_scale=3": its own overrides last
-            over = [f"max_new_tokens={args.max_new_tokens}", "dtype=float32", f"draft.sources={sources}",
-                    f"temperature={args.temperature}", *args.overrides, *own]
-            res = run_threaded(stage_root, prompts[d], [args.mode], over, stops, head, dtype=torch.float32)[args.mode]
+            over = [f"max_new_tokens={args.max_new_tokens}", "dtype=float32", f"temperature={args.temperature}",
+                    f"seed={args.seed}", *args.overrides, *own]
+            res = run_threaded(stage_root, prompts[d], [args.mode], over, stops, head or default_head,
+                               dtype=torch.float32)[args.mode]
             with rows_path.open("a") as f:
                 for i, (p, r) in enumerate(zip(prompts[d], res)):
                     row = {"sources": c, "dataset": d, "record": args.begin + i, "mode": args.mode,
@@ -122,45 +202,113 @@ def run(args) -> int:
             taus = [r.tau for r in res]
             print(f"[drafter_bench] {c} {d}: tau {sum(taus) / max(1, len(taus)):.2f} ({len(res)} prompts, "
                   f"{time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
-    summary = summarize(rows, args.sources, list(args.sets), check_identity=args.temperature == 0)
+    summary = summarize(rows, [c for c, _, _ in configs], sets, check_identity=args.temperature == 0)
     with (out / "summary.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(summary[0]))
         w.writeheader()
         w.writerows(summary)
-    print(markdown(summary, list(args.sets)))
+    print(markdown(summary, sets))
     return 0 if all(s["identical_to_first"] is not False for s in summary) else 1
 
 
+def draft_time(args) -> int:
+    """Median seconds per ``grow_tree`` (60/5/10) for: the shipped EAGLE-1/2 head, an EAGLE-3 head with the full
+    vocabulary and one with ``--draft-vocab`` (random weights: timing only; the tree shape is fixed)."""
+    from draft.drafter import Drafter
+    from draft.load_head import load_draft_head
+    from draft.eagle3 import init_eagle3_head
+    from model.stage_model import load_stage
+    from config.paths import DEFAULT_HEAD_DIR, DEFAULT_STAGE_DIR
+    torch.set_num_threads(args.threads)
+    m0 = load_stage(DEFAULT_STAGE_DIR, 0, 5, torch.float32)
+    cfg = m0.config
+    heads = {"eagle1/2 (shipped)": load_draft_head(DEFAULT_HEAD_DIR, cfg, m0.embed_tokens.weight.data)}
+    from draft.vocab import COUNTS_FILE, draft_vocab_ids
+    ranked = (DEFAULT_HEAD_DIR / COUNTS_FILE).is_file()
+    ids = draft_vocab_ids(args.draft_vocab, DEFAULT_HEAD_DIR, cfg.vocab_size) if ranked else None
+    if not ranked:
+        print(f"no {COUNTS_FILE} beside {DEFAULT_HEAD_DIR}: the shipped head is timed with its full vocabulary only",
+              file=sys.stderr)
+    if ids is not None:   # the shipped head drafting over its N most frequent tokens (model.draft_vocab=N)
+        heads[f"eagle1/2 (shipped), draft_vocab {args.draft_vocab}"] = (heads["eagle1/2 (shipped)"], ids)
+    if args.eagle3_head:
+        heads["eagle3 (trained)"] = load_draft_head(args.eagle3_head, cfg, m0.embed_tokens.weight.data)
+    heads["eagle3 full vocab"] = init_eagle3_head(cfg)
+    heads[f"eagle3 vocab {args.draft_vocab}"] = init_eagle3_head(cfg, vocab_map=torch.arange(args.draft_vocab))
+    rows = {}
+    g = torch.Generator().manual_seed(0)
+    for name, head in heads.items():
+        head, ids = head if isinstance(head, tuple) else (head, None)
+        head = head.float().eval()
+        if hasattr(head, "aux_layers"):
+            head.embed_tokens.weight.data.copy_(m0.embed_tokens.weight.data)
+        d = Drafter(head, m0.lm_head, 1024, draft_ids=ids)
+        width = cfg.hidden_size * 4 if hasattr(head, "aux_layers") else cfg.hidden_size
+        feats = torch.randn(200, width, generator=g)
+        root = d.start(list(range(1, 201)), 5, feats)
+        times = []
+        for i in range(args.trees + 2):
+            t0 = time.perf_counter()
+            d.grow_tree(5, root, 60, 5, 10)
+            times.append(time.perf_counter() - t0)
+        times = sorted(times[2:])
+        rows[name] = round(times[len(times) // 2] * 1000, 2)
+        print(f"{name}: {rows[name]} ms per tree", file=sys.stderr, flush=True)
+    print(json.dumps({"ms_per_tree_median": rows, "threads": args.threads}, indent=1))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.tools.drafter_bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog=prog("pipeline.tools.drafter_bench"), description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sources", action="append", required=True,
+    ap.add_argument("--sources", action="append", default=[],
                     help="a draft.sources value, optionally followed by key=value overrides of this configuration "
                          "alone, e.g. 'eagle,lookup,ssm:DIR draft.ssm_score_scale=3' (repeatable; the first is the "
-                         "reference)")
-    ap.add_argument("--sets", type=lambda s: s.split(","), default=list(SETS), help="comma-separated datasets")
+                         "reference; default: eagle)")
+    ap.add_argument("--head", action="append", default=[],
+                    help="a draft head (model.head_dir value; repeatable: every configuration runs with each)")
+    ap.add_argument("--draft-vocab", type=int, action="append", default=[],
+                    help="model.draft_vocab=N for every configuration (repeatable; 0 = the whole vocabulary); "
+                         "with --draft-time: the reduced vocabulary timed (default 8192)")
+    ap.add_argument("--sets", type=lambda s: s.split(","), default=list(DATASETS),
+                    help="comma-separated sets: the six evaluation sets and/or the held-out kinds "
+                         f"({', '.join(HELDOUT)}; 'heldout' = all four)")
     ap.add_argument("--begin", type=int, default=30)
     ap.add_argument("--end", type=int, default=50)
     ap.add_argument("--mode", default="naive", help="decoding mode (e.g. sps with draft.sources=ssm:<dir>)")
     ap.add_argument("--temperature", type=float, default=0.0, help="T > 0: no identity check (outputs are draws)")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--data", default=str(REPO.parent / "shared" / "data"), help="folder of <dataset>/question.jsonl")
     ap.add_argument("--stage-dir", default=None, help="stage root (default: the SmolLM2 split)")
-    ap.add_argument("--head-dir", default=None, help="EAGLE head for the `eagle` source (default: the shipped one)")
+    ap.add_argument("--head-dir", default=None, help="the head when no --head is given (default: the shipped one)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", required=True, help="output folder (rows.jsonl, summary.csv)")
+    ap.add_argument("--out", default=None, help="output folder (rows.jsonl, summary.csv); required unless --draft-time")
+    ap.add_argument("--draft-time", action="store_true",
+                    help="instead: median ms per 60/5/10 grow_tree of the shipped head, EAGLE-3 heads (random "
+                         "weights: timing only) with the full and a reduced vocabulary")
+    ap.add_argument("--eagle3-head", default=None, help="--draft-time: also time this trained EAGLE-3 head")
+    ap.add_argument("--trees", type=int, default=20, help="--draft-time: trees timed per head")
     ap.add_argument("overrides", nargs="*", help="further key=value run overrides")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.draft_time:
+        args.draft_vocab = args.draft_vocab[-1] if args.draft_vocab else 8192
+        return draft_time(args)
+    if not args.out:
+        ap.error("--out is required (unless --draft-time)")
+    bad = [kv for kv in args.overrides if "=" not in kv or kv.startswith("=")]
+    if bad:
+        ap.error(f"overrides take KEY=VALUE, got {bad[0]!r}")
     try:
         return run(args)
     except FileNotFoundError as e:
         print(f"[drafter_bench] error: {e}", file=sys.stderr)
         return 2
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,6 +12,10 @@ excluded, in modeled time when the emulated testbed is dilated), SR = ξ / ξ(Ch
 tokens committed per verification, bonus included), per dataset and their mean, as ``summary.md``,
 ``summary.csv`` and bar charts ``xi.png``, ``sr.png``, ``tau.png``. At T=0 every mode must reproduce ``ar``'s
 tokens exactly; any difference is printed loudly and the exit status is 3.
+
+``--answer-dir DIR`` also writes FastChat llm_judge answer files,
+``DIR/<dataset>/model_answer/<model>-<mode>-t<T>.jsonl``, whose ``model_id`` is that file's stem (llm_judge
+names a model by its answer file), one line per question with all its turns.
 """
 from __future__ import annotations
 
@@ -24,14 +28,13 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from config.invocation import prog
 from config.modes import COMPARED_MODES, label
-from config.paths import REPO
+from config.paths import DATASET_LABELS, DATASETS, REPO
 from pipeline.tools.ranks import child_env, job_command, log_tail, run_job
-from pipeline.tools.rows import RowTailer, find_mismatches, losslessness_md, mismatch_banner
+from pipeline.tools.rows import (UNTRAINED_WARNING, RowTailer, find_mismatches, head_line, losslessness_md,
+                                 mismatch_banner, sr_baseline, untrained)
 
-DATASETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
-DATASET_LABELS = {"mt_bench": "MT-bench", "humaneval": "HumanEval", "gsm8k": "GSM8K", "alpaca": "Alpaca",
-                  "sum": "CNN/DM", "qa": "NaturalQ"}
 META_KEYS = ("profile", "time_scale", "max_new_tokens", "stage_dir", "head_dir", "overrides", "world", "draft_sources")
 
 
@@ -53,7 +56,7 @@ class EvalError(RuntimeError):
 def parse_args(argv=None) -> argparse.Namespace:
     from pipeline.cli import DefaultsOnce  # each default shown once
     p = argparse.ArgumentParser(
-        prog="run_eval.sh",
+        prog=prog("pipeline.tools.eval"),
         description="Sweep decoding modes x datasets x temperatures through the pipeline (optionally on the "
                     "emulated edge testbed), resumably, and summarise throughput ξ, speed-up SR over Chunk-PP "
                     "(naive) and τ as Markdown, CSV and plots. At T=0 every mode's output must equal ar's.",
@@ -82,6 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", default="", help="results folder [outputs/eval/<profile>]")
     p.add_argument("--summarize-only", action="store_true", help="run nothing; summarise the rows there")
     p.add_argument("--no-plots", action="store_true", help="skip the matplotlib charts")
+    p.add_argument("--answer-dir", default="",
+                   help="also write FastChat llm_judge answer files DIR/<dataset>/model_answer/<model>-<mode>-t<T>.jsonl "
+                        "(model_id = the file stem; questions already there are kept)")
     p.add_argument("--quiet", action="store_true", help="less progress output")
     return p.parse_intermixed_args(argv)
 
@@ -214,6 +220,39 @@ def run_chunk(chunk, args, common: list[str], world: int, out_dir: Path, sink: R
     return rc
 
 
+def _answer_order(key: tuple) -> tuple:
+    ds, mode, t, qid = key
+    return ds, mode, t, (0, qid, "") if isinstance(qid, int) else (1, 0, str(qid))
+
+
+# -- llm_judge answers ---------------------------------------------------------------------------------
+def write_answers(rows: list[dict], answer_dir: Path, model: str, first_turn_only: bool = False) -> list[Path]:
+    """FastChat llm_judge answer files of ``rows``: one per (dataset, mode, temperature),
+    ``answer_dir/<dataset>/model_answer/<model>-<mode>-t<T>.jsonl`` with ``model_id`` = the file stem, one line per
+    question whose turns are all in ``rows`` (as many as any mode has for it; only the first with
+    ``first_turn_only``), in question order. A
+    question already in the file is not written again (``pipeline.outputs.AnswerFile``)."""
+    from pipeline.outputs import AnswerFile
+    turns: dict[tuple, dict[int, str]] = defaultdict(dict)
+    for r in rows:
+        turns[(r["dataset"], r["mode"], float(r["temperature"]), r["question_id"])][int(r["turn"])] = \
+            str(r.get("text", "")).strip()
+    n_turns: dict[tuple, int] = defaultdict(int)   # a question's turns: the most any mode or temperature has
+    for (ds, _, _, qid), got in turns.items():
+        n_turns[(ds, qid)] = max(n_turns[(ds, qid)], max(got) + 1)
+    files: dict[tuple, AnswerFile] = {}
+    for (ds, mode, t, qid), got in sorted(turns.items(), key=lambda kv: _answer_order(kv[0])):
+        n = 1 if first_turn_only else n_turns[(ds, qid)]
+        if any(i not in got for i in range(n)):
+            continue
+        key = (ds, mode, t)
+        if key not in files:
+            path = Path(answer_dir) / ds / "model_answer" / f"{model}-{mode}-t{t:g}.jsonl"
+            files[key] = AnswerFile(path, path.stem)
+        files[key].add(qid, [got[i] for i in range(n)])
+    return [f.path for f in files.values()]
+
+
 # -- summary --------------------------------------------------------------------------------------------
 def _scale(row: dict) -> float:
     return float(row.get("emu_time_scale") or 1.0)
@@ -261,6 +300,9 @@ def summarize(rows: list[dict], datasets: list[str], modes: list[str], temps: li
     scale = meta.get("time_scale") or 1.0
     prof = meta.get("profile") or "none"
     w("# Evaluation summary\n\n")
+    if untrained(rows):
+        w(f"**{UNTRAINED_WARNING}**\n\n")
+    w(f"- {head_line(rows)}\n")
     w(f"- model: `{meta.get('stage_dir') or 'default SmolLM2-135M split'}`, world {meta.get('world')}, "
       f"max_new_tokens {meta.get('max_new_tokens')}, records [{meta.get('begin')}, {meta.get('end')})"
       f"{', first turns only' if meta.get('first_turn_only') else ', all turns'}\n")
@@ -268,7 +310,8 @@ def summarize(rows: list[dict], datasets: list[str], modes: list[str], temps: li
       + ("" if prof != "none" else " (real timing of this host)") + "\n")
     if meta.get("overrides"):
         w(f"- overrides: `{' '.join(meta['overrides'])}`\n")
-    w("- ξ = Σ new tokens / Σ decode seconds (tokens/s, prefill excluded); SR = ξ / ξ(Chunk-PP = naive); "
+    w("- ξ = Σ new tokens / Σ decode seconds (tokens/s, prefill excluded); SR = ξ / ξ(Chunk-PP = naive), or of "
+      "PP-AR (`ar`) when naive did not run (named under each T); "
       "τ = mean tokens committed per verification incl. the bonus token; Mean = mean over datasets\n\n")
     csv_buf = io.StringIO()
     cw = csv.writer(csv_buf)
@@ -280,6 +323,7 @@ def summarize(rows: list[dict], datasets: list[str], modes: list[str], temps: li
         if not present:
             continue
         w(f"## T = {t:g}\n\n")
+        base = sr_baseline(present)
 
         def cell(m, d, field):
             if d == "Mean":
@@ -288,9 +332,10 @@ def summarize(rows: list[dict], datasets: list[str], modes: list[str], temps: li
             return agg[(t, m, d)][field] if (t, m, d) in agg else None
 
         def sr(m, d):
-            x, b = cell(m, d, "xi"), cell("naive", d, "xi")
+            x, b = cell(m, d, "xi"), cell(base, d, "xi")
             return x / b if x is not None and b else None
-        w("ξ (tokens/s) and SR\n\n| method | " + " | ".join(DATASET_LABELS.get(d, d) for d in datasets)
+        w(f"ξ (tokens/s) and SR against {label(base)} (`{base}`)\n\n| method | "
+          + " | ".join(DATASET_LABELS.get(d, d) for d in datasets)
           + " | Mean |\n|---|" + "---|" * len(cols) + "\n")
         for m in present:
             parts = []
@@ -331,6 +376,30 @@ def summarize(rows: list[dict], datasets: list[str], modes: list[str], temps: li
     return md.getvalue(), csv_buf.getvalue()
 
 
+def bar_values(agg: dict, t: float, m: str, metric: str, datasets: list[str], base: str) -> tuple[list, list]:
+    """One mode's bars at temperature ``t``: ``metric`` (xi, tau, or sr = ξ / ξ(``base``)) per dataset and their
+    mean (0 where a dataset has no rows), and how many rows behind each bar the emulation flagged."""
+    vals, flagged = [], []
+    for d in datasets + ["Mean"]:
+        ds = datasets if d == "Mean" else [d]
+        flagged.append(sum(agg[(t, m, x)]["flagged"] for x in ds if (t, m, x) in agg)
+                       + (sum(agg[(t, base, x)]["flagged"] for x in ds if (t, base, x) in agg)
+                          if metric == "sr" else 0))
+        if not all((t, m, x) in agg for x in ds):
+            vals.append(0.0)
+            continue
+        if metric == "sr":
+            if not all((t, base, x) in agg for x in ds):
+                vals.append(0.0)
+                continue
+            num = sum(agg[(t, m, x)]["xi"] for x in ds)
+            den = sum(agg[(t, base, x)]["xi"] for x in ds)
+            vals.append(num / den if den else 0.0)
+        else:
+            vals.append(sum(agg[(t, m, x)][metric] for x in ds) / len(ds))
+    return vals, flagged
+
+
 def plot(rows: list[dict], datasets: list[str], modes: list[str], temps: list[float], out_dir: Path) -> list[Path]:
     """Bar charts ξ, SR, τ per dataset and mode. A bar whose rows include any the emulation flagged for
     overruns (``emu_flag``: the host could not keep the modeled times, so its ξ is not the testbed's) is
@@ -341,32 +410,16 @@ def plot(rows: list[dict], datasets: list[str], modes: list[str], temps: list[fl
     agg = aggregate(rows)
     cols = datasets + ["Mean"]
     written = []
-    for metric, fname, ylabel in (("xi", "xi.png", "ξ (tokens/s)"), ("sr", "sr.png", "SR = ξ / ξ(Chunk-PP)"),
+    for metric, fname, ylabel in (("xi", "xi.png", "ξ (tokens/s)"), ("sr", "sr.png", "SR = ξ / ξ({base})"),
                                   ("tau", "tau.png", "τ (tokens per verification)")):
         show = [m for m in modes if not (metric == "tau" and m == "ar")]
         fig, axes = plt.subplots(1, len(temps), figsize=(max(6, 1.3 * len(cols) + 2) * len(temps), 4.2), squeeze=False)
         for ax, t in zip(axes[0], temps):
+            base = sr_baseline([m for m in modes if any((t, m, d) in agg for d in datasets)]) or "naive"
             width = 0.8 / max(1, len(show))
             any_flagged = False
             for i, m in enumerate(show):
-                vals, flagged = [], []
-                for d in cols:
-                    ds = datasets if d == "Mean" else [d]
-                    flagged.append(sum(agg[(t, m, x)]["flagged"] for x in ds if (t, m, x) in agg)
-                                   + (sum(agg[(t, "naive", x)]["flagged"] for x in ds if (t, "naive", x) in agg)
-                                      if metric == "sr" else 0))
-                    if not all((t, m, x) in agg for x in ds):
-                        vals.append(0.0)
-                        continue
-                    if metric == "sr":
-                        if not all((t, "naive", x) in agg for x in ds):
-                            vals.append(0.0)
-                            continue
-                        num = sum(agg[(t, m, x)]["xi"] for x in ds)
-                        den = sum(agg[(t, "naive", x)]["xi"] for x in ds)
-                        vals.append(num / den if den else 0.0)
-                    else:
-                        vals.append(sum(agg[(t, m, x)][metric] for x in ds) / len(ds))
+                vals, flagged = bar_values(agg, t, m, metric, datasets, base)
                 bars = ax.bar([j + (i - (len(show) - 1) / 2) * width for j in range(len(cols))], vals, width,
                               label=label(m))
                 for bar, nf in zip(bars, flagged):
@@ -381,13 +434,15 @@ def plot(rows: list[dict], datasets: list[str], modes: list[str], temps: list[fl
             ax.set_xticks(range(len(cols)))
             ax.set_xticklabels([DATASET_LABELS.get(d, d) for d in cols], rotation=20)
             ax.set_title(f"T = {t:g}")
-            ax.set_ylabel(ylabel)
+            ax.set_ylabel(ylabel.format(base=label(base)))
             handles, _ = ax.get_legend_handles_labels()
             if any_flagged:
                 from matplotlib.patches import Patch
                 handles.append(Patch(facecolor="white", edgecolor="black", hatch="///",
                                      label="* emulation flagged overruns\n  (host slower than modeled)"))
             ax.legend(handles=handles, fontsize=8)
+        fig.suptitle(head_line(rows) + ("  (UNTRAINED: not representative)" if untrained(rows) else ""),
+                     fontsize=9, color="red" if untrained(rows) else "black")
         fig.tight_layout()
         path = out_dir / fname
         fig.savefig(path, dpi=110)
@@ -408,8 +463,8 @@ def main(argv=None) -> int:
 
 
 def _main(args, log) -> int:
-    from config.modes import MODES as VALID_MODES
-    datasets, modes = _split(args.datasets), _split(args.modes)
+    from config.modes import MODES as VALID_MODES, canonical_mode
+    datasets, modes = _split(args.datasets), [canonical_mode(m) for m in _split(args.modes)]
     try:
         temps = [float(t) for t in _split(args.temperatures)]
     except ValueError:
@@ -517,7 +572,15 @@ def _main(args, log) -> int:
     (out_dir / "summary.csv").write_text(csv_text, encoding="utf-8")
     if not args.no_plots and sel:
         plot(sel, datasets, modes, temps, out_dir)
+    if args.answer_dir and sel:
+        from pipeline.run import model_name
+        from config.paths import DEFAULT_STAGE_DIR
+        written = write_answers(sel, Path(args.answer_dir), model_name(Path(stage_dir or DEFAULT_STAGE_DIR)),
+                                args.first_turn_only)
+        log(f"[eval] llm_judge answers: {len(written)} file(s) under {args.answer_dir}")
     print(md)
+    if untrained(sel):
+        print(UNTRAINED_WARNING, flush=True)
     log(f"[eval] {len(sel)} rows summarised -> {out_dir / 'summary.md'}, summary.csv"
         + ("" if args.no_plots or not sel else ", xi.png, sr.png, tau.png"))
     code = 0

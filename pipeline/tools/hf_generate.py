@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from config.invocation import prog
+
 MODE = "hf_generate"
 
 
@@ -33,7 +35,7 @@ class HFBaselineError(RuntimeError):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.tools.hf_generate",
+        prog=prog("pipeline.tools.hf_generate"),
         description="Time one-process HF generate (the unsplit model on one device) on the prompts pipeline.run "
                     "would ask, and write rows in pipeline.run's format (mode hf_generate).",
         epilog="Extra key=value words are config overrides (config/run_config.py): device, dtype, max_new_tokens, "

@@ -29,6 +29,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from config.invocation import prog
+
 
 class LayerBenchError(ValueError):
     pass
@@ -37,7 +39,7 @@ class LayerBenchError(ValueError):
 def parse_args(argv=None) -> argparse.Namespace:
     from pipeline.cli import DefaultsOnce  # each default shown once
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.tools.layerbench", description=__doc__.split("\n\n")[0],
+        prog=prog("pipeline.tools.layerbench"), description=__doc__.split("\n\n")[0],
         formatter_class=DefaultsOnce,
         epilog="Example: python -m pipeline.tools.layerbench --device cpu --blocks 3 --repeat 20 "
                "model.stage_dir=/path/to/stages")

@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from config.invocation import prog
+
 EPILOG = """Examples:
   # a shifted stream: 200 translation requests, then the translation records [30, 50)
   python -m pipeline.tools.osd_report stream --domain translation --data ../shared/data --out stream.jsonl
@@ -324,7 +326,7 @@ def cmd_stream(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pipeline.tools.osd_report", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog=prog("pipeline.tools.osd_report"), description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     sub = p.add_subparsers(dest="cmd")
     r = sub.add_parser("report", help="plots + CSV from row files (default)", epilog=EPILOG,

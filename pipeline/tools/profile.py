@@ -26,13 +26,15 @@ import sys
 import time
 from pathlib import Path
 
+from config.invocation import prog
+
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     from pipeline.cli import DefaultsOnce  # each default shown once
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.tools.profile",
+        prog=prog("pipeline.tools.profile"),
         description="Measure t(w, ctx) of one pipeline stage (random weights, the project's LayerBlock + KVCache) "
                     "and write an emulation profile JSON (use it with emu.profile=<file>).",
         epilog="Example: python -m pipeline.tools.profile --like checkpoints/SmolLM2-135M-Instruct --layers 8 "

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from config.invocation import prog
 from config.paths import REPO
 from pipeline.outputs import read_rows
 from pipeline.tools.ranks import child_env, job_command
@@ -35,7 +36,7 @@ from pipeline.tools.ranks import child_env, job_command
 def parse_args(argv=None) -> argparse.Namespace:
     from pipeline.cli import DefaultsOnce  # each default shown once
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.tools.quant_report",
+        prog=prog("pipeline.tools.quant_report"),
         description="Run the pipeline with full-precision and bitsandbytes-quantized stages on the same prompts "
                     "and report greedy agreement with full precision, τ, tokens/s and weight memory per stage.",
         epilog="Extra key=value words are config overrides for every run (see config/run_config.py), e.g. "

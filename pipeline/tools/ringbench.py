@@ -28,10 +28,12 @@ import statistics
 import sys
 import time
 
+from config.invocation import prog
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.tools.ringbench", description=__doc__.split("\n\n")[0],
+        prog=prog("pipeline.tools.ringbench"), description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Example: python -m pipeline.tools.ringbench --world 5 --hidden 576 --trips 300")
     p.add_argument("--world", type=int, default=5, help="processes in the ring (rank 0 + stages)")

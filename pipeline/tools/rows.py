@@ -8,7 +8,10 @@ What this module holds, one copy each (reading a finished rows file is :func:`pi
 * :func:`find_mismatches`: T=0 rows whose ``output_ids`` differ from ``ar``'s for the same prompt, with the
   compared and unreferenced counts (bench: keyed by question and turn; eval: by dataset, question and turn);
 * :func:`losslessness_md`: the summary's verdict text on those mismatches;
-* :func:`mismatch_banner`: the loud console block a tool prints (with exit status 3) when any differ.
+* :func:`mismatch_banner`: the loud console block a tool prints (with exit status 3) when any differ;
+* :func:`draft_heads` / :func:`head_line` / :data:`UNTRAINED_WARNING`: which draft head the rows were drafted by
+  (name and weights hash), for every summary and plot title;
+* :func:`sr_baseline`: the mode a speed-up ratio is taken against (naive when it ran).
 
 Invariant: at temperature 0 every decoding mode must reproduce ``ar``'s tokens exactly (``ar`` equals HF
 ``generate``); a row is compared only with the ``ar`` row of the same key.
@@ -99,3 +102,52 @@ def mismatch_banner(tool: str, messages: list[str]) -> str:
     bar = "!" * 78
     return (f"{bar}\n[{tool}] LOSSLESSNESS MISMATCH at T=0: {len(messages)} generation(s) differ from ar:\n  "
             + "\n  ".join(messages) + f"\n{bar}")
+
+
+UNTRAINED_WARNING = ("WARNING: these rows were drafted by an UNTRAINED (random) draft head: tau and speed-ups "
+                     "measure nothing about a trained drafter (give model.head_dir=<trained head>)")
+
+
+def draft_heads(rows: list[dict]) -> list[tuple[str, str | None]]:
+    """The distinct ``(head_dir, head_sha256)`` of rows that drafted (``ar`` rows and ``head_dir == "none"``
+    aside), in first-seen order."""
+    out: list[tuple[str, str | None]] = []
+    for r in rows:
+        head = r.get("head_dir")
+        if r.get("mode") == "ar" or head in (None, "none"):
+            continue
+        key = (str(head), r.get("head_sha256"))
+        if key not in out:
+            out.append(key)
+    return out
+
+
+def head_line(rows: list[dict]) -> str:
+    """One line naming the draft head(s) of ``rows``: the folder's name and the first 12 hex digits of its
+    weights' sha256 (``pipeline.outputs.head_identity``), ``untrained (random weights)``, or ``none`` when no
+    row drafted."""
+    heads = draft_heads(rows)
+    if not heads:
+        return "draft head: none (no drafting mode ran)"
+    parts = []
+    for head, sha in heads:
+        if head == "untrained":
+            parts.append("UNTRAINED (random weights)")
+        else:
+            kind, _, path = head.rpartition(":") if head.startswith(("oracle:", "adversary:")) else ("", "", head)
+            parts.append((f"{kind}:" if kind else "") + Path(path).name + (f" (sha256 {sha[:12]})" if sha else ""))
+    return "draft head: " + ", ".join(parts)
+
+
+def untrained(rows: list[dict]) -> bool:
+    """True when any row was drafted by the untrained head."""
+    return any(head == "untrained" for head, _ in draft_heads(rows))
+
+
+def sr_baseline(modes: list[str]) -> str | None:
+    """The mode SR = ξ / ξ(baseline) is taken against: ``naive`` (Chunk-PP, the paper's baseline) when it ran,
+    else ``ar`` (PP-AR), else the first mode that ran (SR 1 for it); None when nothing ran."""
+    for m in ("naive", "ar"):
+        if m in modes:
+            return m
+    return modes[0] if modes else None

@@ -35,6 +35,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from config.invocation import prog
 from pipeline.trace import BUSY, busy_fraction, union_length  # noqa: F401 (union_length: re-exported)
 
 WAIT = {"recv", "broadcast"}
@@ -410,7 +411,7 @@ def analyze(trace_dir, out_png=None, out_csv=None, start=None, end=None, generat
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.tools.timeline",
+        prog=prog("pipeline.tools.timeline"),
         description="Gantt chart and per-rank utilization of a traced pipeline run (trace_rank*.json files "
                     "written with comm.trace=true comm.trace_dir=DIR). Busy = compute/verify/lm_head/draft/"
                     "expand/prune, wait = recv/broadcast, other = outside any span.",

@@ -35,6 +35,7 @@ bandwidth; link latency held at the profile's or ``--latency-s``).
 """
 from __future__ import annotations
 
+from config.invocation import prog
 from config.paths import REPO
 import argparse
 import json
@@ -151,7 +152,7 @@ def crossover(s: Sessions, profile: Profile, latency: float | None, mode: str, a
 # -- command line ---------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.tools.tp_sim",
+        prog=prog("pipeline.tools.tp_sim"),
         description="Predict the decode throughput (ξ) of the tensor-parallel baselines tp (Megatron) and galaxy "
                     "next to the pipeline modes for recorded answers, under an emulation profile's devices and "
                     "links, and the crossover bandwidth above which TP beats the pipeline.",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from config.invocation import prog
 from config.paths import REPO
 from config.errors import UserError
 from config.profiles import EmulationError, Profile, load_profile
@@ -32,7 +33,7 @@ from pipeline.tree_stats import TreeStats, write_tree_stats
 def parse_args(argv=None) -> argparse.Namespace:
     from pipeline.cli import DefaultsOnce  # each default shown once
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.tools.simulate",
+        prog=prog("pipeline.tools.simulate"),
         description="Predict decode time, throughput (ξ) and speed-ups of recorded generations for other stage "
                     "counts, emulation profiles and links, without running the pipeline: the real schedulers "
                     "are replayed on the recorded answers (exact at T=0) and timed by a discrete-event model "

@@ -176,7 +176,8 @@ def write_summary(table: list[dict], out_dir: Path, profile: str) -> None:
 def write_paper_tables(preds: list[dict], out_dir: Path, profile: str, args) -> list[Path]:
     """The evaluation sweep's paper-style summary (ξ, SR vs naive, τ per dataset, plots) of the predictions, one
     folder per (stages, bandwidth): ``paper_s<stages>_bw<mbps>/``."""
-    from pipeline.tools.eval import DATASETS, plot, summarize as eval_summary
+    from config.paths import DATASETS
+    from pipeline.tools.eval import plot, summarize as eval_summary
     groups: dict[tuple, list[dict]] = {}
     for p in preds:
         if p.get("dataset"):

@@ -1,0 +1,119 @@
+"""Shared helpers of the several-drafter tests (split from the old tests/test_multidraft.py): tree builders, a
+sampling Markov "small LM", the merged-tree exact-law runner and the tiny model fixture.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from config.run_config import DEFAULT, apply_overrides
+from draft.ssm import SmallLMDrafter
+from draft.tree import DraftTree
+from pipeline.engine import OutputBuffer
+from pipeline.modes.flowspec import ContinuousMode, PrunedMode
+from pipeline.modes.naive import naive_decode
+from pipeline.modes.pipedec import PipeDecMode
+from pipeline.modes.sps import sps_decode
+from tests.test_sampling import BranchingSampler, FakeRing, ROOT, TREE, V
+
+
+def T(x, dtype=torch.long):
+    return torch.tensor(x, dtype=dtype)
+
+
+def tree(tokens, parents, scores, proposals=None):
+    return DraftTree(T(tokens), T(parents), T(scores, torch.float32), proposals=proposals)
+
+
+def path_to(tree: DraftTree, node: int) -> list[int]:
+    """Node indices from the root to ``node`` inclusive."""
+    path, par = [], tree.parents.tolist()
+    while node >= 0:
+        path.append(node)
+        node = par[node]
+    return path[::-1]
+
+
+def sparse_draft(seed: int, support: int = 3) -> torch.Tensor:
+    """Draft logits whose law lives on ``support`` random tokens per row (small supports keep enumeration cheap)."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.full((V, V), -1e4)
+    for r in range(V):
+        idx = torch.randperm(V, generator=g)[:support]
+        out[r, idx] = torch.randn(support, generator=g) * 1.5
+    return out
+
+
+class MarkovSSM(SmallLMDrafter):
+    """The real ``SmallLMDrafter`` (deterministic beam and ``sampled_tree``) on a Markov table instead of a model."""
+
+    def __init__(self, draft_logits: torch.Tensor, sample: bool = True, temperature: float = 1.0, draw=None,
+                 seed: int = 0) -> None:
+        self.table = torch.log_softmax(draft_logits.double(), dim=-1)
+        self.vocab_size, self.sample, self.temperature, self.seed = V, sample, temperature, seed
+        self.generator = torch.Generator().manual_seed(seed)
+        if draw is not None:
+            self.draw = draw                      # an enumerating draw; else BeamTreeDrafter.draw
+        self.tree_paths = []
+
+    def start(self, prompt_ids, first_token, features):
+        self.tree_paths = []
+        self.generator.manual_seed(self.seed)
+        return self.table[first_token]
+
+    def commit(self, tokens, features):
+        self.drop_tree()
+        return self.table[int(tokens.reshape(-1)[-1])]
+
+    def _paths_logprobs(self, paths):
+        return torch.stack([self.table[p[-1]] for p in paths])
+
+
+def draft_draws(sampler: BranchingSampler):
+    """A drafter's draw that branches like the verifier's (weighted by q) but commits no token."""
+    def draw(q: torch.Tensor) -> int:
+        q = (q.double() / q.double().sum()).tolist()
+        return sampler._branch([(i, w) for i, w in enumerate(q) if w > 0])
+    return draw
+
+
+MERGED_MODES = {"naive": (naive_decode, False), "pruned": (PrunedMode().decode, True),
+                "continuous": (ContinuousMode().decode, True), "pipedec": (PipeDecMode().decode, True),
+                "sps": (sps_decode, False)}
+
+
+def make_merged_runner(mode, world, target, drafter, sampler, horizon, overrides):
+    """``run() -> first horizon tokens`` through the mode's real rank-0 code with ``drafter`` (cf. test_sampling)."""
+    decode, lockstep = MERGED_MODES[mode]
+    ring = FakeRing(world, lockstep, getattr(sampler, "live", lambda: True))
+    engine = SimpleNamespace(comm=ring, gen=1, cfg=apply_overrides(DEFAULT, {**TREE, **overrides}), drafter=drafter,
+                             sampler=sampler, tracer=SimpleNamespace(span=lambda *a, **k: nullcontext()),
+                             observe_step=lambda *a: None, logits=lambda hidden: target[hidden[:, 0].long()])
+    first = torch.full((V,), -1e9)
+    first[ROOT] = 0.0
+
+    def run():
+        ring.reset()
+        out = OutputBuffer(set(), horizon + 1)
+        decode(engine, first, None, [ROOT], out)
+        assert out.finished and out.ids[0] == ROOT and not ring.inflight
+        return tuple(out.ids[1:])
+    run.ring = ring
+    return run
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from model.split import split_checkpoint
+    from tests.helpers import tiny_llama
+    root = tmp_path_factory.mktemp("multidraft")
+    full = tiny_llama(root / "full", layers=4, dtype=torch.float64)
+    ssm = tiny_llama(root / "ssm", seed=3, layers=1, dtype=torch.float64)
+    stages = split_checkpoint(full, root / "stages", [0, 2, 2], progress=False)
+    return SimpleNamespace(full=full, ssm=ssm, stages=stages)
+
+
+E2E_PROMPTS = [[1, 5, 9, 13, 22, 7, 5, 9, 13], [1] + list(range(3, 40)) + list(range(3, 20))]  # lookup hits
