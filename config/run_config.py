@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from config.errors import UserError
-from config.modes import MODES
+from config.modes import DEFAULT_MODE, MODES
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 DEVICES = ("cpu", "cuda")
@@ -93,7 +93,7 @@ class TreeConfig:
 
 @dataclass
 class GenerationConfig:
-    mode: str = "naive"
+    mode: str = DEFAULT_MODE     # continuous = FlowSpec (config/modes.py lists every mode)
     max_new_tokens: int = 128
     temperature: float = 0.0     # 0 = greedy
     top_p: float = 1.0

@@ -133,3 +133,39 @@ class StopText:
     def __call__(self, ids: list[int]) -> bool:
         tail = self.tokenizer.decode(ids[-self.window:], skip_special_tokens=True)
         return any(x in tail for x in self.strings)
+
+
+class TextDeltas:
+    """Committed token ids -> the text they add, for streaming an answer as its tokens commit.
+
+    ``push(tokens)`` returns the new text since the last call; ``finish()`` the rest. Invariant: the
+    concatenation of everything returned equals ``tokenizer.decode(ids without skip_ids,
+    skip_special_tokens=True)`` of all pushed ids (the text a finished answer is printed or returned as), because
+    each call decodes the whole answer so far and returns only a suffix of text never returned before. A
+    decoded tail ending in U+FFFD (an incomplete UTF-8 sequence of byte-level tokens) is held back until
+    the next tokens complete it; a change of earlier text (a tokenizer that rewrites spacing when more text
+    follows) is held back until ``finish``, which returns the difference only if the text still extends what
+    was returned (else nothing: the streamed text was already shown)."""
+
+    def __init__(self, tokenizer, skip_ids=()) -> None:
+        self.tokenizer, self.skip = tokenizer, set(int(t) for t in skip_ids)
+        self.ids: list[int] = []
+        self.shown = ""
+
+    def text(self) -> str:
+        return self.tokenizer.decode([t for t in self.ids if t not in self.skip], skip_special_tokens=True)
+
+    def _delta(self, full: str) -> str:
+        if not full.startswith(self.shown):
+            return ""
+        new = full[len(self.shown):]
+        self.shown = full
+        return new
+
+    def push(self, tokens) -> str:
+        self.ids.extend(int(t) for t in tokens)
+        full = self.text()
+        return self._delta(full[:len(full.rstrip("\ufffd"))])
+
+    def finish(self) -> str:
+        return self._delta(self.text())

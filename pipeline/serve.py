@@ -310,9 +310,6 @@ class RequestManager:
         self.world, self.queue_size, self.model_name, self.template = world, queue_size, model_name, template
         self.vocab = model_config.vocab_size
         self.max_positions = getattr(model_config, "max_position_embeddings", None) or (1 << 30)
-        t = cfg.tree
-        self.tree_room = max(t.total_token, t.init_total_token + 4 * t.expand_total_token,
-                             t.pipedec_topk * (world + 4)) + 8
         self._queue: collections.deque[Request] = collections.deque()
         self._cond = threading.Condition()
         self._seq = itertools.count()
@@ -399,14 +396,10 @@ class RequestManager:
                       list(stop))
 
     def check_length(self, ids: list[int], max_tokens: int, param: str) -> None:
-        need = len(ids) + max_tokens
-        if need > self.max_positions:
-            raise RequestError(f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the model's "
-                               f"{self.max_positions} positions", param, "context_length_exceeded")
-        if need + self.tree_room > self.cfg.model.max_seq_len:
-            raise RequestError(f"{len(ids)} prompt tokens + max_tokens {max_tokens} + tree room {self.tree_room} "
-                               f"exceed max_seq_len={self.cfg.model.max_seq_len} (the stages' KV slots)",
-                               param, "context_length_exceeded")
+        from pipeline.engine import prompt_fit_error
+        why = prompt_fit_error(len(ids), max_tokens, self.cfg, self.world, self.max_positions, "max_tokens")
+        if why is not None:
+            raise RequestError(why, param, "context_length_exceeded")
 
     def submit(self, prompt=None, messages=None, **sampling) -> Request:
         """Queue a generation of ``prompt`` (text or token ids; no chat template) or ``messages`` (OpenAI
@@ -538,10 +531,9 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     from model.stage_format import stage_dir
     from pipeline import faults
     from pipeline.build import SetupError, generation_config, load_tokenizer, make_engine
-    from pipeline.engine import timed_generation
+    from pipeline.engine import GenSettings, timed_generation
     from pipeline.modes import new_decoder
     from pipeline.outputs import drafter_fields
-    from pipeline.verify import Sampler
 
     sock = None
     if not sargs.no_http:  # bind first: a taken port fails before anything else loads
@@ -555,8 +547,7 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     sdir = stage_dir(stage_root, 0)
     tokenizer = load_tokenizer(stage_root)
     stop_ids = stop_token_ids(tokenizer, generation_config(stage_root))
-    engine = make_engine(cfg, comm, model, stage_root, modes, stop_ids, dtype, device,
-                         sampler=Sampler(0.0, 1.0, 0, torch.Generator(device="cpu")))
+    engine = make_engine(cfg, comm, model, stage_root, modes, stop_ids, dtype, device)
     default_mode = cfg.gen.mode if cfg.gen.mode in modes else modes[0]
     name = sargs.model_name or _model_name(stage_root, sdir)
     manager = RequestManager(tokenizer, stop_ids, modes, default_mode, cfg, model.config, comm.world,
@@ -565,15 +556,10 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     keep_max = cfg.gen.max_new_tokens
 
     def generate(req: Request) -> None:
-        p = req.params
-        engine.sampler = Sampler(p.temperature, p.top_p, p.top_k, torch.Generator(device="cpu"))
-        cfg.gen.max_new_tokens, cfg.gen.seed = p.max_tokens, p.seed
-        engine.on_commit, engine.cancel = req._commit, req.cancel_event
-        try:
-            res = timed_generation(engine, req.prompt_ids, new_decoder(p.mode))
-        finally:
-            engine.on_commit = engine.cancel = None
-            cfg.gen.max_new_tokens = keep_max
+        p = req.params      # the request's own settings: an argument of its generation, nothing swapped
+        settings = GenSettings(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed,
+                               on_commit=req._commit, cancel=req.cancel_event)
+        res = timed_generation(engine, req.prompt_ids, new_decoder(p.mode), settings)
         req.drafter = drafter_fields(engine.drafter) if p.mode != "ar" else {"drafter_version": None}
         req._finish(res, req.cancel_event.is_set())
         manager.record(req)
