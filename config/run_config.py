@@ -156,7 +156,7 @@ class EmulationConfig:
 @dataclass
 class DraftConfig:
     """Several drafters in one tree (draft/merged.py) and their knobs. Default: the EAGLE head and prompt lookup
-    (faster than the head alone in every mode at T = 0, about even at T = 1: README, "Several drafters in one
+    (faster than the head alone in every mode at T = 0, about even at T = 1: docs/results.md §18, "Several drafters in one
     tree"); "eagle" (or "") = the EAGLE head alone."""
     sources: str = "eagle,lookup"  # e.g. eagle, eagle,lookup,ssm:<dir> (eagle = what model.head_dir selects)
     lookup_max_ngram: int = 3    # prompt lookup: longest suffix n-gram searched (draft/lookup.py)

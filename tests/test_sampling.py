@@ -388,7 +388,7 @@ def test_exact_law_every_mode(mode, world, temp, top_p, top_k, draft, horizon, o
 
 @pytest.mark.parametrize("levels", [2, 0], ids=["incremental", "redraft"])
 def test_expansion_off_appends_nothing_and_keeps_the_law(levels):
-    """``tree.expand_total_token=0`` (continuous without dynamic expansion, the README's ablation): no node is
+    """``tree.expand_total_token=0`` (continuous without dynamic expansion, docs/results.md §9's ablation): no node is
     appended after a verified step, rounds still continue through re-roots, and the law stays the target's;
     the same setting with expansion on does append (so the check can fail). Both expansion paths: incremental
     (``expand_levels > 0``) and the paper's redraft-and-merge (``expand_levels = 0``)."""
