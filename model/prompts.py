@@ -80,6 +80,40 @@ def chat_prompt_ids(tokenizer, turns: list[str], answers: list[str], system: str
     return tokenizer(text)["input_ids"]
 
 
+def split_messages(messages: list, system: str = "", content=None) -> tuple[str, list[str], list[str]]:
+    """OpenAI-style chat messages -> ``(system prompt, user turns, assistant answers)`` for :func:`chat_prompt_ids`.
+
+    The order is the one a chat template can express: an optional first ``system`` (or ``developer``) message, then
+    ``user`` and ``assistant`` alternating, ending with a non-empty ``user`` message; ``system`` is the default
+    system prompt when no system message is given. ``content(value, i)`` turns message ``i``'s content into text
+    (default: it must be a string). Anything else is a :class:`PromptError` naming the message (``messages[i]``)."""
+    def text_of(value, i: int) -> str:
+        if not isinstance(value, str):
+            raise PromptError(f"messages[{i}].content must be a string")
+        return value
+    content = content or text_of
+    turns: list[str] = []
+    answers: list[str] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) - {"role", "content", "name"} or "role" not in m:
+            raise PromptError(f"messages[{i}] must be an object with role and content")
+        role, text = m["role"], content(m.get("content"), i)
+        if role in ("system", "developer") and i == 0:
+            system = text
+        elif role == "user" and len(turns) == len(answers):
+            turns.append(text)
+        elif role == "assistant" and len(turns) == len(answers) + 1:
+            answers.append(text)
+        else:
+            raise PromptError(f"messages[{i}]: role {role!r} out of place; expected an optional system message, then "
+                              "user and assistant turns alternating, ending with user")
+    if len(turns) != len(answers) + 1:
+        raise PromptError("the last message must be the user's")
+    if not turns[-1].strip():
+        raise PromptError("the last user message is empty")
+    return system, turns, answers
+
+
 def prompt_records(prompt_ids: list[str], prompts_file: str | None, begin: int | None = None,
                    end: int | None = None, texts: list[str] = ()) -> list[dict]:
     """The records a run asks, from its prompt options: ``--prompt-ids`` (comma-separated ids, one record each,

@@ -149,7 +149,7 @@ class FlowSpec:
     def prompt_ids(self, prompt) -> list[int]:
         """Token ids of ``prompt``: text (chat-formatted with ``template``), a list of token ids (as is), or
         chat messages (``[{"role": "system"|"user"|"assistant", "content": ...}, ...]`` ending with the user)."""
-        from model.prompts import chat_prompt_ids
+        from model.prompts import PromptError, chat_prompt_ids, split_messages
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise GenerationError("the prompt is empty")
@@ -161,22 +161,10 @@ class FlowSpec:
                 raise GenerationError(f"prompt token ids must be in [0, {vocab})")
             return list(prompt)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            system, turns, answers = self.cfg.gen.system_prompt, [], []
-            for i, m in enumerate(prompt):
-                role, content = m.get("role"), m.get("content")
-                if not isinstance(content, str):
-                    raise GenerationError(f"message {i}: content must be a string")
-                if role == "system" and i == 0:
-                    system = content
-                elif role == "user" and len(turns) == len(answers):
-                    turns.append(content)
-                elif role == "assistant" and len(turns) == len(answers) + 1:
-                    answers.append(content)
-                else:
-                    raise GenerationError(f"message {i}: role {role!r} out of place (an optional system message, "
-                                          "then user and assistant alternating, ending with user)")
-            if len(turns) != len(answers) + 1 or not turns[-1].strip():
-                raise GenerationError("the last message must be a non-empty user message")
+            try:
+                system, turns, answers = split_messages(list(prompt), self.cfg.gen.system_prompt)
+            except PromptError as e:
+                raise GenerationError(str(e)) from None
             return chat_prompt_ids(self._need_tokenizer(), turns, answers, system, self.template)
         raise GenerationError("prompt must be text, a non-empty list of token ids, or a list of chat messages")
 
@@ -208,10 +196,11 @@ class FlowSpec:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if not all(isinstance(s, str) and s for s in stops):
             raise GenerationError("stop must be a non-empty string or a list of them")
-        if stops and self.tokenizer is None:
-            raise GenerationError("stop strings need a tokenizer, and this split has none")
+        if (stops or on_token is not None) and self.tokenizer is None:
+            raise GenerationError("stop strings and on_token need a tokenizer, and this split has none "
+                                  "(on_commit streams token ids)")
         ids = self.prompt_ids(prompt)
-        deltas = TextDeltas(self.tokenizer, self.stop_ids) if on_token is not None and self.tokenizer else None
+        deltas = TextDeltas(self.tokenizer, self.stop_ids) if on_token is not None else None
 
         def committed(tokens: list[int]) -> None:
             if on_commit is not None:

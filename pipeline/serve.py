@@ -329,31 +329,16 @@ class RequestManager:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def prompt_ids(self, prompt=None, messages=None) -> list[int]:
-        from model.prompts import chat_prompt_ids
+        from model.prompts import PromptError, chat_prompt_ids, split_messages
         if (prompt is None) == (messages is None):
             raise RequestError("give exactly one of prompt or messages", "prompt" if prompt is None else "messages")
         if messages is not None:
             if not isinstance(messages, list) or not messages:
                 raise RequestError("messages must be a non-empty list", "messages")
-            system, turns, answers = self.cfg.gen.system_prompt, [], []
-            for i, m in enumerate(messages):
-                if not isinstance(m, dict) or set(m) - {"role", "content", "name"} or "role" not in m:
-                    raise RequestError(f"messages[{i}] must be an object with role and content", "messages")
-                role, content = m["role"], _content_text(m.get("content"), i)
-                if role in ("system", "developer") and i == 0:
-                    system = content
-                elif role == "user" and len(turns) == len(answers):
-                    turns.append(content)
-                elif role == "assistant" and len(turns) == len(answers) + 1:
-                    answers.append(content)
-                else:
-                    raise RequestError(f"messages[{i}]: role {role!r} out of place; expected an optional system "
-                                       "message, then user and assistant turns alternating, ending with user",
-                                       "messages")
-            if len(turns) != len(answers) + 1:
-                raise RequestError("the last message must be the user's", "messages")
-            if not turns[-1].strip():
-                raise RequestError("the last user message is empty", "messages")
+            try:   # the one rule for message order (model.prompts.split_messages, shared with pipeline.api)
+                system, turns, answers = split_messages(messages, self.cfg.gen.system_prompt, _content_text)
+            except PromptError as e:
+                raise RequestError(str(e), "messages") from None
             return chat_prompt_ids(self.tokenizer, turns, answers, system, self.template)
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]

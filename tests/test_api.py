@@ -184,3 +184,19 @@ def test_headline_is_read_from_the_results_page():
     assert read_headline("## x\n| a | b |\n|---|---|\n| 1 | 2 |\n") is None
     assert read_headline("<!-- headline: s -->\n| a | b |\n|---|---|\n| 1 | 2 |\n") is None
     assert "docs/results.md" in context_line({"ar": (5, 1.0)}, 2, 1, None)
+
+
+def test_split_messages_is_the_one_message_order_rule():
+    """``model.prompts.split_messages`` (the API and the server): the orders a chat template can express, and one
+    line naming the message for every other."""
+    from model.prompts import PromptError, split_messages
+    u, a = {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}
+    assert split_messages([u], "sys") == ("sys", ["q1"], [])
+    assert split_messages([{"role": "system", "content": "s"}, u, a, {"role": "user", "content": "q2"}]) == \
+        ("s", ["q1", "q2"], ["a1"])
+    for bad, match in (([a], r"messages\[0\]: role 'assistant' out of place"), ([u, a], "last message must be"),
+                       ([u, u], r"messages\[1\]"), ([{"role": "user", "content": " "}], "empty"),
+                       ([u, {"role": "system", "content": "s"}], r"messages\[1\]"),
+                       ([{"role": "user", "content": 3}], "must be a string"), (["hi"], "must be an object")):
+        with pytest.raises(PromptError, match=match):
+            split_messages(bad)
