@@ -111,7 +111,9 @@ class GenSettings:
     @classmethod
     def from_config(cls, gen, **changes) -> "GenSettings":
         """The settings ``gen`` (a :class:`config.run_config.GenerationConfig`) gives, with ``changes``."""
-        return cls(gen.max_new_tokens, gen.temperature, gen.top_p, gen.top_k, gen.seed, **changes)
+        base = dict(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+                    seed=gen.seed)
+        return cls(**{**base, **changes})
 
     def replace(self, **changes) -> "GenSettings":
         return dataclasses.replace(self, **changes)

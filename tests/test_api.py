@@ -200,3 +200,21 @@ def test_split_messages_is_the_one_message_order_rule():
                        ([{"role": "user", "content": 3}], "must be a string"), (["hi"], "must be an object")):
         with pytest.raises(PromptError, match=match):
             split_messages(bad)
+
+
+def test_gen_settings_are_one_generations_own():
+    """``pipeline.engine.GenSettings``: the configuration's values with a generation's changes (any of them, the
+    sampler's included), checked in one line, and a fresh seeded sampler per generation."""
+    from config.run_config import DEFAULT, apply_overrides
+    from pipeline.engine import GenSettings
+    gen = apply_overrides(DEFAULT, ["max_new_tokens=9", "temperature=0.5", "seed=4"]).gen
+    s = GenSettings.from_config(gen, temperature=1.0, top_k=3)
+    assert (s.max_new_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (9, 1.0, 1.0, 3, 4)
+    assert s.replace(max_new_tokens=2).max_new_tokens == 2 and s.max_new_tokens == 9
+    a, b = s.new_sampler(), s.new_sampler()
+    assert a is not b and a.uniform() == b.uniform() and (a.temperature, a.top_k) == (1.0, 3)
+    for bad in (dict(max_new_tokens=0), dict(max_new_tokens=True), dict(temperature=-1.0),
+                dict(temperature=float("nan")), dict(top_p=0.0), dict(top_k=-1)):
+        with pytest.raises(UserError) as e:
+            s.replace(**bad)
+        assert "\n" not in str(e.value)
