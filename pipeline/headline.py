@@ -74,14 +74,20 @@ def load_headline(path: Path = RESULTS) -> Headline | None:
 
 
 def context_line(measured: dict[str, tuple[int, float]], world: int, cores: int | None,
-                 headline: Headline | None) -> str:
-    """The closing line: ``measured`` = mode -> (new tokens, decode seconds) of this run on this machine, and the
-    quoted headline (``None``: only where to look). Pure."""
+                 headline: Headline | None, gpus: int = 0) -> str:
+    """The closing line: ``measured`` = mode -> (new tokens, decode seconds) of this run on this machine (``world``
+    ranks on ``cores`` CPU cores, or on ``gpus`` GPUs when > 0), and the quoted headline (``None``: only where to
+    look). Pure."""
     runs = ", ".join(f"{label(m)} (`{m}`) {n / s:.1f} tok/s over {n} tokens" for m, (n, s) in measured.items()
                      if s > 0)
-    host = f"{world} ranks on {cores} CPU core{'s' if cores != 1 else ''}" if cores else f"{world} ranks"
-    here = (f"[context] measured now on this machine ({host}): {runs or 'nothing decoded'}. Ranks that share "
-            "a few cores compete for them, so a one-host run shows the protocol working, not its speed-up.")
+    if gpus:
+        host = f"{world} ranks on {gpus} GPU{'s' if gpus != 1 else ''}"
+        caveat = " One host's GPUs are not the edge testbed below."
+    else:
+        host = f"{world} ranks on {cores} CPU core{'s' if cores != 1 else ''}" if cores else f"{world} ranks"
+        caveat = (" Ranks that share a few cores compete for them, so a one-host run shows the protocol working, "
+                  "not its speed-up.")
+    here = f"[context] measured now on this machine ({host}): {runs or 'nothing decoded'}.{caveat}"
     if headline is None:
         return here + " Where FlowSpec is faster: docs/results.md."
     fs = headline.tok_s["continuous"]

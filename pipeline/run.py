@@ -355,7 +355,11 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
     engine.shutdown()
     if not args.quiet and measured:
         from pipeline.headline import context_line, load_headline
-        print("\n" + context_line(measured, comm.world, os.cpu_count(), load_headline()), flush=True)
+        gpus = 0
+        if str(device).startswith("cuda"):
+            import torch
+            gpus = len(set(cfg.model.devices.split(","))) if cfg.model.devices else torch.cuda.device_count()
+        print("\n" + context_line(measured, comm.world, os.cpu_count(), load_headline(), gpus), flush=True)
     return 0
 
 

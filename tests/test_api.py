@@ -184,6 +184,8 @@ def test_headline_is_read_from_the_results_page():
     assert read_headline("## x\n| a | b |\n|---|---|\n| 1 | 2 |\n") is None
     assert read_headline("<!-- headline: s -->\n| a | b |\n|---|---|\n| 1 | 2 |\n") is None
     assert "docs/results.md" in context_line({"ar": (5, 1.0)}, 2, 1, None)
+    gpu = context_line({"continuous": (10, 1.0)}, 5, 16, h, gpus=1)
+    assert "5 ranks on 1 GPU)" in gpu and "CPU" not in gpu.split("Where")[0]
 
 
 def test_split_messages_is_the_one_message_order_rule():
