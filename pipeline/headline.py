@@ -3,8 +3,9 @@
 One home per number: the figure of where FlowSpec is faster lives in ``docs/results.md`` only, in the table that
 follows the line ``<!-- headline: SETTING -->`` (SETTING says how the figure was obtained). The README quotes the
 same table; ``pipeline.run`` reads it at the end of a run (:func:`read_headline`) instead of carrying a copy,
-and says it is quoted, not measured now. A replay of the run's own answer by the simulator would take
-minutes on a CPU (the real draft head runs again for every mode), so the run quotes rather than models.
+and says it is quoted, not measured now. Replaying the run's own answer with the simulator would take tens of
+seconds more on a CPU (the real draft head runs again for every mode replayed: about 0.12 s per token and mode on
+this 2-core CPU, docs/results.md §14), so the run quotes rather than models.
 """
 from __future__ import annotations
 
