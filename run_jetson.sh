@@ -14,7 +14,7 @@
 #   --node-rank R --nnodes N --master-addr A --master-port P --iface IF --stage-dir D --python PY
 # Remaining arguments go to `python -m pipeline.run` (only rank 0 uses prompts/outputs; ENTRY=pipeline.serve
 # serves HTTP from host 0 instead, see run_serve.sh).
-# No bootstrap here: install requirements_jetson.txt (see README) and set PYTHON if not `python3`.
+# No bootstrap here: install requirements_jetson.txt (see docs/multihost.md) and set PYTHON if not `python3`.
 # Optional link shaping for experiments: scripts/shape_link.sh (tc netem/tbf, needs root on that host).
 # Security: host 0's launcher holds the rendezvous store on MASTER_PORT, unauthenticated and on every interface
 # when the hosts differ (all on 127.0.0.1: loopback only). Make MASTER_PORT reachable only from the cluster's

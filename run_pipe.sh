@@ -2,8 +2,8 @@
 # One command on a fresh machine: bootstrap (venv + requirements + default model split, all cached),
 # then decode through a local torchrun pipeline (rank 0 = draft + lm_head, ranks 1..N = layer blocks).
 #
-#   ./run_pipe.sh                                   # default SmolLM2 pipeline, 5 ranks, mode=naive
-#   ./run_pipe.sh mode=continuous --prompt "Write a haiku about rivers."
+#   ./run_pipe.sh                                   # default SmolLM2 pipeline, 5 ranks, mode=continuous (FlowSpec)
+#   ./run_pipe.sh --prompt "Write a haiku about rivers." max_new_tokens=64
 #   ./run_pipe.sh --modes ar,naive --prompts-file q.jsonl --begin 0 --end 5 --output out.jsonl
 #   ./run_pipe.sh model.stage_dir=/path/stages model.head_dir=/path/eagle_head max_new_tokens=256
 #

@@ -27,6 +27,9 @@ MODE_INFO: tuple[ModeInfo, ...] = (
     ModeInfo("galaxy", "Galaxy", False, needs_tp_split=True),
 )
 MODES: tuple[str, ...] = tuple(m.name for m in MODE_INFO)
+# The mode that runs when nobody chooses one: FlowSpec. On the edge testbed it is the fastest of the compared
+# modes (docs/results.md, the headline table); on a one-host CPU run every speculative mode loses to ``ar``.
+DEFAULT_MODE = "continuous"
 COMPARED_MODES: tuple[str, ...] = tuple(m.name for m in MODE_INFO if m.compared)   # ar, naive, pruned, pipedec, continuous
 TP_MODES: tuple[str, ...] = tuple(m.name for m in MODE_INFO if m.needs_tp_split)
 MODE_LABELS: dict[str, str] = {m.name: m.label for m in MODE_INFO}

@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass, field, fields
 
 from config.errors import UserError
-from config.modes import MODES, canonical_mode
+from config.modes import DEFAULT_MODE, MODES, canonical_mode
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 DEVICES = ("cpu", "cuda")
@@ -124,7 +124,7 @@ class TreeConfig(Checked):
 
 @dataclass
 class GenerationConfig(Checked):
-    mode: str = "naive"
+    mode: str = DEFAULT_MODE     # continuous = FlowSpec (config/modes.py lists every mode)
     max_new_tokens: int = 128
     temperature: float = 0.0     # 0 = greedy
     top_p: float = 1.0
@@ -187,7 +187,7 @@ class EmulationConfig(Checked):
 @dataclass
 class DraftConfig(Checked):
     """Several drafters in one tree (draft/merged.py) and their knobs. Default: the EAGLE head and prompt lookup
-    (faster than the head alone in every mode at T = 0, about even at T = 1: README, "Several drafters in one
+    (faster than the head alone in every mode at T = 0, about even at T = 1: docs/results.md §18, "Several drafters in one
     tree"); "eagle" (or "") = the EAGLE head alone."""
     sources: str = "eagle,lookup"  # e.g. eagle, eagle,lookup,ssm:<dir> (eagle = what model.head_dir selects)
     lookup_max_ngram: int = 3    # prompt lookup: longest suffix n-gram searched (draft/lookup.py)

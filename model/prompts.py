@@ -62,10 +62,13 @@ def chat_prompt_ids(tokenizer, turns: list[str], answers: list[str], system: str
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
-    from fastchat.model import get_conversation_template
-
     name = "vicuna" if template == "auto" else template
-    conv = get_conversation_template(name)
+    if template == "auto":   # fschat's Vicuna template, without importing fastchat.model (tens of seconds on a CPU)
+        from fastchat.conversation import get_conv_template
+        conv = get_conv_template("vicuna_v1.1")
+    else:
+        from fastchat.model import get_conversation_template
+        conv = get_conversation_template(name)
     if system:
         conv.set_system_message(system)
     for i, t in enumerate(turns):
@@ -75,6 +78,40 @@ def chat_prompt_ids(tokenizer, turns: list[str], answers: list[str], system: str
     if "llama-2" in name:
         text += " "
     return tokenizer(text)["input_ids"]
+
+
+def split_messages(messages: list, system: str = "", content=None) -> tuple[str, list[str], list[str]]:
+    """OpenAI-style chat messages -> ``(system prompt, user turns, assistant answers)`` for :func:`chat_prompt_ids`.
+
+    The order is the one a chat template can express: an optional first ``system`` (or ``developer``) message, then
+    ``user`` and ``assistant`` alternating, ending with a non-empty ``user`` message; ``system`` is the default
+    system prompt when no system message is given. ``content(value, i)`` turns message ``i``'s content into text
+    (default: it must be a string). Anything else is a :class:`PromptError` naming the message (``messages[i]``)."""
+    def text_of(value, i: int) -> str:
+        if not isinstance(value, str):
+            raise PromptError(f"messages[{i}].content must be a string")
+        return value
+    content = content or text_of
+    turns: list[str] = []
+    answers: list[str] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) - {"role", "content", "name"} or "role" not in m:
+            raise PromptError(f"messages[{i}] must be an object with role and content")
+        role, text = m["role"], content(m.get("content"), i)
+        if role in ("system", "developer") and i == 0:
+            system = text
+        elif role == "user" and len(turns) == len(answers):
+            turns.append(text)
+        elif role == "assistant" and len(turns) == len(answers) + 1:
+            answers.append(text)
+        else:
+            raise PromptError(f"messages[{i}]: role {role!r} out of place; expected an optional system message, then "
+                              "user and assistant turns alternating, ending with user")
+    if len(turns) != len(answers) + 1:
+        raise PromptError("the last message must be the user's")
+    if not turns[-1].strip():
+        raise PromptError("the last user message is empty")
+    return system, turns, answers
 
 
 def prompt_records(prompt_ids: list[str], prompts_file: str | None, begin: int | None = None,
@@ -133,3 +170,39 @@ class StopText:
     def __call__(self, ids: list[int]) -> bool:
         tail = self.tokenizer.decode(ids[-self.window:], skip_special_tokens=True)
         return any(x in tail for x in self.strings)
+
+
+class TextDeltas:
+    """Committed token ids -> the text they add, for streaming an answer as its tokens commit.
+
+    ``push(tokens)`` returns the new text since the last call; ``finish()`` the rest. Invariant: the
+    concatenation of everything returned equals ``tokenizer.decode(ids without skip_ids,
+    skip_special_tokens=True)`` of all pushed ids (the text a finished answer is printed or returned as), because
+    each call decodes the whole answer so far and returns only a suffix of text never returned before. A
+    decoded tail ending in U+FFFD (an incomplete UTF-8 sequence of byte-level tokens) is held back until
+    the next tokens complete it; a change of earlier text (a tokenizer that rewrites spacing when more text
+    follows) is held back until ``finish``, which returns the difference only if the text still extends what
+    was returned (else nothing: the streamed text was already shown)."""
+
+    def __init__(self, tokenizer, skip_ids=()) -> None:
+        self.tokenizer, self.skip = tokenizer, set(int(t) for t in skip_ids)
+        self.ids: list[int] = []
+        self.shown = ""
+
+    def text(self) -> str:
+        return self.tokenizer.decode([t for t in self.ids if t not in self.skip], skip_special_tokens=True)
+
+    def _delta(self, full: str) -> str:
+        if not full.startswith(self.shown):
+            return ""
+        new = full[len(self.shown):]
+        self.shown = full
+        return new
+
+    def push(self, tokens) -> str:
+        self.ids.extend(int(t) for t in tokens)
+        full = self.text()
+        return self._delta(full[:len(full.rstrip("\ufffd"))])
+
+    def finish(self) -> str:
+        return self._delta(self.text())

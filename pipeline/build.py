@@ -75,19 +75,19 @@ def load_tokenizer(stage_root: Path):
 
 
 def make_engine(cfg, comm, model, stage_root: Path, modes: list[str], stop_ids: set[int], dtype, device: str,
-                sampler=None):
-    """Rank 0's :class:`pipeline.engine.Engine` for ``modes``: with a drafter (:func:`make_drafter`) unless every
-    mode is ``ar``, and ``sampler`` (default: ``cfg.gen``'s temperature / top-p / top-k)."""
-    import torch
-
+                drafter=None):
+    """Rank 0's :class:`pipeline.engine.Engine` for ``modes``: with a drafter (``drafter``, else
+    :func:`make_drafter`) unless every mode is ``ar``, and with ``sps`` among the modes its small LM
+    (:func:`make_sps_drafter`). Each generation's own settings are an argument of
+    :func:`pipeline.engine.timed_generation`, not part of the engine."""
     from pipeline.engine import Engine
-    from pipeline.verify import Sampler
-    drafter = make_drafter(cfg, stage_root, model, dtype, device) if any(m != "ar" for m in modes) else None
+    if drafter is None and any(m != "ar" for m in modes):
+        drafter = make_drafter(cfg, stage_root, model, dtype, device)
     from pipeline.emulation import instrument_rank0
-    if sampler is None:
-        sampler = Sampler(cfg.gen.temperature, cfg.gen.top_p, cfg.gen.top_k, torch.Generator(device="cpu"))
-    engine = Engine(model, comm, drafter, sampler, stop_ids, cfg)
+    engine = Engine(model, comm, drafter, stop_ids, cfg)
     instrument_rank0(engine, comm)   # the emulated testbed's meters when emu.profile is set
+    if "sps" in modes:   # after instrumentation: the small LM is metered like the engine's own model work
+        engine.sps_drafter = make_sps_drafter(cfg, drafter, model, dtype, engine.meter)
     return engine
 
 
@@ -99,6 +99,30 @@ def make_stage_worker(cfg, comm, model, dtype, device: str):
     worker = StageWorker(model, comm, cfg.model.max_seq_len, dtype, device)
     instrument_stage(worker, comm)
     return worker
+
+
+def make_sps_drafter(cfg, drafter, model, dtype, meter):
+    """The small LM of mode ``sps``: ``sps.draft_dir`` (loaded here and metered with rank 0's ``meter``, like
+    the engine's own model work), else ``drafter`` if it is one, else the small LM among a merged drafter's
+    sources (``draft.sources=...,ssm:<dir>``). No small LM is a :class:`SetupError`."""
+    from draft.merged import MergedDrafter
+    from draft.ssm import SmallLMDrafter, SmallLMError
+    if cfg.sps.draft_dir:
+        if not (Path(cfg.sps.draft_dir) / "config.json").is_file():
+            raise SetupError(f"sps.draft_dir={cfg.sps.draft_dir}: no config.json there (a Hugging Face causal LM)")
+        try:
+            ssm = SmallLMDrafter(cfg.sps.draft_dir, model.lm_head.out_features, dtype, model.lm_head.weight.device,
+                                 vocab_model=model)
+        except SmallLMError as e:
+            raise SetupError(f"sps.draft_dir={cfg.sps.draft_dir}: {e}") from None
+        from draft.protocol import install_meter
+        install_meter(ssm, meter)
+        return ssm
+    if isinstance(drafter, SmallLMDrafter):
+        return drafter
+    if isinstance(drafter, MergedDrafter) and drafter.source(SmallLMDrafter) is not None:
+        return drafter.source(SmallLMDrafter)
+    raise SetupError("mode sps needs a small draft LM: sps.draft_dir=<dir> or draft.sources=ssm:<dir>")
 
 
 UNTRAINED = "untrained"   # model.head_dir=untrained: a random head (seed 0), e.g. to learn from scratch with osd.*

@@ -1,9 +1,10 @@
 """Rank 0's shared machinery: prefill, lm_head, the output buffer, stats. Modes build on it."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 
@@ -72,8 +73,62 @@ class GenResult:
         return sum(self.accept_lengths) / max(1, len(self.accept_lengths))
 
 
+@dataclass(frozen=True)
+class GenSettings:
+    """One generation's own settings, handed to :func:`timed_generation` as an argument: the same engine serves
+    generations with other settings without anything being swapped on it or on its configuration
+    (``pipeline.serve`` per request, ``pipeline.run``'s warm-up, the simulator per recorded answer,
+    ``pipeline.api``).
+
+    ``max_new_tokens``, ``temperature`` / ``top_p`` / ``top_k`` (HF ``generate``'s warpers, :class:`Sampler`) and
+    ``seed`` (the sampler's generator is seeded with it at the start of the generation, so a generation is a
+    function of its prompt and its settings); ``stop_text(ids) -> bool`` (stop strings,
+    :class:`model.prompts.StopText`), ``on_commit(tokens)`` (called with the tokens each commit took) and
+    ``cancel`` (anything with ``is_set()``) are :class:`OutputBuffer`'s hooks. The engine-wide choices (mode
+    strategy, tree shapes, drafter) stay in the engine's configuration.
+    """
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop_text: Callable[[list[int]], bool] | None = None
+    on_commit: Callable[[list[int]], None] | None = None
+    cancel: Any = None
+
+    def __post_init__(self) -> None:
+        from config.run_config import ConfigError
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature={self.temperature!r} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError(f"top_k={self.top_k!r} must be an integer >= 0 (0 = off)")
+
+    @classmethod
+    def from_config(cls, gen, **changes) -> "GenSettings":
+        """The settings ``gen`` (a :class:`config.run_config.GenerationConfig`) gives, with ``changes``."""
+        base = dict(max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k,
+                    seed=gen.seed)
+        return cls(**{**base, **changes})
+
+    def replace(self, **changes) -> "GenSettings":
+        return dataclasses.replace(self, **changes)
+
+    def new_sampler(self) -> Sampler:
+        """A fresh :class:`Sampler` of these settings, its generator seeded with ``seed``."""
+        return Sampler(float(self.temperature), float(self.top_p), int(self.top_k),
+                       torch.Generator(device="cpu").manual_seed(int(self.seed)))
+
+
 class OutputBuffer:
     """Committed new tokens; stops exactly like HF generate (stop token included, max_new_tokens).
+
+    ``sampler``: the generation's :class:`Sampler` (the modes choose and verify through ``out.sampler``: it is a
+    property of the generation, not of the engine).
 
     Serving hooks (both optional, both used only inside :meth:`extend`): ``on_commit(tokens)`` is called
     with the tokens each ``extend`` took; ``cancel`` (anything with ``is_set()``, e.g. a
@@ -88,8 +143,9 @@ class OutputBuffer:
     """
 
     def __init__(self, stop_ids: set[int], max_new_tokens: int, on_commit=None, cancel=None,
-                 stop_text=None) -> None:
+                 stop_text=None, sampler: Sampler | None = None) -> None:
         self.ids: list[int] = []
+        self.sampler = sampler if sampler is not None else Sampler()
         self.stop_ids = stop_ids
         self.max_new = max_new_tokens
         self.finished = False
@@ -118,9 +174,15 @@ class OutputBuffer:
 
 
 class Engine:
-    def __init__(self, model: StageModel, comm: Transport, drafter: TreeDrafter | None, sampler: Sampler,
-                 stop_ids: set[int], cfg) -> None:
-        self.model, self.comm, self.drafter, self.sampler = model, comm, drafter, sampler
+    """Rank 0's generation machinery for one configuration (``cfg``: mode strategies' tree shapes, prefill chunk,
+    defaults of :class:`GenSettings`); it is never changed per generation: each generation's own settings are
+    the :class:`GenSettings` argument of :func:`timed_generation`. ``sps_drafter``: the small LM of mode ``sps``
+    (``pipeline.build.make_sps_drafter``; None when ``sps`` is not run)."""
+
+    def __init__(self, model: StageModel, comm: Transport, drafter: TreeDrafter | None, stop_ids: set[int],
+                 cfg, sps_drafter=None) -> None:
+        self.model, self.comm, self.drafter = model, comm, drafter
+        self.sps_drafter = sps_drafter
         self.stop_ids = stop_ids
         self.cfg = cfg
         self.tracer = comm.tracer
@@ -129,9 +191,6 @@ class Engine:
         # after it (pipeline.build.make_engine) and the meter stack carries their counters (collect_busy)
         self.meter: OpMeter = SpanMeter(self.tracer, {"lm_head": "lm_head"})
         self.last_counters: dict = {}   # the decode window's meter fields (collect_busy)
-        self.on_commit = None  # serving (pipeline/serve.py): per-generation OutputBuffer hooks
-        self.stop_text = None  # stop strings (gen.stop): see OutputBuffer and model.prompts.StopText
-        self.cancel = None
         self.gen = 0           # generation number: stages ignore decisions of other generations
         self.step_observers: list[StepObserver] = []   # e.g. pipeline.tree_stats.TreeStats (the simulator's)
 
@@ -201,8 +260,38 @@ class Engine:
         self.comm.recv_prev()
 
 
-def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn: Decoder) -> GenResult:
-    """Run prefill + ``decode_fn`` (a fresh :class:`Decoder` per generation: ``pipeline.modes.new_decoder``)."""
+def tree_room(tree, world: int) -> int:
+    """KV slots the draft trees of any mode may hold beyond the prompt and the new tokens (``tree``: a
+    :class:`config.run_config.TreeConfig`; ``world``: ranks): a naive tree, a round's first tree plus four
+    expansions in flight, or PipeDec's layers over the ring, and 8 spare. The one rule every entry point checks
+    prompts with (:func:`prompt_fit_error`)."""
+    return max(tree.total_token, tree.init_total_token + 4 * tree.expand_total_token,
+               tree.pipedec_topk * (world + 4)) + 8
+
+
+def prompt_fit_error(prompt_len: int, max_new_tokens: int, cfg, world: int, max_positions: int | None,
+                     name: str = "max_new_tokens") -> str | None:
+    """Why a prompt of ``prompt_len`` tokens cannot get ``max_new_tokens`` new ones (None: it fits): the model's
+    ``max_positions`` (None: unlimited), then the stages' KV slots (``cfg.model.max_seq_len``) less the tree
+    room (:func:`tree_room`). ``name``: what the caller calls the new-token limit (``max_tokens`` when
+    serving). Pure: ``pipeline.run``, ``pipeline.serve`` and ``pipeline.api`` word their errors with it."""
+    need = prompt_len + max_new_tokens
+    if max_positions is not None and need > max_positions:
+        return f"{prompt_len} prompt tokens + {name} {max_new_tokens} exceed the model's {max_positions} positions"
+    room = tree_room(cfg.tree, world)
+    if need + room > cfg.model.max_seq_len:
+        return (f"{prompt_len} prompt tokens + {name} {max_new_tokens} + tree room {room} exceed "
+                f"max_seq_len={cfg.model.max_seq_len} (the stages' KV slots)")
+    return None
+
+
+def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn: Decoder,
+                     settings: GenSettings | None = None) -> GenResult:
+    """Run prefill + ``decode_fn`` (a fresh :class:`Decoder` per generation: ``pipeline.modes.new_decoder``) with
+    this generation's ``settings`` (default: ``engine.cfg.gen``'s). Neither the engine nor its configuration is
+    changed."""
+    if settings is None:
+        settings = GenSettings.from_config(engine.cfg.gen)
     engine.tracer.reset_counters()
     engine.tracer.mark("gen_begin", prompt_tokens=len(prompt_ids))  # timeline windows (trace only)
     t0 = time.perf_counter()
@@ -211,9 +300,8 @@ def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn: Decoder) 
     prefill_fields = engine.start_decode_window()  # untimed: busy counters restart, prefill counters
     t1b = time.perf_counter()
     engine.tracer.mark("decode_begin")
-    out = OutputBuffer(engine.stop_ids, engine.cfg.gen.max_new_tokens, engine.on_commit, engine.cancel,
-                       getattr(engine, "stop_text", None))
-    engine.sampler.generator.manual_seed(engine.cfg.gen.seed)
+    out = OutputBuffer(engine.stop_ids, settings.max_new_tokens, settings.on_commit, settings.cancel,
+                       settings.stop_text, settings.new_sampler())
     rounds, accepts, steps = decode_fn(engine, logits, features, prompt_ids, out)   # a DecodeResult
     t2 = time.perf_counter()
     engine.tracer.mark("gen_end", new_tokens=len(out.ids))

@@ -15,11 +15,10 @@ import torch
 
 from config.run_config import DEFAULT, apply_overrides
 from model.stage_model import load_stage
-from pipeline.engine import Engine, timed_generation
+from pipeline.engine import timed_generation
 from pipeline.local_ring import LocalComm, LocalRing, stage_threads
-from pipeline.build import make_drafter
+from pipeline.build import make_drafter, make_engine
 from pipeline.modes import new_decoder
-from pipeline.verify import Sampler
 from pipeline.worker import StageWorker
 
 
@@ -52,9 +51,8 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
     comm0 = LocalComm(ring, 0)
     if drafter is not None:
         cfg.model.head_dir = drafter
-    d = make_drafter(cfg, stage_root, models[0], dtype, "cpu")
-    sampler = Sampler(cfg.gen.temperature, cfg.gen.top_p, cfg.gen.top_k_sampling, torch.Generator())
-    engine = Engine(models[0], comm0, d, sampler, stop_ids, cfg)
+    d = make_drafter(cfg, stage_root, models[0], dtype, "cpu") if any(m != "ar" for m in modes) else None
+    engine = make_engine(cfg, comm0, models[0], stage_root, modes, stop_ids, dtype, "cpu", drafter=d)
     engine.step_observers = list(step_observers)
     results: dict[str, list] = {}
     with stage_threads(world, stage) as errors:

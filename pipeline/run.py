@@ -234,7 +234,7 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
 
 def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) -> int:
     from model.prompts import PromptError, chat_prompt_ids, eos_ids, prompt_records, stop_token_ids
-    from pipeline.engine import timed_generation
+    from pipeline.engine import GenSettings, prompt_fit_error, timed_generation
     from pipeline.modes import new_decoder
 
     try:  # prompts first: a bad prompt fails before tokenizer and draft head load
@@ -274,21 +274,21 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
 
     if not args.quiet:  # say which mode runs and, when nobody chose it, why it is the default
         chosen = args.modes or any(o.split("=", 1)[0] in ("mode", "gen.mode") for o in args.overrides)
-        why = ("chosen" if chosen else "the default; FlowSpec is mode=continuous and becomes the default once it "
-               "is the fastest speculative mode on the default setup, see docs/results.md")
+        why = ("chosen" if chosen else "FlowSpec, the default; --modes ar,naive,continuous compares modes, "
+               "README.md#modes lists them")
         print(f"[rank 0] mode={','.join(modes)} ({why})", file=sys.stderr, flush=True)
     engine = make_engine(cfg, comm, model, stage_root, modes, stop_ids, dtype, device)
     drafter = engine.drafter
+    stop_text = None
     if cfg.gen.stop_strings():
         if tokenizer is None:
             raise SetupError("gen.stop needs text: it cannot be used with --prompt-ids (no tokenizer)")
         from model.prompts import StopText
-        engine.stop_text = StopText(tokenizer, cfg.gen.stop_strings())
-
-
-    max_positions = getattr(model.config, "max_position_embeddings", 1 << 30)
-    tree_room = max(cfg.tree.total_token, cfg.tree.init_total_token + 4 * cfg.tree.expand_total_token,
-                    cfg.tree.pipedec_topk * (comm.world + 4)) + 8
+        stop_text = StopText(tokenizer, cfg.gen.stop_strings())
+    stream = None if args.quiet or tokenizer is None else TokenStream(tokenizer, stop_ids)
+    settings = GenSettings.from_config(cfg.gen, stop_text=stop_text,
+                                       on_commit=stream.write if stream is not None else None)
+    max_positions = getattr(model.config, "max_position_embeddings", None)
 
     def check_len(ids: list[int], qid) -> None:
         if not ids:
@@ -296,13 +296,8 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
         if max(ids) >= model.config.vocab_size:
             raise SetupError(f"prompt {qid}: token id {max(ids)} is outside the vocabulary "
                              f"(size {model.config.vocab_size})")
-        need = len(ids) + cfg.gen.max_new_tokens
-        if need > max_positions:
-            raise SetupError(f"prompt {qid}: {len(ids)} tokens + max_new_tokens {cfg.gen.max_new_tokens} exceed "
-                             f"the model's {max_positions} positions")
-        if need + tree_room > cfg.model.max_seq_len:
-            raise SetupError(f"prompt {qid}: {len(ids)} tokens + max_new_tokens {cfg.gen.max_new_tokens} + tree "
-                             f"room {tree_room} exceed max_seq_len={cfg.model.max_seq_len}")
+        if (why := prompt_fit_error(len(ids), cfg.gen.max_new_tokens, cfg, comm.world, max_positions)) is not None:
+            raise SetupError(f"prompt {qid}: {why}")
 
     out_f = open(args.output, "a", encoding="utf-8") if args.output else None
     turns_limit = 1 if args.first_turn_only else None
@@ -313,14 +308,12 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
 
     for rec in records:  # check every first turn before any work
         check_len(prompt_ids(rec["turns"][:1], []), rec.get("question_id"))
+    measured: dict[str, tuple[int, float]] = {}   # mode -> (new tokens, decode seconds): the closing context line
     try:
         for mode in modes:
-            for _ in range(args.warmup if records else 0):  # warm-up: excluded from results
-                keep, cfg.gen.max_new_tokens = cfg.gen.max_new_tokens, min(32, cfg.gen.max_new_tokens)
-                try:
-                    timed_generation(engine, prompt_ids(records[0]["turns"][:1], []), new_decoder(mode))
-                finally:
-                    cfg.gen.max_new_tokens = keep
+            for _ in range(args.warmup if records else 0):  # warm-up: excluded from results, not streamed
+                timed_generation(engine, prompt_ids(records[0]["turns"][:1], []), new_decoder(mode),
+                                 settings.replace(max_new_tokens=min(32, cfg.gen.max_new_tokens), on_commit=None))
             for rec in records:
                 answers: list[str] = []
                 for ti, _ in enumerate(rec["turns"][:turns_limit]):
@@ -330,7 +323,14 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
                         continue
                     ids = prompt_ids(rec["turns"][:ti + 1], answers)
                     check_len(ids, rec.get("question_id"))
-                    res = timed_generation(engine, ids, new_decoder(mode))
+                    if stream is not None:   # the answer appears as its tokens commit
+                        print_header(mode, rec.get("question_id"), ti, str(rec["turns"][ti]))
+                        stream.begin()
+                    res = timed_generation(engine, ids, new_decoder(mode), settings)
+                    if stream is not None:
+                        stream.end()
+                    n, s = measured.get(mode, (0, 0.0))
+                    measured[mode] = (n + res.new_tokens, s + res.decode_s)
                     text = "" if tokenizer is None else tokenizer.decode(
                         [t for t in res.output_ids if t not in stop_ids], skip_special_tokens=True)
                     answers.append(text.strip())
@@ -348,14 +348,44 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
                     if out_f:
                         out_f.write(json.dumps(row) + "\n")
                         out_f.flush()
-                    print_result(row, str(rec["turns"][ti]), args.quiet)
+                    print_result(row, str(rec["turns"][ti]), args.quiet, streamed=stream is not None)
                 if mode in answer_files and tokenizer is not None:
                     answer_files[mode].add(rec.get("question_id"), answers)
     finally:
         if out_f:
             out_f.close()
     engine.shutdown()
+    if not args.quiet and measured:
+        from pipeline.headline import context_line, load_headline
+        gpus = 0
+        if str(device).startswith("cuda"):
+            import torch
+            gpus = len(set(cfg.model.devices.split(","))) if cfg.model.devices else torch.cuda.device_count()
+        print("\n" + context_line(measured, comm.world, os.cpu_count(), load_headline(), gpus), flush=True)
     return 0
+
+
+class TokenStream:
+    """Rank 0's answer on stdout as its tokens commit (the generation's ``on_commit``): ``begin`` prints
+    ``ASSISTANT: ``, every commit the text it adds (:class:`model.prompts.TextDeltas`), ``end`` the rest and a
+    newline. What it prints is exactly the answer's text (the ``text`` of ``--output`` rows)."""
+
+    def __init__(self, tokenizer, stop_ids: set[int]) -> None:
+        self.tokenizer, self.stop_ids, self.deltas = tokenizer, stop_ids, None
+
+    def begin(self) -> None:
+        from model.prompts import TextDeltas
+        self.deltas = TextDeltas(self.tokenizer, self.stop_ids)
+        sys.stdout.write("ASSISTANT: ")
+        sys.stdout.flush()
+
+    def write(self, tokens: list[int]) -> None:
+        sys.stdout.write(self.deltas.push(tokens))
+        sys.stdout.flush()
+
+    def end(self) -> None:
+        sys.stdout.write(self.deltas.finish() + "\n")
+        sys.stdout.flush()
 
 
 def model_name(stage_root: Path) -> str:
@@ -367,10 +397,15 @@ def model_name(stage_root: Path) -> str:
     return Path(src).name or Path(stage_root).resolve().name
 
 
-def print_result(row: dict, prompt: str, quiet: bool) -> None:
-    if not quiet:
-        print(f"\n=== [{row['mode']}] question {row['question_id']} turn {row['turn']} ===")
-        print(f"USER: {prompt[:500]}")
+def print_header(mode: str, qid, turn: int, prompt: str) -> None:
+    print(f"\n=== [{mode}] question {qid} turn {turn} ===")
+    print(f"USER: {prompt[:500]}", flush=True)
+
+
+def print_result(row: dict, prompt: str, quiet: bool, streamed: bool = False) -> None:
+    """The answer (unless ``quiet``, or ``streamed``: already shown as it committed) and the metrics line."""
+    if not quiet and not streamed:
+        print_header(row["mode"], row["question_id"], row["turn"], prompt)
         print(f"ASSISTANT: {row['text']}")
     busy = " ".join(f"{b:.0%}" for b in row["busy_fraction"])
     tps = row["tokens_per_s"] or 0.0

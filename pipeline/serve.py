@@ -348,9 +348,6 @@ class RequestManager:
         self.vocab = model_config.vocab_size
         self.max_prompt_chars = max_prompt_chars or CHARS_PER_SLOT * cfg.model.max_seq_len
         self.max_positions = getattr(model_config, "max_position_embeddings", None) or (1 << 30)
-        t = cfg.tree
-        self.tree_room = max(t.total_token, t.init_total_token + 4 * t.expand_total_token,
-                             t.pipedec_topk * (world + 4)) + 8
         self._queue: collections.deque[Request] = collections.deque()
         self._cond = threading.Condition()
         self._seq = itertools.count()
@@ -377,31 +374,16 @@ class RequestManager:
                                f"({self.max_prompt_chars}, --max-prompt-chars)", param, "context_length_exceeded")
 
     def prompt_ids(self, prompt=None, messages=None) -> list[int]:
-        from model.prompts import chat_prompt_ids
+        from model.prompts import PromptError, chat_prompt_ids, split_messages
         if (prompt is None) == (messages is None):
             raise RequestError("give exactly one of prompt or messages", "prompt" if prompt is None else "messages")
         if messages is not None:
             if not isinstance(messages, list) or not messages:
                 raise RequestError("messages must be a non-empty list", "messages")
-            system, turns, answers = self.cfg.gen.system_prompt, [], []
-            for i, m in enumerate(messages):
-                if not isinstance(m, dict) or set(m) - {"role", "content", "name"} or "role" not in m:
-                    raise RequestError(f"messages[{i}] must be an object with role and content", "messages")
-                role, content = m["role"], _content_text(m.get("content"), i)
-                if role in ("system", "developer") and i == 0:
-                    system = content
-                elif role == "user" and len(turns) == len(answers):
-                    turns.append(content)
-                elif role == "assistant" and len(turns) == len(answers) + 1:
-                    answers.append(content)
-                else:
-                    raise RequestError(f"messages[{i}]: role {role!r} out of place; expected an optional system "
-                                       "message, then user and assistant turns alternating, ending with user",
-                                       "messages")
-            if len(turns) != len(answers) + 1:
-                raise RequestError("the last message must be the user's", "messages")
-            if not turns[-1].strip():
-                raise RequestError("the last user message is empty", "messages")
+            try:   # the one rule for message order (model.prompts.split_messages, shared with pipeline.api)
+                system, turns, answers = split_messages(messages, self.cfg.gen.system_prompt, _content_text)
+            except PromptError as e:
+                raise RequestError(str(e), "messages") from None
             self.check_chars(sum(map(len, turns)) + sum(map(len, answers)) + len(system or ""), "messages")
             return chat_prompt_ids(self.tokenizer, turns, answers, system, self.template)
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -446,14 +428,10 @@ class RequestManager:
                       list(stop))
 
     def check_length(self, ids: list[int], max_tokens: int, param: str) -> None:
-        need = len(ids) + max_tokens
-        if need > self.max_positions:
-            raise RequestError(f"{len(ids)} prompt tokens + max_tokens {max_tokens} exceed the model's "
-                               f"{self.max_positions} positions", param, "context_length_exceeded")
-        if need + self.tree_room > self.cfg.model.max_seq_len:
-            raise RequestError(f"{len(ids)} prompt tokens + max_tokens {max_tokens} + tree room {self.tree_room} "
-                               f"exceed max_seq_len={self.cfg.model.max_seq_len} (the stages' KV slots)",
-                               param, "context_length_exceeded")
+        from pipeline.engine import prompt_fit_error
+        why = prompt_fit_error(len(ids), max_tokens, self.cfg, self.world, self.max_positions, "max_tokens")
+        if why is not None:
+            raise RequestError(why, param, "context_length_exceeded")
 
     def submit(self, prompt=None, messages=None, **sampling) -> Request:
         """Queue a generation of ``prompt`` (text or token ids; no chat template) or ``messages`` (OpenAI
@@ -604,10 +582,9 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     from model.stage_format import stage_dir
     from pipeline import faults
     from pipeline.build import SetupError, generation_config, load_tokenizer, make_engine
-    from pipeline.engine import timed_generation
+    from pipeline.engine import GenSettings, timed_generation
     from pipeline.modes import new_decoder
     from pipeline.outputs import drafter_fields
-    from pipeline.verify import Sampler
 
     sock = None
     if not sargs.no_http:  # bind first: a taken port fails before anything else loads
@@ -621,8 +598,7 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     sdir = stage_dir(stage_root, 0)
     tokenizer = load_tokenizer(stage_root)
     stop_ids = stop_token_ids(tokenizer, generation_config(stage_root))
-    engine = make_engine(cfg, comm, model, stage_root, modes, stop_ids, dtype, device,
-                         sampler=Sampler(0.0, 1.0, 0, torch.Generator(device="cpu")))
+    engine = make_engine(cfg, comm, model, stage_root, modes, stop_ids, dtype, device)
     default_mode = cfg.gen.mode if cfg.gen.mode in modes else modes[0]
     name = sargs.model_name or _model_name(stage_root, sdir)
     manager = RequestManager(tokenizer, stop_ids, modes, default_mode, cfg, model.config, comm.world,
@@ -633,15 +609,10 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     keep_max = cfg.gen.max_new_tokens
 
     def generate(req: Request) -> None:
-        p = req.params
-        engine.sampler = Sampler(p.temperature, p.top_p, p.top_k, torch.Generator(device="cpu"))
-        cfg.gen.max_new_tokens, cfg.gen.seed = p.max_tokens, p.seed
-        engine.on_commit, engine.cancel = req._commit, req.cancel_event
-        try:
-            res = timed_generation(engine, req.prompt_ids, new_decoder(p.mode))
-        finally:
-            engine.on_commit = engine.cancel = None
-            cfg.gen.max_new_tokens = keep_max
+        p = req.params      # the request's own settings: an argument of its generation, nothing swapped
+        settings = GenSettings(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed,
+                               on_commit=req._commit, cancel=req.cancel_event)
+        res = timed_generation(engine, req.prompt_ids, new_decoder(p.mode), settings)
         req.drafter = drafter_fields(engine.drafter) if p.mode != "ar" else {"drafter_version": None}
         req._finish(res, req.cancel_event.is_set())
         manager.record(req)

@@ -15,7 +15,7 @@
 #   first from a local wheel folder if pip is configured with one (find-links, no network); else, on a
 #   machine without an NVIDIA GPU, the CPU build from https://download.pytorch.org/whl/cpu (about 200 MB
 #   instead of PyPI's multi-GB CUDA stack); else from PyPI ($FLOWSPEC_TORCH_INDEX picks another index).
-#   Jetson boards need NVIDIA's torch first (README, "Several machines"): it says so and stops.
+#   Jetson boards need NVIDIA's torch first (docs/multihost.md): it says so and stops.
 # * Downloads show pip's progress bars (on stderr). A stamp ($VENV/.requirements.sha256) of the
 #   requirements and torch choice makes later runs a no-op; concurrent runs wait on a lock.
 set -euo pipefail
@@ -104,7 +104,7 @@ if torch_now="$(torch_status "$VPY")"; then
 else
   [[ -n "$torch_now" ]] && log "torch $torch_now in $VPY is older than $TORCH_MIN: installing $TORCH_SPEC"
   if [[ -n "$JETSON" ]]; then
-    die "no torch >= $TORCH_MIN importable by $VPY on this Jetson: install NVIDIA's torch wheel for your JetPack into $PY first (README, 'Several machines'), then rerun"
+    die "no torch >= $TORCH_MIN importable by $VPY on this Jetson: install NVIDIA's torch wheel for your JetPack into $PY first (docs/multihost.md), then rerun"
   fi
   log "installing $TORCH_SPEC (first run only; the download shows a progress bar)"
   if [[ -n "${FLOWSPEC_TORCH_INDEX:-}" ]]; then

@@ -1,7 +1,7 @@
 """Faults as users meet them, through the real launchers: ``./run_pipe.sh`` (one host) and ``./run_jetson.sh``
 (several launchers on localhost, one per NODE_RANK, each with its own copy of the stage root).
 
-    .venv/bin/python -m scripts.fault_matrix                 # every case, prints the README table
+    .venv/bin/python -m scripts.fault_matrix                 # every case, prints the table of docs/failures.md
     .venv/bin/python -m scripts.fault_matrix --cases pipe-kill-r1-decode,jetson-missing-host
 
 Each case starts the launcher(s) in their own process group, injects the fault (``FLOWSPEC_FAULT``: a rank
@@ -10,7 +10,7 @@ and records: the launchers' exit codes, every line they printed, whether a line 
 missing node), whether any "Traceback" appeared, and the seconds from the fault until every process the
 launchers started is gone (pids collected from /proc while the case runs); processes still alive
 ``comm.timeout_s`` + 15 s after the fault are the case's *leftovers* (then killed). tests/test_launchers.py
-runs a few cases of this matrix with assertions; this script is the longer sweep behind README's table.
+runs a few cases of this matrix with assertions; this script is the longer sweep behind docs/failures.md's table.
 """
 from __future__ import annotations
 

@@ -89,15 +89,18 @@ def make_merged_runner(mode, world, target, drafter, sampler, horizon, overrides
     """``run() -> first horizon tokens`` through the mode's real rank-0 code with ``drafter`` (cf. test_sampling)."""
     decode, lockstep = MERGED_MODES[mode]
     ring = FakeRing(world, lockstep, getattr(sampler, "live", lambda: True))
-    engine = SimpleNamespace(comm=ring, gen=1, cfg=apply_overrides(DEFAULT, {**TREE, **overrides}), drafter=drafter,
-                             sampler=sampler, tracer=SimpleNamespace(span=lambda *a, **k: nullcontext()),
+    from pipeline.build import make_sps_drafter
+    cfg = apply_overrides(DEFAULT, {**TREE, **overrides})
+    engine = SimpleNamespace(comm=ring, gen=1, cfg=cfg, drafter=drafter,
+                             sps_drafter=make_sps_drafter(cfg, drafter, None, None, None) if mode == "sps" else None,
+                             tracer=SimpleNamespace(span=lambda *a, **k: nullcontext()),
                              observe_step=lambda *a: None, logits=lambda hidden: target[hidden[:, 0].long()])
     first = torch.full((V,), -1e9)
     first[ROOT] = 0.0
 
     def run():
         ring.reset()
-        out = OutputBuffer(set(), horizon + 1)
+        out = OutputBuffer(set(), horizon + 1, sampler=sampler)
         decode(engine, first, None, [ROOT], out)
         assert out.finished and out.ids[0] == ROOT and not ring.inflight
         return tuple(out.ids[1:])

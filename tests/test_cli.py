@@ -119,20 +119,20 @@ def test_hf_sampling_names():
 
 
 def test_format_config_marks_non_defaults():
-    text = format_config(apply_overrides(DEFAULT, ["mode=continuous", "tree.init_depth=4"]))
+    text = format_config(apply_overrides(DEFAULT, ["mode=naive", "tree.init_depth=4"]))
     lines = text.splitlines()
-    assert "gen.mode = 'continuous'   # default: 'naive'" in lines
+    assert "gen.mode = 'naive'   # default: 'continuous'" in lines
     assert "tree.init_depth = 4   # default: 6" in lines
     assert "gen.top_k = 0" in lines and "tree.top_k = 10" in lines
     assert sum("# default:" in l for l in lines) == 2
 
 
 def test_print_config_runs_standalone_without_torch():
-    code = ("import sys; from pipeline.run import main; rc = main(['--print-config', 'mode=continuous', "
+    code = ("import sys; from pipeline.run import main; rc = main(['--print-config', 'mode=naive', "
             "'gen.top_k=5']); assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
-    assert "gen.mode = 'continuous'   # default: 'naive'" in res.stdout
+    assert "gen.mode = 'naive'   # default: 'continuous'" in res.stdout
     assert "gen.top_k = 5   # default: 0" in res.stdout
     res = subprocess.run([sys.executable, "-m", "pipeline.run", "--print-config", "top_k=5"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)

@@ -181,9 +181,9 @@ def test_walk_tree_greedy_cases():
 
 
 def test_config_overrides_and_errors():
-    cfg = apply_overrides(DEFAULT, ["mode=continuous", "tree.init_depth=4", "max_new_tokens=7", "trace=true"])
-    assert cfg.gen.mode == "continuous" and cfg.tree.init_depth == 4 and cfg.gen.max_new_tokens == 7
-    assert cfg.comm.trace is True and DEFAULT.gen.mode == "naive"
+    cfg = apply_overrides(DEFAULT, ["mode=naive", "tree.init_depth=4", "max_new_tokens=7", "trace=true"])
+    assert cfg.gen.mode == "naive" and cfg.tree.init_depth == 4 and cfg.gen.max_new_tokens == 7
+    assert cfg.comm.trace is True and DEFAULT.gen.mode == "continuous"
     # an unknown key names itself and where every key is listed (typos get suggestions: tests/test_cli.py)
     with pytest.raises(ConfigError, match="unknown config key 'nope'.*--print-config lists every key"):
         apply_overrides(DEFAULT, ["nope=1"])

@@ -234,7 +234,7 @@ def make_runner(mode: str, world: int, tables, sampler: Sampler, horizon: int, o
         decode = cont.decode
     ring = FakeRing(world, lockstep, live, early)
     engine = SimpleNamespace(comm=ring, gen=1, cfg=apply_overrides(DEFAULT, {**TREE, **overrides}),
-                             drafter=drafter or MarkovDrafter(draft_logits), sampler=sampler,
+                             drafter=drafter or MarkovDrafter(draft_logits),
                              tracer=SimpleNamespace(span=lambda *a, **k: nullcontext()),
                              observe_step=lambda *a: None, logits=lambda hidden: target[hidden[:, 0].long()])
     first = torch.full((V,), -1e9)
@@ -242,7 +242,7 @@ def make_runner(mode: str, world: int, tables, sampler: Sampler, horizon: int, o
 
     def run() -> tuple[int, ...]:
         ring.reset()
-        out = OutputBuffer(set(), horizon + 1)
+        out = OutputBuffer(set(), horizon + 1, sampler=sampler)
         res = decode(engine, first, None, [ROOT], out)
         assert isinstance(res, DecodeResult) and res.rounds >= 1 and len(res.accept_lengths) >= 1
         assert out.finished and out.ids[0] == ROOT and len(out.ids) == horizon + 1
@@ -388,7 +388,7 @@ def test_exact_law_every_mode(mode, world, temp, top_p, top_k, draft, horizon, o
 
 @pytest.mark.parametrize("levels", [2, 0], ids=["incremental", "redraft"])
 def test_expansion_off_appends_nothing_and_keeps_the_law(levels):
-    """``tree.expand_total_token=0`` (continuous without dynamic expansion, the README's ablation): no node is
+    """``tree.expand_total_token=0`` (continuous without dynamic expansion, docs/results.md §9's ablation): no node is
     appended after a verified step, rounds still continue through re-roots, and the law stays the target's;
     the same setting with expansion on does append (so the check can fail). Both expansion paths: incremental
     (``expand_levels > 0``) and the paper's redraft-and-merge (``expand_levels = 0``)."""
@@ -802,7 +802,7 @@ def make_online_runner(mode: str, world: int, target: torch.Tensor, tables: list
         return inner_commit(tokens, features)
     od.commit = commit
     engine = SimpleNamespace(comm=ring, gen=1, cfg=apply_overrides(DEFAULT, {**TREE, **overrides}), drafter=od,
-                             sampler=sampler, tracer=SimpleNamespace(span=lambda *a, **k: nullcontext()),
+                             tracer=SimpleNamespace(span=lambda *a, **k: nullcontext()),
                              observe_step=lambda *a: None, logits=lambda hidden: target[hidden[:, 0].long()])
     first = torch.full((V,), -1e9)
     first[ROOT] = 0.0
@@ -811,7 +811,7 @@ def make_online_runner(mode: str, world: int, target: torch.Tensor, tables: list
         ring.reset()
         seen.clear()
         od.publish({"table": tables[0]})      # every run starts from the same weights
-        out = OutputBuffer(set(), horizon + 1)
+        out = OutputBuffer(set(), horizon + 1, sampler=sampler)
         decode(engine, first, None, [ROOT], out)
         assert out.finished and out.ids[0] == ROOT and len(out.ids) == horizon + 1
         return tuple(out.ids[1:])

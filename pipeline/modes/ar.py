@@ -10,12 +10,12 @@ from pipeline.messages import Context
 
 def ar_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
               out: OutputBuffer) -> DecodeResult:
-    x = engine.sampler.choose(logits)
+    x = out.sampler.choose(logits)
     out.extend([x])
     accepts = []
     while not out.finished:
         engine.comm.send_next(Context(torch.tensor([[x]], device=HOST)))
         hidden = engine.comm.recv_prev().x[0]
-        x = engine.sampler.choose(engine.logits(hidden)[-1])
+        x = out.sampler.choose(engine.logits(hidden)[-1])
         accepts.append(out.extend([x]))
     return DecodeResult(len(accepts), accepts, len(accepts))

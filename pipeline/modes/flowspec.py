@@ -32,7 +32,7 @@ from pipeline.budget import (AcceptanceStats, StepCosts, affordable_levels, choo
 from pipeline.engine import DecodeResult, Engine, OutputBuffer
 from pipeline.messages import Segment, Status
 from pipeline.outbox import Outbox, RankTree
-from pipeline.verify import walk_tree
+from pipeline.verify import Sampler, walk_tree
 
 
 @dataclass
@@ -47,7 +47,7 @@ class StepVerdict:
     features: torch.Tensor    # target features of the path's positions (what the drafter commits)
 
 
-def verify_step(engine: Engine, state: RankTree, msg: Segment) -> StepVerdict | None:
+def verify_step(engine: Engine, state: RankTree, msg: Segment, sampler: Sampler) -> StepVerdict | None:
     """Score-ordered step-wise verification: verify what one returned segment completes (None: nothing).
 
     Why a single segment can be verified on its own: rank 0 sends the tree's nodes in index order, which is
@@ -67,7 +67,7 @@ def verify_step(engine: Engine, state: RankTree, msg: Segment) -> StepVerdict | 
     logits = engine.logits(hidden)
     tree = state.tree
     with engine.tracer.span("verify"):
-        path, token, new_root = walk_tree(tree, k, logits, engine.sampler)
+        path, token, new_root = walk_tree(tree, k, logits, sampler)
     committed = tree.tokens[path[1:]].tolist() + [token]
     return StepVerdict(k, list(path), token, new_root, committed, hidden[path])
 
@@ -121,7 +121,7 @@ class StreamingMode:
     # -- the loop ------------------------------------------------------------------------------------
     def decode(self, engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
                out: OutputBuffer) -> DecodeResult:
-        x = engine.sampler.choose(logits)
+        x = out.sampler.choose(logits)
         out.extend([x])
         with engine.tracer.span("draft"):
             root_hidden = engine.drafter.start(prompt_ids, x, features)
@@ -181,7 +181,7 @@ class StreamingMode:
                 raise RuntimeError("protocol stalled: nothing in flight and nothing to verify")
             msg = box.receive()
             steps += 1
-            verdict = verify_step(engine, state, msg)
+            verdict = verify_step(engine, state, msg, out.sampler)
             if verdict is None:   # a stale result: nothing of the current tree was verified
                 state.set_tree(self.grow(engine, state.tree, root_hidden, False))
                 self.top_up(engine, box, state, root_hidden)

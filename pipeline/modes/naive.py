@@ -17,7 +17,7 @@ from model.devices import HOST
 from pipeline.engine import DecodeResult, Engine, OutputBuffer
 from pipeline.messages import Status
 from pipeline.outbox import Outbox, RankTree
-from pipeline.verify import walk_tree
+from pipeline.verify import Sampler, walk_tree
 
 # draft(root_token, root_hidden) -> (tree, what the verification needs besides the tree)
 DraftFn = Callable[[int, torch.Tensor], tuple[DraftTree, object]]
@@ -31,7 +31,7 @@ def whole_tree_rounds(engine: Engine, logits: torch.Tensor, features: torch.Tens
     """Rounds of: draft a whole tree from the root, send it as ``segment_sizes(len(tree))`` segments (each with
     ``tag``), wait for all of them, verify, commit the accepted tokens and the target's next token. The
     decision (TRUNCATE: every round starts from a fresh root) rides on the next round's first segment."""
-    x = engine.sampler.choose(logits)
+    x = out.sampler.choose(logits)
     out.extend([x])
     with engine.tracer.span("draft"):
         root_hidden = drafter.start(prompt_ids, x, features)
@@ -66,10 +66,10 @@ def draft_eagle_tree(engine: Engine) -> DraftFn:
     return lambda root, root_hidden: (drafter.grow_tree(root, root_hidden, t.total_token, t.depth, t.top_k), None)
 
 
-def verify_whole_tree(engine: Engine) -> VerifyFn:
-    """:func:`pipeline.verify.walk_tree` over every node of the tree."""
+def verify_whole_tree(sampler: Sampler) -> VerifyFn:
+    """:func:`pipeline.verify.walk_tree` over every node of the tree, with the generation's ``sampler``."""
     def verify(tree: DraftTree, extra, logits: torch.Tensor) -> tuple[list[int], int]:
-        path, x, _ = walk_tree(tree, len(tree), logits, engine.sampler)
+        path, x, _ = walk_tree(tree, len(tree), logits, sampler)
         return path, x
     return verify
 
@@ -78,4 +78,4 @@ def naive_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, p
                  out: OutputBuffer) -> DecodeResult:
     world = engine.comm.world
     return whole_tree_rounds(engine, logits, features, prompt_ids, out, engine.drafter, draft_eagle_tree(engine),
-                             verify_whole_tree(engine), lambda n: split_sizes(n, world, 0))
+                             verify_whole_tree(out.sampler), lambda n: split_sizes(n, world, 0))

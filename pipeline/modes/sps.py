@@ -32,38 +32,6 @@ from pipeline.modes.naive import whole_tree_rounds
 from pipeline.verify import Sampler
 
 
-def sps_drafter(engine: Engine):
-    """The small LM for ``sps``: ``sps.draft_dir``, else the engine's drafter if it is one, else the first
-    ``ssm:<dir>`` of ``draft.sources``. Loaded once per engine."""
-    cached = getattr(engine, "_sps_drafter", None)
-    if cached is not None:
-        return cached
-    from config.run_config import ConfigError
-    from draft.merged import MergedDrafter
-    from draft.ssm import SmallLMDrafter, SmallLMError
-    cfg, d = engine.cfg, engine.drafter
-    if cfg.sps.draft_dir:
-        from pathlib import Path
-        if not (Path(cfg.sps.draft_dir) / "config.json").is_file():
-            raise ConfigError(f"sps.draft_dir={cfg.sps.draft_dir}: no config.json there (a Hugging Face causal LM)")
-        dev = engine.model.lm_head.weight.device
-        try:
-            ssm = SmallLMDrafter(cfg.sps.draft_dir, engine.model.lm_head.out_features, engine.dtype, dev,
-                                 vocab_model=engine.model)
-        except SmallLMError as e:
-            raise ConfigError(f"sps.draft_dir={cfg.sps.draft_dir}: {e}") from None
-        from draft.protocol import install_meter
-        install_meter(ssm, engine.meter)   # built after instrumentation was installed: meter it like the engine
-    elif isinstance(d, SmallLMDrafter):
-        ssm = d
-    elif isinstance(d, MergedDrafter) and d.source(SmallLMDrafter) is not None:
-        ssm = d.source(SmallLMDrafter)
-    else:
-        raise ConfigError("mode sps needs a small draft LM: sps.draft_dir=<dir> or draft.sources=ssm:<dir>")
-    engine._sps_drafter = ssm
-    return ssm
-
-
 @torch.no_grad()
 def draft_chain(ssm, root: int, root_hidden: torch.Tensor, gamma: int, greedy: bool, temperature: float
                 ) -> tuple[DraftTree, list[torch.Tensor]]:
@@ -122,15 +90,18 @@ def verify_chain(tokens: list[int], qs: list[torch.Tensor], logits: torch.Tensor
 
 def sps_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
                out: OutputBuffer) -> DecodeResult:
-    cfg = engine.cfg
-    ssm = sps_drafter(engine)
-    temp = engine.sampler.temperature if cfg.draft.ssm_temperature < 0 else cfg.draft.ssm_temperature
+    cfg, sampler = engine.cfg, out.sampler
+    ssm = engine.sps_drafter   # pipeline.build.make_sps_drafter: built with the engine
+    if ssm is None:
+        raise RuntimeError("mode sps on an engine built without its small LM (pipeline.build.make_engine builds it "
+                           "when sps is among the modes)")
+    temp = sampler.temperature if cfg.draft.ssm_temperature < 0 else cfg.draft.ssm_temperature
 
     def draft(root: int, root_hidden: torch.Tensor):
-        return draft_chain(ssm, root, root_hidden, cfg.sps.gamma, engine.sampler.greedy, temp)
+        return draft_chain(ssm, root, root_hidden, cfg.sps.gamma, sampler.greedy, temp)
 
     def verify(chain: DraftTree, qs, tlogits: torch.Tensor) -> tuple[list[int], int]:
-        n, x = verify_chain(chain.tokens.tolist(), qs, tlogits, engine.sampler, cfg.sps.variant)
+        n, x = verify_chain(chain.tokens.tolist(), qs, tlogits, sampler, cfg.sps.variant)
         return list(range(n + 1)), x
 
     return whole_tree_rounds(engine, logits, features, prompt_ids, out, ssm, draft, verify, lambda n: [n])

@@ -26,7 +26,7 @@ def make_tp_decode(mode: str):
     def tp_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
                   out: OutputBuffer) -> DecodeResult:
         return whole_tree_rounds(engine, logits, features, prompt_ids, out, engine.drafter, draft_eagle_tree(engine),
-                                 verify_whole_tree(engine), lambda n: [n], tag=schedule_id)
+                                 verify_whole_tree(out.sampler), lambda n: [n], tag=schedule_id)
 
     tp_decode.__name__ = f"{mode}_decode"
     return tp_decode

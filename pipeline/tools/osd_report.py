@@ -13,7 +13,7 @@ Two subcommands:
   features come from the recording and the unsplit stages), request after request, with whatever drafter the
   ``key=value`` overrides build (``osd.enabled=true`` for online learning). It writes one row per request with
   ``tau``, ``accept_lengths`` and the drafter fields (``drafter_version``, ``osd``). Same accepted lengths as a
-  real run at T = 0; at T > 0 a valid sample of the mode's behaviour (see the simulator section of README).
+  real run at T = 0; at T > 0 a valid sample of the mode's behaviour (see docs/simulator.md).
 
 * ``stream``: write a shifted prompt stream (FastChat question format) from a data folder: ``--stream`` requests of
   one domain, then that domain's evaluation records [``--eval-begin``, ``--eval-end``), never repeating a record.

@@ -19,7 +19,7 @@ direct decisions follow a fixed schedule (:class:`.transport.ScheduledDirect`); 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -66,12 +66,11 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
     decisions reach the stages on the ring only (pass 0). ``tree_stats``: a dict that receives one
     :class:`pipeline.tree_stats.TreeStats` per row temperature (``"T=0"``, ``"T=1"``...), fed every verified
     step as a step observer whose CPU time is left out of rank 0's host work."""
-    from pipeline.engine import timed_generation
+    from pipeline.engine import GenSettings, timed_generation
     from pipeline.local_ring import LocalRing, stage_threads
     from model.stage_format import even_split, tap_row_factors
     from pipeline.modes import new_decoder
     from pipeline.tools.simulate.stand_ins import ReplayEngine, ReplayStage
-    from pipeline.verify import Sampler
     from pipeline.worker import StageWorker
 
     world = stages + 1
@@ -92,8 +91,9 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
     if drafter is not None:
         rdrafter = ReplayDrafter(drafter, committed)
         record_drafter(drafter, log0, vocab_size)
-    engine = ReplayEngine(torch.nn.Linear(1, 1), comm0, rdrafter,
-                          Sampler(float(cfg.gen.temperature), 1.0, 0, torch.Generator()), set(), cfg)
+    engine = ReplayEngine(torch.nn.Linear(1, 1), comm0, rdrafter, set(), cfg)
+    # the recorded temperature's plain law (no top-p / top-k), seeded as the run's; per answer only its length
+    settings = GenSettings.from_config(cfg.gen, temperature=float(cfg.gen.temperature), top_p=1.0, top_k=0)
     engine.vocab_size, engine.committed, engine.log = vocab_size, committed, log0
     with stage_threads(world, stage) as errors:
         log0.last = time.thread_time()
@@ -103,11 +103,11 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
                 committed.seq = prompt + output
                 committed.features = features(committed.seq)
                 # the recorded answer ends where it ended: exactly len(output) tokens, no stop token needed
-                engine.cfg = replace(cfg, gen=replace(cfg.gen, max_new_tokens=len(output)))
                 if tree_stats is not None:
                     stats = tree_stats.setdefault(f"T={float(row.get('temperature', 0.0)):g}", TreeStats())
                     engine.step_observers = [untimed_observer(stats, log0)]
-                res = timed_generation(engine, prompt, new_decoder(mode))
+                res = timed_generation(engine, prompt, new_decoder(mode),
+                                       settings.replace(max_new_tokens=len(output)))
                 if res.output_ids != output:
                     raise AssertionError(f"replay of question {row.get('question_id')} diverged from its "
                                          "recorded output")
