@@ -1,0 +1,166 @@
+"""Count what one of rank 0's calls dispatches: aten operators, and the reads that would synchronise a GPU.
+
+On a GPU every aten operator on a device tensor is a kernel launch (host overhead of a few microseconds each,
+more on a Jetson-class CPU), and every read of a device value into Python (``.item()``, ``int(t)``,
+``.tolist()``, ``nonzero``, boolean-mask indexing, a copy to the host) is a host<->device synchronisation: the
+host waits for the queue to drain. Both are deterministic for a given call and input, so they can be counted on
+a CPU, where timings are noisy, and bounded in tests (``tests/test_rank0_ops.py``).
+
+:class:`OpCounter` (a context manager) counts, while active:
+
+* ``ops``: every aten operator dispatched (``TorchDispatchMode``; views included: on a GPU they cost host
+  time, not a launch);
+* ``dev_ops``: the operators that touch a *device* tensor (see below): the launches on a GPU;
+* ``reads``: operators and methods that bring a tensor's values into Python or size an output by its values:
+  ``aten._local_scalar_dense`` (``.item()``, ``int``, ``float``, ``bool``), ``aten.nonzero``,
+  ``aten.masked_select``, an ``aten.index`` / ``index_put`` with a boolean index, ``aten.repeat_interleave``
+  with a tensor of repeats, ``aten.unique*``, and ``Tensor.tolist``;
+* ``syncs``: the reads of a device tensor plus every ``.to(cpu)`` / ``.cpu()`` of one (a device->host copy):
+  what would synchronise a GPU.
+
+Which tensors are "device" tensors on a CPU-only run: the ones :meth:`OpCounter.mark` was given (a drafter's
+weights and caches, the features a stage returned) and everything computed from one of them; a ``.to(cpu)`` /
+``.cpu()`` of one returns a host tensor (a copy on a GPU). A tensor built from Python values on the host
+(``torch.tensor(list)``, ``arange``) is a host tensor. Tensors a call creates with ``device=<the head's
+device>`` are counted as host tensors on a CPU (an undercount of ``dev_ops``; ``ops`` counts everything).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+aten = torch.ops.aten
+READ_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+            aten.repeat_interleave.Tensor, aten._unique2.default, aten.unique_dim.default,
+            aten.unique_consecutive.default}
+INDEX_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+
+
+@dataclass
+class OpCount:
+    ops: int = 0
+    dev_ops: int = 0
+    reads: int = 0
+    syncs: int = 0
+    by_op: dict = field(default_factory=dict)
+
+    def row(self) -> dict:
+        return {"ops": self.ops, "dev_ops": self.dev_ops, "reads": self.reads, "syncs": self.syncs}
+
+
+def _tensors(x) -> list:
+    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+
+
+def _is_host_target(args, kwargs) -> bool:
+    """Whether a ``Tensor.to(...)`` call targets the CPU (``to(cpu)``, ``to('cpu')``, ``to(device=cpu)``)."""
+    for a in list(args[1:]) + list(kwargs.values()):
+        if isinstance(a, (torch.device, str)):
+            try:
+                return torch.device(a).type == "cpu"
+            except RuntimeError:
+                continue
+    return False
+
+
+class _Dispatch(TorchDispatchMode):
+    def __init__(self, owner: "OpCounter") -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.owner.quiet:
+            return func(*args, **kwargs)
+        c, dev = self.owner.count, self.owner.device
+        ins = _tensors((args, kwargs))
+        on_dev = any(t in dev for t in ins)
+        c.ops += 1
+        c.dev_ops += on_dev
+        name = str(func.overloadpacket.__name__)
+        c.by_op[name] = c.by_op.get(name, 0) + 1
+        read = func in READ_OPS or (func in INDEX_OPS and any(
+            t.dtype == torch.bool for t in _tensors(args[1] if len(args) > 1 else ())))
+        if read:
+            c.reads += 1
+            c.syncs += on_dev
+        out = func(*args, **kwargs)
+        if on_dev:
+            for t in _tensors(out):
+                dev[t] = True
+            if func._schema.is_mutable and args and isinstance(args[0], torch.Tensor):
+                dev[args[0]] = True
+        return out
+
+
+class _Function(TorchFunctionMode):
+    def __init__(self, owner: "OpCounter") -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        c, dev = self.owner.count, self.owner.device
+        name = getattr(func, "__name__", "")
+        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if name == "tolist" and src is not None:
+            c.reads += 1
+            c.syncs += src in dev
+        if src is not None and src in dev and (name == "cpu" or (name == "to" and _is_host_target(args, kwargs))):
+            c.syncs += 1                         # a device->host copy; on a CPU run: a host alias
+            out = func(*args, **kwargs)
+            if out is src:
+                self.owner.quiet = True
+                try:
+                    out = src.detach()
+                finally:
+                    self.owner.quiet = False
+            dev.pop(out, None)
+            return out
+        return func(*args, **kwargs)
+
+
+class OpCounter:
+    """``with OpCounter(device_tensors) as c: call()``, then ``c.count`` (an :class:`OpCount`)."""
+
+    def __init__(self, *device) -> None:
+        self.device = WeakIdKeyDictionary()
+        self.count = OpCount()
+        self.quiet = False
+        self.mark(*device)
+
+    def mark(self, *objs) -> None:
+        """Treat these tensors (and every parameter/buffer of these modules) as device-resident."""
+        for o in objs:
+            if o is None:
+                continue
+            if isinstance(o, torch.nn.Module):
+                for t in list(o.parameters()) + list(o.buffers()):
+                    self.device[t] = True
+            elif isinstance(o, torch.Tensor):
+                self.device[o] = True
+            elif isinstance(o, (list, tuple)):
+                self.mark(*o)
+
+    def __enter__(self) -> "OpCounter":
+        self._f, self._d = _Function(self), _Dispatch(self)
+        self._f.__enter__()
+        self._d.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._d.__exit__(*exc)
+        self._f.__exit__(*exc)
+        return False
+
+
+def count_call(fn, *device) -> OpCount:
+    """Run ``fn()`` once under an :class:`OpCounter` seeded with ``device``; its counts."""
+    with OpCounter(*device) as c:
+        fn()
+    return c.count
