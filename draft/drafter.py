@@ -317,10 +317,13 @@ class BeamTreeDrafter:
         scores = torch.cat(cand_score)
         chosen = top_node_order(scores, max_new + 1)                      # + 1: the helper counts a root
         par = torch.cat(cand_par)[chosen]
-        new_index = {int(c): n + i for i, c in enumerate(chosen.tolist())}
-        parents = [int(p) if p >= 0 else new_index[int(-p - 2)] for p in par.tolist()]  # ancestors-first
+        inv = torch.full((scores.numel(),), -1, dtype=torch.long, device=HOST)   # candidate -> new tree index
+        inv[chosen] = n + torch.arange(chosen.numel(), device=HOST)
+        parents = torch.where(par >= 0, par, inv[(-par - 2).clamp(min=0)])         # ancestors-first
+        if bool((parents < 0).any()):
+            raise AssertionError("chosen candidates are not ancestor-closed")        # impossible by construction
         grown = DraftTree(torch.cat([tree.tokens, torch.cat(cand_tok)[chosen]]),
-                          torch.cat([tree.parents, torch.tensor(parents, dtype=torch.long, device=HOST)]),
+                          torch.cat([tree.parents, parents]),
                           torch.cat([tree.scores, scores[chosen]]))
         return grown, torch.cat([inputs, torch.cat(cand_in)[chosen.to(dev)]])
 

@@ -34,7 +34,7 @@ import torch
 from config.run_config import SourceError, parse_sources
 from draft.drafter import BeamTreeDrafter
 from draft.protocol import top_tokens
-from draft.tree import DraftTree, merge_sources
+from draft.tree import DraftTree, ancestor_matrix, merge_sources
 from model.devices import HOST
 
 Tensor = torch.Tensor
@@ -133,6 +133,7 @@ class MergedDrafter(BeamTreeDrafter):
         has_child[0] = False                                        # the root's state is root_hidden
         key = {(p, t): i for i, (p, t) in enumerate(zip(parents.tolist(), tree.tokens.tolist()))}
         out_states = []
+        anc = None
         for i, (src, h) in enumerate(zip(self.sources, self._split(root_hidden.reshape(1, -1)))):
             states = h.expand(n, -1).clone()                        # row i: node i's state in this source
             known = torch.zeros(n, dtype=torch.bool, device=HOST)
@@ -144,9 +145,9 @@ class MergedDrafter(BeamTreeDrafter):
                 states[at[hit].to(states.device)] = found[1][hit.to(found[1].device)].to(states.device, states.dtype)
                 known[at[hit]] = True
             feed = has_child & ~known
-            for j in range(n - 1, 0, -1):                            # ancestors of a fed node are fed (its path)
-                if feed[j]:
-                    feed[parents[j]] = True
+            if anc is None:
+                anc = ancestor_matrix(parents)
+            feed = (anc & feed[:, None]).any(0)                      # ancestors of a fed node are fed (its path)
             feed[0] = False
             slot = torch.full((n,), -1, dtype=torch.long, device=HOST)   # draft-cache tree slot of each fed node
             for d in range(1, int(depths.max()) if n > 1 else 1):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.devices import HOST
+from model.kv_cache import extend_ancestry
 
 Tensor = torch.Tensor
 
@@ -28,15 +29,11 @@ def depths_from_parents(parents: Tensor, base_depths: Tensor | None = None) -> T
 
     ``base_depths`` gives depths of nodes referenced by index but not in ``parents`` (used when
     ``parents`` describes new nodes appended after ``len(base_depths)`` existing ones).
+    Vectorised (pointer jumping, :func:`model.kv_cache.extend_ancestry`).
     """
-    offset = 0 if base_depths is None else len(base_depths)
-    out = torch.empty(len(parents), dtype=torch.long, device=HOST)
-    base = [] if base_depths is None else base_depths.tolist()
-    d = base + [0] * len(parents)
-    for i, p in enumerate(parents.tolist()):
-        d[offset + i] = 0 if p < 0 else d[p] + 1
-    out[:] = torch.tensor(d[offset:], dtype=torch.long, device=HOST) if len(parents) else out
-    return out
+    if base_depths is None:
+        return extend_ancestry(parents)[1]
+    return extend_ancestry(parents, None, base_depths.to(torch.long))[1][len(base_depths):]
 
 
 def ancestor_matrix(parents: Tensor, base: Tensor | None = None) -> Tensor:
@@ -44,20 +41,10 @@ def ancestor_matrix(parents: Tensor, base: Tensor | None = None) -> Tensor:
 
     With ``base`` (the matrix of ``m`` existing nodes), ``parents`` describes ``n`` new nodes with
     indices ``m..m+n-1`` whose parents may be existing or new; returns the ``[m+n, m+n]`` matrix.
+    Vectorised (pointer jumping, :func:`model.kv_cache.extend_ancestry`); raises ``ValueError`` for a
+    parent that is not an earlier node.
     """
-    m = 0 if base is None else base.shape[0]
-    n = len(parents)
-    out = torch.zeros(m + n, m + n, dtype=torch.bool, device=HOST)
-    if m:
-        out[:m, :m] = base
-    for i, p in enumerate(parents.tolist()):
-        row = m + i
-        if p >= 0:
-            if p >= row:
-                raise ValueError(f"parent {p} of node {row} is not an earlier node")
-            out[row] = out[p]
-        out[row, row] = True
-    return out
+    return extend_ancestry(parents, base)[0]
 
 
 @dataclass
@@ -126,18 +113,17 @@ def select_top_nodes(root_token: int, cand_tokens: Tensor, cand_parents: Tensor,
     and the output is ordered ancestors-first.
     """
     order = top_node_order(cand_scores, total_token)
-    chosen = order.tolist()
-    new_index = {c: i + 1 for i, c in enumerate(chosen)}
-    parents = [-1]
-    for c in chosen:
-        p = int(cand_parents[c])
-        if p >= 0 and p not in new_index:
-            raise AssertionError("selected set is not ancestor-closed")  # impossible by construction
-        parents.append(0 if p < 0 else new_index[p])
-    tokens = [root_token] + cand_tokens[order].tolist()
-    sc = [0.0] + cand_scores[order].tolist()
-    return DraftTree(torch.tensor(tokens, device=HOST), torch.tensor(parents, device=HOST),
-                     torch.tensor(sc, device=HOST))
+    cand_parents = cand_parents.to(HOST)
+    inv = torch.full((len(cand_scores),), -1, dtype=torch.long, device=HOST)   # candidate -> tree index (-1: cut)
+    inv[order] = torch.arange(1, order.numel() + 1, device=HOST)
+    cp = cand_parents[order]
+    parents = torch.where(cp >= 0, inv[cp.clamp(min=0)], 0)
+    if bool((parents < 0).any()):
+        raise AssertionError("selected set is not ancestor-closed")  # impossible by construction
+    head = torch.tensor([-1], dtype=torch.long, device=HOST)
+    return DraftTree(torch.cat([torch.tensor([root_token], device=HOST), cand_tokens.to(HOST)[order].long()]),
+                     torch.cat([head, parents]),
+                     torch.cat([torch.zeros(1, device=HOST), cand_scores.to(HOST)[order].float()]))
 
 
 def top_node_order(cand_scores: Tensor, total_token: int) -> Tensor:
@@ -168,15 +154,13 @@ def keep_indices_for(tree: DraftTree, accepted: list[int], new_root: int | None)
     accepted node) continues the tree, its whole subtree is kept after the path; otherwise only
     the path is kept (truncate).
     """
-    keep = list(accepted)
+    keep = torch.tensor(list(accepted), dtype=torch.long, device=HOST)
     if new_root is not None:
-        anc = ancestor_matrix(tree.parents)
-        sub = anc[:, new_root].nonzero().flatten().tolist()
-        keep += sub
-    out = torch.tensor(keep, dtype=torch.long, device=HOST)
-    if len(keep) > 1 and not bool((out[1:] > out[:-1]).all()):
+        sub = ancestor_matrix(tree.parents)[:, new_root].nonzero().flatten()
+        keep = torch.cat([keep, sub])
+    if keep.numel() > 1 and not bool((keep[1:] > keep[:-1]).all()):
         raise AssertionError("keep-list must be strictly increasing")
-    return out
+    return keep
 
 
 def remap_parents(parents: Tensor, node_ids: Tensor, keep: Tensor, accepted_len: int) -> tuple[Tensor, Tensor]:
@@ -187,17 +171,15 @@ def remap_parents(parents: Tensor, node_ids: Tensor, keep: Tensor, accepted_len:
     nodes are renumbered ``0..`` in order. Returns ``(row_keep, new_parents)``: a boolean row mask and
     the new parents of kept rows (``-1`` for the new root, whose parent became context).
     """
-    old_to_new = {int(k): i - accepted_len for i, k in enumerate(keep.tolist())}
-    rows, new_par = [], []
-    for nid, p in zip(node_ids.tolist(), parents.tolist()):
-        new = old_to_new.get(nid)
-        keep_row = new is not None and new >= 0
-        rows.append(keep_row)
-        if keep_row:
-            mapped = old_to_new.get(p, -1) if p >= 0 else -1
-            new_par.append(mapped if mapped >= 0 else -1)
-    return (torch.tensor(rows, dtype=torch.bool, device=HOST),
-            torch.tensor(new_par, dtype=torch.long, device=HOST))
+    node_ids, parents, keep = node_ids.to(HOST).long(), parents.to(HOST).long(), keep.to(HOST).long()
+    size = 1 + max(int(node_ids.max()) if node_ids.numel() else 0, int(parents.max()) if parents.numel() else 0,
+                   int(keep.max()) if keep.numel() else 0)
+    new = torch.full((size,), -1, dtype=torch.long, device=HOST)        # old id -> new index (-1: not kept/path)
+    new[keep] = torch.arange(keep.numel(), device=HOST) - accepted_len
+    new = new.clamp(min=-1)                                             # the accepted path leaves the tree
+    rows = new[node_ids] >= 0
+    mapped = torch.where(parents >= 0, new[parents.clamp(min=0)], -1)
+    return rows, mapped[rows]
 
 
 def reroot(tree: DraftTree, keep: Tensor, accepted_len: int) -> DraftTree:

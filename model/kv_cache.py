@@ -90,49 +90,19 @@ class KVCache:
         n = len(parents)
         self._check_room(n)
         anc, depth = self.extend_tree(parents)
-        m = self.num_tree
-        allowed = torch.cat([torch.ones(n, self.context_len, dtype=torch.bool, device=HOST), anc[m:, :]], dim=1)
-        pos = self.context_len + depth[m:]
-        return pos[None], _additive(allowed, dtype), anc, depth
+        m, c = self.num_tree, self.context_len
+        mask = torch.zeros((1, 1, n, c + m + n), dtype=dtype, device=HOST)     # the context: visible to all
+        mask[0, 0, :, c:].masked_fill_(~anc[m:], torch.finfo(dtype).min)
+        pos = c + depth[m:]
+        return pos[None], mask, anc, depth
 
     def extend_tree(self, parents: Tensor) -> tuple[Tensor, Tensor]:
         """The cached tree's ancestor matrix and depths extended by new nodes ``m..m+n-1`` with ``parents``
         (tree indices; ``-1`` = a child of the context; a parent must be an earlier node). Equal to
         ``ancestor_matrix(parents, tree_anc)`` and ``cat(tree_depth, depths_from_parents(parents, tree_depth))``
-        (:mod:`draft.tree`), built with a few tensor ops instead of one indexing op per row: each new row is
-        its chain's first cached ancestor's row (gathered at once) plus a small new-by-new block."""
-        m, par = self.num_tree, parents.tolist()
-        n = len(par)
-        base_depth = self.tree_depth.tolist() if m else []
-        anchor, new_depth = [0] * n, [0] * n        # anchor: the cached node a new node's chain enters (-1: none)
-        block = [[False] * n for _ in range(n)]      # new-by-new ancestor block
-        for i, p in enumerate(par):
-            row = block[i]
-            if p < 0:
-                anchor[i] = -1
-            elif p < m:
-                anchor[i], new_depth[i] = p, base_depth[p] + 1
-            elif p < m + i:
-                j = p - m
-                anchor[i], new_depth[i] = anchor[j], new_depth[j] + 1
-                row[:i] = block[j][:i]
-            else:
-                raise ValueError(f"parent {p} of node {m + i} is not an earlier node")
-            row[i] = True
-        anc = torch.zeros(m + n, m + n, dtype=torch.bool, device=HOST)
-        if m:
-            anc[:m, :m] = self.tree_anc
-            if any(a >= 0 for a in anchor):
-                idx = torch.tensor([max(a, 0) for a in anchor], dtype=torch.long, device=HOST)
-                rows = self.tree_anc.index_select(0, idx)
-                if min(anchor) < 0:
-                    rows[torch.tensor([a < 0 for a in anchor], device=HOST)] = False
-                anc[m:, :m] = rows
-        if n:
-            anc[m:, m:] = torch.tensor(block, dtype=torch.bool, device=HOST)
-        depth = torch.tensor(base_depth + new_depth, dtype=torch.long, device=HOST)
-        return anc, depth
-
+        (:mod:`draft.tree`, which calls :func:`extend_ancestry`)."""
+        return extend_ancestry(parents, self.tree_anc if self.num_tree else None,
+                               self.tree_depth if self.num_tree else None)
     def commit_forward(self, n: int, as_context: bool, anc: Tensor | None = None,
                        depth: Tensor | None = None) -> None:
         """Advance after the layers wrote ``n`` rows."""
@@ -165,6 +135,64 @@ class KVCache:
     def truncate_tree(self) -> None:
         """Drop every cached tree node (keep the committed context)."""
         self.apply_keep(torch.zeros(0, dtype=torch.long, device=HOST), 0)
+
+
+def extend_ancestry(parents: Tensor, base_anc: Tensor | None = None,
+                    base_depth: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Ancestor matrix (``A[i, j]``: ``j`` is ``i`` or an ancestor of ``i``) and depths of a tree of ``m`` nodes
+    (``base_anc`` ``[m, m]``, ``base_depth`` ``[m]``; None: ``m = 0``) extended by ``n`` new nodes ``m..m+n-1``
+    with ``parents`` (``-1``: a root, depth 0; else an earlier node, cached or new). Returns the ``[m+n, m+n]``
+    matrix and the ``m+n`` depths (a base left out counts as zeros: pass the one whose result you read).
+
+    Vectorised by pointer jumping (list ranking) over the new nodes' links to new parents: a new row starts as
+    itself plus, when its parent is cached, the parent's cached row; each round ORs in the row of the node its
+    link points to and doubles the link, so ``ceil(log2(longest new chain))`` rounds of a dozen host tensor ops
+    finish it (none when every parent is cached, as for one drafted level). Raises ``ValueError`` for a parent
+    that is not an earlier node."""
+    par = parents.to(torch.long).reshape(-1).to(HOST)
+    n = par.numel()
+    m = int(base_depth.numel()) if base_depth is not None else (0 if base_anc is None else int(base_anc.shape[0]))
+    linked = par >= m                                        # a parent among the new nodes (or a bad one)
+    if m and n and not bool(linked.any()):                   # one drafted level: every parent cached or -1
+        cached = par >= 0
+        pc = par.clamp(min=0)
+        anc = torch.zeros(m + n, m + n, dtype=torch.bool, device=HOST)
+        if base_anc is not None:
+            anc[:m, :m] = base_anc
+            anc[m:, :m] = base_anc[pc] & cached[:, None]
+        anc[m:, m:].fill_diagonal_(True)
+        base = base_depth if base_depth is not None else torch.zeros(m, dtype=torch.long, device=HOST)
+        return anc, torch.cat([base, torch.where(cached, base[pc] + 1, 0)])
+    idx = torch.arange(n, device=HOST)
+    if n and bool((par >= idx + m).any()):
+        i = int((par >= idx + m).nonzero()[0])
+        raise ValueError(f"parent {int(par[i])} of node {m + i} is not an earlier node")
+    nxt = torch.where(linked, par - m, -1)                   # link to a new parent (-1: none)
+    cached = (par >= 0) & ~linked
+    rows = torch.zeros(n, m + n, dtype=torch.bool, device=HOST)
+    rows[:, m:].fill_diagonal_(True)
+    if m:
+        pc = par.clamp(0, m - 1)
+        val = torch.where(linked, 1, torch.where(cached, 1 if base_depth is None else base_depth[pc] + 1, 0))
+        if base_anc is not None:
+            rows[:, :m] = base_anc[pc] & cached[:, None]
+    else:
+        val = linked.long()
+    while n:
+        has = nxt >= 0
+        if not bool(has.any()):
+            break
+        j = nxt.clamp(min=0)
+        val = val + torch.where(has, val[j], 0)
+        rows = rows | (rows[j] & has[:, None])
+        nxt = torch.where(has, nxt[j], -1)
+    if m == 0:
+        return rows, val
+    anc = torch.zeros(m + n, m + n, dtype=torch.bool, device=HOST)
+    if base_anc is not None:
+        anc[:m, :m] = base_anc
+    anc[m:] = rows
+    return anc, torch.cat([torch.zeros(m, dtype=torch.long, device=HOST) if base_depth is None else base_depth, val])
 
 
 def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
