@@ -146,14 +146,17 @@ def extend_ancestry(parents: Tensor, base_anc: Tensor | None = None,
 
     Vectorised by pointer jumping (list ranking) over the new nodes' links to new parents: a new row starts as
     itself plus, when its parent is cached, the parent's cached row; each round ORs in the row of the node its
-    link points to and doubles the link, so ``ceil(log2(longest new chain))`` rounds of a dozen host tensor ops
+    link points to and doubles the link, so ``ceil(log2(longest new chain))`` rounds of a few host tensor ops
     finish it (none when every parent is cached, as for one drafted level). Raises ``ValueError`` for a parent
     that is not an earlier node."""
     par = parents.to(torch.long).reshape(-1).to(HOST)
     n = par.numel()
     m = int(base_depth.numel()) if base_depth is not None else (0 if base_anc is None else int(base_anc.shape[0]))
+    if n == 0:
+        return (base_anc if base_anc is not None else torch.zeros(m, m, dtype=torch.bool, device=HOST),
+                base_depth if base_depth is not None else torch.zeros(m, dtype=torch.long, device=HOST))
     linked = par >= m                                        # a parent among the new nodes (or a bad one)
-    if m and n and not bool(linked.any()):                   # one drafted level: every parent cached or -1
+    if m and not bool(linked.any()):                   # one drafted level: every parent cached or -1
         cached = par >= 0
         pc = par.clamp(min=0)
         anc = torch.zeros(m + n, m + n, dtype=torch.bool, device=HOST)
@@ -164,28 +167,26 @@ def extend_ancestry(parents: Tensor, base_anc: Tensor | None = None,
         base = base_depth if base_depth is not None else torch.zeros(m, dtype=torch.long, device=HOST)
         return anc, torch.cat([base, torch.where(cached, base[pc] + 1, 0)])
     idx = torch.arange(n, device=HOST)
-    if n and bool((par >= idx + m).any()):
+    if bool((par >= idx + m).any()):
         i = int((par >= idx + m).nonzero()[0])
         raise ValueError(f"parent {int(par[i])} of node {m + i} is not an earlier node")
-    nxt = torch.where(linked, par - m, -1)                   # link to a new parent (-1: none)
-    cached = (par >= 0) & ~linked
-    rows = torch.zeros(n, m + n, dtype=torch.bool, device=HOST)
-    rows[:, m:].fill_diagonal_(True)
-    if m:
-        pc = par.clamp(0, m - 1)
-        val = torch.where(linked, 1, torch.where(cached, 1 if base_depth is None else base_depth[pc] + 1, 0))
-        if base_anc is not None:
-            rows[:, :m] = base_anc[pc] & cached[:, None]
-    else:
-        val = linked.long()
-    while n:
-        has = nxt >= 0
-        if not bool(has.any()):
-            break
-        j = nxt.clamp(min=0)
-        val = val + torch.where(has, val[j], 0)
-        rows = rows | (rows[j] & has[:, None])
-        nxt = torch.where(has, nxt[j], -1)
+    # rows[i]: node i's ancestors-or-self found so far; row n is a zero sentinel that "no new parent" points to
+    ext = torch.cat([torch.where(linked, par - m, n), torch.tensor([n], device=HOST)])
+    rows = torch.zeros(n + 1, m + n, dtype=torch.bool, device=HOST)
+    rows[:n, m:].fill_diagonal_(True)
+    if m and base_anc is not None:
+        cached = (par >= 0) & ~linked
+        rows[:n, :m] = base_anc[par.clamp(0, m - 1)] & cached[:, None]
+    while not bool((ext[:n] == n).all()):              # pointer jumping: ceil(log2(longest chain)) rounds
+        rows = rows | rows[ext]
+        ext = ext[ext]
+    rows = rows[:n]
+    if base_depth is None:
+        val = rows.sum(1) - 1                                # depth = ancestors on the path (a root: 0)
+    else:                                                    # the chain's topmost new node enters a cached one
+        new = rows[:, m:]
+        top = par[new.to(torch.int8).argmax(1)]              # its parent (ancestors have lower indices)
+        val = new.sum(1) - 1 + (torch.where(top >= 0, base_depth[top.clamp(0, m - 1)] + 1, 0) if m else 0)
     if m == 0:
         return rows, val
     anc = torch.zeros(m + n, m + n, dtype=torch.bool, device=HOST)

@@ -151,7 +151,9 @@ def _calls(args, cfg, stage_root: Path):
     for s in getattr(drafter, "sources", [drafter]):
         device += [getattr(s, "head", None), getattr(getattr(s, "cache", None), "keys", None),
                    getattr(getattr(s, "cache", None), "values", None)]
-    return calls, blocks, device
+    model = [stage, rank0] + [getattr(s, k, None) for s in getattr(drafter, "sources", [drafter])
+                              for k in ("head", "lm_head")]
+    return calls, blocks, (device, model)
 
 
 class _Ring:
@@ -254,7 +256,7 @@ def measure(args, calls, blocks) -> list[dict]:
 
 def count(calls, blocks, device) -> list[dict]:
     """Per call (lean layers on), one untimed run under :class:`pipeline.tools.opcount.OpCounter`: aten operators
-    dispatched, those on device tensors, value reads and would-be host<->device synchronisations; per drafted
+    dispatched, those inside the model's forwards (head, lm_head, stage), those on device tensors, value reads and would-be host<->device synchronisations; per drafted
     level for the drafting calls. Deterministic: the same call on the same inputs counts the same."""
     from model.layers import set_lean
     from pipeline.tools.opcount import count_call
@@ -264,10 +266,12 @@ def count(calls, blocks, device) -> list[dict]:
     for name, fn, setup, levels in calls:
         if setup is not None:
             setup()
-        c = count_call(fn, *device)
+        c = count_call(fn, *device[0], model=device[1])
         row = {"call": name, **c.row(), "levels": levels}
         if levels:
-            row.update(ops_per_level=round(c.ops / levels, 1), syncs_per_level=round(c.syncs / levels, 2))
+            row.update(ops_per_level=round(c.ops / levels, 1),
+                       bookkeeping_per_level=round((c.ops - c.model_ops) / levels, 1),
+                       syncs_per_level=round(c.syncs / levels, 2))
         rows.append(row)
     return rows
 
@@ -276,14 +280,16 @@ def table(rows: list[dict], header: str) -> str:
     timed = "lean_ms" in rows[0]
     counted = "ops" in rows[0]
     cols = (["transformers layers, ms", "lean layers, ms", "lean / transformers"] if timed else []) + \
-        (["aten ops", "device ops", "value reads", "syncs", "ops / level", "syncs / level"] if counted else [])
+        (["aten ops", "model ops", "device ops", "value reads", "syncs", "ops / level", "bookkeeping ops / level",
+          "syncs / level"] if counted else [])
     out = [header, "", "| call | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for r in rows:
         cells = [f"{r['transformers_ms']:.3f}", f"{r['lean_ms']:.3f}", str(r["lean_vs_transformers"])] if timed \
             else []
         if counted:
-            cells += [str(r["ops"]), str(r["dev_ops"]), str(r["reads"]), str(r["syncs"]),
-                      str(r.get("ops_per_level", "")), str(r.get("syncs_per_level", ""))]
+            cells += [str(r["ops"]), str(r["model_ops"]), str(r["dev_ops"]), str(r["reads"]), str(r["syncs"]),
+                      str(r.get("ops_per_level", "")), str(r.get("bookkeeping_per_level", "")),
+                      str(r.get("syncs_per_level", ""))]
         out.append(f"| {r['call']} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 

@@ -15,6 +15,8 @@ a CPU, where timings are noisy, and bounded in tests (``tests/test_rank0_ops.py`
   ``aten._local_scalar_dense`` (``.item()``, ``int``, ``float``, ``bool``), ``aten.nonzero``,
   ``aten.masked_select``, an ``aten.index`` / ``index_put`` with a boolean index, ``aten.repeat_interleave``
   with a tensor of repeats, ``aten.unique*``, and ``Tensor.tolist``;
+* ``model_ops``: the operators dispatched inside the forward of a module given as ``model=`` (the draft head,
+  the ``lm_head``): the model's own work, the rest (``ops - model_ops``) is the call's bookkeeping;
 * ``syncs``: the reads of a device tensor plus every ``.to(cpu)`` / ``.cpu()`` of one (a device->host copy):
   what would synchronise a GPU.
 
@@ -45,12 +47,14 @@ INDEX_OPS = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
 class OpCount:
     ops: int = 0
     dev_ops: int = 0
+    model_ops: int = 0
     reads: int = 0
     syncs: int = 0
     by_op: dict = field(default_factory=dict)
 
     def row(self) -> dict:
-        return {"ops": self.ops, "dev_ops": self.dev_ops, "reads": self.reads, "syncs": self.syncs}
+        return {"ops": self.ops, "dev_ops": self.dev_ops, "model_ops": self.model_ops,
+                "bookkeeping_ops": self.ops - self.model_ops, "reads": self.reads, "syncs": self.syncs}
 
 
 def _tensors(x) -> list:
@@ -82,6 +86,7 @@ class _Dispatch(TorchDispatchMode):
         on_dev = any(t in dev for t in ins)
         c.ops += 1
         c.dev_ops += on_dev
+        c.model_ops += self.owner.in_model > 0
         name = str(func.overloadpacket.__name__)
         c.by_op[name] = c.by_op.get(name, 0) + 1
         read = func in READ_OPS or (func in INDEX_OPS and any(
@@ -128,10 +133,12 @@ class _Function(TorchFunctionMode):
 class OpCounter:
     """``with OpCounter(device_tensors) as c: call()``, then ``c.count`` (an :class:`OpCount`)."""
 
-    def __init__(self, *device) -> None:
+    def __init__(self, *device, model=()) -> None:
         self.device = WeakIdKeyDictionary()
         self.count = OpCount()
         self.quiet = False
+        self.in_model = 0
+        self.model = [m for m in model if m is not None]
         self.mark(*device)
 
     def mark(self, *objs) -> None:
@@ -147,7 +154,15 @@ class OpCounter:
             elif isinstance(o, (list, tuple)):
                 self.mark(*o)
 
+    def _enter_model(self, *_):
+        self.in_model += 1
+
+    def _leave_model(self, *_):
+        self.in_model -= 1
+
     def __enter__(self) -> "OpCounter":
+        self._hooks = [h for m in self.model for h in (m.register_forward_pre_hook(self._enter_model),
+                                                        m.register_forward_hook(self._leave_model))]
         self._f, self._d = _Function(self), _Dispatch(self)
         self._f.__enter__()
         self._d.__enter__()
@@ -156,11 +171,14 @@ class OpCounter:
     def __exit__(self, *exc) -> bool:
         self._d.__exit__(*exc)
         self._f.__exit__(*exc)
+        for h in self._hooks:
+            h.remove()
         return False
 
 
-def count_call(fn, *device) -> OpCount:
-    """Run ``fn()`` once under an :class:`OpCounter` seeded with ``device``; its counts."""
-    with OpCounter(*device) as c:
+def count_call(fn, *device, model=()) -> OpCount:
+    """Run ``fn()`` once under an :class:`OpCounter` seeded with ``device`` (``model``: modules whose forwards
+    are model work); its counts."""
+    with OpCounter(*device, model=model) as c:
         fn()
     return c.count
