@@ -193,7 +193,8 @@ def reroot(tree: DraftTree, keep: Tensor, accepted_len: int) -> DraftTree:
     if tree.proposals is not None:   # the kept subtree is closed under children: lists map one to one
         new = {int(k): i for i, k in enumerate(rest.tolist())}
         props = [[(new[c], q) for c, q in tree.proposals[int(k)]] for k in rest.tolist()]
-    return DraftTree(tree.tokens[rest].clone(), parents, scores, proposals=props)
+    depths = tree.depths[rest] - tree.depths[rest[0]]           # the new root (rest[0]) at depth 0
+    return DraftTree(tree.tokens[rest].clone(), parents, scores, depths, proposals=props)
 
 
 def merge_trees(tree: DraftTree, extra: DraftTree) -> tuple[DraftTree, int]:

@@ -156,14 +156,16 @@ def extend_ancestry(parents: Tensor, base_anc: Tensor | None = None,
         return (base_anc if base_anc is not None else torch.zeros(m, m, dtype=torch.bool, device=HOST),
                 base_depth if base_depth is not None else torch.zeros(m, dtype=torch.long, device=HOST))
     linked = par >= m                                        # a parent among the new nodes (or a bad one)
-    if m and not bool(linked.any()):                   # one drafted level: every parent cached or -1
+    if not bool(linked.any()):                   # one drafted level: every parent cached or -1
+        anc = torch.zeros(m + n, m + n, dtype=torch.bool, device=HOST)
+        anc[m:, m:].fill_diagonal_(True)
+        if m == 0:                               # n roots
+            return anc, torch.zeros(n, dtype=torch.long, device=HOST)
         cached = par >= 0
         pc = par.clamp(min=0)
-        anc = torch.zeros(m + n, m + n, dtype=torch.bool, device=HOST)
         if base_anc is not None:
             anc[:m, :m] = base_anc
             anc[m:, :m] = base_anc[pc] & cached[:, None]
-        anc[m:, m:].fill_diagonal_(True)
         base = base_depth if base_depth is not None else torch.zeros(m, dtype=torch.long, device=HOST)
         return anc, torch.cat([base, torch.where(cached, base[pc] + 1, 0)])
     idx = torch.arange(n, device=HOST)
@@ -177,7 +179,7 @@ def extend_ancestry(parents: Tensor, base_anc: Tensor | None = None,
     if m and base_anc is not None:
         cached = (par >= 0) & ~linked
         rows[:n, :m] = base_anc[par.clamp(0, m - 1)] & cached[:, None]
-    while not bool((ext[:n] == n).all()):              # pointer jumping: ceil(log2(longest chain)) rounds
+    while int(ext.min()) < n:                                # pointer jumping: ceil(log2(longest chain)) rounds
         rows = rows | rows[ext]
         ext = ext[ext]
     rows = rows[:n]
