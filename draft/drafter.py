@@ -28,6 +28,21 @@ from model.meter import NULL_METER, OpMeter, hidden_rows
 Tensor = torch.Tensor
 
 
+def to_host(*xs: Tensor) -> tuple[Tensor, ...]:
+    """Same-shaped-but-the-last-dim tensors on the host in **one** device->host copy (a synchronisation on a GPU):
+    concatenated as float64 (exact for float32 scores and for integer ids below 2**53), split and cast back.
+    Done on a CPU-only run too (a few cheap ops), so that it runs, and is counted, as on a GPU."""
+    if len(xs) == 1:
+        return (xs[0].to(HOST),)
+    both = torch.cat([x.to(torch.float64) for x in xs], dim=-1).to(HOST)
+    out, at = [], 0
+    for x in xs:
+        w = x.shape[-1]
+        out.append(both[..., at:at + w].to(x.dtype))
+        at += w
+    return tuple(out)
+
+
 class BeamTreeDrafter:
     """EAGLE-2's dynamic tree search, written against a drafter's state hooks only.
 
@@ -239,9 +254,8 @@ class BeamTreeDrafter:
             frontier_feat = out[parent_row]
             frontier_cache_parent = start + parent_row.to(HOST)            # the one transfer of this level
         self.drop_tree()
-        scores = torch.cat(cand_scores).to(HOST)
-        tree = select_top_nodes(root_token, torch.cat(cand_tokens).to(HOST), torch.cat(cand_parents).to(HOST),
-                                scores, total_token)
+        scores, cand_tok, cand_par = to_host(torch.cat(cand_scores), torch.cat(cand_tokens), torch.cat(cand_parents))
+        tree = select_top_nodes(root_token, cand_tok, cand_par, scores, total_token)
         order = top_node_order(scores, total_token)                       # the candidates select_top_nodes kept
         inputs = torch.cat([root_hidden[None].to(cand_inputs[0].dtype), torch.cat(cand_inputs)[order.to(dev)]])
         cand_out = inputs.new_zeros((n_cand, inputs.shape[-1]))
@@ -292,7 +306,7 @@ class BeamTreeDrafter:
         cand_tok, cand_par, cand_score, cand_in = [], [], [], []          # parent: tree node or -(cand+2)
         n_cand = 0
         for level in range(levels):
-            cs, ct = (x.to(HOST) for x in self.top_tokens(f_out, top_k))       # one device->host copy per level
+            cs, ct = to_host(*self.top_tokens(f_out, top_k))                   # one device->host copy per level
             kk = cs.shape[-1]
             if kk == 0:       # no source proposes a token below some frontier node (merged top-k): stop here
                 break

@@ -32,7 +32,7 @@ from dataclasses import replace
 import torch
 
 from config.run_config import SourceError, parse_sources
-from draft.drafter import BeamTreeDrafter
+from draft.drafter import BeamTreeDrafter, to_host
 from draft.protocol import top_tokens
 from draft.tree import DraftTree, ancestor_matrix, merge_sources
 from model.devices import HOST
@@ -173,12 +173,14 @@ class MergedDrafter(BeamTreeDrafter):
         the answer (ties aside). Lookup contributes only the tokens an occurrence supports
         (:meth:`draft.lookup.LookupDrafter.supported_tokens`; its empty slots, token -1, never win: every other
         token of lookup's is at its floor). A token proposed twice keeps its best score. Fewer than ``k`` only where
-        fewer distinct tokens were proposed in some row."""
+        fewer distinct tokens were proposed in some row. Returned on the host: the sources' candidates cross in one
+        copy (:func:`draft.drafter.to_host`), and the dedup, whose width is read, runs there."""
         parts = [s.supported_tokens(h, k) if hasattr(s, "supported_tokens") else top_tokens(s, h, k)
                  for s, h in zip(self.sources, self._split(hidden))]
         dev = parts[0][0].device
         scores = torch.cat([(p[0].double() * c).to(dev) for p, c in zip(parts, self.score_scales)], dim=-1)
         tokens = torch.cat([p[1].to(dev) for p in parts], dim=-1)
+        scores, tokens = to_host(scores, tokens)          # the level's one device->host copy; the rest on the host
         order = torch.sort(-scores, dim=-1, stable=True).indices               # best first
         scores, tokens = scores.gather(-1, order), tokens.gather(-1, order)
         seen = (tokens[..., :, None] == tokens[..., None, :]).tril(-1).any(-1)   # a better copy comes earlier

@@ -17,8 +17,8 @@ a CPU, where timings are noisy, and bounded in tests (``tests/test_rank0_ops.py`
   with a tensor of repeats, ``aten.unique*``, and ``Tensor.tolist``;
 * ``model_ops``: the operators dispatched inside the forward of a module given as ``model=`` (the draft head,
   the ``lm_head``): the model's own work, the rest (``ops - model_ops``) is the call's bookkeeping;
-* ``syncs``: the reads of a device tensor plus every ``.to(cpu)`` / ``.cpu()`` of one (a device->host copy):
-  what would synchronise a GPU.
+* ``syncs``: the reads of a device tensor plus every ``.to(HOST)`` / ``.to('cpu')`` / ``.cpu()`` of one (a
+  device->host copy): what would synchronise a GPU.
 
 Which tensors are "device" tensors on a CPU-only run: the ones :meth:`OpCounter.mark` was given (a drafter's
 weights and caches, the features a stage returned) and everything computed from one of them; a ``.to(cpu)`` /
@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 aten = torch.ops.aten
@@ -51,6 +50,7 @@ class OpCount:
     reads: int = 0
     syncs: int = 0
     by_op: dict = field(default_factory=dict)
+    sync_sites: dict = field(default_factory=dict)   # "file:line" -> syncs there (OpCounter(sites=True))
 
     def row(self) -> dict:
         return {"ops": self.ops, "dev_ops": self.dev_ops, "model_ops": self.model_ops,
@@ -58,17 +58,25 @@ class OpCount:
 
 
 def _tensors(x) -> list:
-    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+    """Every tensor in ``x`` (nested lists, tuples, dicts; ``torch.return_types`` such as sort's too)."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    return []
 
 
 def _is_host_target(args, kwargs) -> bool:
-    """Whether a ``Tensor.to(...)`` call targets the CPU (``to(cpu)``, ``to('cpu')``, ``to(device=cpu)``)."""
+    """Whether a ``Tensor.to(...)`` call moves a tensor to the host: ``to(HOST)`` (:data:`model.devices.HOST`, the
+    object itself) or ``to('cpu')``. On a CPU-only run every device is the CPU, so ``to(self.device)`` (a move to
+    the model's device, a no-op or a host->device copy on a GPU) is told apart by identity: the code names the
+    host ``HOST`` wherever it means it."""
+    from model.devices import HOST
     for a in list(args[1:]) + list(kwargs.values()):
-        if isinstance(a, (torch.device, str)):
-            try:
-                return torch.device(a).type == "cpu"
-            except RuntimeError:
-                continue
+        if a is HOST or (isinstance(a, str) and a == "cpu"):
+            return True
     return False
 
 
@@ -94,6 +102,8 @@ class _Dispatch(TorchDispatchMode):
         if read:
             c.reads += 1
             c.syncs += on_dev
+            if on_dev:
+                self.owner.site()
         out = func(*args, **kwargs)
         if on_dev:
             for t in _tensors(out):
@@ -116,8 +126,11 @@ class _Function(TorchFunctionMode):
         if name == "tolist" and src is not None:
             c.reads += 1
             c.syncs += src in dev
+            if src in dev:
+                self.owner.site()
         if src is not None and src in dev and (name == "cpu" or (name == "to" and _is_host_target(args, kwargs))):
             c.syncs += 1                         # a device->host copy; on a CPU run: a host alias
+            self.owner.site()
             out = func(*args, **kwargs)
             if out is src:
                 self.owner.quiet = True
@@ -133,7 +146,8 @@ class _Function(TorchFunctionMode):
 class OpCounter:
     """``with OpCounter(device_tensors) as c: call()``, then ``c.count`` (an :class:`OpCount`)."""
 
-    def __init__(self, *device, model=()) -> None:
+    def __init__(self, *device, model=(), sites: bool = False) -> None:
+        self.sites = sites
         self.device = WeakIdKeyDictionary()
         self.count = OpCount()
         self.quiet = False
@@ -153,6 +167,17 @@ class OpCounter:
                 self.device[o] = True
             elif isinstance(o, (list, tuple)):
                 self.mark(*o)
+
+    def site(self) -> None:
+        """Record where a sync happened (the innermost frame outside torch and this module)."""
+        if not self.sites:
+            return
+        import traceback
+        for fr in reversed(traceback.extract_stack()[:-2]):
+            if "torch" not in fr.filename and "opcount" not in fr.filename:
+                key = f"{fr.filename.rsplit('/', 2)[-2]}/{fr.filename.rsplit('/', 1)[-1]}:{fr.lineno}"
+                self.count.sync_sites[key] = self.count.sync_sites.get(key, 0) + 1
+                return
 
     def _enter_model(self, *_):
         self.in_model += 1
