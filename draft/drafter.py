@@ -255,7 +255,9 @@ class BeamTreeDrafter:
             frontier_cache_parent = start + parent_row.to(HOST)            # the one transfer of this level
         self.drop_tree()
         scores, cand_tok, cand_par = to_host(torch.cat(cand_scores), torch.cat(cand_tokens), torch.cat(cand_parents))
-        tree = select_top_nodes(root_token, cand_tok, cand_par, scores, total_token)
+        levels = torch.arange(1, len(cand_scores) + 1, device=HOST).repeat_interleave(
+            torch.tensor([c.numel() for c in cand_scores], device=HOST), output_size=scores.numel())
+        tree = select_top_nodes(root_token, cand_tok, cand_par, scores, total_token, levels)
         order = top_node_order(scores, total_token)                       # the candidates select_top_nodes kept
         inputs = torch.cat([root_hidden[None].to(cand_inputs[0].dtype), torch.cat(cand_inputs)[order.to(dev)]])
         cand_out = inputs.new_zeros((n_cand, inputs.shape[-1]))
@@ -301,9 +303,9 @@ class BeamTreeDrafter:
         k = min(top_k, leaves.numel())
         order = torch.sort(-tree.scores[leaves].double(), stable=True).indices[:k]
         frontier = leaves[order]                                          # tree node ids (host)
-        f_par_node, f_score = frontier, tree.scores[frontier]
+        f_par_node, f_score, f_dep = frontier, tree.scores[frontier], tree.depths[frontier]
         f_out, f_slot = outs[frontier.to(dev)], slot[frontier]
-        cand_tok, cand_par, cand_score, cand_in = [], [], [], []          # parent: tree node or -(cand+2)
+        cand_tok, cand_par, cand_score, cand_in, cand_dep = [], [], [], [], []   # parent: tree node or -(cand+2)
         n_cand = 0
         for level in range(levels):
             cs, ct = to_host(*self.top_tokens(f_out, top_k))                   # one device->host copy per level
@@ -315,9 +317,11 @@ class BeamTreeDrafter:
             cand_par.append(f_par_node.repeat_interleave(kk))
             cand_score.append(cum)
             cand_in.append(f_out.repeat_interleave(kk, dim=0))
+            cand_dep.append((f_dep + 1).repeat_interleave(kk))
             if level == levels - 1:
                 break
             best = torch.sort(-cum.double(), stable=True).indices[:top_k]
+            f_dep = cand_dep[-1][best]
             start = self.tree_size
             f_out = self.tree_forward(ct.reshape(-1)[best], f_out[(best // kk).to(dev)],
                                       f_slot[best // kk]).to(inputs.dtype)
@@ -338,7 +342,8 @@ class BeamTreeDrafter:
             raise AssertionError("chosen candidates are not ancestor-closed")        # impossible by construction
         grown = DraftTree(torch.cat([tree.tokens, torch.cat(cand_tok)[chosen]]),
                           torch.cat([tree.parents, parents]),
-                          torch.cat([tree.scores, scores[chosen]]))
+                          torch.cat([tree.scores, scores[chosen]]),
+                          torch.cat([tree.depths, torch.cat(cand_dep)[chosen]]))
         return grown, torch.cat([inputs, torch.cat(cand_in)[chosen.to(dev)]])
 
 

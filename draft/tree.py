@@ -103,14 +103,16 @@ def check_tree(tree: DraftTree) -> None:
 
 
 def select_top_nodes(root_token: int, cand_tokens: Tensor, cand_parents: Tensor, cand_scores: Tensor,
-                     total_token: int) -> DraftTree:
+                     total_token: int, cand_depths: Tensor | None = None) -> DraftTree:
     """EAGLE-2 re-ranking: keep the best ``total_token - 1`` candidates plus the root.
 
     Candidates are listed in generation order; ``cand_parents[i]`` is ``-1`` (child of the root)
     or the index of an *earlier* candidate. Order = descending score, ties broken by candidate
     index (stable). Because a child's score never exceeds its parent's and a parent always has
     the smaller index, every selected node's parent is selected too, even on ties (ancestor-closed),
-    and the output is ordered ancestors-first.
+    and the output is ordered ancestors-first. ``cand_depths`` (optional): each candidate's depth below the
+    root (1 for a child of the root), when the caller knows them (a beam knows its levels): the tree's depths
+    are then gathered instead of recomputed from the parents.
     """
     order = top_node_order(cand_scores, total_token)
     cand_parents = cand_parents.to(HOST)
@@ -123,7 +125,8 @@ def select_top_nodes(root_token: int, cand_tokens: Tensor, cand_parents: Tensor,
     head = torch.tensor([-1], dtype=torch.long, device=HOST)
     return DraftTree(torch.cat([torch.tensor([root_token], device=HOST), cand_tokens.to(HOST)[order].long()]),
                      torch.cat([head, parents]),
-                     torch.cat([torch.zeros(1, device=HOST), cand_scores.to(HOST)[order].float()]))
+                     torch.cat([torch.zeros(1, device=HOST), cand_scores.to(HOST)[order].float()]),
+                     None if cand_depths is None else torch.cat([head + 1, cand_depths.to(HOST).long()[order]]))
 
 
 def top_node_order(cand_scores: Tensor, total_token: int) -> Tensor:
@@ -343,6 +346,15 @@ def merge_sources(trees: list[DraftTree], total_token: int) -> DraftTree:
     root = int(trees[0].tokens[0])
     if any(int(t.tokens[0]) != root for t in trees):
         raise ValueError("merge needs trees with the same root token")
+    live = [t for t in trees if len(t) > 1]
+    if len(live) <= 1 and all(t.proposals is None for t in trees):
+        # One source proposed anything (say lookup found no match): the rule below keeps that tree as it is
+        # when it fits the budget and its scores never rise with the index (a select_top_nodes tree).
+        t = live[0] if live else trees[0]
+        if len(t) <= total_token and (len(t) < 3 or bool((t.scores[2:] <= t.scores[1:-1]).all())):
+            scores = t.scores.clone()
+            scores[0] = 0.0
+            return DraftTree(t.tokens, t.parents, scores, t.depths)
     index: dict[tuple[int, int], int] = {}
     tokens, parents = [root], [-1]
     best = [0.0]                  # best score over all sources

@@ -111,3 +111,24 @@ def test_select_keep_and_remap_equal_the_loops(seed):
                 for i, p in enumerate(tree.parents.tolist()) if want_rows[i]]
     assert rows.tolist() == want_rows and newp.tolist() == want_par
 
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_merge_sources_single_source_shortcut_equals_the_general_rule(seed):
+    """When one source proposes nodes and the others only the root, merge_sources returns that tree unchanged; the
+    general rule (forced by a duplicate of the tree as a second source) gives the same tree."""
+    from draft.tree import merge_sources
+    g = torch.Generator().manual_seed(200 + seed)
+    n = int(torch.randint(2, 40, (1,), generator=g))
+    par = torch.full((n,), -1)
+    sc = torch.zeros(n, dtype=torch.float64)
+    for i in range(1, n):
+        p = int(torch.randint(-1, i, (1,), generator=g))
+        par[i] = p
+        sc[i] = (sc[p] if p >= 0 else 0.0) - float(torch.rand((), generator=g)) * (seed % 2)
+    total = int(torch.randint(2, n + 3, (1,), generator=g))
+    tree = select_top_nodes(7, torch.arange(n) + 10, par, sc, total)
+    fast = merge_sources([tree, DraftTree.single(7)], total)
+    general = merge_sources([tree, tree], total)           # two sources: the general path, same union
+    for a in ("tokens", "parents", "scores", "depths"):
+        assert torch.equal(getattr(fast, a), getattr(general, a)), a
