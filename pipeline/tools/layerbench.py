@@ -108,7 +108,7 @@ def _calls(args, cfg, stage_root: Path):
     feats0 = torch.randn(args.ctx, hidden, generator=g).to(dev, dtype)
     root_hidden = drafter.start(prompt, 5, feats0)
 
-    def same_start():                    # untimed: the drafter back to the context the trees were drafted on
+    def same_start():                    # counting only: the drafter back to the context the trees were drafted on
         drafter.start(prompt, 5, feats0)
     t = cfg.tree
     first = (lambda: drafter.grow_tree_with_inputs(5, root_hidden, min(t.init_total_token, t.subseq_token + 1),
@@ -145,9 +145,9 @@ def _calls(args, cfg, stage_root: Path):
     if head_drafter is not None and hasattr(head_drafter.head, "block"):
         calls.append(("draft head forward, 10 rows", head_forward, None, 0))
     rest = t.init_depth + 1 - max(t.first_levels, 1)
-    calls += [(f"first tree ({t.first_levels} levels)", first, same_start, t.first_levels),
-              (f"finish first tree ({rest} levels)", finish, same_start, rest),
-              (f"expand ({t.expand_levels} levels)", expand, same_start, t.expand_levels),
+    calls += [(f"first tree ({t.first_levels} levels)", first, None, t.first_levels),
+              (f"finish first tree ({rest} levels)", finish, None, rest),
+              (f"expand ({t.expand_levels} levels)", expand, None, t.expand_levels),
               ("commit 3 tokens", commit, restart, 0),
               ("verified step bookkeeping", step, step_setup, 0)]
     blocks = [stage.block] + [h.block for h in heads]
@@ -157,7 +157,7 @@ def _calls(args, cfg, stage_root: Path):
                    getattr(getattr(s, "cache", None), "values", None)]
     model = [stage, rank0] + [getattr(s, k, None) for s in getattr(drafter, "sources", [drafter])
                               for k in ("head", "lm_head")]
-    return calls, blocks, (device, model)
+    return calls, blocks, (device, model, same_start)
 
 
 class _Ring:
@@ -269,6 +269,8 @@ def count(calls, blocks, device) -> list[dict]:
     rows = []
     for name, fn, setup, levels in calls:
         for _ in range(2):                  # warm once (first-call caches), then count
+            if levels:                      # a drafting call: from the same context every time (counts repeat)
+                device[2]()
             if setup is not None:
                 setup()
             if _ == 0:
