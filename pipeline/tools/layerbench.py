@@ -54,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--count", action="store_true", help="also count each call's aten operators and would-be "
                    "host<->device synchronisations (pipeline.tools.opcount; one extra untimed run per call)")
     p.add_argument("--count-only", action="store_true", help="only the counts (deterministic, no timing)")
+    p.add_argument("--clock", choices=("wall", "thread"), default="wall", help="wall seconds, or this thread's CPU "
+                   "seconds (thread: on a loaded shared CPU, time descheduled is not counted; CPU runs only)")
     p.add_argument("overrides", nargs="*", help="key=value run overrides (model.stage_dir, model.head_dir, "
                    "draft.sources, tree.*)")
     args = p.parse_args(argv)
@@ -229,13 +231,16 @@ def bookkeeping_call(tree, inputs, root_hidden, vocab: int, seg: int):
 
 def measure(args, calls, blocks) -> list[dict]:
     from model.layers import set_lean
+    import time
+
     from pipeline.tools.profile import timed_call
     cuda = args.device.startswith("cuda")
+    clock = time.thread_time if getattr(args, "clock", "wall") == "thread" else time.perf_counter
 
     def once(fn, setup=None) -> float:
         if setup is not None:
             setup()
-        return timed_call(fn, cuda)
+        return timed_call(fn, cuda, clock)
 
     rows = []
     for name, fn, setup, _ in calls:
@@ -355,7 +360,8 @@ def main(argv=None) -> int:
         return 2
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU, {args.threads} thread(s)"
     header = (f"# Per-call time, transformers vs lean decoder layers ({stage_root.name}, {args.dtype}, {where}, "
-              f"context {args.ctx}; median of {args.blocks} x {args.repeat} calls each)") if not args.count_only \
+              f"context {args.ctx}; median of {args.blocks} x {args.repeat} calls each, {args.clock} clock)") \
+        if not args.count_only \
         else f"# Per-call operator counts, lean layers ({stage_root.name}, {args.dtype}, context {args.ctx})"
     print(table(rows, header))
     if args.json:
