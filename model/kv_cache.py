@@ -147,8 +147,9 @@ def extend_ancestry(parents: Tensor, base_anc: Tensor | None = None,
     Vectorised by pointer jumping (list ranking) over the new nodes' links to new parents: a new row starts as
     itself plus, when its parent is cached, the parent's cached row; each round ORs in the row of the node its
     link points to and doubles the link, so ``ceil(log2(longest new chain))`` rounds of a few host tensor ops
-    finish it (none when every parent is cached, as for one drafted level). Raises ``ValueError`` for a parent
-    that is not an earlier node."""
+    finish it (none when every parent is cached, as for one drafted level); up to ``SMALL_TREE`` new nodes a
+    Python loop over lists does it (:func:`_extend_ancestry_loop`). Raises ``ValueError`` for a parent that is
+    not an earlier node."""
     par = parents.to(torch.long).reshape(-1).to(HOST)
     n = par.numel()
     m = int(base_depth.numel()) if base_depth is not None else (0 if base_anc is None else int(base_anc.shape[0]))
@@ -168,6 +169,8 @@ def extend_ancestry(parents: Tensor, base_anc: Tensor | None = None,
             anc[m:, :m] = base_anc[pc] & cached[:, None]
         base = base_depth if base_depth is not None else torch.zeros(m, dtype=torch.long, device=HOST)
         return anc, torch.cat([base, torch.where(cached, base[pc] + 1, 0)])
+    if n <= SMALL_TREE:
+        return _extend_ancestry_loop(par, m, base_anc, base_depth)
     idx = torch.arange(n, device=HOST)
     if bool((par >= idx + m).any()):
         i = int((par >= idx + m).nonzero()[0])
@@ -196,6 +199,45 @@ def extend_ancestry(parents: Tensor, base_anc: Tensor | None = None,
         anc[:m, :m] = base_anc
     anc[m:] = rows
     return anc, torch.cat([torch.zeros(m, dtype=torch.long, device=HOST) if base_depth is None else base_depth, val])
+
+
+SMALL_TREE = 32   # up to this many linked new nodes a per-row Python loop beats pointer jumping on a CPU (measured)
+
+
+def _extend_ancestry_loop(par: Tensor, m: int, base_anc: Tensor | None, base_depth: Tensor | None
+                          ) -> tuple[Tensor, Tensor]:
+    """:func:`extend_ancestry` for a few new nodes some of whose parents are new: one pass over Python lists
+    (each new row is its chain's first cached ancestor's row, gathered at once, plus a small new-by-new block);
+    few operators, and on a CPU cheaper than the rounds of pointer jumping below ``SMALL_TREE`` rows."""
+    pl = par.tolist()
+    n = len(pl)
+    base = base_depth.tolist() if (m and base_depth is not None) else [0] * m
+    anchor, new_depth = [0] * n, [0] * n
+    block = [[False] * n for _ in range(n)]
+    for i, p in enumerate(pl):
+        row = block[i]
+        if p < 0:
+            anchor[i] = -1
+        elif p < m:
+            anchor[i], new_depth[i] = p, base[p] + 1
+        elif p < m + i:
+            j = p - m
+            anchor[i], new_depth[i] = anchor[j], new_depth[j] + 1
+            row[:i] = block[j][:i]
+        else:
+            raise ValueError(f"parent {p} of node {m + i} is not an earlier node")
+        row[i] = True
+    anc = torch.zeros(m + n, m + n, dtype=torch.bool, device=HOST)
+    if m and base_anc is not None:
+        anc[:m, :m] = base_anc
+        if any(a >= 0 for a in anchor):
+            rows = base_anc.index_select(0, torch.tensor([max(a, 0) for a in anchor], dtype=torch.long,
+                                                         device=HOST))
+            if min(anchor) < 0:
+                rows[torch.tensor([a < 0 for a in anchor], device=HOST)] = False
+            anc[m:, :m] = rows
+    anc[m:, m:] = torch.tensor(block, dtype=torch.bool, device=HOST)
+    return anc, torch.tensor(base + new_depth, dtype=torch.long, device=HOST)
 
 
 def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:

@@ -132,3 +132,19 @@ def test_merge_sources_single_source_shortcut_equals_the_general_rule(seed):
     general = merge_sources([tree, tree], total)           # two sources: the general path, same union
     for a in ("tokens", "parents", "scores", "depths"):
         assert torch.equal(getattr(fast, a), getattr(general, a)), a
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_small_and_large_paths_agree(seed):
+    """Both of extend_ancestry's paths (the list loop up to SMALL_TREE new nodes, pointer jumping above) equal the
+    reference on the same trees, with and without a cached base."""
+    import model.kv_cache as kv
+    g = torch.Generator().manual_seed(300 + seed)
+    n = kv.SMALL_TREE + 8
+    par = random_parents(g, n, roots=1 + seed % 2)
+    cut = int(torch.randint(0, 8, (1,), generator=g))
+    base_a, base_d = (ref_anc(par[:cut]), ref_depths(par[:cut])) if cut else (None, None)
+    big = kv.extend_ancestry(par[cut:], base_a, base_d)                           # > SMALL_TREE: jumping
+    small = kv._extend_ancestry_loop(par[cut:], cut, base_a, base_d)
+    for got in (big, small):
+        assert torch.equal(got[0], ref_anc(par)) and torch.equal(got[1], ref_depths(par))
