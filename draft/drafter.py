@@ -28,6 +28,21 @@ from model.meter import NULL_METER, OpMeter, hidden_rows
 Tensor = torch.Tensor
 
 
+def to_host(*xs: Tensor) -> tuple[Tensor, ...]:
+    """Same-shaped-but-the-last-dim tensors on the host in **one** device->host copy (a synchronisation on a GPU):
+    concatenated as float64 (exact for float32 scores and for integer ids below 2**53), split and cast back.
+    Done on a CPU-only run too (a few cheap ops), so that it runs, and is counted, as on a GPU."""
+    if len(xs) == 1:
+        return (xs[0].to(HOST),)
+    both = torch.cat([x.to(torch.float64) for x in xs], dim=-1).to(HOST)
+    out, at = [], 0
+    for x in xs:
+        w = x.shape[-1]
+        out.append(both[..., at:at + w].to(x.dtype))
+        at += w
+    return tuple(out)
+
+
 class BeamTreeDrafter:
     """EAGLE-2's dynamic tree search, written against a drafter's state hooks only.
 
@@ -239,9 +254,10 @@ class BeamTreeDrafter:
             frontier_feat = out[parent_row]
             frontier_cache_parent = start + parent_row.to(HOST)            # the one transfer of this level
         self.drop_tree()
-        scores = torch.cat(cand_scores).to(HOST)
-        tree = select_top_nodes(root_token, torch.cat(cand_tokens).to(HOST), torch.cat(cand_parents).to(HOST),
-                                scores, total_token)
+        scores, cand_tok, cand_par = to_host(torch.cat(cand_scores), torch.cat(cand_tokens), torch.cat(cand_parents))
+        levels = torch.arange(1, len(cand_scores) + 1, device=HOST).repeat_interleave(
+            torch.tensor([c.numel() for c in cand_scores], device=HOST), output_size=scores.numel())
+        tree = select_top_nodes(root_token, cand_tok, cand_par, scores, total_token, levels)
         order = top_node_order(scores, total_token)                       # the candidates select_top_nodes kept
         inputs = torch.cat([root_hidden[None].to(cand_inputs[0].dtype), torch.cat(cand_inputs)[order.to(dev)]])
         cand_out = inputs.new_zeros((n_cand, inputs.shape[-1]))
@@ -287,12 +303,12 @@ class BeamTreeDrafter:
         k = min(top_k, leaves.numel())
         order = torch.sort(-tree.scores[leaves].double(), stable=True).indices[:k]
         frontier = leaves[order]                                          # tree node ids (host)
-        f_par_node, f_score = frontier, tree.scores[frontier]
+        f_par_node, f_score, f_dep = frontier, tree.scores[frontier], tree.depths[frontier]
         f_out, f_slot = outs[frontier.to(dev)], slot[frontier]
-        cand_tok, cand_par, cand_score, cand_in = [], [], [], []          # parent: tree node or -(cand+2)
+        cand_tok, cand_par, cand_score, cand_in, cand_dep = [], [], [], [], []   # parent: tree node or -(cand+2)
         n_cand = 0
         for level in range(levels):
-            cs, ct = (x.to(HOST) for x in self.top_tokens(f_out, top_k))       # one device->host copy per level
+            cs, ct = to_host(*self.top_tokens(f_out, top_k))                   # one device->host copy per level
             kk = cs.shape[-1]
             if kk == 0:       # no source proposes a token below some frontier node (merged top-k): stop here
                 break
@@ -301,9 +317,11 @@ class BeamTreeDrafter:
             cand_par.append(f_par_node.repeat_interleave(kk))
             cand_score.append(cum)
             cand_in.append(f_out.repeat_interleave(kk, dim=0))
+            cand_dep.append((f_dep + 1).repeat_interleave(kk))
             if level == levels - 1:
                 break
             best = torch.sort(-cum.double(), stable=True).indices[:top_k]
+            f_dep = cand_dep[-1][best]
             start = self.tree_size
             f_out = self.tree_forward(ct.reshape(-1)[best], f_out[(best // kk).to(dev)],
                                       f_slot[best // kk]).to(inputs.dtype)
@@ -317,11 +335,15 @@ class BeamTreeDrafter:
         scores = torch.cat(cand_score)
         chosen = top_node_order(scores, max_new + 1)                      # + 1: the helper counts a root
         par = torch.cat(cand_par)[chosen]
-        new_index = {int(c): n + i for i, c in enumerate(chosen.tolist())}
-        parents = [int(p) if p >= 0 else new_index[int(-p - 2)] for p in par.tolist()]  # ancestors-first
+        inv = torch.full((scores.numel(),), -1, dtype=torch.long, device=HOST)   # candidate -> new tree index
+        inv[chosen] = n + torch.arange(chosen.numel(), device=HOST)
+        parents = torch.where(par >= 0, par, inv[(-par - 2).clamp(min=0)])         # ancestors-first
+        if bool((parents < 0).any()):
+            raise AssertionError("chosen candidates are not ancestor-closed")        # impossible by construction
         grown = DraftTree(torch.cat([tree.tokens, torch.cat(cand_tok)[chosen]]),
-                          torch.cat([tree.parents, torch.tensor(parents, dtype=torch.long, device=HOST)]),
-                          torch.cat([tree.scores, scores[chosen]]))
+                          torch.cat([tree.parents, parents]),
+                          torch.cat([tree.scores, scores[chosen]]),
+                          torch.cat([tree.depths, torch.cat(cand_dep)[chosen]]))
         return grown, torch.cat([inputs, torch.cat(cand_in)[chosen.to(dev)]])
 
 

@@ -32,9 +32,9 @@ from dataclasses import replace
 import torch
 
 from config.run_config import SourceError, parse_sources
-from draft.drafter import BeamTreeDrafter
+from draft.drafter import BeamTreeDrafter, to_host
 from draft.protocol import top_tokens
-from draft.tree import DraftTree, merge_sources
+from draft.tree import DraftTree, ancestor_matrix, merge_sources
 from model.devices import HOST
 
 Tensor = torch.Tensor
@@ -133,6 +133,7 @@ class MergedDrafter(BeamTreeDrafter):
         has_child[0] = False                                        # the root's state is root_hidden
         key = {(p, t): i for i, (p, t) in enumerate(zip(parents.tolist(), tree.tokens.tolist()))}
         out_states = []
+        anc = None
         for i, (src, h) in enumerate(zip(self.sources, self._split(root_hidden.reshape(1, -1)))):
             states = h.expand(n, -1).clone()                        # row i: node i's state in this source
             known = torch.zeros(n, dtype=torch.bool, device=HOST)
@@ -144,9 +145,9 @@ class MergedDrafter(BeamTreeDrafter):
                 states[at[hit].to(states.device)] = found[1][hit.to(found[1].device)].to(states.device, states.dtype)
                 known[at[hit]] = True
             feed = has_child & ~known
-            for j in range(n - 1, 0, -1):                            # ancestors of a fed node are fed (its path)
-                if feed[j]:
-                    feed[parents[j]] = True
+            if anc is None:
+                anc = ancestor_matrix(parents)
+            feed = (anc & feed[:, None]).any(0)                      # ancestors of a fed node are fed (its path)
             feed[0] = False
             slot = torch.full((n,), -1, dtype=torch.long, device=HOST)   # draft-cache tree slot of each fed node
             for d in range(1, int(depths.max()) if n > 1 else 1):
@@ -172,12 +173,14 @@ class MergedDrafter(BeamTreeDrafter):
         the answer (ties aside). Lookup contributes only the tokens an occurrence supports
         (:meth:`draft.lookup.LookupDrafter.supported_tokens`; its empty slots, token -1, never win: every other
         token of lookup's is at its floor). A token proposed twice keeps its best score. Fewer than ``k`` only where
-        fewer distinct tokens were proposed in some row."""
+        fewer distinct tokens were proposed in some row. Returned on the host: the sources' candidates cross in one
+        copy (:func:`draft.drafter.to_host`), and the dedup, whose width is read, runs there."""
         parts = [s.supported_tokens(h, k) if hasattr(s, "supported_tokens") else top_tokens(s, h, k)
                  for s, h in zip(self.sources, self._split(hidden))]
         dev = parts[0][0].device
         scores = torch.cat([(p[0].double() * c).to(dev) for p, c in zip(parts, self.score_scales)], dim=-1)
         tokens = torch.cat([p[1].to(dev) for p in parts], dim=-1)
+        scores, tokens = to_host(scores, tokens)          # the level's one device->host copy; the rest on the host
         order = torch.sort(-scores, dim=-1, stable=True).indices               # best first
         scores, tokens = scores.gather(-1, order), tokens.gather(-1, order)
         seen = (tokens[..., :, None] == tokens[..., None, :]).tril(-1).any(-1)   # a better copy comes earlier

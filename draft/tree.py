@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.devices import HOST
+from model.kv_cache import extend_ancestry
 
 Tensor = torch.Tensor
 
@@ -28,15 +29,11 @@ def depths_from_parents(parents: Tensor, base_depths: Tensor | None = None) -> T
 
     ``base_depths`` gives depths of nodes referenced by index but not in ``parents`` (used when
     ``parents`` describes new nodes appended after ``len(base_depths)`` existing ones).
+    Vectorised (pointer jumping, :func:`model.kv_cache.extend_ancestry`).
     """
-    offset = 0 if base_depths is None else len(base_depths)
-    out = torch.empty(len(parents), dtype=torch.long, device=HOST)
-    base = [] if base_depths is None else base_depths.tolist()
-    d = base + [0] * len(parents)
-    for i, p in enumerate(parents.tolist()):
-        d[offset + i] = 0 if p < 0 else d[p] + 1
-    out[:] = torch.tensor(d[offset:], dtype=torch.long, device=HOST) if len(parents) else out
-    return out
+    if base_depths is None:
+        return extend_ancestry(parents)[1]
+    return extend_ancestry(parents, None, base_depths.to(torch.long))[1][len(base_depths):]
 
 
 def ancestor_matrix(parents: Tensor, base: Tensor | None = None) -> Tensor:
@@ -44,20 +41,10 @@ def ancestor_matrix(parents: Tensor, base: Tensor | None = None) -> Tensor:
 
     With ``base`` (the matrix of ``m`` existing nodes), ``parents`` describes ``n`` new nodes with
     indices ``m..m+n-1`` whose parents may be existing or new; returns the ``[m+n, m+n]`` matrix.
+    Vectorised (pointer jumping, :func:`model.kv_cache.extend_ancestry`); raises ``ValueError`` for a
+    parent that is not an earlier node.
     """
-    m = 0 if base is None else base.shape[0]
-    n = len(parents)
-    out = torch.zeros(m + n, m + n, dtype=torch.bool, device=HOST)
-    if m:
-        out[:m, :m] = base
-    for i, p in enumerate(parents.tolist()):
-        row = m + i
-        if p >= 0:
-            if p >= row:
-                raise ValueError(f"parent {p} of node {row} is not an earlier node")
-            out[row] = out[p]
-        out[row, row] = True
-    return out
+    return extend_ancestry(parents, base)[0]
 
 
 @dataclass
@@ -107,28 +94,30 @@ def check_tree(tree: DraftTree) -> None:
 
 
 def select_top_nodes(root_token: int, cand_tokens: Tensor, cand_parents: Tensor, cand_scores: Tensor,
-                     total_token: int) -> DraftTree:
+                     total_token: int, cand_depths: Tensor | None = None) -> DraftTree:
     """EAGLE-2 re-ranking: keep the best ``total_token - 1`` candidates plus the root.
 
     Candidates are listed in generation order; ``cand_parents[i]`` is ``-1`` (child of the root)
     or the index of an *earlier* candidate. Order = descending score, ties broken by candidate
     index (stable). Because a child's score never exceeds its parent's and a parent always has
     the smaller index, every selected node's parent is selected too, even on ties (ancestor-closed),
-    and the output is ordered ancestors-first.
+    and the output is ordered ancestors-first. ``cand_depths`` (optional): each candidate's depth below the
+    root (1 for a child of the root), when the caller knows them (a beam knows its levels): the tree's depths
+    are then gathered instead of recomputed from the parents.
     """
     order = top_node_order(cand_scores, total_token)
-    chosen = order.tolist()
-    new_index = {c: i + 1 for i, c in enumerate(chosen)}
-    parents = [-1]
-    for c in chosen:
-        p = int(cand_parents[c])
-        if p >= 0 and p not in new_index:
-            raise AssertionError("selected set is not ancestor-closed")  # impossible by construction
-        parents.append(0 if p < 0 else new_index[p])
-    tokens = [root_token] + cand_tokens[order].tolist()
-    sc = [0.0] + cand_scores[order].tolist()
-    return DraftTree(torch.tensor(tokens, device=HOST), torch.tensor(parents, device=HOST),
-                     torch.tensor(sc, device=HOST))
+    cand_parents = cand_parents.to(HOST)
+    inv = torch.full((len(cand_scores),), -1, dtype=torch.long, device=HOST)   # candidate -> tree index (-1: cut)
+    inv[order] = torch.arange(1, order.numel() + 1, device=HOST)
+    cp = cand_parents[order]
+    parents = torch.where(cp >= 0, inv[cp.clamp(min=0)], 0)
+    if bool((parents < 0).any()):
+        raise AssertionError("selected set is not ancestor-closed")  # impossible by construction
+    head = torch.tensor([-1], dtype=torch.long, device=HOST)
+    return DraftTree(torch.cat([torch.tensor([root_token], device=HOST), cand_tokens.to(HOST)[order].long()]),
+                     torch.cat([head, parents]),
+                     torch.cat([torch.zeros(1, device=HOST), cand_scores.to(HOST)[order].float()]),
+                     None if cand_depths is None else torch.cat([head + 1, cand_depths.to(HOST).long()[order]]))
 
 
 def top_node_order(cand_scores: Tensor, total_token: int) -> Tensor:
@@ -159,15 +148,13 @@ def keep_indices_for(tree: DraftTree, accepted: list[int], new_root: int | None)
     accepted node) continues the tree, its whole subtree is kept after the path; otherwise only
     the path is kept (truncate).
     """
-    keep = list(accepted)
+    keep = torch.tensor(list(accepted), dtype=torch.long, device=HOST)
     if new_root is not None:
-        anc = ancestor_matrix(tree.parents)
-        sub = anc[:, new_root].nonzero().flatten().tolist()
-        keep += sub
-    out = torch.tensor(keep, dtype=torch.long, device=HOST)
-    if len(keep) > 1 and not bool((out[1:] > out[:-1]).all()):
+        sub = ancestor_matrix(tree.parents)[:, new_root].nonzero().flatten()
+        keep = torch.cat([keep, sub])
+    if keep.numel() > 1 and not bool((keep[1:] > keep[:-1]).all()):
         raise AssertionError("keep-list must be strictly increasing")
-    return out
+    return keep
 
 
 def remap_parents(parents: Tensor, node_ids: Tensor, keep: Tensor, accepted_len: int) -> tuple[Tensor, Tensor]:
@@ -178,17 +165,15 @@ def remap_parents(parents: Tensor, node_ids: Tensor, keep: Tensor, accepted_len:
     nodes are renumbered ``0..`` in order. Returns ``(row_keep, new_parents)``: a boolean row mask and
     the new parents of kept rows (``-1`` for the new root, whose parent became context).
     """
-    old_to_new = {int(k): i - accepted_len for i, k in enumerate(keep.tolist())}
-    rows, new_par = [], []
-    for nid, p in zip(node_ids.tolist(), parents.tolist()):
-        new = old_to_new.get(nid)
-        keep_row = new is not None and new >= 0
-        rows.append(keep_row)
-        if keep_row:
-            mapped = old_to_new.get(p, -1) if p >= 0 else -1
-            new_par.append(mapped if mapped >= 0 else -1)
-    return (torch.tensor(rows, dtype=torch.bool, device=HOST),
-            torch.tensor(new_par, dtype=torch.long, device=HOST))
+    node_ids, parents, keep = node_ids.to(HOST).long(), parents.to(HOST).long(), keep.to(HOST).long()
+    size = 1 + max(int(node_ids.max()) if node_ids.numel() else 0, int(parents.max()) if parents.numel() else 0,
+                   int(keep.max()) if keep.numel() else 0)
+    new = torch.full((size,), -1, dtype=torch.long, device=HOST)        # old id -> new index (-1: not kept/path)
+    new[keep] = torch.arange(keep.numel(), device=HOST) - accepted_len
+    new = new.clamp(min=-1)                                             # the accepted path leaves the tree
+    rows = new[node_ids] >= 0
+    mapped = torch.where(parents >= 0, new[parents.clamp(min=0)], -1)
+    return rows, mapped[rows]
 
 
 def reroot(tree: DraftTree, keep: Tensor, accepted_len: int) -> DraftTree:
@@ -202,7 +187,8 @@ def reroot(tree: DraftTree, keep: Tensor, accepted_len: int) -> DraftTree:
     if tree.proposals is not None:   # the kept subtree is closed under children: lists map one to one
         new = {int(k): i for i, k in enumerate(rest.tolist())}
         props = [[(new[c], q) for c, q in tree.proposals[int(k)]] for k in rest.tolist()]
-    return DraftTree(tree.tokens[rest].clone(), parents, scores, proposals=props)
+    depths = tree.depths[rest] - tree.depths[rest[0]]           # the new root (rest[0]) at depth 0
+    return DraftTree(tree.tokens[rest].clone(), parents, scores, depths, proposals=props)
 
 
 def merge_trees(tree: DraftTree, extra: DraftTree) -> tuple[DraftTree, int]:
@@ -351,6 +337,15 @@ def merge_sources(trees: list[DraftTree], total_token: int) -> DraftTree:
     root = int(trees[0].tokens[0])
     if any(int(t.tokens[0]) != root for t in trees):
         raise ValueError("merge needs trees with the same root token")
+    live = [t for t in trees if len(t) > 1]
+    if len(live) <= 1 and all(t.proposals is None for t in trees):
+        # One source proposed anything (say lookup found no match): the rule below keeps that tree as it is
+        # when it fits the budget and its scores never rise with the index (a select_top_nodes tree).
+        t = live[0] if live else trees[0]
+        if len(t) <= total_token and (len(t) < 3 or bool((t.scores[2:] <= t.scores[1:-1]).all())):
+            scores = t.scores.clone()
+            scores[0] = 0.0
+            return DraftTree(t.tokens, t.parents, scores, t.depths)
     index: dict[tuple[int, int], int] = {}
     tokens, parents = [root], [-1]
     best = [0.0]                  # best score over all sources

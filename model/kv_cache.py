@@ -90,49 +90,19 @@ class KVCache:
         n = len(parents)
         self._check_room(n)
         anc, depth = self.extend_tree(parents)
-        m = self.num_tree
-        allowed = torch.cat([torch.ones(n, self.context_len, dtype=torch.bool, device=HOST), anc[m:, :]], dim=1)
-        pos = self.context_len + depth[m:]
-        return pos[None], _additive(allowed, dtype), anc, depth
+        m, c = self.num_tree, self.context_len
+        mask = torch.zeros((1, 1, n, c + m + n), dtype=dtype, device=HOST)     # the context: visible to all
+        mask[0, 0, :, c:].masked_fill_(~anc[m:], torch.finfo(dtype).min)
+        pos = c + depth[m:]
+        return pos[None], mask, anc, depth
 
     def extend_tree(self, parents: Tensor) -> tuple[Tensor, Tensor]:
         """The cached tree's ancestor matrix and depths extended by new nodes ``m..m+n-1`` with ``parents``
         (tree indices; ``-1`` = a child of the context; a parent must be an earlier node). Equal to
         ``ancestor_matrix(parents, tree_anc)`` and ``cat(tree_depth, depths_from_parents(parents, tree_depth))``
-        (:mod:`draft.tree`), built with a few tensor ops instead of one indexing op per row: each new row is
-        its chain's first cached ancestor's row (gathered at once) plus a small new-by-new block."""
-        m, par = self.num_tree, parents.tolist()
-        n = len(par)
-        base_depth = self.tree_depth.tolist() if m else []
-        anchor, new_depth = [0] * n, [0] * n        # anchor: the cached node a new node's chain enters (-1: none)
-        block = [[False] * n for _ in range(n)]      # new-by-new ancestor block
-        for i, p in enumerate(par):
-            row = block[i]
-            if p < 0:
-                anchor[i] = -1
-            elif p < m:
-                anchor[i], new_depth[i] = p, base_depth[p] + 1
-            elif p < m + i:
-                j = p - m
-                anchor[i], new_depth[i] = anchor[j], new_depth[j] + 1
-                row[:i] = block[j][:i]
-            else:
-                raise ValueError(f"parent {p} of node {m + i} is not an earlier node")
-            row[i] = True
-        anc = torch.zeros(m + n, m + n, dtype=torch.bool, device=HOST)
-        if m:
-            anc[:m, :m] = self.tree_anc
-            if any(a >= 0 for a in anchor):
-                idx = torch.tensor([max(a, 0) for a in anchor], dtype=torch.long, device=HOST)
-                rows = self.tree_anc.index_select(0, idx)
-                if min(anchor) < 0:
-                    rows[torch.tensor([a < 0 for a in anchor], device=HOST)] = False
-                anc[m:, :m] = rows
-        if n:
-            anc[m:, m:] = torch.tensor(block, dtype=torch.bool, device=HOST)
-        depth = torch.tensor(base_depth + new_depth, dtype=torch.long, device=HOST)
-        return anc, depth
-
+        (:mod:`draft.tree`, which calls :func:`extend_ancestry`)."""
+        return extend_ancestry(parents, self.tree_anc if self.num_tree else None,
+                               self.tree_depth if self.num_tree else None)
     def commit_forward(self, n: int, as_context: bool, anc: Tensor | None = None,
                        depth: Tensor | None = None) -> None:
         """Advance after the layers wrote ``n`` rows."""
@@ -165,6 +135,109 @@ class KVCache:
     def truncate_tree(self) -> None:
         """Drop every cached tree node (keep the committed context)."""
         self.apply_keep(torch.zeros(0, dtype=torch.long, device=HOST), 0)
+
+
+def extend_ancestry(parents: Tensor, base_anc: Tensor | None = None,
+                    base_depth: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Ancestor matrix (``A[i, j]``: ``j`` is ``i`` or an ancestor of ``i``) and depths of a tree of ``m`` nodes
+    (``base_anc`` ``[m, m]``, ``base_depth`` ``[m]``; None: ``m = 0``) extended by ``n`` new nodes ``m..m+n-1``
+    with ``parents`` (``-1``: a root, depth 0; else an earlier node, cached or new). Returns the ``[m+n, m+n]``
+    matrix and the ``m+n`` depths (a base left out counts as zeros: pass the one whose result you read).
+
+    Vectorised by pointer jumping (list ranking) over the new nodes' links to new parents: a new row starts as
+    itself plus, when its parent is cached, the parent's cached row; each round ORs in the row of the node its
+    link points to and doubles the link, so ``ceil(log2(longest new chain))`` rounds of a few host tensor ops
+    finish it (none when every parent is cached, as for one drafted level); up to ``SMALL_TREE`` new nodes a
+    Python loop over lists does it (:func:`_extend_ancestry_loop`). Raises ``ValueError`` for a parent that is
+    not an earlier node."""
+    par = parents.to(torch.long).reshape(-1).to(HOST)
+    n = par.numel()
+    m = int(base_depth.numel()) if base_depth is not None else (0 if base_anc is None else int(base_anc.shape[0]))
+    if n == 0:
+        return (base_anc if base_anc is not None else torch.zeros(m, m, dtype=torch.bool, device=HOST),
+                base_depth if base_depth is not None else torch.zeros(m, dtype=torch.long, device=HOST))
+    linked = par >= m                                        # a parent among the new nodes (or a bad one)
+    if not bool(linked.any()):                   # one drafted level: every parent cached or -1
+        anc = torch.zeros(m + n, m + n, dtype=torch.bool, device=HOST)
+        anc[m:, m:].fill_diagonal_(True)
+        if m == 0:                               # n roots
+            return anc, torch.zeros(n, dtype=torch.long, device=HOST)
+        cached = par >= 0
+        pc = par.clamp(min=0)
+        if base_anc is not None:
+            anc[:m, :m] = base_anc
+            anc[m:, :m] = base_anc[pc] & cached[:, None]
+        base = base_depth if base_depth is not None else torch.zeros(m, dtype=torch.long, device=HOST)
+        return anc, torch.cat([base, torch.where(cached, base[pc] + 1, 0)])
+    if n <= SMALL_TREE:
+        return _extend_ancestry_loop(par, m, base_anc, base_depth)
+    idx = torch.arange(n, device=HOST)
+    if bool((par >= idx + m).any()):
+        i = int((par >= idx + m).nonzero()[0])
+        raise ValueError(f"parent {int(par[i])} of node {m + i} is not an earlier node")
+    # rows[i]: node i's ancestors-or-self found so far; row n is a zero sentinel that "no new parent" points to
+    ext = torch.cat([torch.where(linked, par - m, n), torch.tensor([n], device=HOST)])
+    rows = torch.zeros(n + 1, m + n, dtype=torch.bool, device=HOST)
+    rows[:n, m:].fill_diagonal_(True)
+    if m and base_anc is not None:
+        cached = (par >= 0) & ~linked
+        rows[:n, :m] = base_anc[par.clamp(0, m - 1)] & cached[:, None]
+    while int(ext.min()) < n:                                # pointer jumping: ceil(log2(longest chain)) rounds
+        rows = rows | rows[ext]
+        ext = ext[ext]
+    rows = rows[:n]
+    if base_depth is None:
+        val = rows.sum(1) - 1                                # depth = ancestors on the path (a root: 0)
+    else:                                                    # the chain's topmost new node enters a cached one
+        new = rows[:, m:]
+        top = par[new.to(torch.int8).argmax(1)]              # its parent (ancestors have lower indices)
+        val = new.sum(1) - 1 + (torch.where(top >= 0, base_depth[top.clamp(0, m - 1)] + 1, 0) if m else 0)
+    if m == 0:
+        return rows, val
+    anc = torch.zeros(m + n, m + n, dtype=torch.bool, device=HOST)
+    if base_anc is not None:
+        anc[:m, :m] = base_anc
+    anc[m:] = rows
+    return anc, torch.cat([torch.zeros(m, dtype=torch.long, device=HOST) if base_depth is None else base_depth, val])
+
+
+SMALL_TREE = 32   # up to this many linked new nodes a per-row Python loop beats pointer jumping on a CPU (measured)
+
+
+def _extend_ancestry_loop(par: Tensor, m: int, base_anc: Tensor | None, base_depth: Tensor | None
+                          ) -> tuple[Tensor, Tensor]:
+    """:func:`extend_ancestry` for a few new nodes some of whose parents are new: one pass over Python lists
+    (each new row is its chain's first cached ancestor's row, gathered at once, plus a small new-by-new block);
+    few operators, and on a CPU cheaper than the rounds of pointer jumping below ``SMALL_TREE`` rows."""
+    pl = par.tolist()
+    n = len(pl)
+    base = base_depth.tolist() if (m and base_depth is not None) else [0] * m
+    anchor, new_depth = [0] * n, [0] * n
+    block = [[False] * n for _ in range(n)]
+    for i, p in enumerate(pl):
+        row = block[i]
+        if p < 0:
+            anchor[i] = -1
+        elif p < m:
+            anchor[i], new_depth[i] = p, base[p] + 1
+        elif p < m + i:
+            j = p - m
+            anchor[i], new_depth[i] = anchor[j], new_depth[j] + 1
+            row[:i] = block[j][:i]
+        else:
+            raise ValueError(f"parent {p} of node {m + i} is not an earlier node")
+        row[i] = True
+    anc = torch.zeros(m + n, m + n, dtype=torch.bool, device=HOST)
+    if m and base_anc is not None:
+        anc[:m, :m] = base_anc
+        if any(a >= 0 for a in anchor):
+            rows = base_anc.index_select(0, torch.tensor([max(a, 0) for a in anchor], dtype=torch.long,
+                                                         device=HOST))
+            if min(anchor) < 0:
+                rows[torch.tensor([a < 0 for a in anchor], device=HOST)] = False
+            anc[m:, :m] = rows
+    anc[m:, m:] = torch.tensor(block, dtype=torch.bool, device=HOST)
+    return anc, torch.tensor(base + new_depth, dtype=torch.long, device=HOST)
 
 
 def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:

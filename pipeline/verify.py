@@ -119,10 +119,12 @@ def walk_tree(tree: DraftTree, n_verified: int, logits: Tensor, sampler: Sampler
     for i, p in enumerate(parents):
         if p >= 0:
             kids.setdefault(p, []).append(i)
+    # greedy: every verified node's argmax in one op and one read (row-wise argmax = argmax of the row)
+    best = logits[:n_verified].argmax(-1).tolist() if sampler.greedy else None
     while True:
         children = kids.get(cur, [])
         if sampler.greedy:
-            x = int(torch.argmax(logits[cur]))
+            x = best[cur]
             child = next((c for c in children if tokens[c] == x), None)
         else:
             p = sampler.probs(logits[cur])

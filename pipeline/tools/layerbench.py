@@ -53,6 +53,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--blocks", type=int, default=3, help="alternating blocks per setting")
     p.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
     p.add_argument("--json", help="also write the table as JSON here")
+    p.add_argument("--count", action="store_true", help="also count each call's aten operators and would-be "
+                   "host<->device synchronisations (pipeline.tools.opcount; one extra untimed run per call)")
+    p.add_argument("--count-only", action="store_true", help="only the counts (deterministic, no timing)")
+    p.add_argument("--clock", choices=("wall", "thread"), default="wall", help="wall seconds, or this thread's CPU "
+                   "seconds (thread: on a loaded shared CPU, time descheduled is not counted; CPU runs only)")
     p.add_argument("overrides", nargs="*", help="key=value run overrides (model.stage_dir, model.head_dir, "
                    "draft.sources, tree.*)")
     args = p.parse_args(argv)
@@ -104,7 +109,11 @@ def _calls(args, cfg, stage_root: Path):
         return call
 
     prompt = [int(t) for t in torch.randint(3, rank0.config.vocab_size, (args.ctx,), generator=g)]
-    root_hidden = drafter.start(prompt, 5, torch.randn(args.ctx, hidden, generator=g).to(dev, dtype))
+    feats0 = torch.randn(args.ctx, hidden, generator=g).to(dev, dtype)
+    root_hidden = drafter.start(prompt, 5, feats0)
+
+    def same_start():                    # counting only: the drafter back to the context the trees were drafted on
+        drafter.start(prompt, 5, feats0)
     t = cfg.tree
     first = (lambda: drafter.grow_tree_with_inputs(5, root_hidden, min(t.init_total_token, t.subseq_token + 1),
                                                    max(t.first_levels - 1, 0), t.init_topk))
@@ -133,31 +142,110 @@ def _calls(args, cfg, stage_root: Path):
     def commit():
         drafter.commit(torch.tensor([7, 8, 9]), feats3)
 
-    calls = [(f"stage step, {w} row{'s' if w > 1 else ''} ({stage.num_layers} layers)", stage_step(w), None)
+    step, step_setup = bookkeeping_call(big, big_inputs, root_hidden, rank0.config.vocab_size, t.subseq_token)
+    calls = [(f"stage step, {w} row{'s' if w > 1 else ''} ({stage.num_layers} layers)", stage_step(w), None, 0)
              for w in args.rows]
     heads = [s.head for s in getattr(drafter, "sources", [drafter]) if hasattr(getattr(s, "head", None), "block")]
     if head_drafter is not None and hasattr(head_drafter.head, "block"):
-        calls.append(("draft head forward, 10 rows", head_forward, None))
-    calls += [(f"first tree ({t.first_levels} levels)", first, None),
-              (f"finish first tree ({t.init_depth + 1 - max(t.first_levels, 1)} levels)", finish, None),
-              (f"expand ({t.expand_levels} levels)", expand, None),
-              ("commit 3 tokens", commit, restart)]
+        calls.append(("draft head forward, 10 rows", head_forward, None, 0))
+    rest = t.init_depth + 1 - max(t.first_levels, 1)
+    calls += [(f"first tree ({t.first_levels} levels)", first, None, t.first_levels),
+              (f"finish first tree ({rest} levels)", finish, None, rest),
+              (f"expand ({t.expand_levels} levels)", expand, None, t.expand_levels),
+              ("commit 3 tokens", commit, restart, 0),
+              ("verified step bookkeeping", step, step_setup, 0)]
     blocks = [stage.block] + [h.block for h in heads]
-    return calls, blocks
+    device = [stage, rank0, cache.keys, cache.values, root_hidden, start_feats, feats3, rows10, big_inputs, inputs]
+    for s in getattr(drafter, "sources", [drafter]):
+        device += [getattr(s, "head", None), getattr(getattr(s, "cache", None), "keys", None),
+                   getattr(getattr(s, "cache", None), "values", None)]
+    model = [stage, rank0] + [getattr(s, k, None) for s in getattr(drafter, "sources", [drafter])
+                              for k in ("head", "lm_head")]
+    return calls, blocks, (device, model, same_start)
+
+
+class _Ring:
+    """A transport that only records (the bookkeeping call's outbox sends nowhere)."""
+    world = 4
+
+    def send_next(self, msg) -> None:
+        self.last = msg
+
+    def send_direct(self, msg) -> None:
+        pass
+
+
+def bookkeeping_call(tree, inputs, root_hidden, vocab: int, seg: int):
+    """``(call, setup)``: one verified step's host bookkeeping in ``continuous`` on ``tree`` (rank 0's calls
+    between receiving a result and drafting again, model work excluded): the result's alive rows
+    (``RankTree.alive_rows``), the walk (``walk_tree``, greedy, on target logits that accept the tree's first-child
+    chain), the decision (``Outbox.decide``), the re-root keep-list (``keep_indices_for``, ``RankTree.reroot``,
+    the drafter inputs' rows) and packing the next segment (``RankTree.send``). ``setup`` (untimed) sends the
+    whole tree in segments of ``seg`` nodes and returns the first as the result that came back."""
+    import torch
+
+    from draft.tree import keep_indices_for
+    from pipeline.messages import Status
+    from pipeline.outbox import Outbox, RankTree
+    from pipeline.verify import Sampler, walk_tree
+    n = len(tree)
+    logits = torch.zeros(n, vocab)
+    par = tree.parents.tolist()
+    first_child = {}
+    for i in range(n - 1, 0, -1):
+        first_child[par[i]] = i
+    for u, c in first_child.items():
+        logits[u, int(tree.tokens[c])] = 1.0
+    sampler = Sampler()
+    engine = type("E", (), {"comm": _Ring(), "gen": 0})()
+    st = {}
+
+    def setup():
+        box = Outbox(engine)
+        state = RankTree(tree)
+        first = None
+        for _ in range(_Ring.world):                    # a fill: world segments in flight, the rest waits
+            if state.waiting:
+                state.send(box, min(seg, state.waiting))
+                first = first or box.comm.last
+        msg = type(first)(root_hidden.expand(1, first.gids.numel(), -1), first.parents, first.gids)
+        box.inflight.popleft()                          # the first segment came back
+        st.update(box=box, state=state, msg=msg)
+
+    def call():
+        box, state, msg = st["box"], st["state"], st["msg"]
+        rows, k = state.alive_rows(msg)
+        path, token, new_root = walk_tree(state.tree, k, logits[:k], sampler)
+        committed = state.tree.tokens[path[1:]].tolist() + [token]
+        path_gids = state.gids[path].tolist()
+        if new_root is None:
+            box.decide(Status.TRUNCATE, path_gids, -1, False)
+            return committed
+        box.decide(Status.CONTINUE, path_gids, int(state.gids[new_root]), False)
+        keep = keep_indices_for(state.tree, path, new_root)
+        state.reroot(keep, len(path))
+        kept_inputs = inputs[keep[len(path):].to(inputs.device)]
+        if state.waiting:
+            state.send(box, min(seg, state.waiting))
+        return committed, kept_inputs
+    return call, setup
 
 
 def measure(args, calls, blocks) -> list[dict]:
     from model.layers import set_lean
+    import time
+
     from pipeline.tools.profile import timed_call
     cuda = args.device.startswith("cuda")
+    clock = time.thread_time if getattr(args, "clock", "wall") == "thread" else time.perf_counter
 
     def once(fn, setup=None) -> float:
         if setup is not None:
             setup()
-        return timed_call(fn, cuda)
+        return timed_call(fn, cuda, clock)
 
     rows = []
-    for name, fn, setup in calls:
+    for name, fn, setup, _ in calls:
         times = {False: [], True: []}
         for lean in (False, True):          # warm both paths
             for b in blocks:
@@ -177,11 +265,69 @@ def measure(args, calls, blocks) -> list[dict]:
     return rows
 
 
+def count(calls, blocks, device) -> list[dict]:
+    """Per call (lean layers on), one untimed run under :class:`pipeline.tools.opcount.OpCounter`: aten operators
+    dispatched, those inside the model's forwards (head, lm_head, stage), those on device tensors, value reads and would-be host<->device synchronisations; per drafted
+    level for the drafting calls. Deterministic: the same call on the same inputs counts the same."""
+    from model.layers import set_lean
+    from pipeline.tools.opcount import count_call
+    for b in blocks:
+        set_lean(b, True)
+    rows = []
+    for name, fn, setup, levels in calls:
+        for _ in range(2):                  # warm once (first-call caches), then count
+            if levels:                      # a drafting call: from the same context every time (counts repeat)
+                device[2]()
+            if setup is not None:
+                setup()
+            if _ == 0:
+                fn()
+        c = count_call(fn, *device[0], model=device[1])
+        row = {"call": name, **c.row(), "levels": levels}
+        if levels:
+            row.update(ops_per_level=round(c.ops / levels, 1),
+                       bookkeeping_per_level=round((c.ops - c.model_ops) / levels, 1),
+                       syncs_per_level=round(c.syncs / levels, 2))
+        rows.append(row)
+    return rows
+
+
+# Upper bounds on each rank-0 call's counts (stories260K split 0+1+1+1+2, default run keys, lean layers; what
+# ``--count-only`` measures, plus a margin). ``tests/test_rank0_ops.py`` fails when a call grows past its bound;
+# lower a bound when a change cuts the call, raise it only with a reason in the commit message.
+OP_BOUNDS = {"first tree": {"ops": 600, "bookkeeping_ops": 420, "syncs": 3},
+             "finish first tree": {"ops": 1300, "bookkeeping_ops": 780, "syncs": 5},
+             "expand": {"ops": 600, "bookkeeping_ops": 400, "syncs": 2},
+             "commit": {"ops": 130, "bookkeeping_ops": 30, "syncs": 0},
+             "verified step bookkeeping": {"ops": 140, "bookkeeping_ops": 140, "syncs": 0}}
+
+
+def over_bounds(rows: list[dict], bounds: dict = OP_BOUNDS) -> list[str]:
+    """The counts in ``rows`` (:func:`count`'s) above their bound in ``bounds`` (keyed by the start of a call's
+    name), one line each; empty when every call is within its bounds."""
+    out = []
+    for r in rows:
+        for prefix, lim in bounds.items():
+            if r["call"].startswith(prefix):
+                out += [f"{r['call']}: {k} {r[k]} > {v}" for k, v in lim.items() if r[k] > v]
+    return out
+
+
 def table(rows: list[dict], header: str) -> str:
-    out = [header, "", "| call | transformers layers, ms | lean layers, ms | lean / transformers |",
-           "|---|---|---|---|"]
-    out += [f"| {r['call']} | {r['transformers_ms']:.3f} | {r['lean_ms']:.3f} | {r['lean_vs_transformers']} |"
-            for r in rows]
+    timed = "lean_ms" in rows[0]
+    counted = "ops" in rows[0]
+    cols = (["transformers layers, ms", "lean layers, ms", "lean / transformers"] if timed else []) + \
+        (["aten ops", "model ops", "device ops", "value reads", "syncs", "ops / level", "bookkeeping ops / level",
+          "syncs / level"] if counted else [])
+    out = [header, "", "| call | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for r in rows:
+        cells = [f"{r['transformers_ms']:.3f}", f"{r['lean_ms']:.3f}", str(r["lean_vs_transformers"])] if timed \
+            else []
+        if counted:
+            cells += [str(r["ops"]), str(r["model_ops"]), str(r["dev_ops"]), str(r["reads"]), str(r["syncs"]),
+                      str(r.get("ops_per_level", "")), str(r.get("bookkeeping_per_level", "")),
+                      str(r.get("syncs_per_level", ""))]
+        out.append(f"| {r['call']} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -204,16 +350,21 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
         stage_root = resolve_stage_root(cfg.model.stage_dir)
         try:
-            calls, blocks = _calls(args, cfg, stage_root)
+            calls, blocks, device = _calls(args, cfg, stage_root)
         except SetupError as e:
             raise LayerBenchError(str(e)) from None
-        rows = measure(args, calls, blocks)
+        rows = [] if args.count_only else measure(args, calls, blocks)
+        if args.count or args.count_only:
+            counts = count(calls, blocks, device)
+            rows = counts if args.count_only else [{**r, **c} for r, c in zip(rows, counts)]
     except LayerBenchError as e:
         print(f"layerbench: error: {e}", file=sys.stderr)
         return 2
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU, {args.threads} thread(s)"
     header = (f"# Per-call time, transformers vs lean decoder layers ({stage_root.name}, {args.dtype}, {where}, "
-              f"context {args.ctx}; median of {args.blocks} x {args.repeat} calls each)")
+              f"context {args.ctx}; median of {args.blocks} x {args.repeat} calls each, {args.clock} clock)") \
+        if not args.count_only \
+        else f"# Per-call operator counts, lean layers ({stage_root.name}, {args.dtype}, context {args.ctx})"
     print(table(rows, header))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
