@@ -19,9 +19,10 @@ automaton the text itself is indexed, so that is exactly "the longest suffix wit
 token instead of a search).
 
 Proposals: below a match ``u`` (``L >= draft.suffix_min_match``) the continuation trie of ``u`` is walked best
-first: a node ``x1..xd`` scores ``log(cnt(u x1..xd) / N) + d * log p(L)``, ``N`` the occurrences of ``u`` followed
-by a token and ``cnt(u x1..xd)`` those followed by ``x1..xd`` (so ``log(cnt / N)`` is the empirical probability of
-the path, and scores never increase along a path). Every node keeps its ``draft.suffix_max_children`` most frequent
+first: a node ``x1..xd`` scores ``log(cnt(u x1..xd) / N) + log p(L) + log p(L + 1) + ... + log p(L + d - 1)``,
+``N`` the occurrences of ``u`` followed by a token and ``cnt(u x1..xd)`` those followed by ``x1..xd`` (so
+``log(cnt / N)`` is the empirical probability of the path; the ``j``-th copied token is copied below a match of
+``L + j`` tokens, the match having grown by the ones before it; scores never increase along a path). Every node keeps its ``draft.suffix_max_children`` most frequent
 children, the trie is at most ``depth + 1`` deep (as :mod:`draft.lookup`'s), and the three automata's tries are
 united by token path with the best score (one trie; the tree merge's rule). The tree is deterministic (q = point
 mass): greedy output and the sampling law are the verifier's business, never the drafter's.
@@ -30,10 +31,11 @@ mass): greedy output and the sampling law are the verifier's business, never the
 else the EAGLE-2 tree), expressed through scores inside the one merged node budget of
 :func:`draft.tree.merge_sources`: ``p(L)``, the prior probability that one copied token is right, is
 ``draft.suffix_long_token_prob`` when the match length ``L >= draft.suffix_threshold``, else
-``draft.suffix_token_prob``. A long match's chain scores near ``d * log 0.9``, above EAGLE's own nodes beyond the
-first level, so it takes the budget's first places ("take the retrieval branch"); a short match's chain scores
-low and survives only where EAGLE is less sure still. The threshold and the two priors were measured on held-out
-records (docs/suffix.md: the target's acceptance of the first copied token by match length).
+``draft.suffix_token_prob``. A long match's chain scores near ``d * log p_long``, above EAGLE's own nodes beyond
+the first level, so it takes the budget's first places ("take the retrieval branch"); a short match's first tokens
+score low and survive only where EAGLE is less sure still, and its deeper tokens rise to ``p_long`` as the match
+grows past the threshold. The threshold and the two priors were measured on held-out records (docs/suffix.md: the
+target's acceptance of the copied tokens by match length).
 
 State ("hidden") for the tree interface, the same layout as :mod:`draft.lookup`'s so that
 :class:`draft.merged.MergedDrafter` merges it as a source: the next-token scores after a sequence (the trie's first
@@ -198,26 +200,33 @@ def token_logp(length: int, threshold: int, short_logp: float, long_logp: float)
     return long_logp if length >= threshold else short_logp
 
 
-def continuation_tree(root_token: int, roots: list[tuple[SuffixAutomaton, int, int, float]], total_token: int,
+def path_logp(length: int, d: int, threshold: int, short_logp: float, long_logp: float) -> float:
+    """The prior of ``d`` copied tokens below a match of ``length``: ``sum_{j < d} token_logp(length + j)`` (the
+    ``j``-th token is copied below a match grown by ``j``), in closed form. Non-increasing in ``d``."""
+    n_long = max(0, d - max(0, threshold - length))
+    return n_long * long_logp + (d - n_long) * short_logp
+
+
+def continuation_tree(root_token: int, roots: list[tuple[SuffixAutomaton, int, int]], prior, total_token: int,
                       max_depth: int, max_children: int) -> DraftTree:
     """The united continuation trie below ``root_token`` (module docstring), best ``total_token`` nodes (root
     included), ancestors first and scores non-increasing (a best-first walk emits a node after its parent, and a
-    child never scores above its parent). ``roots``: per automaton, its proposal match ``(sam, state, L, log p(L))``
-    (state 0: no proposal). A path proposed by several automata is one node with the first (best) score; the
+    child never scores above its parent). ``roots``: per automaton, its proposal match ``(sam, state, L)`` (state 0:
+    no proposal); ``prior(L, d)``: the log prior of ``d`` tokens copied below a match of ``L`` (:func:`path_logp`). A path proposed by several automata is one node with the first (best) score; the
     children of every automaton that reached it hang below it."""
     heap: list = []
     order = 0
-    for sam, state, length, lp in roots:
+    for sam, state, length in roots:
         if state <= 0:
             continue
         kids, total = children(sam, state, max_children)
         for c, t, v in kids:
-            heapq.heappush(heap, (-(math.log(c / total) + lp), order, 0, t, sam, v, 1, total, lp))
+            heapq.heappush(heap, (-(math.log(c / total) + prior(length, 1)), order, 0, t, sam, v, 1, total, length))
             order += 1
     toks, pars, scores = [root_token], [-1], [0.0]
     index: dict[tuple[int, int], int] = {}
     while heap and len(toks) < total_token:
-        neg, _, parent, t, sam, v, d, total, lp = heapq.heappop(heap)
+        neg, _, parent, t, sam, v, d, total, length = heapq.heappop(heap)
         node = index.get((parent, t))
         if node is None:
             node = index[(parent, t)] = len(toks)
@@ -228,19 +237,21 @@ def continuation_tree(root_token: int, roots: list[tuple[SuffixAutomaton, int, i
             continue
         kids, _ = children(sam, v, max_children)
         for c, t2, v2 in kids:
-            heapq.heappush(heap, (-(math.log(c / total) + (d + 1) * lp), order, node, t2, sam, v2, d + 1, total, lp))
+            heapq.heappush(heap, (-(math.log(c / total) + prior(length, d + 1)), order, node, t2, sam, v2, d + 1,
+                                  total, length))
             order += 1
     return DraftTree(torch.tensor(toks, device=HOST), torch.tensor(pars, device=HOST),
                      torch.tensor(scores, dtype=torch.float32, device=HOST))
 
 
-def first_level(roots: list[tuple[SuffixAutomaton, int, int, float]], slots: int) -> list[float]:
+def first_level(roots: list[tuple[SuffixAutomaton, int, int]], prior, slots: int) -> list[float]:
     """The compact state row (module docstring): the trie's first level, best score per token over the automata,
     best first (ties: smaller token), ``slots`` ids then ``slots`` scores."""
     best: dict[int, float] = {}
-    for sam, state, length, lp in roots:
+    for sam, state, length in roots:
         if state <= 0:
             continue
+        lp = prior(length, 1)
         kids, total = children(sam, state, slots)
         for c, t, _ in kids:
             s = math.log(c / total) + lp
@@ -370,6 +381,10 @@ class SuffixDrafter(TokenHistory):
         self.short_logp, self.long_logp = math.log(token_prob), math.log(long_token_prob)
         TokenHistory.__init__(self)
 
+    def prior(self, length: int, d: int) -> float:
+        """:func:`path_logp` with this drafter's threshold and priors."""
+        return path_logp(length, d, self.threshold, self.short_logp, self.long_logp)
+
     @property
     def state_width(self) -> int:
         return 2 * self.max_children
@@ -390,13 +405,13 @@ class SuffixDrafter(TokenHistory):
         return self.sam.last, self.sam.length[self.sam.last]
 
     def _roots(self, own: tuple[int, int], others: list[tuple[int, int]]):
-        """Per automaton ``(sam, state, L, log p(L))`` of the proposal match, state 0 below ``min_match``."""
+        """Per automaton ``(sam, state, L)`` of the proposal match, state 0 below ``min_match``."""
         out = []
         for sam, (st, ln) in zip([self.sam, *self.others], [own, *others]):
             st, ln = with_continuation(sam, st, ln)
             if ln < self.min_match:
                 st = 0
-            out.append((sam, st, ln, token_logp(ln, self.threshold, self.short_logp, self.long_logp)))
+            out.append((sam, st, ln))
         return out
 
     def _advance(self, own, others, token: int):
@@ -412,7 +427,7 @@ class SuffixDrafter(TokenHistory):
     def match_lengths(self, path: list[int] = ()) -> list[int]:
         """The proposal match length per automaton (own text, store, corpus) after the context followed by
         ``path`` (0: no proposal): what the threshold is measured on."""
-        return [ln if st > 0 else 0 for _, st, ln, _ in self._roots(*self._path_matches(list(path)))]
+        return [ln if st > 0 else 0 for _, st, ln in self._roots(*self._path_matches(list(path)))]
 
     # -- protocol --------------------------------------------------------------------------------------------
     def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
@@ -436,7 +451,7 @@ class SuffixDrafter(TokenHistory):
 
     def state(self, path: list[int]) -> Tensor:
         """The compact state (module docstring) after the committed context followed by ``path``."""
-        row = first_level(self._roots(*self._path_matches(path)), self.max_children)
+        row = first_level(self._roots(*self._path_matches(path)), self.prior, self.max_children)
         return torch.tensor(row, dtype=torch.float32, device=HOST)
 
     def grow_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int) -> DraftTree:
@@ -445,8 +460,8 @@ class SuffixDrafter(TokenHistory):
         path = [] if self.context and self.context[-1] == root_token else [root_token]
         if total_token <= 1:
             return DraftTree.single(root_token)
-        return continuation_tree(root_token, self._roots(*self._path_matches(path)), total_token, depth + 1,
-                                 self.max_children)
+        return continuation_tree(root_token, self._roots(*self._path_matches(path)), self.prior, total_token,
+                                 depth + 1, self.max_children)
 
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
         """Every entry's state, each one :func:`advance` per automaton from its parent's match (parents: ``-1`` =
@@ -460,7 +475,7 @@ class SuffixDrafter(TokenHistory):
             own, others = base if p < 0 else self.tree_matches[p]
             own, others = self._advance(own, others, int(t))
             self.tree_matches.append((own, others))
-            rows.append(first_level(self._roots(own, others), self.max_children))
+            rows.append(first_level(self._roots(own, others), self.prior, self.max_children))
         return torch.tensor(rows, dtype=torch.float32, device=HOST).reshape(len(rows), self.state_width)
 
     def drop_tree(self) -> None:

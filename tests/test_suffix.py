@@ -137,7 +137,7 @@ def brute_trie(text: list[int], path_ctx: list[int], min_match: int):
 
 def test_drafter_state_and_tree_equal_brute_force():
     """The committed state is the brute-force first level (counts / N, prior by match length); every tree node's
-    score is log(cnt(u + path) / N) + depth * log p(L), with the counts counted by brute force."""
+    score is log(cnt(u + path) / N) + sum_j log p(L + j), with the counts counted by brute force."""
     rng = random.Random(2)
     lp_short, lp_long = math.log(0.5), math.log(0.9)
     for trial in range(200):
@@ -151,6 +151,7 @@ def test_drafter_state_and_tree_equal_brute_force():
             assert len(d.grow_tree(text[-1], h, 10, 3, 4)) == 1
             continue
         lp = lp_long if len(u) >= 3 else lp_short
+        prior = lambda d: sum(lp_long if len(u) + j >= 3 else lp_short for j in range(d))
         want = sorted(((math.log(c / n) + lp, t) for t, c in follow.items()), key=lambda x: (-x[0], x[1]))
         assert ids[:len(want)] == [t for _, t in want], (text, u)
         assert scores[:len(want)] == pytest.approx([s for s, _ in want], abs=1e-5)
@@ -161,7 +162,16 @@ def test_drafter_state_and_tree_equal_brute_force():
         for i in range(1, len(tree)):
             path = tree.tokens[tree.path_to(i)[1:]].tolist()
             cnt = len(occurrences(text, u + path))
-            assert float(tree.scores[i]) == pytest.approx(math.log(cnt / n) + len(path) * lp, abs=1e-5), (text, path)
+            assert float(tree.scores[i]) == pytest.approx(math.log(cnt / n) + prior(len(path)), abs=1e-5), (text, path)
+
+
+def test_path_prior_is_the_sum_of_per_token_priors():
+    from draft.suffix import path_logp, token_logp
+    for L in range(0, 8):
+        for d in range(0, 8):
+            for th in range(1, 6):
+                ref = sum(token_logp(L + j, th, -1.0, -0.1) for j in range(d))
+                assert path_logp(L, d, th, -1.0, -0.1) == pytest.approx(ref)
 
 
 def test_tree_forward_states_equal_state_of_the_path():
