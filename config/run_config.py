@@ -164,9 +164,9 @@ class DraftConfig:
     lookup_max_matches: int = 8  # most recent occurrences whose continuations form the lookup tree
     lookup_token_prob: float = 0.6  # prior probability that one copied token is right (its score)
     suffix_min_match: int = 1    # suffix retrieval (draft/suffix.py, docs/suffix.md): shortest match that proposes
-    suffix_threshold: int = 4    # match length from which copied tokens get suffix_long_token_prob (SAM's rule)
-    suffix_token_prob: float = 0.5   # prior probability that one copied token is right below the threshold
-    suffix_long_token_prob: float = 0.9  # ... and at or above it
+    suffix_threshold: int = 3    # match length from which copied tokens get suffix_long_token_prob (SAM's rule)
+    suffix_token_prob: float = 0.3   # prior probability that one copied token is right below the threshold
+    suffix_long_token_prob: float = 0.8  # ... and at or above it (both measured: docs/suffix.md)
     suffix_max_children: int = 8  # most frequent continuations kept per trie node (and state slots)
     suffix_history_tokens: int = 32768  # earlier requests of the process kept for retrieval (0 = none)
     suffix_corpus: str = ""      # static corpus to retrieve from: .txt (a text a line) or .jsonl (text/turns/token_ids)

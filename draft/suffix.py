@@ -368,7 +368,7 @@ class SuffixDrafter(TokenHistory):
     meter: OpMeter = NULL_METER   # no model op to meter
 
     def __init__(self, vocab_size: int, store: SuffixStore | None = None, corpus: SuffixAutomaton | None = None,
-                 min_match: int = 1, threshold: int = 4, token_prob: float = 0.5, long_token_prob: float = 0.9,
+                 min_match: int = 1, threshold: int = 3, token_prob: float = 0.3, long_token_prob: float = 0.8,
                  max_children: int = 8) -> None:
         if vocab_size >= 2 ** 24:
             raise SourceError(f"suffix keeps token ids in float32 states: vocabulary {vocab_size} >= 2**24")

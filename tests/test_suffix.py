@@ -197,7 +197,7 @@ def test_tree_forward_states_equal_state_of_the_path():
 def test_store_and_corpus_propose_across_requests(tmp_path):
     """An earlier request of the process (the store) and a corpus both propose; the store stays bounded."""
     store = SuffixStore(capacity=64)
-    d = SuffixDrafter(50, store=store, threshold=3)
+    d = SuffixDrafter(50, store=store, threshold=3, long_token_prob=0.9)
     d.start([1, 2, 3, 4, 5, 6, 7, 8], 9, None)
     d.commit(T([10, 11]), None)
     h = d.start([20, 21, 5, 6, 7], 8, None)          # new request: the first one joined the store
