@@ -168,6 +168,8 @@ class DraftConfig:
     suffix_token_prob: float = 0.3   # prior probability that one copied token is right below the threshold
     suffix_long_token_prob: float = 0.8  # ... and at or above it (both measured: docs/suffix.md)
     suffix_max_children: int = 8  # most frequent continuations kept per trie node (and state slots)
+    suffix_max_depth: int = 0    # levels of a suffix trie (0 = the tree's depth + 1, as lookup's); more lets a long
+                                 # match copy past the head's depth within the same node budget
     suffix_history_tokens: int = 32768  # earlier requests of the process kept for retrieval (0 = none)
     suffix_corpus: str = ""      # static corpus to retrieve from: .txt (a text a line) or .jsonl (text/turns/token_ids)
     ssm_sample: bool = True      # T > 0: small LMs draw sampled children (SpecInfer), verified by walk_proposals

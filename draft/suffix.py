@@ -23,7 +23,8 @@ first: a node ``x1..xd`` scores ``log(cnt(u x1..xd) / N) + log p(L) + log p(L + 
 ``N`` the occurrences of ``u`` followed by a token and ``cnt(u x1..xd)`` those followed by ``x1..xd`` (so
 ``log(cnt / N)`` is the empirical probability of the path; the ``j``-th copied token is copied below a match of
 ``L + j`` tokens, the match having grown by the ones before it; scores never increase along a path). Every node keeps its ``draft.suffix_max_children`` most frequent
-children, the trie is at most ``depth + 1`` deep (as :mod:`draft.lookup`'s), and the three automata's tries are
+children, the trie is at most ``depth + 1`` deep (as :mod:`draft.lookup`'s; ``draft.suffix_max_depth`` sets another
+depth), and the three automata's tries are
 united by token path with the best score (one trie; the tree merge's rule). The tree is deterministic (q = point
 mass): greedy output and the sampling law are the verifier's business, never the drafter's.
 
@@ -369,15 +370,16 @@ class SuffixDrafter(TokenHistory):
 
     def __init__(self, vocab_size: int, store: SuffixStore | None = None, corpus: SuffixAutomaton | None = None,
                  min_match: int = 1, threshold: int = 3, token_prob: float = 0.3, long_token_prob: float = 0.8,
-                 max_children: int = 8) -> None:
+                 max_children: int = 8, max_depth: int = 0) -> None:
         if vocab_size >= 2 ** 24:
             raise SourceError(f"suffix keeps token ids in float32 states: vocabulary {vocab_size} >= 2**24")
-        if min_match < 1 or threshold < 1 or max_children < 1:
-            raise SourceError("draft.suffix_min_match, suffix_threshold and suffix_max_children must be >= 1")
+        if min_match < 1 or threshold < 1 or max_children < 1 or max_depth < 0:
+            raise SourceError("draft.suffix_min_match, suffix_threshold and suffix_max_children must be >= 1 and "
+                              "suffix_max_depth >= 0")
         if not (0 < token_prob <= 1 and 0 < long_token_prob <= 1):
             raise SourceError("draft.suffix_token_prob and suffix_long_token_prob must be in (0, 1]")
         self.vocab_size, self.store, self.corpus = vocab_size, store, corpus
-        self.min_match, self.threshold, self.max_children = min_match, threshold, max_children
+        self.min_match, self.threshold, self.max_children, self.max_depth = min_match, threshold, max_children, max_depth
         self.short_logp, self.long_logp = math.log(token_prob), math.log(long_token_prob)
         TokenHistory.__init__(self)
 
@@ -455,13 +457,14 @@ class SuffixDrafter(TokenHistory):
         return torch.tensor(row, dtype=torch.float32, device=HOST)
 
     def grow_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int) -> DraftTree:
-        """The united continuation trie (module docstring), at most ``depth + 1`` levels; ``top_k`` is not used
-        (``draft.suffix_max_children`` and the counts decide the width)."""
+        """The united continuation trie (module docstring), at most ``depth + 1`` levels (``max_depth`` levels when
+        set: a long match's chain may then copy past the head's depth, still within ``total_token``); ``top_k`` is
+        not used (``draft.suffix_max_children`` and the counts decide the width)."""
         path = [] if self.context and self.context[-1] == root_token else [root_token]
         if total_token <= 1:
             return DraftTree.single(root_token)
         return continuation_tree(root_token, self._roots(*self._path_matches(path)), self.prior, total_token,
-                                 depth + 1, self.max_children)
+                                 self.max_depth or depth + 1, self.max_children)
 
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
         """Every entry's state, each one :func:`advance` per automaton from its parent's match (parents: ``-1`` =
@@ -516,7 +519,7 @@ def build_suffix_source(cfg, vocab_size: int) -> SuffixDrafter:
         stage_root = cfg.model.stage_dir
         corpus = corpus_automaton(d.suffix_corpus, _lazy_tokenizer(stage_root), (stage_root, vocab_size))
     return SuffixDrafter(vocab_size, store, corpus, d.suffix_min_match, d.suffix_threshold, d.suffix_token_prob,
-                         d.suffix_long_token_prob, d.suffix_max_children)
+                         d.suffix_long_token_prob, d.suffix_max_children, d.suffix_max_depth)
 
 
 def _lazy_tokenizer(stage_root: str):

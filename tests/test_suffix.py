@@ -232,7 +232,7 @@ def test_config_keys_and_build_sources(tmp_path):
                                     "draft.suffix_threshold=2"])
     m = build_sources(cfg, 100, None, torch.float64, "cpu", False)
     assert isinstance(m, MergedDrafter) and m.names == ["lookup", "suffix"] and is_tree_drafter(m.sources[1])
-    assert m.sources[1].corpus is not None and m.sources[1].threshold == 2
+    assert m.sources[1].corpus is not None and m.sources[1].threshold == 2 and m.sources[1].max_depth == 0
     with pytest.raises(ConfigError):
         apply_overrides(DEFAULT, ["draft.sources=suffix,suffix"])
     with pytest.raises(SourceError, match="suffix_token_prob"):
@@ -345,13 +345,15 @@ def tiny(tmp_path_factory):
 PROMPTS = [[1, 5, 9, 13, 22, 7, 5, 9, 13], [1] + list(range(3, 40)) + list(range(3, 20))]
 
 
-@pytest.mark.parametrize("sources,head", [("suffix", None), ("eagle,lookup,suffix", "oracle"),
-                                          ("eagle,suffix", None)])
-def test_every_mode_with_the_suffix_source_equals_hf(tiny, sources, head):
+@pytest.mark.parametrize("sources,head,extra", [("suffix", None, []), ("eagle,lookup,suffix", "oracle", []),
+                                                ("eagle,suffix", None, ["draft.suffix_max_depth=12"])])
+def test_every_mode_with_the_suffix_source_equals_hf(tiny, sources, head, extra):
+    """Greedy output = HF generate in every tree mode; the last case lets suffix chains run 12 deep (past the
+    tree's depth) in the merged tree."""
     from pipeline.inprocess import run_threaded
     from tests.helpers import hf_greedy
     modes = ["naive", "pruned", "continuous", "pipedec"]
-    over = ["max_new_tokens=16", "dtype=float64", f"draft.sources={sources}", "draft.suffix_threshold=2"]
+    over = ["max_new_tokens=16", "dtype=float64", f"draft.sources={sources}", "draft.suffix_threshold=2", *extra]
     res = run_threaded(tiny.stages, PROMPTS + PROMPTS[:1], modes, over, {2}, f"oracle:{tiny.full}" if head else None)
     for mode, rows in res.items():
         for p, r in zip(PROMPTS + PROMPTS[:1], rows):
