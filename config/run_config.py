@@ -194,6 +194,15 @@ class DraftConfig(Checked):
     lookup_min_ngram: int = 1
     lookup_max_matches: int = 8  # most recent occurrences whose continuations form the lookup tree
     lookup_token_prob: float = 0.6  # prior probability that one copied token is right (its score)
+    suffix_min_match: int = 1    # suffix retrieval (draft/suffix.py, docs/suffix.md): shortest match that proposes
+    suffix_threshold: int = 3    # match length from which copied tokens get suffix_long_token_prob (SAM's rule)
+    suffix_token_prob: float = 0.3   # prior probability that one copied token is right below the threshold
+    suffix_long_token_prob: float = 0.8  # ... and at or above it (both measured: docs/suffix.md)
+    suffix_max_children: int = 8  # most frequent continuations kept per trie node (and state slots)
+    suffix_max_depth: int = 0    # levels of a suffix trie (0 = the tree's depth + 1, as lookup's); more lets a long
+                                 # match copy past the head's depth within the same node budget
+    suffix_history_tokens: int = 32768  # earlier requests of the process kept for retrieval (0 = none)
+    suffix_corpus: str = ""      # static corpus to retrieve from: .txt (a text a line) or .jsonl (text/turns/token_ids)
     ssm_sample: bool = True      # T > 0: small LMs draw sampled children (SpecInfer), verified by walk_proposals
     eagle_sample: bool = False   # T > 0: the eagle source (model.head_dir's drafter) draws sampled chains from its own
                                  # law instead of its top-k beam (BeamTreeDrafter.sampled_tree, walk_proposals)
@@ -512,8 +521,8 @@ def parse_sources(text: str) -> list[tuple[str, str]]:
     out = []
     for word in [w.strip() for w in text.split(",") if w.strip()]:
         kind, _, arg = word.partition(":")
-        if kind not in ("eagle", "lookup", "ssm"):
-            raise SourceError(f"draft.sources: unknown source {word!r}; use eagle, lookup or ssm:<model dir>")
+        if kind not in ("eagle", "lookup", "suffix", "ssm"):
+            raise SourceError(f"draft.sources: unknown source {word!r}; use eagle, lookup, suffix or ssm:<model dir>")
         if kind == "ssm" and not arg:
             raise SourceError("draft.sources: ssm needs a model directory, e.g. ssm:checkpoints/ssm_2l")
         if kind != "ssm" and arg:

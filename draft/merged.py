@@ -261,6 +261,9 @@ def build_sources(cfg, vocab_size: int, eagle_factory, dtype, device, sampling: 
         elif kind == "lookup":
             sources.append(LookupDrafter(vocab_size, d.lookup_max_ngram, d.lookup_min_ngram, d.lookup_max_matches,
                                          math.log(d.lookup_token_prob)))
+        elif kind == "suffix":
+            from draft.suffix import build_suffix_source
+            sources.append(build_suffix_source(cfg, vocab_size))
         else:
             if not (Path(arg) / "config.json").is_file():
                 raise SourceError(f"draft.sources: ssm:{arg}: no config.json there (a Hugging Face causal LM "

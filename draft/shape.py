@@ -1,0 +1,114 @@
+"""Confidence-shaped draft trees (Talon-style, issue 45 item 2): within one node budget, the tree's width and depth
+follow the draft's confidence, so a confident stretch becomes a chain and an uncertain level gets more rows.
+Pure functions over a level's numbers (and a driver over an ``expand`` callback); not wired into the drafters.
+
+Why this shape of rule: choosing the ``total_token - 1`` nodes of largest path probability among the candidates
+(EAGLE-2's re-ranking, :func:`draft.tree.select_top_nodes`) is already the best ancestor-closed set for the
+expected accepted length under the draft's own law, and a candidate costs nothing (it is one of the top-k of a
+distribution already computed). What costs is **expanding** a node (a draft forward row), and EAGLE-2 spends that
+as a fixed beam: ``top_k`` rows per level for ``depth`` levels, whatever the draft's confidence. Here the rows
+follow the confidence instead, per level of the search:
+  1. **Only nodes that can still enter the tree are expanded** (:func:`budget_cut`): a candidate below the
+     ``budget``-th best candidate score seen so far is out for good (a child never scores above its parent and the
+     cut only rises as candidates arrive), and so are its descendants.
+  2. **Width follows confidence** (:func:`frontier_width`): of the level's new candidates above the cut, best first,
+     the fewest whose path probability reaches ``cover`` of the level's candidate mass are expanded (at least 1,
+     at most ``width``): one row where the draft is sure (a chain), up to ``width`` where it hesitates.
+  3. **Depth follows confidence**: levels continue while expansion rows remain (``rows``) and up to ``max_depth``,
+     so the rows a confident stretch does not need go deeper than EAGLE-2's fixed depth.
+  4. **The tree**: the ``total_token - 1`` best candidates by cumulative score (:func:`draft.tree.select_top_nodes`).
+Invariant (tested): with ``cover >= 1``, ``width = top_k``, ``max_depth`` = EAGLE-2's levels and rows unbounded the
+tree is exactly EAGLE-2's (the cut prunes only candidates that cannot be selected). The sources' agreement enters
+through the probabilities given (a merged drafter's level scores are the maximum over its sources).
+"""
+from __future__ import annotations
+
+import torch
+
+from draft.tree import DraftTree, select_top_nodes
+from model.devices import HOST
+
+Tensor = torch.Tensor
+
+
+def frontier_width(new_logp: Tensor, cover: float, width: int) -> int:
+    """How many of a level's new candidates to expand: ``new_logp`` their cumulative log-probabilities, best first
+    (those that can still enter the tree); the fewest whose probability mass reaches ``cover`` of the total (at
+    least 1 when there is any candidate, at most ``width``; all of them, up to ``width``, when ``cover >= 1``)."""
+    n = int(new_logp.numel())
+    if n == 0 or width <= 0:
+        return 0
+    if cover >= 1:
+        return min(n, width)
+    p = (new_logp.double() - new_logp.double().max()).exp()
+    mass = p.cumsum(0) / p.sum()
+    c = int((mass < cover).sum()) + 1          # the first index whose cumulative share reaches cover, plus one
+    return max(1, min(c, n, width))
+
+
+def budget_cut(scores: Tensor, budget: int) -> float:
+    """The ``budget``-th best of ``scores`` (``-inf`` when there are fewer): a candidate strictly below it cannot be
+    among the ``budget`` best, now or after more candidates arrive."""
+    if budget <= 0:
+        return float("inf")
+    if scores.numel() < budget:
+        return float("-inf")
+    return float(torch.topk(scores.double(), budget).values[-1])
+
+
+def next_frontier(new_scores: Tensor, cut: float, width: int) -> Tensor:
+    """Indices (into ``new_scores``) of the candidates to expand next: score ``>= cut``, best first (stable), at most
+    ``width``."""
+    order = torch.sort(-new_scores.double(), stable=True).indices
+    keep = order[new_scores.double()[order] >= cut]
+    return keep[:width]
+
+
+def shaped_tree(root_token: int, expand, total_token: int, max_depth: int, top_k: int, cover: float,
+                width: int | None = None, rows: int | None = None) -> DraftTree:
+    """The confidence-shaped tree (module docstring). ``expand(nodes, tokens, parents)`` is called once per level
+    with the nodes to expand (candidate ids; ``-1`` is the root) and all candidates so far (``tokens``/``parents``
+    lists, candidate ``i``'s parent a candidate id or ``-1``); it returns ``(logp [m, top_k], tokens [m, top_k])``:
+    each node's best children, best first (log-probabilities local to the node; ``-inf`` for absent ones).
+    ``max_depth`` levels at most (the root's children are level 1); ``width`` (default ``top_k``) nodes expanded per
+    level at most; ``rows`` (default unbounded) nodes expanded in all at most, the root included (EAGLE-2 spends
+    ``1 + (depth - 1) * top_k``)."""
+    width = top_k if width is None else width
+    rows_left = float("inf") if rows is None else rows
+    if total_token <= 1 or max_depth < 1 or rows_left < 1:
+        return DraftTree.single(root_token)
+    budget = total_token - 1
+    tokens: list[int] = []
+    parents: list[int] = []
+    scores = torch.empty(0, dtype=torch.float64)
+    frontier = [-1]
+    front_scores = torch.zeros(1, dtype=torch.float64)
+    for _ in range(max_depth):
+        rows_left -= len(frontier)
+        logp, toks = expand(frontier, list(tokens), list(parents))
+        logp, toks = logp.double().to(HOST), toks.to(HOST)
+        cum = (front_scores[:, None] + logp).reshape(-1)
+        ok = (cum > float("-inf")).nonzero().flatten()
+        first = len(tokens)
+        tokens += toks.reshape(-1)[ok].tolist()
+        parents += [frontier[i // logp.shape[1]] for i in ok.tolist()]
+        new_scores = cum[ok]
+        scores = torch.cat([scores, new_scores])
+        alive = next_frontier(new_scores, budget_cut(scores, budget), width)   # can still enter, best first
+        n = min(frontier_width(new_scores[alive], cover, width), int(min(rows_left, width)))
+        if n <= 0:
+            break
+        pick = alive[:n]
+        frontier = (first + pick).tolist()
+        front_scores = new_scores[pick]
+    if not tokens:
+        return DraftTree.single(root_token)
+    return select_top_nodes(root_token, torch.tensor(tokens, device=HOST), torch.tensor(parents, device=HOST),
+                            scores, total_token)
+
+
+def expected_accepted(tree: DraftTree) -> float:
+    """The expected number of draft tokens a round accepts if the draft's law were the target's (greedy target
+    drawn from it): the sum over nodes of the path probability ``exp(score)`` (root excluded). The figure of merit
+    the shape maximises under a fixed node budget."""
+    return float(tree.scores[1:].double().exp().sum())
