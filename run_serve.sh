@@ -15,6 +15,7 @@
 # The number of local processes follows the stage root's manifest (set NPROC to force it).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+export FLOWSPEC_PROG="${FLOWSPEC_PROG:-pipeline.serve=./run_serve.sh}"   # usage lines name this script (config/invocation.py)
 for a in "$@"; do  # help needs no bootstrap (run_pipe.sh's rule)
   case "$a" in -h|--help) ENTRY=pipeline.serve exec "$ROOT/run_pipe.sh" --help ;; esac
 done

@@ -82,8 +82,9 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def parse_args(argv: list[str] | None = None, one_line: bool = False) -> argparse.Namespace:
     """The server's flags; ``one_line``: raise :class:`UsageError` instead of printing the usage and exiting."""
+    from config.invocation import prog
     p = (_OneLineParser if one_line else argparse.ArgumentParser)(
-        prog="python -m pipeline.serve",
+        prog=prog("pipeline.serve"),
         description="Serve the pipeline over HTTP from rank 0 (OpenAI-compatible API, live page). Launch one "
                     "process per rank (./run_serve.sh does).",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
