@@ -166,6 +166,31 @@ def state_row(conts: list[list[int]], width: int, token_logp: float) -> list[flo
         [FLOOR] * (slots - len(ids))
 
 
+def unpack_state(hidden: Tensor, slots: int, what: str) -> tuple[Tensor, Tensor]:
+    """A compact state (:func:`pack_state`; also :mod:`draft.suffix`'s) as ``(ids, scores)``: ``slots`` token ids
+    (-1 = unused) then their scores. Ids ride in a float tensor, so only float32/float64 keep them exact."""
+    if hidden.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"a {what} state holds token ids: float32 or float64 only, got {hidden.dtype}")
+    return hidden[..., :slots].round().long(), hidden[..., slots:].double()
+
+
+def spread_state(ids: Tensor, scores: Tensor, vocab_size: int) -> Tensor:
+    """Compact states spread over the vocabulary: ``[..., V]`` float64, ``FLOOR`` where no slot names a token
+    (unused slots, id -1 or out of range, land in a spare column that is cut off)."""
+    out = torch.full((*ids.shape[:-1], vocab_size + 1), FLOOR, dtype=torch.float64, device=ids.device)
+    spare = (ids < 0) | (ids >= vocab_size)
+    out.scatter_(-1, torch.where(spare, vocab_size, ids), scores)
+    return out[..., :vocab_size]
+
+
+def best_supported(ids: Tensor, scores: Tensor, vocab_size: int, k: int) -> tuple[Tensor, Tensor]:
+    """The best ``min(k, slots)`` (score, token) per compact state, empty slots as (-inf, -1): no vocabulary-sized
+    work (what a merged drafter's union top-k reads)."""
+    empty = (ids < 0) | (ids >= vocab_size)
+    s, j = torch.topk(scores.masked_fill(empty, float("-inf")), min(k, scores.shape[-1]), dim=-1)
+    return s, ids.gather(-1, j).masked_fill(s == float("-inf"), -1)
+
+
 class LookupDrafter(TokenHistory):
     """Prompt lookup (n-gram copying) with the :class:`draft.protocol.TreeDrafter` methods."""
 
@@ -218,12 +243,7 @@ class LookupDrafter(TokenHistory):
     def logprobs(self, hidden: Tensor) -> Tensor:
         """The states spread over the vocabulary: ``[..., V]`` float64, ``FLOOR`` where no occurrence supports a
         token."""
-        ids, scores = self._unpack(hidden)
-        out = torch.empty((*ids.shape[:-1], self.vocab_size + 1), dtype=torch.float64, device=ids.device)
-        out.fill_(FLOOR)
-        spare = (ids < 0) | (ids >= self.vocab_size)                           # unused slots: the spare column
-        out.scatter_(-1, torch.where(spare, self.vocab_size, ids), scores)
-        return out[..., :self.vocab_size]
+        return spread_state(*self._unpack(hidden), self.vocab_size)
 
     def supported_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """The best ``min(k, max_matches)`` (score, token) per state among the tokens an occurrence supports, empty
@@ -231,13 +251,7 @@ class LookupDrafter(TokenHistory):
         drops the empty slots), with no vocabulary-sized work. Not a tree's children by itself: alone, lookup's
         children come from :func:`draft.protocol.top_tokens`, the top-k of :meth:`logprobs` (real tokens, the
         unsupported ones at ``FLOOR``)."""
-        ids, scores = self._unpack(hidden)
-        empty = (ids < 0) | (ids >= self.vocab_size)
-        s, j = torch.topk(scores.masked_fill(empty, float("-inf")), min(k, scores.shape[-1]), dim=-1)
-        return s, ids.gather(-1, j).masked_fill(s == float("-inf"), -1)
+        return best_supported(*self._unpack(hidden), self.vocab_size, k)
 
     def _unpack(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
-        if hidden.dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"a lookup state holds token ids: float32 or float64 only, got {hidden.dtype}")
-        slots = self.max_matches
-        return hidden[..., :slots].round().long(), hidden[..., slots:].double()
+        return unpack_state(hidden, self.max_matches, "lookup")

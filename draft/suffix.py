@@ -60,13 +60,13 @@ from pathlib import Path
 import torch
 
 from config.run_config import SourceError
+from draft.lookup import FLOOR, best_supported, spread_state, unpack_state   # FLOOR: the same floor as lookup's
 from draft.token_history import TokenHistory
 from draft.tree import DraftTree
 from model.devices import HOST
 from model.meter import NULL_METER, OpMeter
 
 Tensor = torch.Tensor
-FLOOR = -1e4   # log-score of a token no match supports (the same floor as draft.lookup's)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -487,25 +487,15 @@ class SuffixDrafter(TokenHistory):
 
     def logprobs(self, hidden: Tensor) -> Tensor:
         """The states spread over the vocabulary: ``[..., V]`` float64, ``FLOOR`` where no match supports a token."""
-        ids, scores = self._unpack(hidden)
-        out = torch.full((*ids.shape[:-1], self.vocab_size + 1), FLOOR, dtype=torch.float64, device=ids.device)
-        spare = (ids < 0) | (ids >= self.vocab_size)
-        out.scatter_(-1, torch.where(spare, self.vocab_size, ids), scores)
-        return out[..., :self.vocab_size]
+        return spread_state(*self._unpack(hidden), self.vocab_size)
 
     def supported_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """The best ``min(k, max_children)`` (score, token) per state among the supported tokens, empty slots as
         (-inf, -1) (what :meth:`draft.merged.MergedDrafter.top_tokens` reads; no vocabulary-sized work)."""
-        ids, scores = self._unpack(hidden)
-        empty = (ids < 0) | (ids >= self.vocab_size)
-        s, j = torch.topk(scores.masked_fill(empty, float("-inf")), min(k, scores.shape[-1]), dim=-1)
-        return s, ids.gather(-1, j).masked_fill(s == float("-inf"), -1)
+        return best_supported(*self._unpack(hidden), self.vocab_size, k)
 
     def _unpack(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
-        if hidden.dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"a suffix state holds token ids: float32 or float64 only, got {hidden.dtype}")
-        k = self.max_children
-        return hidden[..., :k].round().long(), hidden[..., k:].double()
+        return unpack_state(hidden, self.max_children, "suffix")
 
 
 def build_suffix_source(cfg, vocab_size: int) -> SuffixDrafter:

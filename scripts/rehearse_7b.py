@@ -53,8 +53,7 @@ VICUNA_CONFIG = {  # lmsys/vicuna-7b-v1.3 config.json (torch_dtype follows the t
 GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "transformers_version": "4.28.1"}
 FIRST_SHARD_SHARE = 9.98 / 13.48      # Vicuna-7B's first shard holds this share of the bytes
 SMALL_TREES = ["tree.total_token=6", "tree.depth=2", "tree.top_k=2", "tree.init_total_token=6", "tree.init_depth=2",
-               "tree.subseq_token=3", "tree.expand_total_token=6", "tree.expand_depth=2", "tree.expand_topk=2",
-               "tree.none_expand_size=4"]
+               "tree.subseq_token=3", "tree.expand_total_token=6", "tree.expand_depth=2", "tree.expand_topk=2"]
 
 
 def log(msg: str) -> None:

@@ -14,7 +14,8 @@ import torch
 
 from config.run_config import DEFAULT, ConfigError, apply_overrides
 from draft.merged import MergedDrafter, SourceError, build_sources
-from draft.protocol import can_extend, is_tree_drafter
+from draft.protocol import TreeDrafter, can_extend
+from tests.multidraft_common import path_to
 from draft.suffix import (FLOOR, SuffixAutomaton, SuffixDrafter, SuffixStore, advance, corpus_automaton,
                           match_text, read_corpus, with_continuation)
 from draft.tree import check_tree
@@ -160,7 +161,7 @@ def test_drafter_state_and_tree_equal_brute_force():
         assert tree.scores.tolist() == sorted(tree.scores.tolist(), reverse=True)
         assert max(tree.depths.tolist()) <= 4
         for i in range(1, len(tree)):
-            path = tree.tokens[tree.path_to(i)[1:]].tolist()
+            path = tree.tokens[path_to(tree, i)[1:]].tolist()
             cnt = len(occurrences(text, u + path))
             assert float(tree.scores[i]) == pytest.approx(math.log(cnt / n) + prior(len(path)), abs=1e-5), (text, path)
 
@@ -186,7 +187,7 @@ def test_tree_forward_states_equal_state_of_the_path():
         rows = d.tree_forward(tree.tokens[1:], h.expand(len(tree) - 1, -1), tree.parents[1:] - 1)
         assert d.tree_size == len(tree) - 1
         for i in range(1, len(tree)):
-            path = tree.tokens[tree.path_to(i)[1:]].tolist()
+            path = tree.tokens[path_to(tree, i)[1:]].tolist()
             assert torch.equal(rows[i - 1], d.state(path))
             first = d.logprobs(rows[i - 1])
             assert first.shape == (8,)
@@ -231,7 +232,7 @@ def test_config_keys_and_build_sources(tmp_path):
     cfg = apply_overrides(DEFAULT, ["draft.sources=lookup,suffix", f"draft.suffix_corpus={corpus}",
                                     "draft.suffix_threshold=2"])
     m = build_sources(cfg, 100, None, torch.float64, "cpu", False)
-    assert isinstance(m, MergedDrafter) and m.names == ["lookup", "suffix"] and is_tree_drafter(m.sources[1])
+    assert isinstance(m, MergedDrafter) and m.names == ["lookup", "suffix"] and isinstance(m.sources[1], TreeDrafter)
     assert m.sources[1].corpus is not None and m.sources[1].threshold == 2 and m.sources[1].max_depth == 0
     with pytest.raises(ConfigError):
         apply_overrides(DEFAULT, ["draft.sources=suffix,suffix"])
