@@ -28,6 +28,7 @@ DTYPES = ("float32", "float16", "bfloat16", "float64")
 DEVICES = ("cpu", "cuda")
 QUANTS = ("none", "int8", "nf4", "fp4")
 BACKENDS = ("gloo", "nccl")
+GRAPHS = ("auto", "on", "off", "eager", "replay")   # model.graphs (model/graphs.py: resolve_executor)
 
 
 class ConfigError(UserError, ValueError):
@@ -87,6 +88,10 @@ class ModelConfig(Checked):
     draft_vocab_counts: str = ""  # token counts that rank them ("" = <head dir>/token_counts.safetensors)
     draft_vocab_context: bool = True  # with draft_vocab: the context's own tokens (prompt, output) join the vocabulary
     draft_vocab_full_root: bool = True  # with draft_vocab: a tree's first level (one row) keeps the whole vocabulary
+    graphs: str = "auto"         # stage forwards and draft-head levels on static shapes (model/graphs.py): on = CUDA
+                                 # graphs on CUDA ranks, the eager static twin on CPU; off = dynamic shapes; auto = off
+                                 # until measured on a GPU; eager / replay = the twin / recorded replays (tests)
+    graph_buckets: str = "1,4,8,16,32,64"  # row counts a static forward pads to (the head also to the beam widths)
 
 
 @dataclass
@@ -270,6 +275,8 @@ class RunConfig(Checked):
         choice("device", self.model.device, DEVICES)
         choice("quant", self.model.quant, QUANTS)
         choice("backend", self.comm.backend, BACKENDS)
+        choice("model.graphs", self.model.graphs, GRAPHS)
+        parse_graph_buckets(self.model.graph_buckets)
         positive = {"max_new_tokens": self.gen.max_new_tokens, "prefill_chunk": self.gen.prefill_chunk,
                     "max_seq_len": self.model.max_seq_len, "total_token": self.tree.total_token,
                     "init_total_token": self.tree.init_total_token, "top_k": self.tree.top_k,
@@ -509,6 +516,19 @@ def format_config(cfg: RunConfig, base: RunConfig | None = None) -> str:
             mark = f"   # default: {d!r}" if v != d else ""
             lines.append(f"{sec.name}.{f.name} = {v!r}{mark}")
     return "\n".join(lines)
+
+
+def parse_graph_buckets(text: str) -> tuple[int, ...]:
+    """``model.graph_buckets`` ``"1,4,8,16,32,64"`` -> ``(1, 4, 8, 16, 32, 64)``: positive, strictly increasing
+    row counts; anything else is one :class:`ConfigError` line."""
+    try:
+        out = tuple(int(w) for w in str(text).split(",") if w.strip())
+    except ValueError:
+        out = ()
+    if not out or any(b < 1 for b in out) or any(a >= b for a, b in zip(out, out[1:])):
+        raise ConfigError(f"model.graph_buckets={text!r} must be positive, strictly increasing row counts, "
+                          "e.g. 1,4,8,16,32,64")
+    return out
 
 
 class SourceError(ValueError):

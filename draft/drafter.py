@@ -350,6 +350,8 @@ class BeamTreeDrafter:
 class Drafter(BeamTreeDrafter):
     """The EAGLE drafter: an EAGLE-1/2 or EAGLE-3 head with its own KV cache (see the module docstring)."""
 
+    static_head = None   # draft.static_head.StaticHead: tree forwards on static shapes / CUDA graphs (model.graphs)
+
     def __init__(self, head: EagleHead, lm_head: torch.nn.Linear, max_len: int,
                  draft_ids: Tensor | None = None, context_vocab: bool = True, full_root: bool = True) -> None:
         """``draft_ids``: draft only over these target ids (strictly increasing; :func:`draft.vocab.top_ids`),
@@ -454,8 +456,10 @@ class Drafter(BeamTreeDrafter):
         cache = self.cache
         pos, mask, anc, depth = cache.tree_inputs(parents, self.dtype)
         n = tokens.numel()
-        out = self.head(tokens.view(1, -1).to(self.device), features.view(1, n, -1).to(self.device, self.dtype),
-                        pos, mask, cache)
+        rows = (tokens.view(1, -1).to(self.device), features.view(1, n, -1).to(self.device, self.dtype))
+        out = self.static_head(*rows, pos, mask, cache) if self.static_head is not None else None
+        if out is None:                   # dynamic shapes (model.graphs=off, or no bucket fits: draft/static_head.py)
+            out = self.head(*rows, pos, mask, cache)
         cache.commit_forward(n, as_context=False, anc=anc, depth=depth)
         return out[0]
 

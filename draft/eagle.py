@@ -41,8 +41,14 @@ class EagleHead(nn.Module):
         """``tokens [1, n]`` paired with the feature of the *previous* position ``features [1, n, H]``. Metered as
         a ``draft_forward`` op over the cache's entries (:mod:`model.meter`)."""
         with self.meter.op("draft_forward", int(tokens.shape[-1]), cache_length(cache)):
-            x = self.fc(torch.cat([self.embed_tokens(tokens).to(features.dtype), features], dim=-1))
-            return self.block(x, positions, mask, cache)
+            return self.compute(tokens, features, positions, mask, cache)
+
+    def compute(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor, cache) -> torch.Tensor:
+        """:meth:`forward` unmetered (what a recorded static forward replays: ``draft/static_head.py`` meters
+        around it)."""
+        x = self.fc(torch.cat([self.embed_tokens(tokens).to(features.dtype), features], dim=-1))
+        return self.block(x, positions, mask, cache)
 
     # -- checkpoint I/O (EAGLE layout) -----------------------------------------------------------
     def eagle_state_dict(self, with_embeddings: bool = False) -> dict[str, torch.Tensor]:

@@ -99,7 +99,7 @@ class FlowSpec:
         from model.stage_format import StageDirError, read_manifest
         from model.stage_model import DTYPES
         from pipeline.build import (SetupError, generation_config, load_rank_stage, load_tokenizer, make_drafter,
-                                    make_engine)
+                                    make_engine, make_static_stage)
         from pipeline.local_ring import LocalComm, LocalRing
         from pipeline.worker import StageWorker
 
@@ -134,8 +134,10 @@ class FlowSpec:
 
         def stage(r: int) -> None:
             try:  # no receive timeout: an idle stage waits for the next generation as long as the process lives
-                StageWorker(models[r], LocalComm(ring, r, timeout_s=None), cfg.model.max_seq_len, dtype,
-                            device).run()
+                worker = StageWorker(models[r], LocalComm(ring, r, timeout_s=None), cfg.model.max_seq_len, dtype,
+                                     device)
+                worker.static = make_static_stage(cfg, models[r], device)   # model.graphs
+                worker.run()
             except BaseException as e:   # surfaced by the next generate()
                 errors.append(e)
 

@@ -97,8 +97,32 @@ def make_stage_worker(cfg, comm, model, dtype, device: str):
     from pipeline.emulation import instrument_stage
     from pipeline.worker import StageWorker
     worker = StageWorker(model, comm, cfg.model.max_seq_len, dtype, device)
+    worker.static = make_static_stage(cfg, model, device)
     instrument_stage(worker, comm)
     return worker
+
+
+def make_static_stage(cfg, model, device: str):
+    """The stage's forward on static shapes for ``model.graphs`` (:func:`model.graphs.static_stage`: CUDA graphs
+    per bucket on a CUDA rank, the eager twin on a CPU one), or None (dynamic shapes)."""
+    from config.run_config import parse_graph_buckets
+    from model.graphs import resolve_executor, static_stage
+    return static_stage(model, resolve_executor(cfg.model.graphs, device), parse_graph_buckets(cfg.model.graph_buckets))
+
+
+def make_static_head(cfg, head, device: str):
+    """The EAGLE-1/2 head's tree forward on static shapes for ``model.graphs`` (:mod:`draft.static_head`; buckets:
+    the trees' beam widths and ``model.graph_buckets``), or None. None with ``osd.enabled`` too: online learning
+    may replace the head's weights, which a recorded graph has baked in."""
+    from config.run_config import parse_graph_buckets
+    from draft.static_head import head_buckets, static_head
+    from model.graphs import resolve_executor
+    if cfg.osd.enabled:
+        return None
+    t = cfg.tree
+    widths = (t.top_k, t.init_topk, t.expand_topk, t.pipedec_topk)
+    return static_head(head, resolve_executor(cfg.model.graphs, device),
+                       head_buckets(widths, parse_graph_buckets(cfg.model.graph_buckets)))
 
 
 def make_sps_drafter(cfg, drafter, model, dtype, meter):
@@ -220,6 +244,7 @@ def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
         drafter = Drafter(head, model.lm_head, cfg.model.max_seq_len + 64, draft_ids=_draft_ids(cfg, head_dir, model),
                           context_vocab=cfg.model.draft_vocab_context, full_root=cfg.model.draft_vocab_full_root)
         drafter.set_sampling(*_eagle_sampling(cfg))
+        drafter.static_head = make_static_head(cfg, head, device)
         return drafter
     except HeadError as e:
         raise SetupError(str(e)) from None

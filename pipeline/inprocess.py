@@ -17,7 +17,7 @@ from config.run_config import DEFAULT, apply_overrides
 from model.stage_model import load_stage
 from pipeline.engine import timed_generation
 from pipeline.local_ring import LocalComm, LocalRing, stage_threads
-from pipeline.build import make_drafter, make_engine
+from pipeline.build import make_drafter, make_engine, make_static_stage
 from pipeline.modes import new_decoder
 from pipeline.worker import StageWorker
 
@@ -45,6 +45,7 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
 
     def stage(r: int) -> None:
         worker = StageWorker(models[r], LocalComm(ring, r), cfg.model.max_seq_len, dtype, "cpu")
+        worker.static = make_static_stage(cfg, models[r], "cpu")
         with guard():
             worker.run()
 

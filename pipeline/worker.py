@@ -101,6 +101,7 @@ class StageWorker:
         self.rank = comm.rank
         self.cache = model.block.new_cache(max_len, dtype, device) if model.block is not None else None
         self.tree = StageTree(self.cache)
+        self.static = None   # model.graphs.StaticStage: the forward on static shapes / CUDA graphs (model.graphs)
         self.tracer = comm.tracer
         # the block's forwards (model.meter): traced as "compute" spans; instrumentation stacks its meters after
         # (pipeline.build.make_stage_worker) and the meter stack carries their counters (Stats)
@@ -114,7 +115,7 @@ class StageWorker:
             x = x.to(self.device)
             if x.is_floating_point():
                 x = x.to(self.dtype)
-            return self.model(x, positions, mask, self.cache)
+            return (self.static or self.model)(x, positions, mask, self.cache)
 
     def run(self) -> None:
         comm = self.comm

@@ -1,0 +1,302 @@
+"""Static-shape forwards (model/graphs.py, draft/static_head.py; run key ``model.graphs``) on the CPU.
+
+The CUDA-graph executor needs a GPU (tests/gpu/test_graphs_cuda.py); here the same padded shapes run eagerly (the
+"twin", ``eager``) and through the recorded-closure executor (``replay``), which keeps static input buffers and a
+static output exactly as a graph does, so copy-in / replay / copy-out are exercised. Checked:
+
+* the pure rules: bucket choice, the static mask (a real row sees exactly what the dynamic mask lets it see, a
+  padding row only its own slot), the slots, the run key's values and its one-line errors;
+* a stage block: outputs and the committed KV entries equal the dynamic forward's (context chunks, tree segments,
+  decisions in between);
+* the drafter: the static path's draft trees (tokens, parents, scores, per-node inputs/outputs) equal the dynamic
+  path's, for beam trees, expansion and merged sources;
+* end to end: greedy output equals HF generate in ar, naive, pruned, continuous and pipedec with both executors on
+  every stage and the draft head, and the static path did run;
+* planted bugs that must fail: padding slots left visible to real rows, a skipped copy-in, a copy-out that returns
+  the shared output buffer, padding rows written over real rows' slots.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import model.graphs as G
+from config.run_config import DEFAULT, ConfigError, apply_overrides
+from draft.static_head import StaticHead, head_buckets, static_head
+from model.graphs import (StaticStage, make_executor, pick_bucket, resolve_executor, static_mask, static_slots)
+from model.split import split_checkpoint
+from pipeline.inprocess import run_threaded
+from tests.helpers import STORIES, hf_greedy, tiny_llama
+from tests.test_lean_layer import block_for
+
+EXECUTORS = ["eager", "replay"]
+
+
+# -- the pure rules ----------------------------------------------------------------------------------------------
+
+def test_pick_bucket_and_slots():
+    b = (1, 4, 8, 16)
+    assert [pick_bucket(n, b) for n in (0, 1, 2, 4, 5, 16, 17)] == [None, 1, 4, 4, 8, 16, None]
+    assert static_slots(7, 4, "cpu").tolist() == [7, 8, 9, 10]
+    assert head_buckets((10, 10, 4), (1, 8, 16)) == (1, 4, 8, 10, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_static_mask_gives_real_rows_their_dynamic_view_and_padding_rows_only_themselves(dtype):
+    from model.kv_cache import KVCache
+    cache = KVCache(1, 1, 2, 32, dtype)
+    cache.context_inputs(5, dtype)
+    cache.commit_forward(5, as_context=True)
+    pos, mask, anc, depth = cache.tree_inputs(torch.tensor([-1, 0]), dtype)     # two cached tree nodes
+    cache.commit_forward(2, as_context=False, anc=anc, depth=depth)
+    pos, mask, anc, depth = cache.tree_inputs(torch.tensor([-1, 0, 2, 1]), dtype)
+    n, length, bucket = 4, cache.length, 8
+    sm = static_mask(mask, n, bucket, length, cache.max_len)
+    low = torch.finfo(dtype).min
+    assert sm.shape == (1, 1, bucket, cache.max_len)
+    assert torch.equal(sm[0, 0, :n, :length + n], mask[0, 0])                  # real rows: the dynamic view
+    assert bool((sm[0, 0, :n, length + n:] == low).all())                       # ... and nothing past it
+    for j in range(n, bucket):                                                  # padding rows: their own slot
+        seen = (sm[0, 0, j] == 0).nonzero().flatten().tolist()
+        assert seen == [length + j]
+        assert bool((sm[0, 0, j, torch.arange(cache.max_len) != length + j] == low).all())
+    with pytest.raises(ValueError):
+        static_mask(mask, n, bucket, length, length + bucket - 1)               # no room for the bucket
+
+
+def test_run_key_values_and_errors():
+    assert [resolve_executor(s, "cpu") for s in ("auto", "on", "off", "eager", "replay")] == \
+        [None, "eager", None, "eager", "replay"]
+    assert resolve_executor("on", "cuda") == "cuda" and resolve_executor("off", "cuda:1") is None
+    assert resolve_executor("auto", "cuda") == ("cuda" if G.AUTO_ON_CUDA else None)
+    cfg = apply_overrides(DEFAULT, ["model.graphs=on", "graph_buckets=2,8"])
+    assert cfg.model.graphs == "on" and cfg.model.graph_buckets == "2,8"
+    for bad, words in ((["model.graphs=yes"], "model.graphs='yes' is not valid; choose one of auto, on, off"),
+                       (["model.graph_buckets=8,4"], "strictly increasing"),
+                       (["model.graph_buckets=0,4"], "positive"), (["model.graph_buckets=a"], "e.g. 1,4,8")):
+        with pytest.raises(ConfigError) as e:
+            apply_overrides(DEFAULT, bad)
+        assert words in str(e.value) and "\n" not in str(e.value)
+
+
+# -- a stage block: static = dynamic ------------------------------------------------------------------------------
+
+class _Stage(torch.nn.Module):
+    """A stage model stand-in: a LayerBlock called as StageModel is (``model(x, positions, mask, cache)``)."""
+
+    def __init__(self, block) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, positions, mask, cache):
+        return self.block(x, positions, mask, cache)
+
+
+def _stage_run(stage, cache_len=64):
+    """A 7-token context chunk, a 6-node tree segment, a decision keeping node 0 + its subtree (accepting node 0),
+    3 more nodes, one node alone and a 2-token context after truncation: each forward's output and the cache."""
+    blk = stage.model.block if isinstance(stage, StaticStage) else stage.block
+    cache = blk.new_cache(cache_len, torch.float64, "cpu")
+    g = torch.Generator().manual_seed(1)
+    h = blk.layers[0].self_attn.q_proj.in_features
+    outs = []
+    x = torch.randn(1, 7, h, generator=g, dtype=torch.float64)
+    pos, mask = cache.context_inputs(7, torch.float64)
+    outs.append(stage(x, pos, mask, cache))
+    cache.commit_forward(7, as_context=True)
+    for parents in (torch.tensor([-1, 0, 0, 1, 1, 2]), None, torch.tensor([0, 2, 3]), torch.tensor([4]), "ctx"):
+        if parents is None:
+            cache.apply_keep(torch.tensor([0, 1, 3, 4]), 1)
+            continue
+        if isinstance(parents, str):
+            cache.truncate_tree()
+            pos, mask = cache.context_inputs(2, torch.float64)
+            outs.append(stage(torch.randn(1, 2, h, generator=g, dtype=torch.float64), pos, mask, cache))
+            cache.commit_forward(2, as_context=True)
+            continue
+        y = torch.randn(1, len(parents), h, generator=g, dtype=torch.float64)
+        pos, mask, anc, depth = cache.tree_inputs(parents, torch.float64)
+        outs.append(stage(y, pos, mask, cache))
+        cache.commit_forward(len(parents), as_context=False, anc=anc, depth=depth)
+    return outs, cache
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_stage_static_forward_equals_dynamic(executor):
+    ref_outs, ref_cache = _stage_run(_Stage(block_for("llama")))
+    stage = StaticStage(_Stage(block_for("llama")), make_executor(executor), (1, 4, 8))
+    outs, cache = _stage_run(stage)
+    assert (stage.stats[8], stage.stats[4], stage.stats[1], stage.stats['dynamic']) == (2, 2, 1, 0)
+    for a, b in zip(outs, ref_outs, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    n = cache.length
+    assert n == ref_cache.length and cache.context_len == ref_cache.context_len
+    torch.testing.assert_close(cache.keys[..., :n, :], ref_cache.keys[..., :n, :], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(cache.values[..., :n, :], ref_cache.values[..., :n, :], rtol=1e-12, atol=1e-12)
+
+
+def test_stage_falls_back_to_dynamic_beyond_the_buckets_and_near_capacity():
+    ref_outs, _ = _stage_run(_Stage(block_for("llama")), cache_len=15)
+    stage = StaticStage(_Stage(block_for("llama")), make_executor("replay"), (1, 5))
+    outs, _ = _stage_run(stage, cache_len=15)
+    # dynamic: the 7-row chunk and the 6-row segment (no bucket), the 3 rows at 11 cached (11 + 5 > 15 slots)
+    assert (stage.stats["dynamic"], stage.stats[1], stage.stats[5]) == (3, 1, 1)
+    for a, b in zip(outs, ref_outs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+# -- the draft head: the same trees --------------------------------------------------------------------------------
+
+def _random_drafter(seed: int = 0, std: float = 0.2):
+    """A :class:`draft.drafter.Drafter` on a random EAGLE head (float64) whose attention is not so sharp that a key
+    more or less goes unnoticed (tests.test_drafters' ``std=0.5`` head gives a visible padding key ~1e-300 weight)."""
+    from transformers import LlamaConfig
+
+    from draft.drafter import Drafter
+    from draft.eagle import init_untrained_head
+    cfg = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                      num_key_value_heads=2, num_hidden_layers=1)
+    head = init_untrained_head(cfg, seed=seed).double().eval()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, std)
+    return Drafter(head, torch.nn.Linear(16, 40, bias=False).double(), 128)
+
+
+def _trees(executor, seed=0):
+    """A beam tree with per-node inputs/outputs, an expansion of it, and a small tree of width 3 (padded to 4)."""
+    d = _random_drafter(seed)
+    if executor:
+        d.static_head = static_head(d.head, executor, head_buckets((4,), (1, 8, 16, 32, 64)))
+        assert isinstance(d.static_head, StaticHead)
+    g = torch.Generator().manual_seed(1)
+    prompt = [1, 5, 9, 13, 22, 7, 5, 9, 13, 30, 5, 9]
+    h = d.start(prompt, 13, torch.randn(len(prompt), 16, generator=g, dtype=torch.float64))
+    tree, inputs, outputs, known = d.grow_tree_with_outputs(13, h, 40, 5, 4)
+    grown, grown_in = d.extend_tree(tree, inputs, h, 2, 4, 20)
+    h2 = d.commit(torch.tensor([4, 6]), torch.randn(2, 16, generator=g, dtype=torch.float64))
+    small = d.grow_tree(6, h2, 12, 3, 3)
+    return [tree, grown, small], [inputs, outputs, known, grown_in], d.static_head
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_static_head_drafts_exactly_the_dynamic_trees(executor):
+    ref_trees, ref_tensors, _ = _trees(None)
+    trees, tensors, static = _trees(executor)
+    assert static.stats[4] >= 8 and static.stats[64] == 1     # levels padded to the beam width, the re-feed to 64
+    for a, b in zip(trees, ref_trees, strict=True):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+        torch.testing.assert_close(a.scores, b.scores, rtol=1e-12, atol=1e-12)
+    for a, b in zip(tensors, ref_tensors, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_static_head_only_for_lean_eagle_heads():
+    d = _random_drafter(0)
+    assert static_head(d.head, None, (4,)) is None
+    from model.layers import set_lean
+    set_lean(d.head, False)
+    assert static_head(d.head, "eager", (4,)) is None
+
+
+# -- end to end ----------------------------------------------------------------------------------------------------
+
+MODES = ["ar", "naive", "pruned", "continuous", "pipedec"]
+PROMPTS = [[1, 5, 9, 13, 22, 7], [1, 40, 41, 42, 43, 44, 45, 46, 47]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("graphs")
+    full = tiny_llama(root / "full", layers=4, dtype=torch.float64)
+    return full, split_checkpoint(full, root / "s3", [0, 2, 2], progress=False)
+
+
+@pytest.fixture
+def static_calls(monkeypatch):
+    """Counts the static forwards that ran, by what they ran (a StageModel or an EagleHead)."""
+    calls: dict[str, int] = {}
+    run = G.StaticForward.run
+
+    def counting(self, *args):
+        name = type(getattr(self.body, "__self__", self.body)).__name__
+        calls[name] = calls.get(name, 0) + 1
+        return run(self, *args)
+    monkeypatch.setattr(G.StaticForward, "run", counting)
+    return calls
+
+
+def _generate(tiny, graphs: str, modes=MODES, max_new=14):
+    full, stages = tiny
+    res = run_threaded(stages, PROMPTS, modes, ["max_new_tokens=%d" % max_new, "dtype=float64",
+                                                "model.max_seq_len=256", f"model.graphs={graphs}"], {2}, None)
+    return {m: [r.output_ids for r in rows] for m, rows in res.items()}
+
+
+def _hf(tiny, max_new=14):
+    return [hf_greedy(tiny[0], p, max_new, {2}, torch.float64) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_tree_modes_equal_hf_on_static_shapes(tiny, static_calls, executor):
+    out = _generate(tiny, executor)
+    ref = _hf(tiny)
+    assert all(out[m] == ref for m in MODES), {m: out[m] for m in MODES if out[m] != ref}
+    assert static_calls.get("StageModel", 0) > 100 and static_calls.get("EagleHead", 0) > 50, static_calls
+
+
+def test_graphs_off_and_auto_on_cpu_run_no_static_forward(tiny, static_calls):
+    _generate(tiny, "auto", modes=["continuous"], max_new=4)
+    _generate(tiny, "off", modes=["continuous"], max_new=4)
+    assert static_calls == {}
+
+
+@pytest.mark.skipif(not STORIES.is_dir(), reason="../shared is not available")
+def test_stories260k_tree_modes_equal_hf_on_static_shapes(tmp_path, static_calls):
+    stages = split_checkpoint(STORIES, tmp_path / "stages", [0, 3, 2], progress=False)
+    prompts = [[1, 365, 147, 471, 263, 221], [1, 90, 250, 263, 93, 298, 27, 471]]
+    res = run_threaded(stages, prompts, ["naive", "continuous", "pipedec"],
+                       ["max_new_tokens=24", "dtype=float32", "model.max_seq_len=192", "model.graphs=replay"], {2},
+                       None, dtype=torch.float32)
+    for p, *rows in zip(prompts, *res.values()):
+        ref = hf_greedy(STORIES, p, 24, {2}, torch.float32)
+        assert all(r.output_ids == ref for r in rows)
+    assert static_calls.get("StageModel", 0) > 0 and static_calls.get("EagleHead", 0) > 0
+
+
+# -- planted bugs: each must break a test above ---------------------------------------------------------------------
+
+def _visible_padding(mask, n, bucket, length, capacity):
+    """Bug: the padding rows' slots left unmasked for the real rows."""
+    out = static_mask(mask, n, bucket, length, capacity)
+    out[0, 0, :n, length + n:length + bucket] = 0
+    return out
+
+
+def _slots_over_real_rows(length, bucket, device):
+    """Bug: the rows written in reverse (padding rows land on the slots the real rows are committed at)."""
+    return torch.arange(length + bucket - 1, length - 1, -1, device=device)
+
+
+@pytest.mark.parametrize("where,bug", [("static_mask", _visible_padding), ("static_slots", _slots_over_real_rows)])
+def test_planted_padding_bugs_break_equality(tiny, monkeypatch, where, bug):
+    monkeypatch.setattr(G, where, bug)
+    with pytest.raises(AssertionError):
+        test_stage_static_forward_equals_dynamic("eager")
+    with pytest.raises(AssertionError):
+        test_static_head_drafts_exactly_the_dynamic_trees("eager")
+    out = _generate(tiny, "eager", modes=["continuous", "naive"])
+    assert out != {m: _hf(tiny) for m in ("continuous", "naive")}
+
+
+@pytest.mark.parametrize("where,bug", [("copy_in", lambda bufs, xs: None), ("copy_out", lambda out: out)])
+def test_planted_copy_bugs_break_the_recorded_path(monkeypatch, where, bug):
+    monkeypatch.setattr(G, where, bug)
+    with pytest.raises(AssertionError):
+        test_static_head_drafts_exactly_the_dynamic_trees("replay")
+    if where == "copy_in":
+        with pytest.raises(AssertionError):
+            test_stage_static_forward_equals_dynamic("replay")
