@@ -30,6 +30,7 @@ shared output buffer gives wrong answers there too).
 """
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -155,6 +156,9 @@ def copy_out(output: Tensor) -> Tensor:
     return output.clone()
 
 
+_CAPTURE_LOCK = threading.Lock()
+
+
 class GraphExecutor:
     """Records a forward once per ``key`` on static input buffers, then: copy the inputs in, replay, copy the output
     out (a fresh tensor: the static output is overwritten by the next replay).
@@ -192,15 +196,17 @@ class GraphExecutor:
             def replay() -> None:
                 out.copy_(body(*bufs))
             return Recording(bufs, out, replay, owner)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(self.warmup):
-                body(*bufs)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = body(*bufs)
+        with _CAPTURE_LOCK:   # one capture at a time per process (the in-process API runs every rank as a thread)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(self.warmup):
+                    body(*bufs)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: other ranks' threads of the same process may keep launching work while this one captures
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                out = body(*bufs)
         return Recording(bufs, out, graph.replay, owner, graph)
 
 
@@ -244,7 +250,8 @@ class StaticForward:
         def padded(*xs: Tensor) -> Tensor:
             *rs, pos, m, slots = xs
             return body(*rs, pos, m, SlotCache(cache, slots))
-        return self.executor.run(key, padded, inputs, owner=cache)[:, :n]
+        with torch.no_grad():     # inference only: a recorded forward must not build an autograd graph
+            return self.executor.run(key, padded, inputs, owner=cache)[:, :n]
 
 
 def static_stage(model, executor_kind: str | None, buckets: tuple[int, ...] = STAGE_BUCKETS):

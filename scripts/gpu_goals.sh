@@ -10,7 +10,10 @@
 # MODES=ar,naive,pipedec,continuous, PYTHON=python3, BENCH_DIR=OUT_DIR/bench (the whole bench folder). Writes
 # OUT_DIR/summary.md, summary.csv, rows.jsonl, gantt_continuous.png and bench.log, then layerbench.md/json
 # (pipeline.tools.layerbench on the GPU: a stage step and rank 0's drafting calls, transformers vs lean layers;
-# LAYERBENCH=0 skips it). Exit status: the bench's (3 when some output differs from ar's at T = 0).
+# LAYERBENCH=0 skips it), then graphbench.md/json (pipeline.tools.graphbench: a draft level of the head and a stage
+# step, dynamic shapes vs CUDA graphs; GRAPHS=0 skips it and the next part) and graphs/summary.md, summary.csv
+# (the bench again with model.graphs=on, GRAPH_MODES=ar,continuous + HF generate: continuous vs ar vs HF with graphs).
+# Exit status: the bench's (3 when some output differs from ar's at T = 0), else the graph bench's.
 # Example, on the lent machine after `bash .device/setup.sh`: N=6 bash scripts/gpu_goals.sh "$OUT/goals"
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -34,5 +37,16 @@ done
 if [[ "${LAYERBENCH:-1}" != 0 ]]; then
   OMP_NUM_THREADS=1 "$PY" -m pipeline.tools.layerbench --device cuda --json "$OUT/layerbench.json" "$@" \
     > "$OUT/layerbench.md" 2> "$OUT/layerbench.log" || echo "gpu_goals: layerbench failed (see layerbench.log)" >&2
+fi
+if [[ "${GRAPHS:-1}" != 0 ]]; then
+  OMP_NUM_THREADS=1 timeout 120 "$PY" -m pipeline.tools.graphbench --device cuda --json "$OUT/graphbench.json" "$@" \
+    > "$OUT/graphbench.md" 2> "$OUT/graphbench.log" || echo "gpu_goals: graphbench failed (see graphbench.log)" >&2
+  GB="$OUT/graphs"
+  OMP_NUM_THREADS=1 "$PY" -m pipeline.tools.bench --prompts-file "$Q" --begin "$BEGIN" -n "$N" \
+    --modes "${GRAPH_MODES:-ar,continuous}" --hf-generate --quiet --out-dir "$GB" device=cuda \
+    max_new_tokens="$TOKENS" model.graphs=on "$@" > "$OUT/graphs_bench.log" 2>&1
+  grc=$?
+  [[ $rc == 0 ]] && rc=$grc
+  tail -n 30 "$OUT/graphs_bench.log"
 fi
 exit "$rc"

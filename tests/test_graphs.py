@@ -92,16 +92,16 @@ class _Stage(torch.nn.Module):
         return self.block(x, positions, mask, cache)
 
 
-def _stage_run(stage, cache_len=64):
+def _stage_run(stage, cache_len=64, device="cpu", dtype=torch.float64):
     """A 7-token context chunk, a 6-node tree segment, a decision keeping node 0 + its subtree (accepting node 0),
     3 more nodes, one node alone and a 2-token context after truncation: each forward's output and the cache."""
     blk = stage.model.block if isinstance(stage, StaticStage) else stage.block
-    cache = blk.new_cache(cache_len, torch.float64, "cpu")
+    cache = blk.new_cache(cache_len, dtype, device)
     g = torch.Generator().manual_seed(1)
     h = blk.layers[0].self_attn.q_proj.in_features
     outs = []
-    x = torch.randn(1, 7, h, generator=g, dtype=torch.float64)
-    pos, mask = cache.context_inputs(7, torch.float64)
+    x = torch.randn(1, 7, h, generator=g, dtype=dtype).to(device)
+    pos, mask = cache.context_inputs(7, dtype)
     outs.append(stage(x, pos, mask, cache))
     cache.commit_forward(7, as_context=True)
     for parents in (torch.tensor([-1, 0, 0, 1, 1, 2]), None, torch.tensor([0, 2, 3]), torch.tensor([4]), "ctx"):
@@ -110,12 +110,12 @@ def _stage_run(stage, cache_len=64):
             continue
         if isinstance(parents, str):
             cache.truncate_tree()
-            pos, mask = cache.context_inputs(2, torch.float64)
-            outs.append(stage(torch.randn(1, 2, h, generator=g, dtype=torch.float64), pos, mask, cache))
+            pos, mask = cache.context_inputs(2, dtype)
+            outs.append(stage(torch.randn(1, 2, h, generator=g, dtype=dtype).to(device), pos, mask, cache))
             cache.commit_forward(2, as_context=True)
             continue
-        y = torch.randn(1, len(parents), h, generator=g, dtype=torch.float64)
-        pos, mask, anc, depth = cache.tree_inputs(parents, torch.float64)
+        y = torch.randn(1, len(parents), h, generator=g, dtype=dtype).to(device)
+        pos, mask, anc, depth = cache.tree_inputs(parents, dtype)
         outs.append(stage(y, pos, mask, cache))
         cache.commit_forward(len(parents), as_context=False, anc=anc, depth=depth)
     return outs, cache
@@ -148,7 +148,7 @@ def test_stage_falls_back_to_dynamic_beyond_the_buckets_and_near_capacity():
 
 # -- the draft head: the same trees --------------------------------------------------------------------------------
 
-def _random_drafter(seed: int = 0, std: float = 0.2):
+def _random_drafter(seed: int = 0, std: float = 0.2, device="cpu", dtype=torch.float64):
     """A :class:`draft.drafter.Drafter` on a random EAGLE head (float64) whose attention is not so sharp that a key
     more or less goes unnoticed (tests.test_drafters' ``std=0.5`` head gives a visible padding key ~1e-300 weight)."""
     from transformers import LlamaConfig
@@ -157,27 +157,27 @@ def _random_drafter(seed: int = 0, std: float = 0.2):
     from draft.eagle import init_untrained_head
     cfg = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_attention_heads=2,
                       num_key_value_heads=2, num_hidden_layers=1)
-    head = init_untrained_head(cfg, seed=seed).double().eval()
+    head = init_untrained_head(cfg, seed=seed).to(dtype).eval()
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in head.named_parameters():
             if "norm" not in name:
                 p.normal_(0, std)
-    return Drafter(head, torch.nn.Linear(16, 40, bias=False).double(), 128)
+    return Drafter(head.to(device), torch.nn.Linear(16, 40, bias=False).to(device, dtype), 128)
 
 
-def _trees(executor, seed=0):
+def _trees(executor, seed=0, device="cpu", dtype=torch.float64):
     """A beam tree with per-node inputs/outputs, an expansion of it, and a small tree of width 3 (padded to 4)."""
-    d = _random_drafter(seed)
+    d = _random_drafter(seed, device=device, dtype=dtype)
     if executor:
         d.static_head = static_head(d.head, executor, head_buckets((4,), (1, 8, 16, 32, 64)))
         assert isinstance(d.static_head, StaticHead)
     g = torch.Generator().manual_seed(1)
     prompt = [1, 5, 9, 13, 22, 7, 5, 9, 13, 30, 5, 9]
-    h = d.start(prompt, 13, torch.randn(len(prompt), 16, generator=g, dtype=torch.float64))
+    h = d.start(prompt, 13, torch.randn(len(prompt), 16, generator=g, dtype=dtype).to(device))
     tree, inputs, outputs, known = d.grow_tree_with_outputs(13, h, 40, 5, 4)
     grown, grown_in = d.extend_tree(tree, inputs, h, 2, 4, 20)
-    h2 = d.commit(torch.tensor([4, 6]), torch.randn(2, 16, generator=g, dtype=torch.float64))
+    h2 = d.commit(torch.tensor([4, 6]), torch.randn(2, 16, generator=g, dtype=dtype).to(device))
     small = d.grow_tree(6, h2, 12, 3, 3)
     return [tree, grown, small], [inputs, outputs, known, grown_in], d.static_head
 
@@ -300,3 +300,27 @@ def test_planted_copy_bugs_break_the_recorded_path(monkeypatch, where, bug):
     if where == "copy_in":
         with pytest.raises(AssertionError):
             test_stage_static_forward_equals_dynamic("replay")
+
+
+def test_graphbench_times_both_paths_and_checks_the_trees(tmp_path, capsys):
+    """``pipeline.tools.graphbench`` on a tiny split: a row per call with both paths' times and operator counts,
+    the same draft tree both ways, JSON written; bad input is one line and exit 2."""
+    import json
+
+    from pipeline.tools.graphbench import main
+    root = tmp_path / "stages"
+    split_checkpoint(tiny_llama(tmp_path / "full", layers=2), root, [0, 1, 1], progress=False)
+    out = tmp_path / "gb.json"
+    assert main(["--blocks", "1", "--repeat", "2", "--ctx", "8", "--executor", "replay", "--json", str(out),
+                 f"model.stage_dir={root}", "model.head_dir=untrained", "tree.total_token=20", "tree.depth=3"]) == 0
+    text = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    names = [r["call"] for r in data["rows"]]
+    assert names == ["head forward, 10 rows", "draft tree, per level (3 levels)", "stage step, 1 row (1 layers)",
+                     "stage step, 16 rows (1 layers)"]
+    assert data["same_tree"] is True and data["executor"] == "replay" and "same draft tree: yes" in text
+    assert all(r["dynamic_ms"] > 0 and r["static_ms"] > 0 and r["dynamic_ops"] > 0 for r in data["rows"])
+    assert main(["--stage", "5", f"model.stage_dir={root}"]) == 2
+    assert capsys.readouterr().err.strip() == f"graphbench: error: --stage 5: {root} has stages 1..2"
+    assert main(["--executor", "cuda", f"model.stage_dir={root}"]) == 2
+    assert capsys.readouterr().err.strip() == "graphbench: error: --executor cuda needs --device cuda"

@@ -1,0 +1,234 @@
+"""A draft level and a stage step with dynamic shapes against static shapes (CUDA graphs on a GPU), side by side in
+one run: ``python -m pipeline.tools.graphbench``.
+
+Static shapes (run key ``model.graphs``; :mod:`model.graphs`, :mod:`draft.static_head`) pad a forward's rows to a
+bucket and attend over the KV cache at capacity so that, on a GPU, each bucket's forward is one recorded CUDA graph.
+This times, on the run's own stage root and head (``key=value`` overrides as for ``pipeline.run``), on ``--device``:
+
+* ``head forward, k rows``: one EAGLE-1/2 head forward over a beam level of ``tree.top_k`` rows (the level's
+  model work: what a graph replaces);
+* ``draft tree, per level``: a whole EAGLE-2 tree of ``tree.depth`` levels (head forwards, the draft ``lm_head``'s
+  top-k, the beam's bookkeeping) divided by its levels;
+* ``stage step, w rows``: one verification stage's layers (``--stage``) on a ``w``-row tree segment after a
+  ``--ctx``-token context.
+
+Each call runs ``--repeat`` times per block, dynamic then static, for ``--blocks`` alternating blocks (load drift
+hits both alike); the table gives the median milliseconds of each, their ratio, and each call's dispatched aten
+operators counted once (:mod:`pipeline.tools.opcount`; a replayed graph dispatches none of its forward's operators).
+The static executor is ``--executor`` (default: what ``model.graphs=on`` picks on the device: ``cuda`` graphs on a
+GPU, the ``eager`` twin on a CPU; ``replay`` also works anywhere). Exit status 3 when the static path drafted a
+different tree than the dynamic one (it must not: ``tests/test_graphs.py``).
+
+Example::
+
+    python -m pipeline.tools.graphbench --device cuda --json outputs/graphbench.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from config.invocation import prog
+
+
+class GraphBenchError(ValueError):
+    pass
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from pipeline.cli import DefaultsOnce
+    p = argparse.ArgumentParser(
+        prog=prog("pipeline.tools.graphbench"), description=__doc__.split("\n\n")[0], formatter_class=DefaultsOnce,
+        epilog="Example: python -m pipeline.tools.graphbench --device cpu --repeat 10 --blocks 2 "
+               "model.stage_dir=/path/to/stages")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16", "float64"))
+    p.add_argument("--executor", choices=("eager", "replay", "cuda"), help="static executor (default: cuda on a "
+                   "GPU, eager on a CPU)")
+    p.add_argument("--stage", type=int, default=2, help="verification stage whose layers are timed (rank >= 2)")
+    p.add_argument("--rows", default="1,16", help="comma-separated segment sizes for the stage step")
+    p.add_argument("--ctx", type=int, default=256, help="context tokens cached before every timed call")
+    p.add_argument("--repeat", type=int, default=20, help="timed calls per block")
+    p.add_argument("--blocks", type=int, default=3, help="alternating blocks per setting")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
+    p.add_argument("--no-count", action="store_true", help="skip the operator counts")
+    p.add_argument("--json", help="also write the table as JSON here")
+    p.add_argument("overrides", nargs="*", help="key=value run overrides (model.stage_dir, model.head_dir, tree.*)")
+    args = p.parse_args(argv)
+    if args.repeat < 1 or args.blocks < 1 or args.ctx < 1:
+        p.error("--repeat, --blocks and --ctx must be >= 1")
+    try:
+        args.rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        p.error(f"--rows takes comma-separated integers, got {args.rows!r}")
+    if any(r < 1 for r in args.rows) or args.stage < 2:
+        p.error("--rows must be >= 1 and --stage >= 2")
+    return args
+
+
+def _setup(args, cfg, stage_root: Path):
+    """``(calls, toggle, check)``: ``calls`` = ``[(name, fn, levels)]``; ``toggle(static)`` switches every call
+    between the dynamic and the static path; ``check()`` -> whether both paths draft the same tree."""
+    import torch
+
+    from config.run_config import apply_overrides, parse_graph_buckets
+    from draft.static_head import head_buckets, static_head
+    from model.graphs import StaticStage, make_executor, resolve_executor
+    from model.stage_format import read_manifest
+    from pipeline.build import load_rank_stage, make_drafter
+    world = len(read_manifest(stage_root)["split"])
+    if args.stage >= world:
+        raise GraphBenchError(f"--stage {args.stage}: {stage_root} has stages 1..{world - 1}")
+    kind = args.executor or resolve_executor("on", args.device)
+    if kind == "cuda" and not args.device.startswith("cuda"):
+        raise GraphBenchError("--executor cuda needs --device cuda")
+    dtype, dev = getattr(torch, args.dtype), torch.device(args.device)
+    cfg = apply_overrides(cfg, ["model.graphs=off", "draft.sources=eagle"])     # the paths are toggled here
+    stage = load_rank_stage(cfg, stage_root, args.stage, world, dtype, args.device)
+    rank0 = load_rank_stage(cfg, stage_root, 0, world, dtype, args.device)
+    drafter = make_drafter(cfg, stage_root, rank0, dtype, args.device)
+    if not hasattr(drafter, "static_head") or not hasattr(getattr(drafter, "head", None), "block"):
+        raise GraphBenchError("the drafter has no EAGLE-1/2 head (model.head_dir): nothing to put on static shapes")
+    buckets = parse_graph_buckets(cfg.model.graph_buckets)
+    t = cfg.tree
+    sh = static_head(drafter.head, kind, head_buckets((t.top_k, t.init_topk, t.expand_topk), buckets))
+    ss = StaticStage(stage, make_executor(kind), buckets)
+    if sh is None:
+        raise GraphBenchError("the head does not run lean layers (model.lean_layers=false?): no static path")
+    hidden = rank0.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    cache = stage.block.new_cache(args.ctx + max(max(args.rows), max(buckets)) + 8, dtype, dev)
+    pos, mask = cache.context_inputs(args.ctx, dtype)
+    with torch.no_grad():
+        stage(torch.randn(1, args.ctx, hidden, generator=g).to(dev, dtype), pos, mask, cache)
+    cache.commit_forward(args.ctx, as_context=True)
+    state = {"static": False}
+
+    def stage_step(w: int):
+        x = torch.randn(1, w, hidden, generator=g).to(dev, dtype)
+        parents = torch.arange(-1, w - 1)
+
+        def call():
+            p, m, anc, depth = cache.tree_inputs(parents, dtype)
+            with torch.no_grad():
+                (ss if state["static"] else stage)(x, p, m, cache)
+            cache.truncate_tree()
+        return call
+
+    prompt = [int(v) for v in torch.randint(3, rank0.config.vocab_size, (args.ctx,), generator=g)]
+    root_hidden = drafter.start(prompt, 5, torch.randn(args.ctx, hidden, generator=g).to(dev, dtype))
+    k = t.top_k
+    rows = torch.randn(k, hidden, generator=g).to(dev, dtype)
+
+    def head_forward():
+        drafter.tree_forward(torch.arange(k), rows, torch.full((k,), -1))
+        drafter.drop_tree()
+
+    def tree():
+        return drafter.grow_tree(5, root_hidden, t.total_token, t.depth, k)
+
+    def toggle(static: bool) -> None:
+        state["static"] = static
+        drafter.static_head = sh if static else None
+
+    def check() -> bool:
+        toggle(False)
+        a = tree()
+        toggle(True)
+        b = tree()
+        return torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+
+    calls = [(f"head forward, {k} rows", head_forward, 0), (f"draft tree, per level ({t.depth} levels)", tree,
+                                                            t.depth)]
+    calls += [(f"stage step, {w} row{'s' if w > 1 else ''} ({stage.num_layers} layers)", stage_step(w), 0)
+              for w in args.rows]
+    device = [stage, rank0, cache.keys, cache.values, root_hidden, rows, drafter.head, drafter.cache.keys,
+              drafter.cache.values]
+    return calls, toggle, check, kind, (device, [stage, drafter.head, drafter.lm_head])
+
+
+def measure(args, calls, toggle, counted) -> list[dict]:
+    from pipeline.tools.opcount import count_call
+    from pipeline.tools.profile import timed_call
+    cuda = args.device.startswith("cuda")
+    out = []
+    for name, fn, levels in calls:
+        times = {False: [], True: []}
+        for static in (False, True):                     # warm both (the static path records its graphs here)
+            toggle(static)
+            for _ in range(3):
+                timed_call(fn, cuda)
+        for i in range(args.blocks):
+            for static in ((False, True) if i % 2 == 0 else (True, False)):
+                toggle(static)
+                times[static] += [timed_call(fn, cuda) for _ in range(args.repeat)]
+        per = max(levels, 1)
+        dyn, sta = (statistics.median(times[s]) * 1e3 / per for s in (False, True))
+        row = {"call": name, "dynamic_ms": round(dyn, 4), "static_ms": round(sta, 4),
+               "static_vs_dynamic": round(sta / dyn, 3) if dyn else None}
+        if counted is not None:
+            for static in (False, True):
+                toggle(static)
+                c = count_call(fn, *counted[0], model=counted[1])
+                row["static_ops" if static else "dynamic_ops"] = round(c.ops / per, 1)
+        out.append(row)
+    toggle(False)
+    return out
+
+
+def table(rows: list[dict], header: str) -> str:
+    counted = "dynamic_ops" in rows[0]
+    cols = ["dynamic, ms", "static, ms", "static / dynamic"] + (["dynamic aten ops", "static aten ops"] if counted
+                                                                 else [])
+    out = [header, "", "| call | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for r in rows:
+        cells = [f"{r['dynamic_ms']:.3f}", f"{r['static_ms']:.3f}", str(r["static_vs_dynamic"])]
+        if counted:
+            cells += [str(r["dynamic_ops"]), str(r["static_ops"])]
+        out.append(f"| {r['call']} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        import torch
+
+        from config.run_config import DEFAULT, ConfigError, apply_overrides
+        from model.default_model import resolve_stage_root
+        from pipeline.build import SetupError
+        try:
+            cfg = apply_overrides(DEFAULT, args.overrides)
+        except ConfigError as e:
+            raise GraphBenchError(str(e)) from None
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            raise GraphBenchError(f"--device {args.device}: no CUDA device here")
+        torch.set_num_threads(args.threads)
+        stage_root = resolve_stage_root(cfg.model.stage_dir)
+        try:
+            calls, toggle, check, kind, counted = _setup(args, cfg, stage_root)
+        except SetupError as e:
+            raise GraphBenchError(str(e)) from None
+        same = check()
+        rows = measure(args, calls, toggle, None if args.no_count else counted)
+    except GraphBenchError as e:
+        print(f"graphbench: error: {e}", file=sys.stderr)
+        return 2
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU, {args.threads} thread(s)"
+    header = (f"# Dynamic vs static shapes ({kind} executor; {stage_root.name}, {args.dtype}, {where}, context "
+              f"{args.ctx}; median of {args.blocks} x {args.repeat} calls each; same draft tree: "
+              f"{'yes' if same else 'NO'})")
+    print(table(rows, header))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"device": where, "executor": kind, "stage_root": str(stage_root),
+                                               "dtype": args.dtype, "ctx": args.ctx, "same_tree": same,
+                                               "rows": rows}, indent=1) + "\n")
+    return 0 if same else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
