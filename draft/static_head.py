@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from draft.eagle import EagleHead
-from model.graphs import STAGE_BUCKETS, StaticForward, make_executor
+from model.graphs import STAGE_BUCKETS, StaticForward, make_executor, static_ok
 
 Tensor = torch.Tensor
 
@@ -50,7 +50,8 @@ class StaticHead:
 
 def static_head(head, executor_kind: str | None, buckets: tuple[int, ...]) -> StaticHead | None:
     """A :class:`StaticHead` for ``head``, or None where drafting keeps dynamic shapes: no executor, a head other
-    than :class:`draft.eagle.EagleHead` (EAGLE-3, test drafters), or a head whose layer does not run lean."""
-    if executor_kind is None or type(head) is not EagleHead or not getattr(head.block, "lean", False):
+    than :class:`draft.eagle.EagleHead` (EAGLE-3, test drafters), or a layer :func:`model.graphs.static_ok` refuses
+    (not lean; a position-dependent rotary scaling under CUDA graphs)."""
+    if type(head) is not EagleHead or not static_ok(head.block, executor_kind):
         return None
     return StaticHead(head, make_executor(executor_kind), buckets)

@@ -244,7 +244,7 @@ class StaticForward:
         inputs.append(pad_rows(positions.to(dev), bucket))
         inputs.append(static_mask(mask, n, bucket, length, cache.max_len).to(dev))
         inputs.append(static_slots(length, bucket, dev))
-        key = (id(cache), bucket, tuple((x.dtype, tuple(x.shape[2:])) for x in rows))
+        key = (id(cache), cache.keys.data_ptr(), bucket, tuple((x.dtype, tuple(x.shape[2:])) for x in rows))
         body = self.body
 
         def padded(*xs: Tensor) -> Tensor:
@@ -254,12 +254,21 @@ class StaticForward:
             return self.executor.run(key, padded, inputs, owner=cache)[:, :n]
 
 
-def static_stage(model, executor_kind: str | None, buckets: tuple[int, ...] = STAGE_BUCKETS):
-    """A stage's static forward (:class:`StaticStage`), or None where the stage keeps dynamic shapes: no executor,
-    no decoder layers, or layers that do not run lean (quantized or other attention layouts: the static path needs
-    :func:`model.lean_layer.lean_forward`'s cache access)."""
-    block = getattr(model, "block", None)
+def static_ok(block, executor_kind: str | None) -> bool:
+    """Whether a :class:`model.layers.LayerBlock` can run on static shapes with ``executor_kind``: an executor, lean
+    layers (quantized or other attention layouts keep the transformers path, whose cache access the static path
+    does not cover), and for CUDA graphs a rotary embedding that does not resize itself from the positions' values
+    (``dynamic`` / ``longrope`` read them on the host: a synchronisation, which a capture refuses)."""
     if executor_kind is None or block is None or not getattr(block, "lean", False):
+        return False
+    rope = getattr(getattr(block, "rotary_emb", None), "rope_type", "default")
+    return executor_kind != "cuda" or rope not in ("dynamic", "longrope")
+
+
+def static_stage(model, executor_kind: str | None, buckets: tuple[int, ...] = STAGE_BUCKETS):
+    """A stage's static forward (:class:`StaticStage`), or None where the stage keeps dynamic shapes (no decoder
+    layers, or :func:`static_ok` says no)."""
+    if not static_ok(getattr(model, "block", None), executor_kind):
         return None
     return StaticStage(model, make_executor(executor_kind), buckets)
 
