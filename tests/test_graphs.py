@@ -324,3 +324,32 @@ def test_graphbench_times_both_paths_and_checks_the_trees(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"graphbench: error: --stage 5: {root} has stages 1..2"
     assert main(["--executor", "cuda", f"model.stage_dir={root}"]) == 2
     assert capsys.readouterr().err.strip() == "graphbench: error: --executor cuda needs --device cuda"
+
+
+def test_launched_ranks_on_static_shapes_equal_hf(tiny, tmp_path):
+    """The rank entry point (``pipeline.run`` through ``pipeline.build``) with ``model.graphs=replay`` on 3 CPU
+    ranks: the tree modes equal HF generate (tests/test_e2e.py's helpers)."""
+    from tests.test_e2e import _check_against_hf, _run
+    full, stages = tiny
+    rows = _run(3, stages, tmp_path / "o.jsonl", PROMPTS, 12, ("model.graphs=replay", "model.max_seq_len=512"),
+                modes="naive,continuous,pipedec")
+    _check_against_hf(rows, full, 12, {2}, torch.float64, 3 * len(PROMPTS))
+
+
+@pytest.mark.parametrize("graphs,kind", [("off", None), ("auto", None), ("on", "eager"), ("replay", "replay")])
+def test_build_installs_the_static_paths_from_the_run_key(tiny, graphs, kind):
+    """``pipeline.build`` (what every rank entry point builds through) puts the stage worker and the EAGLE drafter
+    on static shapes as ``model.graphs`` says (on a CPU: on = the eager twin; auto = off until measured on a GPU),
+    and never an online-learning head."""
+    from pipeline.build import load_rank_stage, make_drafter, make_stage_worker
+    from pipeline.local_ring import LocalComm, LocalRing
+    full, stages = tiny
+    cfg = apply_overrides(DEFAULT, [f"model.stage_dir={stages}", f"model.graphs={graphs}", "draft.sources=eagle"])
+    stage = load_rank_stage(cfg, stages, 1, 3, torch.float64, "cpu")
+    worker = make_stage_worker(cfg, LocalComm(LocalRing(3), 1), stage, torch.float64, "cpu")
+    drafter = make_drafter(cfg, stages, load_rank_stage(cfg, stages, 0, 3, torch.float64, "cpu"), torch.float64,
+                           "cpu")
+    for static in (worker.static, drafter.static_head):
+        assert (static is None) if kind is None else (static.static.executor.kind == kind)
+    if kind is not None:
+        assert 10 in drafter.static_head.static.buckets and worker.static.static.buckets == (1, 4, 8, 16, 32, 64)
