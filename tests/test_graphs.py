@@ -320,6 +320,8 @@ def test_graphbench_times_both_paths_and_checks_the_trees(tmp_path, capsys):
                      "stage step, 16 rows (1 layers)"]
     assert data["same_tree"] is True and data["executor"] == "replay" and "same draft tree: yes" in text
     assert all(r["dynamic_ms"] > 0 and r["static_ms"] > 0 and r["dynamic_ops"] > 0 for r in data["rows"])
+    # a replayed graph dispatches none of its forward's operators: what is left is copy-in, padding and bookkeeping
+    assert all(r["graph_ops"] < r["dynamic_ops"] < r["static_ops"] for r in data["rows"])
     assert main(["--stage", "5", f"model.stage_dir={root}"]) == 2
     assert capsys.readouterr().err.strip() == f"graphbench: error: --stage 5: {root} has stages 1..2"
     assert main(["--executor", "cuda", f"model.stage_dir={root}"]) == 2

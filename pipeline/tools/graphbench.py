@@ -14,7 +14,9 @@ This times, on the run's own stage root and head (``key=value`` overrides as for
 
 Each call runs ``--repeat`` times per block, dynamic then static, for ``--blocks`` alternating blocks (load drift
 hits both alike); the table gives the median milliseconds of each, their ratio, and each call's dispatched aten
-operators counted once (:mod:`pipeline.tools.opcount`; a replayed graph dispatches none of its forward's operators).
+operators counted once (:mod:`pipeline.tools.opcount`): dynamic, static, and "graph": what is left on the host when
+every static forward is a replayed graph (a replay dispatches none of its forward's operators; on a CPU counted with
+recorded replays whose re-run forward is not counted, so copy-in, padding, mask, copy-out and the bookkeeping remain).
 The static executor is ``--executor`` (default: what ``model.graphs=on`` picks on the device: ``cuda`` graphs on a
 GPU, the ``eager`` twin on a CPU; ``replay`` also works anywhere). Exit status 3 when the static path drafted a
 different tree than the dynamic one (it must not: ``tests/test_graphs.py``).
@@ -95,9 +97,12 @@ def _setup(args, cfg, stage_root: Path):
     buckets = parse_graph_buckets(cfg.model.graph_buckets)
     t = cfg.tree
     sh = static_head(drafter.head, kind, head_buckets((t.top_k, t.init_topk, t.expand_topk), buckets))
-    ss = StaticStage(stage, make_executor(kind), buckets)
     if sh is None:
         raise GraphBenchError("the head does not run lean layers (model.lean_layers=false?): no static path")
+    ss = StaticStage(stage, make_executor(kind), buckets)
+    hb = head_buckets((t.top_k, t.init_topk, t.expand_topk), buckets)
+    graph_head, graph_stage = (sh, ss) if kind == "cuda" else (
+        static_head(drafter.head, "replay", hb), StaticStage(stage, make_executor("replay"), buckets))
     hidden = rank0.config.hidden_size
     g = torch.Generator().manual_seed(0)
     cache = stage.block.new_cache(args.ctx + max(max(args.rows), max(buckets)) + 8, dtype, dev)
@@ -105,7 +110,8 @@ def _setup(args, cfg, stage_root: Path):
     with torch.no_grad():
         stage(torch.randn(1, args.ctx, hidden, generator=g).to(dev, dtype), pos, mask, cache)
     cache.commit_forward(args.ctx, as_context=True)
-    state = {"static": False}
+    state = {"mode": "dynamic"}
+    paths = {"dynamic": (None, stage), "static": (sh, ss), "graph": (graph_head, graph_stage)}
 
     def stage_step(w: int):
         x = torch.randn(1, w, hidden, generator=g).to(dev, dtype)
@@ -114,7 +120,7 @@ def _setup(args, cfg, stage_root: Path):
         def call():
             p, m, anc, depth = cache.tree_inputs(parents, dtype)
             with torch.no_grad():
-                (ss if state["static"] else stage)(x, p, m, cache)
+                paths[state["mode"]][1](x, p, m, cache)
             cache.truncate_tree()
         return call
 
@@ -130,16 +136,34 @@ def _setup(args, cfg, stage_root: Path):
     def tree():
         return drafter.grow_tree(5, root_hidden, t.total_token, t.depth, k)
 
-    def toggle(static: bool) -> None:
-        state["static"] = static
-        drafter.static_head = sh if static else None
+    def toggle(mode) -> None:
+        """``mode``: False / "dynamic", True / "static", or "graph" (counting only: see the module docstring)."""
+        mode = {False: "dynamic", True: "static"}.get(mode, mode)
+        state["mode"] = mode
+        drafter.static_head = paths[mode][0]
 
     def check() -> bool:
-        toggle(False)
-        a = tree()
-        toggle(True)
-        b = tree()
-        return torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+        trees = []
+        for mode in ("dynamic", "static", "graph"):
+            toggle(mode)
+            trees.append(tree())
+        return all(torch.equal(a.tokens, trees[0].tokens) and torch.equal(a.parents, trees[0].parents)
+                   for a in trees[1:])
+
+    def uncounted_replays() -> None:
+        """Once the "graph" path has recorded its forwards (in ``check`` and the warm-up): their replays re-run the
+        forward outside the operator counter (a CUDA graph's replay dispatches no aten operator)."""
+        if kind == "cuda":
+            return
+        from torch.utils._python_dispatch import _disable_current_modes
+        for ex in (graph_head.static.executor, graph_stage.static.executor):
+            for rec in ex.recordings.values():
+                if not getattr(rec.replay, "uncounted", False):
+                    def quiet(fn=rec.replay) -> None:
+                        with _disable_current_modes():
+                            fn()
+                    quiet.uncounted = True
+                    rec.replay = quiet
 
     calls = [(f"head forward, {k} rows", head_forward, 0), (f"draft tree, per level ({t.depth} levels)", tree,
                                                             t.depth)]
@@ -147,7 +171,7 @@ def _setup(args, cfg, stage_root: Path):
               for w in args.rows]
     device = [stage, rank0, cache.keys, cache.values, root_hidden, rows, drafter.head, drafter.cache.keys,
               drafter.cache.values]
-    return calls, toggle, check, kind, (device, [stage, drafter.head, drafter.lm_head])
+    return calls, toggle, check, kind, (device, [stage, drafter.head, drafter.lm_head], uncounted_replays)
 
 
 def measure(args, calls, toggle, counted) -> list[dict]:
@@ -170,10 +194,12 @@ def measure(args, calls, toggle, counted) -> list[dict]:
         row = {"call": name, "dynamic_ms": round(dyn, 4), "static_ms": round(sta, 4),
                "static_vs_dynamic": round(sta / dyn, 3) if dyn else None}
         if counted is not None:
-            for static in (False, True):
-                toggle(static)
+            for mode in ("dynamic", "static", "graph"):
+                toggle(mode)
+                fn()                                     # records this call's graph-path forwards, if new
+                counted[2]()
                 c = count_call(fn, *counted[0], model=counted[1])
-                row["static_ops" if static else "dynamic_ops"] = round(c.ops / per, 1)
+                row[f"{mode}_ops"] = round(c.ops / per, 1)
         out.append(row)
     toggle(False)
     return out
@@ -181,13 +207,13 @@ def measure(args, calls, toggle, counted) -> list[dict]:
 
 def table(rows: list[dict], header: str) -> str:
     counted = "dynamic_ops" in rows[0]
-    cols = ["dynamic, ms", "static, ms", "static / dynamic"] + (["dynamic aten ops", "static aten ops"] if counted
-                                                                 else [])
+    cols = ["dynamic, ms", "static, ms", "static / dynamic"] + (
+        ["dynamic aten ops", "static aten ops", "aten ops with graphs"] if counted else [])
     out = [header, "", "| call | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for r in rows:
         cells = [f"{r['dynamic_ms']:.3f}", f"{r['static_ms']:.3f}", str(r["static_vs_dynamic"])]
         if counted:
-            cells += [str(r["dynamic_ops"]), str(r["static_ops"])]
+            cells += [str(r["dynamic_ops"]), str(r["static_ops"]), str(r["graph_ops"])]
         out.append(f"| {r['call']} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
