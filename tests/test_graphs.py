@@ -355,3 +355,25 @@ def test_build_installs_the_static_paths_from_the_run_key(tiny, graphs, kind):
         assert (static is None) if kind is None else (static.static.executor.kind == kind)
     if kind is not None:
         assert 10 in drafter.static_head.static.buckets and worker.static.static.buckets == (1, 4, 8, 16, 32, 64)
+
+
+@pytest.mark.parametrize("executor", EXECUTORS)
+def test_static_head_draws_the_same_sampled_trees(executor):
+    """T > 0 (``draft.eagle_sample``): the sampled chains' tree forwards go through the static head too; the same
+    seed draws the same tree, with the same proposal distributions, as the dynamic path."""
+    trees = []
+    for kind in (None, executor):
+        d = _random_drafter(0)
+        d.static_head = static_head(d.head, kind, head_buckets((4,), (1, 8, 16)))
+        d.set_sampling(True, 1.0, seed=5)
+        g = torch.Generator().manual_seed(1)
+        prompt = [1, 5, 9, 13, 22, 7]
+        h = d.start(prompt, 13, torch.randn(len(prompt), 16, generator=g, dtype=torch.float64))
+        trees.append(d.grow_tree(13, h, 24, 5, 4))
+        assert kind is None or d.static_head.stats[4] + d.static_head.stats[1] >= 4
+    a, b = trees
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+    for pa, pb in zip(a.proposals, b.proposals, strict=True):
+        assert [v for v, _ in pa] == [v for v, _ in pb]
+        for (_, qa), (_, qb) in zip(pa, pb):
+            torch.testing.assert_close(qa, qb, rtol=1e-12, atol=1e-12)
