@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from config.paths import REPO
+from pipeline.tools.ranks import free_port
 
 STORIES = REPO.parent / "shared" / "models" / "stories260K"
 TIMEOUT_S = 5.0
@@ -126,12 +127,6 @@ def stopped(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
     except (OSError, IndexError):
         return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_stages(work: Path, world: int = 3) -> Path:

@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.tools.ranks import child_env, free_port
+
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
 SLACK = int(1.5 * GIB)
@@ -149,7 +151,7 @@ def run_measured(cmd: list[str], env: dict | None = None, timeout: float = 7200)
     """Run ``cmd`` in its own process; ``{"rc", "wall_s", "peak_rss", "stdout", "stderr"}`` (peak RSS in bytes: the
     child's own high-water mark, :func:`_communicate_wait4`)."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, cwd=REPO, env=env or child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    p = subprocess.Popen(cmd, cwd=REPO, env=env or child_env(TOKENIZERS_PARALLELISM="false"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     out, err = _communicate_wait4(p, timeout)
     return {"rc": p.returncode, "wall_s": time.perf_counter() - t0, "peak_rss": p.peak_rss, "stdout": out,
@@ -197,17 +199,6 @@ def _communicate_wait4(p: subprocess.Popen, timeout: float):
     for r in readers:
         r.join()
     return "".join(bufs["out"]), "".join(bufs["err"])
-
-
-def child_env(**extra) -> dict:
-    return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONPATH=str(REPO),
-                TOKENIZERS_PARALLELISM="false", **extra)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -296,8 +287,8 @@ def run_ranks(root: Path, head: Path, world: int, prompt: list[int], tokens: int
     results: list[dict | None] = [None] * world
 
     def one(r: int) -> None:
-        env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world),
-                        LOCAL_RANK=str(r))
+        env = child_env(TOKENIZERS_PARALLELISM="false", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+                        WORLD_SIZE=str(world), LOCAL_RANK=str(r))
         results[r] = run_measured(args, env)
 
     threads = [threading.Thread(target=one, args=(r,)) for r in range(world)]
