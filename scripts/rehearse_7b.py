@@ -158,11 +158,11 @@ def run_measured(cmd: list[str], env: dict | None = None, timeout: float = 7200)
             "stderr": err}
 
 
-def _hwm(pid: int) -> int:
-    """``VmHWM`` of a running process in bytes (0 once it is gone)."""
+def _vm(field: str, pid: int | str = "self") -> int:
+    """A memory field of ``/proc/<pid>/status`` (``VmRSS``, ``VmHWM``) in bytes (0 once the process is gone)."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -185,7 +185,7 @@ def _communicate_wait4(p: subprocess.Popen, timeout: float):
     deadline = time.time() + timeout
     peak = 0
     while True:
-        peak = max(peak, _hwm(p.pid))
+        peak = max(peak, _vm("VmHWM", p.pid))
         pid, status, ru = os.wait4(p.pid, os.WNOHANG)
         if pid:
             break
@@ -204,13 +204,6 @@ def _communicate_wait4(p: subprocess.Popen, timeout: float):
 # ---------------------------------------------------------------------------------------------------------------
 # Probes run in child processes (``--probe-load`` / ``--probe-hf``)
 # ---------------------------------------------------------------------------------------------------------------
-
-def _vm(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
 
 def probe_load(root: str, rank: int, world: int) -> None:
     import torch
