@@ -10,12 +10,8 @@ section 3: EAGLE's ``cnets1.py`` / ``cnets.py`` and SpecForge's saved drafts); t
 * EAGLE-1/2 ``llama3`` (``yuhuili/EAGLE-LLaMA3-Instruct-8B``): bfloat16 ``pytorch_model.bin``, GQA, ``rope_theta``
   500000, ``"bias": false`` (no ``fc.bias``), no ``embed_tokens``.
 * EAGLE-1/2 ``qwen2`` (EAGLE's Qwen2 drafts): a Llama config with ``"qkv_bias": true`` (q/k/v biases, none on o_proj).
-* EAGLE-3 ``authors`` (``yuhuili/EAGLE3-LLaMA3.1-Instruct-8B``): ``pytorch_model.bin`` (float16),
-  ``architectures: [LlamaForCausalLMEagle3]``, ``draft_vocab_size``, no target layer ids (the default taps), keys
-  ``fc.weight [H, 3H]``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight [Vd, H]``, ``d2t`` (int64 offsets),
-  ``t2d`` (bool), no ``embed_tokens``.
-* EAGLE-3 ``specforge``: ``model.safetensors`` (bfloat16) with the same keys plus ``embed_tokens.weight``, the
-  target layer ids in ``eagle_config.eagle_aux_hidden_state_layer_ids``.
+* EAGLE-3 ``authors`` and ``specforge``: ``tests/test_heads_layouts.py`` writes them with these helpers (only the
+  tests use them).
 """
 from __future__ import annotations
 
@@ -23,10 +19,8 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 EAGLE1_FLAVORS = ("vicuna", "llama3", "qwen2")
-EAGLE3_FLAVORS = ("authors", "specforge")
 
 
 def _cfg_dict(target_cfg, **over) -> dict:
@@ -90,40 +84,4 @@ def write_eagle1(out: Path, target_cfg, flavor: str, seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     torch.save(state, out / "pytorch_model.bin")
-    return out
-
-
-def write_eagle3(out: Path, target_cfg, flavor: str, draft_ids: torch.Tensor, aux: list[int] | None = None,
-                 seed: int = 0) -> Path:
-    """An EAGLE-3 head: ``authors`` (EAGLE-3 repository) or ``specforge``; ``draft_ids`` = the sorted target ids of
-    the draft vocabulary (``d2t[i] = draft_ids[i] - i``, ``t2d[draft_ids] = True``)."""
-    g = torch.Generator().manual_seed(seed)
-    t = target_cfg
-    h, v, vd = t.hidden_size, t.vocab_size, int(draft_ids.numel())
-    kv = t.num_key_value_heads
-    dtype = torch.float16 if flavor == "authors" else torch.bfloat16
-    cfg = _cfg_dict(t, architectures=["LlamaForCausalLMEagle3"], num_key_value_heads=kv, draft_vocab_size=vd,
-                    rms_norm_eps=1e-05, torch_dtype=str(dtype).removeprefix("torch."))
-    if flavor == "specforge":
-        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux), "use_aux_hidden_state": True}
-        cfg["target_hidden_size"] = h
-        cfg["transformers_version"] = "4.51.0"
-    state = {"fc.weight": _rand((h, 3 * h), dtype, g)}
-    state.update(_layer("midlayer.", h, t.num_attention_heads, kv, t.intermediate_size, 2 * h, dtype, g))
-    state.update({"midlayer.hidden_norm.weight": torch.ones(h, dtype=dtype),
-                  "midlayer.input_layernorm.weight": torch.ones(h, dtype=dtype),
-                  "norm.weight": torch.ones(h, dtype=dtype),
-                  "lm_head.weight": _rand((vd, h), dtype, g, 1.0),
-                  "d2t": (draft_ids - torch.arange(vd)).long()})
-    t2d = torch.zeros(v, dtype=torch.bool)
-    t2d[draft_ids] = True
-    state["t2d"] = t2d
-    out.mkdir(parents=True, exist_ok=True)
-    if flavor == "specforge":
-        state["embed_tokens.weight"] = _rand((v, h), dtype, g, 1.0)
-        save_file({k: x.contiguous() for k, x in state.items()}, str(out / "model.safetensors"),
-                  metadata={"format": "pt"})
-    else:
-        torch.save(state, out / "pytorch_model.bin")
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out

@@ -37,9 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from config.invocation import prog
+from draft.train.records import pad_batch
 
-
-Tensor = torch.Tensor
 EXAMPLE = ("Example: python -m draft.train_ssm --target checkpoints/SmolLM2-135M-Instruct --out /tmp/ssm "
            "--prompts ../shared/data/mt_bench/question.jsonl --end 30 --layers 2 --models 2 --boost --steps 150")
 
@@ -74,19 +73,14 @@ def freeze_vocab(student) -> None:
     student.get_output_embeddings().weight.requires_grad_(False)
 
 
-def pad_batch(seqs: list[list[int]], value: int) -> Tensor:
-    width = max(len(s) for s in seqs)
-    return torch.tensor([s + [value] * (width - len(s)) for s in seqs], dtype=torch.long)
-
-
 @torch.no_grad()
 def argmax_labels(model, seqs: list[list[int]], batch: int, device) -> list[list[int]]:
     """``labels[i][t]`` = the model's argmax after ``seqs[i][:t + 1]`` (teacher-forced, right-padded batches)."""
     out = []
     for s in range(0, len(seqs), batch):
         chunk = seqs[s:s + batch]
-        ids = pad_batch(chunk, 0).to(device)
-        att = pad_batch([[1] * len(c) for c in chunk], 0).to(device)
+        ids = pad_batch(chunk).to(device)
+        att = pad_batch([[1] * len(c) for c in chunk]).to(device)
         pred = model(input_ids=ids, attention_mask=att).logits.argmax(-1).cpu()
         out += [pred[i, :len(c)].tolist() for i, c in enumerate(chunk)]
     return out
@@ -105,9 +99,9 @@ def train_student(student, seqs, labels, weights, *, steps: int, batch: int, lr:
     losses = []
     for step in range(steps):
         idx = [rng.choice(usable) for _ in range(batch)]
-        ids = pad_batch([seqs[i] for i in idx], 0).to(device)
-        att = pad_batch([[1] * len(seqs[i]) for i in idx], 0).to(device)
-        lab = pad_batch([labels[i] for i in idx], 0).to(device)
+        ids = pad_batch([seqs[i] for i in idx]).to(device)
+        att = pad_batch([[1] * len(seqs[i]) for i in idx]).to(device)
+        lab = pad_batch([labels[i] for i in idx]).to(device)
         w = torch.tensor([weights[i] + [0.0] * (ids.shape[1] - len(weights[i])) for i in idx], device=device)
         hidden = student.model(input_ids=ids, attention_mask=att).last_hidden_state
         sel = w > 0                                  # lm_head only where the loss looks (answer positions)

@@ -152,11 +152,8 @@ def iter_safetensors(path: str | Path, dtype=None, names=None):
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
+        while block := f.read(chunk):
+            h.update(block)
     return h.hexdigest()
 
 

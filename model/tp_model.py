@@ -14,13 +14,11 @@ floating-point sums); they differ only in how the ``N`` shards exchange partial 
   partial for the next slice. A final gather brings the normalized slices to TP rank 0.
 
 Collectives go through a :class:`Collectives` object: :class:`DistCollectives` (``torch.distributed`` group,
-gloo or NCCL) in real runs, :class:`ThreadCollectives` (one thread per shard in one process) in tests.
+gloo or NCCL) in real runs, `tests/test_tp.py`'s ThreadCollectives (one thread per shard in one process) in tests.
 """
 from __future__ import annotations
 
 import importlib
-import queue
-import threading
 from typing import Callable, Protocol
 
 import torch
@@ -265,52 +263,6 @@ class _Handles:
             w.wait()
         if self.staged is not None and self.staged is not self.into:
             self.into.copy_(self.staged)
-
-
-class ThreadCollectives:
-    """``size`` shards in one process, one thread each (tests): sums in shard order, ring links as queues."""
-
-    class Board:
-        def __init__(self, size: int) -> None:
-            self.size = size
-            self.barrier = threading.Barrier(size, timeout=60)
-            self.slots: list[Tensor | None] = [None] * size
-            self.links = [queue.Queue() for _ in range(size)]   # links[t]: into shard t
-
-    def __init__(self, board: "ThreadCollectives.Board", rank: int) -> None:
-        self.board, self.size, self.rank = board, board.size, rank
-
-    def all_reduce(self, t: Tensor) -> Tensor:
-        b = self.board
-        b.slots[self.rank] = t.clone()
-        b.barrier.wait()
-        total = b.slots[0].clone()
-        for s in b.slots[1:]:
-            total += s
-        b.barrier.wait()
-        t.copy_(total)
-        return t
-
-    def ring_start(self, send: Tensor, recv: Tensor):
-        b = self.board
-        b.links[(self.rank + 1) % self.size].put(send.clone())
-        return _QueueRecv(b.links[self.rank], recv)
-
-    def gather_to_first(self, t: Tensor, rows: list[int]) -> Tensor | None:
-        b = self.board
-        b.slots[self.rank] = t.clone()
-        b.barrier.wait()
-        out = torch.cat(list(b.slots), dim=1) if self.rank == 0 else None
-        b.barrier.wait()
-        return out
-
-
-class _QueueRecv:
-    def __init__(self, q: queue.Queue, into: Tensor) -> None:
-        self.q, self.into = q, into
-
-    def wait(self) -> None:
-        self.into.copy_(self.q.get(timeout=60))
 
 
 # -- loading ----------------------------------------------------------------------------------------------

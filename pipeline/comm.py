@@ -120,7 +120,7 @@ class BoundedStore:
     Here one worker thread makes the calls, in order (the client is one socket); a caller waits for its call at
     most ``deadline_s`` and then gets :class:`StoreUnresponsive`. From then on the store is ``dead`` and every call
     raises at once (the worker may stay blocked in the stuck call: a daemon thread, it cannot hold the process).
-    Attributes that are not methods (``port``) are read straight from the client.
+    Attributes that are not methods (``port``) are read straight from the client (:meth:`__getattr__`).
 
     Invariant: no call through this object blocks its caller longer than ``deadline_s`` (+ scheduling)."""
 
@@ -157,20 +157,11 @@ class BoundedStore:
             raise box[0]
         return box[0]
 
-    def set(self, key: str, value) -> None:
-        return self.call("set", key, value)
-
-    def get(self, key: str) -> bytes:
-        return self.call("get", key)
-
-    def check(self, keys: list[str]) -> bool:
-        return self.call("check", keys)
-
-    def add(self, key: str, amount: int) -> int:
-        return self.call("add", key, amount)
-
     def __getattr__(self, name: str):
-        return getattr(self.raw, name)
+        """The client's methods (``set``, ``get``, ``check``, ``add``, ...) bounded through :meth:`call`; its other
+        attributes (``port``) as they are."""
+        attr = getattr(self.raw, name)
+        return (lambda *args: self.call(name, *args)) if callable(attr) else attr
 
 
 def store_on_rank0() -> bool:

@@ -32,6 +32,8 @@ import time
 import uuid
 from pathlib import Path
 
+from model.stage_format import sha256_file
+
 HEAD_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 # settings that do not change what is generated or how long it takes
 NOT_HASHED = {"gen.mode", "comm.timeout_s", "comm.heartbeat_s", "comm.trace", "comm.trace_dir",
@@ -40,14 +42,6 @@ NOT_HASHED = {"gen.mode", "comm.timeout_s", "comm.heartbeat_s", "comm.trace", "c
 
 class OutputFileError(RuntimeError):
     """A bad ``--output``/``--answer-file`` (another configuration, unreadable lines)."""
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def git_commit(repo: Path = REPO) -> str:

@@ -122,16 +122,6 @@ class TreeStats:
             if u == path[-1] and not hit and not finished:
                 self.ends[len(trials)] += 1
 
-    def merge(self, other: "TreeStats") -> "TreeStats":
-        """Add ``other``'s counts to these (same ``max_rank``); returns ``self``."""
-        for key, c in other.cells.items():
-            self.cells.setdefault(key, Cell()).absorb(c)
-        self.ends.update(other.ends)
-        self.steps += other.steps
-        self.path_nodes += other.path_nodes
-        self.covered += other.covered
-        return self
-
     # -- tables ------------------------------------------------------------------------------------
     def rank_label(self, r: int) -> str:
         return f"{r}+" if r >= self.max_rank else str(r)

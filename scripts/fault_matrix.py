@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from config.paths import REPO
+from pipeline.tools.ranks import free_port
 
 STORIES = REPO.parent / "shared" / "models" / "stories260K"
 TIMEOUT_S = 5.0
@@ -81,11 +82,18 @@ BY_NAME = {c.name: c for c in CASES}
 
 
 # -- processes --------------------------------------------------------------------------------------------
-def _ppid(pid: int) -> int | None:
+def _stat(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first, then the parent's pid); [] when the
+    process is gone."""
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _ppid(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[1]) if len(fields) > 1 else None
 
 
 def descendants(roots: set[int]) -> set[int]:
@@ -106,11 +114,7 @@ def descendants(roots: set[int]) -> set[int]:
 
 def alive(pid: int) -> bool:
     """Running (not a zombie waiting to be reaped)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
+    return _stat(pid)[:1] not in ([], ["Z"])
 
 
 def is_rank(pid: int) -> bool:
@@ -122,16 +126,7 @@ def is_rank(pid: int) -> bool:
 
 
 def stopped(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _stat(pid)[:1] in (["T"], ["t"])
 
 
 def make_stages(work: Path, world: int = 3) -> Path:

@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.tools.ranks import child_env, free_port
+
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
 SLACK = int(1.5 * GIB)
@@ -149,18 +151,18 @@ def run_measured(cmd: list[str], env: dict | None = None, timeout: float = 7200)
     """Run ``cmd`` in its own process; ``{"rc", "wall_s", "peak_rss", "stdout", "stderr"}`` (peak RSS in bytes: the
     child's own high-water mark, :func:`_communicate_wait4`)."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, cwd=REPO, env=env or child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    p = subprocess.Popen(cmd, cwd=REPO, env=env or child_env(TOKENIZERS_PARALLELISM="false"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True)
     out, err = _communicate_wait4(p, timeout)
     return {"rc": p.returncode, "wall_s": time.perf_counter() - t0, "peak_rss": p.peak_rss, "stdout": out,
             "stderr": err}
 
 
-def _hwm(pid: int) -> int:
-    """``VmHWM`` of a running process in bytes (0 once it is gone)."""
+def _vm(field: str, pid: int | str = "self") -> int:
+    """A memory field of ``/proc/<pid>/status`` (``VmRSS``, ``VmHWM``) in bytes (0 once the process is gone)."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -183,7 +185,7 @@ def _communicate_wait4(p: subprocess.Popen, timeout: float):
     deadline = time.time() + timeout
     peak = 0
     while True:
-        peak = max(peak, _hwm(p.pid))
+        peak = max(peak, _vm("VmHWM", p.pid))
         pid, status, ru = os.wait4(p.pid, os.WNOHANG)
         if pid:
             break
@@ -199,27 +201,9 @@ def _communicate_wait4(p: subprocess.Popen, timeout: float):
     return "".join(bufs["out"]), "".join(bufs["err"])
 
 
-def child_env(**extra) -> dict:
-    return dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONPATH=str(REPO),
-                TOKENIZERS_PARALLELISM="false", **extra)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Probes run in child processes (``--probe-load`` / ``--probe-hf``)
 # ---------------------------------------------------------------------------------------------------------------
-
-def _vm(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
 
 def probe_load(root: str, rank: int, world: int) -> None:
     import torch
@@ -296,8 +280,8 @@ def run_ranks(root: Path, head: Path, world: int, prompt: list[int], tokens: int
     results: list[dict | None] = [None] * world
 
     def one(r: int) -> None:
-        env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world),
-                        LOCAL_RANK=str(r))
+        env = child_env(TOKENIZERS_PARALLELISM="false", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+                        WORLD_SIZE=str(world), LOCAL_RANK=str(r))
         results[r] = run_measured(args, env)
 
     threads = [threading.Thread(target=one, args=(r,)) for r in range(world)]

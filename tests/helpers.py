@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,17 +10,12 @@ from pathlib import Path
 import torch
 
 from config.paths import DATASETS  # noqa: F401  (re-exported for the tests)
+from pipeline.tools.ranks import free_port  # noqa: F401  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
 STORIES = SHARED / "models" / "stories260K"
 DATA = SHARED / "data"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_llama(path: Path, seed: int = 0, layers: int = 4, vocab: int = 96, hidden: int = 64,
@@ -84,3 +78,23 @@ def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, stop_
 
 
 _hf_cache: dict = {}
+
+
+def step2_batch(tokens, pred):
+    """Inputs that check the head's second drafting step under teacher forcing.
+
+    Rows ``[context entries e_0..e_{N-1}; draft entries d_0..d_{N-1}]`` where ``d_t`` pairs ``token[t+1]``
+    with the head's *own* prediction ``pred[t-1]`` of ``f_t`` and sees ``e_0..e_{t-1}`` and itself (as a
+    tree node does at inference). Returns ``(tokens2, positions, attn_mask, d_features)``.
+    """
+    b, n = tokens.shape
+    dev = tokens.device
+    i = torch.arange(n, device=dev)
+    causal = i[:, None] >= i[None, :]
+    strict = i[:, None] > i[None, :]
+    top = torch.cat([causal, torch.zeros(n, n, dtype=torch.bool, device=dev)], 1)
+    bottom = torch.cat([strict, torch.eye(n, dtype=torch.bool, device=dev)], 1)
+    mask = torch.cat([top, bottom], 0)[None, None].expand(b, 1, 2 * n, 2 * n)
+    pos = torch.cat([i, i])[None].expand(b, 2 * n)
+    dfeat = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1]], 1)
+    return torch.cat([tokens, tokens], 1), pos, mask, dfeat

@@ -1,7 +1,8 @@
 """Published draft-head layouts: random-weight files written in exactly the layout users download, loaded, drafted
 with, and checked against their target.
 
-The writers (:mod:`draft.head_layouts`) reproduce each layout's keys, dtypes, file names and config fields:
+The writers (:mod:`draft.head_layouts`; EAGLE-3: :func:`write_eagle3` below) reproduce each layout's keys, dtypes,
+file names and config fields:
 EAGLE-1/2 as ``yuhuili/EAGLE-Vicuna-7B-v1.3`` (fp16 .bin, fc bias, stale inv_freq), ``EAGLE-LLaMA3-Instruct-8B``
 (bf16 .bin, ``bias: false``) and EAGLE's Qwen2 drafts (``qkv_bias``); EAGLE-3 as its authors write it (fp16 .bin,
 default taps) and as SpecForge does (bf16 safetensors, ``eagle_config`` layer ids, ``embed_tokens``).
@@ -13,14 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from config.errors import UserError
 from draft.drafter import Drafter
 from draft.eagle import EagleHead
 from draft.eagle3 import Eagle3Head, stage_taps
 from draft.head_io import HeadError
-from draft.head_layouts import write_eagle1, write_eagle3
+from draft.head_layouts import _cfg_dict, _layer, _rand, write_eagle1
 from draft.load_head import load_draft_head
 from model.split import split_checkpoint
 from pipeline.inprocess import run_threaded
@@ -33,6 +34,49 @@ MAX_NEW = 8
 
 
 DRAFT_IDS = torch.tensor([0, 1, 2, 3, 5, 7, 9, 11, 13, 20, 22, 30, 31, 40, 41, 42, 43, 44, 45, 46, 47, 60, 70, 95])
+
+
+def write_eagle3(out: Path, target_cfg, flavor: str, draft_ids: torch.Tensor, aux: list[int] | None = None,
+                 seed: int = 0) -> Path:
+    """An EAGLE-3 head in a published layout (random weights), ``draft_ids`` = the sorted target ids of the draft
+    vocabulary (``d2t[i] = draft_ids[i] - i``, ``t2d[draft_ids] = True``):
+
+    * ``authors`` (``yuhuili/EAGLE3-LLaMA3.1-Instruct-8B``): ``pytorch_model.bin`` (float16),
+      ``architectures: [LlamaForCausalLMEagle3]``, ``draft_vocab_size``, no target layer ids (the default taps), keys
+      ``fc.weight [H, 3H]``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight [Vd, H]``, ``d2t`` (int64 offsets),
+      ``t2d`` (bool), no ``embed_tokens``.
+    * ``specforge``: ``model.safetensors`` (bfloat16) with the same keys plus ``embed_tokens.weight``, the
+      target layer ids in ``eagle_config.eagle_aux_hidden_state_layer_ids``."""
+    g = torch.Generator().manual_seed(seed)
+    t = target_cfg
+    h, v, vd = t.hidden_size, t.vocab_size, int(draft_ids.numel())
+    kv = t.num_key_value_heads
+    dtype = torch.float16 if flavor == "authors" else torch.bfloat16
+    cfg = _cfg_dict(t, architectures=["LlamaForCausalLMEagle3"], num_key_value_heads=kv, draft_vocab_size=vd,
+                    rms_norm_eps=1e-05, torch_dtype=str(dtype).removeprefix("torch."))
+    if flavor == "specforge":
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(aux), "use_aux_hidden_state": True}
+        cfg["target_hidden_size"] = h
+        cfg["transformers_version"] = "4.51.0"
+    state = {"fc.weight": _rand((h, 3 * h), dtype, g)}
+    state.update(_layer("midlayer.", h, t.num_attention_heads, kv, t.intermediate_size, 2 * h, dtype, g))
+    state.update({"midlayer.hidden_norm.weight": torch.ones(h, dtype=dtype),
+                  "midlayer.input_layernorm.weight": torch.ones(h, dtype=dtype),
+                  "norm.weight": torch.ones(h, dtype=dtype),
+                  "lm_head.weight": _rand((vd, h), dtype, g, 1.0),
+                  "d2t": (draft_ids - torch.arange(vd)).long()})
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[draft_ids] = True
+    state["t2d"] = t2d
+    out.mkdir(parents=True, exist_ok=True)
+    if flavor == "specforge":
+        state["embed_tokens.weight"] = _rand((v, h), dtype, g, 1.0)
+        save_file({k: x.contiguous() for k, x in state.items()}, str(out / "model.safetensors"),
+                  metadata={"format": "pt"})
+    else:
+        torch.save(state, out / "pytorch_model.bin")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
 
 
 @pytest.fixture(scope="module")

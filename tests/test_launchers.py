@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from scripts.fault_matrix import BY_NAME, TIMEOUT_S, run_case
-from tests.helpers import REPO, STORIES
+from tests.helpers import REPO, STORIES, free_port
 
 SLACK_S = 10.0   # a loaded 2-core box can starve a watchdog for seconds
 
@@ -102,7 +102,7 @@ def _frozen_host0(work, fault: str, stop_launcher_when: str):
     import signal
     import time
 
-    from scripts.fault_matrix import descendants, free_port, is_rank, make_stages, stopped
+    from scripts.fault_matrix import descendants, is_rank, make_stages, stopped
     stages = make_stages(work, 3)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("FLOWSPEC_DEBUG", None)
@@ -300,16 +300,11 @@ def test_one_host_store_listens_on_loopback_only(opts):
     addr = _non_loopback_address()
     if addr is None:
         pytest.skip("this machine has no non-loopback IPv4 address")
-    o = dict(opts, node_rank=0, nproc_per_node=1, master_port=0 if opts["standalone"] else _free_port())
+    o = dict(opts, node_rank=0, nproc_per_node=1, master_port=0 if opts["standalone"] else free_port())
     store = open_store(o, 5.0, time.monotonic() + 5, "[launch]")
     port = store.port
     assert not _refused(opts["master_addr"], port), "the store does not listen where its clients connect"
     assert _refused(addr, port), f"the store accepts connections on {addr}:{port}"
-
-
-def _free_port() -> int:
-    from scripts.fault_matrix import free_port
-    return free_port()
 
 
 def test_script_path_and_loopback_store_through_the_launcher(tmp_path):

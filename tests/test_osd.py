@@ -132,7 +132,8 @@ def _head(cfg, seed=0, scale=20.0):
 def test_rollout_mask_reproduces_the_draft_cache(tiny):
     """Level l of the rollout (head_forward + rollout_mask) equals the Drafter's depth-(l+1) chain node built with
     commit + tree_forward: 'student' trains exactly the states the tree feeds the head."""
-    from draft.train.objective import head_forward, step2_batch
+    from draft.train.objective import head_forward
+    from tests.helpers import step2_batch
     _, cfg, lm_head = tiny
     head = _head(cfg)
     n, H = 9, cfg.hidden_size

@@ -6,6 +6,7 @@ FLOWSPEC_SLOW=1 (its N = 2 refusal always runs).
 """
 import json
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -14,13 +15,60 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import Tensor
 
 from model.stage_format import read_manifest, verify_stage_file
-from model.tp_model import ThreadCollectives, load_tp_shard
+from model.tp_model import load_tp_shard
 from model.tp_split import check_tp, ffn_range, kv_heads_for, split_checkpoint_tp
 from tests.helpers import REPO, STORIES, hf_greedy, launch, read_jsonl
 
 MODES = "tp,galaxy"
+
+
+class ThreadCollectives:
+    """``size`` shards in one process, one thread each: sums in shard order, ring links as queues."""
+
+    class Board:
+        def __init__(self, size: int) -> None:
+            self.size = size
+            self.barrier = threading.Barrier(size, timeout=60)
+            self.slots: list[Tensor | None] = [None] * size
+            self.links = [queue.Queue() for _ in range(size)]   # links[t]: into shard t
+
+    def __init__(self, board: "ThreadCollectives.Board", rank: int) -> None:
+        self.board, self.size, self.rank = board, board.size, rank
+
+    def all_reduce(self, t: Tensor) -> Tensor:
+        b = self.board
+        b.slots[self.rank] = t.clone()
+        b.barrier.wait()
+        total = b.slots[0].clone()
+        for s in b.slots[1:]:
+            total += s
+        b.barrier.wait()
+        t.copy_(total)
+        return t
+
+    def ring_start(self, send: Tensor, recv: Tensor):
+        b = self.board
+        b.links[(self.rank + 1) % self.size].put(send.clone())
+        return _QueueRecv(b.links[self.rank], recv)
+
+    def gather_to_first(self, t: Tensor, rows: list[int]) -> Tensor | None:
+        b = self.board
+        b.slots[self.rank] = t.clone()
+        b.barrier.wait()
+        out = torch.cat(list(b.slots), dim=1) if self.rank == 0 else None
+        b.barrier.wait()
+        return out
+
+
+class _QueueRecv:
+    def __init__(self, q: queue.Queue, into: Tensor) -> None:
+        self.q, self.into = q, into
+
+    def wait(self) -> None:
+        self.into.copy_(self.q.get(timeout=60))
 
 
 def tiny_gqa(path: Path, heads: int = 6, kv: int = 2, inter: int = 100, bias: bool = False,

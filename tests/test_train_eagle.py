@@ -12,7 +12,7 @@ from draft import train_eagle as te
 from draft.train.batches import ConversationBatches, epoch_batches
 from draft.train.features import FeatureStore, target_features
 from draft.train.generate import build_conversations
-from draft.train.objective import (eagle_loss, evaluate, head_forward, sequence_batch, step2_batch, train_step,
+from draft.train.objective import (eagle_loss, evaluate, head_forward, sequence_batch, train_step,
                                    unrolled_forward, unrolled_loss)
 from draft.train.prompt_files import is_excluded, load_excluded, load_prompt_file
 from draft.train.prompt_lists import META_STYLES, TEMPLATE_STYLES, TOPICS
@@ -20,7 +20,7 @@ from draft.train.records import pad_batch, read_jsonl
 from draft.train.self_prompts import code_prompt, finish_meta_prompt, math_prompt
 from draft.train.target import load_target, load_tokenizer
 from model.prompts import chat_prompt_ids
-from tests.helpers import STORIES, tiny_llama
+from tests.helpers import STORIES, step2_batch, tiny_llama
 
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 \n.,?!:'-()"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

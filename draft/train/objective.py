@@ -251,26 +251,6 @@ def train_step(head: EagleHead, batch: dict, optimizer: torch.optim.Optimizer, l
     return m
 
 
-def step2_batch(tokens: Tensor, pred: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Inputs that check the head's second drafting step under teacher forcing.
-
-    Rows ``[context entries e_0..e_{N-1}; draft entries d_0..d_{N-1}]`` where ``d_t`` pairs ``token[t+1]``
-    with the head's *own* prediction ``pred[t-1]`` of ``f_t`` and sees ``e_0..e_{t-1}`` and itself (as a
-    tree node does at inference). Returns ``(tokens2, positions, attn_mask, d_features)``.
-    """
-    b, n = tokens.shape
-    dev = tokens.device
-    i = torch.arange(n, device=dev)
-    causal = i[:, None] >= i[None, :]
-    strict = i[:, None] > i[None, :]
-    top = torch.cat([causal, torch.zeros(n, n, dtype=torch.bool, device=dev)], 1)
-    bottom = torch.cat([strict, torch.eye(n, dtype=torch.bool, device=dev)], 1)
-    mask = torch.cat([top, bottom], 0)[None, None].expand(b, 1, 2 * n, 2 * n)
-    pos = torch.cat([i, i])[None].expand(b, 2 * n)
-    dfeat = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1]], 1)
-    return torch.cat([tokens, tokens], 1), pos, mask, dfeat
-
-
 @torch.no_grad()
 def evaluate(head: EagleHead, lm_head: nn.Module, batches, amp_dtype=None, step2: bool = True,
              steps: int = 0) -> dict:
@@ -281,7 +261,7 @@ def evaluate(head: EagleHead, lm_head: nn.Module, batches, amp_dtype=None, step2
     the head's own predicted feature; ``top1_steps`` (when ``steps > 0``): top-1 agreement of each of ``steps``
     unrolled steps (step ``j`` = a tree node ``j`` levels deep, fed the head's own features; ``None`` for a step no
     batch reaches). All come from one :func:`unrolled_forward` chain: step 0 is teacher forcing, ``top1_step2`` is
-    its step 1 (the construction of :func:`step2_batch`, ``tests/test_train_eagle.py``).
+    its step 1 (``tests.helpers.step2_batch`` builds the same inputs: ``tests/test_train_eagle.py``).
     """
     head.eval()
     tot = {"n": 0.0, "top1": 0.0, "top5": 0.0, "top1_data": 0.0, "n_data": 0.0, "vloss": 0.0, "ploss": 0.0}

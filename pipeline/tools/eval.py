@@ -492,31 +492,28 @@ def _main(args, log) -> int:
     # datasets before meta.json: a start that fails on a missing dataset must leave no meta.json behind,
     # or the corrected rerun into the same folder would be refused as "another configuration"
     records = {ds: load_dataset(data_dir, ds, args.begin, args.end) for ds in datasets}
-    if not args.summarize_only:  # likewise a typo in an override
+    stage_dir = str(Path(args.stage_dir).resolve()) if args.stage_dir else ""
+    head_dir = str(Path(args.head_dir).resolve()) if args.head_dir and ":" not in args.head_dir else args.head_dir
+    # every pipeline run's overrides; checked here (likewise before meta.json), not at the first launch
+    common = [f"max_new_tokens={args.max_new_tokens}", *([f"model.stage_dir={stage_dir}"] if stage_dir else []),
+              *([f"model.head_dir={head_dir}"] if head_dir else []),
+              *([f"emu.profile={profile}", f"emu.time_scale={args.time_scale}"] if profile else []), *args.overrides]
+    if not args.summarize_only:
         from config.run_config import DEFAULT, ConfigError, apply_overrides
         try:
-            apply_overrides(DEFAULT, list(args.overrides))
+            apply_overrides(DEFAULT, common)
         except ConfigError as e:
             raise EvalError(str(e)) from None
-
-    stage_dir = str(Path(args.stage_dir).resolve()) if args.stage_dir else ""
     world = args.world
     if not args.summarize_only and not world:
+        from model.default_model import resolve_stage_root
         from model.stage_format import StageDirError, read_manifest
-        root = stage_dir
-        if not root:
-            from config.paths import DEFAULT_STAGE_DIR
-            root = str(DEFAULT_STAGE_DIR)
-            if not (DEFAULT_STAGE_DIR / "manifest.json").is_file():
-                from model.default_model import ensure_default_stages
-                root = str(ensure_default_stages())
         try:
-            world = len(read_manifest(root)["split"])
+            world = len(read_manifest(resolve_stage_root(stage_dir))["split"])
         except StageDirError as e:
             raise EvalError(str(e)) from None
     meta = {"profile": profile, "time_scale": args.time_scale if profile else 1.0, "max_new_tokens": args.max_new_tokens,
-            "stage_dir": stage_dir, "head_dir": str(Path(args.head_dir).resolve()) if args.head_dir and
-            ":" not in args.head_dir else args.head_dir, "overrides": list(args.overrides), "world": world,
+            "stage_dir": stage_dir, "head_dir": head_dir, "overrides": list(args.overrides), "world": world,
             "draft_sources": draft_sources(list(args.overrides))}
     meta_path = out_dir / "meta.json"
     if meta_path.is_file():
@@ -538,19 +535,6 @@ def _main(args, log) -> int:
     done = {_key(r) for r in rows}
     failures = []
     if not args.summarize_only:
-        common = [f"max_new_tokens={args.max_new_tokens}"]
-        if stage_dir:
-            common.append(f"model.stage_dir={stage_dir}")
-        if meta["head_dir"]:
-            common.append(f"model.head_dir={meta['head_dir']}")
-        if profile:
-            common += [f"emu.profile={profile}", f"emu.time_scale={args.time_scale}"]
-        common += list(args.overrides)
-        from config.run_config import DEFAULT, ConfigError, apply_overrides
-        try:  # fail fast on bad overrides, before any launch
-            apply_overrides(DEFAULT, common)
-        except ConfigError as e:
-            raise EvalError(str(e)) from None
         chunks = plan(records, modes, temps, done, args.first_turn_only)
         if not chunks:
             log(f"[eval] nothing to run: every requested generation is already in {rows_path}")

@@ -31,6 +31,7 @@ from config.invocation import prog
 from config.paths import REPO
 from pipeline.outputs import read_rows
 from pipeline.tools.ranks import child_env, job_command
+from pipeline.tools.rows import first_difference
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,14 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 # -- pure helpers --------------------------------------------------------------------------------------
 def agreement(ref: list[int], out: list[int]) -> float:
     """Fraction of ``ref`` generated before ``out`` first differs from it (1.0 when identical)."""
-    n = 0
-    for a, b in zip(ref, out):
-        if a != b:
-            break
-        n += 1
-    if n == len(ref) == len(out):
-        return 1.0
-    return n / max(1, len(ref))
+    return 1.0 if ref == out else first_difference(ref, out) / max(1, len(ref))
 
 
 def compare(ref_rows: list[dict], rows: list[dict]) -> dict:

@@ -5,6 +5,7 @@ What this module holds, one copy each:
 * :func:`launcher_command`: how a job is started, the project's launcher (``python -m pipeline.tools.launch``,
   torchrun's options without torchrun's agent) under the current interpreter;
 * :func:`job_command`: that launcher running ``world`` local ranks of ``python -m pipeline.run ARGS``;
+* :func:`free_port`: a free local TCP port (rendezvous of a one-host job);
 * :func:`child_env`: the environment of a job's ranks: this process's, with ``OMP_NUM_THREADS`` defaulting to
   1 (ranks share the host's cores) and the repository first on ``PYTHONPATH`` (so ``-m pipeline.run`` resolves
   from any working directory);
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -37,6 +39,13 @@ def launcher_command() -> list[str]:
 def job_command(world: int, run_args: list[str]) -> list[str]:
     """``world`` ranks of ``python -m pipeline.run *run_args`` on this host, through the launcher."""
     return [*launcher_command(), "--standalone", f"--nproc_per_node={world}", "-m", "pipeline.run", *run_args]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (another process may take it before it is used)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def child_env(**extra: str) -> dict[str, str]:

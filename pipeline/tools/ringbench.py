@@ -29,6 +29,7 @@ import sys
 import time
 
 from config.invocation import prog
+from pipeline.tools.ranks import free_port
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -133,19 +134,12 @@ def _worker(rank: int, world: int, port: int, args, out_q) -> None:
     comm.close()
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, q)) for r in range(args.world)]
     for p in procs:
         p.start()
