@@ -142,7 +142,7 @@ def hf_logprobs(ids: list[int]) -> torch.Tensor:
         return torch.log_softmax(_hf["m"](torch.tensor([ids])).logits[0].float(), -1)
 
 
-@pytest.mark.parametrize("mode", ["ar", "naive", "continuous"])
+@pytest.mark.parametrize("mode", ["ar", "naive", "pruned", "pipedec", "continuous"])
 def test_greedy_logprobs_equal_hf_forward(fserver, mode):
     """The logprobs of greedy output are HF's full-forward log_softmax at those positions, the chosen token is
     the argmax (rank 1 of top_logprobs), through the official client (chat, top_logprobs=3)."""
