@@ -426,21 +426,32 @@ class RequestManager:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def token_text(self, context: list[int], token: int) -> str:
+    def token_text(self, context: list[int], token: int, base: str | None = None) -> str:
         """``token``'s text after ``context`` (a few ids before it) as the logprobs show it: what decoding it
         adds to the context, so a SentencePiece token keeps its leading space and the texts of a generation's
         tokens concatenate to its text (special tokens included; a piece of a UTF-8 character shows as U+FFFD,
-        its bytes too, as vLLM's). Falls back to the token decoded alone when the context's text changes."""
+        its bytes too, as vLLM's). Falls back to the token decoded alone when the context's text changes.
+        ``base``: the context's own text when the caller has it."""
         dec = self.tokenizer.decode
-        base = dec(context, skip_special_tokens=False)
+        if base is None:
+            base = dec(context, skip_special_tokens=False)
         full = dec(list(context) + [token], skip_special_tokens=False)
         return full[len(base):] if full.startswith(base) else dec([token], skip_special_tokens=False)
 
     def logprob_texts(self, req: "Request", lo: int, hi: int):
         """``token_text(j, t)`` for :func:`format_logprobs` of ``req``'s entries ``[lo, hi)``: token ``t`` at
-        output position ``lo + j``, after the ``TEXT_CONTEXT`` ids before that position (prompt included)."""
-        seq, start = req.prompt_ids + req.ids, len(req.prompt_ids) + lo
-        return lambda j, t: self.token_text(seq[max(0, start + j - TEXT_CONTEXT):start + j], t)
+        output position ``lo + j``, after the ``TEXT_CONTEXT`` ids before that position (prompt included); each
+        position's context is decoded once, whatever the number of alternatives."""
+        seq, start = req.prompt_ids + req.ids[:hi], len(req.prompt_ids) + lo
+        bases: dict[int, tuple[list[int], str]] = {}
+
+        def text(j: int, t: int) -> str:
+            if j not in bases:
+                ctx = seq[max(0, start + j - TEXT_CONTEXT):start + j]
+                bases[j] = (ctx, self.tokenizer.decode(ctx, skip_special_tokens=False))
+            ctx, base = bases[j]
+            return self.token_text(ctx, t, base)
+        return text
 
     def check_chars(self, n: int, param: str) -> None:
         """Refuse a prompt of more than ``max_prompt_chars`` characters before tokenising it (a tokenizer's time

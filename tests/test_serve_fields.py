@@ -165,6 +165,23 @@ def test_greedy_logprobs_equal_hf_forward(fserver, mode):
         assert e.token == e.top_logprobs[0].token
 
 
+@pytest.mark.parametrize("mode", ["naive", "continuous"])
+def test_sampled_logprobs_are_the_raw_target_distribution(fserver, mode):
+    """At T > 0 (top_k on) the logprobs are still the *raw* target log_softmax at each committed token's position
+    (not the processed law it was drawn from): equal to HF's full forward over the sampled output."""
+    body = {"prompt": "The little dog", "max_tokens": 12, "temperature": 1.3, "top_k": 8, "seed": 5, "mode": mode,
+            "logprobs": 0, "return_token_ids": True}
+    r = post(fserver, "/v1/completions", body).json()
+    prompt, out = r["speculative"]["prompt_ids"], r["speculative"]["output_ids"]
+    lp = r["choices"][0]["logprobs"]
+    assert lp["top_logprobs"] is None and len(lp["token_logprobs"]) == len(out) > 0
+    ref = hf_logprobs(prompt + out)
+    want = [float(ref[len(prompt) - 1 + j, t]) for j, t in enumerate(out)]
+    assert lp["token_logprobs"] == pytest.approx(want, abs=2e-3)
+    processed = [float(torch.log_softmax(ref[len(prompt) - 1 + j] / 1.3, -1)[t]) for j, t in enumerate(out)]
+    assert lp["token_logprobs"] != pytest.approx(processed, abs=2e-3)   # not the tempered law
+
+
 def test_n2_logprobs_usage_chunk_and_stats_with_the_openai_client(fserver):
     """n=2 (greedy: equal choices), streamed with include_usage: chunks carry their choice index and
     logprobs, the usage chunk sums both choices and reports drafts; the speculative stats carry the counts."""
