@@ -18,6 +18,37 @@ from pipeline.verify import Sampler
 
 Tensor = torch.Tensor
 PREFILL_WINDOW = 16   # prefill chunks rank 0 keeps in flight (well below pipeline.comm.MAX_PENDING)
+MAX_TOP_LOGPROBS = 20  # GenSettings.logprobs: alternatives per token at most (OpenAI's top_logprobs limit)
+
+
+class TokenLogprob(NamedTuple):
+    """One committed token's ``logprob`` under the target's raw distribution and the ``top`` alternatives,
+    ``[(token, logprob), ...]`` most likely first (``[]`` when none were asked for)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """``tokens[i]``'s log-probability under ``log_softmax(logits[i])`` and the row's ``k`` best tokens.
+
+    The *raw* distribution: the target's logits as the verifier received them, before temperature, top-k or
+    top-p (vLLM's default, ``logprobs_mode=raw_logprobs``), so the numbers describe the model whatever the
+    request's sampling, and a greedy token is its row's argmax (rank 1 of ``top``). Rows are the logits that
+    *produced* each token: the prefill's last row for the first token, then the verified node each token was
+    chosen at (``OutputBuffer.extend``'s ``rows``). Pure; float32 arithmetic as the logits come (host, float32).
+    Ties in ``top`` are broken by ``torch.topk`` (not by token id)."""
+    if logits.dim() != 2 or logits.shape[0] != len(tokens):
+        raise ValueError(f"token_logprobs: {len(tokens)} tokens need as many logits rows, got {tuple(logits.shape)}")
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long, device=lp.device)[:, None])[:, 0].tolist()
+    if k > 0:
+        vals, idx = torch.topk(lp, min(k, lp.shape[1]), dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+    else:
+        tops = [[] for _ in tokens]
+    return [TokenLogprob(int(t), c, top) for t, c, top in zip(tokens, chosen, tops)]
 
 
 class DecodeResult(NamedTuple):
@@ -63,6 +94,13 @@ class GenResult:
     pipeline_steps: int = 0
     busy_fraction: list[float] = field(default_factory=list)
     meter_fields: dict = field(default_factory=dict)   # the meters' counters as row fields (e.g. emu_*), or {}
+    drafted_tokens: int = 0   # draft tokens sent to the target for verification (OutputBuffer.drafted)
+
+    @property
+    def accepted_draft_tokens(self) -> int:
+        """Committed tokens that were drafted: every verification step's commit less its one target token
+        (the bonus), as vLLM's ``num_accepted_tokens`` counts them. ``ar``: 0."""
+        return sum(self.accept_lengths) - len(self.accept_lengths)
 
     @property
     def new_tokens(self) -> int:
@@ -84,8 +122,11 @@ class GenSettings:
     ``seed`` (the sampler's generator is seeded with it at the start of the generation, so a generation is a
     function of its prompt and its settings); ``stop_text(ids) -> bool`` (stop strings,
     :class:`model.prompts.StopText`), ``on_commit(tokens)`` (called with the tokens each commit took) and
-    ``cancel`` (anything with ``is_set()``) are :class:`OutputBuffer`'s hooks. The engine-wide choices (mode
-    strategy, tree shapes, drafter) stay in the engine's configuration.
+    ``cancel`` (anything with ``is_set()``) are :class:`OutputBuffer`'s hooks. ``logprobs``: None (default:
+    nothing is computed) or k in [0, 20]: every committed token's log-probability under the target's *raw*
+    distribution plus its k most likely alternatives (:func:`token_logprobs`); ``on_commit`` then gets them too,
+    ``on_commit(tokens, logprobs)``. The engine-wide choices (mode strategy, tree shapes, drafter) stay in the
+    engine's configuration.
     """
 
     max_new_tokens: int
@@ -94,11 +135,15 @@ class GenSettings:
     top_k: int = 0
     seed: int = 0
     stop_text: Callable[[list[int]], bool] | None = None
-    on_commit: Callable[[list[int]], None] | None = None
+    on_commit: Callable[..., None] | None = None
     cancel: Any = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         from config.run_config import ConfigError
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ConfigError(f"logprobs={self.logprobs!r} must be None or an integer in [0, {MAX_TOP_LOGPROBS}]")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
         if not self.temperature >= 0:
@@ -131,7 +176,7 @@ class OutputBuffer:
     property of the generation, not of the engine).
 
     Serving hooks (both optional, both used only inside :meth:`extend`): ``on_commit(tokens)`` is called
-    with the tokens each ``extend`` took; ``cancel`` (anything with ``is_set()``, e.g. a
+    with the tokens each ``extend`` took (``on_commit(tokens, logprobs)`` with ``logprobs`` set); ``cancel`` (anything with ``is_set()``, e.g. a
     ``threading.Event`` set by another thread) ends the generation at the next commit by setting
     ``finished``, so every mode leaves through its normal round-ending path and the stages stay consistent.
 
@@ -140,10 +185,15 @@ class OutputBuffer:
     first token that completes one, so the cut depends only on the token sequence: every mode, whatever
     its verification granularity, stops at the same token as ``ar`` (and the target's law is untouched:
     stopping is a function of the tokens already drawn).
+
+    Log-probabilities (``logprobs`` = k, None: off): the modes hand :meth:`extend` the target's logits that
+    produced the tokens (no copy: a reference and row indices), and only a buffer asked for them computes
+    :func:`token_logprobs` of the tokens it took, into ``logprobs`` (one entry per id of ``ids``).
+    ``drafted``: draft tokens the mode sent to the target for verification (set by the tree modes' loops).
     """
 
     def __init__(self, stop_ids: set[int], max_new_tokens: int, on_commit=None, cancel=None,
-                 stop_text=None, sampler: Sampler | None = None) -> None:
+                 stop_text=None, sampler: Sampler | None = None, logprobs: int | None = None) -> None:
         self.ids: list[int] = []
         self.sampler = sampler if sampler is not None else Sampler()
         self.stop_ids = stop_ids
@@ -153,9 +203,14 @@ class OutputBuffer:
         self.cancel = cancel
         self.cancelled = False
         self.stop_text = stop_text
+        self.top_logprobs = logprobs
+        self.logprobs: list[TokenLogprob] = []
+        self.drafted = 0
 
-    def extend(self, tokens: list[int]) -> int:
-        """Append until a stop condition; returns how many tokens were taken."""
+    def extend(self, tokens: list[int], logits: Tensor | None = None, rows: list[int] | None = None) -> int:
+        """Append until a stop condition; returns how many tokens were taken. ``logits[rows[i]]`` (``rows``
+        None: ``logits[i]``) are the target's logits ``tokens[i]`` was chosen from; read only with
+        ``logprobs`` set, and then required (a mode that cannot give them fails loudly rather than misalign)."""
         taken = 0
         for t in tokens:
             if self.finished:
@@ -166,7 +221,15 @@ class OutputBuffer:
                 self.finished = True
             elif self.stop_text is not None and self.stop_text(self.ids):
                 self.finished = True
-        if taken and self.on_commit is not None:
+        if taken and self.top_logprobs is not None:
+            if logits is None:
+                raise RuntimeError("logprobs were asked for but this mode's commit gave no logits")
+            picked = logits[list(rows[:taken]) if rows is not None else slice(0, taken)]
+            entries = token_logprobs(picked, self.ids[-taken:], self.top_logprobs)
+            self.logprobs += entries
+            if self.on_commit is not None:
+                self.on_commit(self.ids[-taken:], entries)
+        elif taken and self.on_commit is not None:
             self.on_commit(self.ids[-taken:])
         if self.cancel is not None and self.cancel.is_set() and not self.finished:
             self.finished = self.cancelled = True
@@ -301,10 +364,10 @@ def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn: Decoder,
     t1b = time.perf_counter()
     engine.tracer.mark("decode_begin")
     out = OutputBuffer(engine.stop_ids, settings.max_new_tokens, settings.on_commit, settings.cancel,
-                       settings.stop_text, settings.new_sampler())
+                       settings.stop_text, settings.new_sampler(), settings.logprobs)
     rounds, accepts, steps = decode_fn(engine, logits, features, prompt_ids, out)   # a DecodeResult
     t2 = time.perf_counter()
     engine.tracer.mark("gen_end", new_tokens=len(out.ids))
     busy = engine.collect_busy(t2 - t1b)  # decode window: pipeline.trace.busy_fraction's definition
     return GenResult(out.ids, t1 - t0, t2 - t1b, rounds, accepts, steps, busy,
-                     {**engine.last_counters, **prefill_fields})
+                     {**engine.last_counters, **prefill_fields}, out.drafted)

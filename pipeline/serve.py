@@ -32,7 +32,13 @@ Invariants:
   a second signal (or Ctrl-C) stops at once;
 * what a client sends is bounded before any work: the body (``--max-body-bytes``, HTTP 413), the prompt's
   characters (``--max-prompt-chars``, before tokenising), JSON of any depth (a 400, never a 500); JSON
-  decoding and tokenising run off the event loop, so ``/health`` and streams never wait behind them.
+  decoding and tokenising run off the event loop, so ``/health`` and streams never wait behind them;
+* ``n`` choices are ``n`` requests admitted together or not at all (:meth:`RequestManager.submit_n`), choice i
+  seeded :func:`choice_seed` (seed, i); ``logprobs`` are the target's raw log-softmax at the logits each
+  committed token was chosen from (``GenSettings.logprobs``: nothing is computed unless asked for);
+* response ids are random (unique across restarts); ``system_fingerprint`` is the configuration hash
+  (:func:`system_fingerprint`); ``/metrics`` is prometheus_client's exposition of the manager's own registry
+  (counters, gauges, latency histograms: :func:`metrics_registry`).
 """
 from __future__ import annotations
 
@@ -47,6 +53,7 @@ import socket
 import sys
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,9 +149,14 @@ class Unavailable(RuntimeError):
     """The server is stopping or the pipeline failed (HTTP 503)."""
 
 
+MAX_N = 16                    # most choices (n) one request may ask for (each is a generation; see submit_n)
+TEXT_CONTEXT = 4              # ids before a token that decide its text in logprobs (RequestManager.token_text)
+
+
 @dataclass
 class Params:
-    """Per-request settings. ``seed`` is always set (drawn at random when the client gave none)."""
+    """Per-request settings. ``seed`` is always set (drawn at random when the client gave none). ``logprobs``:
+    None (off) or the number of alternatives per token (``GenSettings.logprobs``)."""
     mode: str
     max_tokens: int
     temperature: float = 0.0
@@ -152,6 +164,31 @@ class Params:
     top_k: int = 0
     seed: int = 0
     stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request seeded ``seed`` (``n`` > 1): ``seed`` itself for choice 0 (so
+    choice 0 of ``n=2`` is the ``n=1`` answer), else the first 8 bytes of sha256("seed:index"). Pure and
+    deterministic: a seeded request with ``n`` > 1 reproduces every choice, and distinct indices get
+    independent-looking generators (the choices are independent samples at T > 0; at T = 0 they are equal)."""
+    if index == 0:
+        return seed
+    import hashlib
+    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "big")
+
+
+def inter_token_latencies(commits: list[tuple[float, int]]) -> list[float]:
+    """Inter-token latency samples of one generation from its commits ``[(time, tokens), ...]`` (in order):
+    every token of a commit after the first gets the gap since the previous commit divided by the commit's
+    tokens, so the samples sum to the time from the first token to the last and there is one per token after
+    the first commit (a speculative commit of k tokens counts as k tokens arriving at an even pace; vLLM's
+    ``time_per_output_token`` likewise). Pure."""
+    out = []
+    for (t0, _), (t1, k) in zip(commits, commits[1:]):
+        if k > 0:
+            out += [(t1 - t0) / k] * k
+    return out
 
 
 class Request:
@@ -163,8 +200,9 @@ class Request:
     until it is; ``stats`` is the ``speculative`` object of the HTTP responses.
     """
 
-    def __init__(self, seq: int, prompt_ids: list[int], params: Params, decode, stop_ids: set[int]) -> None:
-        self.seq, self.prompt_ids, self.params = seq, prompt_ids, params
+    def __init__(self, seq: int, prompt_ids: list[int], params: Params, decode, stop_ids: set[int],
+                 index: int = 0) -> None:
+        self.seq, self.prompt_ids, self.params, self.index = seq, prompt_ids, params, index
         self._decode, self._stop_ids = decode, stop_ids
         self.created = time.time()
         self.t_submit = time.perf_counter()
@@ -176,6 +214,8 @@ class Request:
         self.ids: list[int] = []
         self.text = ""
         self.commits = 0                       # OutputBuffer commits (the first one is the prefill token)
+        self.commit_log: list[tuple[float, int]] = []   # (time, tokens) of every commit (latency histograms)
+        self.logprobs: list = []               # pipeline.engine.TokenLogprob per id (params.logprobs set)
         self.finish_reason: str | None = None
         self.result = None                     # pipeline.engine.GenResult once done
         self.drafter: dict = {}                # pipeline.outputs.drafter_fields of the drafter that served it
@@ -214,40 +254,25 @@ class Request:
             if final:
                 return
 
-    async def changes(self):
+    def changes(self):
         """Async generator: yields (nothing) once per change of this request, from any event loop thread."""
-        loop = asyncio.get_running_loop()
-        ev = asyncio.Event()
-        entry = (loop, ev)
-        with self._cond:
-            self._waiters.append(entry)
-        try:
-            seen = -1
-            while True:
-                ev.clear()
-                v = self.version
-                if v != seen:
-                    seen = v
-                    yield
-                    if self.final:
-                        return
-                    continue
-                if self.final:
-                    return
-                await ev.wait()
-        finally:
-            with self._cond:
-                self._waiters.remove(entry)
+        return changes_of([self])
 
     @property
     def stats(self) -> dict:
-        """The ``speculative`` object: final statistics once done, progress so far before."""
+        """The ``speculative`` object: final statistics once done, progress so far before. Once done it holds
+        ``num_draft_tokens`` (draft tokens sent to the target for verification: tree nodes but each round's
+        root), ``num_accepted_tokens`` (committed tokens that were drafted: every step's commit less its bonus
+        token) and ``acceptance_rate`` (their ratio; None without drafts, e.g. ``ar``)."""
         p = self.params
-        out = {"mode": p.mode, "seq": self.seq, "order": self.order, "seed": p.seed,
+        out = {"mode": p.mode, "seq": self.seq, "index": self.index, "order": self.order, "seed": p.seed,
                "new_tokens": len(self.ids)}
         r = self.result
         if r is not None:
+            drafted, accepted = r.drafted_tokens, r.accepted_draft_tokens
             out.update(steps=len(r.accept_lengths), tau=round(r.tau, 4), accept_lengths=r.accept_lengths,
+                       num_draft_tokens=drafted, num_accepted_tokens=accepted,
+                       acceptance_rate=round(accepted / drafted, 4) if drafted else None,
                        decode_s=round(r.decode_s, 6), prefill_s=round(r.prefill_s, 6), rounds=r.rounds,
                        pipeline_steps=r.pipeline_steps, busy_fraction=[round(b, 4) for b in r.busy_fraction],
                        **self.drafter)
@@ -262,8 +287,7 @@ class Request:
         return out
 
     def usage(self) -> dict:
-        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": len(self.ids),
-                "total_tokens": len(self.prompt_ids) + len(self.ids)}
+        return usage_of([self])
 
     # -- writing (rank 0's threads) -------------------------------------------------------------------
     def _notify(self) -> None:
@@ -278,12 +302,16 @@ class Request:
     def _full_text(self) -> str:
         return self._decode([t for t in self.ids if t not in self._stop_ids])
 
-    def _commit(self, tokens: list[int]) -> None:
-        """OutputBuffer's ``on_commit`` (main thread): record tokens, update the safe text, stop strings."""
+    def _commit(self, tokens: list[int], logprobs: list | None = None) -> None:
+        """OutputBuffer's ``on_commit`` (main thread): record tokens (and their log-probabilities when asked
+        for), update the safe text, stop strings."""
         now = time.perf_counter()
         with self._cond:
             self.ids.extend(int(t) for t in tokens)
+            if logprobs is not None:
+                self.logprobs.extend(logprobs)
             self.commits += 1
+            self.commit_log.append((now, len(tokens)))
             if self.t_first is None:
                 self.t_first = now
             if self._stop_at is None:
@@ -334,6 +362,35 @@ class Request:
             self._notify()
 
 
+async def changes_of(reqs: list[Request]):
+    """Async generator: yields (nothing) once per change of any of ``reqs`` (the choices of one HTTP request),
+    from any event loop thread, until every one is final."""
+    loop = asyncio.get_running_loop()
+    ev = asyncio.Event()
+    entry = (loop, ev)
+    for r in reqs:
+        with r._cond:
+            r._waiters.append(entry)
+    try:
+        seen = None
+        while True:
+            ev.clear()
+            v = tuple(r.version for r in reqs)
+            if v != seen:
+                seen = v
+                yield
+                if all(r.final for r in reqs):
+                    return
+                continue
+            if all(r.final for r in reqs):
+                return
+            await ev.wait()
+    finally:
+        for r in reqs:
+            with r._cond:
+                r._waiters.remove(entry)
+
+
 class RequestManager:
     """Validates and queues requests (thread-safe); rank 0's main thread serves them in FIFO order.
 
@@ -342,7 +399,7 @@ class RequestManager:
 
     def __init__(self, tokenizer, stop_ids: set[int], modes: list[str], default_mode: str, cfg, model_config,
                  world: int, queue_size: int, model_name: str, template: str = "auto",
-                 max_prompt_chars: int = 0) -> None:
+                 max_prompt_chars: int = 0, fingerprint: str | None = None) -> None:
         self.tokenizer, self.stop_ids = tokenizer, stop_ids
         self.modes, self.default_mode, self.cfg = modes, default_mode, cfg
         self.world, self.queue_size, self.model_name, self.template = world, queue_size, model_name, template
@@ -362,10 +419,39 @@ class RequestManager:
         self.busy_wall = 0.0
         self.last_busy = [0.0] * world
         self.live: list[Request] = []          # every request not yet final (for the fatal hook)
+        self.fingerprint = fingerprint         # system_fingerprint of the responses (system_fingerprint())
+        self.registry, self.hist = metrics_registry(self)
 
     # -- submission -----------------------------------------------------------------------------------
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, context: list[int], token: int, base: str | None = None) -> str:
+        """``token``'s text after ``context`` (a few ids before it) as the logprobs show it: what decoding it
+        adds to the context, so a SentencePiece token keeps its leading space and the texts of a generation's
+        tokens concatenate to its text (special tokens included; a piece of a UTF-8 character shows as U+FFFD,
+        its bytes too, as vLLM's). Falls back to the token decoded alone when the context's text changes.
+        ``base``: the context's own text when the caller has it."""
+        dec = self.tokenizer.decode
+        if base is None:
+            base = dec(context, skip_special_tokens=False)
+        full = dec(list(context) + [token], skip_special_tokens=False)
+        return full[len(base):] if full.startswith(base) else dec([token], skip_special_tokens=False)
+
+    def logprob_texts(self, req: "Request", lo: int, hi: int):
+        """``token_text(j, t)`` for :func:`format_logprobs` of ``req``'s entries ``[lo, hi)``: token ``t`` at
+        output position ``lo + j``, after the ``TEXT_CONTEXT`` ids before that position (prompt included); each
+        position's context is decoded once, whatever the number of alternatives."""
+        seq, start = req.prompt_ids + req.ids[:hi], len(req.prompt_ids) + lo
+        bases: dict[int, tuple[list[int], str]] = {}
+
+        def text(j: int, t: int) -> str:
+            if j not in bases:
+                ctx = seq[max(0, start + j - TEXT_CONTEXT):start + j]
+                bases[j] = (ctx, self.tokenizer.decode(ctx, skip_special_tokens=False))
+            ctx, base = bases[j]
+            return self.token_text(ctx, t, base)
+        return text
 
     def check_chars(self, n: int, param: str) -> None:
         """Refuse a prompt of more than ``max_prompt_chars`` characters before tokenising it (a tokenizer's time
@@ -402,7 +488,7 @@ class RequestManager:
                            "prompt")
 
     def params(self, mode=None, max_tokens=None, temperature=None, top_p=None, top_k=None, seed=None,
-               stop=None) -> Params:
+               stop=None, logprobs=None) -> Params:
         mode = self.default_mode if mode is None else mode
         if mode not in self.modes:
             raise RequestError(f"mode {mode!r} is not served; choose one of {', '.join(self.modes)}", "mode")
@@ -425,8 +511,12 @@ class RequestManager:
         stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
             raise RequestError("stop must be a non-empty string or a list of at most 4 of them", "stop")
+        from pipeline.engine import MAX_TOP_LOGPROBS
+        if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token)",
+                               "logprobs")
         return Params(mode, int(max_tokens), float(temperature), float(top_p), int(top_k), int(seed) % (1 << 64),
-                      list(stop))
+                      list(stop), logprobs)
 
     def check_length(self, ids: list[int], max_tokens: int, param: str) -> None:
         from pipeline.engine import prompt_fit_error
@@ -437,7 +527,30 @@ class RequestManager:
     def submit(self, prompt=None, messages=None, **sampling) -> Request:
         """Queue a generation of ``prompt`` (text or token ids; no chat template) or ``messages`` (OpenAI
         chat messages, formatted with the chat template). ``sampling``: mode, max_tokens, temperature,
-        top_p, top_k, seed, stop. Returns at once; the request is served in FIFO order."""
+        top_p, top_k, seed, stop, logprobs. Returns at once; the request is served in FIFO order."""
+        return self.submit_n(1, prompt, messages, **sampling)[0]
+
+    def check_n(self, n) -> int:
+        """``n`` (choices per request) as a 400 unless an integer in [1, min(MAX_N, queue size)]: more could never
+        be admitted at once (they take one queue place each)."""
+        top = min(MAX_N, self.queue_size)
+        if n is None:
+            return 1
+        if not _is_int(n) or not 1 <= n <= top:
+            raise RequestError(f"n must be an integer in [1, {top}]", "n")
+        return n
+
+    def submit_n(self, n: int, prompt=None, messages=None, **sampling) -> list[Request]:
+        """``n`` independent generations of one prompt (OpenAI's ``n``), admitted together or not at all (429
+        unless the queue has room for all ``n``). Choice ``i`` is a :class:`Request` of its own with ``index`` i
+        and seed :func:`choice_seed` (seed, i); the prompt is validated and tokenised once.
+
+        Why the choices do not share the prompt's prefill: the stages hold one KV cache (batch 1) and every
+        generation's prefill resets it (``Context(reset=True)``), so a second generation needs the prompt's KV
+        rebuilt; sharing it needs a stage-side "keep the first L positions" (or copy a request's slots, once the
+        stages keep several) that the ring protocol does not have yet. What is shared: validation, tokenising,
+        and one admission."""
+        n = self.check_n(n)
         try:
             params = self.params(**sampling)
         except TypeError as e:
@@ -447,14 +560,16 @@ class RequestManager:
         with self._cond:
             if self.stopping or self.failed:
                 raise Unavailable(self.failed or "the server is stopping")
-            if len(self._queue) >= self.queue_size:
+            if len(self._queue) + n > self.queue_size:
                 self.m["rejected_queue_full"] += 1
-                raise QueueFull(f"the request queue is full ({self.queue_size} waiting); retry later")
-            req = Request(next(self._seq), ids, params, self.decode, self.stop_ids)
-            self._queue.append(req)
-            self.live.append(req)
+                raise QueueFull(f"the request queue is full ({len(self._queue)} of {self.queue_size} waiting, "
+                                f"{n} asked for); retry later")
+            reqs = [Request(next(self._seq), ids, dataclasses.replace(params, seed=choice_seed(params.seed, i)),
+                            self.decode, self.stop_ids, index=i) for i in range(n)]
+            self._queue.extend(reqs)
+            self.live.extend(reqs)
             self._cond.notify_all()
-        return req
+        return reqs
 
     # -- the serving side (rank 0's main thread) -------------------------------------------------------
     def next(self, timeout: float) -> Request | None:
@@ -501,9 +616,16 @@ class RequestManager:
                 for i, b in enumerate(r.busy_fraction[:self.world]):
                     self.busy_weighted[i] += b * wall
                 self.busy_wall += wall
-            if req.t_first is not None:
-                self.m["ttft_s"] += req.t_first - req.t_submit
-                self.m["ttft_n"] += 1
+            if r is not None:
+                self.m["draft_tokens"] += r.drafted_tokens
+                self.m["accepted_draft_tokens"] += r.accepted_draft_tokens
+            if req.seq >= 0:   # not a warm-up generation
+                if req.t_first is not None:
+                    self.hist["ttft"].observe(req.t_first - req.t_submit)
+                for gap in inter_token_latencies(req.commit_log):
+                    self.hist["itl"].observe(gap)
+                if req.t_end is not None:
+                    self.hist["e2e"].observe(req.t_end - req.t_submit)
 
     def queue_length(self) -> int:
         with self._cond:
@@ -603,7 +725,8 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     default_mode = cfg.gen.mode if cfg.gen.mode in modes else modes[0]
     name = sargs.model_name or _model_name(stage_root, sdir)
     manager = RequestManager(tokenizer, stop_ids, modes, default_mode, cfg, model.config, comm.world,
-                             sargs.queue_size, name, sargs.template, sargs.max_prompt_chars)
+                             sargs.queue_size, name, sargs.template, sargs.max_prompt_chars,
+                             system_fingerprint(cfg, stage_root, modes, sargs.template, comm.world))
     faults.on_fatal(manager.fail_all)
     global _graceful_stop
     _graceful_stop = manager.begin_stop   # SIGTERM from here on: a graceful stop (graceful_signals)
@@ -612,7 +735,7 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     def generate(req: Request) -> None:
         p = req.params      # the request's own settings: an argument of its generation, nothing swapped
         settings = GenSettings(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed,
-                               on_commit=req._commit, cancel=req.cancel_event)
+                               on_commit=req._commit, cancel=req.cancel_event, logprobs=p.logprobs)
         res = timed_generation(engine, req.prompt_ids, new_decoder(p.mode), settings)
         req.drafter = drafter_fields(engine.drafter) if p.mode != "ar" else {"drafter_version": None}
         req._finish(res, req.cancel_event.is_set())
@@ -664,6 +787,21 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     return 0
 
 
+def system_fingerprint(cfg, stage_root: Path, modes: list[str], template: str, world: int) -> str:
+    """``fp_`` + the run's configuration hash: :func:`pipeline.outputs.provenance`'s ``config_hash`` (every setting
+    that decides what is generated, the stages' manifest checksum, the head's weights checksum, template, world
+    size) with the served modes folded in. Equal for two servers that answer a seeded request alike (the same
+    configuration and model), different when any of that changes; a restart keeps it."""
+    import hashlib
+
+    from pipeline.build import head_choice
+    from pipeline.outputs import head_identity, provenance
+    needs_head = any(m != "ar" for m in modes)
+    prov = provenance(cfg, stage_root, head_identity(cfg.model.head_dir, head_choice(cfg, stage_root), needs_head),
+                      template, world)
+    return "fp_" + hashlib.sha256(f"{prov['config_hash']}|{','.join(sorted(modes))}".encode()).hexdigest()[:16]
+
+
 def _model_name(stage_root: Path, sdir: Path) -> str:
     try:
         cfg = json.loads((sdir / "config.json").read_text())
@@ -698,8 +836,81 @@ def _start_http(manager: RequestManager, sock: socket.socket, access_log: bool, 
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
                  "stream_options", "n", "user", "mode", "presence_penalty", "frequency_penalty",
                  "return_token_ids"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs"}
+LOGPROB_FLOOR = -9999.0   # a log-probability of -inf (a token of probability 0 in float32) as JSON shows it
+
+
+def requested_logprobs(body: dict, chat: bool) -> int | None:
+    """The alternatives per token a body asks for (None: no logprobs). Chat: ``logprobs: true`` and
+    ``top_logprobs`` k (0 when absent; ``top_logprobs`` without ``logprobs: true`` is a 400, as OpenAI answers);
+    completions: ``logprobs`` k (an integer; 0 = the chosen tokens' only). Range checks: ``Params``."""
+    if chat:
+        on, k = body.get("logprobs"), body.get("top_logprobs")
+        if on is not None and not isinstance(on, bool):
+            raise RequestError("logprobs must be a boolean", "logprobs")
+        if not on:
+            if k is not None:
+                raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+            return None
+        if k is not None and (not _is_int(k) or not 0 <= k <= 20):
+            raise RequestError("top_logprobs must be an integer in [0, 20]", "top_logprobs")
+        return 0 if k is None else k
+    k = body.get("logprobs")
+    if k is not None and (not _is_int(k) or not 0 <= k <= 20):
+        raise RequestError("logprobs must be an integer in [0, 20]", "logprobs")
+    return k
+
+
+def response_id(chat: bool) -> str:
+    """A response id unique across requests and restarts (128 random bits), OpenAI's prefixes."""
+    import uuid
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def format_logprobs(entries: list, token_text, chat: bool, text_start: int = 0) -> dict:
+    """OpenAI's ``logprobs`` object of ``entries`` (:class:`pipeline.engine.TokenLogprob`); ``token_text(j, id)``:
+    the text of token ``id`` in place of entry ``j`` (:meth:`RequestManager.logprob_texts`). Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}], "refusal"}``;
+    completions: ``{"tokens", "token_logprobs", "top_logprobs": [{text: logprob}] (None when k = 0),
+    "text_offset"}`` (offsets into the concatenated token texts, from ``text_start``: a stream's chunks go on
+    where the previous one ended). Pure; -inf shows as ``LOGPROB_FLOOR``."""
+    def lp(x: float) -> float:
+        return max(float(x), LOGPROB_FLOOR)
+
+    if chat:
+        def item(j: int, t: int, v: float) -> dict:
+            text = token_text(j, t)
+            return {"token": text, "logprob": lp(v), "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**item(j, e.token, e.logprob), "top_logprobs": [item(j, t, v) for t, v in e.top]}
+                            for j, e in enumerate(entries)], "refusal": None}
+    tokens, offsets, pos = [], [], text_start
+    for j, e in enumerate(entries):
+        text = token_text(j, e.token)
+        tokens.append(text)
+        offsets.append(pos)
+        pos += len(text)
+    tops = None
+    if entries and entries[0].top:
+        tops = [{token_text(j, t): lp(v) for t, v in e.top} for j, e in enumerate(entries)]
+    return {"tokens": tokens, "token_logprobs": [lp(e.logprob) for e in entries], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def usage_of(reqs: list[Request]) -> dict:
+    """The ``usage`` object of one response over its choices: the prompt counted once (as OpenAI does),
+    completion tokens summed; ``completion_tokens_details`` reports the speculation in OpenAI's predicted-output
+    fields (``accepted_prediction_tokens``: drafted tokens committed; ``rejected_prediction_tokens``: drafted
+    tokens not committed; unlike OpenAI's predictions they are not billed as completion tokens), and the
+    vLLM-named ``num_draft_tokens`` / ``num_accepted_tokens`` / ``acceptance_rate`` repeat them."""
+    prompt = len(reqs[0].prompt_ids)
+    completion = sum(len(r.ids) for r in reqs)
+    drafted = sum(r.result.drafted_tokens for r in reqs if r.result is not None)
+    accepted = sum(r.result.accepted_draft_tokens for r in reqs if r.result is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": max(0, drafted - accepted)},
+            "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+            "acceptance_rate": round(accepted / drafted, 4) if drafted else None}
 
 
 class BodyTooLarge(Exception):
@@ -784,8 +995,6 @@ def make_app(manager: RequestManager, max_body_bytes: int = MAX_BODY_BYTES):
             shown = repr(model)[:120] if isinstance(model, str) else f"of type {type(model).__name__}"
             raise RequestError(f"The model {shown} does not exist; this server serves {manager.model_name!r}",
                                "model", "model_not_found", status=404)
-        if body.get("n", 1) != 1:
-            raise RequestError("only n=1 is supported (batch 1)", "n")
         for k in ("presence_penalty", "frequency_penalty"):
             if body.get(k, 0) not in (0, 0.0, None):
                 raise RequestError(f"{k} is not supported (only 0)", k)
@@ -802,15 +1011,16 @@ def make_app(manager: RequestManager, max_body_bytes: int = MAX_BODY_BYTES):
             max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) if chat else body.get("max_tokens")
             sampling = dict(mode=body.get("mode"), max_tokens=max_tokens, temperature=body.get("temperature"),
                             top_p=body.get("top_p"), top_k=body.get("top_k"), seed=body.get("seed"),
-                            stop=body.get("stop"))
+                            stop=body.get("stop"), logprobs=requested_logprobs(body, chat))
+            n = manager.check_n(body.get("n"))
             if chat:
                 if "messages" not in body:
                     raise RequestError("messages is required", "messages")
-                req = await off_loop(manager.submit, messages=body.get("messages"), **sampling)
+                reqs = await off_loop(manager.submit_n, n, messages=body.get("messages"), **sampling)
             else:
                 if "prompt" not in body:
                     raise RequestError("prompt is required", "prompt")
-                req = await off_loop(manager.submit, prompt=body["prompt"], **sampling)
+                reqs = await off_loop(manager.submit_n, n, prompt=body["prompt"], **sampling)
         except BodyTooLarge:
             manager.m["bad_requests"] += 1
             return error(413, f"the request body is larger than this server accepts ({max_body_bytes} bytes, "
@@ -822,94 +1032,134 @@ def make_app(manager: RequestManager, max_body_bytes: int = MAX_BODY_BYTES):
             return error(429, str(e), "rate_limit_error", None, "queue_full")
         except Unavailable as e:
             return error(503, str(e), "server_error", None, "unavailable")
-        req.http = True
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.seq}"
+        for r in reqs:
+            r.http = True
+        req = reqs[0]
+        rid = response_id(chat)
         base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(req.created), "model": manager.model_name}
+                "created": int(req.created), "model": manager.model_name,
+                "system_fingerprint": manager.fingerprint}
         with_ids = bool(body.get("return_token_ids"))
+        with_logprobs = req.params.logprobs is not None
 
-        def speculative() -> dict:
-            s = req.stats
+        def stats_of(r: Request) -> dict:
+            s = r.stats
             if with_ids:
-                s["prompt_ids"], s["output_ids"] = req.prompt_ids, list(req.ids)
+                s["prompt_ids"], s["output_ids"] = r.prompt_ids, list(r.ids)
             return s
+
+        def speculative(r: Request | None = None) -> dict:
+            """Choice ``r``'s statistics (a streamed chunk's), else choice 0's plus every choice's (n > 1)."""
+            if r is not None:
+                return stats_of(r)
+            s = stats_of(req)
+            if len(reqs) > 1:
+                s["choices"] = [stats_of(x) for x in reqs]
+            return s
+
+        def logprobs_of(r: Request, lo: int, hi: int, text_start: int = 0) -> dict | None:
+            if not with_logprobs:
+                return None
+            return format_logprobs(r.logprobs[lo:hi], manager.logprob_texts(r, lo, hi), chat, text_start)
 
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
-            def chunk(delta: str | None, finish=None, role=False) -> str:
+            def chunk(r: Request, delta: str | None, finish=None, role=False, lp=None) -> str:
                 if chat:
                     d = {} if delta is None else {"content": delta}
                     if role:
                         d = {"role": "assistant", "content": ""}
-                    choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+                    choice = {"index": r.index, "delta": d, "logprobs": lp, "finish_reason": finish}
                 else:
-                    choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
-                return "data: " + json.dumps({**base, "choices": [choice], "speculative": speculative()}) + "\n\n"
+                    choice = {"index": r.index, "text": delta or "", "logprobs": lp, "finish_reason": finish}
+                return "data: " + json.dumps({**base, "choices": [choice], "speculative": speculative(r)}) + "\n\n"
 
             async def events():
-                sent = 0
+                sent = [0] * len(reqs)            # characters of text sent, per choice
+                toks = [0] * len(reqs)            # tokens sent (a chunk per new commit, with their logprobs)
+                lp_chars = [0] * len(reqs)        # characters of token texts sent (completions' text_offset)
+                closed = [False] * len(reqs)      # finish chunk sent
                 try:
                     if chat:
-                        yield chunk(None, role=True)
-                    last_tokens = 0
-                    async for _ in req.changes():
-                        text, n = req.text, len(req.ids)
-                        if req.state == "failed":
+                        for r in reqs:
+                            yield chunk(r, None, role=True)
+                    async for _ in changes_of(reqs):
+                        if any(r.state == "failed" for r in reqs):
                             break
-                        if len(text) > sent or (n > last_tokens and not req.final):
-                            yield chunk(text[sent:])
-                            sent, last_tokens = len(text), n
-                        if req.final:
+                        for i, r in enumerate(reqs):
+                            if closed[i]:
+                                continue
+                            text, n_ids, final = r.text, len(r.ids), r.final
+                            if len(text) > sent[i] or n_ids > toks[i]:
+                                lp = logprobs_of(r, toks[i], n_ids, lp_chars[i])
+                                if lp is not None and not chat and lp["tokens"]:
+                                    lp_chars[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                                yield chunk(r, text[sent[i]:], lp=lp)
+                                sent[i], toks[i] = len(text), n_ids
+                            if final:
+                                yield chunk(r, None, finish=r.finish_reason)
+                                closed[i] = True
+                        if all(closed):
                             break
-                    if req.state == "failed":
-                        status, message = req.error
+                    failed = [r for r in reqs if r.state == "failed"]
+                    if failed:
+                        status, message = failed[0].error
                         yield "data: " + json.dumps({"error": {"message": message, "type": "server_error",
                                                                "param": None, "code": status}}) + "\n\n"
                         yield "data: [DONE]\n\n"
                         return
-                    yield chunk(None, finish=req.finish_reason)
                     if include_usage:
-                        yield "data: " + json.dumps({**base, "choices": [], "usage": req.usage(),
+                        yield "data: " + json.dumps({**base, "choices": [], "usage": usage_of(reqs),
                                                      "speculative": speculative()}) + "\n\n"
                     yield "data: [DONE]\n\n"
                 finally:
-                    if not req.final:
-                        req.cancel()   # the client went away (or the stream broke): stop at the next commit
+                    for r in reqs:
+                        if not r.final:
+                            r.cancel()   # the client went away (or the stream broke): stop at the next commit
 
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                                     background=BackgroundTask(req.delivered.set))
+                                     background=BackgroundTask(lambda: [r.delivered.set() for r in reqs]))
 
         # not streamed: wait for the result, cancelling when the client disconnects
         async def until_final():
-            async for _ in req.changes():
+            async for _ in changes_of(reqs):
                 pass
         waiter = asyncio.ensure_future(until_final())
+
+        def delivered() -> None:
+            for r in reqs:
+                r.delivered.set()
         try:
             while not waiter.done():
                 done, _ = await asyncio.wait({waiter}, timeout=0.25)
                 if not done and await request.is_disconnected():
-                    req.cancel()
+                    for r in reqs:
+                        r.cancel()
                     waiter.cancel()
-                    req.delivered.set()
+                    delivered()
                     return PlainTextResponse("", status_code=499)
         finally:
             if not waiter.done():
                 waiter.cancel()
-        bg = BackgroundTask(req.delivered.set)
-        if req.state == "failed":
-            status, message = req.error
+        bg = BackgroundTask(delivered)
+        failed = [r for r in reqs if r.state == "failed"]
+        if failed:
+            status, message = failed[0].error
             resp = error(status, message, "server_error", None, "unavailable" if status == 503 else None)
             resp.background = bg
             return resp
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": req.text}, "logprobs": None,
-                      "finish_reason": req.finish_reason}
-        else:
-            choice = {"index": 0, "text": req.text, "logprobs": None, "finish_reason": req.finish_reason}
-        out = {**base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-               "usage": req.usage(), "speculative": speculative()}
+        choices = []
+        for r in reqs:
+            lp = logprobs_of(r, 0, len(r.logprobs))
+            if chat:
+                choices.append({"index": r.index, "message": {"role": "assistant", "content": r.text},
+                                "logprobs": lp, "finish_reason": r.finish_reason})
+            else:
+                choices.append({"index": r.index, "text": r.text, "logprobs": lp, "finish_reason": r.finish_reason})
+        out = {**base, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+               "usage": usage_of(reqs), "speculative": speculative()}
         return JSONResponse(out, background=bg)
 
     @app.post("/v1/chat/completions")
@@ -944,7 +1194,7 @@ def make_app(manager: RequestManager, max_body_bytes: int = MAX_BODY_BYTES):
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(prometheus_text(manager), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(prometheus_text(manager), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/")
     async def index():
@@ -953,40 +1203,84 @@ def make_app(manager: RequestManager, max_body_bytes: int = MAX_BODY_BYTES):
     return app
 
 
+# Latency histogram buckets (seconds), vLLM's with finer low ends: a CPU test model commits in milliseconds
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               10.0, 20.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0)
+
+
+class _ManagerCollector:
+    """The counters and gauges of /metrics, read from the manager at scrape time (prometheus_client collector)."""
+
+    def __init__(self, manager: "RequestManager") -> None:
+        self.manager = manager
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        manager = self.manager
+        m = manager.m
+        steps, acc = m["verification_steps"], m["accepted_tokens"]
+        drafted, accepted = m["draft_tokens"], m["accepted_draft_tokens"]
+
+        def counter(name, help_, value, labels=None, samples=()):
+            fam = CounterMetricFamily(name, help_, value=None if labels else value, labels=labels)
+            for lab, v in samples:
+                fam.add_metric(lab, v)
+            return fam
+
+        def gauge(name, help_, value=None, labels=None, samples=()):
+            fam = GaugeMetricFamily(name, help_, value=None if labels else value, labels=labels)
+            for lab, v in samples:
+                fam.add_metric(lab, v)
+            return fam
+
+        yield counter("flowspec_requests", "Requests by outcome", None, ["outcome"],
+                      [([k], m[k]) for k in ("completed", "cancelled", "rejected_queue_full", "bad_requests")])
+        yield counter("flowspec_prompt_tokens", "Prompt tokens prefilled", m["prompt_tokens"])
+        yield counter("flowspec_generated_tokens", "Tokens generated", m["generated_tokens"])
+        yield counter("flowspec_verification_steps", "Verification steps that committed tokens", steps)
+        yield counter("flowspec_accepted_tokens", "Tokens committed by verification steps (incl. bonus)", acc)
+        yield gauge("flowspec_tau", "Mean tokens committed per verification step (incl. bonus), all requests",
+                    acc / steps if steps else 0.0)
+        yield counter("flowspec_spec_decode_num_draft_tokens",
+                      "Draft tokens sent to the target for verification (vLLM's num_draft_tokens)", drafted)
+        yield counter("flowspec_spec_decode_num_accepted_tokens",
+                      "Drafted tokens committed, bonus tokens excluded (vLLM's num_accepted_tokens)", accepted)
+        yield gauge("flowspec_spec_decode_acceptance_rate", "num_accepted_tokens / num_draft_tokens, all requests",
+                    accepted / drafted if drafted else 0.0)
+        yield counter("flowspec_decode_seconds", "Decode time", m["decode_s"])
+        yield counter("flowspec_prefill_seconds", "Prefill time", m["prefill_s"])
+        yield gauge("flowspec_rank_busy_fraction", "Busy share of each rank over all generations (time-weighted)",
+                    None, ["rank"], [([str(r)], b) for r, b in enumerate(manager.busy_mean())])
+        yield gauge("flowspec_queue_length", "Requests waiting", manager.queue_length())
+        yield gauge("flowspec_requests_running", "Requests being generated", int(manager.current is not None))
+
+
+def metrics_registry(manager: "RequestManager"):
+    """A prometheus_client registry of the manager's own (not the process-global one: several managers, e.g.
+    tests, never collide) with its counters and gauges (:class:`_ManagerCollector`) and the latency histograms,
+    returned as ``(registry, {"ttft", "itl", "e2e": Histogram})``."""
+    from prometheus_client import CollectorRegistry, Histogram
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_ManagerCollector(manager))
+    hist = {
+        "ttft": Histogram("flowspec_time_to_first_token_seconds", "Submit to first committed token (queue included)",
+                          buckets=TTFT_BUCKETS, registry=registry),
+        "itl": Histogram("flowspec_inter_token_latency_seconds", "Time per output token after the first (a commit "
+                         "of k tokens: its gap / k, k samples)", buckets=ITL_BUCKETS, registry=registry),
+        "e2e": Histogram("flowspec_e2e_request_latency_seconds", "Submit to the generation's end",
+                         buckets=E2E_BUCKETS, registry=registry),
+    }
+    return registry, hist
+
+
 def prometheus_text(manager: RequestManager) -> str:
-    """Prometheus exposition format (text 0.0.4) of the server's counters and gauges."""
-    m = manager.m
-    steps, acc = m["verification_steps"], m["accepted_tokens"]
-    rows = [
-        ("flowspec_requests_total", "counter", "Requests by outcome",
-         [({"outcome": k}, m[k]) for k in ("completed", "cancelled", "rejected_queue_full", "bad_requests")]),
-        ("flowspec_prompt_tokens_total", "counter", "Prompt tokens prefilled", [({}, m["prompt_tokens"])]),
-        ("flowspec_generated_tokens_total", "counter", "Tokens generated", [({}, m["generated_tokens"])]),
-        ("flowspec_verification_steps_total", "counter", "Verification steps that committed tokens",
-         [({}, steps)]),
-        ("flowspec_accepted_tokens_total", "counter", "Tokens committed by verification steps (incl. bonus)",
-         [({}, acc)]),
-        ("flowspec_tau", "gauge", "Mean tokens committed per verification step (incl. bonus), all requests",
-         [({}, acc / steps if steps else 0.0)]),
-        ("flowspec_decode_seconds_total", "counter", "Decode time", [({}, m["decode_s"])]),
-        ("flowspec_prefill_seconds_total", "counter", "Prefill time", [({}, m["prefill_s"])]),
-        ("flowspec_time_to_first_token_seconds_sum", "counter", "Submit to first token, summed",
-         [({}, m["ttft_s"])]),
-        ("flowspec_time_to_first_token_seconds_count", "counter", "Requests with a first token",
-         [({}, m["ttft_n"])]),
-        ("flowspec_rank_busy_fraction", "gauge", "Busy share of each rank over all generations (time-weighted)",
-         [({"rank": str(r)}, b) for r, b in enumerate(manager.busy_mean())]),
-        ("flowspec_queue_length", "gauge", "Requests waiting", [({}, manager.queue_length())]),
-        ("flowspec_requests_running", "gauge", "Requests being generated",
-         [({}, int(manager.current is not None))]),
-    ]
-    lines = []
-    for name, kind, help_, samples in rows:
-        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
-        for labels, value in samples:
-            lab = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
-            lines.append(f"{name}{lab} {float(value):.6g}")
-    return "\n".join(lines) + "\n"
+    """Prometheus exposition format (text 0.0.4) of the server's counters, gauges and latency histograms."""
+    from prometheus_client import generate_latest
+    return generate_latest(manager.registry).decode()
 
 
 # -- entry point -----------------------------------------------------------------------------------------

@@ -122,7 +122,7 @@ def test_pyproject_and_entry_points():
     assert {"flowspec-run", "flowspec-eval", "flowspec-bench", "flowspec-split", "flowspec-simulate",
             "flowspec-serve"} <= set(scripts)
     serve = proj["optional-dependencies"]["serve"]       # the server's own imports, declared (not via fschat)
-    for dep in ("fastapi", "uvicorn"):
+    for dep in ("fastapi", "uvicorn", "prometheus_client"):
         assert any(d.startswith(dep) for d in serve) and any(r.startswith(dep) for r in reqs), dep
     for name, target in scripts.items():
         mod, func = target.split(":")

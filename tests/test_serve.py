@@ -278,7 +278,7 @@ def test_bad_requests_400_and_server_keeps_serving(server):
         ({"prompt": "x", "temperature": -1}, "temperature"),
         ({"prompt": "x", "top_p": 0}, "top_p"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-        ({"prompt": "x", "n": 2}, "n"),
+        ({"prompt": "x", "n": 0}, "n"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": [1, 2, 10 ** 6]}, "prompt"),
         ({"prompt": "x " * 600, "max_tokens": 16}, "prompt"),     # longer than stories260K's 512 positions

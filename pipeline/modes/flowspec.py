@@ -45,6 +45,7 @@ class StepVerdict:
     new_root: int | None      # CONTINUE: the node that already holds ``token``; None: TRUNCATE
     committed: list[int]      # accepted draft tokens, then ``token``
     features: torch.Tensor    # target features of the path's positions (what the drafter commits)
+    logits: torch.Tensor | None = None   # target logits of nodes [0, k): committed[j] was chosen at path[j]
 
 
 def verify_step(engine: Engine, state: RankTree, msg: Segment, sampler: Sampler) -> StepVerdict | None:
@@ -69,7 +70,7 @@ def verify_step(engine: Engine, state: RankTree, msg: Segment, sampler: Sampler)
     with engine.tracer.span("verify"):
         path, token, new_root = walk_tree(tree, k, logits, sampler)
     committed = tree.tokens[path[1:]].tolist() + [token]
-    return StepVerdict(k, list(path), token, new_root, committed, hidden[path])
+    return StepVerdict(k, list(path), token, new_root, committed, hidden[path], logits)
 
 
 class StreamingMode:
@@ -122,7 +123,7 @@ class StreamingMode:
     def decode(self, engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
                out: OutputBuffer) -> DecodeResult:
         x = out.sampler.choose(logits)
-        out.extend([x])
+        out.extend([x], logits[None])
         with engine.tracer.span("draft"):
             root_hidden = engine.drafter.start(prompt_ids, x, features)
         box = Outbox(engine)
@@ -132,6 +133,7 @@ class StreamingMode:
             x, root_hidden, n_steps = self.run_round(engine, box, x, root_hidden, out, accepts)
             steps += n_steps
         steps += box.drain()
+        out.drafted = box.next_gid - rounds   # every node sent but each round's fresh root (a committed token)
         return DecodeResult(rounds, accepts, steps)
 
     @staticmethod
@@ -188,7 +190,7 @@ class StreamingMode:
                 continue
             self.observe(state.tree, verdict)
             path = verdict.path
-            accepts.append(out.extend(verdict.committed))
+            accepts.append(out.extend(verdict.committed, verdict.logits, path))
             engine.observe_step(state.tree, path, verdict.token, out.finished)
             pending_tokens += verdict.committed
             pending_feats.append(verdict.features)

@@ -32,7 +32,7 @@ def whole_tree_rounds(engine: Engine, logits: torch.Tensor, features: torch.Tens
     ``tag``), wait for all of them, verify, commit the accepted tokens and the target's next token. The
     decision (TRUNCATE: every round starts from a fresh root) rides on the next round's first segment."""
     x = out.sampler.choose(logits)
-    out.extend([x])
+    out.extend([x], logits[None])
     with engine.tracer.span("draft"):
         root_hidden = drafter.start(prompt_ids, x, features)
     box = Outbox(engine)
@@ -51,12 +51,13 @@ def whole_tree_rounds(engine: Engine, logits: torch.Tensor, features: torch.Tens
         with engine.tracer.span("verify"):
             path, x = verify(tree, extra, tlogits)
         committed = tree.tokens[path[1:]].tolist() + [x]
-        accepts.append(out.extend(committed))
+        accepts.append(out.extend(committed, tlogits, path))   # committed[j] was chosen at node path[j]
         engine.observe_step(tree, path, x, out.finished)
         box.decide(Status.TRUNCATE, state.gids[path].tolist(), -1, out.finished)
         if not out.finished:
             with engine.tracer.span("draft"):
                 root_hidden = drafter.commit(torch.tensor(committed, device=HOST), hidden[path])
+    out.drafted = box.next_gid - rounds   # every node sent but each round's root (a committed token)
     return DecodeResult(rounds, accepts, steps)
 
 
