@@ -11,7 +11,9 @@ Profile JSON (see ``profiles/README.md``)::
      "stages": {"3": COST},               # optional per-rank overrides
      "rank0":  {"draft_forward": COST, "lm_head": COST, "ssm_forward": COST},   # optional
      "link":   {"latency_s": 3e-4, "bandwidth_mbps": 150, "hidden_bytes_per_token": 8192, "header_bytes": 384},
-     "links":  {"0->1": LINK}}            # optional per-hop overrides
+     "links":  {"0->1": LINK},            # optional per-hop overrides
+     "rank0_host": {"op_us": 20, "sync_us": 40, "derivation": "..."}}   # optional: rank 0's host work per
+                                          # dispatched operator / host<->device sync (:class:`HostCost`)
     COST = {"model": "analytic", "weight_bytes", "kv_bytes_per_ctx", "mem_bw_Bps", "mem_efficiency",
             "flops_per_token", "attn_flops_per_token_ctx", "peak_flops", "compute_efficiency", "overhead_s"}
          | {"model": "table", "w": [...], "ctx": [...], "t_s": [[t for each ctx] for each w]}
@@ -170,6 +172,35 @@ class LinkModel:
 
 
 @dataclass
+class HostCost:
+    """What rank 0's host work costs on the modeled device, per unit: ``op_us`` microseconds per dispatched aten
+    operator (Python dispatch plus a kernel launch on a GPU) and ``sync_us`` per host<->device synchronisation
+    (a ``.item()`` / ``.tolist()`` / device->host copy of a device value: the wait for the queue to drain, on top
+    of the operator itself). The simulator's ``--rank0-cost ops`` prices rank 0's host work as the replay's
+    counted operators and syncs times these (``pipeline/tools/simulate/pricing.py``); measure them with
+    ``python -m pipeline.tools.profile --host-only``. ``source`` says where the numbers come from."""
+
+    op_us: float
+    sync_us: float
+    source: str = ""
+
+    @classmethod
+    def parse(cls, raw: dict, where: str) -> "HostCost":
+        if not isinstance(raw, dict):
+            raise EmulationError(f"{where} must be an object")
+        known = {"op_us", "sync_us"}
+        bad = [k for k in raw if k not in known and k not in _TEXT_KEYS and k != "measured" and not k.startswith("_")]
+        if bad:
+            raise EmulationError(f"{where}: unknown keys {bad}; valid: op_us, sync_us")
+        for k in known:
+            v = raw.get(k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise EmulationError(f"{where}.{k} must be a number >= 0 (microseconds)")
+        return cls(float(raw["op_us"]), float(raw["sync_us"]),
+                   str(raw.get("source") or where))
+
+
+@dataclass
 class Profile:
     name: str
     description: str
@@ -181,6 +212,7 @@ class Profile:
     link: LinkModel = field(default_factory=LinkModel)
     links: dict = field(default_factory=dict)         # (src, dst) -> LinkModel
     path: str = ""
+    rank0_host: HostCost | None = None                # rank 0's host work per operator / sync (HostCost)
 
     def stage_model(self, rank: int) -> CostModel:
         return self.stages.get(rank, self.stage)
@@ -197,7 +229,8 @@ class Profile:
         where = path or "profile"
         if not isinstance(raw, dict):
             raise EmulationError(f"{where}: a profile is a JSON object")
-        known = {"name", "description", "stage", "stages", "rank0", "link", "links", "measured"} | _TEXT_KEYS
+        known = {"name", "description", "stage", "stages", "rank0", "link", "links", "measured",
+                 "rank0_host"} | _TEXT_KEYS
         bad = [k for k in raw if k not in known and not k.startswith("_")]
         if bad:
             raise EmulationError(f"{where}: unknown keys {bad}; valid: {sorted(known)}")
@@ -227,7 +260,9 @@ class Profile:
                    description=str(raw.get("description", "")),
                    stage=CostModel.parse(raw["stage"], f"{where}.stage"), stages=stages,
                    **rank0,
-                   link=LinkModel.parse(raw.get("link", {}), f"{where}.link"), links=links, path=path)
+                   link=LinkModel.parse(raw.get("link", {}), f"{where}.link"), links=links, path=path,
+                   rank0_host=HostCost.parse(raw["rank0_host"], f"{where}.rank0_host") if "rank0_host" in raw
+                   else None)
 
 
 def with_link(profile: Profile, bandwidth: float | None, latency: float | None) -> Profile:

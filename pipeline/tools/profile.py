@@ -5,15 +5,19 @@
 with random weights of any shape: e.g. the defaults are one 8-layer LLaMA-7B stage. For every ``ctx`` (KV
 slots already cached) and every ``w`` (rows in the segment) it times the forward (median of ``--repeat``
 runs after ``--warmup`` runs; CUDA is synchronised around each), and optionally rank 0's operations
-(``lm_head`` over ``w`` rows and one EAGLE-style draft-head forward: ``fc`` 2H->H + one decoder layer).
+(``lm_head`` over ``w`` rows and one EAGLE-style draft-head forward: ``fc`` 2H->H + one decoder layer), and
+rank 0's host cost per dispatched operator and per host<->device synchronisation (:func:`measure_host_costs`:
+the profile's ``rank0_host``, which the simulator's ``--rank0-cost ops`` multiplies by the replay's counts).
 The result is a ``"model": "table"`` profile for ``emu.profile=<file>`` (pipeline/emulation.py), with the
-link model given on the command line.
+link model given on the command line. ``--host-only`` measures only the host costs (seconds) and writes them
+as a ``profiles/rank0_host/<profile name>.json`` file, for a profile kept elsewhere.
 
 Examples::
 
     python -m pipeline.tools.profile --device cuda --dtype float16 --out profiles/h100_7b.json
     python -m pipeline.tools.profile --like checkpoints/SmolLM2-135M-Instruct --layers 8 --device cpu --out /tmp/p.json
     python -m pipeline.tools.profile --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --layers 2 --w 1,4 --ctx 0,32
+    python -m pipeline.tools.profile --host-only --device cuda --out profiles/rank0_host/h100_7b_fp16.json
 """
 from __future__ import annotations
 
@@ -57,7 +61,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     m.add_argument("--repeat", type=int, default=5, help="timed runs per point (median kept)")
     m.add_argument("--warmup", type=int, default=2, help="untimed runs per point")
     m.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = leave torch's default)")
-    m.add_argument("--no-rank0", action="store_true", help="do not measure rank 0 (lm_head, draft head)")
+    m.add_argument("--no-rank0", action="store_true", help="do not measure rank 0 (lm_head, draft head, host costs)")
+    m.add_argument("--host-only", action="store_true",
+                   help="measure only rank 0's host cost per dispatched operator and per sync (a few seconds) and "
+                        "write it as a rank0_host file (profiles/rank0_host/<profile>.json)")
+    m.add_argument("--host-rounds", type=int, default=2000,
+                   help="rounds of tiny operators per host-cost measurement (median of --repeat)")
     m.add_argument("--transformers-layers", action="store_true",
                    help="time the transformers layers' own forward instead of the lean one the runs use by default "
                         "(model.lean_layers; profiles measured before 2026-11-26 timed the transformers path)")
@@ -209,6 +218,68 @@ def measure_rank0(cfg, ws, ctxs, dtype, device, repeat, warmup, log, transformer
             "draft_forward": {"model": "table", "w": ws, "ctx": ctxs, "t_s": draft}}
 
 
+def host_round(device: str):
+    """One round of the tiny operators rank 0's drafting dispatches (top-k of a level's scores, gathering rows,
+    growing an index array by concatenation, a small matmul, a cumulative sum, a mask), on ``device``."""
+    import torch
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(64, generator=g).to(device)
+    rows = torch.randn(64, 8, generator=g).to(device)
+    w = torch.randn(8, 8, generator=g).to(device)
+    idx = torch.arange(8).to(device)
+
+    def run():
+        top = torch.topk(scores, 8)
+        picked = torch.index_select(rows, 0, top.indices)
+        grown = torch.cat([idx, top.indices])
+        mixed = picked @ w
+        depth = torch.cumsum(grown, 0)
+        return torch.where(depth > 3, depth, idx.repeat(2)), mixed
+    return run, scores
+
+
+def measure_host_costs(device: str, rounds: int = 2000, repeat: int = 5) -> dict:
+    """Rank 0's host cost on ``device``, in microseconds: ``op_us`` per dispatched aten operator (``rounds``
+    rounds of :func:`host_round`'s tiny operators, queued back to back with one synchronisation at the end, over
+    their operator count as :class:`pipeline.tools.opcount.OpCounter` counts them, the count the simulator
+    multiplies) and ``sync_us`` per host<->device synchronisation (a tiny operator plus ``.item()`` per round: its
+    time per round minus its operators at ``op_us``). Medians of ``repeat``. On a GPU these are launch-bound
+    (the kernels are tiny), so it is the host's dispatch + launch rate (wall clock); on a CPU, the dispatch rate
+    and a ``.item()`` that waits for nothing, timed as this thread's CPU time (what the simulator's measured
+    host work is), so that a shared, loaded CPU does not count time spent descheduled."""
+    import torch
+    from pipeline.tools.opcount import OpCounter
+    cuda = device.startswith("cuda")
+    run, scores = host_round(device)
+
+    def sync_round():
+        return (scores + 1.0).sum().item()
+
+    def per_op(fn, n_rounds):
+        with OpCounter() as c:
+            fn()
+        ops = c.count.ops
+        for _ in range(min(50, n_rounds)):
+            fn()
+
+        def block():
+            for _ in range(n_rounds):
+                fn()
+        times = [timed_call(block, cuda, time.perf_counter if cuda else time.thread_time) for _ in range(repeat)]
+        return statistics.median(times) / n_rounds, ops
+    t_round, ops = per_op(run, rounds)
+    op_us = t_round / ops * 1e6
+    t_sync, sync_ops = per_op(sync_round, max(1, rounds // 4))
+    sync_us = max(0.0, t_sync * 1e6 - sync_ops * op_us)
+    return {"op_us": round(op_us, 3), "sync_us": round(sync_us, 3), "ops_per_round": ops,
+            "sync_round_ops": sync_ops, "rounds": rounds, "repeat": repeat}
+
+
+def _device_name(device: str) -> str:
+    import torch
+    return torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor() or platform.machine()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -227,8 +298,32 @@ def main(argv=None) -> int:
     if args.repeat < 1 or args.warmup < 0:
         print("error: --repeat must be >= 1 and --warmup >= 0", file=sys.stderr)
         return 2
-    cfg, shape = stage_config(args)
     log = (lambda s: None) if args.quiet else (lambda s: print(s, flush=True))
+    if args.host_rounds < 1:
+        print("error: --host-rounds must be >= 1", file=sys.stderr)
+        return 2
+    host = None
+    if not args.no_rank0 or args.host_only:
+        host = measure_host_costs(device, args.host_rounds, args.repeat)
+        log(f"  rank 0 host: {host['op_us']:.3f} us per dispatched operator, {host['sync_us']:.3f} us per sync "
+            f"({host['ops_per_round']} operators per round x {host['rounds']} rounds, median of {host['repeat']})")
+        stamp = {"tool": "python -m pipeline.tools.profile", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                 "device": _device_name(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                 **{k: host[k] for k in ("ops_per_round", "sync_round_ops", "rounds", "repeat")},
+                 "argv": sys.argv[1:] if argv is None else list(argv)}
+        rank0_host = {"op_us": host["op_us"], "sync_us": host["sync_us"],
+                      "source": f"measured by pipeline.tools.profile on {stamp['device']} ({stamp['date']})"}
+    if args.host_only:
+        out = Path(args.out)
+        doc = {"description": "rank 0's host cost per dispatched aten operator and per host<->device sync "
+                              "(python -m pipeline.tools.profile --host-only)", **rank0_host, "measured": stamp}
+        from config.profiles import HostCost
+        HostCost.parse(doc, str(out))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1))
+        log(f"wrote {out} (the simulator reads profiles/rank0_host/<profile name>.json for --rank0-cost ops)")
+        return 0
+    cfg, shape = stage_config(args)
     log(f"profiling {args.layers} layers hidden={shape['hidden']} intermediate={shape['intermediate']} "
         f"heads={shape['heads']}/{shape['kv_heads']} {dtype_name} on {device}")
     block = build_block(cfg, args.layers, dtype, device)
@@ -246,8 +341,7 @@ def main(argv=None) -> int:
                        f"hidden {shape['hidden']}, intermediate {shape['intermediate']}, heads {shape['heads']}/"
                        f"{shape['kv_heads']}, random weights, median of {args.repeat} runs",
         "measured": {"tool": "python -m pipeline.tools.profile", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                     "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor()
-                     or platform.machine(), "torch": torch.__version__, "dtype": dtype_name, "layers": args.layers,
+                     "device": _device_name(device), "torch": torch.__version__, "dtype": dtype_name, "layers": args.layers,
                      "stage_params": params, "stage_weight_bytes": params * elt, **shape,
                      "threads": torch.get_num_threads(), "repeat": args.repeat, "warmup": args.warmup,
                      "argv": sys.argv[1:] if argv is None else list(argv)},
@@ -258,6 +352,7 @@ def main(argv=None) -> int:
     if not args.no_rank0:
         prof["rank0"] = measure_rank0(cfg, ws, ctxs, dtype, device, args.repeat, args.warmup, log,
                                       args.transformers_layers)
+        prof["rank0_host"] = rank0_host
     from config.profiles import Profile
     Profile.from_dict(json.loads(json.dumps(prof)), str(out))   # validate before writing
     out.parent.mkdir(parents=True, exist_ok=True)

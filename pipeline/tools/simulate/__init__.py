@@ -16,6 +16,8 @@ How, in the order the data flows (each module states its own invariants):
   simulated transport whose direct decisions follow a schedule (:mod:`.transport`); exact at T = 0;
 * :mod:`.timing`: a discrete-event model with the emulated testbed's semantics times the op logs under a
   profile (``pipeline/emulation.py``); predictions are in the profile's time;
+* :mod:`.pricing`: how rank 0's host work is priced (``--rank0-cost``): this CPU's measured time, its counted
+  operators and syncs times the device's per-op / per-sync cost, or free;
 * :mod:`.predict`: per-generation predictions, the direct-decision passes, calibration of a per-event
   testbed overhead, link overrides;
 * :mod:`.report`: summary tables, paper-style tables, timelines and Gantt charts; :mod:`.cli`: the command line.

@@ -22,6 +22,7 @@ from config.paths import REPO
 from config.errors import UserError
 from config.profiles import EmulationError, Profile, load_profile
 from pipeline.tools.simulate.predict import calibrate, prediction, timed_passes, with_link
+from pipeline.tools.simulate.pricing import resolve as resolve_pricing
 from pipeline.tools.simulate.recorded import load_rows, load_target
 from pipeline.tools.simulate.replayer import replay
 from pipeline.tools.simulate.report import (draw_gantt, rank0_turnaround, stage_utilization, summarize, to_timeline,
@@ -63,6 +64,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rank0-cost-scale", type=float, default=1.0, metavar="F",
                    help="factor on all of rank 0's work (lm_head, draft ops, host work); 0 = the what-if of a "
                         "rank 0 that takes no time, i.e. entirely off the critical path")
+    p.add_argument("--rank0-cost", default="measured", choices=("measured", "ops", "zero"),
+                   help="how rank 0's host work (tree bookkeeping between its modeled ops) is priced: measured = this "
+                        "CPU's thread time; ops = the aten operators and host<->device syncs counted on rank 0 in the "
+                        "replay x the predicted device's cost per op / per sync (the profile's rank0_host, "
+                        "profiles/rank0_host/<profile>.json, or the two flags below; pure Python that dispatches no "
+                        "operator is free); zero = free (lm_head and draft head still as profiled)")
+    p.add_argument("--rank0-op-us", type=float, default=None, metavar="US",
+                   help="with --rank0-cost ops: microseconds per dispatched operator (overrides the profile's)")
+    p.add_argument("--rank0-sync-us", type=float, default=None, metavar="US",
+                   help="with --rank0-cost ops: microseconds per host<->device sync (overrides the profile's)")
     p.add_argument("--calibrate", default="", metavar="MODE",
                    help="fit one per-event overhead (every modeled op and received message) so that the recorded "
                         "rows of MODE (e.g. ar) are predicted exactly, then use it for everything; validate on "
@@ -94,6 +105,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--rank0-cost-scale {args.rank0_cost_scale} must be >= 0")
     if args.calibrate and args.rank0_cost_scale != 1.0:
         p.error("--calibrate fits the testbed on recorded rows timed as recorded; use it with --rank0-cost-scale 1")
+    if args.calibrate and args.rank0_cost != "measured":
+        p.error("--calibrate fits the testbed on recorded rows timed as recorded; use it with --rank0-cost measured")
+    if (args.rank0_op_us is not None or args.rank0_sync_us is not None) and args.rank0_cost != "ops":
+        p.error("--rank0-op-us / --rank0-sync-us price counted operators: use them with --rank0-cost ops")
     return args
 
 
@@ -132,6 +147,9 @@ def run(args) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     profile = load_profile(args.profile)
+    pricing = resolve_pricing(args.rank0_cost, profile, args.rank0_op_us, args.rank0_sync_us)
+    counting = pricing.mode == "ops"
+    print(f"[simulate] rank 0's host work priced: {pricing.label()}", file=sys.stderr)
     rows = load_rows(args.rows, args.temperature, args.limit)
     if not rows:
         print("error: no rows to simulate", file=sys.stderr)
@@ -177,7 +195,8 @@ def run(args) -> int:
                desc="replaying", disable=args.quiet)
 
     def replay_rows(grows: list[dict], mode: str, n: int, upto=None, stats=None):
-        return replay(grows, mode, n, cfg, drafter, target.vocab_size, target.features, bar, upto, stats)
+        return replay(grows, mode, n, cfg, drafter, target.vocab_size, target.features, bar, upto, stats,
+                      count_ops=counting)
 
     # the first replay of every (mode, stages) also collects its tree statistics (rank 0 replays the same steps
     # in every later pass, so once is all of them)
@@ -193,7 +212,7 @@ def run(args) -> int:
         return TimingConfig(prof, time_scale=args.time_scale, stage_cost_scale=scale,
                             msg_overhead_s=args.msg_overhead_s + overhead, model_rank0=not args.no_model_rank0,
                             real_hidden_bytes=target.hidden_bytes, op_overhead_s=args.op_overhead_s + overhead,
-                            rank0_cost_scale=args.rank0_cost_scale)
+                            rank0_cost_scale=args.rank0_cost_scale, rank0_pricing=pricing)
 
     overhead = 0.0
     if args.calibrate:
@@ -203,6 +222,8 @@ def run(args) -> int:
               f"message (fitted on the recorded {args.calibrate} rows)", file=sys.stderr)
     label = profile.name if args.rank0_cost_scale == 1.0 else \
         f"{profile.name}, what-if: rank 0's own work x {args.rank0_cost_scale:g}"
+    if pricing.mode != "measured":
+        label += f", rank 0's host work: {pricing.mode}"
     preds = []
     for base, grows in sessions:
         for bw in bandwidths:
@@ -213,11 +234,13 @@ def run(args) -> int:
             tl = to_timeline(events, session.stages + 1)
             util = stage_utilization(tl, windows)
             turns = rank0_turnaround(events, windows, session.stages + 1)
-            for g, (lo, hi), u, ta in zip(session.gens, windows, util, turns):
+            for i, (g, (lo, hi), u, ta) in enumerate(zip(session.gens, windows, util, turns)):
                 pred = prediction(g, hi - lo, prof, bw, args, tc.stage_cost_scale, overhead)
                 pred["busy_fraction"] = u
                 pred["turnaround"] = ta
                 pred["direct_polls_late"] = list(late)
+                pred["rank0_cost"] = pricing.label()
+                pred.update(host_counts(session, i) if counting else {})
                 preds.append(pred)
             draw_gantt(tl, windows, session, prof, label, args, out_dir)
     bar.close()
@@ -225,11 +248,29 @@ def run(args) -> int:
         for p in preds:
             f.write(json.dumps(p) + "\n")
     table = summarize(preds)
-    write_summary(table, out_dir, label)
+    write_summary(table, out_dir, label, pricing.label())
     paper = write_paper_tables(preds, out_dir, label, args) if any(p.get("dataset") for p in preds) else []
     print((out_dir / "summary.md").read_text())
+    print(f"[simulate] rank 0's host work priced: {pricing.label()}", file=sys.stderr)
     if tree_stats:
         print(f"[simulate] draft trees against the target: {write_tree_stats(tree_stats, out_dir)}", file=sys.stderr)
     for path in paper:
         print(f"[simulate] paper-style table: {path}", file=sys.stderr)
     return 0
+
+
+def host_counts(session, i: int) -> dict:
+    """Rank 0's counted operators and syncs inside generation ``i``'s decode window (its ``decode_begin`` to
+    ``gen_end`` marks in rank 0's log): ``r0_host_ops``, ``r0_host_syncs``."""
+    ops = syncs = 0
+    k, inside = -1, False
+    for op in session.logs[0].ops:
+        if op[0] == "mark" and op[1] == "decode_begin":
+            k += 1
+            inside = k == i
+        elif op[0] == "mark" and op[1] == "gen_end":
+            inside = False
+        elif inside and op[0] == "host" and len(op) >= 4:
+            ops += op[2]
+            syncs += op[3]
+    return {"r0_host_ops": ops, "r0_host_syncs": syncs}

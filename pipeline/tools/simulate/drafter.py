@@ -30,10 +30,21 @@ Tensor = torch.Tensor
 class ReplayDrafter:
     """The real drafter, fed the target's features at the positions the replay rows name."""
 
-    def __init__(self, drafter, committed: Committed) -> None:
-        self.inner, self.committed = drafter, committed
+    def __init__(self, drafter, committed: Committed, log: OpLog | None = None) -> None:
+        self.inner, self.committed, self.log = drafter, committed, log
 
     def _features(self, rows: Tensor) -> Tensor:
+        """The target's features at the rows' positions: the replay's own lookup, not rank 0's work (with a log:
+        untimed, and its output counts as device memory, where a stage's features arrive)."""
+        if self.log is None:
+            return self._lookup(rows)
+        with self.log.untimed():
+            out = self._lookup(rows)
+        if self.log.counter is not None:
+            self.log.counter.mark(out)
+        return out
+
+    def _lookup(self, rows: Tensor) -> Tensor:
         if not bool((rows[:, 0] > 0.5).all()):
             raise AssertionError("replay: a committed row is off the committed path")
         return self.committed.features[rows[:, 1].long()]

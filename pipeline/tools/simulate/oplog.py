@@ -4,7 +4,10 @@ This is the contract between the replay (:mod:`.replayer`, which writes the logs
 (:mod:`.timing`, which reads them). An op is a tuple whose first item names its kind:
 
 * ``("host", s)``: ``s`` seconds of the rank's own bookkeeping (tree building, verification, pruning, message
-  encoding), measured as **thread CPU time** between two logged ops;
+  encoding), measured as **thread CPU time** between two logged ops; ``("host", s, ops, syncs)`` when the log
+  counts operators (:meth:`OpLog.count`: rank 0 under ``--rank0-cost ops``): the aten operators dispatched and
+  the would-be host<->device synchronisations in that interval (:mod:`pipeline.tools.opcount`), which
+  :mod:`.pricing` prices per device;
 * ``("compute", w, ctx)``: a stage forward of ``w`` rows over ``ctx`` cached slots;
 * ``("lm_head", rows, share, real_s)``, ``("draft", w, ctx, real_s)``, ``("ssm", w, ctx, real_s)``: rank 0's
   lm_head (over ``share`` of the vocabulary: < 1 for a reduced draft vocabulary) / draft-head / small-draft-LM
@@ -16,8 +19,9 @@ This is the contract between the replay (:mod:`.replayer`, which writes the logs
 * ``("mark", name)``: rank 0's generation marks (``decode_begin``, ``gen_end``: the decode windows).
 
 Invariant: an :class:`OpLog` is written only from its own rank's thread, so the thread CPU time between two
-ops is that rank's host work and nothing else's. A modeled op's own CPU time is recorded with it
-(:meth:`OpLog.modeled`), never as host work.
+ops is that rank's host work and nothing else's (operator counting is thread-local too). A modeled op's own
+CPU time and operators are recorded with it (:meth:`OpLog.modeled`), never as host work; neither are untimed
+work's (:meth:`OpLog.untimed`).
 """
 from __future__ import annotations
 
@@ -39,12 +43,35 @@ class OpLog:
     def __init__(self) -> None:
         self.ops: list[tuple] = []
         self.last = time.thread_time()
+        self.counter = None                 # an active pipeline.tools.opcount.OpCounter (count())
+        self.seen = (0, 0)                  # its (ops, syncs) already attributed
+
+    def count(self, counter) -> None:
+        """From now on, host ops carry the operators and syncs ``counter`` (an active
+        :class:`pipeline.tools.opcount.OpCounter` on this log's thread) counted since the previous op."""
+        self.counter = counter
+        self.seen = self._counts()
+
+    def _counts(self) -> tuple[int, int]:
+        c = self.counter.count
+        return c.ops, c.syncs
 
     def _host(self) -> None:
         now = time.thread_time()
-        if now > self.last:
-            self.ops.append(("host", now - self.last))
+        if self.counter is None:
+            if now > self.last:
+                self.ops.append(("host", now - self.last))
+        else:
+            ops, syncs = self._counts()
+            d_ops, d_syncs = ops - self.seen[0], syncs - self.seen[1]
+            if now > self.last or d_ops or d_syncs:
+                self.ops.append(("host", max(0.0, now - self.last), d_ops, d_syncs))
+            self.seen = (ops, syncs)
         self.last = now
+
+    def _skip_counts(self) -> None:
+        if self.counter is not None:
+            self.seen = self._counts()
 
     def add(self, *op) -> None:
         self._host()
@@ -61,16 +88,23 @@ class OpLog:
             now = time.thread_time()
             self.ops.append((kind, *args, now - t0))
             self.last = now
+            self._skip_counts()
 
     @contextmanager
     def untimed(self):
         """Work that is not part of the replayed run (instrumentation such as a step observer): its CPU time
         is left out of the next host op."""
         t0 = time.thread_time()
+        if self.counter is not None:
+            before, was_quiet = self._counts(), self.counter.quiet
+            self.counter.quiet = True       # nothing it dispatches is rank 0's work
         try:
             yield
         finally:
             self.last += time.thread_time() - t0
+            if self.counter is not None:
+                self.counter.quiet = was_quiet
+                self.seen = (self.seen[0] + self._counts()[0] - before[0], self.seen[1] + self._counts()[1] - before[1])
 
 
 class Recorder:

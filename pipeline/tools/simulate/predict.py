@@ -48,6 +48,7 @@ def same_run(g: Replayed, prof: Profile, bw, args) -> bool:
             and row.get("emu_profile") == prof.name and bw is None and args.latency_s is None
             and float(row.get("emu_time_scale") or 1.0) == args.time_scale
             and args.stage_cost_scale in ("auto", "1", "1.0") and args.rank0_cost_scale == 1.0
+            and getattr(args, "rank0_cost", "measured") == "measured"
             and bool(row.get("decode_s")))
 
 

@@ -15,10 +15,18 @@ text is still a valid sample of the mode's behaviour, so predictions are exact i
 generations. Invariant checked on every generation: the replayed output equals the recorded one
 (:class:`AssertionError` otherwise). The op logs do not depend on thread timing: the ring is FIFO per link and
 direct decisions follow a fixed schedule (:class:`.transport.ScheduledDirect`); only the measured host times do.
+
+**Counting** (``count_ops=True``, for ``--rank0-cost ops``): rank 0's thread runs under a
+:class:`pipeline.tools.opcount.OpCounter` (thread-local: the stages' threads are not counted), its drafter's
+modules, the target's features, the stand-in lm_head's logits and the hidden states it receives marked as device
+memory, so every host op of rank 0 carries the operators and would-be syncs of that interval
+(:meth:`.oplog.OpLog.count`). The counter's own overhead inflates the measured host times of such a replay: its
+sessions are marked ``counted`` and priced by their counts only.
 """
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +60,7 @@ class Session:
     mode: str
     logs: list[OpLog]
     gens: list[Replayed] = field(default_factory=list)
+    counted: bool = False     # rank 0's host ops carry operator counts (and counter-inflated times)
 
     def ops(self) -> list[list[tuple]]:
         """Every rank's op list, rank 0 first: what :func:`.timing.simulate_timing` times."""
@@ -60,12 +69,13 @@ class Session:
 
 def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: int,
            features: TargetFeatures, progress=None, direct_upto: list[list[int]] | None = None,
-           tree_stats: dict | None = None) -> Session:
+           tree_stats: dict | None = None, count_ops: bool = False) -> Session:
     """Replay ``rows`` (recorded generations) through ``mode`` on ``stages`` layer stages; returns the op logs.
     ``direct_upto``: the direct-decision schedule of a later pass (:class:`ScheduledDirect`); ``None``:
     decisions reach the stages on the ring only (pass 0). ``tree_stats``: a dict that receives one
     :class:`pipeline.tree_stats.TreeStats` per row temperature (``"T=0"``, ``"T=1"``...), fed every verified
-    step as a step observer whose CPU time is left out of rank 0's host work."""
+    step as a step observer whose CPU time is left out of rank 0's host work. ``count_ops``: rank 0's host ops
+    carry operator and sync counts (see the module docstring)."""
     from pipeline.engine import GenSettings, timed_generation
     from pipeline.local_ring import LocalRing, stage_threads
     from model.stage_format import even_split, tap_row_factors
@@ -77,7 +87,7 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
     factors = tap_row_factors(even_split(features.num_layers, stages), features.taps) if features.taps else None
     ring, rec, committed = LocalRing(world), Recorder(world, factors), Committed()
     direct = ScheduledDirect(world, direct_upto)
-    session = Session(stages, mode, rec.logs)
+    session = Session(stages, mode, rec.logs, counted=count_ops)
     max_len = max(len(r["prompt_ids"]) + len(r["output_ids"]) for r in rows) + 1024
 
     def stage(r: int) -> None:
@@ -89,19 +99,28 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
     comm0 = SimComm(ring, 0, rec, direct, tracer=MarkTracer(log0))
     rdrafter = None
     if drafter is not None:
-        rdrafter = ReplayDrafter(drafter, committed)
+        rdrafter = ReplayDrafter(drafter, committed, log0)
         record_drafter(drafter, log0, vocab_size)
     engine = ReplayEngine(torch.nn.Linear(1, 1), comm0, rdrafter, set(), cfg)
     # the recorded temperature's plain law (no top-p / top-k), seeded as the run's; per answer only its length
     settings = GenSettings.from_config(cfg.gen, temperature=float(cfg.gen.temperature), top_p=1.0, top_k=0)
     engine.vocab_size, engine.committed, engine.log = vocab_size, committed, log0
-    with stage_threads(world, stage) as errors:
+    counter = nullcontext()
+    if count_ops:
+        from pipeline.tools.opcount import OpCounter
+        counter = OpCounter(*device_parts(drafter))
+    with stage_threads(world, stage) as errors, counter:
         log0.last = time.thread_time()
+        if count_ops:
+            log0.count(counter)
         try:
             for row in rows:
                 prompt, output = list(row["prompt_ids"]), list(row["output_ids"])
                 committed.seq = prompt + output
-                committed.features = features(committed.seq)
+                with log0.untimed():
+                    committed.features = features(committed.seq)
+                if count_ops:
+                    counter.mark(committed.features)
                 # the recorded answer ends where it ended: exactly len(output) tokens, no stop token needed
                 if tree_stats is not None:
                     stats = tree_stats.setdefault(f"T={float(row.get('temperature', 0.0)):g}", TreeStats())
@@ -118,6 +137,19 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
             if not errors:
                 engine.shutdown()
     return session
+
+
+def device_parts(drafter) -> list:
+    """What lives in device memory on a GPU rank 0: every module and tensor the drafter and its sources hold
+    (heads, lm_head, embeddings, KV caches' tensors), for :class:`pipeline.tools.opcount.OpCounter`."""
+    out: list = []
+    for s in list(getattr(drafter, "sources", [])) + ([drafter] if drafter is not None else []):
+        for v in vars(s).values():
+            if isinstance(v, (torch.nn.Module, torch.Tensor)):
+                out.append(v)
+            elif hasattr(v, "keys") and isinstance(getattr(v, "keys", None), torch.Tensor):   # a KVCache
+                out += [v.keys, v.values]
+    return out
 
 
 def untimed_observer(observer, log: OpLog):

@@ -123,6 +123,9 @@ def summarize(preds: list[dict]) -> list[dict]:
             row["r0_turnaround_ms"] = round(ta * 1e3 / scale, 3)
             row["stage_step_ms"] = round(step * 1e3 / scale, 3)
             row["turnaround_vs_step"] = round(ta / step, 3) if step else None
+        if all("r0_host_ops" in p for p in ps):     # --rank0-cost ops: what was priced, per committed token
+            row["r0_ops_per_token"] = round(sum(p["r0_host_ops"] for p in ps) / max(1, toks), 1)
+            row["r0_syncs_per_token"] = round(sum(p["r0_host_syncs"] for p in ps) / max(1, toks), 2)
         if rec:
             rs = sum(p["recorded_decode_s"] for p in rec)
             ps_ = sum(p["pred_decode_s"] for p in rec)
@@ -146,16 +149,21 @@ MODE_ORDER = {m: i for i, m in enumerate(COMPARED_MODES)}   # ar, naive, pruned,
 COLUMNS = ["temperature", "stages", "bandwidth_mbps", "dataset", "mode", "generations", "new_tokens", "tau", "pred_xi",
            "sr_vs_naive", "sr_vs_ar", "rank0_busy", "stage_busy_mean", "stage_busy_min", "r0_turnaround_ms",
            "stage_step_ms", "turnaround_vs_step", "recorded_xi", "error_total", "error_mean_abs", "recorded_tau",
-           "flagged", "tokens_per_round"]
+           "flagged", "tokens_per_round", "r0_ops_per_token", "r0_syncs_per_token"]
 
 
-def write_summary(table: list[dict], out_dir: Path, profile: str) -> None:
+def write_summary(table: list[dict], out_dir: Path, profile: str, rank0_cost: str = "") -> None:
     with open(out_dir / "summary.csv", "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         for row in table:
             w.writerow({k: row.get(k, "") for k in COLUMNS})
-    lines = [f"# Simulated decode throughput (profile `{profile}`)", "",
+    lines = [f"# Simulated decode throughput (profile `{profile}`)", ""]
+    if rank0_cost:
+        lines += [f"Rank 0's host work priced: {rank0_cost}. r0_ops_per_token / r0_syncs_per_token (with "
+                  "`--rank0-cost ops`): rank 0's counted operators and would-be syncs outside its modeled ops, per "
+                  "committed token.", ""]
+    lines += [
              "ξ = predicted decode tokens/s (all tokens / all decode seconds); SR = ξ / ξ(naive) of the same "
              "temperature, stages, bandwidth and dataset; τ = tokens per verification step incl. bonus (replayed); "
              "busy = share of decode time a rank computes (rank 0: lm_head, draft head, tree work; stages: "

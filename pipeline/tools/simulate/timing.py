@@ -5,8 +5,10 @@
 
 * a compute op takes the profile's modeled time (a stage's ``time(rows, ctx)`` times ``stage_cost_scale``;
   rank 0's lm_head and draft head by the profile's rank-0 models, or at their recorded CPU time with
-  ``model_rank0=False``), plus ``op_overhead_s``; host work takes its measured time; everything rank 0 runs
-  itself is multiplied by ``rank0_cost_scale`` (0: the what-if of a rank 0 that costs nothing);
+  ``model_rank0=False``), plus ``op_overhead_s``; host work takes its measured time (rank 0's: as
+  ``rank0_pricing`` says, :mod:`.pricing`: measured, its counted operators and syncs at the device's cost, or
+  free); everything rank 0 runs itself is multiplied by ``rank0_cost_scale`` (0: the what-if of a rank 0 that
+  costs nothing);
 * a message serialises on its link (header + rows x bytes per row + other bytes, over the bandwidth; one link
   per (sender, receiver) pair, messages on it back to back) and arrives ``latency_s`` later without blocking
   the sender; a receive waits for its message (plus ``msg_overhead_s``);
@@ -25,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from config.profiles import LinkModel, Profile
+from pipeline.tools.simulate.pricing import MEASURED, Rank0Pricing, host_seconds
 from pipeline.tools.simulate.transport import DirectTimes
 
 
@@ -34,7 +37,8 @@ class TimingConfig:
     model on twice as many stages: 0.5); ``hidden_bytes_per_token`` overrides the profile's (needed when the
     profile counts real payloads); ``model_rank0=False`` times rank 0's lm_head/draft ops at their recorded
     CPU time instead of the profile's model; ``rank0_cost_scale`` multiplies every op rank 0 runs (its
-    lm_head, draft-model and host work, and their ``op_overhead_s``), never its transfers or waits."""
+    lm_head, draft-model and host work, and their ``op_overhead_s``), never its transfers or waits;
+    ``rank0_pricing`` prices rank 0's host ops (:mod:`.pricing`; the stages' host ops stay measured)."""
 
     profile: Profile
     time_scale: float = 1.0
@@ -45,6 +49,7 @@ class TimingConfig:
     op_overhead_s: float = 0.0          # added to every modeled op (e.g. the testbed's padding overhead)
     rank0_cost_scale: float = 1.0       # factor on all of rank 0's work (lm_head, draft ops, host work);
                                         # 0 = a what-if rank 0 that takes no time (off the critical path)
+    rank0_pricing: Rank0Pricing = MEASURED   # rank 0's host work: measured | ops (counts x device cost) | zero
 
 
 class Deadlock(RuntimeError):
@@ -99,7 +104,7 @@ def simulate_timing(logs: list[list[tuple]], tc: TimingConfig,
                     t = max(t, issued[k]) + tc.msg_overhead_s
                     bread[r] += 1
                 elif kind == "host":
-                    t += op[1] * own
+                    t += (host_seconds(op, tc.rank0_pricing) if r == 0 else op[1]) * own
                 elif kind == "compute":
                     t += prof.stage_model(r).time(op[1], op[2]) * tc.stage_cost_scale * s + tc.op_overhead_s
                 elif kind == "lm_head":
