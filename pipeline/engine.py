@@ -192,6 +192,9 @@ class Engine:
         self.meter: OpMeter = SpanMeter(self.tracer, {"lm_head": "lm_head"})
         self.last_counters: dict = {}   # the decode window's meter fields (collect_busy)
         self.gen = 0           # generation number: stages ignore decisions of other generations
+        # prefill chunks kept in flight; pipeline.lanes sets 1 while other requests share the ring, so a new
+        # request's prefill delays their segments by at most one chunk per stage (chunk by chunk interleaving)
+        self.prefill_window = PREFILL_WINDOW
         self.step_observers: list[StepObserver] = []   # e.g. pipeline.tree_stats.TreeStats (the simulator's)
 
     def observe_step(self, tree, path: list[int], token: int | None, finished: bool) -> None:
@@ -214,8 +217,9 @@ class Engine:
         pieces = list(torch.split(ids, chunk, dim=1))
         self.gen += 1
         feats = []
+        window = max(1, min(PREFILL_WINDOW, self.prefill_window))
         for i, piece in enumerate(pieces):   # pipelined, at most PREFILL_WINDOW chunks in flight (see Comm.send)
-            if i >= PREFILL_WINDOW:
+            if i >= window:
                 feats.append(self.comm.recv_prev().x[0])
             self.comm.send_next(Context(piece, self.gen, reset=(i == 0)))
         while len(feats) < len(pieces):
