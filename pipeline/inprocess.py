@@ -68,11 +68,14 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
 
 def run_concurrent(stage_root: Path, jobs: list[tuple[list[int], str, object]], overrides: list[str],
                    stop_ids: set[int], drafter: str | None = None, lanes: int = 2, dtype=torch.float64,
-                   lane_timeout_s: float | None = 60.0, started=None):
+                   lane_timeout_s: float | None = 60.0, started=None, warmup: list | None = None,
+                   after_warmup=None):
     """Run ``jobs`` (``(prompt ids, mode, GenSettings or None)``) concurrently on ``lanes`` lanes of one ring
     (:mod:`pipeline.lanes`): every job starts at once in its own thread and waits for a free lane; returns
     ``(results in job order, the LanePool)``. A job's exception is re-raised (the first one). ``started``:
-    optional ``started(job index, lane)`` hook, called when a job gets its lane."""
+    optional ``started(job index, lane)`` hook, called when a job gets its lane. ``warmup``: ``(prompt ids, mode)``
+    generations run first, one at a time, by the engine the pool is then built on (as a server's warm-up);
+    ``after_warmup(ring, engine)``: a test hook called then (e.g. to deliver a late direct message)."""
     import threading
 
     from model.stage_format import read_manifest
@@ -93,6 +96,10 @@ def run_concurrent(stage_root: Path, jobs: list[tuple[list[int], str, object]], 
         StageWorker(models[r], LocalComm(ring, r), cfg.model.max_seq_len, dtype, "cpu").run()
 
     with stage_threads(world, stage) as errors:
+        for prompt, mode in warmup or []:
+            timed_generation(engine, prompt, new_decoder(mode))
+        if after_warmup is not None:
+            after_warmup(ring, engine)
         pool = LanePool(engine, lanes, timeout_s=lane_timeout_s)
 
         def job(i: int) -> None:

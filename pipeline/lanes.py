@@ -281,6 +281,9 @@ def lane_engine(base, transport: LaneTransport, lock: DeviceLock):
     if sps is not drafter:
         _lock_sites(sps, lock)
     engine.step_observers = list(base.step_observers)
+    # generation numbers continue from the base engine's: a stage drops a late direct decision only by its
+    # generation (StageTree.offer), so a number the base engine used on lane 0 (a server's warm-up) must not return
+    engine.gen = base.gen
     return engine
 
 
@@ -293,6 +296,8 @@ class LanePool:
     other lanes are busy (their segments then wait behind at most one chunk of it per stage)."""
 
     def __init__(self, base, lanes: int, timeout_s: float | None = None) -> None:
+        """``base``: the engine built on rank 0's transport; from here on the pool owns that transport's receive
+        side, so ``base`` must not generate again (its generation numbers continue in the lane engines)."""
         if lanes < 1:
             raise ValueError("a lane pool needs at least one lane")
         self.base = base

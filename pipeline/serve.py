@@ -614,7 +614,9 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
         settings = GenSettings(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed,
                                on_commit=req._commit, cancel=req.cancel_event)
         res = timed_generation(eng, req.prompt_ids, new_decoder(p.mode), settings)
-        req.drafter = drafter_fields(eng.drafter) if p.mode != "ar" else {"drafter_version": None}
+        # + the emulated testbed's fidelity (emu.profile set): how far real work overran the modeled times
+        req.drafter = {**(drafter_fields(eng.drafter) if p.mode != "ar" else {"drafter_version": None}),
+                       **{k: res.meter_fields[k] for k in ("emu_overrun_ratio", "emu_flag") if k in res.meter_fields}}
         req._finish(res, req.cancel_event.is_set())
         manager.record(req)
 

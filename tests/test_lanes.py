@@ -60,6 +60,21 @@ def test_mixed_modes_and_lane_reuse(tiny):
     assert sorted(set(lanes_used)) == [0, 1] and pool.mux.switches > 0
 
 
+def test_lanes_after_a_warm_up_on_the_base_engine(tiny):
+    """A server warms up on its base engine (lane 0) before the lanes start: a late direct decision of the warm-up
+    must not be taken for one of lane 0's next generation (generation numbers continue: ``lane_engine``)."""
+    from pipeline.local_ring import LocalComm
+    full, stages, refs = tiny
+
+    def late_decisions(ring, engine):   # what a slow direct link delivers after the warm-up ended
+        for gen in range(1, engine.gen + 1):
+            ring.direct[2].put(LocalComm.wire(Decision(gen, 1, Status.TRUNCATE, -1, False, torch.tensor([0]))))
+
+    res, _ = run_concurrent(stages, [(p, "continuous", _greedy()) for p in PROMPTS], COMMON, {2}, f"oracle:{full}",
+                            lanes=2, warmup=[(PROMPTS[0], "naive")], after_warmup=late_decisions, lane_timeout_s=20)
+    assert [r.output_ids for r in res] == refs
+
+
 @pytest.mark.parametrize("mode", ["continuous", "naive", "ar"])
 def test_sampling_interleaved_equals_alone(tiny, mode):
     """T = 1: each request's draws are its own (its sampler's generator), so its answer with seed s is the one it
