@@ -8,7 +8,8 @@ unchanged :class:`pipeline.worker.StageWorker`; rank 0 builds the engine and dra
 * its **main thread** runs the pipeline: it takes requests one at a time (batch 1, the pipeline's design)
   from a bounded FIFO queue and runs :func:`pipeline.engine.timed_generation` with the request's mode and
   sampling settings; while idle it sends a no-op message around the ring every few seconds so the stage
-  ranks' receives never reach ``comm.timeout_s``;
+  ranks' receives never reach ``comm.timeout_s``; with ``serve.max_active=N > 1`` it runs up to N requests at
+  once instead, each in its own thread on its own lane of the ring (:func:`serve_lanes`, ``pipeline/lanes.py``);
 * a **uvicorn thread** serves the FastAPI app (``/v1/chat/completions``, ``/v1/completions``,
   ``/v1/models``, ``/health``, ``/metrics``, ``/`` the live page), bound to 127.0.0.1 by default;
 * the **in-process API** (:class:`RequestManager`: ``submit(prompt or messages, **sampling) -> Request``,
