@@ -287,6 +287,18 @@ def lane_engine(base, transport: LaneTransport, lock: DeviceLock):
     return engine
 
 
+def ring_share(world: int, active: int) -> int:
+    """Live segments each of ``active`` requests keeps in flight on a ring of ``world`` links: all of them alone,
+    else an equal share, at least one (pure).
+
+    Why: a stage forward costs about the same for 1 or 16 rows (weight streaming), so a stage's capacity is
+    forwards, not rows. Alone, a FlowSpec request keeps every link busy with speculative segments (its stage 1 is
+    about 75% busy on the edge profile), and several requests each doing so only queue behind each other; with
+    equal shares the ring carries about as many segments as alone, each lane's less speculative, and the
+    forwards go to the segments most likely to be accepted (each lane's best nodes first)."""
+    return world if active <= 1 else max(1, world // active)
+
+
 class LanePool:
     """``lanes`` lane engines over ``base``'s transport (module docstring), a free list of lanes and the control
     lane (``lanes``: the idle keep-alive's ``Stats`` trips, no KV cache on any stage).
@@ -307,6 +319,10 @@ class LanePool:
         self.control = self.mux.transport(lanes)
         self._free = list(range(lanes))
         self._cv = threading.Condition()
+        self.active = 0
+        world = base.comm.world
+        for e in self.engines:
+            e.ring_share = lambda: ring_share(world, self.active)
 
     @property
     def size(self) -> int:
@@ -323,7 +339,8 @@ class LanePool:
             if not self._cv.wait_for(lambda: self._free, timeout):
                 return None
             lane = self._free.pop(0)
-            alone = len(self._free) == self.size - 1
+            self.active = self.size - len(self._free)
+            alone = self.active == 1
         self.engines[lane].prefill_window = PREFILL_WINDOW if alone else 1
         return lane
 
@@ -333,6 +350,7 @@ class LanePool:
                 raise ValueError(f"lane {lane} released twice")
             self._free.append(lane)
             self._free.sort()
+            self.active = self.size - len(self._free)
             self._cv.notify_all()
 
     def keepalive(self) -> None:

@@ -219,3 +219,9 @@ def test_fork_drafter_shares_weights_not_state(tiny):
     d.commit(torch.tensor([3]), feats[-1:])        # the original moves on; the fork is untouched
     b = f.start([1, 5, 9, 13], 7, feats)
     assert torch.equal(a, b)
+
+
+def test_ring_share_rule():
+    from pipeline.lanes import ring_share
+    assert [ring_share(5, a) for a in range(7)] == [5, 5, 2, 1, 1, 1, 1]   # alone: every link, as before lanes
+    assert all(ring_share(w, a) * a <= w or ring_share(w, a) == 1 for w in range(1, 9) for a in range(1, 9))
