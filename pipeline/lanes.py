@@ -289,14 +289,14 @@ def lane_engine(base, transport: LaneTransport, lock: DeviceLock):
 
 def ring_share(world: int, active: int) -> int:
     """Live segments each of ``active`` requests keeps in flight on a ring of ``world`` links: all of them alone,
-    else an equal share, at least one (pure).
+    else an equal share rounded up (``ceil(world / active)``, at least one; pure).
 
     Why: a stage forward costs about the same for 1 or 16 rows (weight streaming), so a stage's capacity is
     forwards, not rows. Alone, a FlowSpec request keeps every link busy with speculative segments (its stage 1 is
     about 75% busy on the edge profile), and several requests each doing so only queue behind each other; with
     equal shares the ring carries about as many segments as alone, each lane's less speculative, and the
     forwards go to the segments most likely to be accepted (each lane's best nodes first)."""
-    return world if active <= 1 else max(1, world // active)
+    return world if active <= 1 else max(1, -(-world // active))
 
 
 class LanePool:
@@ -343,6 +343,13 @@ class LanePool:
             alone = self.active == 1
         self.engines[lane].prefill_window = PREFILL_WINDOW if alone else 1
         return lane
+
+    def wait_free(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout``) until a lane is free, without taking it (a server then takes a request from
+        its queue and :meth:`acquire` s the lane: a lane held while waiting for a request would count as active
+        and shrink the others' :func:`ring_share`)."""
+        with self._cv:
+            return bool(self._cv.wait_for(lambda: self._free, timeout))
 
     def release(self, lane: int) -> None:
         with self._cv:

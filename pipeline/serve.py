@@ -703,14 +703,13 @@ def serve_lanes(manager: RequestManager, engine, generate, lanes: int, keepalive
             raise errors[0]
         if pool.busy:
             last_ring = time.monotonic()
-        lane = None if manager.stopping else pool.acquire(timeout=0.05)
-        if lane is not None:
+        if not manager.stopping and pool.wait_free(timeout=0.05):
             req = manager.next(timeout=max(0.01, min(0.05, keepalive_s - (time.monotonic() - last_ring))))
             if req is not None:
+                lane = pool.acquire(timeout=0)   # free: only this thread acquires
                 running[lane] = req
                 threading.Thread(target=run, args=(req, lane), daemon=True, name=f"flowspec-lane-{lane}").start()
                 continue
-            pool.release(lane)
         if manager.stopping:
             stop_seen = stop_seen or time.monotonic()
             if not pool.busy:

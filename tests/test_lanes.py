@@ -223,5 +223,5 @@ def test_fork_drafter_shares_weights_not_state(tiny):
 
 def test_ring_share_rule():
     from pipeline.lanes import ring_share
-    assert [ring_share(5, a) for a in range(7)] == [5, 5, 2, 1, 1, 1, 1]   # alone: every link, as before lanes
-    assert all(ring_share(w, a) * a <= w or ring_share(w, a) == 1 for w in range(1, 9) for a in range(1, 9))
+    assert [ring_share(5, a) for a in range(7)] == [5, 5, 3, 2, 2, 1, 1]   # alone: every link, as before lanes
+    assert all(1 <= ring_share(w, a) <= w and ring_share(w, a) * a >= w for w in range(1, 9) for a in range(1, 9))
