@@ -256,9 +256,11 @@ def concurrency(args) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in table:
         one = next((x for x in table if x["max_active"] == r["max_active"] and x["clients"] == 1), base)
+        x_tok = f"{r['tok_s'] / one['tok_s']:.2f}" if one else "-"
+        x_lat = f"{r['lat_med'] / one['lat_med']:.2f}" if one else "-"
         print(f"| {r['max_active']} | {r['clients']} | {r['requests']} | {r['tok_s']:.2f} ({r['modeled_tok_s']:.1f}) "
-              f"| {r['tok_s'] / one['tok_s']:.2f} | {r['lat_med']:.1f} / {r['lat_p90']:.1f} "
-              f"| {r['lat_med'] / one['lat_med']:.2f} | {r['ttft_med']:.2f} / {r['ttft_p90']:.2f} "
+              f"| {x_tok} | {r['lat_med']:.1f} / {r['lat_p90']:.1f} "
+              f"| {x_lat} | {r['ttft_med']:.2f} / {r['ttft_p90']:.2f} "
               f"| {' '.join(f'{b:.2f}' for b in r['busy'][1:])} | {r['tau']:.2f} | {r['overrun']:.2f} |")
     return 0
 
