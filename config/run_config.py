@@ -255,6 +255,14 @@ class OsdConfig(Checked):
 
 
 @dataclass
+class ServeConfig(Checked):
+    """Serving (``pipeline.serve``): ``max_active`` requests in flight through the ring at once, each on its own
+    lane (``pipeline/lanes.py``; 1 = one at a time, exactly as before lanes); every stage then holds up to
+    ``max_active`` KV caches of ``model.max_seq_len`` slots."""
+    max_active: int = 1
+
+
+@dataclass
 class RunConfig(Checked):
     model: ModelConfig = field(default_factory=ModelConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
@@ -264,6 +272,7 @@ class RunConfig(Checked):
     draft: DraftConfig = field(default_factory=DraftConfig)
     sps: SpsConfig = field(default_factory=SpsConfig)
     osd: OsdConfig = field(default_factory=OsdConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
     def validate(self) -> "RunConfig":
         def choice(name, value, options):
@@ -294,6 +303,8 @@ class RunConfig(Checked):
         for k in ("depth", "init_depth", "expand_depth", "expand_total_token", "ahead_levels", "first_levels"):
             if getattr(self.tree, k) < 0:
                 raise ConfigError(f"{k}={getattr(self.tree, k)} must be >= 0")
+        if not 1 <= self.serve.max_active <= 64:
+            raise ConfigError(f"serve.max_active={self.serve.max_active} must be in [1, 64]")
         if self.model.draft_vocab < 0:
             raise ConfigError(f"model.draft_vocab={self.model.draft_vocab} must be >= 0 (0 = the whole vocabulary)")
         if not 0 <= self.tree.lookahead_min_prob < 1:

@@ -255,6 +255,11 @@ class Engine:
         self.meter: OpMeter = SpanMeter(self.tracer, {"lm_head": "lm_head"})
         self.last_counters: dict = {}   # the decode window's meter fields (collect_busy)
         self.gen = 0           # generation number: stages ignore decisions of other generations
+        # prefill chunks kept in flight; pipeline.lanes sets 1 while other requests share the ring, so a new
+        # request's prefill delays their segments by at most one chunk per stage (chunk by chunk interleaving)
+        self.prefill_window = PREFILL_WINDOW
+        # pipeline.lanes: this request's share of the ring's links while other requests share it (None: all)
+        self.ring_share: Callable[[], int] | None = None
         self.step_observers: list[StepObserver] = []   # e.g. pipeline.tree_stats.TreeStats (the simulator's)
 
     def observe_step(self, tree, path: list[int], token: int | None, finished: bool) -> None:
@@ -277,8 +282,9 @@ class Engine:
         pieces = list(torch.split(ids, chunk, dim=1))
         self.gen += 1
         feats = []
+        window = max(1, min(PREFILL_WINDOW, self.prefill_window))
         for i, piece in enumerate(pieces):   # pipelined, at most PREFILL_WINDOW chunks in flight (see Comm.send)
-            if i >= PREFILL_WINDOW:
+            if i >= window:
                 feats.append(self.comm.recv_prev().x[0])
             self.comm.send_next(Context(piece, self.gen, reset=(i == 0)))
         while len(feats) < len(pieces):
@@ -321,6 +327,15 @@ class Engine:
         self.comm.send_direct(Shutdown())   # ends the stages' direct-decision inboxes
         self.comm.send_next(Shutdown())
         self.comm.recv_prev()
+
+
+def live_segments(engine) -> int:
+    """Live segments a streaming mode keeps in flight: one per ring link (``engine.comm.world``), or, while several
+    requests share the ring (``pipeline.lanes``), this request's share of the links (``engine.ring_share()``, at
+    least 1). Only a schedule: what is computed and verified, hence the output, does not depend on it."""
+    world = engine.comm.world
+    share = getattr(engine, "ring_share", None)
+    return world if share is None else max(1, min(world, int(share())))
 
 
 def tree_room(tree, world: int) -> int:

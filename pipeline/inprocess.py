@@ -65,3 +65,63 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
             if not errors:
                 engine.shutdown()
     return results
+
+
+def run_concurrent(stage_root: Path, jobs: list[tuple[list[int], str, object]], overrides: list[str],
+                   stop_ids: set[int], drafter: str | None = None, lanes: int = 2, dtype=torch.float64,
+                   lane_timeout_s: float | None = 60.0, started=None, warmup: list | None = None,
+                   after_warmup=None):
+    """Run ``jobs`` (``(prompt ids, mode, GenSettings or None)``) concurrently on ``lanes`` lanes of one ring
+    (:mod:`pipeline.lanes`): every job starts at once in its own thread and waits for a free lane; returns
+    ``(results in job order, the LanePool)``. A job's exception is re-raised (the first one). ``started``:
+    optional ``started(job index, lane)`` hook, called when a job gets its lane. ``warmup``: ``(prompt ids, mode)``
+    generations run first, one at a time, by the engine the pool is then built on (as a server's warm-up);
+    ``after_warmup(ring, engine)``: a test hook called then (e.g. to deliver a late direct message)."""
+    import threading
+
+    from model.stage_format import read_manifest
+    from pipeline.lanes import LanePool
+    world = len(read_manifest(stage_root)["split"])
+    cfg = apply_overrides(DEFAULT, overrides)
+    ring = LocalRing(world)
+    models = [load_stage(stage_root, r, world, dtype) for r in range(world)]
+    modes = sorted({m for _, m, _ in jobs})
+    if drafter is not None:
+        cfg.model.head_dir = drafter
+    d = make_drafter(cfg, stage_root, models[0], dtype, "cpu") if any(m != "ar" for m in modes) else None
+    engine = make_engine(cfg, LocalComm(ring, 0), models[0], stage_root, modes, stop_ids, dtype, "cpu", drafter=d)
+    results: list = [None] * len(jobs)
+    failures: list[BaseException] = []
+
+    def stage(r: int) -> None:
+        StageWorker(models[r], LocalComm(ring, r), cfg.model.max_seq_len, dtype, "cpu").run()
+
+    with stage_threads(world, stage) as errors:
+        for prompt, mode in warmup or []:
+            timed_generation(engine, prompt, new_decoder(mode))
+        if after_warmup is not None:
+            after_warmup(ring, engine)
+        pool = LanePool(engine, lanes, timeout_s=lane_timeout_s)
+
+        def job(i: int) -> None:
+            lane = pool.acquire()
+            try:
+                if started is not None:
+                    started(i, lane)
+                prompt, mode, settings = jobs[i]
+                results[i] = timed_generation(pool.engines[lane], prompt, new_decoder(mode), settings)
+            except BaseException as e:   # re-raised by the caller's thread
+                failures.append(e)
+            finally:
+                pool.release(lane)
+
+        threads = [threading.Thread(target=job, args=(i,), daemon=True) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if not errors:
+            pool.shutdown()
+    if failures:
+        raise failures[0]
+    return results, pool

@@ -11,7 +11,14 @@ Ring messages (rank r -> r+1, last -> 0):
     It carries the decision log: every :class:`Decision` rank 0 issued since its previous segment, so a
     stage always holds every decision a segment depends on when the segment arrives from its data source.
   * :class:`Stats` collects every rank's busy time after a generation.
-  * :class:`Shutdown` ends the worker loop.
+  * :class:`Shutdown` ends the worker loop (every lane: it is global).
+
+**Lanes** (several requests in flight, ``pipeline/lanes.py``): every message but :class:`Shutdown` names the
+request slot it belongs to, ``lane`` (0 by default: a single request never sets it, so everything single-request
+is unchanged). A stage keeps a KV cache and a :class:`pipeline.worker.StageTree` per lane; a result goes back to
+rank 0 on the lane it came on; a decision applies to its own lane only (a logged decision belongs to the lane of
+the segment that carries it). The lane travels in the header's kind word (``kind + lane * LANE_SHIFT``), so the
+messages' own int fields and the decision log's packing are untouched.
 Direct messages (rank 0 -> each stage r >= 2, point to point): the same :class:`Decision` objects, sent the
 moment they are made, so a stage can prune work it has not computed yet before the copy on the ring
 reaches it. No collective is used in the decode loop.
@@ -31,6 +38,8 @@ Tensor = torch.Tensor
 HEADER_LEN = 48
 MAGIC = 0x5F10_5EC0
 MAX_TENSORS = 4
+LANE_SHIFT = 256        # header word 1 = kind + lane * LANE_SHIFT (kinds < 256)
+MAX_LANES = 4096        # lanes 0..MAX_LANES-1 (a header naming another is corrupt)
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64, torch.bool,
            torch.uint8, torch.int8]
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
@@ -65,6 +74,7 @@ class Decision:
     root: int = -1
     finished: bool = False
     path: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long, device=HOST))
+    lane: int = 0             # the request slot (module docstring: lanes); not in ints() nor in a packed log
 
     kind = Kind.DECISION
 
@@ -102,6 +112,7 @@ class Context:
     x: Tensor                 # token ids [1, n] (to rank 1) or hidden [1, n, H]
     gen: int = 0              # generation number (decisions of other generations are ignored)
     reset: bool = False
+    lane: int = 0
 
     kind = Kind.CONTEXT
 
@@ -133,6 +144,7 @@ class Segment:
     epoch: int = 0
     log: Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long, device=HOST))
     tag: int = 0              # mode-specific (tp/galaxy: the group's schedule); stages forward it
+    lane: int = 0
 
     kind = Kind.SEGMENT
 
@@ -141,7 +153,11 @@ class Segment:
         return int(self.parents.numel())
 
     def decisions(self) -> list[Decision]:
-        return unpack_log(self.log)
+        """The decisions of the log, each of this segment's lane."""
+        out = unpack_log(self.log)
+        for d in out:
+            d.lane = self.lane
+        return out
 
     def ints(self) -> list[int]:
         return [self.gen, self.epoch, self.tag]
@@ -157,6 +173,7 @@ class Segment:
 @dataclass
 class Shutdown:
     kind = Kind.SHUTDOWN
+    lane = 0                  # global: it ends every lane
 
     def ints(self) -> list[int]:
         return []
@@ -177,6 +194,7 @@ class Stats:
 
     busy_s: Tensor                  # float64 [world]
     counters: Tensor | None = None  # float64 [world, len(rank 0's meter.counter_names)] or None
+    lane: int = 0                   # the lane whose decode window it closes (pipeline.worker: busy per lane)
 
     kind = Kind.STATS
 
@@ -194,6 +212,7 @@ class Stats:
 _CLASSES = {Kind.CONTEXT: Context, Kind.SEGMENT: Segment, Kind.SHUTDOWN: Shutdown, Kind.DECISION: Decision,
             Kind.STATS: Stats}
 Message = Context | Segment | Shutdown | Decision | Stats
+_KINDS = {int(k) for k in _CLASSES}
 
 
 def layout(msg: Message) -> tuple[list[int], list[Tensor], int]:
@@ -203,7 +222,7 @@ def layout(msg: Message) -> tuple[list[int], list[Tensor], int]:
     ints, tensors = msg.ints(), msg.tensors()
     if len(tensors) > MAX_TENSORS:
         raise ValueError("too many tensors in one message")
-    head = [MAGIC, int(msg.kind), len(ints), len(tensors), *ints]
+    head = [MAGIC, kind_word(int(msg.kind), msg.lane), len(ints), len(tensors), *ints]
     ts, nbytes = [], 0
     for t in tensors:
         nd = t.dim()
@@ -222,6 +241,28 @@ def layout(msg: Message) -> tuple[list[int], list[Tensor], int]:
 
 
 _PAD = [(0,) * (4 - i) for i in range(5)]
+
+
+def kind_word(kind: int, lane: int) -> int:
+    """Header word 1: the message kind and its lane (:func:`split_kind_word` inverts it). Pure."""
+    if not 0 <= lane < MAX_LANES:
+        raise ValueError(f"lane {lane} out of range [0, {MAX_LANES})")
+    return kind + lane * LANE_SHIFT
+
+
+def split_kind_word(word: int) -> tuple[Kind, int]:
+    """``(kind, lane)`` of header word 1; a word no message can have is a corrupt header (ValueError)."""
+    kind, lane = word % LANE_SHIFT, word // LANE_SHIFT
+    if word < 0 or lane >= MAX_LANES or kind not in _KINDS:
+        raise ValueError("corrupt message header (kind or lane)")
+    return Kind(kind), lane
+
+
+def _build(kind: Kind, lane: int, ints: list[int], tensors: list[Tensor]) -> "Message":
+    msg = _CLASSES[kind].build(ints, tensors)
+    if lane:
+        msg.lane = lane
+    return msg
 
 
 def write_payload(tensors: list[Tensor], payload: Tensor) -> None:
@@ -279,7 +320,7 @@ def decode_at(h: list[int], address: int) -> Message:
     caller owns and has sized by :func:`payload_size`): every tensor is allocated once and filled by one
     memory copy, with no intermediate payload tensor (the transport's receive path)."""
     specs, _ = shapes(h)
-    kind, n_ints = Kind(h[1]), h[2]
+    (kind, lane), n_ints = split_kind_word(h[1]), h[2]
     tensors = []
     for dt, shape, nbytes in specs:
         t = torch.empty(shape, dtype=dt, device=HOST)
@@ -287,7 +328,7 @@ def decode_at(h: list[int], address: int) -> Message:
             ctypes.memmove(t.data_ptr(), address, nbytes)
             address += nbytes
         tensors.append(t)
-    return _CLASSES[kind].build(h[4:4 + n_ints], tensors)
+    return _build(kind, lane, h[4:4 + n_ints], tensors)
 
 
 def write_at(tensors: list[Tensor], address: int) -> None:
@@ -306,7 +347,7 @@ def decode(header: Tensor, payload: Tensor, share: bool = False) -> Message:
     for their dtype (no copy)."""
     h = header.tolist()
     specs, _ = shapes(h)
-    kind, n_ints = Kind(h[1]), h[2]
+    (kind, lane), n_ints = split_kind_word(h[1]), h[2]
     ints = h[4:4 + n_ints]
     if payload.device.type != "cpu":
         payload = payload.cpu()
@@ -320,4 +361,4 @@ def decode(header: Tensor, payload: Tensor, share: bool = False) -> Message:
         else:
             tensors.append(torch.zeros(shape, dtype=dt, device=HOST))
         off += nbytes
-    return _CLASSES[kind].build(ints, tensors)
+    return _build(kind, lane, ints, tensors)

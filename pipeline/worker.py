@@ -10,6 +10,15 @@ Per received ring message:
 
 A stage never waits for anything but its data source: the decisions a segment depends on travel in its
 log (or an earlier segment's); the direct copies only let a stage prune earlier.
+
+Lanes (several requests in flight, ``pipeline/lanes.py``): every message names its lane (``msg.lane``), and the
+worker keeps one KV cache and one :class:`StageTree` per lane (:class:`LaneState`). Before handling a message it
+selects the message's lane (``self.cache`` / ``self.tree`` are that lane's from then on, so the compute path is
+the same for every lane), and every output keeps the lane. Direct decisions are routed to their own lane. A
+lane's state is allocated at the first message that needs it and kept for reuse (a pool, at most one per lane
+rank 0 uses: ``serve.max_active`` caches of ``model.max_seq_len`` slots): rank 0 starts each request on a lane
+with a resetting ``Context``, so nothing of the lane's previous request survives. Lane 0's state exists from
+the start, so one request at a time allocates exactly what it did before lanes.
 """
 from __future__ import annotations
 
@@ -86,6 +95,33 @@ def context_chunk(cache: KVCache, tree: StageTree, msg: Context, dtype: torch.dt
     return out
 
 
+class LaneState:
+    """One lane's KV cache and decision state on a stage."""
+
+    def __init__(self, cache: KVCache | None) -> None:
+        self.cache = cache
+        self.tree = StageTree(cache)
+
+
+class BusyMarks:
+    """Busy seconds per lane: each ``Stats`` trip of lane ``L`` reports the stage's busy time since lane ``L``'s
+    previous trip (its decode window), however many other lanes' trips came in between.
+
+    Why: the tracer's busy counter is one per rank and is restarted by every trip; with several lanes in flight
+    one lane's trip must not cut another lane's window. With one lane this is exactly the old rule (busy since
+    the previous trip)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.mark: dict[int, float] = {}
+
+    def take(self, lane: int, busy_since_last_trip: float) -> float:
+        self.total += busy_since_last_trip
+        out = self.total - self.mark.get(lane, 0.0)
+        self.mark[lane] = self.total
+        return out
+
+
 def write_counters(msg: Stats, row: int, meter) -> None:
     """Row ``row`` of a ``Stats`` message's counter table: what ``meter`` counted since the last trip (nothing
     when the message carries no table or the meter counts nothing)."""
@@ -99,9 +135,14 @@ class StageWorker:
         self.model, self.comm = model, comm
         self.dtype, self.device = dtype, device
         self.rank = comm.rank
+        self.max_len = max_len
         self.cache = model.block.new_cache(max_len, dtype, device) if model.block is not None else None
         self.tree = StageTree(self.cache)
         self.static = None   # model.graphs.StaticStage: the forward on static shapes / CUDA graphs (model.graphs)
+
+        self.lanes: dict[int, LaneState] = {0: LaneState(self.cache)}   # lane 0 shares the fields above
+        self.lanes[0].tree = self.tree
+        self.busy = BusyMarks()
         self.tracer = comm.tracer
         # the block's forwards (model.meter): traced as "compute" spans; instrumentation stacks its meters after
         # (pipeline.build.make_stage_worker) and the meter stack carries their counters (Stats)
@@ -117,6 +158,20 @@ class StageWorker:
                 x = x.to(self.dtype)
             return (self.static or self.model)(x, positions, mask, self.cache)
 
+    def lane(self, lane: int) -> LaneState:
+        """Lane ``lane``'s state, allocated at its first use (a new KV cache of ``max_len`` slots)."""
+        st = self.lanes.get(lane)
+        if st is None:
+            cache = self.model.block.new_cache(self.max_len, self.dtype, self.device) \
+                if self.model.block is not None else None
+            st = self.lanes[lane] = LaneState(cache)
+        return st
+
+    def select(self, lane: int) -> None:
+        """Make ``lane`` the current one: ``self.cache`` and ``self.tree`` are its state until the next select."""
+        st = self.lane(lane)
+        self.cache, self.tree = st.cache, st.tree
+
     def run(self) -> None:
         comm = self.comm
         while True:
@@ -125,21 +180,29 @@ class StageWorker:
                 comm.send_next(msg)
                 return
             if isinstance(msg, Stats):
-                msg.busy_s[self.rank] = self.tracer.busy_s
+                msg.busy_s[self.rank] = self.busy.take(msg.lane, self.tracer.busy_s)
                 self.tracer.reset_counters()
                 write_counters(msg, self.rank, self.meter)
                 comm.send_next(msg)
             elif isinstance(msg, Context):
+                self.select(msg.lane)
                 out = context_chunk(self.cache, self.tree, msg, self.dtype, self._compute)
-                comm.send_next(Context(out, msg.gen, msg.reset))
+                comm.send_next(Context(out, msg.gen, msg.reset, msg.lane))
             elif isinstance(msg, Segment):
+                self.select(msg.lane)
                 self._segment(msg)
+
+    def _offer_direct(self) -> None:
+        """Every direct decision that has arrived, to its own lane's tree."""
+        for d in self.comm.poll_direct():
+            if isinstance(d, Decision):
+                self.lane(d.lane).tree.offer([d])
 
     def _segment(self, seg: Segment) -> None:
         tree = self.tree
         with self.tracer.span("prune"):
             tree.offer(seg.decisions())
-            tree.offer([d for d in self.comm.poll_direct() if isinstance(d, Decision)])
+            self._offer_direct()
             tree.apply_ready()
             rows, parents = tree.admit(seg)
         x, gids, parent_gids = seg.x, seg.gids, seg.parents
@@ -155,4 +218,4 @@ class StageWorker:
             # nothing computed: forward an empty block of this stage's row width (EAGLE-3 taps widen rows)
             out = torch.zeros(1, 0, getattr(self.model, "out_width", self.model.config.hidden_size),
                               dtype=self.dtype, device=HOST)
-        self.comm.send_next(Segment(out, parent_gids, gids, seg.gen, seg.epoch, seg.log, seg.tag))
+        self.comm.send_next(Segment(out, parent_gids, gids, seg.gen, seg.epoch, seg.log, seg.tag, seg.lane))

@@ -29,7 +29,7 @@ from draft.tree import DraftTree, keep_indices_for, merge_trees, split_sizes
 from model.devices import HOST
 from pipeline.budget import (AcceptanceStats, StepCosts, affordable_levels, choose_segment_size, lookahead_levels,
                              path_probs)
-from pipeline.engine import DecodeResult, Engine, OutputBuffer
+from pipeline.engine import DecodeResult, Engine, OutputBuffer, live_segments
 from pipeline.messages import Segment, Status
 from pipeline.outbox import Outbox, RankTree
 from pipeline.verify import Sampler, walk_tree
@@ -87,7 +87,7 @@ class StreamingMode:
     def fill_sizes(self, engine: Engine, state: RankTree) -> list[int]:
         """Segment sizes for the waiting nodes when (re)filling the ring; nodes beyond their sum keep waiting."""
         cap = self.budget_size(engine, state)
-        return split_sizes(state.waiting, engine.comm.world, cap or engine.cfg.tree.subseq_token)
+        return split_sizes(state.waiting, live_segments(engine), cap or engine.cfg.tree.subseq_token)
 
     def budget_size(self, engine: Engine, state: RankTree) -> int | None:
         """Cost-aware segment size when ``tree.budget`` names a profile (``None`` otherwise): the prefix of the
@@ -153,7 +153,7 @@ class StreamingMode:
         """Keep ``world_size`` live segments in flight: send waiting nodes, and when none wait and a link is
         free, draft ahead (:meth:`deepen`, given ``root_hidden``) and send what that added."""
         alive = state.alive_gids()
-        while box.live_inflight(alive) < engine.comm.world:
+        while box.live_inflight(alive) < live_segments(engine):
             if not state.waiting and (root_hidden is None or not self.deepen(engine, state, root_hidden)):
                 break
             cap = self.budget_size(engine, state) or engine.cfg.tree.expand_subseq_token
@@ -163,7 +163,7 @@ class StreamingMode:
     def fill(self, engine: Engine, box: Outbox, state: RankTree) -> None:
         """Send the waiting nodes in up to ``world_size`` segments (:meth:`fill_sizes`) while links are free."""
         for size in self.fill_sizes(engine, state):
-            if box.live_inflight(state.alive_gids()) >= engine.comm.world:
+            if box.live_inflight(state.alive_gids()) >= live_segments(engine):
                 break
             state.send(box, size)
 

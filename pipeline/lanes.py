@@ -1,0 +1,369 @@
+"""Several requests in flight through one ring: **lanes**.
+
+A lane is a request slot. Every message names its lane (``msg.lane``, :mod:`pipeline.messages`); each stage keeps
+one KV cache and one decision state per lane (:class:`pipeline.worker.LaneState`); rank 0 runs each request's
+*unchanged* decode loop (:func:`pipeline.engine.timed_generation` with the request's mode) in its own thread on its
+own lane, through a virtual transport that stamps the lane on what it sends and receives only its lane's
+results. Nothing in the modes, the outbox or the verification knows about lanes: a lane is a whole pipeline as
+far as its decode loop can see.
+
+* :class:`LaneMux` splits rank 0's :class:`pipeline.transport.Transport` into per-lane transports
+  (:class:`LaneTransport`). Sends from every lane go through one lock (the transport is not thread-safe) in the
+  order the lane threads make them: the ring's FIFO order is the schedule (each lane sends the moment it is
+  ready, a link that one lane leaves idle carries another's segment). One receiver thread reads the ring
+  (``recv_prev``) and hands each message to its lane's queue. It receives only while messages are outstanding
+  (every ring message rank 0 sends comes back exactly once), so an idle server never waits in a receive that
+  could time out; a receive error reaches every lane.
+* :func:`lane_engine` builds a lane's :class:`pipeline.engine.Engine`: the shared model (embedding, ``lm_head``),
+  its own drafter (:func:`fork_drafter`: the head's weights shared, its draft KV cache, generator and other
+  per-generation state its own), its own generation counter and tracer (busy counters per lane), and the
+  emulated testbed's meters when it is on. Rank 0's model work (``lm_head``, draft head, small LM) runs one
+  op at a time across lanes (:class:`DeviceLock`): rank 0 is one device, so two lanes' ops must not overlap
+  (nor their emulated pads).
+* :class:`LanePool` is what a server holds: ``n`` lane engines, a free list, a control lane for the idle
+  keep-alive, and the global :meth:`LanePool.shutdown`.
+
+Protocol rules with several lanes (the *why* is in the module docstrings named):
+
+* exactness: a lane's messages are exactly those its request would send alone (same ``gen``, node ids,
+  decisions, epochs) and a stage applies them to that lane's state only, so every request's output is
+  token-identical to its single-request output, and sampling keeps each request's law with its own generator
+  (``GenSettings.new_sampler``, the drafter's own);
+* ``Stats``: per lane: a lane's trip reports each stage's busy seconds since that lane's previous trip
+  (:class:`pipeline.worker.BusyMarks`), i.e. over its own decode window, other lanes' work included;
+  meter counters (the testbed's fidelity counters) go to whichever lane's trip collects them;
+* ``Shutdown``: global (:meth:`LaneMux.shutdown`), after every lane's generation has ended;
+* stage memory: a stage allocates a lane's KV cache at the lane's first message and keeps it for reuse, so a
+  server with ``serve.max_active = n`` holds at most ``n`` caches of ``model.max_seq_len`` slots per stage.
+"""
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+from contextlib import contextmanager
+
+import torch
+
+from config.errors import UserError
+from model.meter import MeterStack
+from pipeline.messages import Message, Shutdown, Stats
+from pipeline.trace import Tracer
+
+
+class LaneError(UserError, RuntimeError):
+    """Several lanes cannot be set up (e.g. a drafter that cannot be forked per request)."""
+
+
+class LaneTransport:
+    """Lane ``lane``'s view of rank 0's transport (the :class:`pipeline.transport.Transport` surface): sends are
+    stamped with the lane, receives are this lane's messages only, in ring order. ``link``: the real
+    transport's emulated link, so the testbed's meters find their emulator (``pipeline.emulation.emulator_of``)."""
+
+    def __init__(self, mux: "LaneMux", lane: int, timeout_s: float | None = None) -> None:
+        self.mux, self.lane, self.timeout_s = mux, lane, timeout_s
+        self.rank, self.world = mux.comm.rank, mux.comm.world
+        self.tracer = Tracer(self.rank, enabled=False)   # busy counters of this lane's rank-0 work
+        self.link = getattr(mux.comm, "link", None)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def send_next(self, msg: Message) -> None:
+        self.mux.send(self.lane, msg, direct=False)
+
+    def recv_prev(self) -> Message:
+        try:
+            item = self._inbox.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"lane {self.lane}: no message for {self.timeout_s:g}s") from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def send_direct(self, msg: Message) -> None:
+        self.mux.send(self.lane, msg, direct=True)
+
+    def open_direct_inbox(self) -> None:
+        pass
+
+    def poll_direct(self) -> list[Message]:
+        return []
+
+
+class LaneMux:
+    """Rank 0's transport split into ``lanes`` lane transports (module docstring). Invariant: ``outstanding`` =
+    ring messages sent and not yet received back; the receiver thread receives only while it is positive.
+    ``timeout_s``: how long a lane's receive waits (None: as long as it takes; the real transport's watchdog
+    ends a job whose peer is lost, ``pipeline.comm``); ``switches`` counts ring sends whose lane differs from the
+    previous send's (how much the lanes interleaved)."""
+
+    def __init__(self, comm, lanes: int, timeout_s: float | None = None) -> None:
+        if rank := getattr(comm, "rank", 0):
+            raise ValueError(f"lanes are rank 0's: this transport is rank {rank}'s")
+        self.comm = comm
+        self.lanes = [LaneTransport(self, i, timeout_s) for i in range(lanes)]
+        self.switches, self._last_lane = 0, None
+        self._send_lock = threading.Lock()
+        self._cv = threading.Condition()
+        self.outstanding = 0
+        self.error: BaseException | None = None
+        self._closing = False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._receive, daemon=True, name="flowspec-lanes")
+        self._thread.start()
+
+    def transport(self, lane: int) -> LaneTransport:
+        return self.lanes[lane]
+
+    def send(self, lane: int, msg: Message, direct: bool) -> None:
+        if isinstance(msg, Shutdown):
+            raise ValueError("Shutdown is global: LaneMux.shutdown, not a lane's send")
+        if self.error is not None:
+            raise self.error
+        msg.lane = lane
+        with self._send_lock:
+            if direct:
+                self.comm.send_direct(msg)
+                return
+            with self._cv:
+                self.outstanding += 1
+                self._cv.notify_all()
+            self.switches += self._last_lane is not None and lane != self._last_lane
+            self._last_lane = lane
+            self.comm.send_next(msg)
+
+    def _receive(self) -> None:
+        while True:
+            with self._cv:
+                while self.outstanding == 0 and not self._closing:
+                    self._cv.wait()
+                if self.outstanding == 0:
+                    break
+            try:
+                msg = self.comm.recv_prev()
+            except BaseException as e:   # a lost peer, a timeout: every lane's next receive raises it
+                self._fail(e)
+                return
+            with self._cv:
+                self.outstanding -= 1
+            if isinstance(msg, Shutdown):
+                break
+            if not 0 <= msg.lane < len(self.lanes):
+                self._fail(RuntimeError(f"a message of lane {msg.lane} came back; rank 0 runs lanes "
+                                        f"0..{len(self.lanes) - 1}"))
+                return
+            self.lanes[msg.lane]._inbox.put(msg)
+        self._done.set()
+
+    def _fail(self, e: BaseException) -> None:
+        self.error = e
+        for t in self.lanes:
+            t._inbox.put(e)
+        self._done.set()
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """End every stage (``Shutdown`` on the direct links and the ring) and the receiver thread; call it
+        after every lane's generation has ended."""
+        with self._send_lock:
+            self.comm.send_direct(Shutdown())   # ends the stages' direct-decision inboxes
+            with self._cv:
+                self.outstanding += 1
+                self._closing = True
+                self._cv.notify_all()
+            self.comm.send_next(Shutdown())
+        self._done.wait(timeout_s)
+
+    def close(self) -> None:
+        """Stop the receiver thread without ending the stages (nothing may be outstanding)."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join(5)
+
+
+class DeviceLock:
+    """An :class:`model.meter.OpMeter` that holds one lock over each op (stacked outermost): rank 0's model work
+    from several lanes runs one op at a time, as on one device (and the emulated testbed's pads do not overlap,
+    which would model a rank 0 with several devices). Re-entrant: an op inside another op of the same thread
+    does not wait for itself."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+
+    @contextmanager
+    def op(self, kind: str, rows: int, ctx: int = 0):
+        with self.lock:
+            yield
+
+
+def _is_meter(obj) -> bool:
+    return callable(getattr(obj, "op", None)) and not isinstance(obj, torch.nn.Module)
+
+
+def _shared(obj, memo: dict, seen: set, depth: int = 0) -> None:
+    """Put every module, parameter, meter and tracer reachable from ``obj`` into ``memo`` (deepcopy then keeps
+    them shared instead of copying them)."""
+    if id(obj) in seen or depth > 12 or isinstance(obj, (str, bytes, int, float, bool, type(None))):
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (torch.nn.Module, torch.nn.Parameter, Tracer)) or _is_meter(obj):
+        memo[id(obj)] = obj
+        return
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        for x in obj:
+            _shared(x, memo, seen, depth + 1)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            _shared(x, memo, seen, depth + 1)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        for x in vars(obj).values():
+            _shared(x, memo, seen, depth + 1)
+
+
+def fork_drafter(drafter):
+    """A drafter for another lane: a deep copy of ``drafter`` that shares its modules (the draft head's and the
+    target's weights), meters and tracers, and owns everything else (the draft KV cache, a reduced vocabulary's
+    context set, the sampling generator, lookup/suffix state). None stays None. A drafter that cannot be copied
+    (one that runs threads, e.g. online learning) is a :class:`LaneError`."""
+    if drafter is None:
+        return None
+    if getattr(drafter, "slots", None) is not None and hasattr(drafter, "inner"):
+        raise LaneError("serve.max_active > 1 cannot fork an online-learning drafter (osd.enabled): "
+                        "use serve.max_active=1 with osd")
+    memo: dict = {}
+    _shared(drafter, memo, set())
+    try:
+        return copy.deepcopy(drafter, memo)
+    except (TypeError, copy.Error, RuntimeError) as e:
+        raise LaneError(f"serve.max_active > 1: the drafter {type(drafter).__name__} cannot be forked per request "
+                        f"({str(e).splitlines()[0][:120]}); use serve.max_active=1") from None
+
+
+def _lock_sites(drafter, lock: DeviceLock) -> None:
+    """Stack ``lock`` outermost on every metered site of ``drafter`` (the sites of
+    :func:`draft.protocol.install_meter`); a site already locked is left alone."""
+    if drafter is None:
+        return
+    inner = getattr(drafter, "inner", None)
+    if inner is not None:
+        _lock_sites(inner, lock)
+        return
+    sources = getattr(drafter, "sources", None)
+    if sources is not None:
+        for s in sources:
+            _lock_sites(s, lock)
+        return
+    sites = [drafter]
+    head = getattr(drafter, "head", None)
+    if head is not None and getattr(drafter, "cache", None) is not None:
+        sites.append(head)
+    for site in sites:
+        m = getattr(site, "meter", None)
+        if m is None or (isinstance(m, MeterStack) and m.meters and m.meters[0] is lock):
+            continue
+        site.meter = MeterStack(lock, m)
+
+
+def lane_engine(base, transport: LaneTransport, lock: DeviceLock):
+    """Lane ``transport.lane``'s engine (module docstring): ``base``'s model, configuration, stop ids and
+    observers; its own drafter fork (and small LM fork for ``sps``), generation counter and tracer; the emulated
+    testbed's meters when ``base``'s transport has an emulated link; ``lock`` over every rank-0 model op."""
+    from pipeline.emulation import instrument_rank0
+    from pipeline.engine import Engine
+    drafter = fork_drafter(base.drafter)
+    sps = drafter if base.sps_drafter is not None and base.sps_drafter is base.drafter \
+        else fork_drafter(base.sps_drafter)
+    engine = Engine(base.model, transport, drafter, base.stop_ids, base.cfg, sps)
+    instrument_rank0(engine, transport)
+    if sps is not None and sps is not drafter and hasattr(sps, "meter"):
+        sps.meter = engine.meter   # as pipeline.build.make_sps_drafter: metered like the engine's own work
+    engine.meter = MeterStack(lock, engine.meter)
+    _lock_sites(drafter, lock)
+    if sps is not drafter:
+        _lock_sites(sps, lock)
+    engine.step_observers = list(base.step_observers)
+    # generation numbers continue from the base engine's: a stage drops a late direct decision only by its
+    # generation (StageTree.offer), so a number the base engine used on lane 0 (a server's warm-up) must not return
+    engine.gen = base.gen
+    return engine
+
+
+def ring_share(world: int, active: int) -> int:
+    """Live segments each of ``active`` requests keeps in flight on a ring of ``world`` links: all of them alone,
+    else an equal share rounded up (``ceil(world / active)``, at least one; pure).
+
+    Why: a stage forward costs about the same for 1 or 16 rows (weight streaming), so a stage's capacity is
+    forwards, not rows. Alone, a FlowSpec request keeps every link busy with speculative segments (its stage 1 is
+    about 75% busy on the edge profile), and several requests each doing so only queue behind each other; with
+    equal shares the ring carries about as many segments as alone, each lane's less speculative, and the
+    forwards go to the segments most likely to be accepted (each lane's best nodes first)."""
+    return world if active <= 1 else max(1, -(-world // active))
+
+
+class LanePool:
+    """``lanes`` lane engines over ``base``'s transport (module docstring), a free list of lanes and the control
+    lane (``lanes``: the idle keep-alive's ``Stats`` trips, no KV cache on any stage).
+
+    ``acquire`` gives a free lane (None after ``timeout``), ``release`` returns it; a lane's prefill keeps
+    :data:`pipeline.engine.PREFILL_WINDOW` chunks in flight when it starts alone and one chunk at a time when
+    other lanes are busy (their segments then wait behind at most one chunk of it per stage)."""
+
+    def __init__(self, base, lanes: int, timeout_s: float | None = None) -> None:
+        """``base``: the engine built on rank 0's transport; from here on the pool owns that transport's receive
+        side, so ``base`` must not generate again (its generation numbers continue in the lane engines)."""
+        if lanes < 1:
+            raise ValueError("a lane pool needs at least one lane")
+        self.base = base
+        self.mux = LaneMux(base.comm, lanes + 1, timeout_s)
+        self.lock = DeviceLock()
+        self.engines = [lane_engine(base, self.mux.transport(i), self.lock) for i in range(lanes)]
+        self.control = self.mux.transport(lanes)
+        self._free = list(range(lanes))
+        self._cv = threading.Condition()
+        self.active = 0
+        world = base.comm.world
+        for e in self.engines:
+            e.ring_share = lambda: ring_share(world, self.active)
+
+    @property
+    def size(self) -> int:
+        return len(self.engines)
+
+    @property
+    def busy(self) -> int:
+        with self._cv:
+            return self.size - len(self._free)
+
+    def acquire(self, timeout: float | None = None) -> int | None:
+        from pipeline.engine import PREFILL_WINDOW
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._free, timeout):
+                return None
+            lane = self._free.pop(0)
+            self.active = self.size - len(self._free)
+            alone = self.active == 1
+        self.engines[lane].prefill_window = PREFILL_WINDOW if alone else 1
+        return lane
+
+    def wait_free(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout``) until a lane is free, without taking it (a server then takes a request from
+        its queue and :meth:`acquire` s the lane: a lane held while waiting for a request would count as active
+        and shrink the others' :func:`ring_share`)."""
+        with self._cv:
+            return bool(self._cv.wait_for(lambda: self._free, timeout))
+
+    def release(self, lane: int) -> None:
+        with self._cv:
+            if lane in self._free:
+                raise ValueError(f"lane {lane} released twice")
+            self._free.append(lane)
+            self._free.sort()
+            self.active = self.size - len(self._free)
+            self._cv.notify_all()
+
+    def keepalive(self) -> None:
+        """One ``Stats`` trip on the control lane (keeps idle stages' receives alive)."""
+        self.control.send_next(Stats(torch.zeros(self.base.comm.world, dtype=torch.float64)))
+        self.control.recv_prev()
+
+    def shutdown(self) -> None:
+        self.mux.shutdown()

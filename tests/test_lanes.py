@@ -1,0 +1,227 @@
+"""Several requests in flight through one ring (pipeline/lanes.py), in one process (pipeline.inprocess.run_concurrent).
+
+Every concurrent greedy answer equals HF ``generate(do_sample=False)`` (its single-request answer) in every mode,
+with modes mixed on one ring and lanes reused; a sampled answer equals the same request's answer alone (same
+seed: the same draws, hence the same law, which tests/test_sampling.py proves is the target's); planted bugs
+(a stage that ignores lanes, a result routed to the wrong lane, one generator shared by two requests) fail;
+a cancelled request frees its lane for the next while the other finishes; the lane codec round-trips.
+"""
+import threading
+
+import pytest
+import torch
+
+from model.split import split_checkpoint
+from pipeline.engine import GenSettings
+from pipeline.inprocess import run_concurrent, run_threaded
+from pipeline.messages import (MAX_LANES, Context, Decision, Segment, Shutdown, Stats, Status, decode, decode_at,
+                               encode, pack_log, split_kind_word)
+from tests.helpers import hf_greedy, tiny_llama
+
+PROMPTS = [[1, 5, 9, 13, 22, 7], [1, 40, 41, 42, 43], [1, 7, 7, 8, 9, 10, 11]]
+NEW = 12
+COMMON = [f"max_new_tokens={NEW}", "dtype=float64"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lanes")
+    full = tiny_llama(root / "full", layers=4, dtype=torch.float64)
+    stages = split_checkpoint(full, root / "stages", [0, 2, 2], progress=False)
+    refs = [hf_greedy(full, p, NEW, {2}, torch.float64) for p in PROMPTS]
+    return full, stages, refs
+
+
+def _greedy(n=NEW):
+    return GenSettings(n)
+
+
+@pytest.mark.parametrize("mode", ["continuous", "naive", "pipedec", "ar", "pruned"])
+@pytest.mark.parametrize("drafter", ["oracle", "default"])
+def test_concurrent_greedy_equals_alone(tiny, mode, drafter):
+    """Three requests on three lanes at once; ``default``: the untrained EAGLE head merged with prompt lookup
+    (the Drafter fork), ``oracle``: deep acceptance (CONTINUE decisions, direct pruning)."""
+    full, stages, refs = tiny
+    d = f"oracle:{full}" if drafter == "oracle" else None
+    res, pool = run_concurrent(stages, [(p, mode, _greedy()) for p in PROMPTS], COMMON, {2}, d, lanes=3)
+    assert [r.output_ids for r in res] == refs
+    assert pool.mux.switches >= 3, "the lanes did not interleave on the ring"
+
+
+def test_mixed_modes_and_lane_reuse(tiny):
+    """Six requests of three modes on two lanes: lanes are reused (a new request resets the lane's caches)."""
+    full, stages, refs = tiny
+    modes = ["continuous", "naive", "pipedec"]
+    jobs = [(p, modes[(i + j) % 3], _greedy()) for j in range(2) for i, p in enumerate(PROMPTS)]
+    lanes_used: list[int] = []
+    res, pool = run_concurrent(stages, jobs, COMMON, {2}, f"oracle:{full}", lanes=2,
+                               started=lambda i, lane: lanes_used.append(lane))
+    assert [r.output_ids for r in res] == refs + refs
+    assert sorted(set(lanes_used)) == [0, 1] and pool.mux.switches > 0
+
+
+def test_lanes_after_a_warm_up_on_the_base_engine(tiny):
+    """A server warms up on its base engine (lane 0) before the lanes start: a late direct decision of the warm-up
+    must not be taken for one of lane 0's next generation (generation numbers continue: ``lane_engine``)."""
+    from pipeline.local_ring import LocalComm
+    full, stages, refs = tiny
+
+    def late_decisions(ring, engine):   # what a slow direct link delivers after the warm-up ended
+        for gen in range(1, engine.gen + 1):
+            ring.direct[2].put(LocalComm.wire(Decision(gen, 1, Status.TRUNCATE, -1, False, torch.tensor([0]))))
+
+    res, _ = run_concurrent(stages, [(p, "continuous", _greedy()) for p in PROMPTS], COMMON, {2}, f"oracle:{full}",
+                            lanes=2, warmup=[(PROMPTS[0], "naive")], after_warmup=late_decisions, lane_timeout_s=20)
+    assert [r.output_ids for r in res] == refs
+
+
+@pytest.mark.parametrize("mode", ["continuous", "naive", "ar"])
+def test_sampling_interleaved_equals_alone(tiny, mode):
+    """T = 1: each request's draws are its own (its sampler's generator), so its answer with seed s is the one it
+    gives alone with seed s; the law of a lane is therefore the single-request law, exact by test_sampling."""
+    full, stages, _ = tiny
+    seeds = [3, 4, 5]
+    alone = [run_threaded(stages, [p], [mode], [*COMMON, "temperature=1.0", f"seed={s}"], {2}, f"oracle:{full}")
+             [mode][0].output_ids for p, s in zip(PROMPTS, seeds)]
+    jobs = [(p, mode, GenSettings(NEW, temperature=1.0, seed=s)) for p, s in zip(PROMPTS, seeds)]
+    res, pool = run_concurrent(stages, jobs, COMMON, {2}, f"oracle:{full}", lanes=3)
+    assert [r.output_ids for r in res] == alone
+    assert pool.mux.switches >= 3
+
+
+def test_planted_shared_generator_fails(tiny, monkeypatch):
+    """Planted bug: every request's sampler draws from one shared generator (seeded per request): interleaved,
+    the requests take each other's draws and the answers are no longer their single-request answers."""
+    from pipeline.verify import Sampler
+    full, stages, _ = tiny
+    mode, seeds = "ar", [3, 4, 5]
+    alone = [run_threaded(stages, [p], [mode], [*COMMON, "temperature=1.0", f"seed={s}"], {2}, f"oracle:{full}")
+             [mode][0].output_ids for p, s in zip(PROMPTS, seeds)]
+    shared = torch.Generator(device="cpu")
+
+    def one_generator(self):
+        return Sampler(float(self.temperature), float(self.top_p), int(self.top_k), shared.manual_seed(int(self.seed)))
+
+    monkeypatch.setattr(GenSettings, "new_sampler", one_generator)
+    jobs = [(p, mode, GenSettings(NEW, temperature=1.0, seed=s)) for p, s in zip(PROMPTS, seeds)]
+    res, pool = run_concurrent(stages, jobs, COMMON, {2}, f"oracle:{full}", lanes=3)
+    assert pool.mux.switches >= 3
+    assert [r.output_ids for r in res] != alone
+
+
+@pytest.mark.parametrize("bug", ["stage-ignores-lanes", "results-to-lane-0"])
+def test_planted_lane_routing_bugs_fail(tiny, monkeypatch, bug):
+    """Planted bugs: a stage that keeps one cache for every lane, or rank 0 stamping every message with lane 0
+    (every result lands in lane 0's queue): an error, a timeout or a wrong answer, never the right answers."""
+    from pipeline.lanes import LaneMux
+    from pipeline.worker import StageWorker
+    full, stages, refs = tiny
+    if bug == "stage-ignores-lanes":
+        real = StageWorker.select
+        monkeypatch.setattr(StageWorker, "select", lambda self, lane: real(self, 0))
+    else:
+        real_send = LaneMux.send
+        monkeypatch.setattr(LaneMux, "send", lambda self, lane, msg, direct: real_send(self, 0, msg, direct))
+    try:
+        res, _ = run_concurrent(stages, [(p, "continuous", _greedy()) for p in PROMPTS], COMMON, {2},
+                                f"oracle:{full}", lanes=3, lane_timeout_s=8)
+    except Exception:   # noqa: BLE001 - the protocol's own checks, a stage error or a lane's timeout
+        return
+    assert [r.output_ids for r in res] != refs
+
+
+def test_cancelled_request_frees_its_lane_while_the_other_finishes(tiny):
+    full, stages, refs = tiny
+    cancel = threading.Event()
+    got: dict[int, int] = {}
+    cancelled = GenSettings(200, on_commit=lambda toks: cancel.set(), cancel=cancel)
+    jobs = [(PROMPTS[0], "continuous", cancelled), (PROMPTS[1], "naive", _greedy()),
+            (PROMPTS[2], "pipedec", _greedy())]
+    gate = threading.Event()
+
+    def started(i, lane):
+        got[i] = lane
+        if i == 2:
+            gate.set()
+
+    res, _ = run_concurrent(stages, jobs, COMMON, {2}, f"oracle:{full}", lanes=2,
+                            started=lambda i, lane: started(i, lane))
+    assert 1 <= len(res[0].output_ids) < 200, "the cancelled request should end at its next commit"
+    assert res[1].output_ids == refs[1] and res[2].output_ids == refs[2]
+    assert gate.is_set() and got[2] == got[0], "the third request should take the cancelled request's lane"
+
+
+# -- the codec ---------------------------------------------------------------------------------------------------
+
+def _messages(lane: int):
+    path = torch.tensor([3, 4], dtype=torch.long)
+    d = Decision(2, 5, Status.CONTINUE, 7, False, path, lane)
+    return [Context(torch.tensor([[1, 2, 3]]), 4, True, lane),
+            Segment(torch.randn(1, 2, 8, dtype=torch.float64), torch.tensor([-1, 0]), torch.tensor([0, 1]), 3, 1,
+                    pack_log([d]), 2, lane),
+            d, Stats(torch.zeros(3, dtype=torch.float64), torch.ones(3, 2, dtype=torch.float64), lane)]
+
+
+def _same(a, b) -> bool:
+    if type(a) is not type(b) or a.lane != b.lane or a.ints() != b.ints():
+        return False
+    return all(torch.equal(x, y) for x, y in zip(a.tensors(), b.tensors()))
+
+
+@pytest.mark.parametrize("lane", [0, 1, 5, MAX_LANES - 1])
+def test_lane_codec_round_trip(lane):
+    for msg in _messages(lane):
+        header, payload = encode(msg)
+        assert split_kind_word(int(header[1]))[1] == lane
+        assert _same(decode(header, payload), msg)
+        assert _same(decode_at(header.tolist(), payload.data_ptr()), msg)
+    seg = _messages(lane)[1]
+    assert [d.lane for d in decode(*encode(seg)).decisions()] == [lane], "a logged decision is its segment's lane"
+    assert decode(*encode(Shutdown())).lane == 0
+
+
+def test_lane_codec_rejects_bad_lanes():
+    with pytest.raises(ValueError, match="lane"):
+        encode(Context(torch.tensor([[1]]), 0, False, MAX_LANES))
+    header, payload = encode(Context(torch.tensor([[1]]), 0, False, 3))
+    for word in (-1, 99, MAX_LANES * 256 + 1):   # negative, an unknown kind, a lane beyond MAX_LANES
+        bad = header.clone()
+        bad[1] = word
+        with pytest.raises(ValueError, match="corrupt"):
+            decode(bad, payload)
+
+
+# -- pure pieces -------------------------------------------------------------------------------------------------
+
+def test_busy_marks_per_lane_window():
+    from pipeline.worker import BusyMarks
+    b = BusyMarks()
+    assert b.take(0, 1.0) == 1.0          # one lane: busy since the previous trip, as before lanes
+    assert b.take(0, 0.5) == 0.5
+    assert b.take(1, 0.25) == 1.75        # lane 1's first trip: everything so far
+    assert b.take(0, 0.25) == 0.5         # lane 0: since its own previous trip (lane 1's trip did not cut it)
+
+
+def test_fork_drafter_shares_weights_not_state(tiny):
+    from config.run_config import DEFAULT, apply_overrides
+    from model.stage_model import load_stage
+    from pipeline.build import make_drafter
+    from pipeline.lanes import fork_drafter
+    full, stages, _ = tiny
+    cfg = apply_overrides(DEFAULT, [*COMMON, "draft.sources=eagle"])
+    model = load_stage(stages, 0, 3, torch.float64)
+    d = make_drafter(cfg, stages, model, torch.float64, "cpu")
+    f = fork_drafter(d)
+    assert f is not d and f.head is d.head and f.lm_head is d.lm_head
+    assert f.cache is not d.cache and f.cache.keys.data_ptr() != d.cache.keys.data_ptr()
+    feats = torch.randn(4, model.config.hidden_size, dtype=torch.float64)
+    a = d.start([1, 5, 9, 13], 7, feats)
+    d.commit(torch.tensor([3]), feats[-1:])        # the original moves on; the fork is untouched
+    b = f.start([1, 5, 9, 13], 7, feats)
+    assert torch.equal(a, b)
+
+
+def test_ring_share_rule():
+    from pipeline.lanes import ring_share
+    assert [ring_share(5, a) for a in range(7)] == [5, 5, 3, 2, 2, 1, 1]   # alone: every link, as before lanes
+    assert all(1 <= ring_share(w, a) <= w and ring_share(w, a) * a >= w for w in range(1, 9) for a in range(1, 9))
