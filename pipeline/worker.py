@@ -139,7 +139,6 @@ class StageWorker:
         self.cache = model.block.new_cache(max_len, dtype, device) if model.block is not None else None
         self.tree = StageTree(self.cache)
         self.static = None   # model.graphs.StaticStage: the forward on static shapes / CUDA graphs (model.graphs)
-
         self.lanes: dict[int, LaneState] = {0: LaneState(self.cache)}   # lane 0 shares the fields above
         self.lanes[0].tree = self.tree
         self.busy = BusyMarks()
