@@ -16,12 +16,13 @@ feature is the draft's own prediction for the parent, and drops them afterwards.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from draft.eagle import EagleHead
-from draft.tree import DraftTree, select_top_nodes, top_node_order
+from draft.tree import DraftTree, beam_frontier, select_top_nodes, top_node_order
 from model.devices import HOST
 from model.meter import NULL_METER, OpMeter, hidden_rows
 
@@ -41,6 +42,13 @@ def to_host(*xs: Tensor) -> tuple[Tensor, ...]:
         out.append(both[..., at:at + w].to(x.dtype))
         at += w
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=256)
+def _row_pattern(rows: int, width: int) -> Tensor:
+    """``[0]*width + [1]*width + ... + [rows-1]*width`` (host, cached; read only): the frontier row of each of a
+    level's ``rows * width`` candidates."""
+    return torch.arange(rows, device=HOST).repeat_interleave(width)
 
 
 class BeamTreeDrafter:
@@ -283,68 +291,84 @@ class BeamTreeDrafter:
         appended in that order: a child never outranks its parent, so the appended set is ancestor-closed
         and ancestors-first, and existing node indices do not change (what the protocol needs).
         Cost per call: ``levels`` lm_head calls and ``levels`` head forwards (the first over the tree).
+
+        Bookkeeping (issue 41): a level is a fixed sequence of a few tensor ops over the whole frontier, whatever
+        its width: :meth:`host_top_tokens` (the level's one device->host copy), the candidates' cumulative scores
+        and tokens written in place into arrays preallocated at the call's capacity (``levels * top_k**2``
+        candidates), the next frontier (:func:`draft.tree.beam_frontier`, the per-level choice) and its head
+        forward. A candidate records only its frontier row; the rows' parent, depth and output feature are
+        gathered once, for the chosen candidates, at the end. No per-node Python, no concatenation per level.
         """
         n = len(tree)
         if levels <= 0 or max_new <= 0:
             return tree, inputs
         dev = inputs.device
-        inputs = inputs.clone()
-        depth1 = (tree.parents == 0).nonzero().flatten()
-        inputs[depth1.to(dev)] = root_hidden.to(inputs.dtype)
+        depth1 = (tree.parents == 0).to(dev)[:, None]
+        inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)      # a fresh copy: root's children
         outs = root_hidden[None].to(inputs.dtype)
         if n > 1:
-            body = torch.arange(1, n, device=HOST)
-            out = self.tree_forward(tree.tokens[body], inputs[1:], tree.parents[body] - 1)
+            out = self.tree_forward(tree.tokens[1:], inputs[1:], tree.parents[1:] - 1)   # node i at cache slot i-1
             outs = torch.cat([outs, out.to(inputs.dtype)])
-        slot = torch.arange(-1, n - 1, device=HOST)                        # draft-cache tree slot of each node
         has_child = torch.zeros(n, dtype=torch.bool, device=HOST)
         has_child[tree.parents[1:]] = True
         leaves = (~has_child).nonzero().flatten()
         k = min(top_k, leaves.numel())
-        order = torch.sort(-tree.scores[leaves].double(), stable=True).indices[:k]
-        frontier = leaves[order]                                          # tree node ids (host)
-        f_par_node, f_score, f_dep = frontier, tree.scores[frontier], tree.depths[frontier]
-        f_out, f_slot = outs[frontier.to(dev)], slot[frontier]
-        cand_tok, cand_par, cand_score, cand_in, cand_dep = [], [], [], [], []   # parent: tree node or -(cand+2)
-        n_cand = 0
+        frontier = leaves[beam_frontier(tree.scores[leaves], k)]                  # tree node ids (host)
+        # frontier rows of every level, in order: parent code (a tree node < n, or n + candidate), depth, output
+        rows_par, rows_dep, rows_out = [frontier], [tree.depths[frontier]], [outs[frontier.to(dev)]]
+        f_score, f_slot = tree.scores[frontier], frontier - 1                       # draft-cache slot of node i: i-1
+        cap = levels * top_k * top_k
+        c_score = c_tok = c_row = None                                            # the candidates, preallocated
+        n_cand = n_rows = 0
         for level in range(levels):
-            cs, ct = to_host(*self.top_tokens(f_out, top_k))                   # one device->host copy per level
-            kk = cs.shape[-1]
+            cs, ct = self.host_top_tokens(rows_out[-1], top_k)                    # one device->host copy per level
+            nf, kk = cs.shape
             if kk == 0:       # no source proposes a token below some frontier node (merged top-k): stop here
                 break
-            cum = (f_score[:, None] + cs).reshape(-1)
-            cand_tok.append(ct.reshape(-1))
-            cand_par.append(f_par_node.repeat_interleave(kk))
-            cand_score.append(cum)
-            cand_in.append(f_out.repeat_interleave(kk, dim=0))
-            cand_dep.append((f_dep + 1).repeat_interleave(kk))
+            if c_score is None:
+                c_score = torch.empty(cap, dtype=torch.promote_types(f_score.dtype, cs.dtype), device=HOST)
+                c_tok = torch.empty(cap, dtype=torch.long, device=HOST)
+                c_row = torch.empty(cap, dtype=torch.long, device=HOST)
+            elif c_score.dtype != torch.promote_types(f_score.dtype, cs.dtype):   # exact widening (never in practice)
+                c_score = c_score.to(torch.promote_types(f_score.dtype, cs.dtype))
+            end = n_cand + nf * kk
+            cum = torch.add(f_score[:, None], cs, out=c_score[n_cand:end].view(nf, kk)).view(-1)
+            c_tok[n_cand:end].view(nf, kk).copy_(ct)
+            torch.add(_row_pattern(nf, kk), n_rows, out=c_row[n_cand:end])    # each candidate's frontier row
             if level == levels - 1:
+                n_cand = end
                 break
-            best = torch.sort(-cum.double(), stable=True).indices[:top_k]
-            f_dep = cand_dep[-1][best]
+            best = beam_frontier(cum, top_k)
+            row = best // kk
             start = self.tree_size
-            f_out = self.tree_forward(ct.reshape(-1)[best], f_out[(best // kk).to(dev)],
-                                      f_slot[best // kk]).to(inputs.dtype)
-            f_slot = start + torch.arange(best.numel(), device=HOST)
-            f_par_node = -(n_cand + best + 2)                             # parents are these candidates
+            out = self.tree_forward(c_tok[n_cand:end][best], rows_out[-1][row.to(dev)], f_slot[row])
+            n_rows += nf
+            rows_par.append(best + (n + n_cand))
+            rows_dep.append(rows_dep[-1][row] + 1)
+            rows_out.append(out.to(inputs.dtype))
+            f_slot = torch.arange(start, start + best.numel(), device=HOST)
             f_score = cum[best]
-            n_cand += cum.numel()
+            n_cand = end
         self.drop_tree()
-        if not cand_score:
+        if not n_cand:
             return tree, inputs
-        scores = torch.cat(cand_score)
-        chosen = top_node_order(scores, max_new + 1)                      # + 1: the helper counts a root
-        par = torch.cat(cand_par)[chosen]
-        inv = torch.full((scores.numel(),), -1, dtype=torch.long, device=HOST)   # candidate -> new tree index
-        inv[chosen] = n + torch.arange(chosen.numel(), device=HOST)
-        parents = torch.where(par >= 0, par, inv[(-par - 2).clamp(min=0)])         # ancestors-first
+        chosen = top_node_order(c_score[:n_cand], max_new + 1)            # + 1: the helper counts a root
+        row = c_row[chosen]
+        par = torch.cat(rows_par)[row]                                    # a tree node, or n + a candidate
+        inv = torch.full((n_cand,), -1, dtype=torch.long, device=HOST)    # candidate -> new tree index
+        inv[chosen] = torch.arange(n, n + chosen.numel(), device=HOST)
+        parents = torch.where(par < n, par, inv[(par - n).clamp(min=0)])  # ancestors-first
         if bool((parents < 0).any()):
             raise AssertionError("chosen candidates are not ancestor-closed")        # impossible by construction
-        grown = DraftTree(torch.cat([tree.tokens, torch.cat(cand_tok)[chosen]]),
-                          torch.cat([tree.parents, parents]),
-                          torch.cat([tree.scores, scores[chosen]]),
-                          torch.cat([tree.depths, torch.cat(cand_dep)[chosen]]))
-        return grown, torch.cat([inputs, torch.cat(cand_in)[chosen.to(dev)]])
+        grown = DraftTree(torch.cat([tree.tokens, c_tok[chosen]]), torch.cat([tree.parents, parents]),
+                          torch.cat([tree.scores, c_score[chosen].float()]),
+                          torch.cat([tree.depths, torch.cat(rows_dep)[row] + 1]))
+        return grown, torch.cat([inputs, torch.cat(rows_out)[row.to(dev)]])
+
+    def host_top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """:meth:`top_tokens` of a frontier, moved to the host in one copy (:func:`to_host`): what a beam level
+        ranks. A drafter whose ``top_tokens`` already answers on the host (the merged one) returns it as is."""
+        return to_host(*self.top_tokens(hidden, k))
 
 
 class Drafter(BeamTreeDrafter):

@@ -178,16 +178,15 @@ class MergedDrafter(BeamTreeDrafter):
         parts = [s.supported_tokens(h, k) if hasattr(s, "supported_tokens") else top_tokens(s, h, k)
                  for s, h in zip(self.sources, self._split(hidden))]
         dev = parts[0][0].device
-        scores = torch.cat([(p[0].double() * c).to(dev) for p, c in zip(parts, self.score_scales)], dim=-1)
+        scores = torch.cat([(p[0].double() if c == 1.0 else p[0].double() * c).to(dev)
+                            for p, c in zip(parts, self.score_scales)], dim=-1)
         tokens = torch.cat([p[1].to(dev) for p in parts], dim=-1)
         scores, tokens = to_host(scores, tokens)          # the level's one device->host copy; the rest on the host
-        order = torch.sort(-scores, dim=-1, stable=True).indices               # best first
-        scores, tokens = scores.gather(-1, order), tokens.gather(-1, order)
-        seen = (tokens[..., :, None] == tokens[..., None, :]).tril(-1).any(-1)   # a better copy comes earlier
-        valid = ~seen & (tokens >= 0) & (scores > float("-inf"))
-        kk = min(k, int(valid.sum(-1).min())) if valid.numel() else 0
-        pick = torch.sort((~valid).to(torch.int8), dim=-1, stable=True).indices[..., :kk]   # valid ones, in order
-        return scores.gather(-1, pick), tokens.gather(-1, pick)
+        return union_top(scores, tokens, k)
+
+    def host_top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """:meth:`top_tokens`, which answers on the host already (one copy per level)."""
+        return self.top_tokens(hidden, k)
 
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
         return self._cat([s.tree_forward(tokens, f, parents) for s, f in zip(self.sources, self._split(features))])
@@ -212,6 +211,21 @@ class MergedDrafter(BeamTreeDrafter):
     def source(self, kind: type):
         """The first source of class ``kind`` (e.g. the small LM for ``sps``), or None."""
         return next((s for s in self.sources if isinstance(s, kind)), None)
+
+
+def union_top(scores: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The best ``k`` distinct tokens per row of a union of candidates ``(scores, tokens)`` ``[rows, m]``: each
+    token at its best score, best first, ties by position in the union (a stable sort). An empty slot is
+    ``(-inf, -1)`` (a source's :meth:`draft.lookup.LookupDrafter.supported_tokens`), and no candidate with score
+    -inf is returned. Returns ``kk = min(k, the fewest valid distinct tokens of any row)`` columns (one read, of a
+    host tensor). A fixed sequence of about a dozen host tensor ops, whatever the rows (no per-row Python)."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices       # best first
+    scores, tokens = scores.gather(-1, order), tokens.gather(-1, order)
+    seen = (tokens[..., :, None] == tokens[..., None, :]).tril(-1).any(-1)   # a better copy comes earlier
+    valid = ~seen & (tokens >= 0) & (scores > float("-inf"))
+    kk = min(k, int(valid.sum(-1).min())) if valid.numel() else 0
+    pick = torch.sort(valid.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :kk]   # valid ones
+    return scores.gather(-1, pick), tokens.gather(-1, pick)
 
 
 def _match_nodes(tree: DraftTree, key: dict[tuple[int, int], int]) -> Tensor:

@@ -122,8 +122,14 @@ def select_top_nodes(root_token: int, cand_tokens: Tensor, cand_parents: Tensor,
 
 def top_node_order(cand_scores: Tensor, total_token: int) -> Tensor:
     """Indices of the best ``total_token - 1`` candidates: descending score, ties by index (stable)."""
-    n_keep = max(0, min(total_token - 1, len(cand_scores)))
-    return torch.sort(-cand_scores.to(torch.float64), stable=True).indices[:n_keep]
+    return beam_frontier(cand_scores, max(0, min(total_token - 1, len(cand_scores))))
+
+
+def beam_frontier(scores: Tensor, width: int) -> Tensor:
+    """Indices of the best ``width`` of ``scores`` (1-D): descending score, ties by index (a stable sort; equal to
+    sorting ``-scores`` in float64, as the EAGLE-2 beam did, for any non-NaN scores). The per-level choice of a
+    beam's next frontier (:meth:`draft.drafter.BeamTreeDrafter.extend_tree`): two operators, whatever the width."""
+    return torch.sort(scores, descending=True, stable=True).indices[:width]
 
 
 def split_sizes(n_nodes: int, n_parts: int, cap: int) -> list[int]:
