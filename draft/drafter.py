@@ -318,7 +318,8 @@ class BeamTreeDrafter:
         rows_par, rows_dep, rows_out = [frontier], [tree.depths[frontier]], [outs[frontier.to(dev)]]
         f_score, f_slot = tree.scores[frontier], frontier - 1                       # draft-cache slot of node i: i-1
         cap = levels * top_k * top_k
-        c_score = c_tok = c_row = None                                            # the candidates, preallocated
+        c_score = c_row = None                                                    # the candidates, preallocated
+        c_tok: list[Tensor] = []                                                  # (their tokens: one view a level)
         n_cand = n_rows = 0
         for level in range(levels):
             cs, ct = self.host_top_tokens(rows_out[-1], top_k)                    # one device->host copy per level
@@ -327,13 +328,12 @@ class BeamTreeDrafter:
                 break
             if c_score is None:
                 c_score = torch.empty(cap, dtype=torch.promote_types(f_score.dtype, cs.dtype), device=HOST)
-                c_tok = torch.empty(cap, dtype=torch.long, device=HOST)
                 c_row = torch.empty(cap, dtype=torch.long, device=HOST)
-            elif c_score.dtype != torch.promote_types(f_score.dtype, cs.dtype):   # exact widening (never in practice)
-                c_score = c_score.to(torch.promote_types(f_score.dtype, cs.dtype))
+            elif cs.dtype != c_score.dtype and c_score.dtype != torch.promote_types(c_score.dtype, cs.dtype):
+                c_score = c_score.to(torch.promote_types(c_score.dtype, cs.dtype))   # exact widening (never so far)
             end = n_cand + nf * kk
             cum = torch.add(f_score[:, None], cs, out=c_score[n_cand:end].view(nf, kk)).view(-1)
-            c_tok[n_cand:end].view(nf, kk).copy_(ct)
+            c_tok.append(ct.reshape(-1))
             torch.add(_row_pattern(nf, kk), n_rows, out=c_row[n_cand:end])    # each candidate's frontier row
             if level == levels - 1:
                 n_cand = end
@@ -341,7 +341,7 @@ class BeamTreeDrafter:
             best = beam_frontier(cum, top_k)
             row = best // kk
             start = self.tree_size
-            out = self.tree_forward(c_tok[n_cand:end][best], rows_out[-1][row.to(dev)], f_slot[row])
+            out = self.tree_forward(c_tok[-1][best], rows_out[-1][row.to(dev)], f_slot[row])
             n_rows += nf
             rows_par.append(best + (n + n_cand))
             rows_dep.append(rows_dep[-1][row] + 1)
@@ -360,7 +360,7 @@ class BeamTreeDrafter:
         parents = torch.where(par < n, par, inv[(par - n).clamp(min=0)])  # ancestors-first
         if bool((parents < 0).any()):
             raise AssertionError("chosen candidates are not ancestor-closed")        # impossible by construction
-        grown = DraftTree(torch.cat([tree.tokens, c_tok[chosen]]), torch.cat([tree.parents, parents]),
+        grown = DraftTree(torch.cat([tree.tokens, torch.cat(c_tok)[chosen]]), torch.cat([tree.parents, parents]),
                           torch.cat([tree.scores, c_score[chosen].float()]),
                           torch.cat([tree.depths, torch.cat(rows_dep)[row] + 1]))
         return grown, torch.cat([inputs, torch.cat(rows_out)[row.to(dev)]])
@@ -476,11 +476,11 @@ class Drafter(BeamTreeDrafter):
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
         """Feed tree entries (kept in the cache until :meth:`drop_tree`); returns their output features."""
         cache = self.cache
-        pos, mask, anc, depth = cache.tree_inputs(parents, self.dtype)
+        pos, mask = cache.staged_tree_inputs(parents, self.dtype)       # tree rows staged in the cache's buffers
         n = tokens.numel()
         out = self.head(tokens.view(1, -1).to(self.device), features.view(1, n, -1).to(self.device, self.dtype),
                         pos, mask, cache)
-        cache.commit_forward(n, as_context=False, anc=anc, depth=depth)
+        cache.commit_forward(n, as_context=False)
         return out[0]
 
     def drop_tree(self) -> None:

@@ -238,7 +238,8 @@ class LookupDrafter(TokenHistory):
         """Every node's state (one tensor built at once; equal to stacking :meth:`state` per node)."""
         w, lp = self.state_width, self.token_logp
         rows = [state_row(self.continuations(path, 1), w, lp) for path in self.add_tree_paths(tokens, parents)]
-        return torch.tensor(rows, dtype=torch.float32, device=HOST).reshape(len(rows), w)
+        out = torch.tensor(rows, dtype=torch.float32, device=HOST)
+        return out if rows else out.reshape(0, w)
 
     def logprobs(self, hidden: Tensor) -> Tensor:
         """The states spread over the vocabulary: ``[..., V]`` float64, ``FLOOR`` where no occurrence supports a

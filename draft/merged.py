@@ -62,7 +62,8 @@ class MergedDrafter(BeamTreeDrafter):
         vector to allocate per commit than float64; widening is exact either way)."""
         dtype = states[0].dtype
         for s in states[1:]:
-            dtype = torch.promote_types(dtype, s.dtype)
+            if s.dtype != dtype:
+                dtype = torch.promote_types(dtype, s.dtype)
         dev = states[0].device
         return torch.cat([s.to(dev, dtype) for s in states], dim=-1)
 
@@ -221,10 +222,10 @@ def union_top(scores: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor]:
     host tensor). A fixed sequence of about a dozen host tensor ops, whatever the rows (no per-row Python)."""
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices       # best first
     scores, tokens = scores.gather(-1, order), tokens.gather(-1, order)
-    seen = (tokens[..., :, None] == tokens[..., None, :]).tril(-1).any(-1)   # a better copy comes earlier
-    valid = ~seen & (tokens >= 0) & (scores > float("-inf"))
-    kk = min(k, int(valid.sum(-1).min())) if valid.numel() else 0
-    pick = torch.sort(valid.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :kk]   # valid ones
+    bad = (tokens[..., :, None] == tokens[..., None, :]).tril(-1).any(-1)    # a better copy comes earlier
+    bad |= scores == float("-inf")                    # an empty slot (its token is -1) or a token out of reach
+    kk = min(k, bad.shape[-1] - int(bad.sum(-1).max())) if bad.numel() else 0
+    pick = torch.sort(bad.to(torch.int8), dim=-1, stable=True).indices[..., :kk]   # the valid ones, in order
     return scores.gather(-1, pick), tokens.gather(-1, pick)
 
 
