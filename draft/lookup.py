@@ -195,6 +195,7 @@ class LookupDrafter(TokenHistory):
     """Prompt lookup (n-gram copying) with the :class:`draft.protocol.TreeDrafter` methods."""
 
     meter: OpMeter = NULL_METER   # no model op to meter: its scores are table look-ups (model.meter)
+    features_free = True          # tree_forward reads the token paths only (draft.merged.MergedDrafter.tree_inputs)
 
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 8,
                  token_logp: float = math.log(0.6)) -> None:

@@ -126,7 +126,10 @@ class MergedDrafter(BeamTreeDrafter):
         tree by token path); the rest, a node proposed only by another source, is computed by feeding the
         source the parents it lacks, with their ancestors (a fed node attends to its path), level by level on
         top of the committed context. Exact: the same states a source's own search computes for the nodes it
-        proposed (``searched`` None: every source is fed every inner node, as without it)."""
+        proposed (``searched`` None: every source is fed every inner node, as without it). A source whose states
+        are a function of the token path alone (``features_free``: lookup, suffix) takes every fed node in one
+        ``tree_forward`` (ancestors first, parents earlier in the same call), not one per level; a source with
+        nothing to feed costs no ancestry and no level loop."""
         n = len(tree)
         parents, depths = tree.parents, tree.depths
         has_child = torch.zeros(n, dtype=torch.bool, device=HOST)
@@ -146,21 +149,25 @@ class MergedDrafter(BeamTreeDrafter):
                 states[at[hit].to(states.device)] = found[1][hit.to(found[1].device)].to(states.device, states.dtype)
                 known[at[hit]] = True
             feed = has_child & ~known
-            if anc is None:
-                anc = ancestor_matrix(parents)
-            feed = (anc & feed[:, None]).any(0)                      # ancestors of a fed node are fed (its path)
-            feed[0] = False
-            slot = torch.full((n,), -1, dtype=torch.long, device=HOST)   # draft-cache tree slot of each fed node
-            for d in range(1, int(depths.max()) if n > 1 else 1):
-                level = ((depths == d) & feed).nonzero().flatten()
-                if level.numel() == 0:
-                    continue
-                start = src.tree_size
-                par = parents[level]
-                out = src.tree_forward(tree.tokens[level], states[par.to(states.device)], slot[par])
-                slot[level] = start + torch.arange(level.numel(), device=HOST)
-                states[level.to(states.device)] = out.to(states.device, states.dtype)   # lookup's states live on the host
             if bool(feed.any()):
+                if anc is None:
+                    anc = ancestor_matrix(parents)
+                feed = (anc & feed[:, None]).any(0)                  # ancestors of a fed node are fed (its path)
+                feed[0] = False
+                slot = torch.full((n,), -1, dtype=torch.long, device=HOST)   # draft-cache tree slot (root: -1)
+                if getattr(src, "features_free", False):             # states from token paths: one call, all levels
+                    levels = [feed.nonzero().flatten()]
+                else:
+                    levels = [((depths == d) & feed).nonzero().flatten()
+                              for d in range(1, int(depths.max()) if n > 1 else 1)]
+                for level in levels:
+                    if level.numel() == 0:
+                        continue
+                    start = src.tree_size
+                    par = parents[level]
+                    slot[level] = start + torch.arange(level.numel(), device=HOST)   # before the parents' read
+                    out = src.tree_forward(tree.tokens[level], states[par.to(states.device)], slot[par])
+                    states[level.to(states.device)] = out.to(states.device, states.dtype)   # lookup's live on the host
                 src.drop_tree()
             rows = states[parents.clamp(min=0).to(states.device)]
             rows[0] = h[0]
