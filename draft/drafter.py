@@ -316,7 +316,7 @@ class BeamTreeDrafter:
         frontier = leaves[beam_frontier(tree.scores[leaves], k)]                  # tree node ids (host)
         # frontier rows of every level, in order: parent code (a tree node < n, or n + candidate), depth, output
         rows_par, rows_dep, rows_out = [frontier], [tree.depths[frontier]], [outs[frontier.to(dev)]]
-        f_score, f_slot = tree.scores[frontier], frontier - 1                       # draft-cache slot of node i: i-1
+        f_score, f_slot = tree.scores[frontier][:, None], frontier - 1              # draft-cache slot of node i: i-1
         cap = levels * top_k * top_k
         c_score = c_row = None                                                    # the candidates, preallocated
         c_tok: list[Tensor] = []                                                  # (their tokens: one view a level)
@@ -332,7 +332,8 @@ class BeamTreeDrafter:
             elif cs.dtype != c_score.dtype and c_score.dtype != torch.promote_types(c_score.dtype, cs.dtype):
                 c_score = c_score.to(torch.promote_types(c_score.dtype, cs.dtype))   # exact widening (never so far)
             end = n_cand + nf * kk
-            cum = torch.add(f_score[:, None], cs, out=c_score[n_cand:end].view(nf, kk)).view(-1)
+            cum = c_score[n_cand:end]                                             # this level's candidates
+            torch.add(f_score, cs, out=cum.view(nf, kk))                          # cumulative scores, in place
             c_tok.append(ct.reshape(-1))
             torch.add(_row_pattern(nf, kk), n_rows, out=c_row[n_cand:end])    # each candidate's frontier row
             if level == levels - 1:
@@ -347,7 +348,7 @@ class BeamTreeDrafter:
             rows_dep.append(rows_dep[-1][row] + 1)
             rows_out.append(out.to(inputs.dtype))
             f_slot = torch.arange(start, start + best.numel(), device=HOST)
-            f_score = cum[best]
+            f_score = cum[best][:, None]
             n_cand = end
         self.drop_tree()
         if not n_cand:
