@@ -51,6 +51,15 @@ def _row_pattern(rows: int, width: int) -> Tensor:
     return torch.arange(rows, device=HOST).repeat_interleave(width)
 
 
+@functools.lru_cache(maxsize=64)
+def _beam_layout(k: int, n_cand: int) -> tuple[Tensor, Tensor]:
+    """Host patterns (cached; read only) of a beam of width ``k`` with ``n_cand`` candidates (``k`` children of the
+    root, then ``k * k`` per level): each candidate's parent as a row of the expanded frontiers (``c // k - 1``; -1
+    for the root's children, which reads the trailing -1 of those ids) and its level (1 for the root's children)."""
+    c = torch.arange(n_cand, device=HOST)
+    return c // k - 1, torch.where(c < k, 1, 2 + (c - k) // (k * k))
+
+
 class BeamTreeDrafter:
     """EAGLE-2's dynamic tree search, written against a drafter's state hooks only.
 
@@ -235,47 +244,49 @@ class BeamTreeDrafter:
         s, t = self._root_topk(root_hidden, top_k)
         dev = s.device
         k = s.numel()
-        cand_tokens, cand_parents, cand_scores = [t], [torch.full((k,), -1, device=dev)], [s]
-        cand_inputs = [root_hidden.expand(k, -1)]
-        frontier_ids = torch.arange(k, device=dev)       # candidate indices of the frontier
-        frontier_tok, frontier_score = t, s
+        # Candidate c (generation order): c < k a child of the root; else a child of expanded frontier row c//k - 1
+        # (every level has k rows of k children), so a candidate's parent, input row and level are functions of c
+        # and the frontier ids, gathered once at the end (_beam_layout), not repeated per level.
+        cand_scores, cand_tokens = [s], [t]
+        expanded, outs = [torch.arange(k, device=dev)], []             # candidate ids fed, level by level
+        frontier_tok, frontier_score = t, s[:, None]
         frontier_feat = root_hidden.expand(k, -1)
         frontier_cache_parent = torch.full((k,), -1, device=HOST)  # parent slot in the draft cache tree
         n_cand = k
-        expanded: list[tuple[Tensor, Tensor]] = []                       # (candidate ids, their outputs) per level
-        for _ in range(depth):
+        for level in range(depth):
             start = self.tree_size
             out = self.tree_forward(frontier_tok, frontier_feat, frontier_cache_parent)
-            expanded.append((frontier_ids, out))
+            outs.append(out)
             cs, ct = self.top_tokens(out, k)                                   # [k, k]
-            cum = (frontier_score[:, None] + cs).reshape(-1)
-            cand_tokens.append(ct.reshape(-1))
-            cand_parents.append(frontier_ids.repeat_interleave(k))
+            cum = (frontier_score + cs).view(-1)
+            cand_tokens.append(ct.view(-1))
             cand_scores.append(cum)
-            cand_inputs.append(out.repeat_interleave(k, dim=0))
-            best = torch.sort(-cum.double(), stable=True).indices[:k]
+            if level == depth - 1:
+                n_cand += k * k
+                break
+            best = beam_frontier(cum, k)
             parent_row = best // k
-            frontier_ids = n_cand + best
+            expanded.append(best + n_cand)
             n_cand += k * k
-            frontier_tok = ct.reshape(-1)[best]
-            frontier_score = cum[best]
+            frontier_tok = cand_tokens[-1][best]
+            frontier_score = cum[best][:, None]
             frontier_feat = out[parent_row]
             frontier_cache_parent = start + parent_row.to(HOST)            # the one transfer of this level
         self.drop_tree()
-        scores, cand_tok, cand_par = to_host(torch.cat(cand_scores), torch.cat(cand_tokens), torch.cat(cand_parents))
-        levels = torch.arange(1, len(cand_scores) + 1, device=HOST).repeat_interleave(
-            torch.tensor([c.numel() for c in cand_scores], device=HOST), output_size=scores.numel())
-        tree = select_top_nodes(root_token, cand_tok, cand_par, scores, total_token, levels)
+        fed = torch.cat(expanded[:len(outs)] + [torch.full((1,), -1, dtype=torch.long, device=dev)])
+        scores, cand_tok, fed = to_host(torch.cat(cand_scores), torch.cat(cand_tokens), fed)
+        parent_row, levels = _beam_layout(k, n_cand)
+        tree = select_top_nodes(root_token, cand_tok, fed[parent_row], scores, total_token, levels)
         order = top_node_order(scores, total_token)                       # the candidates select_top_nodes kept
-        inputs = torch.cat([root_hidden[None].to(cand_inputs[0].dtype), torch.cat(cand_inputs)[order.to(dev)]])
-        cand_out = inputs.new_zeros((n_cand, inputs.shape[-1]))
-        cand_known = torch.zeros(n_cand, dtype=torch.bool, device=dev)
-        for ids, out in expanded:
-            cand_out[ids] = out.to(cand_out.dtype)
-            cand_known[ids] = True
-        outputs = torch.cat([inputs[:1], cand_out[order.to(dev)]])
-        known = torch.cat([torch.ones(1, dtype=torch.bool, device=dev), cand_known[order.to(dev)]]).to(HOST)
-        return tree, inputs, outputs, known
+        rows = torch.cat([root_hidden[None], *outs])                      # row 0 the root's output, then each fed
+        rowof = torch.full((n_cand,), -1, dtype=torch.long, device=HOST)   # candidate -> its output row (-1: none)
+        rowof[fed[:-1]] = torch.arange(1, fed.numel(), device=HOST)
+        own = rowof[order]
+        inputs = rows[torch.cat([torch.zeros(1, dtype=torch.long, device=HOST), order // k]).to(dev)]
+        known = torch.cat([torch.ones(1, dtype=torch.bool, device=HOST), own >= 0])
+        outputs = rows[torch.cat([torch.zeros(1, dtype=torch.long, device=HOST), own.clamp(min=0)]).to(dev)]
+        outputs = torch.where(known.to(dev)[:, None], outputs, 0)
+        return tree, inputs, outputs.to(inputs.dtype), known
 
     @torch.no_grad()
     def extend_tree(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor, levels: int, top_k: int,
