@@ -52,12 +52,17 @@ def _row_pattern(rows: int, width: int) -> Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _beam_layout(k: int, n_cand: int) -> tuple[Tensor, Tensor]:
-    """Host patterns (cached; read only) of a beam of width ``k`` with ``n_cand`` candidates (``k`` children of the
-    root, then ``k * k`` per level): each candidate's parent as a row of the expanded frontiers (``c // k - 1``; -1
-    for the root's children, which reads the trailing -1 of those ids) and its level (1 for the root's children)."""
-    c = torch.arange(n_cand, device=HOST)
-    return c // k - 1, torch.where(c < k, 1, 2 + (c - k) // (k * k))
+def _beam_layout(shape: tuple[tuple[int, int], ...]) -> tuple[Tensor, Tensor]:
+    """Host patterns (cached; read only) of a beam whose level ``L`` (0: the root's children) has ``rows`` frontier
+    rows of ``width`` candidates each, ``shape[L] = (rows, width)`` (level 0: ``(1, k)``), candidates numbered level
+    by level: each candidate's parent as a row of the expanded frontiers, concatenated in order (-1 for the root's
+    children: it reads the trailing -1 of those ids), and its depth below the root (1 for the root's children)."""
+    parent, depth, off = [], [], -1
+    for level, (rows, width) in enumerate(shape):
+        parent.append(_row_pattern(rows, width) + off)
+        depth.append(torch.full((rows * width,), level + 1, device=HOST))
+        off += rows if level else 1
+    return torch.cat(parent), torch.cat(depth)
 
 
 class BeamTreeDrafter:
@@ -244,10 +249,9 @@ class BeamTreeDrafter:
         s, t = self._root_topk(root_hidden, top_k)
         dev = s.device
         k = s.numel()
-        # Candidate c (generation order): c < k a child of the root; else a child of expanded frontier row c//k - 1
-        # (every level has k rows of k children), so a candidate's parent, input row and level are functions of c
-        # and the frontier ids, gathered once at the end (_beam_layout), not repeated per level.
-        cand_scores, cand_tokens = [s], [t]
+        # A candidate's parent (a row of the fed frontiers), input row and level follow from the levels' shapes and
+        # the fed frontier ids (_beam_layout, cached), gathered once at the end, not repeated per level.
+        cand_scores, cand_tokens, shape = [s], [t], [(1, k)]
         expanded, outs = [torch.arange(k, device=dev)], []             # candidate ids fed, level by level
         frontier_tok, frontier_score = t, s[:, None]
         frontier_feat = root_hidden.expand(k, -1)
@@ -261,13 +265,14 @@ class BeamTreeDrafter:
             cum = (frontier_score + cs).view(-1)
             cand_tokens.append(ct.view(-1))
             cand_scores.append(cum)
+            shape.append(tuple(cs.shape))
             if level == depth - 1:
-                n_cand += k * k
+                n_cand += cum.numel()
                 break
             best = beam_frontier(cum, k)
-            parent_row = best // k
+            parent_row = best // cs.shape[-1]
             expanded.append(best + n_cand)
-            n_cand += k * k
+            n_cand += cum.numel()
             frontier_tok = cand_tokens[-1][best]
             frontier_score = cum[best][:, None]
             frontier_feat = out[parent_row]
@@ -275,14 +280,14 @@ class BeamTreeDrafter:
         self.drop_tree()
         fed = torch.cat(expanded[:len(outs)] + [torch.full((1,), -1, dtype=torch.long, device=dev)])
         scores, cand_tok, fed = to_host(torch.cat(cand_scores), torch.cat(cand_tokens), fed)
-        parent_row, levels = _beam_layout(k, n_cand)
+        parent_row, levels = _beam_layout(tuple(shape))
         tree = select_top_nodes(root_token, cand_tok, fed[parent_row], scores, total_token, levels)
         order = top_node_order(scores, total_token)                       # the candidates select_top_nodes kept
         rows = torch.cat([root_hidden[None], *outs])                      # row 0 the root's output, then each fed
         rowof = torch.full((n_cand,), -1, dtype=torch.long, device=HOST)   # candidate -> its output row (-1: none)
         rowof[fed[:-1]] = torch.arange(1, fed.numel(), device=HOST)
         own = rowof[order]
-        inputs = rows[torch.cat([torch.zeros(1, dtype=torch.long, device=HOST), order // k]).to(dev)]
+        inputs = rows[torch.cat([torch.zeros(1, dtype=torch.long, device=HOST), parent_row[order] + 1]).to(dev)]
         known = torch.cat([torch.ones(1, dtype=torch.bool, device=HOST), own >= 0])
         outputs = rows[torch.cat([torch.zeros(1, dtype=torch.long, device=HOST), own.clamp(min=0)]).to(dev)]
         outputs = torch.where(known.to(dev)[:, None], outputs, 0)
