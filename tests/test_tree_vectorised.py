@@ -386,3 +386,55 @@ def test_in_place_beam_equals_the_per_level_reference(seed):
             assert torch.equal(getattr(got[0], a), getattr(want[0], a)), a
         assert torch.equal(got[1], want[1])
         tree, inputs = got
+
+
+def ref_grow_with_outputs(d, root_token, root_hidden, total_token, depth, top_k):
+    """EAGLE-2's first tree as it was before issue 41 (per-level repeat_interleave of ids and features)."""
+    from draft.drafter import to_host
+    from draft.tree import select_top_nodes, top_node_order
+    s, t = d.top_tokens(root_hidden, top_k)
+    k = s.numel()
+    ct_l, cp_l, cs_l, ci_l = [t], [torch.full((k,), -1)], [s], [root_hidden.expand(k, -1)]
+    f_ids, f_tok, f_score, f_feat, f_cache = torch.arange(k), t, s, root_hidden.expand(k, -1), torch.full((k,), -1)
+    n_cand, expanded = k, []
+    for _ in range(depth):
+        start = d.tree_size
+        out = d.tree_forward(f_tok, f_feat, f_cache)
+        expanded.append((f_ids, out))
+        cs, ct = d.top_tokens(out, k)
+        cum = (f_score[:, None] + cs).reshape(-1)
+        ct_l.append(ct.reshape(-1))
+        cp_l.append(f_ids.repeat_interleave(k))
+        cs_l.append(cum)
+        ci_l.append(out.repeat_interleave(k, dim=0))
+        best = torch.sort(-cum.double(), stable=True).indices[:k]
+        f_ids, n_cand = n_cand + best, n_cand + k * k
+        f_tok, f_score, f_feat, f_cache = ct.reshape(-1)[best], cum[best], out[best // k], start + best // k
+    d.drop_tree()
+    scores, cand_tok, cand_par = to_host(torch.cat(cs_l), torch.cat(ct_l), torch.cat(cp_l))
+    levels = torch.arange(1, len(cs_l) + 1).repeat_interleave(torch.tensor([c.numel() for c in cs_l]))
+    tree = select_top_nodes(root_token, cand_tok, cand_par, scores, total_token, levels)
+    order = top_node_order(scores, total_token)
+    inputs = torch.cat([root_hidden[None], torch.cat(ci_l)[order]])
+    cand_out, cand_known = inputs.new_zeros((n_cand, inputs.shape[-1])), torch.zeros(n_cand, dtype=torch.bool)
+    for ids, out in expanded:
+        cand_out[ids], cand_known[ids] = out, True
+    return tree, inputs, torch.cat([inputs[:1], cand_out[order]]), torch.cat([torch.ones(1, dtype=torch.bool),
+                                                                              cand_known[order]])
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_first_tree_layout_equals_the_per_level_reference(seed):
+    """grow_tree_with_outputs (a candidate's parent, input row and depth from the levels' shapes) drafts the tree,
+    inputs, outputs and known flags of the per-level reference, ties included."""
+    g = torch.Generator().manual_seed(800 + seed)
+    d = _Beam(seed).make()
+    root = torch.randn(4, generator=g)
+    total, depth, k = (int(torch.randint(2, 60, (1,), generator=g)), int(torch.randint(0, 5, (1,), generator=g)),
+                       int(torch.randint(1, 6, (1,), generator=g)))
+    got = d.grow_tree_with_outputs(5, root, total, depth, k)
+    want = ref_grow_with_outputs(d, 5, root, total, depth, k)
+    for a in ("tokens", "parents", "scores", "depths"):
+        assert torch.equal(getattr(got[0], a), getattr(want[0], a)), a
+    for a, b in zip(got[1:], want[1:]):
+        assert torch.equal(a, b)
