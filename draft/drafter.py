@@ -16,12 +16,13 @@ feature is the draft's own prediction for the parent, and drops them afterwards.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from draft.eagle import EagleHead
-from draft.tree import DraftTree, select_top_nodes, top_node_order
+from draft.tree import DraftTree, beam_frontier, select_top_nodes, top_node_order
 from model.devices import HOST
 from model.meter import NULL_METER, OpMeter, hidden_rows
 
@@ -41,6 +42,27 @@ def to_host(*xs: Tensor) -> tuple[Tensor, ...]:
         out.append(both[..., at:at + w].to(x.dtype))
         at += w
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=256)
+def _row_pattern(rows: int, width: int) -> Tensor:
+    """``[0]*width + [1]*width + ... + [rows-1]*width`` (host, cached; read only): the frontier row of each of a
+    level's ``rows * width`` candidates."""
+    return torch.arange(rows, device=HOST).repeat_interleave(width)
+
+
+@functools.lru_cache(maxsize=64)
+def _beam_layout(shape: tuple[tuple[int, int], ...]) -> tuple[Tensor, Tensor]:
+    """Host patterns (cached; read only) of a beam whose level ``L`` (0: the root's children) has ``rows`` frontier
+    rows of ``width`` candidates each, ``shape[L] = (rows, width)`` (level 0: ``(1, k)``), candidates numbered level
+    by level: each candidate's parent as a row of the expanded frontiers, concatenated in order (-1 for the root's
+    children: it reads the trailing -1 of those ids), and its depth below the root (1 for the root's children)."""
+    parent, depth, off = [], [], -1
+    for level, (rows, width) in enumerate(shape):
+        parent.append(_row_pattern(rows, width) + off)
+        depth.append(torch.full((rows * width,), level + 1, device=HOST))
+        off += rows if level else 1
+    return torch.cat(parent), torch.cat(depth)
 
 
 class BeamTreeDrafter:
@@ -227,47 +249,49 @@ class BeamTreeDrafter:
         s, t = self._root_topk(root_hidden, top_k)
         dev = s.device
         k = s.numel()
-        cand_tokens, cand_parents, cand_scores = [t], [torch.full((k,), -1, device=dev)], [s]
-        cand_inputs = [root_hidden.expand(k, -1)]
-        frontier_ids = torch.arange(k, device=dev)       # candidate indices of the frontier
-        frontier_tok, frontier_score = t, s
+        # A candidate's parent (a row of the fed frontiers), input row and level follow from the levels' shapes and
+        # the fed frontier ids (_beam_layout, cached), gathered once at the end, not repeated per level.
+        cand_scores, cand_tokens, shape = [s], [t], [(1, k)]
+        expanded, outs = [torch.arange(k, device=dev)], []             # candidate ids fed, level by level
+        frontier_tok, frontier_score = t, s[:, None]
         frontier_feat = root_hidden.expand(k, -1)
         frontier_cache_parent = torch.full((k,), -1, device=HOST)  # parent slot in the draft cache tree
         n_cand = k
-        expanded: list[tuple[Tensor, Tensor]] = []                       # (candidate ids, their outputs) per level
-        for _ in range(depth):
+        for level in range(depth):
             start = self.tree_size
             out = self.tree_forward(frontier_tok, frontier_feat, frontier_cache_parent)
-            expanded.append((frontier_ids, out))
+            outs.append(out)
             cs, ct = self.top_tokens(out, k)                                   # [k, k]
-            cum = (frontier_score[:, None] + cs).reshape(-1)
-            cand_tokens.append(ct.reshape(-1))
-            cand_parents.append(frontier_ids.repeat_interleave(k))
+            cum = (frontier_score + cs).view(-1)
+            cand_tokens.append(ct.view(-1))
             cand_scores.append(cum)
-            cand_inputs.append(out.repeat_interleave(k, dim=0))
-            best = torch.sort(-cum.double(), stable=True).indices[:k]
-            parent_row = best // k
-            frontier_ids = n_cand + best
-            n_cand += k * k
-            frontier_tok = ct.reshape(-1)[best]
-            frontier_score = cum[best]
+            shape.append(tuple(cs.shape))
+            if level == depth - 1:
+                n_cand += cum.numel()
+                break
+            best = beam_frontier(cum, k)
+            parent_row = best // cs.shape[-1]
+            expanded.append(best + n_cand)
+            n_cand += cum.numel()
+            frontier_tok = cand_tokens[-1][best]
+            frontier_score = cum[best][:, None]
             frontier_feat = out[parent_row]
             frontier_cache_parent = start + parent_row.to(HOST)            # the one transfer of this level
         self.drop_tree()
-        scores, cand_tok, cand_par = to_host(torch.cat(cand_scores), torch.cat(cand_tokens), torch.cat(cand_parents))
-        levels = torch.arange(1, len(cand_scores) + 1, device=HOST).repeat_interleave(
-            torch.tensor([c.numel() for c in cand_scores], device=HOST), output_size=scores.numel())
-        tree = select_top_nodes(root_token, cand_tok, cand_par, scores, total_token, levels)
+        fed = torch.cat(expanded[:len(outs)] + [torch.full((1,), -1, dtype=torch.long, device=dev)])
+        scores, cand_tok, fed = to_host(torch.cat(cand_scores), torch.cat(cand_tokens), fed)
+        parent_row, levels = _beam_layout(tuple(shape))
+        tree = select_top_nodes(root_token, cand_tok, fed[parent_row], scores, total_token, levels)
         order = top_node_order(scores, total_token)                       # the candidates select_top_nodes kept
-        inputs = torch.cat([root_hidden[None].to(cand_inputs[0].dtype), torch.cat(cand_inputs)[order.to(dev)]])
-        cand_out = inputs.new_zeros((n_cand, inputs.shape[-1]))
-        cand_known = torch.zeros(n_cand, dtype=torch.bool, device=dev)
-        for ids, out in expanded:
-            cand_out[ids] = out.to(cand_out.dtype)
-            cand_known[ids] = True
-        outputs = torch.cat([inputs[:1], cand_out[order.to(dev)]])
-        known = torch.cat([torch.ones(1, dtype=torch.bool, device=dev), cand_known[order.to(dev)]]).to(HOST)
-        return tree, inputs, outputs, known
+        rows = torch.cat([root_hidden[None], *outs])                      # row 0 the root's output, then each fed
+        rowof = torch.full((n_cand,), -1, dtype=torch.long, device=HOST)   # candidate -> its output row (-1: none)
+        rowof[fed[:-1]] = torch.arange(1, fed.numel(), device=HOST)
+        own = rowof[order]
+        inputs = rows[torch.cat([torch.zeros(1, dtype=torch.long, device=HOST), parent_row[order] + 1]).to(dev)]
+        known = torch.cat([torch.ones(1, dtype=torch.bool, device=HOST), own >= 0])
+        outputs = rows[torch.cat([torch.zeros(1, dtype=torch.long, device=HOST), own.clamp(min=0)]).to(dev)]
+        outputs = torch.where(known.to(dev)[:, None], outputs, 0)
+        return tree, inputs, outputs.to(inputs.dtype), known
 
     @torch.no_grad()
     def extend_tree(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor, levels: int, top_k: int,
@@ -283,68 +307,85 @@ class BeamTreeDrafter:
         appended in that order: a child never outranks its parent, so the appended set is ancestor-closed
         and ancestors-first, and existing node indices do not change (what the protocol needs).
         Cost per call: ``levels`` lm_head calls and ``levels`` head forwards (the first over the tree).
+
+        Bookkeeping (issue 41): a level is a fixed sequence of a few tensor ops over the whole frontier, whatever
+        its width: :meth:`host_top_tokens` (the level's one device->host copy), the candidates' cumulative scores
+        and tokens written in place into arrays preallocated at the call's capacity (``levels * top_k**2``
+        candidates), the next frontier (:func:`draft.tree.beam_frontier`, the per-level choice) and its head
+        forward. A candidate records only its frontier row; the rows' parent, depth and output feature are
+        gathered once, for the chosen candidates, at the end. No per-node Python, no concatenation per level.
         """
         n = len(tree)
         if levels <= 0 or max_new <= 0:
             return tree, inputs
         dev = inputs.device
-        inputs = inputs.clone()
-        depth1 = (tree.parents == 0).nonzero().flatten()
-        inputs[depth1.to(dev)] = root_hidden.to(inputs.dtype)
+        depth1 = (tree.parents == 0).to(dev)[:, None]
+        inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)      # a fresh copy: root's children
         outs = root_hidden[None].to(inputs.dtype)
         if n > 1:
-            body = torch.arange(1, n, device=HOST)
-            out = self.tree_forward(tree.tokens[body], inputs[1:], tree.parents[body] - 1)
+            out = self.tree_forward(tree.tokens[1:], inputs[1:], tree.parents[1:] - 1)   # node i at cache slot i-1
             outs = torch.cat([outs, out.to(inputs.dtype)])
-        slot = torch.arange(-1, n - 1, device=HOST)                        # draft-cache tree slot of each node
         has_child = torch.zeros(n, dtype=torch.bool, device=HOST)
         has_child[tree.parents[1:]] = True
         leaves = (~has_child).nonzero().flatten()
         k = min(top_k, leaves.numel())
-        order = torch.sort(-tree.scores[leaves].double(), stable=True).indices[:k]
-        frontier = leaves[order]                                          # tree node ids (host)
-        f_par_node, f_score, f_dep = frontier, tree.scores[frontier], tree.depths[frontier]
-        f_out, f_slot = outs[frontier.to(dev)], slot[frontier]
-        cand_tok, cand_par, cand_score, cand_in, cand_dep = [], [], [], [], []   # parent: tree node or -(cand+2)
-        n_cand = 0
+        frontier = leaves[beam_frontier(tree.scores[leaves], k)]                  # tree node ids (host)
+        # frontier rows of every level, in order: parent code (a tree node < n, or n + candidate), depth, output
+        rows_par, rows_dep, rows_out = [frontier], [tree.depths[frontier]], [outs[frontier.to(dev)]]
+        f_score, f_slot = tree.scores[frontier][:, None], frontier - 1              # draft-cache slot of node i: i-1
+        cap = levels * top_k * top_k
+        c_score = c_row = None                                                    # the candidates, preallocated
+        c_tok: list[Tensor] = []                                                  # (their tokens: one view a level)
+        n_cand = n_rows = 0
         for level in range(levels):
-            cs, ct = to_host(*self.top_tokens(f_out, top_k))                   # one device->host copy per level
-            kk = cs.shape[-1]
+            cs, ct = self.host_top_tokens(rows_out[-1], top_k)                    # one device->host copy per level
+            nf, kk = cs.shape
             if kk == 0:       # no source proposes a token below some frontier node (merged top-k): stop here
                 break
-            cum = (f_score[:, None] + cs).reshape(-1)
-            cand_tok.append(ct.reshape(-1))
-            cand_par.append(f_par_node.repeat_interleave(kk))
-            cand_score.append(cum)
-            cand_in.append(f_out.repeat_interleave(kk, dim=0))
-            cand_dep.append((f_dep + 1).repeat_interleave(kk))
+            if c_score is None:
+                c_score = torch.empty(cap, dtype=torch.promote_types(f_score.dtype, cs.dtype), device=HOST)
+                c_row = torch.empty(cap, dtype=torch.long, device=HOST)
+            elif cs.dtype != c_score.dtype and c_score.dtype != torch.promote_types(c_score.dtype, cs.dtype):
+                c_score = c_score.to(torch.promote_types(c_score.dtype, cs.dtype))   # exact widening (never so far)
+            end = n_cand + nf * kk
+            cum = c_score[n_cand:end]                                             # this level's candidates
+            torch.add(f_score, cs, out=cum.view(nf, kk))                          # cumulative scores, in place
+            c_tok.append(ct.reshape(-1))
+            torch.add(_row_pattern(nf, kk), n_rows, out=c_row[n_cand:end])    # each candidate's frontier row
             if level == levels - 1:
+                n_cand = end
                 break
-            best = torch.sort(-cum.double(), stable=True).indices[:top_k]
-            f_dep = cand_dep[-1][best]
+            best = beam_frontier(cum, top_k)
+            row = best // kk
             start = self.tree_size
-            f_out = self.tree_forward(ct.reshape(-1)[best], f_out[(best // kk).to(dev)],
-                                      f_slot[best // kk]).to(inputs.dtype)
-            f_slot = start + torch.arange(best.numel(), device=HOST)
-            f_par_node = -(n_cand + best + 2)                             # parents are these candidates
-            f_score = cum[best]
-            n_cand += cum.numel()
+            out = self.tree_forward(c_tok[-1][best], rows_out[-1][row.to(dev)], f_slot[row])
+            n_rows += nf
+            rows_par.append(best + (n + n_cand))
+            rows_dep.append(rows_dep[-1][row] + 1)
+            rows_out.append(out.to(inputs.dtype))
+            f_slot = torch.arange(start, start + best.numel(), device=HOST)
+            f_score = cum[best][:, None]
+            n_cand = end
         self.drop_tree()
-        if not cand_score:
+        if not n_cand:
             return tree, inputs
-        scores = torch.cat(cand_score)
-        chosen = top_node_order(scores, max_new + 1)                      # + 1: the helper counts a root
-        par = torch.cat(cand_par)[chosen]
-        inv = torch.full((scores.numel(),), -1, dtype=torch.long, device=HOST)   # candidate -> new tree index
-        inv[chosen] = n + torch.arange(chosen.numel(), device=HOST)
-        parents = torch.where(par >= 0, par, inv[(-par - 2).clamp(min=0)])         # ancestors-first
+        chosen = top_node_order(c_score[:n_cand], max_new + 1)            # + 1: the helper counts a root
+        row = c_row[chosen]
+        par = torch.cat(rows_par)[row]                                    # a tree node, or n + a candidate
+        inv = torch.full((n_cand,), -1, dtype=torch.long, device=HOST)    # candidate -> new tree index
+        inv[chosen] = torch.arange(n, n + chosen.numel(), device=HOST)
+        parents = torch.where(par < n, par, inv[(par - n).clamp(min=0)])  # ancestors-first
         if bool((parents < 0).any()):
             raise AssertionError("chosen candidates are not ancestor-closed")        # impossible by construction
-        grown = DraftTree(torch.cat([tree.tokens, torch.cat(cand_tok)[chosen]]),
-                          torch.cat([tree.parents, parents]),
-                          torch.cat([tree.scores, scores[chosen]]),
-                          torch.cat([tree.depths, torch.cat(cand_dep)[chosen]]))
-        return grown, torch.cat([inputs, torch.cat(cand_in)[chosen.to(dev)]])
+        grown = DraftTree(torch.cat([tree.tokens, torch.cat(c_tok)[chosen]]), torch.cat([tree.parents, parents]),
+                          torch.cat([tree.scores, c_score[chosen].float()]),
+                          torch.cat([tree.depths, torch.cat(rows_dep)[row] + 1]))
+        return grown, torch.cat([inputs, torch.cat(rows_out)[row.to(dev)]])
+
+    def host_top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """:meth:`top_tokens` of a frontier, moved to the host in one copy (:func:`to_host`): what a beam level
+        ranks. A drafter whose ``top_tokens`` already answers on the host (the merged one) returns it as is."""
+        return to_host(*self.top_tokens(hidden, k))
 
 
 class Drafter(BeamTreeDrafter):
@@ -454,13 +495,13 @@ class Drafter(BeamTreeDrafter):
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
         """Feed tree entries (kept in the cache until :meth:`drop_tree`); returns their output features."""
         cache = self.cache
-        pos, mask, anc, depth = cache.tree_inputs(parents, self.dtype)
+        pos, mask = cache.staged_tree_inputs(parents, self.dtype)       # tree rows staged in the cache's buffers
         n = tokens.numel()
         rows = (tokens.view(1, -1).to(self.device), features.view(1, n, -1).to(self.device, self.dtype))
         out = self.static_head(*rows, pos, mask, cache) if self.static_head is not None else None
         if out is None:                   # dynamic shapes (model.graphs=off, or no bucket fits: draft/static_head.py)
             out = self.head(*rows, pos, mask, cache)
-        cache.commit_forward(n, as_context=False, anc=anc, depth=depth)
+        cache.commit_forward(n, as_context=False)
         return out[0]
 
     def drop_tree(self) -> None:

@@ -195,6 +195,7 @@ class LookupDrafter(TokenHistory):
     """Prompt lookup (n-gram copying) with the :class:`draft.protocol.TreeDrafter` methods."""
 
     meter: OpMeter = NULL_METER   # no model op to meter: its scores are table look-ups (model.meter)
+    features_free = True          # tree_forward reads the token paths only (draft.merged.MergedDrafter.tree_inputs)
 
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 8,
                  token_logp: float = math.log(0.6)) -> None:
@@ -238,7 +239,8 @@ class LookupDrafter(TokenHistory):
         """Every node's state (one tensor built at once; equal to stacking :meth:`state` per node)."""
         w, lp = self.state_width, self.token_logp
         rows = [state_row(self.continuations(path, 1), w, lp) for path in self.add_tree_paths(tokens, parents)]
-        return torch.tensor(rows, dtype=torch.float32, device=HOST).reshape(len(rows), w)
+        out = torch.tensor(rows, dtype=torch.float32, device=HOST)
+        return out if rows else out.reshape(0, w)
 
     def logprobs(self, hidden: Tensor) -> Tensor:
         """The states spread over the vocabulary: ``[..., V]`` float64, ``FLOOR`` where no occurrence supports a

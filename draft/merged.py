@@ -62,7 +62,8 @@ class MergedDrafter(BeamTreeDrafter):
         vector to allocate per commit than float64; widening is exact either way)."""
         dtype = states[0].dtype
         for s in states[1:]:
-            dtype = torch.promote_types(dtype, s.dtype)
+            if s.dtype != dtype:
+                dtype = torch.promote_types(dtype, s.dtype)
         dev = states[0].device
         return torch.cat([s.to(dev, dtype) for s in states], dim=-1)
 
@@ -125,7 +126,10 @@ class MergedDrafter(BeamTreeDrafter):
         tree by token path); the rest, a node proposed only by another source, is computed by feeding the
         source the parents it lacks, with their ancestors (a fed node attends to its path), level by level on
         top of the committed context. Exact: the same states a source's own search computes for the nodes it
-        proposed (``searched`` None: every source is fed every inner node, as without it)."""
+        proposed (``searched`` None: every source is fed every inner node, as without it). A source whose states
+        are a function of the token path alone (``features_free``: lookup, suffix) takes every fed node in one
+        ``tree_forward`` (ancestors first, parents earlier in the same call), not one per level; a source with
+        nothing to feed costs no ancestry and no level loop."""
         n = len(tree)
         parents, depths = tree.parents, tree.depths
         has_child = torch.zeros(n, dtype=torch.bool, device=HOST)
@@ -145,21 +149,25 @@ class MergedDrafter(BeamTreeDrafter):
                 states[at[hit].to(states.device)] = found[1][hit.to(found[1].device)].to(states.device, states.dtype)
                 known[at[hit]] = True
             feed = has_child & ~known
-            if anc is None:
-                anc = ancestor_matrix(parents)
-            feed = (anc & feed[:, None]).any(0)                      # ancestors of a fed node are fed (its path)
-            feed[0] = False
-            slot = torch.full((n,), -1, dtype=torch.long, device=HOST)   # draft-cache tree slot of each fed node
-            for d in range(1, int(depths.max()) if n > 1 else 1):
-                level = ((depths == d) & feed).nonzero().flatten()
-                if level.numel() == 0:
-                    continue
-                start = src.tree_size
-                par = parents[level]
-                out = src.tree_forward(tree.tokens[level], states[par.to(states.device)], slot[par])
-                slot[level] = start + torch.arange(level.numel(), device=HOST)
-                states[level.to(states.device)] = out.to(states.device, states.dtype)   # lookup's states live on the host
             if bool(feed.any()):
+                if anc is None:
+                    anc = ancestor_matrix(parents)
+                feed = (anc & feed[:, None]).any(0)                  # ancestors of a fed node are fed (its path)
+                feed[0] = False
+                slot = torch.full((n,), -1, dtype=torch.long, device=HOST)   # draft-cache tree slot (root: -1)
+                if getattr(src, "features_free", False):             # states from token paths: one call, all levels
+                    levels = [feed.nonzero().flatten()]
+                else:
+                    levels = [((depths == d) & feed).nonzero().flatten()
+                              for d in range(1, int(depths.max()) if n > 1 else 1)]
+                for level in levels:
+                    if level.numel() == 0:
+                        continue
+                    start = src.tree_size
+                    par = parents[level]
+                    slot[level] = start + torch.arange(level.numel(), device=HOST)   # before the parents' read
+                    out = src.tree_forward(tree.tokens[level], states[par.to(states.device)], slot[par])
+                    states[level.to(states.device)] = out.to(states.device, states.dtype)   # lookup's live on the host
                 src.drop_tree()
             rows = states[parents.clamp(min=0).to(states.device)]
             rows[0] = h[0]
@@ -178,16 +186,15 @@ class MergedDrafter(BeamTreeDrafter):
         parts = [s.supported_tokens(h, k) if hasattr(s, "supported_tokens") else top_tokens(s, h, k)
                  for s, h in zip(self.sources, self._split(hidden))]
         dev = parts[0][0].device
-        scores = torch.cat([(p[0].double() * c).to(dev) for p, c in zip(parts, self.score_scales)], dim=-1)
+        scores = torch.cat([(p[0].double() if c == 1.0 else p[0].double() * c).to(dev)
+                            for p, c in zip(parts, self.score_scales)], dim=-1)
         tokens = torch.cat([p[1].to(dev) for p in parts], dim=-1)
         scores, tokens = to_host(scores, tokens)          # the level's one device->host copy; the rest on the host
-        order = torch.sort(-scores, dim=-1, stable=True).indices               # best first
-        scores, tokens = scores.gather(-1, order), tokens.gather(-1, order)
-        seen = (tokens[..., :, None] == tokens[..., None, :]).tril(-1).any(-1)   # a better copy comes earlier
-        valid = ~seen & (tokens >= 0) & (scores > float("-inf"))
-        kk = min(k, int(valid.sum(-1).min())) if valid.numel() else 0
-        pick = torch.sort((~valid).to(torch.int8), dim=-1, stable=True).indices[..., :kk]   # valid ones, in order
-        return scores.gather(-1, pick), tokens.gather(-1, pick)
+        return union_top(scores, tokens, k)
+
+    def host_top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """:meth:`top_tokens`, which answers on the host already (one copy per level)."""
+        return self.top_tokens(hidden, k)
 
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
         return self._cat([s.tree_forward(tokens, f, parents) for s, f in zip(self.sources, self._split(features))])
@@ -212,6 +219,21 @@ class MergedDrafter(BeamTreeDrafter):
     def source(self, kind: type):
         """The first source of class ``kind`` (e.g. the small LM for ``sps``), or None."""
         return next((s for s in self.sources if isinstance(s, kind)), None)
+
+
+def union_top(scores: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The best ``k`` distinct tokens per row of a union of candidates ``(scores, tokens)`` ``[rows, m]``: each
+    token at its best score, best first, ties by position in the union (a stable sort). An empty slot is
+    ``(-inf, -1)`` (a source's :meth:`draft.lookup.LookupDrafter.supported_tokens`), and no candidate with score
+    -inf is returned. Returns ``kk = min(k, the fewest valid distinct tokens of any row)`` columns (one read, of a
+    host tensor). A fixed sequence of about a dozen host tensor ops, whatever the rows (no per-row Python)."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices       # best first
+    scores, tokens = scores.gather(-1, order), tokens.gather(-1, order)
+    bad = (tokens[..., :, None] == tokens[..., None, :]).tril(-1).any(-1)    # a better copy comes earlier
+    bad |= scores == float("-inf")                    # an empty slot (its token is -1) or a token out of reach
+    kk = min(k, bad.shape[-1] - int(bad.sum(-1).max())) if bad.numel() else 0
+    pick = torch.sort(bad.to(torch.int8), dim=-1, stable=True).indices[..., :kk]   # the valid ones, in order
+    return scores.gather(-1, pick), tokens.gather(-1, pick)
 
 
 def _match_nodes(tree: DraftTree, key: dict[tuple[int, int], int]) -> Tensor:

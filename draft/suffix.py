@@ -367,6 +367,7 @@ class SuffixDrafter(TokenHistory):
     """Suffix retrieval with the :class:`draft.protocol.TreeDrafter` methods (module docstring)."""
 
     meter: OpMeter = NULL_METER   # no model op to meter
+    features_free = True          # tree_forward reads the token paths only (draft.merged.MergedDrafter.tree_inputs)
 
     def __init__(self, vocab_size: int, store: SuffixStore | None = None, corpus: SuffixAutomaton | None = None,
                  min_match: int = 1, threshold: int = 3, token_prob: float = 0.3, long_token_prob: float = 0.8,

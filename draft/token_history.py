@@ -19,7 +19,7 @@ class TokenHistory:
     def append_context(self, tokens: Tensor) -> list[int]:
         """Drop the tree entries, append committed ``tokens``; returns the context."""
         self.drop_tree()
-        self.context += tokens.reshape(-1).tolist()     # one read, not one per token
+        self.context += (tokens if tokens.dim() == 1 else tokens.reshape(-1)).tolist()   # one read, not one per token
         return self.context
 
     def add_tree_entries(self, tokens: Tensor, parents: Tensor) -> list[list[int]]:
@@ -29,8 +29,8 @@ class TokenHistory:
     def add_tree_paths(self, tokens: Tensor, parents: Tensor) -> list[list[int]]:
         """:meth:`add_tree_entries`, returning only each new entry's tree path (what follows the context)."""
         first = len(self.tree_tokens)
-        self.tree_tokens += tokens.reshape(-1).tolist()
-        self.tree_parents += parents.reshape(-1).tolist()
+        self.tree_tokens += (tokens if tokens.dim() == 1 else tokens.reshape(-1)).tolist()
+        self.tree_parents += (parents if parents.dim() == 1 else parents.reshape(-1)).tolist()
         return [self._path(i) for i in range(first, len(self.tree_tokens))]
 
     def _path(self, node: int) -> list[int]:

@@ -64,9 +64,9 @@ class DraftTree:
     proposals: list | None = None
 
     def __post_init__(self) -> None:
-        self.tokens = self.tokens.to(torch.long).reshape(-1)
-        self.parents = self.parents.to(torch.long).reshape(-1)
-        self.scores = self.scores.to(torch.float32).reshape(-1)
+        self.tokens = _flat(self.tokens.to(torch.long))
+        self.parents = _flat(self.parents.to(torch.long))
+        self.scores = _flat(self.scores.to(torch.float32))
         if self.depths is None:
             self.depths = depths_from_parents(self.parents)
 
@@ -76,6 +76,11 @@ class DraftTree:
     @staticmethod
     def single(token: int) -> "DraftTree":
         return DraftTree(torch.tensor([token], device=HOST), torch.tensor([-1], device=HOST), torch.zeros(1, device=HOST))
+
+
+def _flat(x: Tensor) -> Tensor:
+    """``x`` as a 1-D tensor (itself when it is one: no operator)."""
+    return x if x.dim() == 1 else x.reshape(-1)
 
 
 def check_tree(tree: DraftTree) -> None:
@@ -122,8 +127,14 @@ def select_top_nodes(root_token: int, cand_tokens: Tensor, cand_parents: Tensor,
 
 def top_node_order(cand_scores: Tensor, total_token: int) -> Tensor:
     """Indices of the best ``total_token - 1`` candidates: descending score, ties by index (stable)."""
-    n_keep = max(0, min(total_token - 1, len(cand_scores)))
-    return torch.sort(-cand_scores.to(torch.float64), stable=True).indices[:n_keep]
+    return beam_frontier(cand_scores, max(0, min(total_token - 1, len(cand_scores))))
+
+
+def beam_frontier(scores: Tensor, width: int) -> Tensor:
+    """Indices of the best ``width`` of ``scores`` (1-D): descending score, ties by index (a stable sort; equal to
+    sorting ``-scores`` in float64, as the EAGLE-2 beam did, for any non-NaN scores). The per-level choice of a
+    beam's next frontier (:meth:`draft.drafter.BeamTreeDrafter.extend_tree`): two operators, whatever the width."""
+    return torch.sort(scores, descending=True, stable=True).indices[:width]
 
 
 def split_sizes(n_nodes: int, n_parts: int, cap: int) -> list[int]:
@@ -147,14 +158,33 @@ def keep_indices_for(tree: DraftTree, accepted: list[int], new_root: int | None)
     ``accepted`` is the accepted path (root first). If ``new_root`` (an existing child of the last
     accepted node) continues the tree, its whole subtree is kept after the path; otherwise only
     the path is kept (truncate).
+
+    Vectorised (issue 41): the subtree is :func:`subtree_nodes` (pointer jumping, a few host tensor ops), and
+    strictness is checked on the path list (``accepted`` increasing, ``new_root`` after its last node: then the
+    subtree, whose nodes all follow ``new_root``, continues it in order).
     """
-    keep = torch.tensor(list(accepted), dtype=torch.long, device=HOST)
-    if new_root is not None:
-        sub = ancestor_matrix(tree.parents)[:, new_root].nonzero().flatten()
-        keep = torch.cat([keep, sub])
-    if keep.numel() > 1 and not bool((keep[1:] > keep[:-1]).all()):
+    acc = list(accepted)
+    if any(b <= a for a, b in zip(acc, acc[1:])) or (new_root is not None and acc and new_root <= acc[-1]):
         raise AssertionError("keep-list must be strictly increasing")
+    keep = torch.tensor(acc, dtype=torch.long, device=HOST)
+    if new_root is not None:
+        keep = torch.cat([keep, subtree_nodes(tree.parents, new_root)])
     return keep
+
+
+def subtree_nodes(parents: Tensor, root: int) -> Tensor:
+    """The nodes of ``root``'s subtree (``root`` first), increasing, in an ancestors-first tree (``parents[i] < i``).
+
+    Pointer jumping with the nodes up to ``root`` as fixed points: ``up[i]`` starts as ``parents[i]`` for
+    ``i > root`` and ``i`` otherwise; ``up = up[up]`` doubles every jump, so after ``bit_length(n - root)`` rounds
+    (a chain from ``i`` down to ``root`` has fewer than ``n - root`` links) ``up[i]`` is the first node ``<= root``
+    on ``i``'s path, and ``i`` is in the subtree iff that is ``root``. About ``log2(n) + 5`` host tensor ops."""
+    n = parents.numel()
+    idx = torch.arange(n, device=HOST)
+    up = torch.where(idx > root, parents, idx)
+    for _ in range((n - root).bit_length()):
+        up = up[up]
+    return (up == root).nonzero().flatten()
 
 
 def remap_parents(parents: Tensor, node_ids: Tensor, keep: Tensor, accepted_len: int) -> tuple[Tensor, Tensor]:
@@ -181,14 +211,21 @@ def reroot(tree: DraftTree, keep: Tensor, accepted_len: int) -> DraftTree:
     rest = keep[accepted_len:]
     if rest.numel() == 0:
         raise ValueError("reroot needs a surviving subtree")
-    _, parents = remap_parents(tree.parents[rest], rest, keep, accepted_len)
-    scores = tree.scores[rest] - tree.scores[rest[0]]
+    # old index -> new index (-1: not kept; a trailing -1 is what a parent -1 reads). ``rest`` is the new root's
+    # subtree (keep_indices_for), so every kept node's parent is kept except the new root's, which is on the
+    # accepted path: it maps to -1, a root's parent (as remap_parents maps it).
+    new = torch.full((len(tree) + 1,), -1, dtype=torch.long, device=HOST)
+    new[rest] = torch.arange(rest.numel(), device=HOST)
+    parents = new[tree.parents[rest]]
+    scores = tree.scores[rest]
+    scores = scores - scores[0]
     props = None
     if tree.proposals is not None:   # the kept subtree is closed under children: lists map one to one
         new = {int(k): i for i, k in enumerate(rest.tolist())}
         props = [[(new[c], q) for c, q in tree.proposals[int(k)]] for k in rest.tolist()]
-    depths = tree.depths[rest] - tree.depths[rest[0]]           # the new root (rest[0]) at depth 0
-    return DraftTree(tree.tokens[rest].clone(), parents, scores, depths, proposals=props)
+    depths = tree.depths[rest]
+    depths = depths - depths[0]                                 # the new root (rest[0]) at depth 0
+    return DraftTree(tree.tokens[rest], parents, scores, depths, proposals=props)
 
 
 def merge_trees(tree: DraftTree, extra: DraftTree) -> tuple[DraftTree, int]:

@@ -5,7 +5,11 @@ Slot layout, the invariant every operation preserves::
     [ committed context (context_len slots) | tree nodes 0..m-1 in tree-index order ]   length = context_len + m
 
 Tree node ``j`` lives at slot ``context_len + j``. The cache also holds the tree's ancestor matrix and
-depths, so a stage derives masks and positions for a new segment from its parent pointers alone.
+depths, so a stage derives masks and positions for a new segment from its parent pointers alone. Both live in
+host buffers preallocated at a capacity that doubles when a tree outgrows it, filled in place (issue 41: a
+drafted level below cached nodes costs a fixed dozen operators, no concatenation); invariant: for every cached
+tree node ``i``, row ``i`` of the ancestor buffer is its ancestor-or-self row over *all* columns (zero beyond
+column ``i``), so a new node's row is its parent's row plus its own bit.
 """
 from __future__ import annotations
 
@@ -40,6 +44,9 @@ class KVCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
+        self._anc = torch.zeros(0, 0, dtype=torch.bool, device=HOST)    # ancestor rows, [cap, cap] (module doc)
+        self._dep = torch.zeros(0, dtype=torch.long, device=HOST)       # depths, [cap]
+        self._staged = None                                             # tree_inputs' (anc, depth) views
         self.reset()
 
     # -- state -------------------------------------------------------------------------------
@@ -47,8 +54,30 @@ class KVCache:
         self.context_len = 0
         self.length = 0
         self._pending = 0
-        self.tree_anc = torch.zeros(0, 0, dtype=torch.bool, device=HOST)
-        self.tree_depth = torch.zeros(0, dtype=torch.long, device=HOST)
+
+    @property
+    def tree_anc(self) -> Tensor:
+        """The cached tree's ancestor matrix ``[m, m]`` (a view of the buffer: read, do not keep across updates)."""
+        m = self.num_tree
+        return self._anc[:m, :m]
+
+    @property
+    def tree_depth(self) -> Tensor:
+        """The cached tree's depths ``[m]`` (a view of the buffer)."""
+        return self._dep[:self.num_tree]
+
+    def _reserve(self, total: int) -> None:
+        """Room for ``total`` tree nodes in the ancestry buffers (capacity doubles; cached rows are kept)."""
+        cap = self._dep.numel()
+        if total <= cap:
+            return
+        new = max(total, 2 * cap, 64)
+        m = self.num_tree
+        anc = torch.zeros(new, new, dtype=torch.bool, device=HOST)
+        dep = torch.zeros(new, dtype=torch.long, device=HOST)
+        anc[:m, :cap] = self._anc[:m]
+        dep[:m] = self._dep[:m]
+        self._anc, self._dep = anc, dep
 
     @property
     def num_tree(self) -> int:
@@ -87,14 +116,51 @@ class KVCache:
         the whole context plus their tree ancestors and themselves, never other nodes, whatever the
         segment length (a one-node segment is masked like any other).
         """
+        pos, mask = self.staged_tree_inputs(parents, dtype)
+        m = self.num_tree + len(parents)
+        self._staged = (self._anc[:m, :m], self._dep[:m])
+        return pos, mask, *self._staged
+
+    def staged_tree_inputs(self, parents: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """:meth:`tree_inputs` without the extended ancestor matrix and depths: the new rows are staged in the
+        cache's buffers and :meth:`commit_forward` (``anc=None``) takes them (a drafted level: fewer operators)."""
         n = len(parents)
         self._check_room(n)
-        anc, depth = self.extend_tree(parents)
         m, c = self.num_tree, self.context_len
-        mask = torch.zeros((1, 1, n, c + m + n), dtype=dtype, device=HOST)     # the context: visible to all
-        mask[0, 0, :, c:].masked_fill_(~anc[m:], torch.finfo(dtype).min)
-        pos = c + depth[m:]
-        return pos[None], mask, anc, depth
+        par = parents.to(torch.long).to(HOST)
+        rows = self._stage_rows(par if par.dim() == 1 else par.reshape(-1), m)
+        mask = torch.zeros((n, c + m + n), dtype=dtype, device=HOST)           # the context: visible to all
+        mask[:, c:].masked_fill_(~rows, torch.finfo(dtype).min)
+        pos = self._dep[m:m + n] + c
+        return pos.view(1, n), mask.view(1, 1, n, c + m + n)
+
+    def _stage_rows(self, par: Tensor, m: int) -> Tensor:
+        """Write the ancestor rows and depths of new nodes ``m..m+n-1`` (``par``: their parents) into the buffers
+        (rows past the cached tree: scratch until :meth:`commit_forward`); returns their rows over ``[0, m+n)``.
+        One level below cached nodes (every parent cached, or every one ``-1``): a parent row gather, the diagonal
+        and the depths, a fixed handful of ops; otherwise :func:`extend_ancestry` (which validates the parents)."""
+        n = par.numel()
+        self._reserve(m + n)
+        anc, dep = self._anc, self._dep
+        pl = par.tolist()                                 # one read of a host tensor (the parents are few)
+        lo, hi = (min(pl), max(pl)) if n else (0, -1)
+        if n and ((0 <= lo and hi < m) or lo == hi == -1):
+            if lo >= 0:
+                anc[m:m + n] = anc[par]                   # the parents' whole rows: zero beyond their own column
+                torch.add(dep[par], 1, out=dep[m:m + n])
+            else:                                         # n roots below the context
+                anc[m:m + n] = False
+                dep[m:m + n] = 0
+            cap = dep.numel()
+            anc.view(-1)[m * (cap + 1):(m + n) * (cap + 1):cap + 1].fill_(True)  # each new node is its own
+        elif n <= SMALL_TREE:                             # a few linked nodes (a stage's segment): one list pass
+            _stage_rows_loop(pl, m, anc, dep)
+        else:
+            full, depth = extend_ancestry(par, self.tree_anc if m else None, self.tree_depth if m else None)
+            anc[m:m + n] = False
+            anc[m:m + n, :m + n] = full[m:]
+            dep[m:m + n] = depth[m:]
+        return anc[m:m + n, :m + n]
 
     def extend_tree(self, parents: Tensor) -> tuple[Tensor, Tensor]:
         """The cached tree's ancestor matrix and depths extended by new nodes ``m..m+n-1`` with ``parents``
@@ -103,14 +169,21 @@ class KVCache:
         (:mod:`draft.tree`, which calls :func:`extend_ancestry`)."""
         return extend_ancestry(parents, self.tree_anc if self.num_tree else None,
                                self.tree_depth if self.num_tree else None)
+
     def commit_forward(self, n: int, as_context: bool, anc: Tensor | None = None,
                        depth: Tensor | None = None) -> None:
-        """Advance after the layers wrote ``n`` rows."""
+        """Advance after the layers wrote ``n`` rows. Tree rows: ``anc``/``depth`` as :meth:`tree_inputs` returned them
+        (or None after :meth:`staged_tree_inputs`: the staged rows); other matrices are written into the buffers."""
+        m = self.num_tree
+        if not as_context and anc is not None and (self._staged is None or anc is not self._staged[0]):
+            self._reserve(m + n)                          # not what tree_inputs staged: write it in
+            self._anc[m:m + n] = False
+            self._anc[m:m + n, :m + n] = anc[m:m + n, :m + n]
+            self._dep[m:m + n] = depth[m:m + n]
+        self._staged = None
         self.length += n
         if as_context:
             self.context_len = self.length
-        else:
-            self.tree_anc, self.tree_depth = anc, depth
 
     # -- pruning -------------------------------------------------------------------------------
     def apply_keep(self, keep: Tensor, accepted_len: int) -> None:
@@ -120,6 +193,12 @@ class KVCache:
         of them (the accepted path) become committed context without recomputation. Kept indices
         beyond the cached nodes belong to segments this stage has not computed yet and are ignored.
         """
+        self._staged = None
+        if keep.numel() == 0:                             # drop the whole tree: nothing to move
+            if accepted_len:
+                raise RuntimeError("accepted path is not fully cached on this stage")
+            self.length = self.context_len
+            return
         m = self.num_tree
         cached = keep[keep < m]
         if accepted_len > cached.numel():
@@ -127,10 +206,14 @@ class KVCache:
         compact_slots(self.keys, self.context_len, cached)
         compact_slots(self.values, self.context_len, cached)
         rest = cached[accepted_len:]
-        self.tree_anc = self.tree_anc[rest][:, rest]
-        self.tree_depth = self.tree_depth[rest] - accepted_len
+        r = rest.numel()
+        if r:
+            sub = self._anc[rest][:, rest]
+            self._anc[:r] = False                         # rows stay zero beyond their own column
+            self._anc[:r, :r] = sub
+            self._dep[:r] = self._dep[rest] - accepted_len
         self.context_len += accepted_len
-        self.length = self.context_len + rest.numel()
+        self.length = self.context_len + r
 
     def truncate_tree(self) -> None:
         """Drop every cached tree node (keep the committed context)."""
@@ -238,6 +321,38 @@ def _extend_ancestry_loop(par: Tensor, m: int, base_anc: Tensor | None, base_dep
             anc[m:, :m] = rows
     anc[m:, m:] = torch.tensor(block, dtype=torch.bool, device=HOST)
     return anc, torch.tensor(base + new_depth, dtype=torch.long, device=HOST)
+
+
+def _stage_rows_loop(pl: list[int], m: int, anc: Tensor, dep: Tensor) -> None:
+    """:meth:`KVCache._stage_rows` for up to ``SMALL_TREE`` new nodes with linked parents, written in place into the
+    buffers ``anc``/``dep`` (rows ``m..m+n-1``): the rule of :func:`_extend_ancestry_loop` (each new row is its
+    chain's first cached ancestor's row plus a small new-by-new block), one pass over Python lists."""
+    n = len(pl)
+    base = dep[:m].tolist() if m else []
+    anchor, new_depth = [0] * n, [0] * n
+    block = [[False] * n for _ in range(n)]
+    for i, p in enumerate(pl):
+        row = block[i]
+        if p < 0:
+            anchor[i] = -1
+        elif p < m:
+            anchor[i], new_depth[i] = p, base[p] + 1
+        elif p < m + i:
+            j = p - m
+            anchor[i], new_depth[i] = anchor[j], new_depth[j] + 1
+            row[:i] = block[j][:i]
+        else:
+            raise ValueError(f"parent {p} of node {m + i} is not an earlier node")
+        row[i] = True
+    rows = anc[m:m + n]
+    if m and any(a >= 0 for a in anchor):
+        rows.copy_(anc.index_select(0, torch.tensor([max(a, 0) for a in anchor], dtype=torch.long, device=HOST)))
+        if min(anchor) < 0:
+            rows[torch.tensor([a < 0 for a in anchor], device=HOST)] = False
+    else:
+        rows.fill_(False)
+    rows[:, m:m + n] = torch.tensor(block, dtype=torch.bool, device=HOST)
+    dep[m:m + n] = torch.tensor(new_depth, dtype=torch.long, device=HOST)
 
 
 def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:

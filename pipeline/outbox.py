@@ -86,10 +86,12 @@ class RankTree:
     def send(self, box: Outbox, size: int, tag: int = 0) -> None:
         """Send the next ``size`` waiting nodes (index order) as one segment."""
         sl = slice(self.sent, self.sent + size)
-        self.gids[sl] = torch.arange(box.next_gid, box.next_gid + size, device=HOST)  # what box.send assigns
+        start = box.next_gid
+        self.gids[sl] = torch.arange(start, start + size, device=HOST)     # what box.send assigns
         parents = self.tree.parents[sl]
-        pg = torch.where(parents >= 0, self.gids[parents.clamp(min=0)], torch.full_like(parents, -1))
-        if not torch.equal(box.send(self.tree.tokens[sl], pg, tag), self.gids[sl]):
+        pg = torch.where(parents >= 0, self.gids[parents], -1)             # (a parent -1 reads a masked value)
+        box.send(self.tree.tokens[sl], pg, tag)
+        if box.next_gid != start + size:
             raise AssertionError("node ids out of step with the outbox")
         self.sent += size
 

@@ -293,13 +293,15 @@ def count(calls, blocks, device) -> list[dict]:
 
 
 # Upper bounds on each rank-0 call's counts (stories260K split 0+1+1+1+2, default run keys, lean layers; what
-# ``--count-only`` measures, plus a margin). ``tests/test_rank0_ops.py`` fails when a call grows past its bound;
-# lower a bound when a change cuts the call, raise it only with a reason in the commit message.
-OP_BOUNDS = {"first tree": {"ops": 600, "bookkeeping_ops": 420, "syncs": 3},
-             "finish first tree": {"ops": 1300, "bookkeeping_ops": 780, "syncs": 5},
-             "expand": {"ops": 600, "bookkeeping_ops": 400, "syncs": 2},
-             "commit": {"ops": 130, "bookkeeping_ops": 30, "syncs": 0},
-             "verified step bookkeeping": {"ops": 140, "bookkeeping_ops": 140, "syncs": 0}}
+# ``--count-only`` measures, plus a margin of about 3%). ``tests/test_rank0_ops.py`` fails when a call grows past its
+# bound; lower a bound when a change cuts the call, raise it only with a reason in the commit message. Measured at
+# issue 41 item 2 (docs/results.md section 41): first tree 466 ops (270 bookkeeping, 2 syncs), finish 957 (472, 5),
+# expand 451 (257, 2), commit 111 (16, 0), verified step 58 (58, 0).
+OP_BOUNDS = {"first tree": {"ops": 480, "bookkeeping_ops": 280, "syncs": 2},
+             "finish first tree": {"ops": 985, "bookkeeping_ops": 490, "syncs": 5},
+             "expand": {"ops": 465, "bookkeeping_ops": 265, "syncs": 2},
+             "commit": {"ops": 115, "bookkeeping_ops": 20, "syncs": 0},
+             "verified step bookkeeping": {"ops": 62, "bookkeeping_ops": 62, "syncs": 0}}
 
 
 def over_bounds(rows: list[dict], bounds: dict = OP_BOUNDS) -> list[str]:
