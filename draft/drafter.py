@@ -21,6 +21,7 @@ import math
 import torch
 
 from draft.eagle import EagleHead
+from draft.shape import EAGLE2, TreeShape, beam_frontier, pick_frontier
 from draft.tree import DraftTree, select_top_nodes, top_node_order
 from model.devices import HOST
 from model.meter import NULL_METER, OpMeter, hidden_rows
@@ -63,6 +64,7 @@ class BeamTreeDrafter:
     sample_distinct: bool = True           # chains meeting at a node draw distinct children (without replacement)
     generator: torch.Generator | None = None
     meter: OpMeter = NULL_METER   # instrumentation sees each draft log-prob call as an lm_head op (model.meter)
+    tree_shape: TreeShape = EAGLE2   # draft.tree_shape: the fixed beam or confidence-shaped levels (draft/shape.py)
     # a subclass that sets vocab_map also implements draft_logprobs (log-probs over the draft vocabulary, metered)
 
     @property
@@ -176,6 +178,17 @@ class BeamTreeDrafter:
         return DraftTree(torch.tensor(tokens, device=HOST), torch.tensor(parents, device=HOST),
                          torch.tensor(scores, device=HOST), proposals=props)
 
+    @staticmethod
+    def _frontier(shape: TreeShape, level_scores: Tensor, all_scores: list[Tensor], total_token: int, width: int,
+                  rows_left: float = math.inf) -> Tensor:
+        """Which of a level's candidates (``level_scores``, cumulative) the search expands next, best first:
+        EAGLE-2's ``width`` best (:func:`draft.shape.beam_frontier`), or with a confidence shape
+        :func:`draft.shape.pick_frontier` (only those that can still enter the ``total_token`` tree, as many as
+        cover the shape's share of their mass, within ``rows_left`` head rows)."""
+        if not shape.shaped:
+            return beam_frontier(level_scores, width)
+        return pick_frontier(level_scores, torch.cat(all_scores), total_token - 1, width, shape.cover, rows_left)
+
     def top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Best ``min(k, draft vocabulary)`` (log-prob, target token) per row of ``hidden``; for a reduced
         vocabulary the search runs over the draft vocabulary and only the winners are mapped to target ids."""
@@ -229,26 +242,31 @@ class BeamTreeDrafter:
         k = s.numel()
         cand_tokens, cand_parents, cand_scores = [t], [torch.full((k,), -1, device=dev)], [s]
         cand_inputs = [root_hidden.expand(k, -1)]
-        frontier_ids = torch.arange(k, device=dev)       # candidate indices of the frontier
-        frontier_tok, frontier_score = t, s
-        frontier_feat = root_hidden.expand(k, -1)
-        frontier_cache_parent = torch.full((k,), -1, device=HOST)  # parent slot in the draft cache tree
+        shape = self.tree_shape                          # draft.tree_shape: which candidates a level expands
+        rows_left = shape.row_budget(depth, top_k)
+        frontier_ids = self._frontier(shape, s, cand_scores, total_token, k, rows_left)   # candidate indices
+        frontier_tok, frontier_score = t[frontier_ids], s[frontier_ids]
+        frontier_feat = root_hidden.expand(frontier_ids.numel(), -1)
+        frontier_cache_parent = torch.full((frontier_ids.numel(),), -1, device=HOST)  # parent slot in the draft cache
         n_cand = k
         expanded: list[tuple[Tensor, Tensor]] = []                       # (candidate ids, their outputs) per level
-        for _ in range(depth):
+        for _ in range(shape.levels(depth) - 1):
+            if frontier_ids.numel() == 0:                 # a shaped search found nothing worth expanding
+                break
+            rows_left -= frontier_ids.numel()
             start = self.tree_size
             out = self.tree_forward(frontier_tok, frontier_feat, frontier_cache_parent)
             expanded.append((frontier_ids, out))
-            cs, ct = self.top_tokens(out, k)                                   # [k, k]
+            cs, ct = self.top_tokens(out, k)                                   # [frontier, k]
             cum = (frontier_score[:, None] + cs).reshape(-1)
             cand_tokens.append(ct.reshape(-1))
             cand_parents.append(frontier_ids.repeat_interleave(k))
             cand_scores.append(cum)
             cand_inputs.append(out.repeat_interleave(k, dim=0))
-            best = torch.sort(-cum.double(), stable=True).indices[:k]
+            best = self._frontier(shape, cum, cand_scores, total_token, k, rows_left)
             parent_row = best // k
             frontier_ids = n_cand + best
-            n_cand += k * k
+            n_cand += cum.numel()
             frontier_tok = ct.reshape(-1)[best]
             frontier_score = cum[best]
             frontier_feat = out[parent_row]
@@ -320,7 +338,9 @@ class BeamTreeDrafter:
             cand_dep.append((f_dep + 1).repeat_interleave(kk))
             if level == levels - 1:
                 break
-            best = torch.sort(-cum.double(), stable=True).indices[:top_k]
+            best = self._frontier(self.tree_shape, cum, cand_score, max_new + 1, top_k)
+            if best.numel() == 0:
+                break
             f_dep = cand_dep[-1][best]
             start = self.tree_size
             f_out = self.tree_forward(ct.reshape(-1)[best], f_out[(best // kk).to(dev)],
