@@ -208,6 +208,12 @@ class DraftConfig(Checked):
                                  # match copy past the head's depth within the same node budget
     suffix_history_tokens: int = 32768  # earlier requests of the process kept for retrieval (0 = none)
     suffix_corpus: str = ""      # static corpus to retrieve from: .txt (a text a line) or .jsonl (text/turns/token_ids)
+    tree_shape: str = "eagle2"   # how the head's tree search spends its rows: eagle2 (fixed beam: top_k rows per level,
+                                 # depth levels) or confidence (draft/shape.py: only nodes that can still enter the
+                                 # tree, as few per level as cover shape_cover of its mass, deeper where sure)
+    shape_cover: float = 0.9     # confidence: share of a level's probability mass its expanded nodes cover (1 = all)
+    shape_max_depth: int = 0     # confidence: most levels of the head's tree (0 = twice the call's depth + 1)
+    shape_rows: int = 0          # confidence: most head rows per tree (0 = EAGLE-2's depth * top_k for the call)
     ssm_sample: bool = True      # T > 0: small LMs draw sampled children (SpecInfer), verified by walk_proposals
     eagle_sample: bool = False   # T > 0: the eagle source (model.head_dir's drafter) draws sampled chains from its own
                                  # law instead of its top-k beam (BeamTreeDrafter.sampled_tree, walk_proposals)
@@ -354,6 +360,11 @@ class RunConfig(Checked):
         if self.draft.ssm_score_scale <= 0 and self.draft.ssm_score_scale != -1:
             raise ConfigError(f"draft.ssm_score_scale={self.draft.ssm_score_scale} must be > 0 "
                               "(or -1: the student's own merge_score_scale)")
+        choice("draft.tree_shape", self.draft.tree_shape, ("eagle2", "confidence"))
+        if not 0 < self.draft.shape_cover <= 1:
+            raise ConfigError(f"draft.shape_cover={self.draft.shape_cover} must be in (0, 1]")
+        if self.draft.shape_max_depth < 0 or self.draft.shape_rows < 0:
+            raise ConfigError("draft.shape_max_depth and draft.shape_rows must be >= 0 (0: from the call's depth)")
         if self.draft.sample_chains < 0:
             raise ConfigError(f"draft.sample_chains={self.draft.sample_chains} must be >= 0 (0: the tree's top_k)")
         if self.draft.ssm_temperature != -1 and self.draft.ssm_temperature <= 0:

@@ -22,6 +22,7 @@ import math
 import torch
 
 from draft.eagle import EagleHead
+from draft.shape import EAGLE2, TreeShape, pick_frontier
 from draft.tree import DraftTree, beam_frontier, select_top_nodes, top_node_order
 from model.devices import HOST
 from model.meter import NULL_METER, OpMeter, hidden_rows
@@ -85,6 +86,7 @@ class BeamTreeDrafter:
     sample_distinct: bool = True           # chains meeting at a node draw distinct children (without replacement)
     generator: torch.Generator | None = None
     meter: OpMeter = NULL_METER   # instrumentation sees each draft log-prob call as an lm_head op (model.meter)
+    tree_shape: TreeShape = EAGLE2   # draft.tree_shape: the fixed beam or confidence-shaped levels (draft/shape.py)
     # a subclass that sets vocab_map also implements draft_logprobs (log-probs over the draft vocabulary, metered)
 
     @property
@@ -198,6 +200,17 @@ class BeamTreeDrafter:
         return DraftTree(torch.tensor(tokens, device=HOST), torch.tensor(parents, device=HOST),
                          torch.tensor(scores, device=HOST), proposals=props)
 
+    @staticmethod
+    def _frontier(shape: TreeShape, level_scores: Tensor, all_scores: list[Tensor], total_token: int, width: int,
+                  rows_left: float = math.inf) -> Tensor:
+        """Which of a level's candidates (``level_scores``, cumulative) the search expands next, best first:
+        EAGLE-2's ``width`` best (:func:`draft.tree.beam_frontier`), or with a confidence shape
+        :func:`draft.shape.pick_frontier` (only those that can still enter the ``total_token`` tree, as many as
+        cover the shape's share of their mass, within ``rows_left`` head rows)."""
+        if not shape.shaped:
+            return beam_frontier(level_scores, width)
+        return pick_frontier(level_scores, torch.cat(all_scores), total_token - 1, width, shape.cover, rows_left)
+
     def top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Best ``min(k, draft vocabulary)`` (log-prob, target token) per row of ``hidden``; for a reduced
         vocabulary the search runs over the draft vocabulary and only the winners are mapped to target ids."""
@@ -251,25 +264,35 @@ class BeamTreeDrafter:
         k = s.numel()
         # A candidate's parent (a row of the fed frontiers), input row and level follow from the levels' shapes and
         # the fed frontier ids (_beam_layout, cached), gathered once at the end, not repeated per level.
+        tshape = self.tree_shape                          # draft.tree_shape: which candidates a level expands
+        rows_left = tshape.row_budget(depth, top_k)
         cand_scores, cand_tokens, shape = [s], [t], [(1, k)]
-        expanded, outs = [torch.arange(k, device=dev)], []             # candidate ids fed, level by level
-        frontier_tok, frontier_score = t, s[:, None]
-        frontier_feat = root_hidden.expand(k, -1)
-        frontier_cache_parent = torch.full((k,), -1, device=HOST)  # parent slot in the draft cache tree
+        if tshape.shaped:                                 # which of the root's children to expand
+            first = self._frontier(tshape, s, cand_scores, total_token, k, rows_left)
+            frontier_tok, frontier_score = t[first], s[first][:, None]
+        else:                                             # EAGLE-2: all k (top-k's order is already the beam's)
+            first, frontier_tok, frontier_score = torch.arange(k, device=dev), t, s[:, None]
+        expanded, outs = [first], []                                    # candidate ids fed, level by level
+        frontier_feat = root_hidden.expand(first.numel(), -1)
+        frontier_cache_parent = torch.full((first.numel(),), -1, device=HOST)  # parent slot in the draft cache tree
         n_cand = k
-        for level in range(depth):
+        last = tshape.levels(depth) - 2                                   # EAGLE-2: depth levels below the root's
+        for level in range(last + 1):
+            if frontier_tok.numel() == 0:                 # a shaped search found nothing worth expanding
+                break
+            rows_left -= frontier_tok.numel()
             start = self.tree_size
             out = self.tree_forward(frontier_tok, frontier_feat, frontier_cache_parent)
             outs.append(out)
-            cs, ct = self.top_tokens(out, k)                                   # [k, k]
+            cs, ct = self.top_tokens(out, k)                                   # [frontier, k]
             cum = (frontier_score + cs).view(-1)
             cand_tokens.append(ct.view(-1))
             cand_scores.append(cum)
             shape.append(tuple(cs.shape))
-            if level == depth - 1:
+            if level == last:
                 n_cand += cum.numel()
                 break
-            best = beam_frontier(cum, k)
+            best = self._frontier(tshape, cum, cand_scores, total_token, k, rows_left)
             parent_row = best // cs.shape[-1]
             expanded.append(best + n_cand)
             n_cand += cum.numel()
@@ -355,7 +378,10 @@ class BeamTreeDrafter:
             if level == levels - 1:
                 n_cand = end
                 break
-            best = beam_frontier(cum, top_k)
+            best = self._frontier(self.tree_shape, cum, [c_score[:end]], max_new + 1, top_k)
+            if best.numel() == 0:                        # a shaped search found nothing worth expanding
+                n_cand = end
+                break
             row = best // kk
             start = self.tree_size
             out = self.tree_forward(c_tok[-1][best], rows_out[-1][row.to(dev)], f_slot[row])

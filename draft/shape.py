@@ -1,6 +1,9 @@
 """Confidence-shaped draft trees (Talon-style, issue 45 item 2): within one node budget, the tree's width and depth
 follow the draft's confidence, so a confident stretch becomes a chain and an uncertain level gets more rows.
-Pure functions over a level's numbers (and a driver over an ``expand`` callback); not wired into the drafters.
+Pure functions over a level's numbers (and a driver over an ``expand`` callback). Wired into the EAGLE-2 search of
+:class:`draft.drafter.BeamTreeDrafter` by the run key ``draft.tree_shape=confidence`` (:class:`TreeShape`): the
+drafter asks :func:`pick_frontier` per level which candidates to expand next; ``eagle2`` (the default) keeps the
+fixed beam.
 
 Why this shape of rule: choosing the ``total_token - 1`` nodes of largest path probability among the candidates
 (EAGLE-2's re-ranking, :func:`draft.tree.select_top_nodes`) is already the best ancestor-closed set for the
@@ -22,6 +25,9 @@ tree is exactly EAGLE-2's (the cut prunes only candidates that cannot be selecte
 through the probabilities given (a merged drafter's level scores are the maximum over its sources).
 """
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -64,6 +70,80 @@ def next_frontier(new_scores: Tensor, cut: float, width: int) -> Tensor:
     return keep[:width]
 
 
+def pick_frontier(level_scores: Tensor, all_scores: Tensor, budget: int, width: int, cover: float,
+                  rows_left: float = math.inf) -> Tensor:
+    """The next frontier of a confidence-shaped search: indices into ``level_scores`` (the level's new candidates'
+    cumulative log-probabilities), best first (stable): those that can still enter a tree of ``budget`` drafted
+    nodes given ``all_scores`` (every candidate so far, this level's included; :func:`budget_cut`), then the fewest
+    of them covering ``cover`` of their mass (:func:`frontier_width`), at most ``width`` and ``rows_left``.
+    Empty when nothing may be expanded: the search stops. On the scores' device (one host read of the cut)."""
+    alive = next_frontier(level_scores, budget_cut(all_scores, budget), width)
+    n = min(frontier_width(level_scores[alive], cover, width), width, int(max(0, min(rows_left, width))))
+    return alive[:max(0, n)]
+
+
+def beam_frontier(level_scores: Tensor, width: int) -> Tensor:
+    """EAGLE-2's frontier: the ``width`` best of the level's candidates by cumulative score (stable)."""
+    return torch.sort(-level_scores.double(), stable=True).indices[:width]
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How the EAGLE-2 search spends its expansion rows (run keys ``draft.tree_shape`` and ``draft.shape_*``).
+
+    ``kind`` ``eagle2``: the fixed beam (``top_k`` rows per level for ``depth`` levels after the first);
+    ``confidence``: :func:`pick_frontier` per level, within the same node budget (``total_token``) and at most
+    ``rows`` head rows (0: EAGLE-2's ``depth * top_k`` for the call), for at most ``max_depth`` levels (0: twice
+    the call's ``depth + 1``). With ``cover >= 1``, ``max_depth = depth + 1`` and unbounded rows the tree equals
+    EAGLE-2's (tested)."""
+    kind: str = "eagle2"
+    cover: float = 0.9
+    max_depth: int = 0
+    rows: int = 0
+
+    @property
+    def shaped(self) -> bool:
+        return self.kind == "confidence"
+
+    def levels(self, depth: int) -> int:
+        """Levels of a call's tree (the root's children are level 1): ``depth + 1`` for EAGLE-2."""
+        if not self.shaped:
+            return depth + 1
+        return self.max_depth if self.max_depth > 0 else 2 * (depth + 1)
+
+    def row_budget(self, depth: int, top_k: int) -> float:
+        """Head rows (tree-forward rows) a call may spend; EAGLE-2 spends ``depth * top_k``."""
+        if not self.shaped:
+            return math.inf
+        return self.rows if self.rows > 0 else depth * top_k
+
+    @classmethod
+    def from_config(cls, d) -> "TreeShape":
+        """From a :class:`config.run_config.DraftConfig` (validated there)."""
+        return cls(d.tree_shape, d.shape_cover, d.shape_max_depth, d.shape_rows)
+
+
+EAGLE2 = TreeShape()
+
+
+def install_shape(drafter, shape: TreeShape) -> None:
+    """Give ``drafter`` and its sources (a merged drafter's, an online drafter's inner one) the tree shape: every
+    :class:`draft.drafter.BeamTreeDrafter` search among them reads its ``tree_shape``."""
+    seen: set[int] = set()
+    todo = [drafter]
+    while todo:
+        d = todo.pop()
+        if d is None or id(d) in seen:
+            continue
+        seen.add(id(d))
+        if hasattr(d, "grow_tree"):
+            try:
+                d.tree_shape = shape
+            except AttributeError:
+                pass
+        todo += list(getattr(d, "sources", []) or []) + [getattr(d, "inner", None)]
+
+
 def shaped_tree(root_token: int, expand, total_token: int, max_depth: int, top_k: int, cover: float,
                 width: int | None = None, rows: int | None = None) -> DraftTree:
     """The confidence-shaped tree (module docstring). ``expand(nodes, tokens, parents)`` is called once per level
@@ -94,11 +174,9 @@ def shaped_tree(root_token: int, expand, total_token: int, max_depth: int, top_k
         parents += [frontier[i // logp.shape[1]] for i in ok.tolist()]
         new_scores = cum[ok]
         scores = torch.cat([scores, new_scores])
-        alive = next_frontier(new_scores, budget_cut(scores, budget), width)   # can still enter, best first
-        n = min(frontier_width(new_scores[alive], cover, width), int(min(rows_left, width)))
-        if n <= 0:
+        pick = pick_frontier(new_scores, scores, budget, width, cover, rows_left)
+        if pick.numel() == 0:
             break
-        pick = alive[:n]
         frontier = (first + pick).tolist()
         front_scores = new_scores[pick]
     if not tokens:

@@ -181,6 +181,9 @@ def make_drafter(cfg, stage_root: Path, model, dtype, device: str):
                                     sampling=cfg.gen.temperature > 0, vocab_model=model)
         except SourceError as e:
             raise SetupError(str(e)) from None
+    if cfg.draft.tree_shape != "eagle2":              # draft.tree_shape: every EAGLE-2 search of the drafter
+        from draft.shape import TreeShape, install_shape
+        install_shape(drafter, TreeShape.from_config(cfg.draft))
     return _online_drafter(cfg, drafter, model) if cfg.osd.enabled else drafter
 
 

@@ -27,6 +27,32 @@ def test_summary_rows_and_identity_flag():
     assert "**NO**" in markdown(s, ["x"])
 
 
+def test_per_category_table_pools_the_broad_kinds_and_the_six_sets(tmp_path, capsys):
+    """Per category and configuration: τ = tokens / steps, tokens per round, rank 0 ms per round; the groups pool
+    their sets' tokens (not a mean of means); --report rebuilds the tables from rows already written."""
+    from pipeline.tools.drafter_bench import BROAD, expand_sets, main, per_category
+    assert expand_sets(["broad"]) == list(BROAD.values()) and expand_sets(["six", "broad"])[-2:] == ["translation",
+                                                                                                     "rag"]
+    row = lambda c, d, acc, rounds, busy: {"sources": c, "dataset": d, "record": 0, "output_ids": [1],
+                                           "accept_lengths": acc, "rounds": rounds, "rank0_busy_s": busy,
+                                           "temperature": 0.0}
+    rows = [row("a", "gsm8k", [4, 4], 2, 0.2), row("a", "rag", [1, 1, 1, 1], 4, 0.2), row("a", "alpaca", [2], 1, 0.1),
+            row("b", "gsm8k", [6, 2], 2, 0.3), row("b", "rag", [2, 2], 2, 0.2), row("b", "alpaca", [3], 1, 0.1)]
+    cats = {(r["category"], r["sources"]): r for r in per_category(rows, ["a", "b"], ["gsm8k", "rag", "alpaca"])}
+    assert cats[("rag", "a")]["tau"] == 1.0 and cats[("gsm8k", "b")]["rank0_ms_per_round"] == 150.0
+    assert cats[("broad kinds", "a")]["tau"] == 2.0 and cats[("broad kinds", "a")]["prompts"] == 2   # 12 / 6
+    assert cats[("six sets", "b")]["tau"] == pytest.approx(11 / 3, abs=1e-3)                          # gsm8k, alpaca
+    for c in ("a", "b"):
+        (tmp_path / c).mkdir()
+        (tmp_path / c / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows if r["sources"] == c))
+    assert main(["--report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "ab")]) == 0
+    printed = capsys.readouterr().out
+    assert "| broad kinds | 2 | 2.00 (2.00) · 66.7 | 3.00 (3.00) · 125.0 |" in printed
+    got = [json.loads(x) for x in (tmp_path / "ab" / "per_category.jsonl").read_text().splitlines()]
+    assert len(got) == 2 * 5 and (tmp_path / "ab" / "per_category.csv").is_file()
+    assert main(["--report", str(tmp_path / "none"), "--out", str(tmp_path / "x")]) == 2
+
+
 def test_configurations_cross_sources_heads_and_vocabularies():
     """One CLI for draft.sources combinations, heads and reduced vocabularies (the old eagle3_bench): every
     combination is one configuration, labelled by what varies; 'heldout' names the four held-out prompt kinds."""

@@ -23,6 +23,13 @@ Examples::
         --sets heldout,mt_bench,gsm8k --begin 30 --end 34 --max-new-tokens 64 --out outputs/heads
     python -m pipeline.tools.drafter_bench --draft-vocab 0 --draft-vocab 16384 --out outputs/vocab
     python -m pipeline.tools.drafter_bench --draft-time --draft-vocab 8192 --trees 20
+    python -m pipeline.tools.drafter_bench --sources eagle,lookup --sources "eagle,lookup draft.tree_shape=confidence" \
+        --sets six,broad --begin 30 --end 32 --out outputs/shape
+    python -m pipeline.tools.drafter_bench --report outputs/a outputs/b --out outputs/ab   # tables of earlier runs
+
+Besides the per-set summary, a table per category (each set, then the pooled ``broad kinds`` and ``six sets``):
+τ, tokens per round and rank 0's busy ms per round for every configuration, also written to
+``OUT/per_category.csv`` and ``OUT/per_category.jsonl``.
 """
 from __future__ import annotations
 
@@ -84,9 +91,17 @@ HELDOUT = {
 }
 
 
+# the broad (Spec-Bench) kinds of issue 45, each as the set that holds it here: multi-turn chat = mt_bench (first
+# turn), summarization = sum, QA = qa, math = gsm8k; translation and RAG = the held-out kinds written above
+BROAD = {"multi-turn": "mt_bench", "translation": "translation", "summarization": "sum", "QA": "qa",
+         "math": "gsm8k", "RAG": "rag"}
+
+
 def expand_sets(names: list[str]) -> list[str]:
-    """``heldout`` stands for the four held-out kinds; anything else is a set name."""
-    return [k for n in names for k in (list(HELDOUT) if n == "heldout" else [n])]
+    """``heldout`` stands for the four held-out kinds, ``broad`` for the sets of the six broad kinds (:data:`BROAD`),
+    ``six`` for the six evaluation sets; anything else is a set name. Duplicates are dropped (first kept)."""
+    groups = {"heldout": list(HELDOUT), "broad": list(BROAD.values()), "six": list(DATASETS)}
+    return list(dict.fromkeys(k for n in names for k in groups.get(n, [n])))
 
 
 def load_prompts(data: Path, name: str, begin: int, end: int, tok) -> list[list[int]]:
@@ -128,6 +143,90 @@ def summarize(rows: list[dict], configs: list[str], sets: list[str], check_ident
         s["x_first"] = round(s["mean"] / base, 3) if base and s["mean"] else None
         s["mean"] = round(s["mean"], 3) if s["mean"] else None
     return out
+
+
+def per_category(rows: list[dict], configs: list[str], sets: list[str]) -> list[dict]:
+    """One row per (category, configuration): the sets, then the groups ``broad kinds`` (the sets of :data:`BROAD`
+    present) and ``six sets`` (of :data:`config.paths.DATASETS` present), each pooled (all tokens / all steps).
+    Fields: ``tau`` (tokens per verification step), ``tokens_per_round``, ``rank0_ms_per_round`` (rank 0's busy
+    time over the rounds), ``prompts``, ``steps``, ``rounds``."""
+    cats = [(d, [d]) for d in sets]
+    for name, members in (("broad kinds", [d for d in BROAD.values() if d in sets]),
+                          ("six sets", [d for d in DATASETS if d in sets])):
+        if len(members) > 1:
+            cats.append((name, members))
+    out = []
+    for cat, members in cats:
+        for c in configs:
+            rs = [r for r in rows if r["sources"] == c and r["dataset"] in members]
+            steps = sum(len(r["accept_lengths"]) for r in rs)
+            toks = sum(sum(r["accept_lengths"]) for r in rs)
+            rounds = sum(r["rounds"] for r in rs)
+            out.append({"category": cat, "sources": c, "prompts": len(rs), "steps": steps, "rounds": rounds,
+                        "tau": round(toks / steps, 3) if steps else None,
+                        "tokens_per_round": round(toks / rounds, 3) if rounds else None,
+                        "rank0_ms_per_round": round(1000 * sum(r["rank0_busy_s"] for r in rs) / rounds, 1)
+                        if rounds else None})
+    return out
+
+
+def category_markdown(cats: list[dict], configs: list[str]) -> str:
+    """Categories down, configurations across: ``τ (tokens/round) · rank 0 ms/round`` per cell, prompts per row."""
+    head = ["category", "prompts", *(f"`{c}`" for c in configs)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for cat in dict.fromkeys(r["category"] for r in cats):
+        mine = {r["sources"]: r for r in cats if r["category"] == cat}
+        cells = []
+        for c in configs:
+            r = mine.get(c)
+            cells.append("-" if not r or r["tau"] is None else
+                         f"{r['tau']:.2f} ({r['tokens_per_round']:.2f}) · {r['rank0_ms_per_round']}")
+        n = sorted({r["prompts"] for r in mine.values()})
+        lines.append(f"| {cat} | {'/'.join(map(str, n))} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_reports(out: Path, rows: list[dict], configs: list[str], sets: list[str], check_identity: bool) -> bool:
+    """``summary.csv``, ``per_category.csv`` and ``per_category.jsonl`` under ``out``; prints both tables. True
+    when every configuration's output equals the first one's (or ``check_identity`` is off)."""
+    summary = summarize(rows, configs, sets, check_identity=check_identity)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "summary.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(summary[0]))
+        w.writeheader()
+        w.writerows(summary)
+    cats = per_category(rows, configs, sets)
+    with (out / "per_category.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(cats[0]))
+        w.writeheader()
+        w.writerows(cats)
+    with (out / "per_category.jsonl").open("w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in cats)
+    print(markdown(summary, sets))
+    print()
+    print("τ (tokens per round) · rank 0 ms per round, per category:")
+    print(category_markdown(cats, configs))
+    return all(s["identical_to_first"] is not False for s in summary)
+
+
+def report(args) -> int:
+    """``--report ROWS...``: the tables of rows already written (several runs' ``rows.jsonl``, e.g. one process per
+    configuration), configurations in order of first appearance (the first is the reference), sets as ``--sets``
+    (those present when not given)."""
+    from pipeline.outputs import read_rows
+    rows = []
+    for p in args.report:
+        path = Path(p) / "rows.jsonl" if Path(p).is_dir() else Path(p)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such rows file")
+        rows += read_rows(path)
+    if not rows:
+        raise FileNotFoundError("no rows in " + ", ".join(args.report))
+    configs = list(dict.fromkeys(r["sources"] for r in rows))
+    present = list(dict.fromkeys(r["dataset"] for r in rows))
+    sets = [d for d in expand_sets(args.sets) if d in present] if args.sets_given else present
+    ok = write_reports(Path(args.out), rows, configs, sets, check_identity=all(r["temperature"] == 0 for r in rows))
+    return 0 if ok else 1
 
 
 def markdown(summary: list[dict], sets: list[str]) -> str:
@@ -202,13 +301,8 @@ def run(args) -> int:
             taus = [r.tau for r in res]
             print(f"[drafter_bench] {c} {d}: tau {sum(taus) / max(1, len(taus)):.2f} ({len(res)} prompts, "
                   f"{time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
-    summary = summarize(rows, [c for c, _, _ in configs], sets, check_identity=args.temperature == 0)
-    with (out / "summary.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(summary[0]))
-        w.writeheader()
-        w.writerows(summary)
-    print(markdown(summary, sets))
-    return 0 if all(s["identical_to_first"] is not False for s in summary) else 1
+    ok = write_reports(out, rows, [c for c, _, _ in configs], sets, check_identity=args.temperature == 0)
+    return 0 if ok else 1
 
 
 def draft_time(args) -> int:
@@ -270,9 +364,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft-vocab", type=int, action="append", default=[],
                     help="model.draft_vocab=N for every configuration (repeatable; 0 = the whole vocabulary); "
                          "with --draft-time: the reduced vocabulary timed (default 8192)")
-    ap.add_argument("--sets", type=lambda s: s.split(","), default=list(DATASETS),
+    ap.add_argument("--sets", type=lambda s: s.split(","), default=None,
                     help="comma-separated sets: the six evaluation sets and/or the held-out kinds "
-                         f"({', '.join(HELDOUT)}; 'heldout' = all four)")
+                         f"({', '.join(HELDOUT)}; 'heldout' = all four; 'six' = the six sets; 'broad' = the sets "
+                         "of the broad kinds: " + ", ".join(f"{k} = {v}" for k, v in BROAD.items()) +
+                         "; default: the six sets)")
+    ap.add_argument("--report", nargs="+", default=None, metavar="ROWS",
+                    help="instead of running: the tables (and CSV/JSONL under --out) of rows.jsonl files or folders "
+                         "already written, e.g. one run per configuration")
     ap.add_argument("--begin", type=int, default=30)
     ap.add_argument("--end", type=int, default=50)
     ap.add_argument("--mode", default="naive", help="decoding mode (e.g. sps with draft.sources=ssm:<dir>)")
@@ -296,11 +395,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    args.sets_given = args.sets is not None
+    if args.sets is None:
+        args.sets = list(DATASETS)
     if args.draft_time:
         args.draft_vocab = args.draft_vocab[-1] if args.draft_vocab else 8192
         return draft_time(args)
     if not args.out:
         ap.error("--out is required (unless --draft-time)")
+    if args.report:
+        try:
+            return report(args)
+        except FileNotFoundError as e:
+            print(f"[drafter_bench] error: {e}", file=sys.stderr)
+            return 2
     bad = [kv for kv in args.overrides if "=" not in kv or kv.startswith("=")]
     if bad:
         ap.error(f"overrides take KEY=VALUE, got {bad[0]!r}")
