@@ -25,7 +25,7 @@ the other (client ``j``'s ``i``-th request asks first turn ``(j * per_client + i
 (max_active, clients): aggregate new tokens/s over the row's wall time (and x ``emu.time_scale``: modeled), the
 per-request median / p90 end-to-end latency and time to first token, the stage busy fractions (each request's
 ``busy_fraction``, weighted by its decode time), τ and the emulated testbed's worst overrun ratio. Example (the
-emulated edge testbed, docs/results.md §46):
+emulated edge testbed, docs/results.md §34):
 
     .venv/bin/python -m scripts.serve_bench --prompts-file ../shared/data/mt_bench/question.jsonl -n 16 \\
         --clients 1,2,4 --max-active 1,4 --per-client 2 --modes continuous \\
