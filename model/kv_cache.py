@@ -287,14 +287,12 @@ def extend_ancestry(parents: Tensor, base_anc: Tensor | None = None,
 SMALL_TREE = 32   # up to this many linked new nodes a per-row Python loop beats pointer jumping on a CPU (measured)
 
 
-def _extend_ancestry_loop(par: Tensor, m: int, base_anc: Tensor | None, base_depth: Tensor | None
-                          ) -> tuple[Tensor, Tensor]:
-    """:func:`extend_ancestry` for a few new nodes some of whose parents are new: one pass over Python lists
-    (each new row is its chain's first cached ancestor's row, gathered at once, plus a small new-by-new block);
-    few operators, and on a CPU cheaper than the rounds of pointer jumping below ``SMALL_TREE`` rows."""
-    pl = par.tolist()
+def _chain_rows(pl: list[int], m: int, base: list[int]) -> tuple[list[int], list[int], list[list[bool]]]:
+    """The small-tree rule shared by :func:`_extend_ancestry_loop` and :func:`_stage_rows_loop`: for new nodes
+    ``m..m+n-1`` with parents ``pl`` (earlier nodes; ``-1`` none) and the cached nodes' depths ``base``, each new
+    node's first cached ancestor (``anchor``, -1 none), its depth, and the new-by-new ancestry block (row ``i``:
+    node ``m+i``'s new ancestors, itself included). One pass over Python lists."""
     n = len(pl)
-    base = base_depth.tolist() if (m and base_depth is not None) else [0] * m
     anchor, new_depth = [0] * n, [0] * n
     block = [[False] * n for _ in range(n)]
     for i, p in enumerate(pl):
@@ -310,6 +308,18 @@ def _extend_ancestry_loop(par: Tensor, m: int, base_anc: Tensor | None, base_dep
         else:
             raise ValueError(f"parent {p} of node {m + i} is not an earlier node")
         row[i] = True
+    return anchor, new_depth, block
+
+
+def _extend_ancestry_loop(par: Tensor, m: int, base_anc: Tensor | None, base_depth: Tensor | None
+                          ) -> tuple[Tensor, Tensor]:
+    """:func:`extend_ancestry` for a few new nodes some of whose parents are new: one pass over Python lists
+    (each new row is its chain's first cached ancestor's row, gathered at once, plus a small new-by-new block);
+    few operators, and on a CPU cheaper than the rounds of pointer jumping below ``SMALL_TREE`` rows."""
+    pl = par.tolist()
+    n = len(pl)
+    base = base_depth.tolist() if (m and base_depth is not None) else [0] * m
+    anchor, new_depth, block = _chain_rows(pl, m, base)
     anc = torch.zeros(m + n, m + n, dtype=torch.bool, device=HOST)
     if m and base_anc is not None:
         anc[:m, :m] = base_anc
@@ -329,21 +339,7 @@ def _stage_rows_loop(pl: list[int], m: int, anc: Tensor, dep: Tensor) -> None:
     chain's first cached ancestor's row plus a small new-by-new block), one pass over Python lists."""
     n = len(pl)
     base = dep[:m].tolist() if m else []
-    anchor, new_depth = [0] * n, [0] * n
-    block = [[False] * n for _ in range(n)]
-    for i, p in enumerate(pl):
-        row = block[i]
-        if p < 0:
-            anchor[i] = -1
-        elif p < m:
-            anchor[i], new_depth[i] = p, base[p] + 1
-        elif p < m + i:
-            j = p - m
-            anchor[i], new_depth[i] = anchor[j], new_depth[j] + 1
-            row[:i] = block[j][:i]
-        else:
-            raise ValueError(f"parent {p} of node {m + i} is not an earlier node")
-        row[i] = True
+    anchor, new_depth, block = _chain_rows(pl, m, base)
     rows = anc[m:m + n]
     if m and any(a >= 0 for a in anchor):
         rows.copy_(anc.index_select(0, torch.tensor([max(a, 0) for a in anchor], dtype=torch.long, device=HOST)))

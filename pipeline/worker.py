@@ -136,11 +136,9 @@ class StageWorker:
         self.dtype, self.device = dtype, device
         self.rank = comm.rank
         self.max_len = max_len
-        self.cache = model.block.new_cache(max_len, dtype, device) if model.block is not None else None
-        self.tree = StageTree(self.cache)
         self.static = None   # model.graphs.StaticStage: the forward on static shapes / CUDA graphs (model.graphs)
-        self.lanes: dict[int, LaneState] = {0: LaneState(self.cache)}   # lane 0 shares the fields above
-        self.lanes[0].tree = self.tree
+        self.lanes: dict[int, LaneState] = {}   # every request slot's KV cache and decision state
+        self.select(0)                          # self.cache, self.tree: the current lane's (lane 0 from the start)
         self.busy = BusyMarks()
         self.tracer = comm.tracer
         # the block's forwards (model.meter): traced as "compute" spans; instrumentation stacks its meters after

@@ -47,6 +47,22 @@ from pathlib import Path
 from config.paths import REPO
 
 
+def _wait_healthy(url: str, srv, timeout_s: float) -> None:
+    """Until the server at ``url`` answers ``/health`` (it exited or ``timeout_s`` passed: stop with one line)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if srv.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("the server did not start")
+        time.sleep(0.5)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,16 +104,7 @@ def main(argv=None) -> int:
                             "--port", str(port)], cwd=REPO, env=env, start_new_session=True)
     served = []
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if srv.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("the server did not start")
-            time.sleep(0.5)
+        _wait_healthy(url, srv, 600)
         for mode in modes:
             for rec in recs:
                 body = {"messages": [{"role": "user", "content": rec["turns"][0]}], "mode": mode, "stream": True,
@@ -196,8 +203,6 @@ def concurrency(args) -> int:
     """``--clients``: the concurrency bench (module docstring)."""
     import concurrent.futures
 
-    import httpx
-
     from model.default_model import ensure_default_stages
     from model.prompts import load_questions
     from pipeline.tools.ranks import launcher_command
@@ -222,16 +227,7 @@ def concurrency(args) -> int:
                                 "--queue-size", str(max(64, 2 * max(clients)))],
                                cwd=REPO, env=env, start_new_session=True)
         try:
-            deadline = time.monotonic() + 900
-            while True:
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if srv.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("the server did not start")
-                time.sleep(0.5)
+            _wait_healthy(url, srv, 900)
             for c in clients:
                 def client(j: int) -> list[dict]:
                     return [_stream_chat(url, recs[(j * args.per_client + i) % len(recs)]["turns"][0], mode)
