@@ -82,11 +82,6 @@ def pick_frontier(level_scores: Tensor, all_scores: Tensor, budget: int, width: 
     return alive[:max(0, n)]
 
 
-def beam_frontier(level_scores: Tensor, width: int) -> Tensor:
-    """EAGLE-2's frontier: the ``width`` best of the level's candidates by cumulative score (stable)."""
-    return torch.sort(-level_scores.double(), stable=True).indices[:width]
-
-
 @dataclass(frozen=True)
 class TreeShape:
     """How the EAGLE-2 search spends its expansion rows (run keys ``draft.tree_shape`` and ``draft.shape_*``).
