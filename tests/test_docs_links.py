@@ -81,3 +81,22 @@ def test_the_readme_quotes_the_results_headline():
     for mode, value in h.tok_s.items():
         assert f"{value:.2f}" in row, (mode, value, row)
     assert h.anchor in readme
+
+
+MARKER = re.compile(r"^(<{7} |={7}$|>{7} )", re.M)
+
+
+def leftover_merge_markers(paths) -> list[str]:
+    """``file:line`` of every Git conflict marker left in ``paths`` (a merge that kept both sides by hand)."""
+    out = []
+    for path in paths:
+        text = path.read_text(encoding="utf-8")
+        out += [f"{path.name}:{text.count(chr(10), 0, m.start()) + 1}" for m in MARKER.finditer(text)]
+    return out
+
+
+def test_no_merge_markers_are_left_in_the_pages(tmp_path):
+    assert leftover_merge_markers(PAGES) == []
+    planted = tmp_path / "p.md"
+    planted.write_text("a\n<<<<<<< HEAD\nb\n=======\nc\n>>>>>>> i45\n", encoding="utf-8")
+    assert leftover_merge_markers([planted]) == ["p.md:2", "p.md:4", "p.md:6"]
