@@ -28,7 +28,7 @@ DTYPES = ("float32", "float16", "bfloat16", "float64")
 DEVICES = ("cpu", "cuda")
 QUANTS = ("none", "int8", "nf4", "fp4")
 BACKENDS = ("gloo", "nccl")
-GRAPHS = ("auto", "on", "off", "eager", "replay")   # model.graphs (model/graphs.py: resolve_executor)
+GRAPHS = ("auto", "on", "off", "eager", "replay", "compile")   # model.graphs (model/graphs.py: resolve_executor)
 
 
 class ConfigError(UserError, ValueError):

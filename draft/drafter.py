@@ -23,6 +23,7 @@ import torch
 
 from draft.eagle import EagleHead
 from draft.shape import EAGLE2, TreeShape, pick_frontier
+from draft.static_head import level_step
 from draft.tree import DraftTree, beam_frontier, select_top_nodes, top_node_order
 from model.devices import HOST
 from model.meter import NULL_METER, OpMeter, hidden_rows
@@ -219,6 +220,15 @@ class BeamTreeDrafter:
         s, t = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
         return (s, t) if vm is None else (s, vm.to(t.device)[t])
 
+    def level(self, tokens: Tensor, features: Tensor, parents: Tensor, scores: Tensor,
+              k: int) -> tuple[Tensor, Tensor, Tensor]:
+        """One beam level below a frontier (its ``tokens``, input ``features``, draft-cache ``parents`` slots and
+        cumulative ``scores [rows, 1]``): :func:`draft.static_head.level_step` with :meth:`tree_forward` and
+        :meth:`top_tokens` -> ``(out [rows, H], cum [rows, k'], tok [rows, k'])``, ``k' = min(k, vocabulary)``.
+        :class:`Drafter` runs the same step on static shapes where ``model.graphs`` gives it a static head."""
+        return level_step(lambda: self.tree_forward(tokens, features, parents), lambda h: self.top_tokens(h, k),
+                          scores)
+
     def _root_topk(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """The first level of a tree (the root's children): :meth:`top_tokens` unless a subclass widens it."""
         return self.top_tokens(hidden, k)
@@ -282,18 +292,17 @@ class BeamTreeDrafter:
                 break
             rows_left -= frontier_tok.numel()
             start = self.tree_size
-            out = self.tree_forward(frontier_tok, frontier_feat, frontier_cache_parent)
+            out, cum, ct = self.level(frontier_tok, frontier_feat, frontier_cache_parent, frontier_score, k)
             outs.append(out)
-            cs, ct = self.top_tokens(out, k)                                   # [frontier, k]
-            cum = (frontier_score + cs).view(-1)
+            cum = cum.view(-1)                                                 # [frontier * k]
             cand_tokens.append(ct.view(-1))
             cand_scores.append(cum)
-            shape.append(tuple(cs.shape))
+            shape.append(tuple(ct.shape))                                      # (frontier, k)
             if level == last:
                 n_cand += cum.numel()
                 break
             best = self._frontier(tshape, cum, cand_scores, total_token, k, rows_left)
-            parent_row = best // cs.shape[-1]
+            parent_row = best // ct.shape[-1]
             expanded.append(best + n_cand)
             n_cand += cum.numel()
             frontier_tok = cand_tokens[-1][best]
@@ -516,6 +525,26 @@ class Drafter(BeamTreeDrafter):
                         pos, mask, cache)
         cache.commit_forward(n, as_context=True)
         return out[0, -1]
+
+    @torch.no_grad()
+    def level(self, tokens: Tensor, features: Tensor, parents: Tensor, scores: Tensor,
+              k: int) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`BeamTreeDrafter.level`; with a static head (``model.graphs``) and the target's whole vocabulary,
+        the whole step (head forward, log-probs, top-k, cumulative scores) runs padded to a bucket as one body
+        (:meth:`draft.static_head.StaticHead.level`: one compiled graph per bucket under ``model.graphs=compile``).
+        A reduced vocabulary, or a frontier no bucket holds, runs the dynamic step."""
+        sh, cache, n = self.static_head, self.cache, tokens.numel()
+        k = min(k, self.lm_head.out_features)
+        b = sh.static.bucket_for(n, cache) if sh is not None and self.vocab_map is None and self.head.block.lean \
+            else None
+        if b is None:
+            return super().level(tokens, features, parents, scores, k)
+        pos, mask = cache.staged_tree_inputs(parents, self.dtype)
+        out, cum, tok = sh.level(b, tokens.view(1, -1).to(self.device),
+                                 features.view(1, n, -1).to(self.device, self.dtype),
+                                 scores.reshape(1, n, 1).to(self.device), pos, mask, cache, self.lm_head, k, self.meter)
+        cache.commit_forward(n, as_context=False)
+        return out[0], cum[0], tok[0]
 
     @torch.no_grad()
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:

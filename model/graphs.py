@@ -26,11 +26,18 @@ Executors (:func:`resolve_executor`): ``eager`` runs the padded forward directly
 (warm-up on a side stream, as PyTorch documents) and afterwards copies the inputs into those buffers, replays, and
 copies the output out; ``replay`` does the same on any device with a recorded Python closure instead of a graph, so
 the copy-in / replay / copy-out logic runs and is tested on a CPU (a forward that read a stale buffer or returned the
-shared output buffer gives wrong answers there too).
+shared output buffer gives wrong answers there too); ``compile`` (:class:`CompileExecutor`) runs the padded forward
+through ``torch.compile`` (inductor, ``dynamic=False``: one compiled graph per bucket, compiled lazily at a bucket's
+first call; on CUDA ``mode="reduce-overhead"``, i.e. CUDA graphs of the compiled code), its compile time kept apart
+from every per-call figure (:attr:`CompileExecutor.compile_s`).
+
+A static body may return one tensor or a tuple of tensors, every one with the rows along dim 1 (a draft level's
+:func:`draft.static_head.level_step`: the head's output, the candidates' cumulative scores and their tokens).
 """
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -51,7 +58,7 @@ def resolve_executor(setting: str, device: str) -> str | None:
     """The executor a rank on ``device`` uses for ``model.graphs=setting``: None (dynamic shapes, today's path),
     ``"eager"`` (static shapes run eagerly), ``"cuda"`` (CUDA graphs) or ``"replay"`` (recorded closures).
     ``on``: CUDA graphs on a CUDA device, the eager twin elsewhere; ``auto``: ``on`` for CUDA when
-    :data:`AUTO_ON_CUDA`, else off; ``eager`` / ``replay`` force that executor on any device."""
+    :data:`AUTO_ON_CUDA`, else off; ``eager`` / ``replay`` / ``compile`` force that executor on any device."""
     if setting not in SETTINGS:
         raise ConfigError(f"model.graphs={setting!r} is not valid; choose one of {', '.join(SETTINGS)}")
     cuda = str(device).startswith("cuda")
@@ -144,6 +151,11 @@ class Recording:
     graph: object = field(default=None, repr=False)
 
 
+def map_out(f: Callable[[Tensor], Tensor], out):
+    """``f`` of a body's output: a tensor, or each tensor of a tuple (a draft level's several outputs)."""
+    return tuple(f(x) for x in out) if isinstance(out, tuple) else f(out)
+
+
 def copy_in(buffers: list[Tensor], xs: list[Tensor]) -> None:
     """A call's inputs into a recording's static buffers, in place (a graph reads those addresses, not ``xs``)."""
     for buf, x in zip(buffers, xs, strict=True):
@@ -153,7 +165,7 @@ def copy_in(buffers: list[Tensor], xs: list[Tensor]) -> None:
 def copy_out(output: Tensor) -> Tensor:
     """A fresh copy of a recording's static output: the next replay overwrites the buffer, while a caller may keep
     a result across calls (a draft level's outputs feed the next level and the tree's per-node inputs)."""
-    return output.clone()
+    return map_out(torch.clone, output)
 
 
 _CAPTURE_LOCK = threading.Lock()
@@ -194,7 +206,9 @@ class GraphExecutor:
             out = body(*bufs)
 
             def replay() -> None:
-                out.copy_(body(*bufs))
+                new = body(*bufs)
+                for o, x in zip(*(((out, new) if isinstance(out, tuple) else ((out,), (new,)))), strict=True):
+                    o.copy_(x)
             return Recording(bufs, out, replay, owner)
         with _CAPTURE_LOCK:   # one capture at a time per process (the in-process API runs every rank as a thread)
             stream = torch.cuda.Stream()
@@ -210,11 +224,59 @@ class GraphExecutor:
         return Recording(bufs, out, graph.replay, owner, graph)
 
 
+class CompileExecutor:
+    """``torch.compile`` of the padded forward (``model.graphs=compile``): compiled lazily, once per ``key`` (a
+    bucket of a cache and row layout, as for the graph executors), with inductor and ``dynamic=False``, so each bucket
+    is its own compiled graph of fixed shapes; on CUDA with ``mode="reduce-overhead"`` (inductor's CUDA graphs of the
+    compiled code), elsewhere the default mode (fused C++ kernels on a CPU, built with the host's compiler).
+
+    The compiled function is the one built at the key's first call and keeps that call's body: the body must close
+    over nothing that changes between calls of one key except through its tensor inputs and the buffers the key
+    names (a static forward's body closes over the model and the KV cache, whose buffers it writes in place at the
+    slots given as an input: the same for every call of the key, see :class:`StaticForward`).
+    ``compile_s`` sums the seconds of the first calls (compilation plus one run), which no per-call figure includes
+    (callers warm every bucket first and report this apart); ``stats``: ``compiled`` graphs and ``calls`` after.
+    On CUDA the outputs are copied (:func:`copy_out`): reduce-overhead's graphs reuse their output memory."""
+    kind = "compile"
+
+    def __init__(self) -> None:
+        self.compiled: dict = {}
+        self.stats: Counter = Counter()
+        self.compile_s = 0.0
+
+    def run(self, key, body: Callable[..., Tensor], inputs: list[Tensor], owner=None) -> Tensor:
+        entry = self.compiled.get(key)
+        cuda = inputs[0].is_cuda
+        if entry is None:
+            import torch._dynamo.config as dynamo_config
+            # one code object (StaticForward.run's padded body) serves every bucket, cache and head: each compiled
+            # key is one more guarded entry of it, more than dynamo's default 8 per code object
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
+            dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 1024)
+            fn = torch.compile(body, dynamic=False, fullgraph=True,
+                               mode="reduce-overhead" if cuda else None)
+            t0 = time.perf_counter()
+            out = fn(*inputs)
+            if cuda:
+                torch.cuda.synchronize()
+            self.compile_s += time.perf_counter() - t0
+            self.compiled[key] = (fn, owner)
+            self.stats["compiled"] += 1
+        else:
+            out = entry[0](*inputs)
+            self.stats["calls"] += 1
+        return copy_out(out) if cuda else out
+
+
 def make_executor(kind: str | None):
     """An executor for :func:`resolve_executor`'s answer (None for None)."""
     if kind is None:
         return None
-    return EagerExecutor() if kind == "eager" else GraphExecutor(kind)
+    if kind == "eager":
+        return EagerExecutor()
+    if kind == "compile":
+        return CompileExecutor()
+    return GraphExecutor(kind)
 
 
 class StaticForward:
@@ -235,34 +297,38 @@ class StaticForward:
             return None
         return b
 
-    def run(self, bucket: int, rows: tuple[Tensor, ...], positions: Tensor, mask: Tensor, cache) -> Tensor:
+    def run(self, bucket: int, rows: tuple[Tensor, ...], positions: Tensor, mask: Tensor, cache, body=None,
+            tag=None) -> Tensor:
         """Rows ``[1, n, ...]`` (on the cache's device), ``positions [1, n]``, the dynamic ``mask [1, 1, n, length +
-        n]`` -> the forward's output for the ``n`` real rows, ``[1, n, ...]``."""
+        n]`` -> the forward's output for the ``n`` real rows, ``[1, n, ...]`` (each of a tuple's outputs).
+        ``body``: another static body than the forward's (same signature), ``tag`` naming it in the executor's keys
+        (a draft level's :func:`draft.static_head.level_step` with its ``k``)."""
         n, length, dev = rows[0].shape[1], cache.length, cache.keys.device
         self.stats[bucket] += 1
         inputs = [pad_rows(x, bucket) for x in rows]
         inputs.append(pad_rows(positions.to(dev), bucket))
         inputs.append(static_mask(mask, n, bucket, length, cache.max_len).to(dev))
         inputs.append(static_slots(length, bucket, dev))
-        key = (id(cache), cache.keys.data_ptr(), bucket, tuple((x.dtype, tuple(x.shape[2:])) for x in rows))
-        body = self.body
+        key = (id(cache), cache.keys.data_ptr(), bucket, tuple((x.dtype, tuple(x.shape[2:])) for x in rows), tag)
+        body = self.body if body is None else body
 
         def padded(*xs: Tensor) -> Tensor:
             *rs, pos, m, slots = xs
             return body(*rs, pos, m, SlotCache(cache, slots))
         with torch.no_grad():     # inference only: a recorded forward must not build an autograd graph
-            return self.executor.run(key, padded, inputs, owner=cache)[:, :n]
+            return map_out(lambda x: x[:, :n], self.executor.run(key, padded, inputs, owner=cache))
 
 
 def static_ok(block, executor_kind: str | None) -> bool:
     """Whether a :class:`model.layers.LayerBlock` can run on static shapes with ``executor_kind``: an executor, lean
     layers (quantized or other attention layouts keep the transformers path, whose cache access the static path
     does not cover), and for CUDA graphs a rotary embedding that does not resize itself from the positions' values
-    (``dynamic`` / ``longrope`` read them on the host: a synchronisation, which a capture refuses)."""
+    (``dynamic`` / ``longrope`` read them on the host: a synchronisation, which a capture refuses; the same for
+    ``compile``, whose ``fullgraph`` trace refuses the host read)."""
     if executor_kind is None or block is None or not getattr(block, "lean", False):
         return False
     rope = getattr(getattr(block, "rotary_emb", None), "rope_type", "default")
-    return executor_kind != "cuda" or rope not in ("dynamic", "longrope")
+    return executor_kind not in ("cuda", "compile") or rope not in ("dynamic", "longrope")
 
 
 def static_stage(model, executor_kind: str | None, buckets: tuple[int, ...] = STAGE_BUCKETS):

@@ -221,10 +221,10 @@ def static_calls(monkeypatch):
     calls: dict[str, int] = {}
     run = G.StaticForward.run
 
-    def counting(self, *args):
+    def counting(self, *args, **kw):
         name = type(getattr(self.body, "__self__", self.body)).__name__
         calls[name] = calls.get(name, 0) + 1
-        return run(self, *args)
+        return run(self, *args, **kw)
     monkeypatch.setattr(G.StaticForward, "run", counting)
     return calls
 
@@ -295,7 +295,7 @@ def test_planted_padding_bugs_break_equality(tiny, monkeypatch, where, bug):
 @pytest.mark.parametrize("where,bug", [("copy_in", lambda bufs, xs: None), ("copy_out", lambda out: out)])
 def test_planted_copy_bugs_break_the_recorded_path(monkeypatch, where, bug):
     monkeypatch.setattr(G, where, bug)
-    with pytest.raises(AssertionError):
+    with pytest.raises((AssertionError, ValueError)):   # stale frontier rows may also give the cache bad parents
         test_static_head_drafts_exactly_the_dynamic_trees("replay")
     if where == "copy_in":
         with pytest.raises(AssertionError):
