@@ -224,6 +224,19 @@ class GraphExecutor:
         return Recording(bufs, out, graph.replay, owner, graph)
 
 
+def call_compiled(fn: Callable[..., Tensor], body: Callable[..., Tensor], inputs: list[Tensor]):
+    """``fn(*inputs)`` (a ``torch.compile`` d body), or, while a Python dispatch mode is active (an instrument:
+    dynamo refuses to run under one), what that mode makes of it: a mode with a ``compiled_call(run)`` method
+    (``pipeline.tools.opcount``'s counter) runs ``run()`` itself (outside the mode, counting what the compiled code
+    dispatches); under any other mode the body runs eagerly (the same operations, uncompiled)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+    mode = _get_current_dispatch_mode()
+    if mode is None:
+        return fn(*inputs)
+    hook = getattr(mode, "compiled_call", None)
+    return hook(lambda: fn(*inputs)) if hook is not None else body(*inputs)
+
+
 class CompileExecutor:
     """``torch.compile`` of the padded forward (``model.graphs=compile``): compiled lazily, once per ``key`` (a
     bucket of a cache and row layout, as for the graph executors), with inductor and ``dynamic=False``, so each bucket
@@ -256,14 +269,14 @@ class CompileExecutor:
             fn = torch.compile(body, dynamic=False, fullgraph=True,
                                mode="reduce-overhead" if cuda else None)
             t0 = time.perf_counter()
-            out = fn(*inputs)
+            out = call_compiled(fn, body, inputs)
             if cuda:
                 torch.cuda.synchronize()
             self.compile_s += time.perf_counter() - t0
-            self.compiled[key] = (fn, owner)
+            self.compiled[key] = (fn, body, owner)
             self.stats["compiled"] += 1
         else:
-            out = entry[0](*inputs)
+            out = call_compiled(entry[0], entry[1], inputs)
             self.stats["calls"] += 1
         return copy_out(out) if cuda else out
 

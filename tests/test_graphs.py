@@ -22,7 +22,7 @@ import torch
 
 import model.graphs as G
 from config.run_config import DEFAULT, ConfigError, apply_overrides
-from draft.static_head import StaticHead, head_buckets, static_head
+from draft.static_head import StaticHead, head_buckets, static_head, trees_match_up_to_ties
 from model.graphs import (StaticStage, make_executor, pick_bucket, resolve_executor, static_mask, static_slots)
 from model.split import split_checkpoint
 from pipeline.inprocess import run_threaded
@@ -65,8 +65,9 @@ def test_static_mask_gives_real_rows_their_dynamic_view_and_padding_rows_only_th
 
 
 def test_run_key_values_and_errors():
-    assert [resolve_executor(s, "cpu") for s in ("auto", "on", "off", "eager", "replay")] == \
-        [None, "eager", None, "eager", "replay"]
+    assert [resolve_executor(s, "cpu") for s in ("auto", "on", "off", "eager", "replay", "compile")] == \
+        [None, "eager", None, "eager", "replay", "compile"]
+    assert resolve_executor("compile", "cuda") == "compile" and isinstance(make_executor("compile"), G.CompileExecutor)
     assert resolve_executor("on", "cuda") == "cuda" and resolve_executor("off", "cuda:1") is None
     assert resolve_executor("auto", "cuda") == ("cuda" if G.AUTO_ON_CUDA else None)
     cfg = apply_overrides(DEFAULT, ["model.graphs=on", "graph_buckets=2,8"])
@@ -377,3 +378,92 @@ def test_static_head_draws_the_same_sampled_trees(executor):
         assert [v for v, _ in pa] == [v for v, _ in pb]
         for (_, qa), (_, qb) in zip(pa, pb):
             torch.testing.assert_close(qa, qb, rtol=1e-12, atol=1e-12)
+
+
+# -- model.graphs=compile: torch.compile (inductor) of the same static bodies --------------------------------------
+# Compiling costs ~15 s per graph on the shared 2-core host (warm inductor cache; the first compile of a fresh
+# machine more), so these share module-scoped fixtures and one small configuration each.
+
+COMPILE_TOL = 1e-5   # compiled vs eager float math: last bits (float32 rotary angles: ~3e-7 seen even in float64)
+
+
+@pytest.fixture(scope="module")
+def compiled_trees():
+    """The drafter's trees, dynamic and through the compile executor (each level one compiled level_step)."""
+    return _trees(None), _trees("compile")
+
+
+def test_compile_head_drafts_the_dynamic_trees_up_to_ties(compiled_trees):
+    (ref_trees, ref_tensors, _), (trees, tensors, static) = compiled_trees
+    ex = static.static.executor
+    assert isinstance(ex, G.CompileExecutor) and ex.stats["compiled"] >= 2 and ex.stats["calls"] >= 6
+    assert ex.compile_s > 0 and static.stats[4] >= 8             # the levels ran on the compiled path
+    for a, b in zip(trees, ref_trees, strict=True):
+        assert trees_match_up_to_ties(b, a, COMPILE_TOL) is None
+    if all(torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents) for a, b in zip(trees, ref_trees)):
+        for a, b in zip(tensors, ref_tensors, strict=True):   # same trees: same per-node inputs/outputs up to the tol
+            torch.testing.assert_close(a, b, rtol=COMPILE_TOL, atol=COMPILE_TOL)
+
+
+def test_tie_rule_accepts_only_near_ties():
+    from draft.tree import DraftTree
+
+    def tree(tokens, parents, scores):
+        return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores, dtype=torch.float64))
+    ref = tree([5, 1, 2, 3], [-1, 0, 0, 1], [0.0, -1.0, -1.5, -2.0])
+    assert trees_match_up_to_ties(ref, ref, 1e-6) is None
+    assert trees_match_up_to_ties(ref, tree([5, 1, 2, 3], [-1, 0, 0, 1], [0.0, -1.0, -1.5, -2.0 + 1e-7]), 1e-6) is None
+    # candidates 2 and 9 tie at -1.5 within the tolerance: the compiled search took 9, both then diverge
+    assert trees_match_up_to_ties(ref, tree([5, 1, 9, 4], [-1, 0, 0, 2], [0.0, -1.0, -1.5 + 5e-7, -1.7]), 1e-6) is None
+    for bad in (tree([5, 1, 9, 3], [-1, 0, 0, 1], [0.0, -1.0, -1.4, -2.0]),      # a different token, no tie
+                tree([5, 1, 2, 3], [-1, 0, 0, 2], [0.0, -1.0, -1.5, -2.1]),      # a different parent, no tie
+                tree([5, 1, 2, 3], [-1, 0, 0, 1], [0.0, -1.0, -1.5, -2.001]),    # a score off by more than tol
+                tree([5, 1, 2], [-1, 0, 0], [0.0, -1.0, -1.5])):                  # a node lost, no tie
+        assert trees_match_up_to_ties(ref, bad, 1e-6) is not None
+
+
+def test_planted_level_bug_breaks_the_tie_rule(monkeypatch):
+    """A level step that ranks by slightly wrong log-probs (each row's second best raised by 1e-3) must fail the rule:
+    run on the
+    eager static twin, which runs the same level_step body as the compiled path (no compile: fast)."""
+    import draft.static_head as SH
+    ref_trees, _, _ = _trees(None)
+    right = SH.target_topk
+
+    def biased(lm_head, hidden, k):
+        s, t = right(lm_head, hidden, k)
+        return s + 1e-3 * (torch.arange(s.shape[-1]) == 1), t
+    monkeypatch.setattr(SH, "target_topk", biased)
+    trees, _, _ = _trees("eager")
+    assert any(trees_match_up_to_ties(b, a, COMPILE_TOL) is not None for a, b in zip(trees, ref_trees))
+
+
+def test_stage_compiled_forward_equals_dynamic():
+    ref_outs, ref_cache = _stage_run(_Stage(block_for("llama")))
+    stage = StaticStage(_Stage(block_for("llama")), make_executor("compile"), (4, 8))
+    outs, cache = _stage_run(stage)
+    ex = stage.static.executor
+    assert (stage.stats[8], stage.stats[4], ex.stats["compiled"], ex.stats["calls"]) == (2, 3, 2, 3)
+    for a, b in zip(outs, ref_outs, strict=True):
+        torch.testing.assert_close(a.detach(), b, rtol=COMPILE_TOL, atol=COMPILE_TOL)
+    n = cache.length
+    torch.testing.assert_close(cache.keys[..., :n, :], ref_cache.keys[..., :n, :], rtol=COMPILE_TOL, atol=COMPILE_TOL)
+    torch.testing.assert_close(cache.values[..., :n, :], ref_cache.values[..., :n, :], rtol=COMPILE_TOL,
+                               atol=COMPILE_TOL)
+
+
+@pytest.mark.skipif(not STORIES.is_dir(), reason="../shared is not available")
+def test_stories260k_all_modes_equal_hf_compiled(tmp_path, static_calls):
+    """Greedy output equals HF generate in every mode with model.graphs=compile (one stage of all 5 layers, one
+    stage bucket: few graphs to compile)."""
+    stages = split_checkpoint(STORIES, tmp_path / "stages", [0, 5], progress=False)
+    prompts = [[1, 365, 147, 471, 263, 221], [1, 90, 250, 263, 93, 298, 27, 471]]
+    modes = ["ar", "naive", "pruned", "continuous", "pipedec"]
+    res = run_threaded(stages, prompts, modes, ["max_new_tokens=16", "dtype=float32", "model.max_seq_len=160",
+                                                "model.graphs=compile", "model.graph_buckets=16",
+                                                "comm.timeout_s=600"], {2}, None,
+                       dtype=torch.float32)
+    for i, p in enumerate(prompts):
+        ref = hf_greedy(STORIES, p, 16, {2}, torch.float32)
+        assert all(res[m][i].output_ids == ref for m in modes), {m: res[m][i].output_ids for m in modes}
+    assert static_calls.get("StageModel", 0) > 0 and static_calls.get("EagleHead", 0) > 0, static_calls

@@ -17,9 +17,20 @@ Each call runs ``--repeat`` times per block with the lean layers off, then on (`
 median per-call milliseconds of each and their ratio (CUDA synchronised around every call). Drafted trees are
 the same either way; the numbers are this host's only.
 
+``--graphs off,compile`` (any ``model.graphs`` values) compares static-shape executors instead of layer kinds: every
+call is built once per value (lean layers), timed in alternating blocks and counted, side by side; a ``compile``
+executor's compilation (each bucket's first call, :class:`model.graphs.CompileExecutor`) happens in an untimed warm-up
+and is reported apart (seconds and graphs per setting), never inside a per-call figure. What the operator counter
+sees of a compiled call: the aten operators the compiled code still dispatches (inductor's extern kernels such as
+``mm``/``addmm``, fallbacks such as ``topk``, and the host ops around the compiled body: padding, the static mask,
+slots); each fused C++ (or, on CUDA, Triton) kernel of inductor's is not an aten operator and is not counted (one
+call each: one launch on a GPU, where reduce-overhead replays the lot as one CUDA graph); the model-op column is 0
+there (the head's modules are not called, their forward hooks do not fire).
+
 Example::
 
     python -m pipeline.tools.layerbench --device cpu --blocks 3 --repeat 20 --json outputs/layerbench.json
+    python -m pipeline.tools.layerbench --clock thread --graphs off,compile --count model.stage_dir=/tmp/s260
 """
 from __future__ import annotations
 
@@ -58,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--count-only", action="store_true", help="only the counts (deterministic, no timing)")
     p.add_argument("--clock", choices=("wall", "thread"), default="wall", help="wall seconds, or this thread's CPU "
                    "seconds (thread: on a loaded shared CPU, time descheduled is not counted; CPU runs only)")
+    p.add_argument("--graphs", help="comma-separated model.graphs values (e.g. off,compile) to compare side by side "
+                   "instead of transformers vs lean layers (lean layers on; compile time reported apart)")
     p.add_argument("overrides", nargs="*", help="key=value run overrides (model.stage_dir, model.head_dir, "
                    "draft.sources, tree.*)")
     args = p.parse_args(argv)
@@ -71,6 +84,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--rows must be >= 1")
     if args.stage < 2:
         p.error("--stage must be >= 2 (stage 1 takes token ids, rank 0 has no layers)")
+    if args.graphs is not None:
+        from config.run_config import GRAPHS
+        args.graphs = [g.strip() for g in args.graphs.split(",") if g.strip()]
+        bad = [g for g in args.graphs if g not in GRAPHS]
+        if bad or not args.graphs or len(set(args.graphs)) != len(args.graphs):
+            p.error(f"--graphs takes distinct model.graphs values ({', '.join(GRAPHS)}), got {','.join(args.graphs)!r}")
     return args
 
 
@@ -80,7 +99,7 @@ def _calls(args, cfg, stage_root: Path):
     import torch
 
     from model.stage_format import read_manifest
-    from pipeline.build import load_rank_stage, make_drafter
+    from pipeline.build import load_rank_stage, make_drafter, make_static_stage
     world = len(read_manifest(stage_root)["split"])
     if args.stage >= world:
         raise LayerBenchError(f"--stage {args.stage}: {stage_root} has stages 1..{world - 1}")
@@ -96,6 +115,8 @@ def _calls(args, cfg, stage_root: Path):
     with torch.no_grad():
         stage(torch.randn(1, args.ctx, hidden, generator=g).to(dev, dtype), pos, mask, cache)
     cache.commit_forward(args.ctx, as_context=True)
+    static = make_static_stage(cfg, stage, args.device)       # model.graphs (None: dynamic shapes)
+    forward = stage if static is None else static
 
     def stage_step(w: int):
         x = torch.randn(1, w, hidden, generator=g).to(dev, dtype)
@@ -104,7 +125,7 @@ def _calls(args, cfg, stage_root: Path):
         def call():
             p, m, anc, depth = cache.tree_inputs(parents, dtype)
             with torch.no_grad():
-                stage(x, p, m, cache)
+                forward(x, p, m, cache)
             cache.truncate_tree()
         return call
 
@@ -161,7 +182,10 @@ def _calls(args, cfg, stage_root: Path):
                    getattr(getattr(s, "cache", None), "values", None)]
     model = [stage, rank0] + [getattr(s, k, None) for s in getattr(drafter, "sources", [drafter])
                               for k in ("head", "lm_head")]
-    return calls, blocks, (device, model, same_start)
+    executors = [x.static.executor for x in [static] + [getattr(s, "static_head", None)
+                                                       for s in getattr(drafter, "sources", [drafter])]
+                 if x is not None]
+    return calls, blocks, (device, model, same_start, executors)
 
 
 class _Ring:
@@ -265,6 +289,86 @@ def measure(args, calls, blocks) -> list[dict]:
     return rows
 
 
+def measure_graphs(args, sets: dict) -> dict:
+    """``{setting: [per-call median ms]}`` for ``sets = {model.graphs value: (calls, blocks, device)}``, lean layers:
+    every call warmed on every setting first (a compile executor compiles there: untimed), then ``--blocks``
+    alternating blocks of ``--repeat`` calls per setting (the order of the settings alternates between blocks)."""
+    import time
+
+    from model.layers import set_lean
+    from pipeline.tools.profile import timed_call
+    cuda = args.device.startswith("cuda")
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+
+    def once(fn, setup=None) -> float:
+        if setup is not None:
+            setup()
+        return timed_call(fn, cuda, clock)
+    for calls, blocks, _ in sets.values():
+        for b in blocks:
+            set_lean(b, True)
+    names = list(sets)
+    out = {g: [] for g in names}
+    for j in range(len(next(iter(sets.values()))[0])):
+        times = {g: [] for g in names}
+        for g in names:
+            _, fn, setup, _ = sets[g][0][j]
+            for _ in range(2):
+                once(fn, setup)
+        for i in range(args.blocks):
+            for g in (names if i % 2 == 0 else names[::-1]):
+                _, fn, setup, _ = sets[g][0][j]
+                times[g] += [once(fn, setup) for _ in range(args.repeat)]
+        for g in names:
+            out[g].append(round(statistics.median(times[g]) * 1e3, 3))
+    return out
+
+
+def compile_report(executors) -> dict:
+    """Compile cost of a setting's executors so far: seconds (first calls of each bucket) and graphs compiled."""
+    return {"compile_s": round(sum(getattr(e, "compile_s", 0.0) for e in executors), 1),
+            "graphs_compiled": sum(e.stats.get("compiled", 0) for e in executors)}
+
+
+def graphs_table(names: list[str], per: dict, header: str) -> str:
+    """One row per call, for each setting its ms (if timed), ops, syncs and per-level figures, side by side."""
+    timed = "ms" in per[names[0]][0]
+    cols = []
+    for g in names:
+        cols += ([f"{g}: ms"] if timed else []) + [f"{g}: ops", f"{g}: syncs", f"{g}: ops / level",
+                                                    f"{g}: syncs / level"]
+    out = [header, "", "| call | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for j, r0 in enumerate(per[names[0]]):
+        cells = []
+        for g in names:
+            r = per[g][j]
+            cells += ([f"{r['ms']:.3f}"] if timed else []) + [str(r["ops"]), str(r["syncs"]),
+                                                              str(r.get("ops_per_level", "")),
+                                                              str(r.get("syncs_per_level", ""))]
+        out.append(f"| {r0['call']} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def run_graphs(args, base_cfg, stage_root: Path) -> tuple[str, dict]:
+    """``--graphs``: build every call per setting, time (unless ``--count-only``) and count them side by side."""
+    from config.run_config import apply_overrides
+    sets = {}
+    for g in args.graphs:
+        cfg = apply_overrides(base_cfg, [f"model.graphs={g}"])
+        calls, blocks, device = _calls(args, cfg, stage_root)
+        sets[g] = (calls, blocks, device)
+    per = {g: [] for g in args.graphs}
+    times = None if args.count_only else measure_graphs(args, sets)
+    for g, (calls, blocks, device) in sets.items():
+        rows = count(calls, blocks, device)
+        for j, r in enumerate(rows):
+            per[g].append({**r, **({"ms": times[g][j]} if times else {})})
+    compiled = {g: compile_report(sets[g][2][3]) for g in args.graphs}
+    return graphs_table(args.graphs, per, "{header}") + "\n\n" + "Compile cost (untimed warm-up, apart from every " \
+        "figure above): " + "; ".join(f"{g}: {c['graphs_compiled']} graphs, {c['compile_s']} s"
+                                      for g, c in compiled.items()), {"rows": per, "compile": compiled}
+
+
 def count(calls, blocks, device) -> list[dict]:
     """Per call (lean layers on), one untimed run under :class:`pipeline.tools.opcount.OpCounter`: aten operators
     dispatched, those inside the model's forwards (head, lm_head, stage), those on device tensors, value reads and would-be host<->device synchronisations; per drafted
@@ -352,17 +456,31 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
         stage_root = resolve_stage_root(cfg.model.stage_dir)
         try:
-            calls, blocks, device = _calls(args, cfg, stage_root)
+            if args.graphs:
+                text, result = run_graphs(args, cfg, stage_root)
+            else:
+                calls, blocks, device = _calls(args, cfg, stage_root)
         except SetupError as e:
             raise LayerBenchError(str(e)) from None
-        rows = [] if args.count_only else measure(args, calls, blocks)
-        if args.count or args.count_only:
-            counts = count(calls, blocks, device)
-            rows = counts if args.count_only else [{**r, **c} for r, c in zip(rows, counts)]
+        if not args.graphs:
+            rows = [] if args.count_only else measure(args, calls, blocks)
+            if args.count or args.count_only:
+                counts = count(calls, blocks, device)
+                rows = counts if args.count_only else [{**r, **c} for r, c in zip(rows, counts)]
     except LayerBenchError as e:
         print(f"layerbench: error: {e}", file=sys.stderr)
         return 2
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU, {args.threads} thread(s)"
+    if args.graphs:
+        what = "operator counts" if args.count_only else \
+            f"time (median of {args.blocks} x {args.repeat} calls each, {args.clock} clock) and operator counts"
+        print(text.replace("{header}", f"# Per-call {what}, model.graphs={' vs '.join(args.graphs)}, lean layers "
+                                       f"({stage_root.name}, {args.dtype}, {where}, context {args.ctx})"))
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({"device": where, "stage_root": str(stage_root), "dtype": args.dtype,
+                                                   "ctx": args.ctx, **result}, indent=1) + "\n")
+        return 0
     header = (f"# Per-call time, transformers vs lean decoder layers ({stage_root.name}, {args.dtype}, {where}, "
               f"context {args.ctx}; median of {args.blocks} x {args.repeat} calls each, {args.clock} clock)") \
         if not args.count_only \

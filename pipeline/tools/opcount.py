@@ -85,6 +85,14 @@ class _Dispatch(TorchDispatchMode):
         super().__init__()
         self.owner = owner
 
+    def compiled_call(self, run):
+        """A ``torch.compile`` d body's call (:func:`model.graphs.call_compiled`; dynamo cannot run under this mode):
+        run outside the counter's modes under the profiler, and count the aten operators the compiled code still
+        dispatches (top-level ``aten::`` events: inductor's extern kernels and fallbacks, ``mm``, ``topk``, buffer
+        allocation), each on the device; inductor's fused kernels (C++ on a CPU, Triton on CUDA) are not aten
+        operators and are not counted. Its outputs are device tensors. No sync: a compiled body reads nothing."""
+        return self.owner.compiled_call(run)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.owner.quiet:
@@ -178,6 +186,35 @@ class OpCounter:
                 key = f"{fr.filename.rsplit('/', 2)[-2]}/{fr.filename.rsplit('/', 1)[-1]}:{fr.lineno}"
                 self.count.sync_sites[key] = self.count.sync_sites.get(key, 0) + 1
                 return
+
+    def compiled_call(self, run):
+        """See :meth:`_Dispatch.compiled_call`."""
+        from torch.profiler import ProfilerActivity, profile
+        self._d.__exit__(None, None, None)
+        self._f.__exit__(None, None, None)
+        try:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                out = run()
+        finally:
+            self._f.__enter__()
+            self._d.__enter__()
+        c = self.count
+        for e in prof.events():
+            if not e.name.startswith("aten::"):
+                continue
+            p = e.cpu_parent
+            while p is not None and not p.name.startswith("aten::"):
+                p = p.cpu_parent
+            if p is None:                                     # a top-level operator of the compiled code
+                c.ops += 1
+                c.dev_ops += 1
+                c.model_ops += self.in_model > 0
+                name = e.name[len("aten::"):]
+                c.by_op[name] = c.by_op.get(name, 0) + 1
+        c.compiled_calls = getattr(c, "compiled_calls", 0) + 1
+        for t in _tensors(out):
+            self.device[t] = True
+        return out
 
     def _enter_model(self, *_):
         self.in_model += 1
