@@ -266,6 +266,10 @@ class CompileExecutor:
             # key is one more guarded entry of it, more than dynamo's default 8 per code object
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
             dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 1024)
+            if cuda:        # reduce-overhead's CUDA graphs may write in place only into static addresses: the cache
+                for t in (getattr(owner, "keys", None), getattr(owner, "values", None)):
+                    if isinstance(t, torch.Tensor):
+                        torch._dynamo.mark_static_address(t)
             fn = torch.compile(body, dynamic=False, fullgraph=True,
                                mode="reduce-overhead" if cuda else None)
             t0 = time.perf_counter()

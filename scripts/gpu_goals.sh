@@ -12,7 +12,10 @@
 # (pipeline.tools.layerbench on the GPU: a stage step and rank 0's drafting calls, transformers vs lean layers;
 # LAYERBENCH=0 skips it), then graphbench.md/json (pipeline.tools.graphbench: a draft level of the head and a stage
 # step, dynamic shapes vs CUDA graphs; GRAPHS=0 skips it and the next part) and graphs/summary.md, summary.csv
-# (the bench again with model.graphs=on, GRAPH_MODES=ar,continuous + HF generate: continuous vs ar vs HF with graphs).
+# (the bench again with model.graphs=on, GRAPH_MODES=ar,continuous + HF generate: continuous vs ar vs HF with graphs),
+# then graphs_layerbench.md/json (pipeline.tools.layerbench --graphs off,on,compile: each rank-0 call and a stage
+# step with dynamic shapes, CUDA graphs and torch.compile reduce-overhead side by side; compile time reported apart)
+# and compiled/summary.md (the bench with model.graphs=compile; COMPILE=0 skips both compile parts).
 # Exit status: the bench's (3 when some output differs from ar's at T = 0), else the graph bench's.
 # Example, on the lent machine after `bash .device/setup.sh`: N=6 bash scripts/gpu_goals.sh "$OUT/goals"
 set -uo pipefail
@@ -48,5 +51,15 @@ if [[ "${GRAPHS:-1}" != 0 ]]; then
   grc=$?
   [[ $rc == 0 ]] && rc=$grc
   tail -n 30 "$OUT/graphs_bench.log"
+  if [[ "${COMPILE:-1}" != 0 ]]; then
+    OMP_NUM_THREADS=1 timeout 150 "$PY" -m pipeline.tools.layerbench --device cuda --graphs off,on,compile --count \
+      --blocks 2 --repeat 10 --json "$OUT/graphs_layerbench.json" "$@" > "$OUT/graphs_layerbench.md" \
+      2> "$OUT/graphs_layerbench.log" || echo "gpu_goals: layerbench --graphs failed (see graphs_layerbench.log)" >&2
+    OMP_NUM_THREADS=1 timeout 180 "$PY" -m pipeline.tools.bench --prompts-file "$Q" --begin "$BEGIN" -n "$N" \
+      --modes "${GRAPH_MODES:-ar,continuous}" --quiet --out-dir "$OUT/compiled" device=cuda \
+      max_new_tokens="$TOKENS" model.graphs=compile comm.timeout_s=600 "$@" > "$OUT/compiled_bench.log" 2>&1 \
+      || echo "gpu_goals: the compiled bench failed or ran out of time (see compiled_bench.log)" >&2
+    tail -n 12 "$OUT/compiled_bench.log"
+  fi
 fi
 exit "$rc"

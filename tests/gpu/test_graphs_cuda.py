@@ -3,14 +3,18 @@ on CUDA: the draft trees are identical and hidden states close, a stage block's 
 agree, and whole generations through CUDA-graph ranks equal HF ``generate`` on the same GPU. Skipped without CUDA
 (tests/gpu/conftest.py); the CPU twins of these checks are tests/test_graphs.py.
 
-Never run yet: the session that wrote it had no GPU (docs/gpu.md, "Static shapes and CUDA graphs").
+``model.graphs=compile`` (torch.compile, ``mode="reduce-overhead"`` on CUDA) against eager too: the head's trees
+(equal up to near-ties, :func:`draft.static_head.trees_match_up_to_ties`) and a stage block's outputs and KV entries.
+
+Never run yet: the sessions that wrote it had no GPU (docs/gpu.md, "Static shapes and CUDA graphs").
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from model.graphs import GraphExecutor, StaticStage, make_executor
+from draft.static_head import trees_match_up_to_ties
+from model.graphs import CompileExecutor, GraphExecutor, StaticStage, make_executor
 from model.split import split_checkpoint
 from tests.gpu.test_cuda import assert_equal_hf, report, run_cuda
 from tests.helpers import STORIES
@@ -42,6 +46,33 @@ def test_stage_block_graph_vs_eager_on_cuda(dtype, tol):
     n = cache.length
     for a, b in zip(outs, ref_outs, strict=True):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    torch.testing.assert_close(cache.keys[..., :n, :], ref_cache.keys[..., :n, :], rtol=tol, atol=tol)
+    torch.testing.assert_close(cache.values[..., :n, :], ref_cache.values[..., :n, :], rtol=tol, atol=tol)
+
+
+def test_draft_trees_compile_vs_eager_on_cuda():
+    ref_trees, ref_tensors, _ = _trees(None, device="cuda", dtype=torch.float32)
+    trees, tensors, static = _trees("compile", device="cuda", dtype=torch.float32)
+    ex = static.static.executor
+    assert isinstance(ex, CompileExecutor) and ex.stats["compiled"] >= 2 and ex.stats["calls"] >= 6
+    for a, b in zip(trees, ref_trees, strict=True):
+        assert trees_match_up_to_ties(b, a, 1e-4) is None
+    same = all(torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents) for a, b in zip(trees, ref_trees))
+    diff = max(float((a.double() - b.double()).abs().max()) for a, b in zip(tensors, ref_tensors)) if same else None
+    report(check="static head compile vs dynamic on cuda", same_trees=same, max_abs_diff=diff,
+           compile_s=round(ex.compile_s, 1), graphs=ex.stats["compiled"])
+
+
+def test_stage_block_compile_vs_eager_on_cuda():
+    tol = 1e-4
+    ref_outs, ref_cache = _stage_run(_Stage(block_for("llama", dtype=torch.float32).cuda()), device="cuda",
+                                     dtype=torch.float32)
+    stage = StaticStage(_Stage(block_for("llama", dtype=torch.float32).cuda()), make_executor("compile"), (1, 4, 8))
+    outs, cache = _stage_run(stage, device="cuda", dtype=torch.float32)
+    assert stage.static.executor.stats["compiled"] == 3       # buckets 8, 4, 1
+    n = cache.length
+    for a, b in zip(outs, ref_outs, strict=True):
+        torch.testing.assert_close(a.detach(), b, rtol=tol, atol=tol)
     torch.testing.assert_close(cache.keys[..., :n, :], ref_cache.keys[..., :n, :], rtol=tol, atol=tol)
     torch.testing.assert_close(cache.values[..., :n, :], ref_cache.values[..., :n, :], rtol=tol, atol=tol)
 
