@@ -49,3 +49,37 @@ def test_a_planted_per_node_loop_breaks_the_bound(bench):
     rows = lb.count([(name, planted, setup, levels)], blocks, device)
     bad = lb.over_bounds(rows)
     assert bad and any("syncs" in b for b in bad), rows
+
+
+def test_the_counter_sees_a_compiled_call_as_its_dispatched_operators():
+    """Under ``model.graphs=compile`` the counter (a dispatch mode, under which dynamo cannot run) hands the compiled
+    call to the profiler (:meth:`pipeline.tools.opcount.OpCounter.compiled_call`): it counts the aten operators the
+    compiled code still dispatches (the extern ``mm``), not the pointwise ops inductor fused into one C++ kernel.
+    Planted: a dispatch mode without ``compiled_call`` makes the body run eagerly, every op counted."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from model.graphs import CompileExecutor
+    from pipeline.tools.opcount import count_call
+    w = torch.randn(8, 8)
+
+    def body(x):
+        return torch.relu(x @ w).sin().cos() + 1
+    x = torch.randn(4, 8)
+    ex = CompileExecutor()
+    torch.testing.assert_close(ex.run("k", body, [x]), body(x))                 # compiled at the first call
+    eager = count_call(lambda: body(x), w)
+    c = count_call(lambda: ex.run("k", body, [x]), w)
+    assert ex.stats["compiled"] == 1 and ex.stats["calls"] == 1 and ex.compile_s > 0
+    assert c.syncs == 0 and "sin" not in c.by_op and "cos" not in c.by_op and eager.by_op["sin"] == 1
+    assert 1 <= c.by_op.get("mm", 0) + c.by_op.get("addmm", 0) and c.ops < eager.ops, (c.by_op, eager.by_op)
+
+    class Plain(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Plain.seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+    with Plain():
+        out = ex.run("k", body, [x])
+    torch.testing.assert_close(out, body(x))
+    assert "sin" in Plain.seen                                                 # ran eagerly, op by op
