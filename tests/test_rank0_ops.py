@@ -83,3 +83,22 @@ def test_the_counter_sees_a_compiled_call_as_its_dispatched_operators():
         out = ex.run("k", body, [x])
     torch.testing.assert_close(out, body(x))
     assert "sin" in Plain.seen                                                 # ran eagerly, op by op
+
+
+def test_layerbench_compares_graph_executors_side_by_side(tmp_path, capsys):
+    """``--graphs off,eager``: one table, both settings' counts per call; the eager static twin pads and builds a
+    static mask, so its head forward dispatches more operators than dynamic shapes (no compile: fast)."""
+    import json
+
+    from model.split import split_checkpoint
+    from pipeline.tools import layerbench as lb
+    root = split_checkpoint(STORIES, tmp_path / "stages", [0, 1, 1, 1, 2], progress=False)
+    assert lb.main(["--count-only", "--graphs", "off,eager", "--json", str(tmp_path / "g.json"), "--rows", "16",
+                    f"model.stage_dir={root}"]) == 0
+    out = capsys.readouterr().out
+    assert "off: ops" in out and "eager: ops" in out and "Compile cost" in out
+    rows = json.loads((tmp_path / "g.json").read_text())["rows"]
+    head = {g: next(r for r in rows[g] if r["call"].startswith("draft head")) for g in ("off", "eager")}
+    assert head["eager"]["ops"] > head["off"]["ops"] and head["eager"]["syncs"] == head["off"]["syncs"] == 0
+    with pytest.raises(SystemExit):
+        lb.parse_args(["--graphs", "off,off"])
