@@ -174,14 +174,17 @@ def test_plain_torchrun_still_launches_the_ranks(tmp_path):
 @pytest.mark.skipif(not STORIES.is_dir(), reason="../shared is not available")
 def test_stop_strings_cut_every_mode_at_the_same_token(tmp_path):
     """gen.stop ends the answer on the token that completes the first stop string, identically in every mode:
-    the cut equals the one computed independently on the unstopped ar answer (full decode, token by token)."""
+    the cut equals the one computed independently on the unstopped answer (HF greedy, which every mode equals:
+    the tests above; full decode, token by token)."""
     from transformers import AutoTokenizer
+    from model.prompts import chat_prompt_ids
     stages = split_checkpoint(STORIES, tmp_path / "stages", [0, 3, 2], progress=False)
     tok = AutoTokenizer.from_pretrained(STORIES)
+    prompt = "Once upon a time, there was a little girl named Lily. She"
     base = ["model.stage_dir=" + str(stages), f"head_dir=oracle:{STORIES}", "max_new_tokens=48", "--quiet",
-            "--template", "raw", "--prompt", "Once upon a time, there was a little girl named Lily. She"]
-    launch(3, [*base, "--modes", "ar", "--output", str(tmp_path / "free.jsonl")], timeout=600)
-    free = read_jsonl(tmp_path / "free.jsonl")[0]["output_ids"]
+            "--template", "raw", "--prompt", prompt]
+    ids = chat_prompt_ids(tok, [prompt], [], template="raw")
+    free = hf_greedy(STORIES, ids, 48, {2})
     text = tok.decode(free, skip_special_tokens=True)
     words = [w for w in text.split() if len(w) >= 3]
     assert len(words) > 4, text
@@ -191,4 +194,4 @@ def test_stop_strings_cut_every_mode_at_the_same_token(tmp_path):
     rows = read_jsonl(tmp_path / "stop.jsonl")
     assert len(rows) == 5
     for r in rows:
-        assert r["output_ids"] == free[:cut], (r["mode"], stop)
+        assert r["prompt_ids"] == ids and r["output_ids"] == free[:cut], (r["mode"], stop)
