@@ -117,39 +117,34 @@ def test_smollm2_default_all_modes_equal_hf(tmp_path, smollm2):
     _check_against_hf(rows, full, 20, stop, torch.float32, 5 * len(prompts))
 
 
-def test_smollm2_broad_head_equals_hf(tmp_path, smollm2):
-    """The alternate shipped head (draft/heads/SmolLM2-135M-Instruct-broad) loads by head_dir= and keeps greedy
-    output equal to HF in the two tree modes that use it most differently (one tree per round / continuous)."""
+def test_smollm2_broad_head_over_a_reduced_draft_vocabulary_equals_hf(tmp_path, smollm2):
+    """Two claims, one 5-rank launch (each launch loads SmolLM2 in five processes):
+
+    * the alternate shipped head (draft/heads/SmolLM2-135M-Instruct-broad) loads by head_dir= and keeps greedy output
+      equal to HF in the two tree modes that use it most differently (one tree per round / continuous), and drafts;
+    * a head drafting over the 8192 tokens SmolLM2 emits most (``model.draft_vocab``, the counts shipped beside the
+      head) keeps greedy output equal to HF and still drafts (a token outside the vocabulary is simply never
+      proposed; verification reads the whole vocabulary).
+
+    The default head over the whole vocabulary is :func:`test_smollm2_default_all_modes_equal_hf`'s run."""
     from config.paths import HEADS
-    full, stages, chat, stop = smollm2
-    prompts = [chat(t) for t in ("Translate into French: The library opens at nine.",
-                                 "List three prime numbers and say why they are prime.")]
-    head = HEADS / "SmolLM2-135M-Instruct-broad"
-    rows = _run(5, stages, tmp_path / "out.jsonl", prompts, 16, (f"head_dir={head}",), modes="naive,continuous",
-                dtype="float32")
-    _check_against_hf(rows, full, 16, stop, torch.float32, 2 * len(prompts))
-    naive = [r for r in rows if r["mode"] == "naive"]
-    assert all(r["tau"] > 1.2 for r in naive), [r["tau"] for r in naive]   # it drafts: a random head gives ~1.0
-
-
-def test_smollm2_reduced_draft_vocabulary_equals_hf(tmp_path, smollm2):
-    """The default head drafting over the 8192 tokens SmolLM2 emits most (``model.draft_vocab``, the counts shipped
-    beside the head) keeps greedy output equal to HF and still drafts (a token outside the vocabulary is simply
-    never proposed; verification reads the whole vocabulary)."""
     full, stages, chat, stop = smollm2
     prompts = [chat(t) for t in ("Translate into French: The library opens at nine.",
                                  "List three prime numbers and say why they are prime.")]
     out = tmp_path / "out.jsonl"
     args = [f"model.stage_dir={stages}", "dtype=float32", "max_new_tokens=16", "comm.timeout_s=60",
-            "model.draft_vocab=8192", "--modes", "naive,continuous", "--output", str(out)]
+            f"head_dir={HEADS / 'SmolLM2-135M-Instruct-broad'}", "model.draft_vocab=8192",
+            "--modes", "naive,continuous", "--output", str(out)]
     for p in prompts:
         args += ["--prompt-ids", ",".join(map(str, p))]
     r = launch(5, args, timeout=600)
     assert "drafting over the 8192 most frequent of 49152 tokens and the context" in r.stderr
     rows = read_jsonl(out)
     _check_against_hf(rows, full, 16, stop, torch.float32, 2 * len(prompts))
-    assert all(r["tau"] > 1.2 for r in rows if r["mode"] == "naive"), [r["tau"] for r in rows]
+    naive = [r for r in rows if r["mode"] == "naive"]
+    assert all(r["tau"] > 1.2 for r in naive), [r["tau"] for r in naive]   # it drafts: a random head gives ~1.0
     assert all(r["config"]["model.draft_vocab"] == 8192 for r in rows)
+    assert all("SmolLM2-135M-Instruct-broad" in str(r["config"]["model.head_dir"]) for r in rows)
 
 
 @pytest.mark.skipif(not STORIES.is_dir(), reason="../shared is not available")
