@@ -318,7 +318,7 @@ def test_build_applies_the_setting_and_errors_are_one_line(tiny, tmp_path):
 def test_multiprocess_run_with_missing_counts_is_one_error(tiny, tmp_path):
     full, cfg, splits, _ = tiny
     bare = save_eagle_head(init_untrained_head(cfg).double(), tmp_path / "bare")
-    r = launch(3, [f"model.stage_dir={splits[3]}", "dtype=float64", "max_new_tokens=4", "comm.timeout_s=30",
+    r = launch(2, [f"model.stage_dir={splits[2]}", "dtype=float64", "max_new_tokens=4", "comm.timeout_s=30",
                    f"head_dir={bare}", "model.draft_vocab=8", "--prompt-ids", "1,5,9", "--modes", "naive",
                    "--output", str(tmp_path / "o.jsonl"), "--quiet"], check=False, timeout=300)
     assert r.returncode != 0
