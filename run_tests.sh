@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test suite on a fresh machine: bootstrap (venv + requirements + default model, cached), then pytest.
-#   ./run_tests.sh                 # everything (what CI runs; about 17 minutes on 2 CPU cores)
+#   ./run_tests.sh                 # everything (what CI runs; its time on 2 CPU cores: docs/results.md)
 #   ./run_tests.sh --fast          # the fast tier: pure rules, laws, architecture, CLI checks (tests/conftest.py)
 #   ./run_tests.sh tests/test_sampling.py tests/test_tree.py::test_reroot   # just those paths
 #   ./run_tests.sh -k tree -x      # any pytest arguments (with no path: the whole tests/ folder)

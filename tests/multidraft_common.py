@@ -108,6 +108,16 @@ def make_merged_runner(mode, world, target, drafter, sampler, horizon, overrides
     return run
 
 
+def assert_merged_law(mode, world, target, drafter, sampler, overrides, horizon=2, max_runs=5000) -> int:
+    """Every random branch of :func:`make_merged_runner`'s run enumerated: the law of the first ``horizon`` tokens
+    is the target's (:func:`tests.test_sampling.assert_target_law`). Returns the number of runs enumerated."""
+    from tests.test_sampling import assert_target_law, exact_law, target_law
+    law, runs = exact_law(make_merged_runner(mode, world, target, drafter, sampler, horizon, overrides), sampler,
+                          max_runs=max_runs)
+    assert_target_law(law, target_law(sampler, target, horizon), mode)
+    return runs
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from model.split import split_checkpoint

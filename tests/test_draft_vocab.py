@@ -73,18 +73,23 @@ def test_count_tokens_counts_the_targets_own_tokens_only(tmp_path):
         draft_vocab_ids(-1, tmp_path, 8)
 
 
-def test_count_cli(tmp_path):
+def test_count_cli(tmp_path, capsys):
+    """One real ``python -m draft.vocab`` process; the error and --help paths through its ``main`` in this process
+    (the same code after the interpreter's start-up)."""
+    from draft.vocab import main
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"input_ids": [1, 5, 5, 7], "loss_mask": [0, 1, 1, 1]}) for _ in range(3)))
     r = subprocess.run([sys.executable, "-m", "draft.vocab", "count", "--data", str(data), "--out", str(tmp_path),
                         "--vocab-size", "16"], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert load_counts(tmp_path, 16)[5] == 6 and "| 1024 |" not in r.stdout      # sizes >= V are not listed
-    bad = subprocess.run([sys.executable, "-m", "draft.vocab", "count", "--data", str(data), "--out", str(tmp_path),
-                          "--vocab-size", "4"], cwd=REPO, capture_output=True, text=True)
-    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "out of range" in bad.stderr
-    h = subprocess.run([sys.executable, "-m", "draft.vocab", "--help"], cwd=REPO, capture_output=True, text=True)
-    assert h.returncode == 0 and "Example" in h.stdout
+    capsys.readouterr()
+    assert main(["count", "--data", str(data), "--out", str(tmp_path), "--vocab-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().count("\n") == 0 and "out of range" in err
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "Example" in capsys.readouterr().out
 
 
 # -- the drafter ----------------------------------------------------------------------------------------------
@@ -313,7 +318,7 @@ def test_build_applies_the_setting_and_errors_are_one_line(tiny, tmp_path):
 def test_multiprocess_run_with_missing_counts_is_one_error(tiny, tmp_path):
     full, cfg, splits, _ = tiny
     bare = save_eagle_head(init_untrained_head(cfg).double(), tmp_path / "bare")
-    r = launch(3, [f"model.stage_dir={splits[3]}", "dtype=float64", "max_new_tokens=4", "comm.timeout_s=30",
+    r = launch(2, [f"model.stage_dir={splits[2]}", "dtype=float64", "max_new_tokens=4", "comm.timeout_s=30",
                    f"head_dir={bare}", "model.draft_vocab=8", "--prompt-ids", "1,5,9", "--modes", "naive",
                    "--output", str(tmp_path / "o.jsonl"), "--quiet"], check=False, timeout=300)
     assert r.returncode != 0

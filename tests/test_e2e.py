@@ -117,39 +117,34 @@ def test_smollm2_default_all_modes_equal_hf(tmp_path, smollm2):
     _check_against_hf(rows, full, 20, stop, torch.float32, 5 * len(prompts))
 
 
-def test_smollm2_broad_head_equals_hf(tmp_path, smollm2):
-    """The alternate shipped head (draft/heads/SmolLM2-135M-Instruct-broad) loads by head_dir= and keeps greedy
-    output equal to HF in the two tree modes that use it most differently (one tree per round / continuous)."""
+def test_smollm2_broad_head_over_a_reduced_draft_vocabulary_equals_hf(tmp_path, smollm2):
+    """Two claims, one 5-rank launch (each launch loads SmolLM2 in five processes):
+
+    * the alternate shipped head (draft/heads/SmolLM2-135M-Instruct-broad) loads by head_dir= and keeps greedy output
+      equal to HF in the two tree modes that use it most differently (one tree per round / continuous), and drafts;
+    * a head drafting over the 8192 tokens SmolLM2 emits most (``model.draft_vocab``, the counts shipped beside the
+      head) keeps greedy output equal to HF and still drafts (a token outside the vocabulary is simply never
+      proposed; verification reads the whole vocabulary).
+
+    The default head over the whole vocabulary is :func:`test_smollm2_default_all_modes_equal_hf`'s run."""
     from config.paths import HEADS
-    full, stages, chat, stop = smollm2
-    prompts = [chat(t) for t in ("Translate into French: The library opens at nine.",
-                                 "List three prime numbers and say why they are prime.")]
-    head = HEADS / "SmolLM2-135M-Instruct-broad"
-    rows = _run(5, stages, tmp_path / "out.jsonl", prompts, 16, (f"head_dir={head}",), modes="naive,continuous",
-                dtype="float32")
-    _check_against_hf(rows, full, 16, stop, torch.float32, 2 * len(prompts))
-    naive = [r for r in rows if r["mode"] == "naive"]
-    assert all(r["tau"] > 1.2 for r in naive), [r["tau"] for r in naive]   # it drafts: a random head gives ~1.0
-
-
-def test_smollm2_reduced_draft_vocabulary_equals_hf(tmp_path, smollm2):
-    """The default head drafting over the 8192 tokens SmolLM2 emits most (``model.draft_vocab``, the counts shipped
-    beside the head) keeps greedy output equal to HF and still drafts (a token outside the vocabulary is simply
-    never proposed; verification reads the whole vocabulary)."""
     full, stages, chat, stop = smollm2
     prompts = [chat(t) for t in ("Translate into French: The library opens at nine.",
                                  "List three prime numbers and say why they are prime.")]
     out = tmp_path / "out.jsonl"
     args = [f"model.stage_dir={stages}", "dtype=float32", "max_new_tokens=16", "comm.timeout_s=60",
-            "model.draft_vocab=8192", "--modes", "naive,continuous", "--output", str(out)]
+            f"head_dir={HEADS / 'SmolLM2-135M-Instruct-broad'}", "model.draft_vocab=8192",
+            "--modes", "naive,continuous", "--output", str(out)]
     for p in prompts:
         args += ["--prompt-ids", ",".join(map(str, p))]
     r = launch(5, args, timeout=600)
     assert "drafting over the 8192 most frequent of 49152 tokens and the context" in r.stderr
     rows = read_jsonl(out)
     _check_against_hf(rows, full, 16, stop, torch.float32, 2 * len(prompts))
-    assert all(r["tau"] > 1.2 for r in rows if r["mode"] == "naive"), [r["tau"] for r in rows]
+    naive = [r for r in rows if r["mode"] == "naive"]
+    assert all(r["tau"] > 1.2 for r in naive), [r["tau"] for r in naive]   # it drafts: a random head gives ~1.0
     assert all(r["config"]["model.draft_vocab"] == 8192 for r in rows)
+    assert all("SmolLM2-135M-Instruct-broad" in str(r["config"]["model.head_dir"]) for r in rows)
 
 
 @pytest.mark.skipif(not STORIES.is_dir(), reason="../shared is not available")
@@ -174,14 +169,17 @@ def test_plain_torchrun_still_launches_the_ranks(tmp_path):
 @pytest.mark.skipif(not STORIES.is_dir(), reason="../shared is not available")
 def test_stop_strings_cut_every_mode_at_the_same_token(tmp_path):
     """gen.stop ends the answer on the token that completes the first stop string, identically in every mode:
-    the cut equals the one computed independently on the unstopped ar answer (full decode, token by token)."""
+    the cut equals the one computed independently on the unstopped answer (HF greedy, which every mode equals:
+    the tests above; full decode, token by token)."""
     from transformers import AutoTokenizer
+    from model.prompts import chat_prompt_ids
     stages = split_checkpoint(STORIES, tmp_path / "stages", [0, 3, 2], progress=False)
     tok = AutoTokenizer.from_pretrained(STORIES)
+    prompt = "Once upon a time, there was a little girl named Lily. She"
     base = ["model.stage_dir=" + str(stages), f"head_dir=oracle:{STORIES}", "max_new_tokens=48", "--quiet",
-            "--template", "raw", "--prompt", "Once upon a time, there was a little girl named Lily. She"]
-    launch(3, [*base, "--modes", "ar", "--output", str(tmp_path / "free.jsonl")], timeout=600)
-    free = read_jsonl(tmp_path / "free.jsonl")[0]["output_ids"]
+            "--template", "raw", "--prompt", prompt]
+    ids = chat_prompt_ids(tok, [prompt], [], template="raw")
+    free = hf_greedy(STORIES, ids, 48, {2})
     text = tok.decode(free, skip_special_tokens=True)
     words = [w for w in text.split() if len(w) >= 3]
     assert len(words) > 4, text
@@ -191,4 +189,4 @@ def test_stop_strings_cut_every_mode_at_the_same_token(tmp_path):
     rows = read_jsonl(tmp_path / "stop.jsonl")
     assert len(rows) == 5
     for r in rows:
-        assert r["output_ids"] == free[:cut], (r["mode"], stop)
+        assert r["prompt_ids"] == ids and r["output_ids"] == free[:cut], (r["mode"], stop)

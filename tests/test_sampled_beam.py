@@ -14,7 +14,7 @@ from draft.protocol import can_extend
 from draft.tree import check_tree
 from tests.test_sampling import (BranchingSampler, MarkovDrafter, ROOT, V, exact_law, make_world, target_law,
                                  total_variation)
-from tests.multidraft_common import draft_draws, make_merged_runner, sparse_draft
+from tests.multidraft_common import assert_merged_law, draft_draws, make_merged_runner, sparse_draft
 
 
 class SampledBeam(MarkovDrafter):
@@ -67,12 +67,7 @@ def test_exact_law_sampled_beam_trees(mode, world, temp, top_p, overrides, with_
             assert all(len(lst) == len({c for c, _ in lst}) for lst in t.proposals), "a child drawn twice"
         return t
     drafter.grow_tree = counting_grow
-    law, _ = exact_law(make_merged_runner(mode, world, target, drafter, sampler, 2, overrides), sampler,
-                       max_runs=60000)
-    ref = target_law(sampler, target, 2)
-    assert abs(sum(law.values()) - 1.0) < 1e-6 and set(law) <= set(ref)
-    worst = max(abs(law.get(k, 0.0) - w) for k, w in ref.items())
-    assert worst < 1e-6, f"{mode}: |law - target| up to {worst:.3g}"
+    assert_merged_law(mode, world, target, drafter, sampler, overrides, max_runs=60000)
     if mode != "pipedec":
         assert seen["sampled"] > 0 and (seen["several"] > 0 or overrides.get("tree.top_k") == 1), seen
 

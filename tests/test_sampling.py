@@ -333,6 +333,15 @@ def exact_law(run, sampler: BranchingSampler, max_runs: int = 5000) -> tuple[dic
     return dict(law), runs
 
 
+def assert_target_law(law: dict, ref: dict, what: str) -> None:
+    """``law`` (:func:`exact_law`'s) is ``ref`` (:func:`target_law`'s): it sums to one, emits no zero-probability
+    sequence, and every sequence's probability is within 1e-6 of the target's."""
+    assert abs(sum(law.values()) - 1.0) < 1e-6
+    assert set(law) <= set(ref), "a zero-probability sequence was emitted"
+    worst = max(abs(law.get(k, 0.0) - w) for k, w in ref.items())
+    assert worst < 1e-6, f"{what}: |law - target| up to {worst:.3g} (TV {total_variation(law, ref):.3g})"
+
+
 # (mode, world, T, top_p, top_k, draft, horizon, overrides, events that must happen before the horizon)
 EXACT_CASES = [
     ("ar", 3, 1.0, 1.0, 0, "random", 3, {}, ()),
@@ -372,10 +381,7 @@ def test_exact_law_every_mode(mode, world, temp, top_p, top_k, draft, horizon, o
     run = make_runner(mode, world, tables, sampler, horizon, overrides, early)
     law, runs = exact_law(run, sampler)
     ref = target_law(sampler, tables[0], horizon)
-    assert abs(sum(law.values()) - 1.0) < 1e-6
-    assert set(law) <= set(ref), "a zero-probability sequence was emitted"
-    worst = max(abs(law.get(k, 0.0) - w) for k, w in ref.items())
-    assert worst < 1e-6, f"{mode}: |law - target| up to {worst:.3g} (TV {total_variation(law, ref):.3g})"
+    assert_target_law(law, ref, mode)
     seen = dict(run.ring.events)
     print(mode, runs, seen, getattr(run.cont, "appended", None), len(law), len(ref))
     if run.cont is not None:
@@ -428,9 +434,7 @@ def test_exact_law_reduced_draft_vocabulary(mode, world, temp, draft, overrides)
     d = ReducedVocabDrafter(tables[1], REDUCED_VOCAB)
     run = make_runner(mode, world, tables, sampler, 2, overrides, drafter=d)
     law, _ = exact_law(run, sampler)
-    ref = target_law(sampler, tables[0], 2)
-    worst = max(abs(law.get(k, 0.0) - w) for k, w in ref.items())
-    assert worst < 1e-6, f"{mode}: |law - target| up to {worst:.3g}"
+    assert_target_law(law, target_law(sampler, tables[0], 2), mode)
     assert any(x not in REDUCED_VOCAB for seq in law for x in seq), "tokens outside the draft vocabulary vanished"
     tree = d.grow_tree(ROOT, enc(ROOT), 7, 2, 3)
     assert set(tree.tokens[1:].tolist()) <= set(REDUCED_VOCAB)      # the draft proposes its vocabulary only
@@ -827,10 +831,8 @@ def test_exact_law_with_a_drafter_that_changes_between_rounds(mode, world, temp,
     sampler = BranchingSampler(temp, top_p, 0, horizon)
     run = make_online_runner(mode, world, target, _draft_tables(4), sampler, horizon, {})
     law, runs = exact_law(run, sampler)
-    ref = target_law(sampler, target, horizon)
     assert run.od.swaps > runs, "the head did not change between rounds"
-    worst = max(abs(law.get(k, 0.0) - w) for k, w in ref.items())
-    assert worst < 1e-6, f"{mode}: |law - target| up to {worst:.3g}"
+    assert_target_law(law, target_law(sampler, target, horizon), mode)
 
 
 def test_broken_verifier_fails_exact_law_with_a_changing_drafter(monkeypatch):

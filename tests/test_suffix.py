@@ -296,8 +296,8 @@ def _suffix_world():
     ("pruned", 3, 0.7, 1.0, {"tree.init_topk": 1}),
 ])
 def test_exact_law_with_the_suffix_source(mode, world, temp, top_p, overrides):
-    from tests.multidraft_common import make_merged_runner
-    from tests.test_sampling import BranchingSampler, MarkovDrafter, exact_law, make_world, target_law
+    from tests.multidraft_common import assert_merged_law
+    from tests.test_sampling import BranchingSampler, MarkovDrafter, make_world
     target, det = make_world(11, "random", 1.5)
     sampler = BranchingSampler(temp, top_p, 0, 2)
     suf = _suffix_world()
@@ -310,10 +310,7 @@ def test_exact_law_with_the_suffix_source(mode, world, temp, top_p, overrides):
         proposed[len(t) > 1] += 1
         return t
     suf.grow_tree = grow
-    law, runs = exact_law(make_merged_runner(mode, world, target, drafter, sampler, 2, overrides), sampler)
-    ref = target_law(sampler, target, 2)
-    worst = max(abs(law.get(k, 0.0) - w) for k, w in ref.items())
-    assert worst < 1e-6, f"{mode}: |law - target| up to {worst:.3g}"
+    assert_merged_law(mode, world, target, drafter, sampler, overrides)
     assert proposed[True] > 0, "the suffix source never proposed"
 
 

@@ -165,8 +165,8 @@ def _shaped_drafter(det, with_suffix: bool):
     ("pruned", 3, 1.3, 1.0, {}, False),
 ])
 def test_exact_law_with_shaped_trees(mode, world, temp, top_p, overrides, with_suffix):
-    from tests.multidraft_common import make_merged_runner
-    from tests.test_sampling import BranchingSampler, exact_law, target_law
+    from tests.multidraft_common import assert_merged_law
+    from tests.test_sampling import BranchingSampler
     target, det = make_world(11, "random", 1.5)
     sampler = BranchingSampler(temp, top_p, 0, 2)
     drafter = _shaped_drafter(det, with_suffix)
@@ -190,10 +190,7 @@ def test_exact_law_with_shaped_trees(mode, world, temp, top_p, overrides, with_s
         differs[not same(out[0], ref[0])] += 1
         return out
     drafter.extend_tree = extend
-    law, runs = exact_law(make_merged_runner(mode, world, target, drafter, sampler, 2, overrides), sampler)
-    ref = target_law(sampler, target, 2)
-    worst = max(abs(law.get(k, 0.0) - w) for k, w in ref.items())
-    assert worst < 1e-6, f"{mode}: |law - target| up to {worst:.3g}"
+    assert_merged_law(mode, world, target, drafter, sampler, overrides)
     assert differs[True] > 0, "the shape never changed a tree: the test would not see it"
 
 

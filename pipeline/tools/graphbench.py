@@ -28,12 +28,12 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 from config.invocation import prog
+from pipeline.tools.callbench import check_args, md_table, run_setup, where, write_json
 
 
 class GraphBenchError(ValueError):
@@ -60,14 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", help="also write the table as JSON here")
     p.add_argument("overrides", nargs="*", help="key=value run overrides (model.stage_dir, model.head_dir, tree.*)")
     args = p.parse_args(argv)
-    if args.repeat < 1 or args.blocks < 1 or args.ctx < 1:
-        p.error("--repeat, --blocks and --ctx must be >= 1")
-    try:
-        args.rows = [int(r) for r in args.rows.split(",")]
-    except ValueError:
-        p.error(f"--rows takes comma-separated integers, got {args.rows!r}")
-    if any(r < 1 for r in args.rows) or args.stage < 2:
-        p.error("--rows must be >= 1 and --stage >= 2")
+    check_args(p, args)
     return args
 
 
@@ -209,31 +202,16 @@ def table(rows: list[dict], header: str) -> str:
     counted = "dynamic_ops" in rows[0]
     cols = ["dynamic, ms", "static, ms", "static / dynamic"] + (
         ["dynamic aten ops", "static aten ops", "aten ops with graphs"] if counted else [])
-    out = [header, "", "| call | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for r in rows:
-        cells = [f"{r['dynamic_ms']:.3f}", f"{r['static_ms']:.3f}", str(r["static_vs_dynamic"])]
-        if counted:
-            cells += [str(r["dynamic_ops"]), str(r["static_ops"]), str(r["graph_ops"])]
-        out.append(f"| {r['call']} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
+    return md_table(header, cols, [
+        (r["call"], [f"{r['dynamic_ms']:.3f}", f"{r['static_ms']:.3f}", str(r["static_vs_dynamic"])]
+         + ([str(r["dynamic_ops"]), str(r["static_ops"]), str(r["graph_ops"])] if counted else [])) for r in rows])
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        import torch
-
-        from config.run_config import DEFAULT, ConfigError, apply_overrides
-        from model.default_model import resolve_stage_root
         from pipeline.build import SetupError
-        try:
-            cfg = apply_overrides(DEFAULT, args.overrides)
-        except ConfigError as e:
-            raise GraphBenchError(str(e)) from None
-        if args.device.startswith("cuda") and not torch.cuda.is_available():
-            raise GraphBenchError(f"--device {args.device}: no CUDA device here")
-        torch.set_num_threads(args.threads)
-        stage_root = resolve_stage_root(cfg.model.stage_dir)
+        cfg, stage_root = run_setup(args, GraphBenchError)
         try:
             calls, toggle, check, kind, counted = _setup(args, cfg, stage_root)
         except SetupError as e:
@@ -243,16 +221,13 @@ def main(argv=None) -> int:
     except GraphBenchError as e:
         print(f"graphbench: error: {e}", file=sys.stderr)
         return 2
-    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU, {args.threads} thread(s)"
-    header = (f"# Dynamic vs static shapes ({kind} executor; {stage_root.name}, {args.dtype}, {where}, context "
+    device = where(args)
+    header = (f"# Dynamic vs static shapes ({kind} executor; {stage_root.name}, {args.dtype}, {device}, context "
               f"{args.ctx}; median of {args.blocks} x {args.repeat} calls each; same draft tree: "
               f"{'yes' if same else 'NO'})")
     print(table(rows, header))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"device": where, "executor": kind, "stage_root": str(stage_root),
-                                               "dtype": args.dtype, "ctx": args.ctx, "same_tree": same,
-                                               "rows": rows}, indent=1) + "\n")
+    write_json(args.json, {"device": device, "executor": kind, "stage_root": str(stage_root), "dtype": args.dtype,
+                           "ctx": args.ctx, "same_tree": same, "rows": rows})
     return 0 if same else 3
 
 

@@ -35,12 +35,12 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 from config.invocation import prog
+from pipeline.tools.callbench import check_args, md_table, run_setup, where, write_json
 
 
 class LayerBenchError(ValueError):
@@ -74,16 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="key=value run overrides (model.stage_dir, model.head_dir, "
                    "draft.sources, tree.*)")
     args = p.parse_args(argv)
-    if args.repeat < 1 or args.blocks < 1 or args.ctx < 1:
-        p.error("--repeat, --blocks and --ctx must be >= 1")
-    try:
-        args.rows = [int(r) for r in args.rows.split(",")]
-    except ValueError:
-        p.error(f"--rows takes comma-separated integers, got {args.rows!r}")
-    if any(r < 1 for r in args.rows):
-        p.error("--rows must be >= 1")
-    if args.stage < 2:
-        p.error("--stage must be >= 2 (stage 1 takes token ids, rank 0 has no layers)")
+    check_args(p, args)
     if args.graphs is not None:
         from config.run_config import GRAPHS
         args.graphs = [g.strip() for g in args.graphs.split(",") if g.strip()]
@@ -425,36 +416,21 @@ def table(rows: list[dict], header: str) -> str:
     cols = (["transformers layers, ms", "lean layers, ms", "lean / transformers"] if timed else []) + \
         (["aten ops", "model ops", "device ops", "value reads", "syncs", "ops / level", "bookkeeping ops / level",
           "syncs / level"] if counted else [])
-    out = [header, "", "| call | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
-    for r in rows:
-        cells = [f"{r['transformers_ms']:.3f}", f"{r['lean_ms']:.3f}", str(r["lean_vs_transformers"])] if timed \
-            else []
-        if counted:
-            cells += [str(r["ops"]), str(r["model_ops"]), str(r["dev_ops"]), str(r["reads"]), str(r["syncs"]),
-                      str(r.get("ops_per_level", "")), str(r.get("bookkeeping_per_level", "")),
-                      str(r.get("syncs_per_level", ""))]
-        out.append(f"| {r['call']} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
+    return md_table(header, cols, [
+        (r["call"], ([f"{r['transformers_ms']:.3f}", f"{r['lean_ms']:.3f}", str(r["lean_vs_transformers"])]
+                     if timed else [])
+         + ([str(r["ops"]), str(r["model_ops"]), str(r["dev_ops"]), str(r["reads"]), str(r["syncs"]),
+             str(r.get("ops_per_level", "")), str(r.get("bookkeeping_per_level", "")),
+             str(r.get("syncs_per_level", ""))] if counted else [])) for r in rows])
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        import torch
-
-        from config.run_config import DEFAULT, ConfigError, apply_overrides
-        from model.default_model import resolve_stage_root
         from pipeline.build import SetupError
-        try:
-            cfg = apply_overrides(DEFAULT, args.overrides)
-        except ConfigError as e:
-            raise LayerBenchError(str(e)) from None
+        cfg, stage_root = run_setup(args, LayerBenchError)
         if cfg.osd.enabled:
             raise LayerBenchError("osd.enabled: an online drafter learns from every timed commit; time it without")
-        if args.device.startswith("cuda") and not torch.cuda.is_available():
-            raise LayerBenchError(f"--device {args.device}: no CUDA device here")
-        torch.set_num_threads(args.threads)
-        stage_root = resolve_stage_root(cfg.model.stage_dir)
         try:
             if args.graphs:
                 text, result = run_graphs(args, cfg, stage_root)
@@ -470,26 +446,22 @@ def main(argv=None) -> int:
     except LayerBenchError as e:
         print(f"layerbench: error: {e}", file=sys.stderr)
         return 2
-    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU, {args.threads} thread(s)"
+    device = where(args)
     if args.graphs:
         what = "operator counts" if args.count_only else \
             f"time (median of {args.blocks} x {args.repeat} calls each, {args.clock} clock) and operator counts"
         print(text.replace("{header}", f"# Per-call {what}, model.graphs={' vs '.join(args.graphs)}, lean layers "
-                                       f"({stage_root.name}, {args.dtype}, {where}, context {args.ctx})"))
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps({"device": where, "stage_root": str(stage_root), "dtype": args.dtype,
-                                                   "ctx": args.ctx, **result}, indent=1) + "\n")
+                                       f"({stage_root.name}, {args.dtype}, {device}, context {args.ctx})"))
+        write_json(args.json, {"device": device, "stage_root": str(stage_root), "dtype": args.dtype,
+                               "ctx": args.ctx, **result})
         return 0
-    header = (f"# Per-call time, transformers vs lean decoder layers ({stage_root.name}, {args.dtype}, {where}, "
+    header = (f"# Per-call time, transformers vs lean decoder layers ({stage_root.name}, {args.dtype}, {device}, "
               f"context {args.ctx}; median of {args.blocks} x {args.repeat} calls each, {args.clock} clock)") \
         if not args.count_only \
         else f"# Per-call operator counts, lean layers ({stage_root.name}, {args.dtype}, context {args.ctx})"
     print(table(rows, header))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"device": where, "stage_root": str(stage_root), "dtype": args.dtype,
-                                               "ctx": args.ctx, "rows": rows}, indent=1) + "\n")
+    write_json(args.json, {"device": device, "stage_root": str(stage_root), "dtype": args.dtype, "ctx": args.ctx,
+                           "rows": rows})
     return 0
 
 

@@ -29,6 +29,7 @@ import sys
 import time
 
 from config.invocation import prog
+from pipeline.tools.callbench import parse_rows
 from pipeline.tools.ranks import free_port
 
 
@@ -46,10 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.world < 2 or args.trips < 1 or args.hidden < 1:
         p.error("--world >= 2, --trips >= 1 and --hidden >= 1")
-    try:
-        args.rows = [int(r) for r in args.rows.split(",")]
-    except ValueError:
-        p.error(f"--rows takes comma-separated integers, got {args.rows!r}")
+    args.rows = parse_rows(p, args.rows)
     return args
 
 
