@@ -61,7 +61,10 @@ def summarize(points: list[dict], k: int) -> dict:
             "end_p1": mean([p["p1"] for p in ends]), "acc_p1": mean([p["p1"] for p in acc]),
             "end_head_top1": mean([float(p["head_rank"] == 0) for p in ends]),
             f"end_head_top{k}": mean([float(p["head_rank"] < k) for p in ends]),
-            "end_depth1": mean([float(p["depth"] == 1) for p in ends])}
+            "end_depth1": mean([float(p["depth"] == 1) for p in ends]),
+            "p1_ge_08": mean([float(p["p1"] >= 0.8) for p in points]),
+            "head_top1_if_p1_ge_08": mean([float(p["head_rank"] == 0) for p in points if p["p1"] >= 0.8]),
+            "head_top1_if_p1_lt_08": mean([float(p["head_rank"] == 0) for p in points if p["p1"] < 0.8])}
 
 
 @torch.no_grad()
@@ -114,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         by_cat[r["dataset"]].extend(measure_row(model, head, lm_head, r))
     k = args.k
     cols = ["tokens", "rounds", "tau", "p1", "p1_lt_05", "head_top1", f"head_top{k}", "acc_p1", "end_p1",
-            "end_head_top1", f"end_head_top{k}", "end_depth1"]
+            "end_head_top1", f"end_head_top{k}", "end_depth1", "p1_ge_08", "head_top1_if_p1_ge_08",
+            "head_top1_if_p1_lt_08"]
     lines = [f"rows: {label}, head {args.head_dir}", "", "| category | " + " | ".join(cols) + " |",
              "|---" * (len(cols) + 1) + "|"]
     for cat in sorted(by_cat):
