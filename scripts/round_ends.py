@@ -97,12 +97,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dir", default="draft/heads/SmolLM2-135M-Instruct")
     ap.add_argument("--k", type=int, default=10, help="top-k of the head's recall (the tree's top_k)")
     ap.add_argument("--out", default=None, help="write the markdown table here too")
+    ap.add_argument("--sets", default=None, help="only these datasets (comma-separated)")
     args = ap.parse_args(argv)
     from draft.eagle import load_eagle_head
     from draft.train.target import default_target, load_target, read_target_embeddings
     rows = [json.loads(line) for f in args.rows for line in Path(f).read_text().splitlines() if line.strip()]
     label = args.sources or (rows[0]["sources"] if rows else None)
     rows = [r for r in rows if r["sources"] == label and r.get("temperature", 0) == 0]
+    seen: set = set()
+    rows = [r for r in rows if not ((r["dataset"], tuple(r["prompt_ids"])) in seen
+                                    or seen.add((r["dataset"], tuple(r["prompt_ids"]))))]   # a prompt counts once
+    if args.sets:
+        rows = [r for r in rows if r["dataset"] in args.sets.split(",")]
     if not rows:
         print("round_ends: no T = 0 rows of that configuration", file=sys.stderr)
         return 2
