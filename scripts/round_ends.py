@@ -101,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from draft.eagle import load_eagle_head
     from draft.train.target import default_target, load_target, read_target_embeddings
-    rows = [json.loads(line) for f in args.rows for line in Path(f).read_text().splitlines() if line.strip()]
+    try:
+        rows = [json.loads(line) for f in args.rows for line in Path(f).read_text().splitlines() if line.strip()]
+    except (OSError, ValueError) as e:
+        print(f"round_ends: error: {e}", file=sys.stderr)
+        return 2
     label = args.sources or (rows[0]["sources"] if rows else None)
     rows = [r for r in rows if r["sources"] == label and r.get("temperature", 0) == 0]
     seen: set = set()
