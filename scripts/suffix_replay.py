@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from draft.lookup import LookupDrafter
-from draft.suffix import SuffixDrafter, SuffixStore
+from draft.suffix import SuffixDrafter, SuffixStore, corpus_automaton
 
 V = 2 ** 24 - 1      # any id fits; the drafters never build vocabulary-sized tensors here
 
@@ -50,10 +50,13 @@ def bucket(length: int) -> int:
     return length if length < 8 else (8 if length < 12 else (12 if length < 16 else 16))
 
 
-def replay(rows: list[dict], total: int, depth: int, deep: int) -> dict:
+def replay(rows: list[dict], total: int, depth: int, deep: int, corpus=None) -> dict:
+    """``corpus``: a static corpus automaton (``draft.suffix_corpus``); with it a fourth drafter, the suffix source
+    with the process store and the corpus, is replayed too (its own store, filled as the others')."""
     store = SuffixStore(32768)
     suffix = SuffixDrafter(V, store=store, threshold=10 ** 6)          # one prior: the ranking is by counts alone
     plain = SuffixDrafter(V)
+    with_corpus = SuffixDrafter(V, store=SuffixStore(32768), corpus=corpus, threshold=10 ** 6) if corpus else None
     by_len = defaultdict(lambda: [0, 0])
     accepted = defaultdict(lambda: [0, 0])
     times = defaultdict(list)
@@ -61,6 +64,8 @@ def replay(rows: list[dict], total: int, depth: int, deep: int) -> dict:
         p, out, ds = r["prompt_ids"], r["output_ids"], r["dataset"]
         look = LookupDrafter(V)
         drafters = {"lookup": look, "suffix": suffix, "suffix (no store)": plain}
+        if corpus is not None:
+            drafters["suffix + corpus"] = with_corpus
         for name, d in drafters.items():
             t0 = time.perf_counter()
             d.start(p, out[0], None)
@@ -105,6 +110,8 @@ def main(argv=None) -> int:
     ap.add_argument("--total", type=int, default=60, help="tree budget (nodes, root included)")
     ap.add_argument("--depth", type=int, default=5, help="the tree's depth (trie levels: depth + 1)")
     ap.add_argument("--deep", type=int, default=12, help="trie levels of the deeper variant")
+    ap.add_argument("--corpus", default=None, help="a draft.suffix_corpus file of token_ids records: also replay the "
+                                                   "suffix source with it")
     args = ap.parse_args(argv)
     rows = []
     for f in args.rows:
@@ -117,7 +124,14 @@ def main(argv=None) -> int:
         print("suffix_replay: error: no rows", file=sys.stderr)
         return 2
     rows = [r for r in rows if r.get("sources") == rows[0].get("sources")]
-    res = replay(rows, args.total, args.depth, args.deep)
+    corpus = None
+    if args.corpus:
+        try:
+            corpus = corpus_automaton(args.corpus, lambda text: [])   # token_ids records need no tokenizer
+        except ValueError as e:                                        # SourceError: one line
+            print(f"suffix_replay: error: {e}", file=sys.stderr)
+            return 2
+    res = replay(rows, args.total, args.depth, args.deep, corpus)
     print("| match length | copied token right / tried |\n|---|---|")
     for b in sorted(res["by_len"]):
         ok, n = res["by_len"][b]

@@ -9,7 +9,8 @@ Every configuration runs mode ``naive`` (or ``--mode``) at the same tree budget 
 depth 5, top-k 10) through the in-process ring (:mod:`pipeline.inprocess`: the real stage worker, engine and
 modes in one process), on the first turn of records ``[--begin, --end)`` of each set: the six evaluation sets
 (``config.paths.DATASETS``) and the held-out prompt kinds written here (``translation``, ``rag``, ``extraction``,
-``roleplay``: ``--sets heldout`` names all four; their first ``end - begin`` prompts). Rows go to
+``roleplay``: ``--sets heldout`` names all four; five prompts each, records 30..34; a range starting below 30
+takes their first ``end - begin`` prompts). Rows go to
 ``OUT/rows.jsonl`` as each set finishes (one per generation, with ``prompt_ids``/``output_ids``, so
 ``python -m pipeline.tools.simulate OUT/rows.jsonl --modes naive draft.sources=...`` replays them under an
 emulation profile); a rerun skips the (configuration, set) pairs already there. ``OUT/summary.csv`` and the
@@ -104,10 +105,22 @@ def expand_sets(names: list[str]) -> list[str]:
     return list(dict.fromkeys(k for n in names for k in groups.get(n, [n])))
 
 
+HELDOUT_FIRST = 30     # the held-out kinds' prompts are records 30, 31, ... (the six sets' held-out range)
+
+
+def heldout_slice(prompts: list[str], begin: int, end: int) -> list[str]:
+    """Records ``[begin, end)`` of a held-out kind: prompt ``i`` is record ``HELDOUT_FIRST + i``, so that two runs
+    over disjoint record ranges never measure the same prompt twice (``--begin 32 --end 33`` is the third prompt).
+    Ranges starting below ``HELDOUT_FIRST`` (calibration runs) take the first ``end - begin`` prompts, as before."""
+    if begin >= HELDOUT_FIRST:
+        return prompts[begin - HELDOUT_FIRST:max(0, end - HELDOUT_FIRST)]
+    return prompts[:max(0, end - begin)]
+
+
 def load_prompts(data: Path, name: str, begin: int, end: int, tok) -> list[list[int]]:
     from model.prompts import chat_prompt_ids
     if name in HELDOUT:
-        return [chat_prompt_ids(tok, [t], [], "", "auto") for t in HELDOUT[name][:max(0, end - begin)]]
+        return [chat_prompt_ids(tok, [t], [], "", "auto") for t in heldout_slice(HELDOUT[name], begin, end)]
     path = data / name / "question.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (--data points at a folder of <dataset>/question.jsonl)")

@@ -1,0 +1,104 @@
+"""draft.train.corpus: a static suffix corpus from a self-distilled ``data`` file (the target's answers as token ids),
+read back by draft.suffix; and drafter_bench's numbering of the held-out kinds' prompts (records 30..)."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from draft.suffix import SuffixDrafter, corpus_automaton, read_corpus
+from draft.train.corpus import answer_spans, main, write_corpus
+from pipeline.tools.drafter_bench import HELDOUT, heldout_slice
+
+
+def spans_ok(spans, ids, mask, stops) -> bool:
+    """The invariant of answer_spans: disjoint, in-order contiguous slices under mask 1 that, with the stops each
+    one lost at its end, make up every masked token."""
+    runs, cur = [], []
+    for t, m in zip(ids, mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    kept = [r for r in runs if r]
+    j = 0
+    for s in spans:
+        while j < len(kept) and kept[j][:len(s)] != s:
+            j += 1
+        if j == len(kept):
+            return False
+        rest = kept[j][len(s):]
+        if any(t not in stops for t in rest):
+            return False
+        j += 1
+    return True
+
+
+def test_answer_spans_are_the_masked_runs_without_trailing_stops():
+    ids = [9, 1, 5, 6, 2, 1, 7, 8, 2, 2, 3, 4]
+    mask = [0, 0, 1, 1, 1, 0, 1, 1, 1, 1, 0, 1]
+    assert answer_spans(ids, mask, stop_ids=(2,)) == [[5, 6], [7, 8], [4]]
+    assert answer_spans(ids, mask, stop_ids=(2,), min_len=2) == [[5, 6], [7, 8]]
+    assert answer_spans(ids, mask) == [[5, 6, 2], [7, 8, 2, 2], [4]]
+    with pytest.raises(ValueError, match="differ in length"):
+        answer_spans([1, 2], [1])
+    rng = random.Random(3)
+    for _ in range(200):
+        n = rng.randrange(0, 30)
+        ids = [rng.randrange(0, 6) for _ in range(n)]
+        mask = [rng.randrange(0, 2) for _ in range(n)]
+        assert spans_ok(answer_spans(ids, mask, (2,)), ids, mask, {2})
+
+
+def test_the_invariant_check_catches_a_planted_bug():
+    """A builder that joins neighbouring answers (forgets to cut at mask 0) must fail the invariant check."""
+    def joined(ids, mask, stops):
+        return [[t for t, m in zip(ids, mask) if m]]
+    ids, mask = [5, 6, 0, 7, 8], [1, 1, 0, 1, 1]
+    assert spans_ok(answer_spans(ids, mask, ()), ids, mask, set())
+    assert not spans_ok(joined(ids, mask, ()), ids, mask, set())
+
+
+def test_written_corpus_is_read_back_and_proposes_an_answer(tmp_path, capsys):
+    recs = [{"input_ids": [1, 40, 41, 2, 1, 42, 10, 11, 12, 13, 2], "loss_mask": [0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1]},
+            {"input_ids": [1, 43, 2, 1, 42, 20, 21, 22, 23, 24, 2], "loss_mask": [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1]}]
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = tmp_path / "corpus.jsonl"
+    assert main([str(raw), "--out", str(out)]) == 0
+    assert "2 answers, 9 tokens" in capsys.readouterr().out
+    docs = read_corpus(out, lambda s: pytest.fail("token ids need no tokenizer"))
+    assert docs == [[10, 11, 12, 13], [20, 21, 22, 23, 24]]
+    assert write_corpus(recs, tmp_path / "c2.jsonl", stop_ids=(2,), min_len=5) == (1, 5)
+    d = SuffixDrafter(64, corpus=corpus_automaton(out, list), threshold=2)
+    h = d.start([5, 20, 21], 22, None)            # the request repeats a corpus answer's start
+    assert d.match_lengths()[-1] == 3 and int(h[0]) == 23
+    assert main([str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 2
+    assert "FileNotFoundError" in capsys.readouterr().err
+
+
+def test_heldout_records_are_numbered_from_30():
+    p = HELDOUT["translation"]
+    assert heldout_slice(p, 30, 33) == p[:3]
+    assert heldout_slice(p, 32, 33) == [p[2]]                 # was p[0] again: the same prompt measured twice
+    assert heldout_slice(p, 30, 32) + heldout_slice(p, 32, 35) == p
+    assert heldout_slice(p, 0, 4) == p[:4]                    # calibration ranges below 30: the first prompts
+    assert heldout_slice(p, 40, 45) == []
+
+
+def test_round_marks_put_one_end_per_round_at_its_depth():
+    from scripts.round_ends import round_marks, summarize
+    marks = round_marks([3, 1, 2], 7)           # 6 committed tokens after the prefill's
+    assert marks == [(1, 0, False), (2, 0, False), (3, 0, True), (1, 1, True), (1, 2, False), (2, 2, True)]
+    assert sum(e for _, _, e in marks) == 3
+    with pytest.raises(ValueError, match="do not cover"):
+        round_marks([3, 1, 2], 8)              # a planted miscount: the rows' lengths must add up
+    pts = [{"p1": 0.9, "head_rank": 0, "is_end": False, "depth": 1},
+           {"p1": 0.3, "head_rank": 12, "is_end": True, "depth": 2}]
+    s = summarize(pts, 10)
+    assert s["tau"] == 2 and s["head_top1"] == 0.5 and s["end_head_top10"] == 0 and s["end_p1"] == 0.3
+    assert s["head_top1_if_p1_ge_08"] == 1 and s["head_top1_if_p1_lt_08"] == 0
