@@ -34,6 +34,9 @@ Protocol rules with several lanes (the *why* is in the module docstrings named):
 * ``Stats``: per lane: a lane's trip reports each stage's busy seconds since that lane's previous trip
   (:class:`pipeline.worker.BusyMarks`), i.e. over its own decode window, other lanes' work included;
   meter counters (the testbed's fidelity counters) go to whichever lane's trip collects them;
+* ``Fork`` (a shared prompt prefill, :class:`SharedPrefill`): the one message that reads another lane's state (a
+  holder lane's committed prefix, only read, never changed); it is sent while that lane's generation runs, so the
+  ring's FIFO order brings it to every stage after the holder's prefill and before anything that resets it;
 * ``Shutdown``: global (:meth:`LaneMux.shutdown`), after every lane's generation has ended;
 * stage memory: a stage allocates a lane's KV cache at the lane's first message and keeps it for reuse, so a
   server with ``serve.max_active = n`` holds at most ``n`` caches of ``model.max_seq_len`` slots per stage.

@@ -108,6 +108,9 @@ def parse_args(argv: list[str] | None = None, one_line: bool = False) -> argpars
     p.add_argument("--warmup", type=int, default=0, help="untimed warm-up generations per mode before serving")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn access log)")
     p.add_argument("--no-http", action="store_true", help="no HTTP server (in-process API only: main(client=...))")
+    p.add_argument("--no-share-prefill", action="store_true",
+                   help="n > 1: every choice prefills the prompt itself (default: with serve.max_active > 1 the "
+                        "choices share one prefill, pipeline.lanes.SharedPrefill; for measurements)")
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                    help=f"largest request body accepted (default {MAX_BODY_BYTES}); larger: HTTP 413")
     p.add_argument("--max-prompt-chars", type=int, default=0,
@@ -424,6 +427,7 @@ class RequestManager:
         self.last_busy = [0.0] * world
         self.live: list[Request] = []          # every request not yet final (for the fatal hook)
         self.fingerprint = fingerprint         # system_fingerprint of the responses (system_fingerprint())
+        self.share_prefill = True              # n > 1: the choices share one prefill (--no-share-prefill: off)
         self.registry, self.hist = metrics_registry(self)
 
     # -- submission -----------------------------------------------------------------------------------
@@ -571,7 +575,7 @@ class RequestManager:
                                 f"{n} asked for); retry later")
             reqs = [Request(next(self._seq), ids, dataclasses.replace(params, seed=choice_seed(params.seed, i)),
                             self.decode, self.stop_ids, index=i) for i in range(n)]
-            if n > 1:
+            if n > 1 and self.share_prefill:
                 from pipeline.lanes import SharedPrefill
                 share = SharedPrefill(ids)
                 for r in reqs:
@@ -737,6 +741,7 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     manager = RequestManager(tokenizer, stop_ids, modes, default_mode, cfg, model.config, comm.world,
                              sargs.queue_size, name, sargs.template, sargs.max_prompt_chars,
                              system_fingerprint(cfg, stage_root, modes, sargs.template, comm.world))
+    manager.share_prefill = not sargs.no_share_prefill
     faults.on_fatal(manager.fail_all)
     global _graceful_stop
     _graceful_stop = manager.begin_stop   # SIGTERM from here on: a graceful stop (graceful_signals)
