@@ -9,7 +9,8 @@ Starts one server per setting (``serve.max_active=--max-active``; ``shared``: th
 ``--no-share-prefill``), sends the first turns of records [0, n) one at a time as chat requests with ``n=--choices``,
 greedy, and prints one Markdown row per setting: each choice's median / mean server-side TTFT (request submitted
 to its first committed token), its median prefill time, how many choices started from a ``Fork``, the median
-request wall time, and whether every choice's tokens equal choice 0's and the other setting's.
+request wall time, whether every choice's tokens equal choice 0's and the first setting's, and the emulated
+testbed's worst overrun ratio; then, per request, the later choices' TTFT minus choice 0's in each setting.
 """
 from __future__ import annotations
 
@@ -40,14 +41,22 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="config overrides for the servers (e.g. max_new_tokens=16)")
-    p.add_argument("--prompts-file", required=True)
+    p.add_argument("--prompts-file", help="question.jsonl (required unless --tables)")
     p.add_argument("-n", type=int, default=4, help="first turns of records [0, n)")
     p.add_argument("--choices", type=int, default=2, help="n of every request (default 2)")
     p.add_argument("--max-active", type=int, default=2, help="serve.max_active (default 2)")
     p.add_argument("--mode", default="continuous")
     p.add_argument("--settings", default="shared,own", help="shared (default server), own (--no-share-prefill)")
     p.add_argument("--out", default=None, help="write the raw rows as JSON here")
+    p.add_argument("--tables", default=None, help="print the tables of an --out file and exit (no server)")
     args = p.parse_args(argv)
+    if args.tables:
+        with open(args.tables) as f:
+            saved = json.load(f)
+        print_tables(saved["raw"], saved["mode"], saved["choices"], saved["max_active"])
+        return 0
+    if not args.prompts_file:
+        p.error("--prompts-file is required (unless --tables)")
     from model.default_model import ensure_default_stages
     from model.prompts import load_questions
     from pipeline.tools.ranks import launcher_command
@@ -77,26 +86,40 @@ def main(argv=None) -> int:
             srv.wait(60)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(raw, f, indent=1)
+            json.dump({"choices": args.choices, "max_active": args.max_active, "mode": args.mode, "raw": raw}, f,
+                      indent=1)
+    print_tables(raw, args.mode, args.choices, args.max_active)
+    return 0
+
+
+def print_tables(raw: dict[str, list], mode: str, choices: int, max_active: int) -> None:
+    """The Markdown tables of ``raw`` (setting -> the requests' answers; module docstring)."""
     med, mean = statistics.median, statistics.mean
     first = next(iter(raw.values()))
-    print(f"mode `{args.mode}`, n={args.choices}, serve.max_active={args.max_active}, {len(recs)} requests, greedy\n")
-    head = " | ".join(f"choice {i} TTFT median / mean (s)" for i in range(args.choices))
+    print(f"mode `{mode}`, n={choices}, serve.max_active={max_active}, {len(first)} requests, greedy\n")
+    head = " | ".join(f"choice {i} TTFT median / mean (s)" for i in range(choices))
     print(f"| setting | {head} | prefill median (s), choice 0 / others | forked choices | request wall median (s) "
-          f"| choices equal | equal to `{next(iter(raw))}` |")
-    print("|---|" + "---|" * (args.choices + 5))
+          f"| choices equal | equal to `{next(iter(raw))}` | worst overrun |")
+    print("|---|" + "---|" * (choices + 6))
     for setting, rows in raw.items():
         ttft = [" / ".join(f"{f(r['choices'][i]['ttft_s'] for r in rows):.2f}" for f in (med, mean))
-                for i in range(args.choices)]
+                for i in range(choices)]
         pre0 = med(r["choices"][0]["prefill_s"] for r in rows)
         pre1 = med(c["prefill_s"] for r in rows for c in r["choices"][1:])
         forked = sum(c.get("prefill_shared", False) for r in rows for c in r["choices"])
         equal = all(all(c["output_ids"] == r["choices"][0]["output_ids"] for c in r["choices"]) for r in rows)
         same = all(c["output_ids"] == d["output_ids"] for r, s in zip(rows, first)
                    for c, d in zip(r["choices"], s["choices"]))
-        print(f"| {setting} | {' | '.join(ttft)} | {pre0:.2f} / {pre1:.2f} | {forked} of {len(rows) * (args.choices - 1)} "
-              f"| {med(r['wall_s'] for r in rows):.1f} | {equal} | {same} |")
-    return 0
+        print(f"| {setting} | {' | '.join(ttft)} | {pre0:.2f} / {pre1:.2f} | {forked} of {len(rows) * (choices - 1)} "
+              f"| {med(r['wall_s'] for r in rows):.1f} | {equal} | {same} "
+              f"| {max(c.get('emu_overrun_ratio', 0.0) or 0.0 for r in rows for c in r['choices']):.2f} |")
+    print("\nper request: prompt tokens, and each setting's later choices' TTFT minus choice 0's (s)\n")
+    print("| prompt tokens | " + " | ".join(raw) + " |")
+    print("|---|" + "---|" * len(raw))
+    for j, r in enumerate(first):
+        gaps = [", ".join(f"{c['ttft_s'] - rows[j]['choices'][0]['ttft_s']:.2f}" for c in rows[j]["choices"][1:])
+                for rows in raw.values()]
+        print(f"| {len(r['choices'][0]['prompt_ids'])} | " + " | ".join(gaps) + " |")
 
 
 if __name__ == "__main__":
