@@ -1,4 +1,4 @@
-"""Time to first token of the ``n`` > 1 choices with and without a shared prefill (issue 46, docs/results.md §37).
+"""Time to first token of the ``n`` > 1 choices with and without a shared prefill (issue 46; docs/results.md).
 
 Example (the emulated edge testbed):
 

@@ -126,7 +126,8 @@ def run_choices(stage_root, mode: str, settings: list[GenSettings], lanes: int, 
             lane = r.pool.acquire()
             try:
                 hook = share.hook(lambda: forked.__setitem__(i, True)) if shared else None
-                outs[i] = timed_generation(r.pool.engines[lane], PROMPT, new_decoder(mode), settings[i], hook).output_ids
+                res = timed_generation(r.pool.engines[lane], PROMPT, new_decoder(mode), settings[i], hook)
+                outs[i] = res.output_ids
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 fails.append(e)
             finally:
@@ -200,7 +201,8 @@ def test_copy_prefix_to_rules():
     b.commit_forward(9, as_context=True)
     a.copy_prefix_to(b, 5)
     assert (b.context_len, b.length, b.num_tree) == (5, 5, 0)
-    assert torch.equal(b.keys[:, :, :, :5], a.keys[:, :, :, :5]) and torch.equal(b.values[:, :, :, :5], a.values[:, :, :, :5])
+    assert torch.equal(b.keys[:, :, :, :5], a.keys[:, :, :, :5])
+    assert torch.equal(b.values[:, :, :, :5], a.values[:, :, :, :5])
 
 
 def test_server_n2_shares_the_prefill(stages, tmp_path):
