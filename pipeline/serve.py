@@ -35,7 +35,8 @@ Invariants:
   characters (``--max-prompt-chars``, before tokenising), JSON of any depth (a 400, never a 500); JSON
   decoding and tokenising run off the event loop, so ``/health`` and streams never wait behind them;
 * ``n`` choices are ``n`` requests admitted together or not at all (:meth:`RequestManager.submit_n`), choice i
-  seeded :func:`choice_seed` (seed, i); ``logprobs`` are the target's raw log-softmax at the logits each
+  seeded :func:`choice_seed` (seed, i), sharing one prefill of the prompt when ``serve.max_active`` > 1
+  (:class:`pipeline.lanes.SharedPrefill`: the later choices start from a copy of a running choice's KV prefix); ``logprobs`` are the target's raw log-softmax at the logits each
   committed token was chosen from (``GenSettings.logprobs``: nothing is computed unless asked for);
 * response ids are random (unique across restarts); ``system_fingerprint`` is the configuration hash
   (:func:`system_fingerprint`); ``/metrics`` is prometheus_client's exposition of the manager's own registry
