@@ -400,6 +400,10 @@ class RunConfig(Checked):
             raise ConfigError(f"osd.max_busy={o.max_busy} must be in (0, 1]")
         if o.min_gain < 0 or o.feature_weight < 0 or not 0 <= o.rollback_tol < 1:
             raise ConfigError("osd.min_gain and osd.feature_weight must be >= 0, osd.rollback_tol in [0, 1)")
+        if o.enabled and self.serve.max_active > 1:   # why: draft/osd.py, "Lanes"
+            raise ConfigError(f"osd.enabled cannot serve several requests at once (serve.max_active="
+                              f"{self.serve.max_active}): online learning keeps one request's record and one live "
+                              f"head version at a time; use serve.max_active=1 with osd")
         if o.enabled and self.draft.sources:
             try:
                 kinds = {k for k, _ in parse_sources(self.draft.sources)}

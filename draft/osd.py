@@ -43,6 +43,22 @@ Data flow (all on rank 0):
    when the shipped head agrees better than both live and candidate by ``osd.min_gain``, the shipped weights
    are published again (the learner restarts from them).
 
+**Lanes** (``serve.max_active`` > 1, ``pipeline/lanes.py``): refused, with one line, when the configuration is
+read (``config.run_config``: ``osd.enabled`` with ``serve.max_active`` > 1 is a ``ConfigError``; before this rule
+the refusal came only from ``pipeline.lanes.fork_drafter`` once the server had warmed up and opened its HTTP
+port, a ``LaneError`` while requests could already be arriving). Why not per lane: a lane's drafter is a deep
+copy that shares the head's modules (``fork_drafter``), so each lane would get its own learner thread, replay
+buffer and staged swap, all writing the *one* shared live head: a swap made at one lane's request boundary or
+round boundary would change the weights another lane is drafting with in the middle of its request, its draft
+cache computed with the old ones (``swap_at=generation``'s "one request is drafted by one version" broken, and
+``swap_at=commit``'s rebuild done in the swapping lane only); and the rollback rule compares τ per version over
+the last ``osd.window`` *finished requests*, which interleaved lanes attribute to whichever version was live
+when each ended. Lossless verification would keep every output exact, but the learning's own guarantees would
+not hold. What it would take: one learner and one replay buffer behind a lock (each lane's :class:`Record` filed
+when its request ends), and per-lane live weights (a copy of the head per lane, swapped in at that lane's own
+boundary: ``serve.max_active`` copies of the head's weights) with the version recorded per request, so that
+rollback's windows count requests by the version that drafted them.
+
 Versions: 0 = the weights loaded at start (the shipped head); every publication gets the next integer (a
 rollback returns to the older number). :meth:`OnlineDrafter.row_fields` is what ``pipeline.run`` writes on
 every output row. :meth:`OnlineDrafter.save` writes the live head in the shipped EAGLE layout

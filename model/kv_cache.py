@@ -215,6 +215,29 @@ class KVCache:
         self.context_len += accepted_len
         self.length = self.context_len + r
 
+    def copy_prefix_to(self, other: "KVCache", n: int) -> None:
+        """Make ``other`` hold exactly this cache's first ``n`` committed slots (the prompt's prefill shared by
+        another lane: :class:`pipeline.messages.Fork`): every layer's keys and values of slots ``[0, n)`` copied,
+        ``other``'s context length ``n``, no tree nodes. This cache is only read.
+
+        Invariants: ``n <= context_len`` (committed rows only: tree rows are speculative and their slots move under
+        compaction; ``ValueError`` otherwise); ``other`` has the same layers, heads, head size and dtype and room for
+        ``n`` slots; afterwards ``other`` equals, bit for bit over its ``n`` slots, a cache that computed those rows
+        itself with the same forwards (the copy moves the very values those forwards wrote), and slots ``>= n`` of
+        ``other`` are never read before being written (every read is bounded by ``length``)."""
+        if not 0 <= n <= self.context_len:
+            raise ValueError(f"copy_prefix_to: {n} slots asked for, {self.context_len} committed")
+        if other is self:
+            raise ValueError("copy_prefix_to: a cache cannot be its own copy")
+        if other.keys.shape[:3] != self.keys.shape[:3] or other.keys.shape[4] != self.keys.shape[4] \
+                or other.keys.dtype != self.keys.dtype or n > other.max_len:
+            raise ValueError("copy_prefix_to: caches of different shapes")
+        other.reset()
+        other._staged = None
+        other.keys[:, :, :, :n] = self.keys[:, :, :, :n]
+        other.values[:, :, :, :n] = self.values[:, :, :, :n]
+        other.length = other.context_len = n
+
     def truncate_tree(self) -> None:
         """Drop every cached tree node (keep the committed context)."""
         self.apply_keep(torch.zeros(0, dtype=torch.long, device=HOST), 0)

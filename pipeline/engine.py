@@ -364,16 +364,17 @@ def prompt_fit_error(prompt_len: int, max_new_tokens: int, cfg, world: int, max_
 
 
 def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn: Decoder,
-                     settings: GenSettings | None = None) -> GenResult:
+                     settings: GenSettings | None = None, prefill=None) -> GenResult:
     """Run prefill + ``decode_fn`` (a fresh :class:`Decoder` per generation: ``pipeline.modes.new_decoder``) with
     this generation's ``settings`` (default: ``engine.cfg.gen``'s). Neither the engine nor its configuration is
-    changed."""
+    changed. ``prefill(engine, prompt_ids) -> (logits, features)``: what stands for :meth:`Engine.prefill` (None:
+    it), e.g. another lane's prefill of the same prompt shared (:meth:`pipeline.lanes.SharedPrefill.prefill`)."""
     if settings is None:
         settings = GenSettings.from_config(engine.cfg.gen)
     engine.tracer.reset_counters()
     engine.tracer.mark("gen_begin", prompt_tokens=len(prompt_ids))  # timeline windows (trace only)
     t0 = time.perf_counter()
-    logits, features = engine.prefill(prompt_ids)
+    logits, features = engine.prefill(prompt_ids) if prefill is None else prefill(engine, prompt_ids)
     t1 = time.perf_counter()
     prefill_fields = engine.start_decode_window()  # untimed: busy counters restart, prefill counters
     t1b = time.perf_counter()

@@ -20,6 +20,8 @@ far as its decode loop can see.
   emulated testbed's meters when it is on. Rank 0's model work (``lm_head``, draft head, small LM) runs one
   op at a time across lanes (:class:`DeviceLock`): rank 0 is one device, so two lanes' ops must not overlap
   (nor their emulated pads).
+* :class:`SharedPrefill`: the ``n`` choices of one request (``pipeline.serve``'s ``submit_n``) prefill the prompt
+  once; every other choice starts from a :class:`pipeline.messages.Fork` of a lane that holds it.
 * :class:`LanePool` is what a server holds: ``n`` lane engines, a free list, a control lane for the idle
   keep-alive, and the global :meth:`LanePool.shutdown`.
 
@@ -32,6 +34,9 @@ Protocol rules with several lanes (the *why* is in the module docstrings named):
 * ``Stats``: per lane: a lane's trip reports each stage's busy seconds since that lane's previous trip
   (:class:`pipeline.worker.BusyMarks`), i.e. over its own decode window, other lanes' work included;
   meter counters (the testbed's fidelity counters) go to whichever lane's trip collects them;
+* ``Fork`` (a shared prompt prefill, :class:`SharedPrefill`): the one message that reads another lane's state (a
+  holder lane's committed prefix, only read, never changed); it is sent while that lane's generation runs, so the
+  ring's FIFO order brings it to every stage after the holder's prefill and before anything that resets it;
 * ``Shutdown``: global (:meth:`LaneMux.shutdown`), after every lane's generation has ended;
 * stage memory: a stage allocates a lane's KV cache at the lane's first message and keeps it for reuse, so a
   server with ``serve.max_active = n`` holds at most ``n`` caches of ``model.max_seq_len`` slots per stage.
@@ -47,7 +52,7 @@ import torch
 
 from config.errors import UserError
 from model.meter import MeterStack
-from pipeline.messages import Message, Shutdown, Stats
+from pipeline.messages import Fork, Message, Shutdown, Stats
 from pipeline.trace import Tracer
 
 
@@ -285,6 +290,100 @@ def lane_engine(base, transport: LaneTransport, lock: DeviceLock):
     # generation (StageTree.offer), so a number the base engine used on lane 0 (a server's warm-up) must not return
     engine.gen = base.gen
     return engine
+
+
+def prefix_source(holders: list[int], lane: int) -> int | None:
+    """The lane a choice on ``lane`` copies the shared prompt prefix from: the first of ``holders`` (lanes whose
+    committed prefix holds the prompt, oldest first) other than ``lane`` itself; None when there is none (then the
+    choice prefills the prompt itself). Pure."""
+    return next((h for h in holders if h != lane), None)
+
+
+class SharedPrefill:
+    """One prompt's prefill shared by the ``n`` choices of a request (OpenAI's ``n``; ``pipeline.serve``'s
+    ``submit_n``): the first choice to start prefills the prompt as usual; every later one, on another lane,
+    sends one :class:`pipeline.messages.Fork` round the ring instead, so each stage copies a holder lane's first
+    ``len(prompt)`` committed KV slots into its own lane (:meth:`model.kv_cache.KVCache.copy_prefix_to`), and
+    starts decoding with the prefill's rank-0 results: the target's logits of the last prompt position and every
+    prompt position's features (copied; the drafter's prompt pass then runs from them in the mode, as after any
+    prefill, so the drafter's KV cache and its committed tokens are exactly what its own prefill would give).
+
+    What is copied is exactly what a prefill of the same tokens computes (the same chunks through the same
+    forwards on the same stages, deterministic), so a forked choice's state equals its own prefill's bit for bit
+    (``tests/test_prefill_share.py``), its output is its ``n = 1`` answer (greedy: the single answer; sampled: its
+    own seed's draws) and nothing in the modes changes.
+
+    Invariants (the :class:`pipeline.messages.Fork` sender's): ``holders`` are lanes whose generation of this
+    prompt is running (their prefill is complete); a lane leaves ``holders`` (:meth:`drop`) before it is released
+    to the pool, i.e. before any resetting ``Context`` of another request can be sent on it; a ``Fork`` is sent
+    under the same lock, so its source is still a holder when the message enters the ring, and the ring's FIFO
+    order brings it to every stage before anything that could reset the source. A choice that finds no holder and
+    no prefill in progress prefills itself (e.g. ``n`` > ``serve.max_active``: choice 0 ended before choice 2
+    started); while one choice's prefill is in flight the others wait for it rather than prefill the same prompt
+    next to it. On an engine that is not a lane's (``serve.max_active = 1``: one KV cache per stage, reset by
+    every generation) :meth:`prefill` is the engine's own prefill (today's behaviour)."""
+
+    def __init__(self, prompt_ids: list[int]) -> None:
+        self.prompt_ids = list(prompt_ids)
+        self._cv = threading.Condition()
+        self.result = None                  # (logits, features) of the first completed prefill
+        self.holders: list[int] = []
+        self.prefilling = False
+        self.forks = 0                      # choices that started from a Fork (no prefill of their own)
+
+    def hook(self, on_fork=None):
+        """:meth:`prefill` as ``timed_generation``'s ``prefill`` argument; ``on_fork()`` is called when the
+        generation starts from a ``Fork`` (no prefill of its own)."""
+        return lambda engine, prompt_ids: self.prefill(engine, prompt_ids, on_fork)
+
+    def prefill(self, engine, prompt_ids: list[int], on_fork=None):
+        """``timed_generation``'s prefill hook: ``(logits, features)`` of the prompt on ``engine``'s lane."""
+        if list(prompt_ids) != self.prompt_ids:
+            raise ValueError("SharedPrefill: another prompt than the one shared")
+        comm = engine.comm
+        if not isinstance(comm, LaneTransport):
+            return engine.prefill(prompt_ids)
+        lane = comm.lane
+        with self._cv:
+            while True:
+                src = prefix_source(self.holders, lane) if self.result is not None else None
+                if src is not None or not self.prefilling:
+                    break
+                self._cv.wait()
+            if src is None:
+                self.prefilling = True
+            else:   # sent under the lock: the source cannot leave (drop) before the Fork is in the ring
+                engine.gen += 1
+                comm.send_next(Fork(engine.gen, src, len(prompt_ids)))
+                self.holders.append(lane)
+        if src is None:
+            try:
+                logits, features = engine.prefill(prompt_ids)
+            finally:
+                with self._cv:
+                    self.prefilling = False
+                    self._cv.notify_all()
+            with self._cv:
+                if self.result is None:
+                    self.result = (logits, features)
+                self.holders.append(lane)
+                self._cv.notify_all()
+            return logits, features
+        back = comm.recv_prev()
+        if not isinstance(back, Fork):
+            raise RuntimeError(f"lane {lane}: expected the Fork back, got {type(back).__name__}")
+        self.forks += 1
+        if on_fork is not None:
+            on_fork()
+        logits, features = self.result
+        return logits.clone(), features.clone()
+
+    def drop(self, lane: int) -> None:
+        """``lane``'s generation has ended: it is no longer a source (call before the lane is released)."""
+        with self._cv:
+            if lane in self.holders:
+                self.holders.remove(lane)
+            self._cv.notify_all()
 
 
 def ring_share(world: int, active: int) -> int:

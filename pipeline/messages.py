@@ -11,6 +11,8 @@ Ring messages (rank r -> r+1, last -> 0):
     It carries the decision log: every :class:`Decision` rank 0 issued since its previous segment, so a
     stage always holds every decision a segment depends on when the segment arrives from its data source.
   * :class:`Stats` collects every rank's busy time after a generation.
+  * :class:`Fork` starts generation ``gen`` on its lane with lane ``src``'s first ``n`` committed KV slots (the
+    prompt's prefill shared by the ``n`` choices of one request: ``pipeline/lanes.py``, :class:`SharedPrefill`).
   * :class:`Shutdown` ends the worker loop (every lane: it is global).
 
 **Lanes** (several requests in flight, ``pipeline/lanes.py``): every message but :class:`Shutdown` names the
@@ -51,6 +53,7 @@ class Kind(IntEnum):
     SHUTDOWN = 3
     DECISION = 4
     STATS = 5
+    FORK = 6
 
 
 class Status(IntEnum):
@@ -209,9 +212,40 @@ class Stats:
         return cls(tensors[0], tensors[1] if len(tensors) > 1 else None)
 
 
+@dataclass
+class Fork:
+    """Start generation ``gen`` on lane ``lane`` from lane ``src``'s committed prefix: every stage copies ``src``'s
+    first ``n`` committed KV slots into ``lane``'s cache (:meth:`model.kv_cache.KVCache.copy_prefix_to`) and resets
+    ``lane``'s decision state to ``gen``, then forwards the message; back on rank 0 it says every stage holds the
+    prefix. It stands for the resetting prefill ``Context`` chunks of the same ``n`` tokens, and leaves ``lane``'s
+    caches bit-for-bit as they would be (the same rows computed by the same forwards, on ``src``).
+
+    Sender's invariant (rank 0, :class:`pipeline.lanes.SharedPrefill`): ``src``'s prefill of those ``n`` tokens is
+    complete and no resetting ``Context`` of ``src`` was sent after it and before this message. Then every stage
+    holds them when the message arrives (the ring is FIFO per link and a stage handles messages in order), and
+    a committed prefix only grows while its generation lasts (decisions append to it, never rewrite it)."""
+
+    gen: int
+    src: int
+    n: int
+    lane: int = 0
+
+    kind = Kind.FORK
+
+    def ints(self) -> list[int]:
+        return [self.gen, self.src, self.n]
+
+    def tensors(self) -> list[Tensor]:
+        return []
+
+    @classmethod
+    def build(cls, ints, tensors) -> "Fork":
+        return cls(ints[0], ints[1], ints[2])
+
+
 _CLASSES = {Kind.CONTEXT: Context, Kind.SEGMENT: Segment, Kind.SHUTDOWN: Shutdown, Kind.DECISION: Decision,
-            Kind.STATS: Stats}
-Message = Context | Segment | Shutdown | Decision | Stats
+            Kind.STATS: Stats, Kind.FORK: Fork}
+Message = Context | Segment | Shutdown | Decision | Stats | Fork
 _KINDS = {int(k) for k in _CLASSES}
 
 

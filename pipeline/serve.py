@@ -35,7 +35,8 @@ Invariants:
   characters (``--max-prompt-chars``, before tokenising), JSON of any depth (a 400, never a 500); JSON
   decoding and tokenising run off the event loop, so ``/health`` and streams never wait behind them;
 * ``n`` choices are ``n`` requests admitted together or not at all (:meth:`RequestManager.submit_n`), choice i
-  seeded :func:`choice_seed` (seed, i); ``logprobs`` are the target's raw log-softmax at the logits each
+  seeded :func:`choice_seed` (seed, i), sharing one prefill of the prompt when ``serve.max_active`` > 1
+  (:class:`pipeline.lanes.SharedPrefill`: the later choices start from a copy of a running choice's KV prefix); ``logprobs`` are the target's raw log-softmax at the logits each
   committed token was chosen from (``GenSettings.logprobs``: nothing is computed unless asked for);
 * response ids are random (unique across restarts); ``system_fingerprint`` is the configuration hash
   (:func:`system_fingerprint`); ``/metrics`` is prometheus_client's exposition of the manager's own registry
@@ -108,6 +109,9 @@ def parse_args(argv: list[str] | None = None, one_line: bool = False) -> argpars
     p.add_argument("--warmup", type=int, default=0, help="untimed warm-up generations per mode before serving")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn access log)")
     p.add_argument("--no-http", action="store_true", help="no HTTP server (in-process API only: main(client=...))")
+    p.add_argument("--no-share-prefill", action="store_true",
+                   help="n > 1: every choice prefills the prompt itself (default: with serve.max_active > 1 the "
+                        "choices share one prefill, pipeline.lanes.SharedPrefill; for measurements)")
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                    help=f"largest request body accepted (default {MAX_BODY_BYTES}); larger: HTTP 413")
     p.add_argument("--max-prompt-chars", type=int, default=0,
@@ -228,6 +232,8 @@ class Request:
         self._cond = threading.Condition()
         self._waiters: list = []               # (event loop, asyncio.Event) of async readers
         self.version = 0
+        self.share = None                      # pipeline.lanes.SharedPrefill of the n choices (n > 1), else None
+        self.prefill_shared = False            # started from another choice's prefill (a Fork), no prefill of its own
 
     # -- reading ------------------------------------------------------------------------------------
     @property
@@ -271,6 +277,7 @@ class Request:
         r = self.result
         if r is not None:
             drafted, accepted = r.drafted_tokens, r.accepted_draft_tokens
+            out.update(prefill_shared=self.prefill_shared)
             out.update(steps=len(r.accept_lengths), tau=round(r.tau, 4), accept_lengths=r.accept_lengths,
                        num_draft_tokens=drafted, num_accepted_tokens=accepted,
                        acceptance_rate=round(accepted / drafted, 4) if drafted else None,
@@ -421,6 +428,7 @@ class RequestManager:
         self.last_busy = [0.0] * world
         self.live: list[Request] = []          # every request not yet final (for the fatal hook)
         self.fingerprint = fingerprint         # system_fingerprint of the responses (system_fingerprint())
+        self.share_prefill = True              # n > 1: the choices share one prefill (--no-share-prefill: off)
         self.registry, self.hist = metrics_registry(self)
 
     # -- submission -----------------------------------------------------------------------------------
@@ -546,11 +554,12 @@ class RequestManager:
         unless the queue has room for all ``n``). Choice ``i`` is a :class:`Request` of its own with ``index`` i
         and seed :func:`choice_seed` (seed, i); the prompt is validated and tokenised once.
 
-        Why the choices do not share the prompt's prefill: the stages hold one KV cache (batch 1) and every
-        generation's prefill resets it (``Context(reset=True)``), so a second generation needs the prompt's KV
-        rebuilt; sharing it needs a stage-side "keep the first L positions" (or copy a request's slots, once the
-        stages keep several) that the ring protocol does not have yet. What is shared: validation, tokenising,
-        and one admission."""
+        The prompt's prefill is shared (``serve.max_active`` > 1): the choices carry one
+        :class:`pipeline.lanes.SharedPrefill`; the first to start prefills, the others start from a ``Fork`` of
+        its lane's KV prefix (``pipeline.messages.Fork``), so each choice's output is still its ``n = 1`` answer
+        with its seed. With ``serve.max_active = 1`` the stages hold one KV cache, which every generation's
+        prefill resets, so each choice prefills again (the hook falls back to the engine's prefill). Shared
+        always: validation, tokenising, and one admission."""
         n = self.check_n(n)
         try:
             params = self.params(**sampling)
@@ -567,6 +576,11 @@ class RequestManager:
                                 f"{n} asked for); retry later")
             reqs = [Request(next(self._seq), ids, dataclasses.replace(params, seed=choice_seed(params.seed, i)),
                             self.decode, self.stop_ids, index=i) for i in range(n)]
+            if n > 1 and self.share_prefill:
+                from pipeline.lanes import SharedPrefill
+                share = SharedPrefill(ids)
+                for r in reqs:
+                    r.share = share
             self._queue.extend(reqs)
             self.live.extend(reqs)
             self._cond.notify_all()
@@ -728,6 +742,7 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     manager = RequestManager(tokenizer, stop_ids, modes, default_mode, cfg, model.config, comm.world,
                              sargs.queue_size, name, sargs.template, sargs.max_prompt_chars,
                              system_fingerprint(cfg, stage_root, modes, sargs.template, comm.world))
+    manager.share_prefill = not sargs.no_share_prefill
     faults.on_fatal(manager.fail_all)
     global _graceful_stop
     _graceful_stop = manager.begin_stop   # SIGTERM from here on: a graceful stop (graceful_signals)
@@ -737,7 +752,8 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
         p = req.params      # the request's own settings: an argument of its generation, nothing swapped
         settings = GenSettings(p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed,
                                on_commit=req._commit, cancel=req.cancel_event, logprobs=p.logprobs)
-        res = timed_generation(eng, req.prompt_ids, new_decoder(p.mode), settings)
+        share = req.share.hook(lambda: setattr(req, "prefill_shared", True)) if req.share is not None else None
+        res = timed_generation(eng, req.prompt_ids, new_decoder(p.mode), settings, share)
         # + the emulated testbed's fidelity (emu.profile set): how far real work overran the modeled times
         req.drafter = {**(drafter_fields(eng.drafter) if p.mode != "ar" else {"drafter_version": None}),
                        **{k: res.meter_fields[k] for k in ("emu_overrun_ratio", "emu_flag") if k in res.meter_fields}}
@@ -832,6 +848,8 @@ def serve_lanes(manager: RequestManager, engine, generate, lanes: int, keepalive
             errors.append(e)
         finally:
             running.pop(lane, None)
+            if req.share is not None:   # before the release: a Fork's source must be live (lanes.SharedPrefill)
+                req.share.drop(lane)
             pool.release(lane)
 
     last_ring = time.monotonic()

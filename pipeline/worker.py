@@ -6,6 +6,7 @@ Per received ring message:
     and apply them in order (:class:`StageTree`): the accepted path becomes context, dead nodes leave the KV
     cache, and rows of this segment that a decision killed are never computed; compute the surviving rows
     and forward them (an emptied segment still travels on, with its log, so every stage sees every decision);
+  * ``Fork``     -> copy another lane's committed prompt prefix into this lane (a shared prefill), forward;
   * ``Stats``    -> add this rank's busy seconds, forward;  ``Shutdown`` -> forward and stop.
 
 A stage never waits for anything but its data source: the decisions a segment depends on travel in its
@@ -29,7 +30,7 @@ from model.devices import HOST
 from model.kv_cache import KVCache
 from model.meter import OpMeter, SpanMeter, take_counters
 from model.stage_model import StageModel
-from pipeline.messages import Context, Decision, Segment, Shutdown, Stats
+from pipeline.messages import Context, Decision, Fork, Segment, Shutdown, Stats
 from pipeline.transport import Transport
 
 
@@ -188,6 +189,13 @@ class StageWorker:
             elif isinstance(msg, Segment):
                 self.select(msg.lane)
                 self._segment(msg)
+            elif isinstance(msg, Fork):   # a shared prompt prefill: lane src's committed prefix (messages.Fork)
+                src = self.lane(msg.src).cache
+                self.select(msg.lane)
+                if src is not None:
+                    src.copy_prefix_to(self.cache, msg.n)
+                self.tree.reset(msg.gen)
+                comm.send_next(msg)
 
     def _offer_direct(self) -> None:
         """Every direct decision that has arrived, to its own lane's tree."""

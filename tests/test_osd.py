@@ -309,6 +309,21 @@ def test_osd_config_keys_are_validated():
     assert apply_overrides(DEFAULT, ["osd.enabled=true", "draft.sources=eagle,lookup,ssm:x"]).osd.enabled
 
 
+def test_osd_with_lanes_is_one_clear_refusal():
+    """osd.enabled with serve.max_active > 1 is refused when the configuration is read (draft/osd.py, "Lanes"): a
+    ConfigError, and the server's command line exits 2 with one line before loading anything; max_active=1 is fine."""
+    import subprocess
+    import sys
+    with pytest.raises(ConfigError, match="serve.max_active=2"):
+        apply_overrides(DEFAULT, ["osd.enabled=true", "serve.max_active=2"])
+    assert apply_overrides(DEFAULT, ["osd.enabled=true", "serve.max_active=1"]).osd.enabled
+    assert apply_overrides(DEFAULT, ["serve.max_active=4"]).serve.max_active == 4
+    p = subprocess.run([sys.executable, "-m", "pipeline.serve", "osd.enabled=true", "serve.max_active=3", "--no-http"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "osd.enabled cannot serve several requests at once" in p.stderr and "Traceback" not in p.stderr
+
+
 # -- exactness: greedy output equals HF while the head changes between rounds -------------------------------------
 
 class ChaosPublisher:
