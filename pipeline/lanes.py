@@ -79,6 +79,21 @@ class LaneTransport:
             raise item
         return item
 
+    def poll_prev(self) -> list[Message]:
+        """This lane's results already received, oldest first; never waits (a receive error: raised)."""
+        out: list[Message] = []
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return out
+            if isinstance(item, BaseException):
+                if out:          # the messages before it first; the error stays for the next receive
+                    self._inbox.put(item)
+                    return out
+                raise item
+            out.append(item)
+
     def send_direct(self, msg: Message) -> None:
         self.mux.send(self.lane, msg, direct=True)
 
