@@ -15,8 +15,8 @@ Two ways to keep the lanes apart inside attention, both here:
   concatenated and the mask is block-diagonal (lane ``i``'s rows see lane ``i``'s slots through its own mask,
   every other lane's slots are masked out).
 
-Why the loop for the lean path (measured, docs/results.md §46: ``python -m model.lane_batch`` times both on this
-host): the block-diagonal form concatenates every lane's whole cache on every layer (a copy of all lanes' keys
+Why the loop for the lean path (measured, docs/results.md §46 on this host;
+``python -m scripts.lane_attention_bench`` times both): the block-diagonal form concatenates every lane's whole cache on every layer (a copy of all lanes' keys
 and values per layer) and attends over ``lanes x`` more slots, nearly all of them masked; the loop pays one
 attention call per lane instead. The transformers layers cannot take the loop (their attention is inside the
 module), so they take the block-diagonal form: correct, at that copy's cost.
@@ -101,59 +101,3 @@ class LaneBatch:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         raise NotImplementedError("a lane batch has one length per lane: pass explicit positions and masks")
 
-
-def _bench(lanes: int = 4, rows: int = 4, ctx: int = 400, repeat: int = 30) -> None:
-    """Host cost of one 8-layer SmolLM2-sized block forward of ``lanes`` lanes, each ``rows`` rows over ``ctx``
-    cached slots: one forward per lane, one forward with the loop, one with the block-diagonal mask."""
-    import time
-
-    from transformers import LlamaConfig
-
-    from model.lane_batch import LaneBatch as Batch   # this module runs as __main__: the class model.layers knows
-    from model.layers import LayerBlock
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-                      num_hidden_layers=8, vocab_size=100)
-    block = LayerBlock(cfg, 8).eval()
-    caches = [block.new_cache(ctx + rows * (repeat + 5) * 3, torch.float32, "cpu") for _ in range(lanes)]
-    for c in caches:
-        c.length = c.context_len = ctx
-    x = torch.randn(1, lanes * rows, 576)
-
-    def inputs(c):
-        pos, mask = c.context_inputs(rows, torch.float32)
-        return pos, mask
-
-    def one_per_lane():
-        for i, c in enumerate(caches):
-            pos, mask = inputs(c)
-            block(x[:, i * rows:(i + 1) * rows], pos, mask, c)
-
-    def batched(joint: bool):
-        ins = [inputs(c) for c in caches]
-        lb = Batch(caches, [m for _, m in ins])
-        lb.joint = joint
-        block(x, torch.cat([p for p, _ in ins], dim=1), None, lb.to("cpu", torch.float32))
-
-    with torch.no_grad():
-        for name, fn in (("one forward per lane", one_per_lane), ("one forward, attention loop", lambda: batched(False)),
-                         ("one forward, block-diagonal mask", lambda: batched(True))):
-            fn()
-            t0 = time.thread_time()
-            for _ in range(repeat):
-                fn()
-            print(f"| {name} | {(time.thread_time() - t0) / repeat * 1000:.2f} ms |")
-
-
-if __name__ == "__main__":
-    import argparse
-    p = argparse.ArgumentParser(description="Host cost of several lanes in one block forward (attention loop vs "
-                                "block-diagonal mask).", epilog="example: python -m model.lane_batch --lanes 4 "
-                                "--rows 4 --ctx 400")
-    p.add_argument("--lanes", type=int, default=4)
-    p.add_argument("--rows", type=int, default=4)
-    p.add_argument("--ctx", type=int, default=400)
-    p.add_argument("--repeat", type=int, default=30)
-    a = p.parse_args()
-    torch.set_num_threads(1)
-    _bench(a.lanes, a.rows, a.ctx, a.repeat)

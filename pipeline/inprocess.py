@@ -87,6 +87,9 @@ def run_concurrent(stage_root: Path, jobs: list[tuple[list[int], str, object]], 
     cfg = apply_overrides(DEFAULT, overrides)
     ring = LocalRing(world)
     models = [load_stage(stage_root, r, world, dtype) for r in range(world)]
+    from model.layers import set_lean
+    for m in models:
+        set_lean(m, cfg.model.lean_layers)     # model.lean_layers=false: the transformers layers, as pipeline.build
     modes = sorted({m for _, m, _ in jobs})
     if drafter is not None:
         cfg.model.head_dir = drafter
