@@ -417,9 +417,10 @@ class Comm:
 
     def _read_ahead(self) -> None:
         src = self.prev_rank
+        frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)   # its own: a receive from another rank may run meanwhile
         while True:
             try:
-                msg: Message | BaseException = self._recv_raw(src)
+                msg: Message | BaseException = self._recv_raw(src, frame)
             except BaseException as e:  # noqa: BLE001 - raised by the caller's receive that reaches it
                 msg = e
             with self._ahead_cv:
@@ -437,7 +438,9 @@ class Comm:
             raise item
         return item
 
-    def _recv_raw(self, src: int) -> Message:
+    def _recv_raw(self, src: int, frame: torch.Tensor | None = None) -> Message:
+        """One message from ``src`` (waits); ``frame``: the receive buffer (default: the caller thread's
+        ``_rx_frame``; the read-ahead thread has its own)."""
         if not self._cpu_wire:
             header = torch.empty(HEADER_LEN, dtype=torch.long, device=self.wire_device)
             self._guard(lambda: dist.recv(header, src, tag=0), src)
@@ -446,9 +449,11 @@ class Comm:
             if nbytes:
                 self._guard(lambda: dist.recv(payload, src, tag=1), src)
             return decode(header.cpu(), payload)
+        hnp = self._rx_hnp if frame is None else frame[:HEADER_BYTES].view(torch.long).numpy()
+        frame = self._rx_frame if frame is None else frame
         try:
-            self._pg.recv([self._rx_frame], src, 0).wait()
-            return self._take_frame(self._rx_hnp.tolist(), self._rx_frame, src)
+            self._pg.recv([frame], src, 0).wait()
+            return self._take_frame(hnp.tolist(), frame, src)
         except Exception as e:
             if self._closing or isinstance(e, ValueError):   # ValueError: a corrupt header
                 raise
