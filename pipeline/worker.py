@@ -157,6 +157,7 @@ class StageWorker:
         # several lanes' messages in one forward (pipeline/batching.py): arrived, not yet handled (ring order)
         self.batching = True
         self.backlog: deque = deque()
+        self.forwards = 0            # stage forwards (segments and prompt chunks)
         self.batched_forwards = 0    # forwards that carried more than one lane (and the lane messages in them)
         self.batched_lanes = 0
         self.tracer = comm.tracer
@@ -245,6 +246,7 @@ class StageWorker:
         on in arrival order."""
         works = [self._prepare(m) for m in msgs]
         todo = [w for w in works if w.x is not None]
+        self.forwards += bool(todo)
         if len(todo) == 1:
             w = todo[0]
             outs = [self._compute(w.x, w.positions, w.mask, w.cache)]
