@@ -264,8 +264,10 @@ class OsdConfig(Checked):
 class ServeConfig(Checked):
     """Serving (``pipeline.serve``): ``max_active`` requests in flight through the ring at once, each on its own
     lane (``pipeline/lanes.py``; 1 = one at a time, exactly as before lanes); every stage then holds up to
-    ``max_active`` KV caches of ``model.max_seq_len`` slots."""
+    ``max_active`` KV caches of ``model.max_seq_len`` slots. ``ring_share``: live segments per ring link that the
+    active requests share (``pipeline.lanes.ring_share``; a request alone keeps one per link whatever it is)."""
     max_active: int = 1
+    ring_share: float = 1.0
 
 
 @dataclass
@@ -311,6 +313,8 @@ class RunConfig(Checked):
                 raise ConfigError(f"{k}={getattr(self.tree, k)} must be >= 0")
         if not 1 <= self.serve.max_active <= 64:
             raise ConfigError(f"serve.max_active={self.serve.max_active} must be in [1, 64]")
+        if not 0 < self.serve.ring_share <= 64:
+            raise ConfigError(f"serve.ring_share={self.serve.ring_share} must be in (0, 64]")
         if self.model.draft_vocab < 0:
             raise ConfigError(f"model.draft_vocab={self.model.draft_vocab} must be >= 0 (0 = the whole vocabulary)")
         if not 0 <= self.tree.lookahead_min_prob < 1:

@@ -12,6 +12,7 @@ from torch import nn
 
 from model.hf_compat import cache_arg
 from model.kv_cache import KVCache
+from model.lane_batch import LaneBatch
 from config.errors import UserError
 from model.lean_layer import lean_forward, lean_supported
 from model.stage_format import SUPPORTED_FAMILIES
@@ -44,6 +45,9 @@ class LayerBlock(nn.Module):
     as :func:`model.lean_layer.lean_forward` on the same weights, a fraction of the transformers layer's operator
     dispatches; off, the transformers layers' own forward (the reference; run key ``model.lean_layers=false``,
     :func:`set_lean`).
+
+    ``cache`` may be a :class:`model.lane_batch.LaneBatch` (several lanes' rows in one forward, ``mask`` None):
+    the lean path attends lane by lane, the transformers path over its block-diagonal mask.
     """
 
     def __init__(self, config, num_layers: int, skip_first_input_norm: bool = False) -> None:
@@ -73,7 +77,11 @@ class LayerBlock(nn.Module):
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                 cache: KVCache, taps=(), tapped: list | None = None) -> torch.Tensor:
         positions = positions.to(hidden.device)
-        mask = mask.to(device=hidden.device, dtype=hidden.dtype)
+        if isinstance(cache, LaneBatch):    # several lanes' rows: attention per lane (model/lane_batch.py)
+            cache.to(hidden.device, hidden.dtype)
+            mask = None if self.lean else cache.joint_mask()
+        else:
+            mask = mask.to(device=hidden.device, dtype=hidden.dtype)
         pos_emb = self.rotary_emb(hidden, positions)
         if self.lean:
             cos, sin = pos_emb

@@ -91,11 +91,20 @@ def _is_rms(norm) -> bool:
     return hasattr(norm, "variance_epsilon") and isinstance(getattr(norm, "weight", None), torch.Tensor)
 
 
+def _attention(attn: nn.Module, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """The layer's attention over cached keys/values ``k``, ``v`` (grouped-query heads repeated)."""
+    k, v = _repeat_kv(k, attn.num_key_value_groups), _repeat_kv(v, attn.num_key_value_groups)
+    dropout = getattr(attn, "attention_dropout", 0.0) if attn.training else 0.0
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=attn.scaling)
+
+
 def lean_forward(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, cache,
                  layer_idx: int) -> Tensor:
     """One decoder layer: ``hidden [1, n, H]`` -> ``[1, n, H]``; appends this layer's keys/values for the ``n``
     rows to ``cache`` (``cache.update``, which returns every cached slot up to the new rows). ``mask`` is the
-    additive attention mask over those slots (``[1, 1, n, length + n]``, the layer's dtype)."""
+    additive attention mask over those slots (``[1, 1, n, length + n]``, the layer's dtype). A cache with an
+    ``attend`` method (:class:`model.lane_batch.LaneBatch`: several lanes' rows, ``mask`` None) does the attention
+    itself, lane by lane; everything else runs once over all rows."""
     attn, mlp = layer.self_attn, layer.mlp
     b, n, _ = hidden.shape
     d = attn.head_dim
@@ -110,10 +119,12 @@ def lean_forward(layer: nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor, mas
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
-    k, v = cache.update(k, v, layer_idx)
-    k, v = _repeat_kv(k, attn.num_key_value_groups), _repeat_kv(v, attn.num_key_value_groups)
-    dropout = getattr(attn, "attention_dropout", 0.0) if attn.training else 0.0
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=attn.scaling)
+    attend = getattr(cache, "attend", None)
+    if attend is None:
+        k, v = cache.update(k, v, layer_idx)
+        o = _attention(attn, q, k, v, mask)
+    else:       # several lanes' rows (model.lane_batch.LaneBatch): each lane attends over its own cache
+        o = attend(q, k, v, layer_idx, lambda q_, k_, v_, m: _attention(attn, q_, k_, v_, m))
     o = o.transpose(1, 2).reshape(b, n, -1)
     hidden = hidden + F.linear(o, attn.o_proj.weight, attn.o_proj.bias)
     x = _rms_norm(layer.post_attention_layernorm, hidden)

@@ -3,7 +3,10 @@
 Five kinds of operation are metered, each run inside ``meter.op(kind, rows, ctx)``:
 
 * ``"stage_forward"``: a verification stage's decoder block over ``rows`` new positions with ``ctx`` cached
-  ones (``pipeline.worker.StageWorker``; ranks 1..N);
+  ones (``pipeline.worker.StageWorker``; ranks 1..N); a forward that carries several lanes' rows
+  (``pipeline/batching.py``) is ONE op of all its rows over all those lanes' cached slots (the weights are read
+  once, every lane's cache once: a cost model's memory term is exact, its attention-flop term ``rows x ctx`` an
+  upper bound, since each lane's rows attend over its own cache only);
 * ``"group_megatron"`` / ``"group_galaxy"``: one forward of a tensor-parallel group (modes ``tp`` / ``galaxy``,
   ``pipeline.tp_run.TPWorker``; every rank of the group) over ``rows`` new positions, ``ctx`` cached;
 * ``"lm_head"``: ``rows`` hidden states through the target's ``lm_head`` (``Engine.logits``; a drafter's

@@ -271,6 +271,9 @@ class Comm:
         self._direct_frame: torch.Tensor | None = None
         self._direct_header: torch.Tensor | None = None
         self._direct_work = None
+        self._ahead: deque = deque()           # ring messages the read-ahead thread received (poll_prev)
+        self._ahead_cv = threading.Condition()
+        self._reader: threading.Thread | None = None
         self._closing = False
         self._failing = False
         raw = _store if _store is not None else dist.distributed_c10d._get_default_store()
@@ -372,17 +375,72 @@ class Comm:
             self._free.append(buf)
 
     def recv(self, src: int) -> Message:
+        get = self._take_ahead if (self._reader is not None and src == self.prev_rank) else self._recv_raw
         tracer = self.tracer
         if tracer.enabled:
             with tracer.span("recv", src=src):
-                msg = self._recv_raw(src)
+                msg = get(src)
         else:
-            msg = self._recv_raw(src)
+            msg = get(src)
         if faults._armed:
             self._fault_point("recv", msg)
         return msg
 
-    def _recv_raw(self, src: int) -> Message:
+    def poll_prev(self) -> list[Message]:
+        """Ring messages from the predecessor that have already arrived, oldest first; never waits
+        (:class:`pipeline.transport.Transport`).
+
+        Host wire (gloo): a gloo message lands only in a posted receive, and a send completes only once the receiver
+        has posted one (a rendezvous), so "what has arrived" needs a receive posted ahead of the caller. The first
+        call starts a read-ahead thread that receives the ring (``recv`` as before, its timeout and diagnosis
+        included) into a FIFO until it has received ``Shutdown`` (nothing is left posted at the end); from then on
+        ``recv_prev`` takes from that FIFO too, so the ring stays one FIFO. A receive error is queued in order and
+        raised by the ``recv_prev`` / ``poll_prev`` that reaches it. Only a rank that polls starts the thread (a
+        stage serving several lanes, :mod:`pipeline.batching`). Device wire (NCCL): always ``[]`` (a second
+        thread's NCCL calls on the ring's communicator would race the caller's sends), so such a stage computes one
+        message per forward."""
+        if not self._cpu_wire:
+            return []
+        if self._reader is None:
+            self._reader = threading.Thread(target=self._read_ahead, daemon=True, name="flowspec-read-ahead")
+            self._reader.start()
+        out: list[Message] = []
+        with self._ahead_cv:
+            while self._ahead and not isinstance(self._ahead[0], BaseException):
+                out.append(self._ahead.popleft())
+            if not out and self._ahead:
+                raise self._ahead.popleft()
+        if faults._armed:
+            for msg in out:
+                self._fault_point("recv", msg)
+        return out
+
+    def _read_ahead(self) -> None:
+        src = self.prev_rank
+        frame = torch.zeros(FRAME_BYTES, dtype=torch.uint8)   # its own: a receive from another rank may run meanwhile
+        while True:
+            try:
+                msg: Message | BaseException = self._recv_raw(src, frame)
+            except BaseException as e:  # noqa: BLE001 - raised by the caller's receive that reaches it
+                msg = e
+            with self._ahead_cv:
+                self._ahead.append(msg)
+                self._ahead_cv.notify_all()
+            if isinstance(msg, (Shutdown, BaseException)):
+                return
+
+    def _take_ahead(self, src: int) -> Message:
+        with self._ahead_cv:
+            while not self._ahead:
+                self._ahead_cv.wait()
+            item = self._ahead.popleft()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def _recv_raw(self, src: int, frame: torch.Tensor | None = None) -> Message:
+        """One message from ``src`` (waits); ``frame``: the receive buffer (default: the caller thread's
+        ``_rx_frame``; the read-ahead thread has its own)."""
         if not self._cpu_wire:
             header = torch.empty(HEADER_LEN, dtype=torch.long, device=self.wire_device)
             self._guard(lambda: dist.recv(header, src, tag=0), src)
@@ -391,9 +449,11 @@ class Comm:
             if nbytes:
                 self._guard(lambda: dist.recv(payload, src, tag=1), src)
             return decode(header.cpu(), payload)
+        hnp = self._rx_hnp if frame is None else frame[:HEADER_BYTES].view(torch.long).numpy()
+        frame = self._rx_frame if frame is None else frame
         try:
-            self._pg.recv([self._rx_frame], src, 0).wait()
-            return self._take_frame(self._rx_hnp.tolist(), self._rx_frame, src)
+            self._pg.recv([frame], src, 0).wait()
+            return self._take_frame(hnp.tolist(), frame, src)
         except Exception as e:
             if self._closing or isinstance(e, ValueError):   # ValueError: a corrupt header
                 raise

@@ -70,13 +70,15 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
 def run_concurrent(stage_root: Path, jobs: list[tuple[list[int], str, object]], overrides: list[str],
                    stop_ids: set[int], drafter: str | None = None, lanes: int = 2, dtype=torch.float64,
                    lane_timeout_s: float | None = 60.0, started=None, warmup: list | None = None,
-                   after_warmup=None):
+                   after_warmup=None, stage_meter=None):
     """Run ``jobs`` (``(prompt ids, mode, GenSettings or None)``) concurrently on ``lanes`` lanes of one ring
     (:mod:`pipeline.lanes`): every job starts at once in its own thread and waits for a free lane; returns
     ``(results in job order, the LanePool)``. A job's exception is re-raised (the first one). ``started``:
     optional ``started(job index, lane)`` hook, called when a job gets its lane. ``warmup``: ``(prompt ids, mode)``
     generations run first, one at a time, by the engine the pool is then built on (as a server's warm-up);
-    ``after_warmup(ring, engine)``: a test hook called then (e.g. to deliver a late direct message)."""
+    ``after_warmup(ring, engine)``: a test hook called then (e.g. to deliver a late direct message).
+    ``stage_meter(rank)``: a meter for stage ``rank``'s forwards (e.g. one that pads them, as the emulated testbed
+    does). The pool's ``stage_workers`` are the stages' workers."""
     import threading
 
     from model.stage_format import read_manifest
@@ -85,6 +87,9 @@ def run_concurrent(stage_root: Path, jobs: list[tuple[list[int], str, object]], 
     cfg = apply_overrides(DEFAULT, overrides)
     ring = LocalRing(world)
     models = [load_stage(stage_root, r, world, dtype) for r in range(world)]
+    from model.layers import set_lean
+    for m in models:
+        set_lean(m, cfg.model.lean_layers)     # model.lean_layers=false: the transformers layers, as pipeline.build
     modes = sorted({m for _, m, _ in jobs})
     if drafter is not None:
         cfg.model.head_dir = drafter
@@ -92,9 +97,14 @@ def run_concurrent(stage_root: Path, jobs: list[tuple[list[int], str, object]], 
     engine = make_engine(cfg, LocalComm(ring, 0), models[0], stage_root, modes, stop_ids, dtype, "cpu", drafter=d)
     results: list = [None] * len(jobs)
     failures: list[BaseException] = []
+    workers: list[StageWorker] = []      # the stages' workers (tests read their batched-forward counters)
 
     def stage(r: int) -> None:
-        StageWorker(models[r], LocalComm(ring, r), cfg.model.max_seq_len, dtype, "cpu").run()
+        worker = StageWorker(models[r], LocalComm(ring, r), cfg.model.max_seq_len, dtype, "cpu")
+        if stage_meter is not None:
+            worker.meter = stage_meter(r)
+        workers.append(worker)
+        worker.run()
 
     with stage_threads(world, stage) as errors:
         for prompt, mode in warmup or []:
@@ -102,6 +112,7 @@ def run_concurrent(stage_root: Path, jobs: list[tuple[list[int], str, object]], 
         if after_warmup is not None:
             after_warmup(ring, engine)
         pool = LanePool(engine, lanes, timeout_s=lane_timeout_s)
+        pool.stage_workers = workers
 
         def job(i: int) -> None:
             lane = pool.acquire()

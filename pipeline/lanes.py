@@ -44,6 +44,7 @@ Protocol rules with several lanes (the *why* is in the module docstrings named):
 from __future__ import annotations
 
 import copy
+import math
 import queue
 import threading
 from contextlib import contextmanager
@@ -83,6 +84,21 @@ class LaneTransport:
         if isinstance(item, BaseException):
             raise item
         return item
+
+    def poll_prev(self) -> list[Message]:
+        """This lane's results already received, oldest first; never waits (a receive error: raised)."""
+        out: list[Message] = []
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return out
+            if isinstance(item, BaseException):
+                if out:          # the messages before it first; the error stays for the next receive
+                    self._inbox.put(item)
+                    return out
+                raise item
+            out.append(item)
 
     def send_direct(self, msg: Message) -> None:
         self.mux.send(self.lane, msg, direct=True)
@@ -386,16 +402,21 @@ class SharedPrefill:
             self._cv.notify_all()
 
 
-def ring_share(world: int, active: int) -> int:
+def ring_share(world: int, active: int, per_link: float = 1.0) -> int:
     """Live segments each of ``active`` requests keeps in flight on a ring of ``world`` links: all of them alone,
-    else an equal share rounded up (``ceil(world / active)``, at least one; pure).
+    else a share of ``per_link`` segments per link rounded up (``ceil(per_link * world / active)``, between one and
+    ``world``; pure; ``per_link`` is ``serve.ring_share``).
 
     Why: a stage forward costs about the same for 1 or 16 rows (weight streaming), so a stage's capacity is
     forwards, not rows. Alone, a FlowSpec request keeps every link busy with speculative segments (its stage 1 is
     about 75% busy on the edge profile), and several requests each doing so only queue behind each other; with
     equal shares the ring carries about as many segments as alone, each lane's less speculative, and the
-    forwards go to the segments most likely to be accepted (each lane's best nodes first)."""
-    return world if active <= 1 else max(1, -(-world // active))
+    forwards go to the segments most likely to be accepted (each lane's best nodes first). Since a stage step
+    carries every lane's waiting segment in one forward (:mod:`pipeline.batching`), more segments in flight cost
+    more rows per forward rather than more forwards: docs/results.md §46 measures ``per_link`` again."""
+    if active <= 1:
+        return world
+    return max(1, min(world, math.ceil(per_link * world / active - 1e-9)))
 
 
 class LanePool:
@@ -420,8 +441,9 @@ class LanePool:
         self._cv = threading.Condition()
         self.active = 0
         world = base.comm.world
+        per_link = float(getattr(getattr(getattr(base, "cfg", None), "serve", None), "ring_share", 1.0))
         for e in self.engines:
-            e.ring_share = lambda: ring_share(world, self.active)
+            e.ring_share = lambda: ring_share(world, self.active, per_link)
 
     @property
     def size(self) -> int:

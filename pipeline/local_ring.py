@@ -1,7 +1,7 @@
 """The whole ring in one process: one thread per rank, one FIFO queue per link.
 
 :class:`LocalComm` implements exactly the :class:`pipeline.comm.Comm` surface that the engine, the modes and
-the stage workers use (``rank``, ``world``, ``tracer``, ``send_next``, ``recv_prev``, ``send_direct``,
+the stage workers use (``rank``, ``world``, ``tracer``, ``send_next``, ``recv_prev``, ``poll_prev``, ``send_direct``,
 ``open_direct_inbox``, ``poll_direct``) with the same ordering guarantees as the real transport: one FIFO per
 link, direct messages from rank 0 received in issue order. Messages go through the real wire codec (``pipeline.messages``), so a message cannot smuggle
 anything the real transport would drop.
@@ -61,6 +61,18 @@ class LocalComm:
         if self.observer is not None:
             self.observer.on_recv(self.rank, (self.rank - 1) % self.world)
         return msg
+
+    def poll_prev(self) -> list[Message]:
+        """Ring messages already queued on the link from the predecessor, oldest first; never waits."""
+        link = self.ring.links[(self.rank - 1) % self.world]
+        out = []
+        while True:
+            try:
+                out.append(link.get_nowait())
+            except queue.Empty:
+                return out
+            if self.observer is not None:
+                self.observer.on_recv(self.rank, (self.rank - 1) % self.world)
 
     def send_direct(self, msg: Message) -> None:
         if not self.direct:

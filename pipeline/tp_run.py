@@ -42,6 +42,10 @@ class GroupComm:
     def recv_prev(self):
         return self.comm.recv(1)
 
+    def poll_prev(self) -> list:
+        """Rank 0 never polls a TP group (its modes wait for each answer): nothing is reported as arrived."""
+        return []
+
     def send_direct(self, msg) -> None:
         """Nothing is ever in flight when tp/galaxy decide: decisions ride on the next segment only."""
 

@@ -9,6 +9,9 @@ Ordering guarantees every implementation keeps (the protocol's correctness rests
 
 * **ring FIFO**: messages on the link ``r -> r+1`` arrive in the order they were sent (``send_next`` /
   ``recv_prev``);
+* **polling keeps the ring FIFO**: ``poll_prev`` hands over, without waiting, the ring messages that have already
+  arrived, oldest first, and the next ``recv_prev`` returns the one after the last it handed over (a stage that
+  computes several lanes' segments in one forward takes what is queued: :mod:`pipeline.batching`);
 * **direct FIFO**: rank 0's direct messages (``send_direct``; to every stage that is not its ring successor)
   are seen by each stage in issue order (``poll_direct``), and ``poll_direct`` never waits;
 * a message crosses the wire codec (:mod:`pipeline.messages`): what arrives is what the codec can carry.
@@ -32,6 +35,11 @@ class Transport(Protocol):
 
     def recv_prev(self) -> Message:
         """The next message from the ring predecessor (waits; a lost peer raises)."""
+
+    def poll_prev(self) -> list[Message]:
+        """Ring messages from the predecessor that have already arrived, oldest first; never waits (an empty list
+        is always a correct answer: nothing is known to have arrived). They are not received again by
+        ``recv_prev``."""
 
     def send_direct(self, msg: Message) -> None:
         """Rank 0: ``msg`` to every stage ``2..world-1`` (stage 1 gets it on the ring)."""

@@ -9,6 +9,11 @@ Per received ring message:
   * ``Fork``     -> copy another lane's committed prompt prefix into this lane (a shared prefill), forward;
   * ``Stats``    -> add this rank's busy seconds, forward;  ``Shutdown`` -> forward and stop.
 
+Several lanes in one forward (:mod:`pipeline.batching`): a stage serving several lanes also takes the messages of
+other lanes that have already arrived (``poll_prev``, never waiting) and computes them in the same forward; each is
+prepared on its own lane's state exactly as alone and each lane's output goes on as its own message, in arrival
+order.
+
 A stage never waits for anything but its data source: the decisions a segment depends on travel in its
 log (or an earlier segment's); the direct copies only let a stage prune earlier.
 
@@ -23,13 +28,17 @@ the start, so one request at a time allocates exactly what it did before lanes.
 """
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from draft.tree import admit_rows, decision_keep
 from model.devices import HOST
 from model.kv_cache import KVCache
+from model.lane_batch import LaneBatch
 from model.meter import OpMeter, SpanMeter, take_counters
 from model.stage_model import StageModel
+from pipeline.batching import CONTEXT, OTHER, SEGMENT, Work, take_batch
 from pipeline.messages import Context, Decision, Fork, Segment, Shutdown, Stats
 from pipeline.transport import Transport
 
@@ -86,14 +95,19 @@ class StageTree:
 def context_chunk(cache: KVCache, tree: StageTree, msg: Context, dtype: torch.dtype, compute) -> torch.Tensor:
     """A prompt chunk (or ``ar``'s one token) on a stage: the first chunk of a generation resets the cache and
     the decision state; the rows are computed (``compute(x, positions, mask)``) and become committed context."""
+    pos, mask = context_inputs(cache, tree, msg, dtype)
+    out = compute(msg.x, pos, mask)
+    cache.commit_forward(msg.x.shape[1], as_context=True)
+    return out
+
+
+def context_inputs(cache: KVCache, tree: StageTree, msg: Context, dtype: torch.dtype):
+    """:func:`context_chunk` up to the forward: the reset (first chunk of a generation), then the chunk's
+    positions and causal mask; the caller computes and then ``cache.commit_forward(n, as_context=True)``."""
     if msg.reset:
         cache.reset()
         tree.reset(msg.gen)
-    n = msg.x.shape[1]
-    pos, mask = cache.context_inputs(n, dtype)
-    out = compute(msg.x, pos, mask)
-    cache.commit_forward(n, as_context=True)
-    return out
+    return cache.context_inputs(msg.x.shape[1], dtype)
 
 
 class LaneState:
@@ -141,6 +155,12 @@ class StageWorker:
         self.lanes: dict[int, LaneState] = {}   # every request slot's KV cache and decision state
         self.select(0)                          # self.cache, self.tree: the current lane's (lane 0 from the start)
         self.busy = BusyMarks()
+        # several lanes' messages in one forward (pipeline/batching.py): arrived, not yet handled (ring order)
+        self.batching = True
+        self.backlog: deque = deque()
+        self.forwards = 0            # stage forwards (segments and prompt chunks)
+        self.batched_forwards = 0    # forwards that carried more than one lane (and the lane messages in them)
+        self.batched_lanes = 0
         self.tracer = comm.tracer
         # the block's forwards (model.meter): traced as "compute" spans; instrumentation stacks its meters after
         # (pipeline.build.make_stage_worker) and the meter stack carries their counters (Stats)
@@ -148,13 +168,31 @@ class StageWorker:
         comm.open_direct_inbox()                # rank 0's point-to-point decisions (ranks >= 2)
 
     @torch.no_grad()
-    def _compute(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _compute(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache=None) -> torch.Tensor:
+        cache = self.cache if cache is None else cache
         rows = int(positions.numel())
-        with self.meter.op("stage_forward", rows, self.cache.length):
+        with self.meter.op("stage_forward", rows, cache.length):
             x = x.to(self.device)
             if x.is_floating_point():
                 x = x.to(self.dtype)
-            return (self.static or self.model)(x, positions, mask, self.cache)
+            return (self.static or self.model)(x, positions, mask, cache)
+
+    @torch.no_grad()
+    def forward_lanes(self, works: list[Work]) -> list[torch.Tensor]:
+        """ONE forward over several lanes' prepared rows (:mod:`pipeline.batching`): the rows concatenated, each
+        lane's attention over its own cache with its own mask (:class:`model.lane_batch.LaneBatch`); returns each
+        lane's output rows. Metered as ONE ``stage_forward`` op of all the rows over all the lanes' cached slots
+        (the forward reads the weights once and every lane's cache once: what a memory-bound stage pays; the
+        emulated testbed pads it once, :class:`pipeline.emulation.EmuMeter`)."""
+        rows = sum(w.rows for w in works)
+        with self.meter.op("stage_forward", rows, sum(w.cache.length for w in works)):
+            xs = [w.x.to(self.device) for w in works]
+            x = torch.cat([t.to(self.dtype) if t.is_floating_point() else t for t in xs], dim=1)
+            pos = torch.cat([w.positions for w in works], dim=1)
+            out = self.model(x, pos, None, LaneBatch([w.cache for w in works], [w.mask for w in works]))
+        self.batched_forwards += 1
+        self.batched_lanes += len(works)
+        return list(out.split([w.rows for w in works], dim=1))
 
     def lane(self, lane: int) -> LaneState:
         """Lane ``lane``'s state, allocated at its first use (a new KV cache of ``max_len`` slots)."""
@@ -173,7 +211,7 @@ class StageWorker:
     def run(self) -> None:
         comm = self.comm
         while True:
-            msg = comm.recv_prev()
+            msg = self.backlog.popleft() if self.backlog else comm.recv_prev()
             if isinstance(msg, Shutdown):
                 comm.send_next(msg)
                 return
@@ -182,13 +220,8 @@ class StageWorker:
                 self.tracer.reset_counters()
                 write_counters(msg, self.rank, self.meter)
                 comm.send_next(msg)
-            elif isinstance(msg, Context):
-                self.select(msg.lane)
-                out = context_chunk(self.cache, self.tree, msg, self.dtype, self._compute)
-                comm.send_next(Context(out, msg.gen, msg.reset, msg.lane))
-            elif isinstance(msg, Segment):
-                self.select(msg.lane)
-                self._segment(msg)
+            elif isinstance(msg, (Context, Segment)):
+                self.step([msg, *self._joining(msg)])
             elif isinstance(msg, Fork):   # a shared prompt prefill: lane src's committed prefix (messages.Fork)
                 src = self.lane(msg.src).cache
                 self.select(msg.lane)
@@ -197,14 +230,64 @@ class StageWorker:
                 self.tree.reset(msg.gen)
                 comm.send_next(msg)
 
+    def _joining(self, head: Context | Segment) -> list[Context | Segment]:
+        """Messages of other lanes that have already arrived and join ``head``'s forward
+        (:func:`pipeline.batching.take_batch`); none while this stage has served one lane only, on static shapes,
+        or with batching off. The rest stay in ``backlog``, in ring order."""
+        if not self.batching or self.static is not None or len(self.lanes.keys() | {head.lane}) < 2:
+            return []
+        self.backlog.extend(self.comm.poll_prev())
+        if not self.backlog:
+            return []
+        waiting = list(self.backlog)
+        kinds = [(SEGMENT if isinstance(m, Segment) else CONTEXT if isinstance(m, Context) else OTHER, m.lane)
+                 for m in waiting]
+        taken = take_batch(head.lane, kinds)
+        if taken:
+            chosen = set(taken)
+            self.backlog = deque(m for i, m in enumerate(waiting) if i not in chosen)
+        return [waiting[i] for i in taken]
+
+    def step(self, msgs: list[Context | Segment]) -> None:
+        """One stage step over ``msgs`` (one per lane, in arrival order): each prepared on its lane's state, ONE
+        forward over every row to compute (one message: exactly the single-lane path), each lane's output sent
+        on in arrival order."""
+        works = [self._prepare(m) for m in msgs]
+        todo = [w for w in works if w.x is not None]
+        self.forwards += bool(todo)
+        if len(todo) == 1:
+            w = todo[0]
+            outs = [self._compute(w.x, w.positions, w.mask, w.cache)]
+        else:
+            outs = self.forward_lanes(todo) if todo else []
+        done = dict(zip(map(id, todo), outs))
+        for w in works:
+            self.comm.send_next(w.finish(done.get(id(w))))
+
+    def _prepare(self, msg: Context | Segment) -> Work:
+        self.select(msg.lane)
+        if isinstance(msg, Segment):
+            return self._prepare_segment(msg)
+        cache, lane = self.cache, msg.lane
+        pos, mask = context_inputs(cache, self.tree, msg, self.dtype)
+        n = msg.x.shape[1]
+
+        def finish(out: torch.Tensor) -> Context:
+            cache.commit_forward(n, as_context=True)
+            return Context(out, msg.gen, msg.reset, lane)
+        return Work(lane, msg.x, pos, mask, cache, finish)
+
     def _offer_direct(self) -> None:
         """Every direct decision that has arrived, to its own lane's tree."""
         for d in self.comm.poll_direct():
             if isinstance(d, Decision):
                 self.lane(d.lane).tree.offer([d])
 
-    def _segment(self, seg: Segment) -> None:
-        tree = self.tree
+    def _prepare_segment(self, seg: Segment) -> Work:
+        """A segment on its lane's state: decisions applied, dead rows pruned (``StageTree``); the surviving rows'
+        inputs, and ``finish`` committing them and building the outgoing segment (an emptied segment still travels
+        on, with its log, so every stage sees every decision)."""
+        tree, cache = self.tree, self.cache
         with self.tracer.span("prune"):
             tree.offer(seg.decisions())
             self._offer_direct()
@@ -213,14 +296,21 @@ class StageWorker:
         x, gids, parent_gids = seg.x, seg.gids, seg.parents
         if not bool(rows.all()):
             x, gids, parent_gids = x[:, rows.to(x.device)], gids[rows], parent_gids[rows]
+        n = int(gids.numel())
+
+        def out_msg(out: torch.Tensor) -> Segment:
+            return Segment(out, parent_gids, gids, seg.gen, seg.epoch, seg.log, seg.tag, seg.lane)
+        if n:
+            pos, mask, anc, depth = cache.tree_inputs(parents, self.dtype)
+
+            def finish(out: torch.Tensor) -> Segment:
+                cache.commit_forward(n, as_context=False, anc=anc, depth=depth)
+                tree.computed(gids.tolist())
+                return out_msg(out)
+            return Work(seg.lane, x, pos, mask, cache, finish)
         out = x
-        if gids.numel():
-            pos, mask, anc, depth = self.cache.tree_inputs(parents, self.dtype)
-            out = self._compute(x, pos, mask)
-            self.cache.commit_forward(int(gids.numel()), as_context=False, anc=anc, depth=depth)
-            tree.computed(gids.tolist())
-        elif out.dim() == 2 or out.shape[-1] != getattr(self.model, "out_width", out.shape[-1]):
+        if out.dim() == 2 or out.shape[-1] != getattr(self.model, "out_width", out.shape[-1]):
             # nothing computed: forward an empty block of this stage's row width (EAGLE-3 taps widen rows)
             out = torch.zeros(1, 0, getattr(self.model, "out_width", self.model.config.hidden_size),
                               dtype=self.dtype, device=HOST)
-        self.comm.send_next(Segment(out, parent_gids, gids, seg.gen, seg.epoch, seg.log, seg.tag, seg.lane))
+        return Work(seg.lane, None, None, None, cache, lambda _: out_msg(out))

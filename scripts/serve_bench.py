@@ -24,7 +24,9 @@ number of concurrent clients in turn; every client sends ``--per-client`` stream
 the other (client ``j``'s ``i``-th request asks first turn ``(j * per_client + i) mod n``). One Markdown row per
 (max_active, clients): aggregate new tokens/s over the row's wall time (and x ``emu.time_scale``: modeled), the
 per-request median / p90 end-to-end latency and time to first token, the stage busy fractions (each request's
-``busy_fraction``, weighted by its decode time), τ and the emulated testbed's worst overrun ratio. Example (the
+``busy_fraction``, weighted by its decode time), τ, the emulated testbed's worst overrun ratio and the host's
+1-minute load average when the row started and ended (``serve.ring_share`` and other run keys pass through to the
+server). Example (the
 emulated edge testbed, docs/results.md §34):
 
     .venv/bin/python -m scripts.serve_bench --prompts-file ../shared/data/mt_bench/question.jsonl -n 16 \\
@@ -232,9 +234,11 @@ def concurrency(args) -> int:
                 def client(j: int) -> list[dict]:
                     return [_stream_chat(url, recs[(j * args.per_client + i) % len(recs)]["turns"][0], mode)
                             for i in range(args.per_client)]
+                load0 = os.getloadavg()[0]
                 with concurrent.futures.ThreadPoolExecutor(c) as ex:
                     rows = [r for rs in ex.map(client, range(c)) for r in rs]
-                row = {"max_active": active, "clients": c, **concurrency_row(rows, scale)}
+                row = {"max_active": active, "clients": c, **concurrency_row(rows, scale),
+                       "load": (load0, os.getloadavg()[0])}
                 table.append(row)
                 raw.append({**row, "requests_raw": rows})
                 print(f"[bench] max_active={active} clients={c}: {row['tok_s']:.2f} tok/s, latency median "
@@ -248,8 +252,8 @@ def concurrency(args) -> int:
     print(f"mode `{mode}`, {args.per_client} requests per client, time scale {scale:g} (modeled tok/s = measured x "
           f"{scale:g})\n")
     print("| max_active | clients | requests | agg tok/s (modeled) | x one client | latency median / p90 (s) | "
-          "x single | TTFT median / p90 (s) | stage busy | τ | worst overrun |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "x single | TTFT median / p90 (s) | stage busy | τ | worst overrun | load start / end |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in table:
         one = next((x for x in table if x["max_active"] == r["max_active"] and x["clients"] == 1), base)
         x_tok = f"{r['tok_s'] / one['tok_s']:.2f}" if one else "-"
@@ -257,7 +261,8 @@ def concurrency(args) -> int:
         print(f"| {r['max_active']} | {r['clients']} | {r['requests']} | {r['tok_s']:.2f} ({r['modeled_tok_s']:.1f}) "
               f"| {x_tok} | {r['lat_med']:.1f} / {r['lat_p90']:.1f} "
               f"| {x_lat} | {r['ttft_med']:.2f} / {r['ttft_p90']:.2f} "
-              f"| {' '.join(f'{b:.2f}' for b in r['busy'][1:])} | {r['tau']:.2f} | {r['overrun']:.2f} |")
+              f"| {' '.join(f'{b:.2f}' for b in r['busy'][1:])} | {r['tau']:.2f} | {r['overrun']:.2f} "
+              f"| {r['load'][0]:.1f} / {r['load'][1]:.1f} |")
     return 0
 
 

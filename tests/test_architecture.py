@@ -143,6 +143,6 @@ def test_transports_implement_the_protocol():
     from pipeline.comm import Comm
     from pipeline.tp_run import GroupComm
     for cls in (Comm, GroupComm):   # (constructing them needs a process group: check the methods)
-        missing = [m for m in ("send_next", "recv_prev", "send_direct", "open_direct_inbox", "poll_direct")
+        missing = [m for m in ("send_next", "recv_prev", "poll_prev", "send_direct", "open_direct_inbox", "poll_direct")
                    if not callable(getattr(cls, m, None))]
         assert not missing, (cls.__name__, missing)

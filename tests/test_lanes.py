@@ -4,9 +4,13 @@ Every concurrent greedy answer equals HF ``generate(do_sample=False)`` (its sing
 with modes mixed on one ring and lanes reused; a sampled answer equals the same request's answer alone (same
 seed: the same draws, hence the same law, which tests/test_sampling.py proves is the target's); planted bugs
 (a stage that ignores lanes, a result routed to the wrong lane, one generator shared by two requests) fail;
-a cancelled request frees its lane for the next while the other finishes; the lane codec round-trips.
+a cancelled request frees its lane for the next while the other finishes; the lane codec round-trips. Stage
+steps carry several lanes' segments in one forward (pipeline/batching.py) in these runs (counted: > 0), on the lean
+and the transformers layers, and planted batching bugs fail too.
 """
 import threading
+import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -36,6 +40,28 @@ def _greedy(n=NEW):
     return GenSettings(n)
 
 
+class Pad:
+    """A stage meter that makes every stage forward last ``s`` seconds at least (as the emulated testbed pads
+    them): the lanes' segments then queue up at the stages, so stage steps carry several lanes
+    (pipeline/batching.py) in every run, not only when the threads happen to interleave so."""
+
+    counter_names = ()
+
+    def __init__(self, s: float = 0.004) -> None:
+        self.s = s
+
+    @contextmanager
+    def op(self, kind, rows, ctx=0):
+        t0 = time.perf_counter()
+        yield
+        time.sleep(max(0.0, self.s - (time.perf_counter() - t0)))
+
+
+def batched(pool) -> int:
+    """Stage forwards that carried more than one lane, all stages."""
+    return sum(w.batched_forwards for w in pool.stage_workers)
+
+
 @pytest.mark.parametrize("mode", ["continuous", "naive", "pipedec", "ar", "pruned"])
 @pytest.mark.parametrize("drafter", ["oracle", "default"])
 def test_concurrent_greedy_equals_alone(tiny, mode, drafter):
@@ -43,9 +69,22 @@ def test_concurrent_greedy_equals_alone(tiny, mode, drafter):
     (the Drafter fork), ``oracle``: deep acceptance (CONTINUE decisions, direct pruning)."""
     full, stages, refs = tiny
     d = f"oracle:{full}" if drafter == "oracle" else None
-    res, pool = run_concurrent(stages, [(p, mode, _greedy()) for p in PROMPTS], COMMON, {2}, d, lanes=3)
+    res, pool = run_concurrent(stages, [(p, mode, _greedy()) for p in PROMPTS], COMMON, {2}, d, lanes=3,
+                               stage_meter=lambda r: Pad())
     assert [r.output_ids for r in res] == refs
     assert pool.mux.switches >= 3, "the lanes did not interleave on the ring"
+    assert batched(pool) > 0, "no stage step carried several lanes"
+
+
+@pytest.mark.parametrize("mode", ["continuous", "naive"])
+def test_concurrent_greedy_on_transformers_layers(tiny, mode):
+    """The same on the transformers decoder layers (``model.lean_layers=false``): several lanes in one forward
+    attend through a block-diagonal mask there (model/lane_batch.py)."""
+    full, stages, refs = tiny
+    res, pool = run_concurrent(stages, [(p, mode, _greedy()) for p in PROMPTS], [*COMMON, "model.lean_layers=false"],
+                               {2}, f"oracle:{full}", lanes=3, stage_meter=lambda r: Pad())
+    assert [r.output_ids for r in res] == refs
+    assert batched(pool) > 0
 
 
 def test_mixed_modes_and_lane_reuse(tiny):
@@ -84,9 +123,9 @@ def test_sampling_interleaved_equals_alone(tiny, mode):
     alone = [run_threaded(stages, [p], [mode], [*COMMON, "temperature=1.0", f"seed={s}"], {2}, f"oracle:{full}")
              [mode][0].output_ids for p, s in zip(PROMPTS, seeds)]
     jobs = [(p, mode, GenSettings(NEW, temperature=1.0, seed=s)) for p, s in zip(PROMPTS, seeds)]
-    res, pool = run_concurrent(stages, jobs, COMMON, {2}, f"oracle:{full}", lanes=3)
+    res, pool = run_concurrent(stages, jobs, COMMON, {2}, f"oracle:{full}", lanes=3, stage_meter=lambda r: Pad())
     assert [r.output_ids for r in res] == alone
-    assert pool.mux.switches >= 3
+    assert pool.mux.switches >= 3 and batched(pool) > 0
 
 
 def test_planted_shared_generator_fails(tiny, monkeypatch):
@@ -109,22 +148,32 @@ def test_planted_shared_generator_fails(tiny, monkeypatch):
     assert [r.output_ids for r in res] != alone
 
 
-@pytest.mark.parametrize("bug", ["stage-ignores-lanes", "results-to-lane-0"])
+@pytest.mark.parametrize("bug", ["stage-ignores-lanes", "results-to-lane-0", "batch-attends-to-another-lane",
+                                 "batch-outputs-to-another-lane"])
 def test_planted_lane_routing_bugs_fail(tiny, monkeypatch, bug):
     """Planted bugs: a stage that keeps one cache for every lane, or rank 0 stamping every message with lane 0
-    (every result lands in lane 0's queue): an error, a timeout or a wrong answer, never the right answers."""
+    (every result lands in lane 0's queue); in a stage step of several lanes, one lane's rows attending over
+    another lane's cache, or the lanes' outputs sent as each other's: an error, a timeout or a wrong answer,
+    never the right answers."""
+    from model.lane_batch import LaneBatch
     from pipeline.lanes import LaneMux
     from pipeline.worker import StageWorker
+    from tests.test_lanes_batch import crossed_attend
     full, stages, refs = tiny
     if bug == "stage-ignores-lanes":
         real = StageWorker.select
         monkeypatch.setattr(StageWorker, "select", lambda self, lane: real(self, 0))
+    elif bug == "batch-attends-to-another-lane":
+        monkeypatch.setattr(LaneBatch, "attend", crossed_attend)
+    elif bug == "batch-outputs-to-another-lane":
+        real_fwd = StageWorker.forward_lanes
+        monkeypatch.setattr(StageWorker, "forward_lanes", lambda self, works: real_fwd(self, works)[::-1])
     else:
         real_send = LaneMux.send
         monkeypatch.setattr(LaneMux, "send", lambda self, lane, msg, direct: real_send(self, 0, msg, direct))
     try:
         res, _ = run_concurrent(stages, [(p, "continuous", _greedy()) for p in PROMPTS], COMMON, {2},
-                                f"oracle:{full}", lanes=3, lane_timeout_s=8)
+                                f"oracle:{full}", lanes=3, lane_timeout_s=8, stage_meter=lambda r: Pad())
     except Exception:   # noqa: BLE001 - the protocol's own checks, a stage error or a lane's timeout
         return
     assert [r.output_ids for r in res] != refs
@@ -225,3 +274,6 @@ def test_ring_share_rule():
     from pipeline.lanes import ring_share
     assert [ring_share(5, a) for a in range(7)] == [5, 5, 3, 2, 2, 1, 1]   # alone: every link, as before lanes
     assert all(1 <= ring_share(w, a) <= w and ring_share(w, a) * a >= w for w in range(1, 9) for a in range(1, 9))
+    assert [ring_share(5, a, 2.0) for a in range(1, 7)] == [5, 5, 4, 3, 2, 2]     # serve.ring_share=2
+    assert [ring_share(5, a, 0.5) for a in range(1, 7)] == [5, 2, 1, 1, 1, 1]
+    assert all(ring_share(w, a, 64) == w for w in range(1, 9) for a in range(1, 9))

@@ -3,6 +3,7 @@
 * framing: one gloo frame per message up to FRAME_BYTES, header + payload beyond; every dtype, empty payloads,
   a payload larger than a frame, and more sends than MAX_PENDING before the receiver takes any, through a real
   2-process gloo link (seconds);
+* ``poll_prev``: what has arrived, in ring order, never waiting (a read-ahead thread), then ``recv_prev`` goes on;
 * the send FIFO stays bounded (the old reap list grew by one entry per message, forever);
 * spans cost nothing when tracing is off, and busy spans still feed the busy counter;
 * the stage's vectorised tree extension equals draft.tree's reference functions on random trees.
@@ -87,6 +88,61 @@ def test_gloo_link_frames_every_message_and_bounds_pending():
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_link_worker, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = [q.get(timeout=120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert all(r == ("ok", True) for r in results), results
+
+
+def _poll_worker(rank: int, port: int, q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      OMP_NUM_THREADS="1")
+    import time
+
+    from pipeline.comm import Comm
+    from pipeline.messages import Shutdown, Stats
+    try:
+        comm = Comm("gloo", 30.0, 0.5, "cpu")
+        msgs = _messages()[:-1]                      # every kind but Shutdown, one larger than a frame
+        if rank == 0:
+            comm.recv(1)                             # nothing is sent before rank 1 has polled once
+            for m in msgs:
+                comm.send(1, m)
+            comm.recv(1)
+            comm.send(1, Shutdown())
+            q.put(("ok", True))
+        else:
+            first = comm.poll_prev()                 # nothing has arrived: [] at once
+            comm.send(0, Stats(torch.zeros(1, dtype=torch.float64)))
+            got, deadline = [], time.monotonic() + 60
+            while len(got) < len(msgs) and time.monotonic() < deadline:
+                got += comm.poll_prev()              # what the read-ahead received, in ring order
+                time.sleep(0.01)
+            ok = first == [] and len(got) == len(msgs) and all(_same(a, b) for a, b in zip(got, msgs))
+            ok = ok and comm.poll_prev() == []
+            comm.send(0, Stats(torch.zeros(1, dtype=torch.float64)))
+            ok = ok and isinstance(comm.recv_prev(), Shutdown)   # recv_prev takes the read-ahead's next one
+            q.put(("ok", ok))
+        comm.close()
+    except BaseException as e:  # reported to the test
+        q.put(("error", f"rank {rank}: {type(e).__name__}: {e}"))
+
+
+def test_gloo_poll_prev_returns_what_arrived_in_order_without_waiting():
+    """``Comm.poll_prev`` (a stage computing several lanes in one forward takes what is queued): [] before anything
+    was sent, then every message in ring order (a read-ahead thread receives them), and ``recv_prev`` after it
+    takes the next one; the read-ahead ends at ``Shutdown`` and the link closes cleanly."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_poll_worker, args=(r, port, q)) for r in range(2)]
     for p in procs:
         p.start()
     try:
