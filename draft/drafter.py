@@ -403,9 +403,7 @@ class BeamTreeDrafter:
         parents = torch.where(par < n, par, inv[(par - n).clamp(min=0)])  # ancestors-first
         if bool((parents < 0).any()):
             raise AssertionError("chosen candidates are not ancestor-closed")        # impossible by construction
-        grown = DraftTree(torch.cat([tree.tokens, torch.cat(c_tok)[chosen]]), torch.cat([tree.parents, parents]),
-                          torch.cat([tree.scores, c_score[chosen].float()]),
-                          torch.cat([tree.depths, torch.cat(rows_dep)[row] + 1]))
+        grown = tree.append(torch.cat(c_tok)[chosen], parents, c_score[chosen], torch.cat(rows_dep)[row] + 1)
         return grown, torch.cat([inputs, torch.cat(rows_out)[row.to(dev)]])
 
     def host_top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
