@@ -141,18 +141,26 @@ class DraftTree:
         the buffers when :func:`_can_fill_in_place`, else on new buffers of ``max(capacity, 2 * capacity, n + k)``
         slots (copy on write); ``self`` is unchanged either way (module docstring). Proposals are not carried:
         appending is for deterministic trees (``proposals`` must be None)."""
+        grown, slots = self.append_slots(int(tokens.numel()))
+        for slot, x in zip(slots, (tokens, parents, scores, depths)):
+            slot.copy_(_flat(x))
+        return grown
+
+    def append_slots(self, k: int) -> tuple["DraftTree", tuple[Tensor, Tensor, Tensor, Tensor]]:
+        """:meth:`append` for a caller that writes the new nodes itself (with ``out=`` ops: no separate copy):
+        returns the grown tree and the four views of its new slots ``[len, len + k)`` (tokens, parents, scores,
+        depths), which the caller must fill before the grown tree is read. The same buffers rule as ``append``."""
         if self.proposals is not None:
             raise ValueError("append grows deterministic trees only (proposals would need their lists)")
-        n, k = len(self), int(tokens.numel())
+        n = len(self)
         st = self._store
         if not _can_fill_in_place(st, n, k):
             cap = max(st.capacity, n + k) if k <= st.capacity - n else max(2 * st.capacity, n + k)
             st = DraftTree(self.tokens, self.parents, self.scores, self.depths, capacity=cap)._store
         end = n + k
-        for buf, x in ((st.tokens, tokens), (st.parents, parents), (st.scores, scores), (st.depths, depths)):
-            buf[n:end] = _flat(x)
         st.filled = end
-        return DraftTree._on_store(st, end)
+        return DraftTree._on_store(st, end), (st.tokens[n:end], st.parents[n:end], st.scores[n:end],
+                                              st.depths[n:end])
 
     @staticmethod
     def _on_store(store: _Store, n: int, proposals: list | None = None, views: tuple | None = None) -> "DraftTree":
