@@ -409,12 +409,18 @@ class BeamTreeDrafter:
         par = torch.cat(rows_par)[row]                                    # a tree node, or n + a candidate
         inv = torch.full((n_cand,), -1, dtype=torch.long, device=HOST)    # candidate -> new tree index
         inv[chosen] = torch.arange(n, n + chosen.numel(), device=HOST)
-        parents = torch.where(par < n, par, inv[(par - n).clamp(min=0)])  # ancestors-first
+        # the chosen nodes are written straight into the tree's buffers (draft.tree: capacity-sized trees)
+        grown, (tok, parents, score, depth) = tree.append_slots(chosen.numel())
+        torch.where(par < n, par, inv[(par - n).clamp(min=0)], out=parents)  # ancestors-first
         if bool((parents < 0).any()):
             raise AssertionError("chosen candidates are not ancestor-closed")        # impossible by construction
-        grown = DraftTree(torch.cat([tree.tokens, torch.cat(c_tok)[chosen]]), torch.cat([tree.parents, parents]),
-                          torch.cat([tree.scores, c_score[chosen].float()]),
-                          torch.cat([tree.depths, torch.cat(rows_dep)[row] + 1]))
+        ct = torch.cat(c_tok)
+        if ct.dtype == tok.dtype:
+            torch.index_select(ct, 0, chosen, out=tok)
+        else:                                                             # (never so far: ids are int64)
+            tok.copy_(ct[chosen])
+        score.copy_(c_score[chosen])
+        torch.add(torch.cat(rows_dep)[row], 1, out=depth)
         return grown, torch.cat([inputs, torch.cat(rows_out)[row.to(dev)]])
 
     def host_top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -11,6 +11,19 @@ Invariants (checked by :func:`check_tree`):
 
 Nothing here ships dense masks between ranks: every rank derives attention masks and
 positions from ``parents`` (see :func:`ancestor_matrix`, :func:`depths_from_parents`).
+
+Capacity (issue 41): a tree's four arrays are the first ``len(tree)`` slots of buffers preallocated at its
+``capacity`` (its node budget) and filled in place; ``len(tree)`` is the number of live nodes and every array
+attribute is a view of exactly that filled prefix, so consumers read a tree as before. Growing a tree
+(:meth:`DraftTree.append`) writes the new nodes into the slots after the prefix and returns the grown tree
+on the same buffers. Trees are still values (the pure-function style of this module): several trees may share
+buffers (a tree and the trees grown from it), and the store's invariant keeps each one's nodes fixed:
+
+  * a buffer slot is written once per store: ``append`` writes only slots ``>= filled`` (the store's filled
+    count) and only when the tree it grows is the store's longest (``len(tree) == filled``), then advances
+    ``filled``; growing any shorter tree, or past the capacity, copies into a new store (copy on write);
+  * so slots ``[0, len(t))`` of every tree ``t`` on a store never change after ``t`` is made, and slots
+    ``>= len(t)`` are never visible through ``t`` (a stale slot past the prefix is never read back).
 """
 from __future__ import annotations
 
@@ -47,9 +60,31 @@ def ancestor_matrix(parents: Tensor, base: Tensor | None = None) -> Tensor:
     return extend_ancestry(parents, base)[0]
 
 
+class _Store:
+    """The buffers of one or more trees (see the module docstring's capacity invariant): ``filled`` slots written."""
+
+    __slots__ = ("tokens", "parents", "scores", "depths", "filled")
+
+    def __init__(self, tokens: Tensor, parents: Tensor, scores: Tensor, depths: Tensor, filled: int) -> None:
+        self.tokens, self.parents, self.scores, self.depths, self.filled = tokens, parents, scores, depths, filled
+
+    @property
+    def capacity(self) -> int:
+        return int(self.tokens.numel())
+
+
+def _can_fill_in_place(store: _Store, n: int, k: int) -> bool:
+    """Whether a tree of ``n`` nodes on ``store`` may grow by ``k`` nodes in place: it is the store's longest tree
+    (nothing was written after its prefix) and the new nodes fit. Otherwise :meth:`DraftTree.append` copies."""
+    return store.filled == n and n + k <= store.capacity
+
+
 @dataclass
 class DraftTree:
-    """A draft tree on rank 0. See the module docstring for the invariants."""
+    """A draft tree on rank 0. See the module docstring for the invariants (the tree's and its buffers').
+
+    ``capacity`` (optional, at least ``len``): slots preallocated for the tree and the trees grown from it by
+    :meth:`append`; 0 (the default) = exactly its nodes, the given arrays used as they are (no copy)."""
 
     tokens: Tensor
     parents: Tensor
@@ -62,6 +97,7 @@ class DraftTree:
     # once; a token drawn twice appears twice (one node). The list order is the try order
     # (``pipeline.verify.walk_proposals``), and no step may reorder or filter it by drawn values.
     proposals: list | None = None
+    capacity: int = 0
 
     def __post_init__(self) -> None:
         self.tokens = _flat(self.tokens.to(torch.long))
@@ -69,9 +105,90 @@ class DraftTree:
         self.scores = _flat(self.scores.to(torch.float32))
         if self.depths is None:
             self.depths = depths_from_parents(self.parents)
+        else:
+            self.depths = _flat(self.depths.to(torch.long))
+        n = int(self.tokens.numel())
+        if self.capacity <= n:                     # the arrays are the buffers: full, nothing to copy
+            self.capacity = n
+            self._store = _Store(self.tokens, self.parents, self.scores, self.depths, n)
+            return
+        bufs = []
+        for x in (self.tokens, self.parents, self.scores, self.depths):
+            b = torch.empty(self.capacity, dtype=x.dtype, device=x.device)
+            b[:n] = x
+            bufs.append(b)
+        self._store = _Store(*bufs, n)
+        self._view(n)
+
+    def _view(self, n: int) -> None:
+        """The array attributes as views of the store's first ``n`` slots (the live nodes)."""
+        st = self._store
+        self.tokens, self.parents, self.scores, self.depths = (st.tokens[:n], st.parents[:n], st.scores[:n],
+                                                               st.depths[:n])
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
+
+    @property
+    def room(self) -> int:
+        """Nodes :meth:`append` can still write in place (0 when a longer tree shares the buffers)."""
+        st = self._store
+        return st.capacity - len(self) if st.filled == len(self) else 0
+
+    def append(self, tokens: Tensor, parents: Tensor, scores: Tensor, depths: Tensor) -> "DraftTree":
+        """The tree grown by ``k`` nodes appended after the existing ones (``parents`` index existing or earlier
+        new nodes; ``depths`` theirs; ``tokens``/``scores`` any integer/float dtype, cast on write). In place on
+        the buffers when :func:`_can_fill_in_place`, else on new buffers of ``max(capacity, 2 * capacity, n + k)``
+        slots (copy on write); ``self`` is unchanged either way (module docstring). Proposals are not carried:
+        appending is for deterministic trees (``proposals`` must be None)."""
+        grown, slots = self.append_slots(int(tokens.numel()))
+        for slot, x in zip(slots, (tokens, parents, scores, depths)):
+            slot.copy_(_flat(x))
+        return grown
+
+    def append_slots(self, k: int) -> tuple["DraftTree", tuple[Tensor, Tensor, Tensor, Tensor]]:
+        """:meth:`append` for a caller that writes the new nodes itself (with ``out=`` ops: no separate copy):
+        returns the grown tree and the four views of its new slots ``[len, len + k)`` (tokens, parents, scores,
+        depths), which the caller must fill before the grown tree is read. The same buffers rule as ``append``."""
+        if self.proposals is not None:
+            raise ValueError("append grows deterministic trees only (proposals would need their lists)")
+        n = len(self)
+        st = self._store
+        if not _can_fill_in_place(st, n, k):
+            cap = max(st.capacity, n + k) if k <= st.capacity - n else max(2 * st.capacity, n + k)
+            st = DraftTree(self.tokens, self.parents, self.scores, self.depths, capacity=cap)._store
+        end = n + k
+        st.filled = end
+        return DraftTree._on_store(st, end), (st.tokens[n:end], st.parents[n:end], st.scores[n:end],
+                                              st.depths[n:end])
+
+    @staticmethod
+    def _on_store(store: _Store, n: int, proposals: list | None = None, views: tuple | None = None) -> "DraftTree":
+        """The tree of the first ``n`` slots of ``store`` (already written). ``views``: the four prefix views when
+        the caller already holds them (the ``out=`` of the ops that wrote them), else they are taken here."""
+        out = DraftTree.__new__(DraftTree)
+        out.proposals, out.capacity, out._store = proposals, store.capacity, store
+        if views is None:
+            out._view(n)
+        else:
+            out.tokens, out.parents, out.scores, out.depths = views
+        return out
+
+    def prefix(self, k: int) -> "DraftTree":
+        """The tree of the first ``k`` nodes (ancestors-first, so a tree), on the same buffers: views, no copy
+        (slots ``[0, k)`` never change; growing it later copies unless it is the store's longest tree)."""
+        if not 1 <= k <= len(self):
+            raise ValueError(f"prefix of {k} nodes of a {len(self)}-node tree")
+        if k == len(self):
+            return self
+        props = None if self.proposals is None else [[(c, q) for c, q in lst if c < k] for lst in self.proposals[:k]]
+        return DraftTree._on_store(self._store, k, props)
+
+    def with_capacity(self, capacity: int) -> "DraftTree":
+        """This tree on buffers of at least ``capacity`` slots (itself when it already has the room)."""
+        if capacity <= len(self) + self.room:
+            return self
+        return DraftTree(self.tokens, self.parents, self.scores, self.depths, self.proposals, capacity=capacity)
 
     @staticmethod
     def single(token: int) -> "DraftTree":
@@ -211,21 +328,25 @@ def reroot(tree: DraftTree, keep: Tensor, accepted_len: int) -> DraftTree:
     rest = keep[accepted_len:]
     if rest.numel() == 0:
         raise ValueError("reroot needs a surviving subtree")
-    # old index -> new index (-1: not kept; a trailing -1 is what a parent -1 reads). ``rest`` is the new root's
-    # subtree (keep_indices_for), so every kept node's parent is kept except the new root's, which is on the
-    # accepted path: it maps to -1, a root's parent (as remap_parents maps it).
-    new = torch.full((len(tree) + 1,), -1, dtype=torch.long, device=HOST)
-    new[rest] = torch.arange(rest.numel(), device=HOST)
-    parents = new[tree.parents[rest]]
-    scores = tree.scores[rest]
-    scores = scores - scores[0]
+    # ``rest`` is the new root's subtree (keep_indices_for: increasing), so every kept node's parent is kept except
+    # the new root's, which is on the accepted path.
+    r = rest.numel()
     props = None
     if tree.proposals is not None:   # the kept subtree is closed under children: lists map one to one
-        new = {int(k): i for i, k in enumerate(rest.tolist())}
-        props = [[(new[c], q) for c, q in tree.proposals[int(k)]] for k in rest.tolist()]
-    depths = tree.depths[rest]
-    depths = depths - depths[0]                                 # the new root (rest[0]) at depth 0
-    return DraftTree(tree.tokens[rest], parents, scores, depths, proposals=props)
+        new_of = {int(k): i for i, k in enumerate(rest.tolist())}
+        props = [[(new_of[c], q) for c, q in tree.proposals[int(k)]] for k in rest.tolist()]
+    # the surviving tree keeps the tree's capacity: each array gathered straight into its new buffer's prefix
+    cap = max(tree.capacity, r) if props is None else r
+    st = _Store(*(torch.empty(cap, dtype=x.dtype, device=HOST)
+                  for x in (tree.tokens, tree.parents, tree.scores, tree.depths)), r)
+    scores, depths = tree.scores[rest], tree.depths[rest]
+    views = (torch.index_select(tree.tokens, 0, rest, out=st.tokens[:r]),     # (out= returns the prefix view)
+             # old index -> new: a kept node's rank in ``rest`` (increasing); the new root's parent, on the accepted
+             # path before rest[0], ranks -1: a root's parent (as remap_parents maps it)
+             torch.sub(torch.searchsorted(rest, tree.parents[rest], right=True), 1, out=st.parents[:r]),
+             torch.sub(scores, scores[0], out=st.scores[:r]),
+             torch.sub(depths, depths[0], out=st.depths[:r]))                # the new root (rest[0]) at depth 0
+    return DraftTree._on_store(st, r, props, views)
 
 
 def merge_trees(tree: DraftTree, extra: DraftTree) -> tuple[DraftTree, int]:
@@ -264,6 +385,10 @@ def merge_trees(tree: DraftTree, extra: DraftTree) -> tuple[DraftTree, int]:
         if props is None:
             return tree, 0
         return DraftTree(tree.tokens, tree.parents, tree.scores, tree.depths, proposals=props), 0
+    if props is None:                # deterministic trees: the new nodes appended into the tree's buffers
+        par = torch.tensor(parents, device=HOST)
+        return tree.append(torch.tensor(tokens, device=HOST), par, torch.tensor(scores, device=HOST),
+                           depths_from_parents(par, tree.depths)), len(tokens)
     merged = DraftTree(torch.cat([tree.tokens, torch.tensor(tokens, device=HOST)]),
                        torch.cat([tree.parents, torch.tensor(parents, device=HOST)]),
                        torch.cat([tree.scores, torch.tensor(scores, device=HOST)]), proposals=props)

@@ -69,11 +69,15 @@ class Outbox:
 
 class RankTree:
     """Rank 0's current tree and the node ids of its sent prefix. Invariant: ``gids[:sent] >= 0`` increasing,
-    ``gids[sent:] == -1``."""
+    ``gids[sent:] == -1``. ``gids`` is a view of the first ``len(tree)`` slots of a buffer preallocated at the
+    tree's capacity plus one (:class:`draft.tree.DraftTree`), whose slots past the tree (at least one) are all
+    -1, so a grown tree's ids are a longer view of it (no concatenation), and the buffer's last slot is the -1 a
+    root's parent (-1) reads in :meth:`send`; a re-root gathers the survivors into a fresh buffer."""
 
     def __init__(self, tree: DraftTree) -> None:
         self.tree = tree
-        self.gids = torch.full((len(tree),), -1, dtype=torch.long, device=HOST)
+        self._gbuf = torch.full((max(tree.capacity, len(tree)) + 1,), -1, dtype=torch.long, device=HOST)
+        self.gids = self._gbuf[:len(tree)]
         self.sent = 0
 
     @property
@@ -88,8 +92,7 @@ class RankTree:
         sl = slice(self.sent, self.sent + size)
         start = box.next_gid
         self.gids[sl] = torch.arange(start, start + size, device=HOST)     # what box.send assigns
-        parents = self.tree.parents[sl]
-        pg = torch.where(parents >= 0, self.gids[parents], -1)             # (a parent -1 reads a masked value)
+        pg = self._gbuf[self.tree.parents[sl]]          # a parent -1 reads the buffer's last slot: -1 (class doc)
         box.send(self.tree.tokens[sl], pg, tag)
         if box.next_gid != start + size:
             raise AssertionError("node ids out of step with the outbox")
@@ -97,9 +100,16 @@ class RankTree:
 
     def set_tree(self, tree: DraftTree) -> None:
         """The tree grew (nodes appended after the existing ones)."""
-        extra = len(tree) - len(self.tree)
-        if extra:
-            self.gids = torch.cat([self.gids, torch.full((extra,), -1, dtype=torch.long, device=HOST)])
+        n = len(tree)
+        if n != len(self.tree):
+            if n >= self._gbuf.numel():                   # past the capacity: a bigger buffer (-1 beyond the ids)
+                buf = torch.full((max(n, tree.capacity, 2 * self._gbuf.numel()) + 1,), -1, dtype=torch.long,
+                                 device=HOST)
+                buf[:len(self.tree)] = self.gids
+                self._gbuf = buf
+            elif n < len(self.tree):                      # (never so far) the dropped slots back to -1
+                self._gbuf[n:len(self.tree)] = -1
+            self.gids = self._gbuf[:n]
         self.tree = tree
 
     def alive_rows(self, seg: Segment) -> tuple[Tensor, int]:
@@ -119,5 +129,7 @@ class RankTree:
     def reroot(self, keep: Tensor, accepted_len: int) -> None:
         rest = keep[accepted_len:]
         self.tree = reroot(self.tree, keep, accepted_len)
-        self.gids = self.gids[rest]
-        self.sent = int((self.gids >= 0).sum())
+        buf = torch.full((max(self.tree.capacity, rest.numel()) + 1,), -1, dtype=torch.long, device=HOST)
+        self.gids = torch.index_select(self.gids, 0, rest, out=buf[:rest.numel()])
+        self._gbuf = buf
+        self.sent = int(torch.searchsorted(rest, self.sent))   # the kept sent nodes (rest increasing, sent a prefix)

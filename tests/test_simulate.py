@@ -88,6 +88,30 @@ def test_rank0_turnaround_by_hand():
     assert a["stage_step_s"] == pytest.approx(0.040) and b["stage_step_s"] == pytest.approx(0.006)
 
 
+def test_turnaround_calls_by_hand():
+    """The calls inside rank 0's turnarounds, summed per window: the first lm_head after a result is the verify, a
+    result that sends nothing before the next one counts nothing, a direct decision's send is not the ring send."""
+    from pipeline.tools.simulate.report import rank0_turnaround, turnaround_calls
+    tl = [(0, ("recv", 2), 0.000, 0.010),
+          (0, ("host", 0.001), 0.010, 0.011),
+          (0, ("lm_head", 4, 1.0, 0.0), 0.011, 0.013),
+          (0, ("dsend", 1, 16), 0.013, 0.013),
+          (0, ("draft", 3, 10, 0.0), 0.013, 0.016),
+          (0, ("lm_head", 4, 1.0, 0.0), 0.016, 0.018),
+          (0, ("send", 1, 4, 0), 0.018, 0.018),            # turnaround 8 ms: 1 host + 2 verify + 3 draft + 2 draft lm
+          (0, ("recv", 2), 0.020, 0.030),
+          (0, ("lm_head", 4, 1.0, 0.0), 0.030, 0.031),     # nothing sent before the next result: not counted
+          (0, ("recv", 2), 0.040, 0.050),
+          (0, ("lm_head", 4, 1.0, 0.0), 0.050, 0.052),
+          (0, ("send", 1, 4, 0), 0.052, 0.052)]            # 2 ms of verify
+    (c,) = turnaround_calls(tl, [(0.0, 0.1)], 3)
+    (ta,) = rank0_turnaround(tl, [(0.0, 0.1)], 3)
+    assert c["turnarounds"] == ta["turnarounds"] == 2
+    assert c["lm_head (verify)"] == pytest.approx(0.004) and c["lm_head (draft)"] == pytest.approx(0.002)
+    assert c["host"] == pytest.approx(0.001) and c["draft"] == pytest.approx(0.003)
+    assert sum(v for k, v in c.items() if k != "turnarounds") == pytest.approx(ta["turnaround_s"])
+
+
 def test_deadlock_is_reported():
     with pytest.raises(Deadlock, match="recv"):
         simulate_timing([[("recv", 1)], [("recv", 0)]], TimingConfig(PROF))

@@ -265,7 +265,15 @@ class ContinuousMode(StreamingMode):
         depth = t.first_levels - 1 if quick else t.init_depth
         with engine.tracer.span("draft"):
             tree, self.inputs = engine.drafter.grow_tree_with_inputs(root, root_hidden, total, depth, t.init_topk)
-        return tree
+        return tree.with_capacity(self.capacity(t))
+
+    @staticmethod
+    def capacity(t) -> int:
+        """Node slots a round's tree is preallocated at (:class:`draft.tree.DraftTree`; ``t``: the ``tree`` run
+        keys): the first tree's ``init_total_token``, an expansion's ``expand_total_token`` plus the ``expand_topk``
+        it may add beyond it, and a draft-ahead's ``subseq_token``. Only a size hint: a tree that outgrows it is
+        copied into buffers twice as large (exactness never depends on it)."""
+        return max(t.init_total_token, t.expand_total_token + t.expand_topk) + max(t.subseq_token, 0)
 
     def fill_sizes(self, engine: Engine, state: RankTree) -> list[int]:
         """A quick-started first tree goes out as one segment (its best nodes stay together); later fills as
@@ -371,7 +379,7 @@ class ContinuousMode(StreamingMode):
         if worth == 0:
             return False
         keep = n + worth
-        tree = DraftTree(tree.tokens[:keep], tree.parents[:keep], tree.scores[:keep])
+        tree = tree.prefix(keep)
         self.inputs = inputs[:keep]
         state.set_tree(tree)
         return True

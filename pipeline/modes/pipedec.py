@@ -22,7 +22,8 @@ class PipeDecMode(StreamingMode):
         self.feat_in: torch.Tensor | None = None  # draft input feature per node (row 0 unused)
 
     def first_tree(self, engine: Engine, root: int, root_hidden: torch.Tensor) -> DraftTree:
-        tree = DraftTree.single(root)
+        # preallocated for the fill's world - 1 layers and the layer each step adds (draft.tree: capacity)
+        tree = DraftTree.single(root).with_capacity(engine.comm.world * engine.cfg.tree.pipedec_topk + 1)
         self.feat_in = root_hidden[None].clone()
         for _ in range(engine.comm.world - 1):
             tree = self.grow(engine, tree, root_hidden, False)
@@ -60,7 +61,6 @@ class PipeDecMode(StreamingMode):
             cum = (tree.scores[frontier][:, None] + cs).reshape(-1)
             best = torch.sort(-cum.double(), stable=True).indices[:k]
             par = frontier[best // kk]
-            tree = DraftTree(torch.cat([tree.tokens, ct.reshape(-1)[best]]), torch.cat([tree.parents, par]),
-                             torch.cat([tree.scores, cum[best]]))
+            tree = tree.append(ct.reshape(-1)[best], par, cum[best], depths[par] + 1)   # into the tree's buffers
             self.feat_in = torch.cat([self.feat_in, outs[(best // kk).to(outs.device)].to(self.feat_in.dtype)])
         return tree

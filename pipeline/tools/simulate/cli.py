@@ -26,6 +26,7 @@ from pipeline.tools.simulate.pricing import resolve as resolve_pricing
 from pipeline.tools.simulate.recorded import load_rows, load_target
 from pipeline.tools.simulate.replayer import replay
 from pipeline.tools.simulate.report import (draw_gantt, rank0_turnaround, stage_utilization, summarize, to_timeline,
+                                            turnaround_calls,
                                             write_paper_tables, write_summary)
 from pipeline.tools.simulate.timing import TimingConfig
 from pipeline.tree_stats import TreeStats, write_tree_stats
@@ -234,10 +235,12 @@ def run(args) -> int:
             tl = to_timeline(events, session.stages + 1)
             util = stage_utilization(tl, windows)
             turns = rank0_turnaround(events, windows, session.stages + 1)
-            for i, (g, (lo, hi), u, ta) in enumerate(zip(session.gens, windows, util, turns)):
+            calls = turnaround_calls(events, windows, session.stages + 1)
+            for i, (g, (lo, hi), u, ta, tcalls) in enumerate(zip(session.gens, windows, util, turns, calls)):
                 pred = prediction(g, hi - lo, prof, bw, args, tc.stage_cost_scale, overhead)
                 pred["busy_fraction"] = u
                 pred["turnaround"] = ta
+                pred["turnaround_calls"] = tcalls        # what the turnarounds are made of (report.turnaround_calls)
                 pred["direct_polls_late"] = list(late)
                 pred["rank0_cost"] = pricing.label()
                 pred.update(host_counts(session, i) if counting else {})

@@ -74,6 +74,35 @@ def rank0_turnaround(timeline: list, windows: list[tuple[float, float]], world: 
     return [turnaround_sums(sorted(rv), sorted(sd), st) for rv, sd, st in per]
 
 
+def turnaround_calls(timeline: list, windows: list[tuple[float, float]], world: int) -> list[dict]:
+    """Per generation window, what rank 0's turnarounds (:func:`rank0_turnaround`'s: a result in hand -> the next
+    ring send, none when rank 0 receives again first) are made of: ``{call: seconds}`` summed over the window's
+    turnarounds, plus ``"turnarounds"`` (their number). A call is a rank-0 op kind (``host``, ``lm_head``,
+    ``draft``, ``ssm``, ``bcast``, ...); the first ``lm_head`` after a result is named ``lm_head (verify)`` (the
+    result's logits), later ones ``lm_head (draft)`` (draft log-probs). Divide by ``turnarounds`` for the mean."""
+    from bisect import bisect_right
+    last, starts = world - 1, [lo for lo, _ in windows]
+    out = [{"turnarounds": 0} for _ in windows]
+    open_: list = [None] * len(windows)                 # per window: the calls since the result in hand, or None
+    for r, op, a, b in sorted((e for e in timeline if e[0] == 0), key=lambda e: (e[2], e[3])):
+        w = bisect_right(starts, a) - 1
+        if w < 0 or b > windows[w][1]:
+            continue
+        kind = op[0]
+        if kind == "recv" and op[1] == last:
+            open_[w] = {}                               # a later result restarts (an unsent one has none)
+        elif kind == "send" and op[1] == 1 % world and open_[w] is not None:
+            for k, v in open_[w].items():
+                out[w][k] = out[w].get(k, 0.0) + v
+            out[w]["turnarounds"] += 1
+            open_[w] = None
+        elif open_[w] is not None and b > a:
+            if kind == "lm_head":
+                kind = "lm_head (draft)" if any(k.startswith("lm_head") for k in open_[w]) else "lm_head (verify)"
+            open_[w][kind] = open_[w].get(kind, 0.0) + (b - a)
+    return out
+
+
 def draw_gantt(tl, windows: list[tuple[float, float]], session: Session, prof: Profile, profile_name: str, args,
                out_dir: Path) -> Path | None:
     """``--gantt N``: the Gantt chart of the ``N``-th generation's first ``--gantt-window`` seconds of decode

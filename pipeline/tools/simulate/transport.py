@@ -94,13 +94,18 @@ class DirectTimes:
         return late, total
 
 
+# A replay's ranks are threads of one process: none can be lost, only slow (a long prompt's prefill on a loaded
+# shared CPU took over LocalComm's 60 s between two ranks, which ended a 20-answer replay); a deadlock still ends.
+REPLAY_TIMEOUT_S = 900.0
+
+
 class SimComm(LocalComm):
     """A :class:`pipeline.local_ring.LocalComm` whose direct decisions follow ``scheduled``'s schedule and are
     logged: ``("dsend", dst, bytes)`` on rank 0, ``("poll", received so far)`` on a stage. Ring sends and
     receives are logged by ``rec`` (the ring's observer); the ring's own direct delivery is off."""
 
     def __init__(self, ring: LocalRing, rank: int, rec: Recorder, scheduled: ScheduledDirect, tracer=None) -> None:
-        super().__init__(ring, rank, tracer=tracer, observer=rec, direct=False)
+        super().__init__(ring, rank, tracer=tracer, observer=rec, direct=False, timeout_s=REPLAY_TIMEOUT_S)
         self.rec, self.scheduled = rec, scheduled
 
     def send_direct(self, msg) -> None:
