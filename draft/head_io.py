@@ -81,7 +81,7 @@ def assign_weights(head: nn.Module, state: dict[str, torch.Tensor], dtype: torch
     ``config``.
 
     Why: building a 7B target's head with random float32 weights first and copying the file into them costs
-    about 1.5 GiB that rank 0 never uses (measured in the 7B rehearsal, docs/results.md section 44). Invariant:
+    about 1.5 GiB that rank 0 never uses (measured in the 7B rehearsal, docs/results.md section 21). Invariant:
     nothing of the head is left on the meta device (else :class:`HeadError`); no tensor is shared with the
     caller's (the target's embedding is copied: training a head must never write into the target)."""
     from model.layers import family_classes

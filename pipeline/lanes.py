@@ -413,7 +413,7 @@ def ring_share(world: int, active: int, per_link: float = 1.0) -> int:
     equal shares the ring carries about as many segments as alone, each lane's less speculative, and the
     forwards go to the segments most likely to be accepted (each lane's best nodes first). Since a stage step
     carries every lane's waiting segment in one forward (:mod:`pipeline.batching`), more segments in flight cost
-    more rows per forward rather than more forwards: docs/results.md §46 measures ``per_link`` again."""
+    more rows per forward rather than more forwards: docs/results.md §41 measures ``per_link`` again."""
     if active <= 1:
         return world
     return max(1, min(world, math.ceil(per_link * world / active - 1e-9)))

@@ -1,6 +1,6 @@
 """Host cost of several lanes' rows in one 8-layer block forward (SmolLM2-135M's layer shapes, random weights):
 one forward per lane, one forward whose attention loops over the lanes, one forward whose attention takes the
-lanes' caches concatenated under a block-diagonal mask (model/lane_batch.py; docs/results.md §46). Thread CPU time,
+lanes' caches concatenated under a block-diagonal mask (model/lane_batch.py; docs/results.md §41). Thread CPU time,
 one torch thread.
 
 Example:

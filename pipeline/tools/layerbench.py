@@ -403,9 +403,9 @@ def count(calls, blocks, device) -> list[dict]:
 # Upper bounds on each rank-0 call's counts (stories260K split 0+1+1+1+2, default run keys, lean layers; what
 # ``--count-only`` measures, plus a margin of about 3%). ``tests/test_rank0_ops.py`` fails when a call grows past its
 # bound; lower a bound when a change cuts the call, raise it only with a reason in the commit message. Measured at
-# issue 41 item 2 (docs/results.md section 41): first tree 466 ops (270 bookkeeping, 2 syncs), finish 957 (472, 5),
-# expand 451 (257, 2), commit 111 (16, 0), verified step 58 (58, 0). Capacity-sized trees (docs/results.md, "41:
-# Capacity-sized trees"; drafting calls grow trees preallocated at ContinuousMode.capacity): first tree 467 (271, 2),
+# issue 41 item 2 (docs/results.md section 35): first tree 466 ops (270 bookkeeping, 2 syncs), finish 957 (472, 5),
+# expand 451 (257, 2), commit 111 (16, 0), verified step 58 (58, 0). Capacity-sized trees (docs/results.md section 42;
+# drafting calls grow trees preallocated at ContinuousMode.capacity): first tree 467 (271, 2),
 # finish 965 (480, 5), expand 456 (262, 2), commit 111 (16, 0), verified step 62 (62, 0).
 OP_BOUNDS = {"first tree": {"ops": 480, "bookkeeping_ops": 280, "syncs": 2},
              "finish first tree": {"ops": 985, "bookkeeping_ops": 490, "syncs": 5},
