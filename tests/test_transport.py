@@ -82,12 +82,15 @@ def _link_worker(rank: int, port: int, q) -> None:
         q.put(("error", f"rank {rank}: {type(e).__name__}: {e}"))
 
 
-def test_gloo_link_frames_every_message_and_bounds_pending():
+
+def _two_gloo_ranks(target) -> None:
+    """Run ``target(rank, port, queue)`` in two spawned processes (a 2-rank gloo ring) and assert both report
+    ``("ok", True)``; the processes are reaped (killed after 30 s) whatever happens."""
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_link_worker, args=(r, port, q)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, port, q)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -98,6 +101,9 @@ def test_gloo_link_frames_every_message_and_bounds_pending():
             if p.is_alive():
                 p.kill()
     assert all(r == ("ok", True) for r in results), results
+
+def test_gloo_link_frames_every_message_and_bounds_pending():
+    _two_gloo_ranks(_link_worker)
 
 
 def _poll_worker(rank: int, port: int, q) -> None:
@@ -138,21 +144,7 @@ def test_gloo_poll_prev_returns_what_arrived_in_order_without_waiting():
     """``Comm.poll_prev`` (a stage computing several lanes in one forward takes what is queued): [] before anything
     was sent, then every message in ring order (a read-ahead thread receives them), and ``recv_prev`` after it
     takes the next one; the read-ahead ends at ``Shutdown`` and the link closes cleanly."""
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_poll_worker, args=(r, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = [q.get(timeout=120) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert all(r == ("ok", True) for r in results), results
+    _two_gloo_ranks(_poll_worker)
 
 
 def test_spans_free_when_off_and_busy_still_counted():
