@@ -372,7 +372,12 @@ class Request:
 
 async def changes_of(reqs: list[Request]):
     """Async generator: yields (nothing) once per change of any of ``reqs`` (the choices of one HTTP request),
-    from any event loop thread, until every one is final."""
+    from any event loop thread, until every one is final.
+
+    Invariant: the last yield comes after every request's final change, i.e. it ends only when every request was
+    final *before* its latest yield (versions unchanged since). Why: the consumer reads the requests while it holds
+    a yield, and a request may finish in between; ending on "all final now" would drop that last change (a choice's
+    finish chunk never sent: ``tests/test_serve.py::test_changes_of_yields_after_a_change_made_during_a_yield``)."""
     loop = asyncio.get_running_loop()
     ev = asyncio.Event()
     entry = (loop, ev)
@@ -387,10 +392,8 @@ async def changes_of(reqs: list[Request]):
             if v != seen:
                 seen = v
                 yield
-                if all(r.final for r in reqs):
-                    return
                 continue
-            if all(r.final for r in reqs):
+            if all(r.final for r in reqs):   # final before the latest yield: nothing left unseen
                 return
             await ev.wait()
     finally:

@@ -657,3 +657,54 @@ def test_second_sigterm_stops_at_once(stories_stages, tmp_path):
     assert "Traceback" not in log and "lost rank" not in log, log[-2000:]
     last = out["events"][-1] if out["events"] else {}
     assert "error" in last or out["error"] is not None or not out["done"], (last, log[-2000:])
+
+
+class _Choice:
+    """The surface of ``pipeline.serve.Request`` that ``changes_of`` reads."""
+
+    def __init__(self) -> None:
+        self.version, self.final, self._cond, self._waiters = 0, False, threading.Condition(), []
+
+    def change(self, final: bool = False) -> None:
+        self.final = final
+        self.version += 1
+        for loop, ev in list(self._waiters):
+            loop.call_soon_threadsafe(ev.set)
+
+
+def _stream_states(changes_of, script) -> list[tuple[bool, bool]]:
+    """What a stream consumer sees: ``(a.final, b.final)`` read at every yield of ``changes_of([a, b])``, while
+    ``script(a, b, k)`` changes the choices during the k-th yield (as a rank-0 thread may)."""
+    a, b = _Choice(), _Choice()
+
+    async def consume():
+        seen = []
+        async for _ in changes_of([a, b]):
+            seen.append((a.final, b.final))
+            script(a, b, len(seen))
+        return seen
+    return asyncio.run(consume())
+
+
+def test_changes_of_yields_after_a_change_made_during_a_yield():
+    from pipeline.serve import changes_of
+
+    def script(a, b, k):   # the consumer has just read both; then both finish before it asks for more
+        if k == 1:
+            a.change(final=True)
+            b.change(final=True)
+    assert _stream_states(changes_of, script)[-1] == (True, True)   # the finish was seen: its chunk is sent
+
+    async def ends_on_all_final_now(reqs):   # planted: the old rule (end as soon as all are final after a yield)
+        seen = None
+        while True:
+            v = tuple(r.version for r in reqs)
+            if v != seen:
+                seen = v
+                yield
+                if all(r.final for r in reqs):
+                    return
+                continue
+            if all(r.final for r in reqs):
+                return
+    assert _stream_states(ends_on_all_final_now, script)[-1] == (False, False)   # the lost finish chunk
