@@ -1,5 +1,6 @@
 """Lossless sampling with merged trees: the exact-law harness of ``tests/test_sampling.py`` (every random branch of
-the real mode code enumerated, the verifier's *and* the sampled drafter's draws) on merged trees of a
+the real mode code enumerated, the verifier's *and* the sampled drafter's draws, those that can decide only tokens
+past the horizon pinned: ``BranchingSampler.drafted``) on merged trees of a
 deterministic Markov drafter + a sampling Markov "small LM", in every mode and in ``sps`` (both variants);
 planted bugs must fail; chi-square with the real generator.
 """

@@ -60,7 +60,8 @@ def sampled_beam(det, draft_logits, draw, with_det, temperature=1.0):
                          ids=[f"{c[0]}-w{c[1]}-T{c[2]}-p{c[3]}-{'merged' if c[5] else 'alone'}-{i}"
                               for i, c in enumerate(SAMPLED_BEAM_CASES)])
 def test_exact_law_sampled_beam_trees(mode, world, temp, top_p, overrides, with_det):
-    """Every random branch (the verifier's and the drafter's draws) enumerated: the law of the first two tokens
+    """Every random branch (the verifier's and the drafter's draws; a draw that can decide only tokens past the
+    horizon pinned, :meth:`tests.test_sampling.BranchingSampler.drafted`) enumerated: the law of the first two tokens
     equals the target's, in every tree mode, with the beam drafter's sampled chains (and merged with a
     deterministic beam); the trees really carry sampled proposals, and chains that meet draw distinct children."""
     target, det = make_world(11, "random", 1.5)
