@@ -55,12 +55,13 @@ class MarkovSSM(SmallLMDrafter):
         self.table = torch.log_softmax(draft_logits.double(), dim=-1)
         self.vocab_size, self.sample, self.temperature, self.seed = V, sample, temperature, seed
         self.generator = torch.Generator().manual_seed(seed)
+        self.levels = 0                           # tree_forward calls since drop_tree: the next draw's depth - 1
         if draw is not None:
-            self.draw = draw                      # an enumerating draw; else BeamTreeDrafter.draw
+            self.draw = lambda q: draw(q, self.levels + 1)   # an enumerating draw; else BeamTreeDrafter.draw
         self.tree_paths = []
 
     def start(self, prompt_ids, first_token, features):
-        self.tree_paths = []
+        self.tree_paths, self.levels = [], 0
         self.generator.manual_seed(self.seed)
         return self.table[first_token]
 
@@ -68,15 +69,24 @@ class MarkovSSM(SmallLMDrafter):
         self.drop_tree()
         return self.table[int(tokens.reshape(-1)[-1])]
 
+    def tree_forward(self, tokens, features, parents):
+        self.levels += 1                          # sampled_tree and sps' draft_chain: one call per level
+        return super().tree_forward(tokens, features, parents)
+
+    def drop_tree(self):
+        self.levels = 0
+        super().drop_tree()
+
     def _paths_logprobs(self, paths):
         return torch.stack([self.table[p[-1]] for p in paths])
 
 
 def draft_draws(sampler: BranchingSampler):
-    """A drafter's draw that branches like the verifier's (weighted by q) but commits no token."""
-    def draw(q: torch.Tensor) -> int:
+    """A drafter's draw that branches like the verifier's (weighted by q) but commits no token: ``draw(q, depth)``,
+    ``depth`` the draw's level below its tree's root (:meth:`tests.test_sampling.BranchingSampler.drafted`)."""
+    def draw(q: torch.Tensor, depth: int) -> int:
         q = (q.double() / q.double().sum()).tolist()
-        return sampler._branch([(i, w) for i, w in enumerate(q) if w > 0])
+        return sampler.drafted([(i, w) for i, w in enumerate(q) if w > 0], depth)
     return draw
 
 

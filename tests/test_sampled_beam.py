@@ -24,10 +24,20 @@ class SampledBeam(MarkovDrafter):
     def __init__(self, draft_logits: torch.Tensor, draw=None, temperature: float = 1.0, chains: int = 0) -> None:
         super().__init__(draft_logits)
         self.set_sampling(True, temperature, 0, chains)
+        self.levels = 0                  # tree_forward calls since drop_tree: the next draw's depth - 1
         if draw is not None:
-            self.draw = draw
+            self.draw = lambda q: draw(q, self.levels + 1)
+
+    def tree_forward(self, tokens, features, parents):
+        self.levels += 1                 # sampled_tree: one call per level
+        return super().tree_forward(tokens, features, parents)
+
+    def drop_tree(self):
+        self.levels = 0
+        super().drop_tree()
 
     def grow_tree(self, root_token, root_hidden, total_token, depth, top_k):
+        self.levels = 0
         return BeamTreeDrafter.grow_tree(self, root_token, root_hidden, total_token, depth, top_k)   # no memo
 
 
@@ -50,7 +60,8 @@ def sampled_beam(det, draft_logits, draw, with_det, temperature=1.0):
                          ids=[f"{c[0]}-w{c[1]}-T{c[2]}-p{c[3]}-{'merged' if c[5] else 'alone'}-{i}"
                               for i, c in enumerate(SAMPLED_BEAM_CASES)])
 def test_exact_law_sampled_beam_trees(mode, world, temp, top_p, overrides, with_det):
-    """Every random branch (the verifier's and the drafter's draws) enumerated: the law of the first two tokens
+    """Every random branch (the verifier's and the drafter's draws; a draw that can decide only tokens past the
+    horizon pinned, :meth:`tests.test_sampling.BranchingSampler.drafted`) enumerated: the law of the first two tokens
     equals the target's, in every tree mode, with the beam drafter's sampled chains (and merged with a
     deterministic beam); the trees really carry sampled proposals, and chains that meet draw distinct children."""
     target, det = make_world(11, "random", 1.5)
@@ -111,3 +122,33 @@ def test_sampled_tree_shape_and_scores():
     assert not d.supports_extend and not can_extend(d)
     d.set_sampling(True, 0.0, 0)
     assert not d.samples and d.supports_extend and d.grow_tree(ROOT, torch.tensor([float(ROOT)]), 10, 4, 2).proposals is None
+
+
+PIN_CASES = [   # cheap enough to enumerate every draw too; each pins some draws
+    ("beam", "naive", 2, {"tree.top_k": 2, "tree.total_token": 5}),                # 2 distinct chains x 2 draws
+    ("beam", "continuous", 3, {"tree.init_topk": 2, "tree.init_total_token": 5, "tree.expand_topk": 1,
+                               "tree.expand_total_token": 3}),                     # re-roots, redrafts from the root
+    ("ssm", "pruned", 3, {"tree.init_topk": 1, "tree.init_total_token": 4}),       # i.i.d. chains (a small LM's)
+    ("ssm", "sps", 3, {"sps.gamma": 2, "sps.variant": "deepmind"}),                # sps' draft_chain
+]
+
+
+@pytest.mark.parametrize("kind,mode,world,overrides", PIN_CASES, ids=[f"{c[0]}-{c[1]}" for c in PIN_CASES])
+def test_pinned_draws_give_the_fully_enumerated_law(kind, mode, world, overrides):
+    """The exact-law tests pin a drafter's draws that can decide only tokens past the horizon
+    (:meth:`tests.test_sampling.BranchingSampler.drafted`): with every draw enumerated instead, the law is the same
+    (to float rounding), and the pinned enumeration is the smaller one."""
+    from tests.multidraft_common import MarkovSSM
+    laws, runs = {}, {}
+    for pin in (True, False):
+        target, _ = make_world(11, "random", 1.5)
+        sampler = BranchingSampler(1.0, 1.0, 0, 2, pin_past_horizon=pin)
+        if kind == "beam":
+            drafter = SampledBeam(sparse_draft(21, support=2), draft_draws(sampler))
+        else:
+            drafter = MarkovSSM(sparse_draft(21, support=2), draw=draft_draws(sampler))
+        laws[pin], runs[pin] = exact_law(make_merged_runner(mode, world, target, drafter, sampler, 2, overrides),
+                                         sampler, max_runs=60000)
+        assert (sampler.pinned > 0) == pin
+    assert max(abs(laws[True].get(k, 0.0) - laws[False].get(k, 0.0)) for k in set(laws[True]) | set(laws[False])) < 1e-12
+    assert runs[True] < runs[False], runs

@@ -281,15 +281,34 @@ class BranchingSampler(Sampler):
     the run's weight is the product of its options' probabilities. Every resolution of a node (an accepted
     child or a residual draw) commits exactly one token, so once ``horizon`` tokens are resolved the rest of
     the run cannot change them: later branch points take option 0 without weight (they sum out to 1).
+
+    A sampling drafter's draws branch too (:meth:`drafted`), with one more such cut-off: a draw ``depth`` levels
+    below a tree's root can decide nothing before token ``resolved + depth`` (the verifier reads a node's
+    proposals only once every node above it was accepted, and its outcome there is that token), so a draw
+    with ``resolved + depth`` past the horizon takes option 0 without weight, like a branch point after it
+    (``pin_past_horizon``; off, every draw branches: ``tests/test_sampled_beam.py`` checks that both give the
+    same law). Which tree the later draws build still varies with the draws that matter.
     """
 
-    def __init__(self, temperature: float, top_p: float = 1.0, top_k: int = 0, horizon: int = 2) -> None:
+    def __init__(self, temperature: float, top_p: float = 1.0, top_k: int = 0, horizon: int = 2,
+                 pin_past_horizon: bool = True) -> None:
         super().__init__(temperature, top_p, top_k, None)
         self.horizon = horizon + 1              # + the forced first token
+        self.pin_past_horizon = pin_past_horizon
+        self.pinned = 0                         # drafter draws taken as option 0 (all runs)
         self.begin([])
 
     def begin(self, script: list[int]) -> None:
         self.script, self.pos, self.weight, self.resolved, self.todo = list(script), 0, 1.0, 0, []
+
+    def drafted(self, options: list[tuple[object, float]], depth: int):
+        """A drafter's draw ``depth`` levels below the root of the tree it grows (the root: the latest resolved
+        token, or one after it), over ``options`` (token, q)."""
+        assert depth >= 1
+        if self.pin_past_horizon and self.live() and self.resolved + depth > self.horizon:
+            self.pinned += 1
+            return options[0][0]
+        return self._branch(options)
 
     def live(self) -> bool:
         return self.resolved < self.horizon
