@@ -7,7 +7,9 @@ request. Each child is still its own process: it takes the request's environment
 ``MASTER_PORT``, ``FLOWSPEC_FAULT``, ...) and file descriptors, runs ``pipeline.run.entry`` (the function behind
 ``python -m pipeline.run``) and leaves through ``pipeline.run.exit_now`` as that command does; ranks talk over gloo
 and die by real signals. What a forked rank does not re-check: the interpreter's own start (``python -m`` finding the
-module, import-time side effects, a per-process hash seed). Those stay covered by the tests that exec real
+module, import-time side effects, a per-process ``PYTHONHASHSEED``: forked ranks share the zygote's, so an order
+of a set of strings is the same in every rank and every run; ``random`` and NumPy's global generator are reseeded
+from the OS in each child, as a fresh interpreter seeds them). Those stay covered by the tests that exec real
 interpreters: ``tests/test_e2e.py::test_plain_torchrun_still_launches_the_ranks``, the launcher, fault (argument
 errors, Ctrl-C while importing), serving, bench and eval tests, and ``FLOWSPEC_TEST_EXEC_RANKS=1`` makes
 :func:`tests.helpers.launch` exec every rank again.
@@ -54,6 +56,10 @@ def child(req):
         os.dup2(os.open(req["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if req.get("out") else null, 1)
         os.environ.clear()
         os.environ.update(req["env"])
+        import random
+        random.seed()                                # a fresh interpreter's entropy, not the zygote's state
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
         from pipeline import run
         run.exit_now(run.entry(req["args"]))        # what `python -m pipeline.run` does
     except SystemExit as e:                          # argparse (--help, bad options), as the interpreter would
