@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -36,23 +40,44 @@ def tiny_llama(path: Path, seed: int = 0, layers: int = 4, vocab: int = 96, hidd
 
 def launch(world: int, args: list[str], timeout: float = 300, env: dict | None = None,
            check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``python -m pipeline.run`` on ``world`` local CPU ranks (what torchrun does, minus the agent)."""
+    """Run ``pipeline.run`` on ``world`` local CPU ranks (what torchrun does, minus the agent): every rank its own
+    process, forked from the session's zygote (:mod:`tests.zygote`: torch and transformers imported once, about
+    4.5 CPU-s saved per rank), or exec'd as ``python -m pipeline.run`` when ``FLOWSPEC_TEST_EXEC_RANKS=1``.
+    Returns rank 0's exit code and stdout, every rank's stderr (rank order) and ``codes``; all ranks together
+    get ``timeout`` seconds (then they are killed and ``subprocess.TimeoutExpired`` is raised)."""
+    from tests.zygote import shared_zygote
     port = free_port()
-    procs = []
-    for r in range(world):
-        e = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world),
-                 LOCAL_RANK=str(r), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(env or {}))
-        procs.append(subprocess.Popen([sys.executable, "-m", "pipeline.run", *args], cwd=REPO, env=e,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
+    zygote = None if os.environ.get("FLOWSPEC_TEST_EXEC_RANKS", "") not in ("", "0") else shared_zygote()
+    tmp = Path(tempfile.mkdtemp(prefix="launch-"))
+    procs, pids, files = [], [], []
     try:
-        for p in procs:
-            o, er = p.communicate(timeout=timeout)
-            outs.append((p.returncode, o, er))
+        for r in range(world):
+            e = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world),
+                     LOCAL_RANK=str(r), OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **(env or {}))
+            out, err = tmp / f"rank{r}.out", tmp / f"rank{r}.err"
+            files.append((out, err))
+            if zygote is not None:
+                pids.append(zygote.spawn(e, args, err, out))
+                continue
+            with open(out, "w") as of, open(err, "w") as ef:
+                procs.append(subprocess.Popen([sys.executable, "-m", "pipeline.run", *args], cwd=REPO, env=e,
+                                              stdout=of, stderr=ef))
+        codes = _wait_ranks(zygote, procs, pids, time.monotonic() + timeout)
+        if codes is None:
+            raise subprocess.TimeoutExpired([sys.executable, "-m", "pipeline.run", *args], timeout)
+        outs = [(c, o.read_text(errors="replace"), e.read_text(errors="replace")) for c, (o, e) in zip(codes, files)]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait()
+        for pid in pids:
+            if pid not in zygote.exits:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        shutil.rmtree(tmp, ignore_errors=True)
     res = subprocess.CompletedProcess(args, outs[0][0], outs[0][1], "".join(o[2] for o in outs))
     res.codes = [o[0] for o in outs]
     if check and any(res.codes):
@@ -60,12 +85,34 @@ def launch(world: int, args: list[str], timeout: float = 300, env: dict | None =
     return res
 
 
+def _wait_ranks(zygote, procs, pids, deadline: float) -> list[int] | None:
+    """Every rank's exit code (-N: killed by signal N), or None at the deadline."""
+    while True:
+        if zygote is not None:
+            zygote.collect(0.05)
+            codes = [zygote.exits[p][0] if p in zygote.exits else None for p in pids]
+        else:
+            codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return codes
+        if time.monotonic() > deadline:
+            return None
+        if zygote is None:
+            time.sleep(0.05)
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
 
 
 def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, stop_ids, dtype=torch.float32) -> list[int]:
+    """HF ``generate(do_sample=False)`` on the unsplit model: the reference every mode must equal. Memoized per
+    (model, dtype, prompt, max tokens, stop ids) for the session: a test that checks five modes' rows of one
+    prompt compares them with one reference decode (greedy decoding is deterministic; a copy is returned)."""
     from transformers import AutoModelForCausalLM
+    key = (str(model_dir), dtype, tuple(prompt_ids), max_new_tokens, tuple(sorted(stop_ids)))
+    if key in _greedy_cache:
+        return list(_greedy_cache[key])
     model = _hf_cache.get((str(model_dir), dtype))
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
@@ -74,10 +121,12 @@ def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, stop_
         out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
                              do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=sorted(stop_ids),
                              pad_token_id=sorted(stop_ids)[0])
-    return out[0, len(prompt_ids):].tolist()
+    _greedy_cache[key] = out[0, len(prompt_ids):].tolist()
+    return list(_greedy_cache[key])
 
 
 _hf_cache: dict = {}
+_greedy_cache: dict = {}
 
 
 def step2_batch(tokens, pred):

@@ -10,15 +10,13 @@
 
 Ranks are real processes on local CPUs with tiny random models and ``comm.timeout_s=5 comm.heartbeat_s=0.2``.
 A fresh interpreter spends ~8 CPU-s importing torch and transformers, so most jobs fork their ranks from
-a *zygote* that imported them once (:class:`Zygote`: each rank is still its own process running
+a *zygote* that imported them once (:class:`tests.zygote.Zygote`: each rank is still its own process running
 ``pipeline.run.entry``, the function behind ``python -m pipeline.run``, and is killed with real signals);
 the argument checks and Ctrl-C during startup exec ``python -m pipeline.run`` itself.
 """
 from __future__ import annotations
 
-import json
 import os
-import select
 import shutil
 import signal
 import socket
@@ -32,6 +30,7 @@ import pytest
 
 from model.split import split_checkpoint
 from tests.helpers import REPO, free_port, tiny_llama
+from tests.zygote import Zygote, shared_zygote
 
 TIMEOUT_S = 5.0
 SLACK_S = 10.0          # a busy 2-core box can starve a rank's watchdog for seconds
@@ -123,133 +122,6 @@ class Job:
                 self.procs[i].wait()
 
 
-# The zygote: imports what a rank imports, then forks ranks on request (single-threaded, so fork is safe;
-# it never runs torch ops itself). Protocol: JSON lines in ({"env", "args", "err"}), out ({"pid"} per
-# request, {"exit": pid, "code", "t"} per finished child; t = time.monotonic(), system-wide).
-ZYGOTE_SRC = r"""
-import json, os, select, signal, sys, time, traceback
-for m in ("torch", "transformers", "transformers.models.llama.modeling_llama", "safetensors.torch",
-          "model.stage_model", "model.layers", "pipeline.comm", "pipeline.worker", "pipeline.engine",
-          "pipeline.modes", "model.prompts", "pipeline.emulation", "draft.drafter", "draft.eagle", "pipeline.run"):
-    try:
-        __import__(m)
-    except Exception:
-        pass
-from transformers import AutoConfig, AutoTokenizer  # resolve the lazy names too
-out = os.fdopen(os.dup(1), "w", buffering=1)
-out.write(json.dumps({"ready": len(os.listdir("/proc/self/task"))}) + "\n")
-children, buf = set(), b""
-
-def child(req):
-    try:
-        fd = os.open(req["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 2)
-        null = os.open(os.devnull, os.O_RDWR)
-        os.dup2(null, 0)
-        os.dup2(null, 1)
-        os.environ.clear()
-        os.environ.update(req["env"])
-        from pipeline import run
-        code = run.entry(req["args"])
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-while True:
-    ready, _, _ = select.select([0], [], [], 0.02)
-    if ready:
-        data = os.read(0, 1 << 16)
-        if not data:
-            for pid in children:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            os._exit(0)
-        buf += data
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            req = json.loads(line)
-            pid = os.fork()
-            if pid == 0:
-                out = None
-                child(req)
-            children.add(pid)
-            out.write(json.dumps({"pid": pid}) + "\n")
-    while children:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            break
-        children.discard(pid)
-        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        out.write(json.dumps({"exit": pid, "code": code, "t": time.monotonic()}) + "\n")
-"""
-
-
-class Zygote:
-    def __init__(self) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), TORCH_CPP_LOG_LEVEL="ERROR")
-        env.pop("FLOWSPEC_DEBUG", None)
-        self.proc = subprocess.Popen([sys.executable, "-c", ZYGOTE_SRC], cwd=REPO, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self.exits: dict[int, tuple[int, float]] = {}
-        self._buf = b""
-        self._replies: list[dict] = []
-        self._ready = False  # imports run while the caller does other work
-
-    def wait_ready(self) -> None:
-        if not self._ready:
-            msg = self._next(lambda m: "ready" in m, 300)
-            assert msg["ready"] == 1, "the zygote must stay single-threaded to fork safely"
-            self._ready = True
-
-    def _read(self, timeout: float) -> None:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            return
-        data = os.read(self.proc.stdout.fileno(), 1 << 16)
-        assert data, "the zygote died"
-        self._buf += data
-        while b"\n" in self._buf:
-            line, self._buf = self._buf.split(b"\n", 1)
-            m = json.loads(line)
-            if "exit" in m:
-                self.exits[m["exit"]] = (m["code"], m["t"])
-            else:
-                self._replies.append(m)
-
-    def _next(self, pred, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            for m in self._replies:
-                if pred(m):
-                    self._replies.remove(m)
-                    return m
-            assert time.monotonic() < deadline, "no answer from the zygote"
-            self._read(0.1)
-
-    def collect(self, timeout: float) -> None:
-        self._read(timeout)
-
-    def spawn(self, env: dict, args: list[str], err: Path) -> int:
-        self.wait_ready()
-        self.proc.stdin.write((json.dumps({"env": env, "args": args, "err": str(err)}) + "\n").encode())
-        self.proc.stdin.flush()
-        return self._next(lambda m: "pid" in m, 60)["pid"]
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
 def _dump(res: list[RankResult]) -> str:
     return "\n".join(f"--- rank {i}: exit {r.code} at {r.t_exit:.1f}s\n{r.err[-2500:]}" for i, r in enumerate(res))
 
@@ -264,9 +136,7 @@ def assert_clean_failure(res: list[RankResult], max_lines: int = 1) -> None:
 
 @pytest.fixture(scope="module")
 def zygote():
-    z = Zygote()
-    yield z
-    z.close()
+    return shared_zygote()   # the session's (tests/zygote.py): tests.helpers.launch forks from it too
 
 
 @pytest.fixture(scope="module")
