@@ -156,6 +156,12 @@ class StageWorker:
         self.batching = True         # other lanes' waiting messages join a step (once a second lane exists)
         self.chain = True            # a lane's consecutive waiting segments join as one piece of work (a chain)
         self.chain_alone = False     # chains while this stage has served one lane only (docs/results.md §46)
+        # the A/B lever of docs/results.md §46 (a measurement switch, not a setting): off | alone
+        lever = os.environ.get("FLOWSPEC_STAGE_CHAIN", "")
+        if lever not in ("", "on", "off", "alone"):
+            raise ValueError(f"FLOWSPEC_STAGE_CHAIN={lever!r}: expected on, off or alone")
+        self.chain = lever != "off"
+        self.chain_alone = self.chain_alone or lever == "alone"
         self.backlog: deque = deque()
         # counters (cumulative): stage forwards (segments and prompt chunks), the messages they computed, forwards
         # carrying more than one message, more than one lane (and the lane messages in them), a lane's chain, and

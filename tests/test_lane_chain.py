@@ -5,8 +5,10 @@
 * a stage worker handed a lane's prompt chunk and its segments (whose parents are in the earlier segments) computes
   them in one forward and sends every message as its own, equal to a forward per message; on the lean and the
   transformers layers, one lane and two lanes interleaved;
-* a chained segment whose decision is ready goes back to the queue and is computed after the decision applies;
-  planted bugs (the decision check skipped, a mask that lets earlier pieces see later rows) change the outputs.
+* a chained segment whose decision is ready (in its log, or arrived point to point) goes back to the queue and is
+  computed after the decision applies; planted bugs (the decision check skipped, a mask that lets earlier pieces
+  see later rows) change the outputs;
+* end to end: three requests whose stages chain, and one request alone with ``chain_alone``, answer as HF does.
 """
 import itertools
 
@@ -17,7 +19,7 @@ from model.split import split_checkpoint
 from pipeline import batching
 from pipeline.batching import CONTEXT, OTHER, SEGMENT, chain_continues, chain_mask, take_batch
 from pipeline.local_ring import LocalComm, LocalRing
-from pipeline.messages import Context, Decision, Segment, Shutdown, Status, pack_log
+from pipeline.messages import Context, Decision, Segment, Shutdown, Stats, Status, pack_log
 from tests.helpers import tiny_llama
 
 S, C, O = SEGMENT, CONTEXT, OTHER
@@ -130,20 +132,24 @@ def _lane_msgs(lane: int, decision: bool = False) -> list:
     return out
 
 
-def _run(model, msgs: list, chain=True, alone=False):
-    """A last stage (world 2) handed ``msgs`` all queued before it starts; what it sent and the worker."""
+def _run(model, msgs: list, chain=True, alone=False, direct: dict | None = None):
+    """A last stage (world 2) handed ``msgs`` all queued before it starts; what it sent (``Stats`` left out) and
+    the worker. ``direct``: ``{k: decision}``, delivered point to point by the worker's ``k``-th direct poll."""
     from pipeline.worker import StageWorker
     ring = LocalRing(2)
     for m in msgs + [Shutdown()]:
         ring.links[0].put(LocalComm.wire(m))
     worker = StageWorker(model, LocalComm(ring, 1), 64, torch.float64, "cpu")
     worker.chain, worker.chain_alone = chain, alone
+    if direct is not None:
+        polls = iter(range(1, 1000))
+        worker.comm.poll_direct = lambda: [d for d in [direct.get(next(polls))] if d is not None]
     worker.run()
     out = []
     while not ring.links[1].empty():
         out.append(ring.links[1].get())
     assert isinstance(out[-1], Shutdown)
-    return out[:-1], worker
+    return [m for m in out[:-1] if not isinstance(m, Stats)], worker
 
 
 def _same(a: list, b: list) -> bool:
@@ -189,12 +195,36 @@ def test_a_ready_decision_ends_the_chain(tiny):
     assert _same(ref, got)
 
 
-@pytest.mark.parametrize("bug", ["decision-under-staged-rows", "earlier-piece-sees-later-rows"])
+def _direct_case() -> tuple[list, dict]:
+    """The lane's prompt and three segments, a ``Stats`` (it ends the scan: they are one step), then two more
+    segments sent before decision 1 (epoch 0); the decision overtakes the second of them point to point: the
+    worker's 5th direct poll (one per segment prepared) delivers it."""
+    msgs = _lane_msgs(0)
+    late = [Segment(_toks(0, 7, 1), torch.tensor([3]), torch.tensor([6]), 1, 0, lane=0),
+            Segment(_toks(0, 8, 1), torch.tensor([6]), torch.tensor([7]), 1, 0, lane=0)]
+    d = Decision(1, 1, Status.CONTINUE, 1, False, torch.tensor([0]))
+    return msgs + [Stats(torch.zeros(2, dtype=torch.float64))] + late, {5: d}
+
+
+def test_a_direct_decision_ends_the_chain(tiny):
+    model = _stage(tiny, True)
+    msgs, direct = _direct_case()
+    ref, w0 = _run(model, msgs, chain=False, direct=direct)
+    assert w0.forwards == 6 and w0.lanes[0].tree.applied == 1
+    got, w = _run(model, msgs, alone=True, direct=direct)
+    assert w.chain_stops == 1 and w.forwards == 3 and w.lanes[0].tree.applied == 1
+    assert _same(ref, got)
+
+
+@pytest.mark.parametrize("bug", ["decision-under-staged-rows", "direct-decision-under-staged-rows",
+                                 "earlier-piece-sees-later-rows"])
 def test_planted_chain_bugs_change_the_outputs(tiny, monkeypatch, bug):
     model = _stage(tiny, True)
-    msgs = _lane_msgs(0, decision=True)
-    ref, _ = _run(model, msgs, chain=False)
-    if bug == "decision-under-staged-rows":
+    msgs, direct = _lane_msgs(0, decision=True), None
+    if bug == "direct-decision-under-staged-rows":
+        msgs, direct = _direct_case()
+    ref, _ = _run(model, msgs, chain=False, direct=direct)
+    if bug.endswith("decision-under-staged-rows"):
         monkeypatch.setattr("pipeline.worker.chain_continues", lambda applied, held: True)
     else:
         def open_mask(masks):   # the later pieces' columns left visible (0) instead of masked out
@@ -206,7 +236,60 @@ def test_planted_chain_bugs_change_the_outputs(tiny, monkeypatch, bug):
             return out
         monkeypatch.setattr(batching, "chain_mask", open_mask)
     try:
-        got, _ = _run(model, msgs, alone=True)
+        got, _ = _run(model, msgs, alone=True, direct=direct)
     except Exception:   # noqa: BLE001 - an error is a failure too
         return
     assert not _same(ref, got)
+
+
+# -- end to end: several requests (and one alone) through a ring whose stages chain ------------------------------
+
+E2E_PROMPTS = [[1, 5, 9, 13, 22, 7], [1, 40, 41, 42, 43], [1, 7, 7, 8, 9, 10, 11]]
+NEW = 12
+COMMON = [f"max_new_tokens={NEW}", "dtype=float64"]
+
+
+@pytest.fixture(scope="module")
+def ring4(tmp_path_factory):
+    from tests.helpers import hf_greedy
+    root = tmp_path_factory.mktemp("lane_chain_e2e")
+    full = tiny_llama(root / "full", layers=4, dtype=torch.float64)
+    stages = split_checkpoint(full, root / "stages", [0, 2, 2], progress=False)
+    return full, stages, [hf_greedy(full, p, NEW, {2}, torch.float64) for p in E2E_PROMPTS]
+
+
+def _chained(pool) -> int:
+    return sum(w.chained_forwards for w in pool.stage_workers)
+
+
+@pytest.mark.parametrize("mode", ["continuous", "naive", "pipedec", "pruned"])
+def test_concurrent_greedy_with_chains_equals_alone(ring4, mode):
+    """Three requests on three lanes, each keeping every link busy (``serve.ring_share=3``: at the default share of
+    one segment per link a lane has one segment in flight, nothing to chain), stage forwards padded (so segments
+    queue up, as on the emulated testbed): stage steps carry a lane's consecutive segments (counted), and every
+    answer is its single-request answer."""
+    from pipeline.engine import GenSettings
+    from pipeline.inprocess import run_concurrent
+    from tests.test_lanes import Pad
+    full, stages, refs = ring4
+    res, pool = run_concurrent(stages, [(p, mode, GenSettings(NEW)) for p in E2E_PROMPTS],
+                               [*COMMON, "serve.ring_share=3"], {2}, f"oracle:{full}", lanes=3,
+                               stage_meter=lambda r: Pad())
+    assert [r.output_ids for r in res] == refs
+    assert _chained(pool) > 0, "no stage step carried a lane's consecutive segments"
+
+
+@pytest.mark.parametrize("mode", ["naive", "pruned"])
+def test_one_request_chained_alone_equals_hf(ring4, monkeypatch, mode):
+    """One request, ``chain_alone`` (``FLOWSPEC_STAGE_CHAIN=alone``): its stages chain its own waiting segments and
+    its answer is still HF's greedy answer. (Modes whose segments queue up on this tiny ring with the oracle
+    drafter; ``continuous`` chains in the three-request test above.)"""
+    from pipeline.engine import GenSettings
+    from pipeline.inprocess import run_concurrent
+    from tests.test_lanes import Pad
+    full, stages, refs = ring4
+    monkeypatch.setenv("FLOWSPEC_STAGE_CHAIN", "alone")
+    res, pool = run_concurrent(stages, [(E2E_PROMPTS[0], mode, GenSettings(NEW))], COMMON, {2}, f"oracle:{full}",
+                               lanes=1, stage_meter=lambda r: Pad())
+    assert res[0].output_ids == refs[0]
+    assert _chained(pool) > 0 and all(not w.several for w in pool.stage_workers)
