@@ -35,6 +35,7 @@ from collections import deque
 
 import torch
 
+from config.errors import UserError
 from draft.tree import admit_rows, decision_keep
 from model.devices import HOST
 from model.kv_cache import KVCache
@@ -141,8 +142,16 @@ def write_counters(msg: Stats, row: int, meter) -> None:
         msg.counters[row] = torch.tensor(values, dtype=torch.float64, device=HOST)
 
 
+class ChainSwitchError(UserError):
+    """A malformed ``FLOWSPEC_STAGE_CHAIN``."""
+
+
 class StageWorker:
     def __init__(self, model: StageModel, comm: Transport, max_len: int, dtype: torch.dtype, device: str) -> None:
+        # FLOWSPEC_STAGE_CHAIN=off|alone: the A/B switch of docs/results.md §46 (a measurement switch, not a setting)
+        lever = os.environ.get("FLOWSPEC_STAGE_CHAIN", "on")
+        if lever not in ("on", "off", "alone"):
+            raise ChainSwitchError(f"FLOWSPEC_STAGE_CHAIN={lever!r}: expected on, off or alone")
         self.model, self.comm = model, comm
         self.dtype, self.device = dtype, device
         self.rank = comm.rank
@@ -153,15 +162,9 @@ class StageWorker:
         self.select(0)                          # self.cache, self.tree: the current lane's (lane 0 from the start)
         self.busy = BusyMarks()
         # several messages in one forward (pipeline/batching.py): arrived, not yet handled (ring order)
-        self.batching = True         # other lanes' waiting messages join a step (once a second lane exists)
-        self.chain = True            # a lane's consecutive waiting segments join as one piece of work (a chain)
-        self.chain_alone = False     # chains while this stage has served one lane only (docs/results.md §46)
-        # the A/B lever of docs/results.md §46 (a measurement switch, not a setting): off | alone
-        lever = os.environ.get("FLOWSPEC_STAGE_CHAIN", "")
-        if lever not in ("", "on", "off", "alone"):
-            raise ValueError(f"FLOWSPEC_STAGE_CHAIN={lever!r}: expected on, off or alone")
-        self.chain = lever != "off"
-        self.chain_alone = self.chain_alone or lever == "alone"
+        self.batching = True          # other lanes' waiting messages join a step (once a second lane exists)
+        self.chain = lever != "off"   # a lane's consecutive waiting segments join as one piece of work (a chain)
+        self.chain_alone = lever == "alone"   # chains while this stage has served one lane only (§46)
         self.backlog: deque = deque()
         # counters (cumulative): stage forwards (segments and prompt chunks), the messages they computed, forwards
         # carrying more than one message, more than one lane (and the lane messages in them), a lane's chain, and
