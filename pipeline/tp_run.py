@@ -21,7 +21,7 @@ from model.devices import HOST
 from model.meter import OpMeter, SpanMeter, take_counters
 from model.tp_model import SCHEDULES, DistCollectives, TPShard
 from pipeline.messages import Context, Segment, Shutdown, Stats
-from pipeline.worker import StageTree, context_chunk
+from pipeline.worker import StageTree, context_inputs
 
 
 class GroupComm:
@@ -97,8 +97,9 @@ class TPWorker:
                     msg.counters[1:1 + self.coll.size] = torch.tensor(table, dtype=torch.float64, device=HOST)
                 self._reply(msg)
             elif isinstance(msg, Context):
-                out = context_chunk(self.cache, self.tree, msg, self.dtype,
-                                    lambda x, pos, mask: self._compute(x, pos, mask, "megatron"))
+                pos, mask = context_inputs(self.cache, self.tree, msg, self.dtype)
+                out = self._compute(msg.x, pos, mask, "megatron")
+                self.cache.commit_forward(msg.x.shape[1], as_context=True)
                 self._reply(Context(out, msg.gen, msg.reset))
             elif isinstance(msg, Segment):
                 self._segment(msg)

@@ -9,10 +9,11 @@ Per received ring message:
   * ``Fork``     -> copy another lane's committed prompt prefix into this lane (a shared prefill), forward;
   * ``Stats``    -> add this rank's busy seconds, forward;  ``Shutdown`` -> forward and stop.
 
-Several lanes in one forward (:mod:`pipeline.batching`): a stage serving several lanes also takes the messages of
-other lanes that have already arrived (``poll_prev``, never waiting) and computes them in the same forward; each is
-prepared on its own lane's state exactly as alone and each lane's output goes on as its own message, in arrival
-order.
+Several messages in one forward (:mod:`pipeline.batching`): a stage serving several lanes also takes the messages
+that have already arrived (``poll_prev``, never waiting): other lanes' and the same lanes' consecutive segments (a
+chain: each prepared after the lane's previous one is staged) and computes them in the same forward; each is
+prepared on its own lane's state exactly as in a step of its own and each message's output goes on as its own
+message, in arrival order.
 
 A stage never waits for anything but its data source: the decisions a segment depends on travel in its
 log (or an earlier segment's); the direct copies only let a stage prune earlier.
@@ -28,17 +29,20 @@ the start, so one request at a time allocates exactly what it did before lanes.
 """
 from __future__ import annotations
 
+import os
+import sys
 from collections import deque
 
 import torch
 
+from config.errors import UserError
 from draft.tree import admit_rows, decision_keep
 from model.devices import HOST
 from model.kv_cache import KVCache
 from model.lane_batch import LaneBatch
 from model.meter import OpMeter, SpanMeter, take_counters
 from model.stage_model import StageModel
-from pipeline.batching import CONTEXT, OTHER, SEGMENT, Work, take_batch
+from pipeline.batching import CONTEXT, OTHER, SEGMENT, Piece, Work, chain_continues, take_batch
 from pipeline.messages import Context, Decision, Fork, Segment, Shutdown, Stats
 from pipeline.transport import Transport
 
@@ -92,18 +96,11 @@ class StageTree:
         self.slot_gids += gids
 
 
-def context_chunk(cache: KVCache, tree: StageTree, msg: Context, dtype: torch.dtype, compute) -> torch.Tensor:
-    """A prompt chunk (or ``ar``'s one token) on a stage: the first chunk of a generation resets the cache and
-    the decision state; the rows are computed (``compute(x, positions, mask)``) and become committed context."""
-    pos, mask = context_inputs(cache, tree, msg, dtype)
-    out = compute(msg.x, pos, mask)
-    cache.commit_forward(msg.x.shape[1], as_context=True)
-    return out
-
-
 def context_inputs(cache: KVCache, tree: StageTree, msg: Context, dtype: torch.dtype):
-    """:func:`context_chunk` up to the forward: the reset (first chunk of a generation), then the chunk's
-    positions and causal mask; the caller computes and then ``cache.commit_forward(n, as_context=True)``."""
+    """A prompt chunk (or ``ar``'s one token) on a stage, up to the forward: the first chunk of a generation resets
+    the cache and the decision state; returns the chunk's positions and causal mask. The caller computes the rows
+    and then ``cache.commit_forward(n, as_context=True)`` (they become committed context). Shared with the TP group
+    worker (``pipeline/tp_run.py``)."""
     if msg.reset:
         cache.reset()
         tree.reset(msg.gen)
@@ -145,22 +142,37 @@ def write_counters(msg: Stats, row: int, meter) -> None:
         msg.counters[row] = torch.tensor(values, dtype=torch.float64, device=HOST)
 
 
+class ChainSwitchError(UserError):
+    """A malformed ``FLOWSPEC_STAGE_CHAIN``."""
+
+
 class StageWorker:
     def __init__(self, model: StageModel, comm: Transport, max_len: int, dtype: torch.dtype, device: str) -> None:
+        # FLOWSPEC_STAGE_CHAIN=off|alone: the A/B switch of docs/results.md §46 (a measurement switch, not a setting)
+        lever = os.environ.get("FLOWSPEC_STAGE_CHAIN", "on")
+        if lever not in ("on", "off", "alone"):
+            raise ChainSwitchError(f"FLOWSPEC_STAGE_CHAIN={lever!r}: expected on, off or alone")
         self.model, self.comm = model, comm
         self.dtype, self.device = dtype, device
         self.rank = comm.rank
         self.max_len = max_len
         self.static = None   # model.graphs.StaticStage: the forward on static shapes / CUDA graphs (model.graphs)
         self.lanes: dict[int, LaneState] = {}   # every request slot's KV cache and decision state
+        self.several = False                    # a second lane was allocated: steps poll for joining messages
         self.select(0)                          # self.cache, self.tree: the current lane's (lane 0 from the start)
         self.busy = BusyMarks()
-        # several lanes' messages in one forward (pipeline/batching.py): arrived, not yet handled (ring order)
-        self.batching = True
+        # several messages in one forward (pipeline/batching.py): arrived, not yet handled (ring order)
+        self.batching = True          # other lanes' waiting messages join a step (once a second lane exists)
+        self.chain = lever != "off"   # a lane's consecutive waiting segments join as one piece of work (a chain)
+        self.chain_alone = lever == "alone"   # chains while this stage has served one lane only (§46)
         self.backlog: deque = deque()
-        self.forwards = 0            # stage forwards (segments and prompt chunks)
-        self.batched_forwards = 0    # forwards that carried more than one lane (and the lane messages in them)
-        self.batched_lanes = 0
+        # counters (cumulative): stage forwards (segments and prompt chunks), the messages they computed, forwards
+        # carrying more than one message, more than one lane (and the lane messages in them), a lane's chain, and
+        # chained segments sent back to the queue because a decision was ready (batching.chain_continues)
+        self.forwards = self.messages = self.joined_forwards = 0
+        self.batched_forwards = self.batched_lanes = 0
+        self.chained_forwards = self.chain_stops = 0
+        self.report_counters = os.environ.get("FLOWSPEC_STAGE_COUNTERS") == "1"   # one stderr line per Stats trip
         self.tracer = comm.tracer
         # the block's forwards (model.meter): traced as "compute" spans; instrumentation stacks its meters after
         # (pipeline.build.make_stage_worker) and the meter stack carries their counters (Stats)
@@ -201,6 +213,7 @@ class StageWorker:
             cache = self.model.block.new_cache(self.max_len, self.dtype, self.device) \
                 if self.model.block is not None else None
             st = self.lanes[lane] = LaneState(cache)
+            self.several = len(self.lanes) > 1
         return st
 
     def select(self, lane: int) -> None:
@@ -219,63 +232,123 @@ class StageWorker:
                 msg.busy_s[self.rank] = self.busy.take(msg.lane, self.tracer.busy_s)
                 self.tracer.reset_counters()
                 write_counters(msg, self.rank, self.meter)
+                if self.report_counters:
+                    print(self.counter_line(), file=sys.stderr, flush=True)
                 comm.send_next(msg)
             elif isinstance(msg, (Context, Segment)):
                 self.step([msg, *self._joining(msg)])
             elif isinstance(msg, Fork):   # a shared prompt prefill: lane src's committed prefix (messages.Fork)
-                src = self.lane(msg.src).cache
+                src = self.lane(msg.src).cache   # every layer stage has a block, hence a cache
                 self.select(msg.lane)
-                if src is not None:
-                    src.copy_prefix_to(self.cache, msg.n)
+                src.copy_prefix_to(self.cache, msg.n)
                 self.tree.reset(msg.gen)
                 comm.send_next(msg)
 
+    def counter_line(self) -> str:
+        """The batching counters as one line (``FLOWSPEC_STAGE_COUNTERS=1``: printed at every ``Stats`` trip)."""
+        return (f"[stage {self.rank}] forwards {self.forwards}, messages {self.messages}, with >1 message "
+                f"{self.joined_forwards}, >1 lane {self.batched_forwards} ({self.batched_lanes} lane parts), "
+                f"a lane's chain {self.chained_forwards}, chain stops {self.chain_stops}")
+
     def _joining(self, head: Context | Segment) -> list[Context | Segment]:
-        """Messages of other lanes that have already arrived and join ``head``'s forward
-        (:func:`pipeline.batching.take_batch`); none while this stage has served one lane only, on static shapes,
-        or with batching off. The rest stay in ``backlog``, in ring order."""
-        if not self.batching or self.static is not None or len(self.lanes.keys() | {head.lane}) < 2:
+        """Messages that have already arrived and join ``head``'s forward (:func:`pipeline.batching.take_batch`):
+        other lanes' and, with ``chain``, the same lanes' later segments; none while this stage has served one lane
+        only (unless ``chain_alone``), on static shapes, or with batching off. The rest stay in ``backlog``, in ring
+        order."""
+        if not self.batching or self.static is not None:
+            return []
+        self.lane(head.lane)          # allocated here: a second lane sets `several`
+        if not (self.several or (self.chain and self.chain_alone)):
             return []
         self.backlog.extend(self.comm.poll_prev())
         if not self.backlog:
             return []
         waiting = list(self.backlog)
-        kinds = [(SEGMENT if isinstance(m, Segment) else CONTEXT if isinstance(m, Context) else OTHER, m.lane)
-                 for m in waiting]
-        taken = take_batch(head.lane, kinds)
+        taken = take_batch(_kind(head), [_kind(m) for m in waiting], chain=self.chain)
         if taken:
             chosen = set(taken)
             self.backlog = deque(m for i, m in enumerate(waiting) if i not in chosen)
         return [waiting[i] for i in taken]
 
     def step(self, msgs: list[Context | Segment]) -> None:
-        """One stage step over ``msgs`` (one per lane, in arrival order): each prepared on its lane's state, ONE
-        forward over every row to compute (one message: exactly the single-lane path), each lane's output sent
-        on in arrival order."""
-        works = [self._prepare(m) for m in msgs]
-        todo = [w for w in works if w.x is not None]
-        self.forwards += bool(todo)
-        if len(todo) == 1:
-            w = todo[0]
-            outs = [self._compute(w.x, w.positions, w.mask, w.cache)]
-        else:
-            outs = self.forward_lanes(todo) if todo else []
-        done = dict(zip(map(id, todo), outs))
-        for w in works:
-            self.comm.send_next(w.finish(done.get(id(w))))
+        """One stage step over ``msgs`` (arrival order; a lane's later messages are its chain): each prepared on its
+        lane's state (a chain's later segment after the lane's previous piece is staged, and only while
+        :func:`pipeline.batching.chain_continues`: else it and the lane's later ones go back to the front of the
+        queue), ONE forward over every row to compute (one message: exactly the single-lane path), every message's
+        output sent on as its own message, in arrival order."""
+        pieces: list[Piece] = []
+        works: dict[int, Work] = {}         # lane -> its rows in this forward (first arrival order)
+        last: dict[int, Piece] = {}         # lane -> its latest piece in this step
+        back: list = []
+        for m in msgs:
+            prev = last.get(m.lane)
+            if prev is not None:
+                if any(b.lane == m.lane for b in back):
+                    back.append(m)
+                    continue
+                if not prev.staged:
+                    prev.stage()
+                    prev.staged = True
+            p = self._prepare(m, chained=prev is not None)
+            if p is None:
+                back.append(m)
+                self.chain_stops += 1
+                continue
+            pieces.append(p)
+            last[m.lane] = p
+            if p.x is not None:
+                if m.lane not in works:
+                    works[m.lane] = Work(m.lane, self.cache, self.cache.length)
+                works[m.lane].pieces.append(p)
+        self.backlog.extendleft(reversed(back))
+        todo = list(works.values())
+        outs = self._forward(todo)
+        done: dict[int, torch.Tensor] = {}
+        for w, out in zip(todo, outs):
+            for p, o in zip(w.pieces, out.split([p.rows for p in w.pieces], dim=1)):
+                done[id(p)] = o
+        for p in pieces:
+            if not p.staged:
+                p.stage()
+                p.staged = True
+            self.comm.send_next(p.make(done.get(id(p))))
 
-    def _prepare(self, msg: Context | Segment) -> Work:
+    def _forward(self, todo: list[Work]) -> list[torch.Tensor]:
+        """ONE forward over the works' rows; each lane's output rows. A chain's earlier pieces are already staged
+        (the cache's length is past their rows): the forward writes every piece's keys/values from ``start``, so the
+        length is set back to ``start`` for the forward and forward again after it."""
+        if not todo:
+            return []
+        n = sum(len(w.pieces) for w in todo)
+        self.forwards += 1
+        self.messages += n
+        self.joined_forwards += n > 1
+        self.chained_forwards += any(len(w.pieces) > 1 for w in todo)
+        resume = [w.cache.length for w in todo]
+        for w in todo:
+            w.cache.length = w.start
+        try:
+            if len(todo) == 1:
+                w = todo[0]
+                return [self._compute(w.x, w.positions, w.mask, w.cache)]
+            return self.forward_lanes(todo)
+        finally:
+            for w, length in zip(todo, resume):
+                w.cache.length = length
+
+    def _prepare(self, msg: Context | Segment, chained: bool = False) -> Piece | None:
+        """``msg`` on its lane's state (selected); ``chained``: a later message of its lane in this step (None: it
+        waits for the next step, :func:`pipeline.batching.chain_continues`)."""
         self.select(msg.lane)
         if isinstance(msg, Segment):
-            return self._prepare_segment(msg)
+            return self._prepare_segment(msg, chained)
+        if chained:                      # take_batch never chains a Context; kept for a caller that would
+            return None
         cache, lane = self.cache, msg.lane
         pos, mask = context_inputs(cache, self.tree, msg, self.dtype)
         n = msg.x.shape[1]
-
-        def finish(out: torch.Tensor) -> Context:
-            cache.commit_forward(n, as_context=True)
-            return Context(out, msg.gen, msg.reset, lane)
-        return Work(lane, msg.x, pos, mask, cache, finish)
+        return Piece(lane, msg.x, pos, mask, lambda: cache.commit_forward(n, as_context=True),
+                     lambda out: Context(out, msg.gen, msg.reset, lane))
 
     def _offer_direct(self) -> None:
         """Every direct decision that has arrived, to its own lane's tree."""
@@ -283,14 +356,17 @@ class StageWorker:
             if isinstance(d, Decision):
                 self.lane(d.lane).tree.offer([d])
 
-    def _prepare_segment(self, seg: Segment) -> Work:
+    def _prepare_segment(self, seg: Segment, chained: bool = False) -> Piece | None:
         """A segment on its lane's state: decisions applied, dead rows pruned (``StageTree``); the surviving rows'
-        inputs, and ``finish`` committing them and building the outgoing segment (an emptied segment still travels
-        on, with its log, so every stage sees every decision)."""
+        inputs, ``stage`` committing them and ``make`` building the outgoing segment (an emptied segment still
+        travels on, with its log, so every stage sees every decision). ``chained``: the lane's earlier rows of this
+        step are staged without keys/values yet, so no decision may apply: None when one is ready."""
         tree, cache = self.tree, self.cache
         with self.tracer.span("prune"):
             tree.offer(seg.decisions())
             self._offer_direct()
+            if chained and not chain_continues(tree.applied, tree.early):
+                return None
             tree.apply_ready()
             rows, parents = tree.admit(seg)
         x, gids, parent_gids = seg.x, seg.gids, seg.parents
@@ -298,19 +374,24 @@ class StageWorker:
             x, gids, parent_gids = x[:, rows.to(x.device)], gids[rows], parent_gids[rows]
         n = int(gids.numel())
 
-        def out_msg(out: torch.Tensor) -> Segment:
+        def make(out: torch.Tensor) -> Segment:
             return Segment(out, parent_gids, gids, seg.gen, seg.epoch, seg.log, seg.tag, seg.lane)
         if n:
             pos, mask, anc, depth = cache.tree_inputs(parents, self.dtype)
 
-            def finish(out: torch.Tensor) -> Segment:
+            def stage() -> None:
                 cache.commit_forward(n, as_context=False, anc=anc, depth=depth)
                 tree.computed(gids.tolist())
-                return out_msg(out)
-            return Work(seg.lane, x, pos, mask, cache, finish)
+            return Piece(seg.lane, x, pos, mask, stage, make)
         out = x
         if out.dim() == 2 or out.shape[-1] != getattr(self.model, "out_width", out.shape[-1]):
             # nothing computed: forward an empty block of this stage's row width (EAGLE-3 taps widen rows)
             out = torch.zeros(1, 0, getattr(self.model, "out_width", self.model.config.hidden_size),
                               dtype=self.dtype, device=HOST)
-        return Work(seg.lane, None, None, None, cache, lambda _: out_msg(out))
+        return Piece(seg.lane, None, None, None, lambda: None, lambda _: make(out))
+
+
+def _kind(msg) -> tuple[str, int]:
+    """``(kind, lane)`` of a ring message, as :func:`pipeline.batching.take_batch` reads it."""
+    kind = SEGMENT if isinstance(msg, Segment) else CONTEXT if isinstance(msg, Context) else OTHER
+    return kind, getattr(msg, "lane", 0)

@@ -1,6 +1,7 @@
 """Several lanes' segments in one stage forward (pipeline/batching.py, model/lane_batch.py, StageWorker.step).
 
-* the rule (``take_batch``): one message per lane, per-lane FIFO, stop at Stats/Shutdown;
+* the rule (``take_batch``, without chains): one message per lane, per-lane FIFO, stop at Stats/Shutdown (a lane's
+  consecutive segments in one forward: tests/test_lane_chain.py);
 * a block forward of several lanes equals each lane's forward alone (outputs and the keys/values written), on the
   lean layers (attention loop) and the transformers layers (block-diagonal mask);
 * a stage worker handed several lanes' queued messages computes them in fewer forwards, charges its meter ONE op
@@ -25,16 +26,19 @@ S, C, O = SEGMENT, CONTEXT, OTHER
 
 
 def test_take_batch_rule():
-    assert take_batch(0, []) == []
-    assert take_batch(0, [(S, 1), (S, 2), (C, 3)]) == [0, 1, 2]
-    assert take_batch(0, [(S, 0), (S, 1)]) == [1]                    # the head's lane waits for the next step
-    assert take_batch(0, [(S, 1), (S, 1), (S, 2)]) == [0, 2]          # one per lane
-    assert take_batch(0, [(S, 1), (S, 2), (S, 1), (S, 2), (S, 3)]) == [0, 1, 4]
-    assert take_batch(0, [(S, 1), (O, 2), (S, 3)]) == [0]             # Stats / Shutdown: handled in ring order
-    assert take_batch(0, [(S, 0), (S, 0), (S, 1)]) == [2]
+    """Without chains (``chain=False``): one message per lane (a lane's chains: tests/test_lane_chain.py)."""
+    def take(lane, waiting):
+        return take_batch((S, lane), waiting, chain=False)
+    assert take(0, []) == []
+    assert take(0, [(S, 1), (S, 2), (C, 3)]) == [0, 1, 2]
+    assert take(0, [(S, 0), (S, 1)]) == [1]                    # the head's lane waits for the next step
+    assert take(0, [(S, 1), (S, 1), (S, 2)]) == [0, 2]          # one per lane
+    assert take(0, [(S, 1), (S, 2), (S, 1), (S, 2), (S, 3)]) == [0, 1, 4]
+    assert take(0, [(S, 1), (O, 2), (S, 3)]) == [0]             # Stats / Shutdown: handled in ring order
+    assert take(0, [(S, 0), (S, 0), (S, 1)]) == [2]
     # per-lane FIFO: a lane whose earlier message is left waiting never has a later one taken
     for waiting in ([(S, 1), (S, 1), (S, 1)], [(S, 0), (C, 1), (S, 0), (S, 2)]):
-        taken = take_batch(0, waiting)
+        taken = take(0, waiting)
         for i in taken:
             assert waiting[i][1] != 0 and all(lane != waiting[i][1] for _, lane in waiting[:i])
 
@@ -135,7 +139,7 @@ def _messages(lanes: list[int]) -> list:
     return ctx + segs
 
 
-def _run_worker(model, msgs: list) -> tuple[list, "StageWorker"]:
+def _run_worker(model, msgs: list, chain: bool = True) -> tuple[list, "StageWorker"]:
     """A last stage (world 2) handed ``msgs`` all queued before it starts; returns what it sent and the worker."""
     from pipeline.worker import StageWorker
     ring = LocalRing(2)
@@ -143,6 +147,7 @@ def _run_worker(model, msgs: list) -> tuple[list, "StageWorker"]:
         ring.links[0].put(LocalComm.wire(m))
     worker = StageWorker(model, LocalComm(ring, 1), 64, torch.float64, "cpu")
     worker.meter = RecordingMeter()
+    worker.chain = chain
     worker.run()
     out = []
     while not ring.links[1].empty():
@@ -151,22 +156,29 @@ def _run_worker(model, msgs: list) -> tuple[list, "StageWorker"]:
     return out[:-1], worker
 
 
+@pytest.mark.parametrize("chain", [False, True])
 @pytest.mark.parametrize("lean", [True, False])
-def test_worker_batches_queued_lanes_and_each_lane_gets_its_own_result(tiny, lean):
+def test_worker_batches_queued_lanes_and_each_lane_gets_its_own_result(tiny, lean, chain):
     model = _stage(tiny, lean)
     lanes = [0, 1, 2]
-    sent, worker = _run_worker(model, _messages(lanes))
-    # lane 0's prefill arrives first, alone (one lane known: no poll); then C1 + C2 + S0 in one forward, S1 + S2
+    sent, worker = _run_worker(model, _messages(lanes), chain)
     assert [(type(m).__name__, m.lane) for m in sent] == [("Context", 0), ("Context", 1), ("Context", 2),
                                                           ("Segment", 0), ("Segment", 1), ("Segment", 2)]
-    assert worker.batched_forwards == 2 and worker.batched_lanes == 5
     p, s = [len(x) for x in PROMPTS], [len(x[0]) for x in SEGS]
-    assert worker.meter.ops == [("stage_forward", p[0], 0),                              # one op per forward:
-                                ("stage_forward", p[1] + p[2] + s[0], p[0]),              # all rows, all lanes'
-                                ("stage_forward", s[1] + s[2], p[1] + p[2])]              # cached slots
+    if not chain:
+        # lane 0's prefill arrives first, alone (one lane known: no poll); then C1 + C2 + S0 in one forward, S1 + S2
+        assert worker.batched_forwards == 2 and worker.batched_lanes == 5
+        assert worker.meter.ops == [("stage_forward", p[0], 0),                              # one op per forward:
+                                    ("stage_forward", p[1] + p[2] + s[0], p[0]),              # all rows, all lanes'
+                                    ("stage_forward", s[1] + s[2], p[1] + p[2])]              # cached slots
+    else:
+        # then C1 + C2 + S0 + S1 + S2 in one forward: lanes 1 and 2 each chain their prompt and their segment
+        assert worker.batched_forwards == 1 and worker.batched_lanes == 3 and worker.chained_forwards == 1
+        assert worker.meter.ops == [("stage_forward", p[0], 0),
+                                    ("stage_forward", p[1] + p[2] + sum(s), p[0])]
     for lane in lanes:
-        alone, w1 = _run_worker(model, _messages([lane]))
-        assert w1.batched_forwards == 0
+        alone, w1 = _run_worker(model, _messages([lane]), chain=False)     # a forward per message
+        assert w1.batched_forwards == 0 and w1.forwards == 2
         mine = [m for m in sent if m.lane == lane]
         assert len(mine) == len(alone) == 2
         for a, b in zip(alone, mine):
