@@ -109,6 +109,24 @@ def test_the_default_heads_ship_their_counts():
         assert time.perf_counter() - t < 30, "ranking the shipped counts should take well under a second"
 
 
+def test_the_default_model_drafts_over_16384_tokens():
+    """The default run keys on the default model: the head drafter (first source of the default merged drafter)
+    drafts over the 16384 most frequent ids of the counts shipped beside the default head; ``model.draft_vocab=0``
+    gives the whole vocabulary back."""
+    from config.paths import DEFAULT_STAGE_DIR
+    from config.run_config import DEFAULT, apply_overrides
+    from model.stage_model import load_stage
+    from pipeline.build import make_drafter
+    if not (DEFAULT_STAGE_DIR / "stage_model_0").is_dir():
+        pytest.skip("the default model is not converted here")
+    world = len([d for d in DEFAULT_STAGE_DIR.iterdir() if d.name.startswith("stage_model_")])
+    m0 = load_stage(DEFAULT_STAGE_DIR, 0, world, torch.float32)
+    d = make_drafter(DEFAULT, DEFAULT_STAGE_DIR, m0, torch.float32, "cpu").sources[0]
+    assert d.draft_vocab_rows == DEFAULT_DRAFT_VOCAB and d.full_root
+    d = make_drafter(apply_overrides(DEFAULT, ["model.draft_vocab=0"]), DEFAULT_STAGE_DIR, m0, torch.float32, "cpu")
+    assert d.sources[0].vocab_map is None
+
+
 def test_count_cli(tmp_path, capsys):
     """One real ``python -m draft.vocab`` process; the error and --help paths through its ``main`` in this process
     (the same code after the interpreter's start-up)."""
