@@ -83,8 +83,9 @@ class ModelConfig(Checked):
     lean_layers: bool = True     # decoder layers (stages, EAGLE head) run model/lean_layer.py's forward on their own
                                  # weights: fewer dispatches than transformers' layer, same math; false = transformers'
     eagle3_taps: str = "auto"    # layer outputs the stages forward for an EAGLE-3 head: auto (from head_dir) | none | 1,14,26
-    draft_vocab: int = 0         # EAGLE-1/2 head: draft only over the N tokens the target emits most (draft/vocab.py;
-                                 # cuts rank 0's draft lm_head to N/V; output unchanged); 0 = the whole vocabulary
+    draft_vocab: int = -1        # EAGLE-1/2 head: draft only over the N tokens the target emits most (draft/vocab.py;
+                                 # cuts rank 0's draft lm_head to N/V; output unchanged); 0 = the whole vocabulary;
+                                 # -1 = auto: 16384 where the head ships token counts (the default heads), else 0
     draft_vocab_counts: str = ""  # token counts that rank them ("" = <head dir>/token_counts.safetensors)
     draft_vocab_context: bool = True  # with draft_vocab: the context's own tokens (prompt, output) join the vocabulary
     draft_vocab_full_root: bool = True  # with draft_vocab: a tree's first level (one row) keeps the whole vocabulary
@@ -315,8 +316,9 @@ class RunConfig(Checked):
             raise ConfigError(f"serve.max_active={self.serve.max_active} must be in [1, 64]")
         if not 0 < self.serve.ring_share <= 64:
             raise ConfigError(f"serve.ring_share={self.serve.ring_share} must be in (0, 64]")
-        if self.model.draft_vocab < 0:
-            raise ConfigError(f"model.draft_vocab={self.model.draft_vocab} must be >= 0 (0 = the whole vocabulary)")
+        if self.model.draft_vocab < -1:
+            raise ConfigError(f"model.draft_vocab={self.model.draft_vocab} must be >= 0 (0 = the whole vocabulary) "
+                              "or -1 (auto)")
         if not 0 <= self.tree.lookahead_min_prob < 1:
             raise ConfigError(f"tree.lookahead_min_prob={self.tree.lookahead_min_prob} must be in [0, 1) (0 = off)")
         if self.tree.lookahead_max_levels < 1:

@@ -8,7 +8,9 @@ tokens of the request's own context join them (:class:`DraftVocab`).
 
 Counts: ``token_counts.safetensors`` (key ``counts``: int64 ``[V]``, how often the target emitted each token in
 its answers: assistant tokens of self-distilled conversations, ``loss_mask == 1``), kept beside the head
-(:data:`COUNTS_FILE`), made by ``python -m draft.vocab count``.
+(:data:`COUNTS_FILE`), made by ``python -m draft.vocab count``. The shipped SmolLM2 heads carry theirs, so the
+default (``model.draft_vocab=-1``, auto: :func:`resolve_draft_vocab`) drafts over :data:`DEFAULT_DRAFT_VOCAB` ids
+with them and over the whole vocabulary for a head without counts, an EAGLE-3 head or a small vocabulary.
 
 Invariants of :func:`top_ids`: it returns ``min(n, V)`` distinct ids in ``[0, V)``, strictly increasing (the
 ``vocab_map`` layout of :mod:`draft.eagle3`), the ``n`` largest counts with ties broken towards the lower id, so
@@ -39,6 +41,9 @@ from config.invocation import prog
 from draft.head_io import HeadError
 
 COUNTS_FILE = "token_counts.safetensors"
+AUTO = -1                   # ``model.draft_vocab=-1`` (the default): :func:`resolve_draft_vocab`
+DEFAULT_DRAFT_VOCAB = 16384  # what AUTO drafts over where it applies (measured: docs/results.md, "The reduced draft
+#                              vocabulary by default")
 
 
 def count_tokens(records, vocab_size: int) -> torch.Tensor:
@@ -110,6 +115,32 @@ def draft_vocab_ids(n: int, counts_path: str | Path, vocab_size: int) -> torch.T
     return top_ids(load_counts(counts_path, vocab_size), n)
 
 
+def resolve_draft_vocab(setting: int, *, counts_found: bool, shares_lm_head: bool, vocab_size: int) -> int:
+    """The ``model.draft_vocab`` a drafter applies: an explicit ``N >= 0`` as given (errors where it cannot apply
+    are the caller's: :func:`require_shared_lm_head`, :func:`load_counts`); :data:`AUTO` (the default) is
+    :data:`DEFAULT_DRAFT_VOCAB` where it applies (the head shares the target's ``lm_head``, token counts are
+    found, and the vocabulary is larger than it), else 0 (the whole vocabulary), silently.
+
+    Why auto and not a plain 16384: the default must not refuse what ran before it, so a head without counts (an
+    untrained head, a custom model's head), an EAGLE-3 head (its own vocabulary) or a vocabulary of at most 16384
+    tokens drafts over the whole vocabulary as before, while the shipped SmolLM2 heads, whose counts ship beside
+    them, draft over 16384 (measured: docs/results.md, "The reduced draft vocabulary by default"). The output is the
+    same either way."""
+    if setting != AUTO:
+        return setting
+    ok = counts_found and shares_lm_head and vocab_size > DEFAULT_DRAFT_VOCAB
+    return DEFAULT_DRAFT_VOCAB if ok else 0
+
+
+def counts_path(explicit: str, head_dir) -> Path | None:
+    """Where ``model.draft_vocab`` reads its counts: ``model.draft_vocab_counts`` when set, else
+    :data:`COUNTS_FILE` in the head's directory; None without either (an untrained head)."""
+    if explicit:
+        p = Path(explicit)
+        return p / COUNTS_FILE if p.is_dir() else p
+    return None if head_dir is None else Path(head_dir) / COUNTS_FILE
+
+
 def require_shared_lm_head(head) -> None:
     """A reduced vocabulary cuts the *target's* ``lm_head``: an EAGLE-3 head, which has its own, is one
     :class:`HeadError`."""
@@ -142,11 +173,11 @@ class DraftVocab:
         w = lm_head.weight.detach()
         self.n_base = int(base.numel())
         self.cap = min(self.n_base + max(0, int(extra)), w.shape[0])   # most ids it will ever hold
-        self._w = w
-        self._b = None if lm_head.bias is None else lm_head.bias.detach()
+        self._lm_head = lm_head   # the module, not a detached tensor: a lane's copy (pipeline.lanes.fork_drafter
+        #                           deep-copies a drafter but shares its modules) must not copy the V x H weight
         self._ids = torch.empty(0, dtype=torch.int64, device=w.device)
         self._rows = torch.empty(0, w.shape[1], dtype=w.dtype, device=w.device)
-        self._bias = None if self._b is None else torch.empty(0, dtype=self._b.dtype, device=w.device)
+        self._bias = None if lm_head.bias is None else torch.empty(0, dtype=lm_head.bias.dtype, device=w.device)
         self.n = 0
         self._reserve(min(self.cap, self.n_base + self.GROW))
         self._ids[:self.n_base] = base.to(w.device)
@@ -157,6 +188,14 @@ class DraftVocab:
         self._member[base.cpu()] = True
         self._base_member = self._member.clone()
         self.n = self.n_base
+
+    @property
+    def _w(self) -> torch.Tensor:
+        return self._lm_head.weight.detach()
+
+    @property
+    def _b(self) -> torch.Tensor | None:
+        return None if self._lm_head.bias is None else self._lm_head.bias.detach()
 
     GROW = 256    # room for context tokens allocated up front; doubled on demand up to ``cap``
 

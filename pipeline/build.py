@@ -171,7 +171,7 @@ def make_drafter(cfg, stage_root: Path, model, dtype, device: str):
     if not cfg.draft.sources:
         drafter = _head_drafter(cfg, stage_root, model, dtype, device)
     else:
-        if cfg.model.draft_vocab and "eagle" not in [s.split(":")[0].strip() for s in cfg.draft.sources.split(",")]:
+        if cfg.model.draft_vocab > 0 and "eagle" not in [s.split(":")[0].strip() for s in cfg.draft.sources.split(",")]:
             raise SetupError(f"model.draft_vocab applies to the EAGLE head drafter, and draft.sources="
                              f"{cfg.draft.sources} has none (add eagle, or leave model.draft_vocab=0)")
         from draft.merged import SourceError, build_sources
@@ -222,7 +222,7 @@ def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
                 kind, noise, path = parse_reference_drafter(cfg.model.head_dir)
             except ValueError as e:
                 raise SetupError(str(e)) from None
-            if cfg.model.draft_vocab:
+            if cfg.model.draft_vocab > 0:
                 raise SetupError("model.draft_vocab applies to EAGLE heads, not to the oracle/adversary test drafters")
             what = f"{kind} drafter" + (f" with Gumbel noise {noise:g}" if noise else "")
             print(f"[rank 0] using the {what} (full model {path}); for tests and ablations", file=sys.stderr)
@@ -241,10 +241,11 @@ def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
         check_taps(head, getattr(model, "taps", []))
         from model.layers import set_lean
         set_lean(head, cfg.model.lean_layers)
-        if cfg.model.draft_vocab:   # before the counts are looked up: their error would be the wrong one
+        if cfg.model.draft_vocab > 0:   # before the counts are looked up: their error would be the wrong one
             from draft.vocab import require_shared_lm_head
             require_shared_lm_head(head)
-        drafter = Drafter(head, model.lm_head, cfg.model.max_seq_len + 64, draft_ids=_draft_ids(cfg, head_dir, model),
+        drafter = Drafter(head, model.lm_head, cfg.model.max_seq_len + 64,
+                          draft_ids=_draft_ids(cfg, head_dir, model, head),
                           context_vocab=cfg.model.draft_vocab_context, full_root=cfg.model.draft_vocab_full_root)
         drafter.set_sampling(*_eagle_sampling(cfg))
         drafter.static_head = make_static_head(cfg, head, device)
@@ -260,15 +261,18 @@ def _eagle_sampling(cfg) -> tuple[bool, float, int, int]:
     return bool(cfg.draft.eagle_sample and t > 0), (t if t > 0 else 1.0), cfg.gen.seed, cfg.draft.sample_chains
 
 
-def _draft_ids(cfg, head_dir: Path | None, model):
+def _draft_ids(cfg, head_dir: Path | None, model, head):
     """``model.draft_vocab=N``: the N most frequent target ids (:mod:`draft.vocab`), ranked by
-    ``model.draft_vocab_counts`` or the counts beside the head; None = the whole vocabulary."""
+    ``model.draft_vocab_counts`` or the counts beside the head; None = the whole vocabulary. The default (auto,
+    -1) is :func:`draft.vocab.resolve_draft_vocab`'s: 16384 for a head whose counts ship beside it."""
     from draft.head_io import HeadError
-    from draft.vocab import draft_vocab_ids
-    n = cfg.model.draft_vocab
+    from draft.vocab import counts_path, draft_vocab_ids, resolve_draft_vocab
+    counts = counts_path(cfg.model.draft_vocab_counts, head_dir)
+    found = bool(cfg.model.draft_vocab_counts) or (counts is not None and counts.is_file())  # a named file: its error
+    n = resolve_draft_vocab(cfg.model.draft_vocab, counts_found=found,
+                            shares_lm_head=not hasattr(head, "draft_logits"), vocab_size=model.lm_head.out_features)
     if not n:
         return None
-    counts = cfg.model.draft_vocab_counts or head_dir
     if counts is None:
         raise HeadError("model.draft_vocab needs token counts: set model.draft_vocab_counts=<file> "
                         "(an untrained head has none beside it)")

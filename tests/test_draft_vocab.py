@@ -15,7 +15,8 @@ from config.profiles import CostModel
 from draft.drafter import Drafter
 from draft.eagle import init_untrained_head, save_eagle_head
 from draft.head_io import HeadError
-from draft.vocab import COUNTS_FILE, count_tokens, coverage, draft_vocab_ids, load_counts, save_counts, top_ids
+from draft.vocab import (AUTO, COUNTS_FILE, DEFAULT_DRAFT_VOCAB, count_tokens, counts_path, coverage, draft_vocab_ids,
+                         load_counts, resolve_draft_vocab, save_counts, top_ids)
 from model.split import split_checkpoint
 from pipeline.inprocess import run_threaded
 from tests.helpers import REPO, hf_greedy, launch, tiny_llama
@@ -71,6 +72,59 @@ def test_count_tokens_counts_the_targets_own_tokens_only(tmp_path):
         count_tokens([{"input_ids": [1, 2, 3], "loss_mask": [1, 1]}], 8)
     with pytest.raises(HeadError, match=">= 0"):
         draft_vocab_ids(-1, tmp_path, 8)
+
+
+def test_auto_draft_vocab_applies_only_where_it_can(tmp_path):
+    """The default (``model.draft_vocab=-1``, auto): 16384 for a head that shares the target's lm_head, has its counts
+    and a larger vocabulary; the whole vocabulary otherwise; an explicit setting is never changed."""
+    big = DEFAULT_DRAFT_VOCAB * 3
+    assert resolve_draft_vocab(AUTO, counts_found=True, shares_lm_head=True, vocab_size=big) == DEFAULT_DRAFT_VOCAB
+    assert resolve_draft_vocab(AUTO, counts_found=False, shares_lm_head=True, vocab_size=big) == 0
+    assert resolve_draft_vocab(AUTO, counts_found=True, shares_lm_head=False, vocab_size=big) == 0
+    assert resolve_draft_vocab(AUTO, counts_found=True, shares_lm_head=True, vocab_size=DEFAULT_DRAFT_VOCAB) == 0
+    for n in (0, 8, 8192, big):
+        for found in (False, True):
+            assert resolve_draft_vocab(n, counts_found=found, shares_lm_head=found, vocab_size=16) == n
+    assert counts_path("", None) is None
+    assert counts_path("", tmp_path) == tmp_path / COUNTS_FILE
+    assert counts_path(str(tmp_path), None) == tmp_path / COUNTS_FILE          # a directory names its counts file
+    assert counts_path(str(tmp_path / "c.safetensors"), tmp_path) == tmp_path / "c.safetensors"
+
+
+def test_the_default_heads_ship_their_counts():
+    """The default is auto, so the default model's head drafts over 16384 ids only if its counts ship beside it
+    (and every shipped SmolLM2 head's counts fit the target's vocabulary); loading and ranking them is quick."""
+    import time
+
+    from config.paths import DEFAULT_HEAD_DIR
+    from config.run_config import DEFAULT
+    assert DEFAULT.model.draft_vocab == AUTO
+    heads = [d for d in DEFAULT_HEAD_DIR.parent.iterdir() if (d / "model.safetensors").is_file()]
+    assert DEFAULT_HEAD_DIR in heads
+    for d in heads:
+        vocab = json.loads((d / "config.json").read_text()).get("vocab_size", 49152)
+        t = time.perf_counter()
+        ids = draft_vocab_ids(DEFAULT_DRAFT_VOCAB, d, vocab)
+        assert ids is not None and ids.numel() == DEFAULT_DRAFT_VOCAB, d
+        assert time.perf_counter() - t < 30, "ranking the shipped counts should take well under a second"
+
+
+def test_the_default_model_drafts_over_16384_tokens():
+    """The default run keys on the default model: the head drafter (first source of the default merged drafter)
+    drafts over the 16384 most frequent ids of the counts shipped beside the default head; ``model.draft_vocab=0``
+    gives the whole vocabulary back."""
+    from config.paths import DEFAULT_STAGE_DIR
+    from config.run_config import DEFAULT, apply_overrides
+    from model.stage_model import load_stage
+    from pipeline.build import make_drafter
+    if not (DEFAULT_STAGE_DIR / "stage_model_0").is_dir():
+        pytest.skip("the default model is not converted here")
+    world = len([d for d in DEFAULT_STAGE_DIR.iterdir() if d.name.startswith("stage_model_")])
+    m0 = load_stage(DEFAULT_STAGE_DIR, 0, world, torch.float32)
+    d = make_drafter(DEFAULT, DEFAULT_STAGE_DIR, m0, torch.float32, "cpu").sources[0]
+    assert d.draft_vocab_rows == DEFAULT_DRAFT_VOCAB and d.full_root
+    d = make_drafter(apply_overrides(DEFAULT, ["model.draft_vocab=0"]), DEFAULT_STAGE_DIR, m0, torch.float32, "cpu")
+    assert d.sources[0].vocab_map is None
 
 
 def test_count_cli(tmp_path, capsys):
@@ -252,6 +306,21 @@ def test_bad_draft_ids_and_eagle3_heads_are_refused(tiny):
         Drafter(e3, lm, 64, draft_ids=torch.arange(8))
 
 
+def test_a_lane_fork_shares_the_target_lm_head(tiny):
+    """``pipeline.lanes.fork_drafter`` deep-copies a drafter per request but shares its modules: the reduced
+    vocabulary keeps the ``lm_head`` module, so a lane copies its own rows and context set, never the V x H weight
+    (a detached weight tensor kept as an attribute would be copied for every lane)."""
+    from pipeline.lanes import fork_drafter
+    _, cfg, _, _ = tiny
+    d = _drafter(cfg, torch.arange(0, VOCAB, 2), context=True, bias=True)
+    f = fork_drafter(d)
+    assert f.dvocab._w.data_ptr() == d.dvocab._w.data_ptr() and f.dvocab._b.data_ptr() == d.dvocab._b.data_ptr()
+    f.dvocab.begin([1, 3, 5])
+    assert f.dvocab.ids.tolist()[-3:] == [1, 3, 5] and d.dvocab.ids.numel() == VOCAB // 2   # its own context
+    h = torch.randn(2, cfg.hidden_size, dtype=torch.float64)
+    assert torch.allclose(f.dvocab.logits(h)[:, :VOCAB // 2], d.dvocab.logits(h))
+
+
 # -- exactness through the ring -------------------------------------------------------------------------------
 @pytest.mark.parametrize("world,n,overrides", [
     (2, VOCAB // 2, []),
@@ -303,6 +372,11 @@ def test_build_applies_the_setting_and_errors_are_one_line(tiny, tmp_path):
     assert d.head is not None and d.vocab_map is None
     with pytest.raises(ConfigError, match=">= 0"):
         apply_overrides(DEFAULT, ["model.draft_vocab=-3"]).validate()
+    # the default (auto) refuses nothing: a vocabulary of at most 16384, an untrained head, lookup alone, an oracle
+    for over in ([f"head_dir={head_dir}", alone], ["head_dir=untrained", alone], ["draft.sources=lookup"],
+                 [f"head_dir=oracle:{full}", alone]):
+        d = make_drafter(apply_overrides(DEFAULT, over), splits[2], m0, torch.float64, "cpu")
+        assert getattr(d, "vocab_map", None) is None, over
     bare = save_eagle_head(init_untrained_head(m0.config).double(), tmp_path / "bare")
     with pytest.raises(SetupError, match="draft.vocab count"):
         make_drafter(apply_overrides(DEFAULT, [f"head_dir={bare}", "model.draft_vocab=8"]), splits[2], m0,

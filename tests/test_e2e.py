@@ -105,8 +105,9 @@ def smollm2():
 
 
 def test_smollm2_default_all_modes_equal_hf(tmp_path, smollm2):
-    """The embedded default model through 5 ranks with the chat template and its shipped head (partial acceptance),
-    prompts from all six datasets: every mode equals HF greedy.
+    """The embedded default model through 5 ranks with the chat template and its shipped head (partial acceptance;
+    default run keys: the head drafting over 16384 tokens + the context, ``model.draft_vocab=-1``), prompts from all
+    six datasets: every mode equals HF greedy.
 
     Two launches share the six prompts (a tree mode's 20 tokens cost about 1 CPU-s a round here, so every mode on
     every prompt was three minutes of CPU): ``naive`` and ``pruned`` answer the first three, ``continuous`` and
@@ -138,7 +139,8 @@ def test_smollm2_broad_head_over_a_reduced_draft_vocabulary_equals_hf(tmp_path, 
       head) keeps greedy output equal to HF and still drafts (a token outside the vocabulary is simply never
       proposed; verification reads the whole vocabulary).
 
-    The default head over the whole vocabulary is :func:`test_smollm2_default_all_modes_equal_hf`'s run."""
+    The default head over its default draft vocabulary (``model.draft_vocab=-1``, auto: 16384 + the context) is
+    :func:`test_smollm2_default_all_modes_equal_hf`'s run."""
     from config.paths import HEADS
     full, stages, chat, stop = smollm2
     prompts = [chat(t) for t in ("Translate into French: The library opens at nine.",

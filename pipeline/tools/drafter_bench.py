@@ -375,7 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--head", action="append", default=[],
                     help="a draft head (model.head_dir value; repeatable: every configuration runs with each)")
     ap.add_argument("--draft-vocab", type=int, action="append", default=[],
-                    help="model.draft_vocab=N for every configuration (repeatable; 0 = the whole vocabulary); "
+                    help="model.draft_vocab=N for every configuration (repeatable; 0 = the whole vocabulary; none given: "
+                         "the run default, auto = 16384 for the shipped heads); "
                          "with --draft-time: the reduced vocabulary timed (default 8192)")
     ap.add_argument("--sets", type=lambda s: s.split(","), default=None,
                     help="comma-separated sets: the six evaluation sets and/or the held-out kinds "
