@@ -115,6 +115,23 @@ class MeterStack:
         return out
 
 
+def run_rows(meter, kind: str, x: torch.Tensor, fn, ctx: int = 0, key=None, post=None):
+    """``post(fn(x))`` (``fn(x)`` without ``post``) as one metered op of ``kind`` over ``x``'s rows
+    (:func:`hidden_rows`): ``with meter.op(kind, rows, ctx)`` around it, exactly as a site that meters itself.
+
+    ``fn`` must be row-wise (each output row a function of its input row only, e.g. a ``Linear``) and ``post`` too;
+    ``key`` names ``fn`` (the module). Given a ``key``, a meter that coalesces (it has ``coalesce(kind, x, fn, ctx,
+    key, post)``: ``pipeline.coalesce.CoalescingMeter``, rank 0's with several lanes) may run it in ONE op with
+    other callers' rows of the same key, charged once at their total rows; the caller gets its own rows' result
+    (see that module for its exactness: within float reassociation)."""
+    co = getattr(meter, "coalesce", None) if key is not None else None
+    if co is not None:
+        return co(kind, x, fn, ctx, key, post)
+    with meter.op(kind, hidden_rows(x), ctx):
+        y = fn(x)
+        return y if post is None else post(y)
+
+
 def take_counters(meter) -> list[float]:
     """``meter``'s counters since the last call ([] for a meter that counts nothing)."""
     return meter.take() if getattr(meter, "counter_names", ()) else []
