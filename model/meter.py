@@ -132,6 +132,19 @@ def run_rows(meter, kind: str, x: torch.Tensor, fn, ctx: int = 0, key=None, post
         return y if post is None else post(y)
 
 
+def run_joint(meter, kind: str, x, rows: int, ctx: int, fn, joint, key=None):
+    """``fn(x)`` as one metered op of ``kind`` over ``rows`` rows with ``ctx`` cached entries (``with
+    meter.op(kind, rows, ctx)`` around it). Given a ``key``, a meter that coalesces (:func:`run_rows`) may instead
+    run several callers' payloads of the same key through ``joint([x, ...]) -> [output, ...]`` in ONE op charged
+    at their total rows and total ``ctx`` (e.g. a draft-head forward of several lanes, each lane's attention over
+    its own cache: ``draft.eagle.EagleHead.compute_lanes``)."""
+    co = getattr(meter, "coalesce", None) if key is not None else None
+    if co is not None:
+        return co(kind, x, fn, ctx, key, joint=joint, rows=rows)
+    with meter.op(kind, rows, ctx):
+        return fn(x)
+
+
 def take_counters(meter) -> list[float]:
     """``meter``'s counters since the last call ([] for a meter that counts nothing)."""
     return meter.take() if getattr(meter, "counter_names", ()) else []

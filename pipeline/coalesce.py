@@ -6,7 +6,11 @@ at a time. On a memory-bound device an op's cost is its weight stream whatever i
 device, shared by the lanes: it holds the device lock every rank-0 op runs under (what ``DeviceLock`` was), and an
 op that is *row-wise* (each output row a function of its input row only: ``lm_head``) may be handed to it with a
 ``key`` (:func:`model.meter.run_rows`); ops of one key that wait for the device at the same time run as one op over
-their concatenated rows, and each caller gets its own slice (then its own ``post``).
+their concatenated rows, and each caller gets its own slice (then its own ``post``). The EAGLE head's forward is
+coalesced too, as a *joint* call (:class:`Call`): the lanes' drafters share the head's weights but each has its
+own draft KV cache, so the group's op concatenates the rows and attends per lane over each lane's own cache
+(``draft.eagle.EagleHead.compute_lanes`` through :class:`model.lane_batch.LaneBatch`, as a stage forward of
+several lanes does).
 
 The rule (flat combining, no timer): a caller never waits for another caller that is not already waiting.
 
@@ -51,34 +55,52 @@ from model.meter import hidden_rows
 
 @dataclass(eq=False)
 class Call:
-    """One caller's row-wise op: ``fn(x)`` then ``post`` on its rows, an op of ``kind`` with ``ctx`` (the meter's
-    arguments); ``key`` names ``fn`` (calls of equal ``(kind, ctx, key)`` compute the same function)."""
+    """One caller's op: ``fn(x)`` then ``post``, an op of ``kind`` over ``rows`` rows with ``ctx`` (the meter's
+    arguments); ``key`` names ``fn`` (calls of one :attr:`group_key` compute the same function).
+
+    Row-wise (``joint`` None): ``x`` is a tensor ``[..., H]`` whose rows ``fn`` maps one by one (an ``lm_head``);
+    ``ctx`` is part of the function (an ``lm_head``'s vocabulary rows). Joint (``joint`` given): ``x`` is any
+    payload and ``joint([x, ...])`` computes several callers' payloads in one op and returns each one's output (a
+    draft-head forward over every lane's rows, each lane's attention over its own cache:
+    ``draft.eagle.EagleHead.compute_lanes``); ``ctx`` is the caller's cached entries, and a group is charged
+    their sum (as a stage forward of several lanes is, ``model/meter.py``)."""
 
     kind: str
     ctx: int
     key: Any
-    x: torch.Tensor
-    fn: Callable[[torch.Tensor], torch.Tensor]
-    post: Callable[[torch.Tensor], torch.Tensor] | None = None
+    x: Any
+    fn: Callable[[Any], Any]
+    post: Callable[[Any], Any] | None = None
+    joint: Callable[[list], list] | None = None
+    rows: int = -1
     done: bool = False
     result: Any = None
     error: BaseException | None = None
-    rows: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.rows = hidden_rows(self.x)
+        if self.rows < 0:
+            self.rows = hidden_rows(self.x)
 
     @property
     def group_key(self) -> tuple:
+        if self.joint is not None:
+            return (self.kind, "joint", self.key)
         return (self.kind, self.ctx, self.key, self.x.dtype, self.x.device, self.x.shape[-1])
+
+
+def charge(group: list[Call]) -> tuple[int, int]:
+    """``(rows, ctx)`` of the ONE meter op that runs ``group`` (one group key): every call's rows; a row-wise op's
+    ``ctx`` (its function's), a joint op's every call's cached entries summed. Pure."""
+    rows = sum(c.rows for c in group)
+    return rows, (sum(c.ctx for c in group) if group[0].joint is not None else group[0].ctx)
 
 
 def take_group(waiting: list[Call], leader: Call) -> tuple[list[Call], list[Call]]:
     """The calls the ``leader``'s op serves and the calls still waiting after it. Pure.
 
     Invariants: the group holds ``leader`` and exactly the calls of ``waiting`` with the leader's
-    :attr:`Call.group_key` (``kind``, ``ctx``, ``key`` and the rows' dtype, device and width: one function over
-    rows that concatenate without a conversion, one meter charge), each once, in arrival order (``waiting``'s order; the
+    :attr:`Call.group_key` (``kind``, ``key``; row-wise also ``ctx`` and the rows' dtype, device and width: one
+    function over rows that concatenate without a conversion, one meter charge), each once, in arrival order (``waiting``'s order; the
     leader at its own place, or first when it was not waiting); ``rest`` is every other call of ``waiting`` in its
     order (nothing is lost or served twice)."""
     k = leader.group_key
@@ -184,9 +206,12 @@ class OpBatcher:
             else:
                 self.counts["coalesced_ops", call.kind] += 1
                 self.counts["coalesced_calls", call.kind] += len(group)
-                with meter.op(call.kind, sum(c.rows for c in group), call.ctx):
-                    x = torch.cat([c.x.reshape(-1, c.x.shape[-1]) for c in group])
-                    for c, y in zip(group, split_rows(call.fn(x), group)):
+                with meter.op(call.kind, *charge(group)):
+                    if call.joint is not None:
+                        ys = call.joint([c.x for c in group])
+                    else:
+                        ys = split_rows(call.fn(torch.cat([c.x.reshape(-1, c.x.shape[-1]) for c in group])), group)
+                    for c, y in zip(group, ys):
                         c.result = y if c.post is None else c.post(y)
         except BaseException as e:   # every caller of the group sees the op's error
             for c in group:
@@ -224,8 +249,8 @@ class CoalescingMeter:
         with self.batcher.hold(kind), self.inner.op(kind, rows, ctx):
             yield
 
-    def coalesce(self, kind: str, x: torch.Tensor, fn, ctx: int, key, post):
-        return self.batcher.run(Call(kind, ctx, key, x, fn, post), self.inner)
+    def coalesce(self, kind: str, x, fn, ctx: int, key, post=None, joint=None, rows: int = -1):
+        return self.batcher.run(Call(kind, ctx, key, x, fn, post, joint, rows), self.inner)
 
     def take(self) -> list[float]:
         return self.inner.take()

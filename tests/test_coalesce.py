@@ -4,9 +4,10 @@ The grouping rule is pure and checked against its invariants (planted rules that
 duplicate a call, or reorder must fail the check); the batcher runs a lone call exactly as the lone op of before
 (same tensor, same meter call, no waiting) and the calls that wait for a busy device as ONE op of its leader's
 meter at their total rows, each caller getting its own rows (within float reassociation of its own op: bounded
-here; not bit-identical on this CPU) or the op's error; end to end, lanes whose rank-0 ops are padded (as on the
-emulated testbed) coalesce their ``lm_head`` calls and every greedy answer is still HF's, every sampled answer
-its own alone; a planted slicing bug (callers get each other's rows) fails.
+here; not bit-identical on this CPU) or the op's error; the draft head's forward of several lanes (each over its
+own cache) equals each lane's own and is charged once at the total rows and cached entries; end to end, lanes whose
+rank-0 ops are padded (as on the emulated testbed) coalesce their ``lm_head`` calls and draft-head forwards and every
+greedy answer is still HF's, every sampled answer its own alone; planted slicing / crossing bugs fail.
 """
 import random
 import threading
@@ -265,6 +266,8 @@ def test_coalesced_lanes_greedy_equals_alone(tiny, mode, drafter):   # noqa: F81
                                stage_meter=lambda r: Pad(), rank0_meter=_rank0_pad)
     assert [r.output_ids for r in res] == refs
     assert pool.lock.counts["coalesced_ops", "lm_head"] > 0, pool.lock.summary()
+    if drafter == "default" and mode == "continuous":   # the EAGLE head's forwards of several lanes in one op too
+        assert pool.lock.counts["coalesced_ops", "draft_forward"] > 0, pool.lock.summary()
 
 
 @pytest.mark.parametrize("mode", ["continuous", "naive"])
@@ -295,3 +298,98 @@ def test_planted_crossed_slices_fail_end_to_end(tiny, monkeypatch):   # noqa: F8
         return
     assert pool.lock.counts["coalesced_ops", "lm_head"] > 0
     assert [r.output_ids for r in res] != refs
+
+
+# -- the draft head's forward of several lanes (joint calls) ----------------------------------------------------
+def _head_and_lanes(n_lanes=3):
+    from transformers import LlamaConfig
+
+    from draft.eagle import init_untrained_head
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=128)
+    head = init_untrained_head(cfg, seed=1).double().eval()
+    g = torch.Generator().manual_seed(2)
+    lanes = []
+    for i in range(n_lanes):   # each lane: a committed context of its own length, then a tree level to draft
+        cache = head.block.new_cache(64, torch.float64, "cpu")
+        c = 3 + 2 * i
+        pos, mask = cache.context_inputs(c, torch.float64)
+        with torch.no_grad():
+            head.compute(torch.randint(0, 50, (1, c), generator=g), torch.randn(1, c, 32, generator=g,
+                         dtype=torch.float64), pos, mask, cache)
+        cache.commit_forward(c, as_context=True)
+        n = 1 + i
+        pos, mask = cache.staged_tree_inputs(torch.full((n,), -1), torch.float64)
+        lanes.append((torch.randint(0, 50, (1, n), generator=g), torch.randn(1, n, 32, generator=g, dtype=torch.float64),
+                      pos, mask, cache))
+    return head, lanes
+
+
+def _lane_outputs(head, lanes, joint: bool):
+    import copy
+    calls = [(t, f, p, m, copy.deepcopy(c)) for t, f, p, m, c in lanes]
+    with torch.no_grad():
+        outs = head.compute_lanes(calls) if joint else [head.compute(*a) for a in calls]
+    return outs, [a[4] for a in calls]
+
+
+def _joint_problems(head, lanes, joint_outs, joint_caches) -> list[str]:
+    solo, solo_caches = _lane_outputs(head, lanes, joint=False)
+    problems = []
+    for i, (a, b) in enumerate(zip(joint_outs, solo)):
+        if a.shape != b.shape or not torch.allclose(a, b, rtol=1e-10, atol=1e-12):
+            problems.append(f"lane {i}: output differs from its own forward")
+    for i, (a, b) in enumerate(zip(joint_caches, solo_caches)):
+        n = lanes[i][0].shape[-1]
+        for layer in range(len(head.block.layers)):
+            ka, va = a.update(torch.zeros(1, 2, 0, 8, dtype=torch.float64), torch.zeros(1, 2, 0, 8, dtype=torch.float64),
+                              layer)
+            kb, vb = b.update(torch.zeros(1, 2, 0, 8, dtype=torch.float64), torch.zeros(1, 2, 0, 8, dtype=torch.float64),
+                              layer)
+            if ka.shape != kb.shape or not (torch.allclose(ka, kb, atol=1e-12) and torch.allclose(va, vb, atol=1e-12)):
+                problems.append(f"lane {i}: cache of layer {layer} differs ({n} rows)")
+    return problems
+
+
+def test_head_forward_of_several_lanes_equals_each_lanes_own():
+    """``EagleHead.compute_lanes``: every lane's output rows and the keys/values written into its own cache equal
+    its own forward's (float64: within 1e-12)."""
+    head, lanes = _head_and_lanes()
+    outs, caches = _lane_outputs(head, lanes, joint=True)
+    assert _joint_problems(head, lanes, outs, caches) == []
+
+
+def test_planted_crossed_lane_caches_fail_the_check():
+    head, lanes = _head_and_lanes()
+    outs, caches = _lane_outputs(head, lanes, joint=True)
+    assert _joint_problems(head, lanes, outs[::-1], caches)            # outputs handed to the wrong lanes
+    crossed = [(t, f, p, m, c) for (t, f, p, m, _), (_, _, _, _, c) in zip(lanes, lanes[1:] + lanes[:1])]
+    with pytest.raises(Exception):   # a lane's mask over another lane's cache: the shapes do not match
+        _lane_outputs(head, crossed, joint=True)
+
+
+def test_joint_calls_charge_total_rows_and_cached_entries():
+    """Draft-head forwards of three lanes waiting at once: ONE ``draft_forward`` op at their total rows over their
+    total cached entries (a stage forward of several lanes is charged so too)."""
+    head, lanes = _head_and_lanes()
+    b = OpBatcher()
+    head.meter = CoalescingMeter(b, Rec())   # one head module shared by the lanes' drafters: one site meter
+    out: list = [None] * len(lanes)
+    import copy
+    lanes = [(t, f, p, m, copy.deepcopy(c)) for t, f, p, m, c in lanes]
+
+    def go(i):
+        with torch.no_grad():
+            out[i] = head(*lanes[i])
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(lanes))]
+    with b.hold("lm_head"):
+        for t in threads:
+            t.start()
+        while len(b._waiting) < len(lanes):
+            time.sleep(0.002)
+    for t in threads:
+        t.join(30)
+    ops = head.meter.inner.ops
+    assert ops == [("draft_forward", sum(t.shape[-1] for t, *_ in lanes), sum(c.length for *_, c in lanes))]
+    assert b.counts["coalesced_calls", "draft_forward"] == 3
