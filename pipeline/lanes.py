@@ -442,6 +442,7 @@ class LanePool:
         self.engines = [lane_engine(base, self.mux.transport(i), self.lock, rank0_meter) for i in range(lanes)]
         self.control = self.mux.transport(lanes)
         self._free = list(range(lanes))
+        self._reported: dict | None = None   # the op counts of the last report()
         self._cv = threading.Condition()
         self.active = 0
         world = base.comm.world
@@ -483,7 +484,19 @@ class LanePool:
             self._free.append(lane)
             self._free.sort()
             self.active = self.size - len(self._free)
+            idle = self.active == 0
             self._cv.notify_all()
+        if idle:
+            self.report()
+
+    def report(self) -> None:
+        """One stderr line of rank 0's op counts since the pool started (:meth:`OpBatcher.summary`: how many ops
+        were coalesced), when they changed since the last line; the pool calls it whenever its last active lane
+        is released (a server logs it once per busy period) and at :meth:`shutdown`."""
+        counts = dict(self.lock.counts)
+        if counts != self._reported:
+            self._reported = counts
+            print(f"[rank 0] {self.lock.summary()}", file=sys.stderr, flush=True)
 
     def keepalive(self) -> None:
         """One ``Stats`` trip on the control lane (keeps idle stages' receives alive)."""
@@ -492,4 +505,4 @@ class LanePool:
 
     def shutdown(self) -> None:
         self.mux.shutdown()
-        print(f"[rank 0] {self.lock.summary()}", file=sys.stderr, flush=True)
+        self.report()
