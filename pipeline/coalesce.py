@@ -30,9 +30,9 @@ the leader's op; a follower lane's busy counter does not count it).
 Results: the group's op computes ``fn(cat(xs))`` (``fn`` the leader's; one key = one function: the same module
 with the same weights), so a follower's rows are those of one matrix product over more rows. On this CPU (MKL)
 that is **not bit-identical** to the product over its rows alone: the kernel's blocking depends on the row count,
-so a row's dot products may be summed in another order, a float reassociation (measured: |Δ| <= 2e-6 on
-SmolLM2's float32 ``lm_head`` logits; ``tests/test_coalesce.py`` bounds it and checks the argmax). It is the same
-kind of difference a verification step over more or fewer tree nodes already makes (the stages and the
+so a row's dot products may be summed in another order, a float reassociation (measured: |Δ| <= 2e-6 on a
+random float32 ``Linear`` of SmolLM2's ``lm_head`` shape, 576 x 49152; ``tests/test_coalesce.py`` bounds it and
+checks the argmax). It is the same kind of difference a verification step over more or fewer tree nodes already makes (the stages and the
 ``lm_head`` see varying row counts in every mode), and the exactness tests (greedy = HF ``generate``, sampling
 law) hold with coalescing on (``tests/test_coalesce.py``, ``tests/test_lanes.py``).
 
