@@ -26,7 +26,7 @@ from draft.shape import EAGLE2, TreeShape, pick_frontier
 from draft.static_head import level_step
 from draft.tree import DraftTree, beam_frontier, select_top_nodes, top_node_order
 from model.devices import HOST
-from model.meter import NULL_METER, OpMeter, hidden_rows
+from model.meter import NULL_METER, OpMeter, hidden_rows, run_rows
 
 Tensor = torch.Tensor
 
@@ -66,6 +66,11 @@ def _beam_layout(shape: tuple[tuple[int, int], ...]) -> tuple[Tensor, Tensor]:
         off += rows if level else 1
     return torch.cat(parent), torch.cat(depth)
 
+
+
+def float_log_softmax(logits: Tensor) -> Tensor:
+    """Log-probs of ``logits`` rows in float32 (row-wise)."""
+    return torch.log_softmax(logits.float(), dim=-1)
 
 class BeamTreeDrafter:
     """EAGLE-2's dynamic tree search, written against a drafter's state hooks only.
@@ -491,7 +496,11 @@ class Drafter(BeamTreeDrafter):
     @torch.no_grad()
     def draft_logprobs(self, hidden: Tensor) -> Tensor:
         """Log-probs over the *draft* vocabulary (the target's, except for a reduced vocabulary); one metered
-        ``lm_head`` op over :attr:`draft_vocab_rows` rows of the vocabulary."""
+        ``lm_head`` op over :attr:`draft_vocab_rows` rows of the vocabulary. Through the target's own ``lm_head``
+        the op is row-wise: with several lanes it may share one op with other lanes' rows (:func:`model.meter.run_rows`)."""
+        if self.dvocab is None and not hasattr(self.head, "draft_logits"):
+            return run_rows(self.meter, "lm_head", hidden.to(self.lm_head.weight.dtype), self.lm_head,
+                            self.draft_vocab_rows, key=self.lm_head, post=float_log_softmax)
         with self.meter.op("lm_head", hidden_rows(hidden), self.draft_vocab_rows):
             if hasattr(self.head, "draft_logits"):
                 return torch.log_softmax(self.head.draft_logits(hidden.to(self.dtype)).float(), dim=-1)

@@ -22,7 +22,7 @@ from transformers import AutoConfig
 from draft.head_io import (HeadError, assign_weights, head_config_from_target, init_head_weights, is_eagle3_config,
                            read_head_config, read_head_weights)
 from model.layers import LayerBlock
-from model.meter import NULL_METER, OpMeter, cache_length
+from model.meter import NULL_METER, OpMeter, cache_length, run_joint
 
 
 class EagleHead(nn.Module):
@@ -40,8 +40,22 @@ class EagleHead(nn.Module):
                 mask: torch.Tensor, cache) -> torch.Tensor:
         """``tokens [1, n]`` paired with the feature of the *previous* position ``features [1, n, H]``. Metered as
         a ``draft_forward`` op over the cache's entries (:mod:`model.meter`)."""
-        with self.meter.op("draft_forward", int(tokens.shape[-1]), cache_length(cache)):
-            return self.compute(tokens, features, positions, mask, cache)
+        return run_joint(self.meter, "draft_forward", (tokens, features, positions, mask, cache),
+                         int(tokens.shape[-1]), cache_length(cache), lambda a: self.compute(*a), self.compute_lanes,
+                         key=self if cache is not None else None)
+
+    def compute_lanes(self, calls: list[tuple]) -> list[torch.Tensor]:
+        """Several callers' :meth:`compute` arguments ``(tokens, features, positions, mask, cache)`` (several
+        lanes' drafters sharing this head, each with its own cache) in ONE forward: the rows concatenated, each
+        caller's attention over its own cache with its own mask (:class:`model.lane_batch.LaneBatch`); returns
+        each caller's output. Equal to each caller's own :meth:`compute` up to float reassociation of the
+        row-batched matmuls (``tests/test_coalesce.py``)."""
+        from model.lane_batch import LaneBatch
+        sizes = [int(c[0].shape[-1]) for c in calls]
+        out = self.compute(torch.cat([c[0] for c in calls], dim=-1), torch.cat([c[1] for c in calls], dim=1),
+                           torch.cat([c[2] for c in calls], dim=-1), None,
+                           LaneBatch([c[4] for c in calls], [c[3] for c in calls]))
+        return list(out.split(sizes, dim=1))
 
     def compute(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 mask: torch.Tensor, cache) -> torch.Tensor:

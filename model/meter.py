@@ -115,6 +115,36 @@ class MeterStack:
         return out
 
 
+def run_rows(meter, kind: str, x: torch.Tensor, fn, ctx: int = 0, key=None, post=None):
+    """``post(fn(x))`` (``fn(x)`` without ``post``) as one metered op of ``kind`` over ``x``'s rows
+    (:func:`hidden_rows`): ``with meter.op(kind, rows, ctx)`` around it, exactly as a site that meters itself.
+
+    ``fn`` must be row-wise (each output row a function of its input row only, e.g. a ``Linear``) and ``post`` too;
+    ``key`` names ``fn`` (the module). Given a ``key``, a meter that coalesces (it has ``coalesce(kind, x, fn, ctx,
+    key, post)``: ``pipeline.coalesce.CoalescingMeter``, rank 0's with several lanes) may run it in ONE op with
+    other callers' rows of the same key, charged once at their total rows; the caller gets its own rows' result
+    (see that module for its exactness: within float reassociation)."""
+    co = getattr(meter, "coalesce", None) if key is not None else None
+    if co is not None:
+        return co(kind, x, fn, ctx, key, post)
+    with meter.op(kind, hidden_rows(x), ctx):
+        y = fn(x)
+        return y if post is None else post(y)
+
+
+def run_joint(meter, kind: str, x, rows: int, ctx: int, fn, joint, key=None):
+    """``fn(x)`` as one metered op of ``kind`` over ``rows`` rows with ``ctx`` cached entries (``with
+    meter.op(kind, rows, ctx)`` around it). Given a ``key``, a meter that coalesces (:func:`run_rows`) may instead
+    run several callers' payloads of the same key through ``joint([x, ...]) -> [output, ...]`` in ONE op charged
+    at their total rows and total ``ctx`` (e.g. a draft-head forward of several lanes, each lane's attention over
+    its own cache: ``draft.eagle.EagleHead.compute_lanes``)."""
+    co = getattr(meter, "coalesce", None) if key is not None else None
+    if co is not None:
+        return co(kind, x, fn, ctx, key, joint=joint, rows=rows)
+    with meter.op(kind, rows, ctx):
+        return fn(x)
+
+
 def take_counters(meter) -> list[float]:
     """``meter``'s counters since the last call ([] for a meter that counts nothing)."""
     return meter.take() if getattr(meter, "counter_names", ()) else []

@@ -10,7 +10,7 @@ import torch
 
 from draft.protocol import TreeDrafter
 from model.devices import HOST
-from model.meter import OpMeter, SpanMeter, counter_fields, hidden_rows, take_counters
+from model.meter import OpMeter, SpanMeter, counter_fields, run_rows, take_counters
 from model.stage_model import StageModel
 from pipeline.messages import Context, Shutdown, Stats
 from pipeline.transport import Transport
@@ -49,6 +49,11 @@ def token_logprobs(logits: Tensor, tokens: list[int], k: int) -> list[TokenLogpr
     else:
         tops = [[] for _ in tokens]
     return [TokenLogprob(int(t), c, top) for t, c, top in zip(tokens, chosen, tops)]
+
+
+def host_float(logits: Tensor) -> Tensor:
+    """Logits as float32 on the host (what the verifier reads)."""
+    return logits.float().to(HOST)
 
 
 class DecodeResult(NamedTuple):
@@ -271,9 +276,11 @@ class Engine:
     def logits(self, hidden: Tensor) -> Tensor:
         """Target logits of ``hidden`` rows as float32 on the host: the one device->host copy of a
         verification step (``walk_tree`` and the sampler read them node by node on the host). Metered as an
-        ``lm_head`` op (:mod:`model.meter`)."""
-        with self.meter.op("lm_head", hidden_rows(hidden)):
-            return self.model.lm_head(hidden.to(self.model.lm_head.weight.device, self.dtype)).float().to(HOST)
+        ``lm_head`` op (:mod:`model.meter`); row-wise, so with several lanes it may share one op with other lanes'
+        ``lm_head`` rows (:func:`model.meter.run_rows`, :mod:`pipeline.coalesce`)."""
+        head = self.model.lm_head
+        return run_rows(self.meter, "lm_head", hidden.to(head.weight.device, self.dtype), head, key=head,
+                        post=host_float)
 
     def prefill(self, prompt_ids: list[int]) -> tuple[Tensor, Tensor]:
         """Chunked, pipelined prefill. Returns (logits of the last prompt token, features of all prompt tokens)."""

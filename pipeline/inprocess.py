@@ -70,7 +70,7 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
 def run_concurrent(stage_root: Path, jobs: list[tuple[list[int], str, object]], overrides: list[str],
                    stop_ids: set[int], drafter: str | None = None, lanes: int = 2, dtype=torch.float64,
                    lane_timeout_s: float | None = 60.0, started=None, warmup: list | None = None,
-                   after_warmup=None, stage_meter=None):
+                   after_warmup=None, stage_meter=None, rank0_meter=None):
     """Run ``jobs`` (``(prompt ids, mode, GenSettings or None)``) concurrently on ``lanes`` lanes of one ring
     (:mod:`pipeline.lanes`): every job starts at once in its own thread and waits for a free lane; returns
     ``(results in job order, the LanePool)``. A job's exception is re-raised (the first one). ``started``:
@@ -78,7 +78,8 @@ def run_concurrent(stage_root: Path, jobs: list[tuple[list[int], str, object]], 
     generations run first, one at a time, by the engine the pool is then built on (as a server's warm-up);
     ``after_warmup(ring, engine)``: a test hook called then (e.g. to deliver a late direct message).
     ``stage_meter(rank)``: a meter for stage ``rank``'s forwards (e.g. one that pads them, as the emulated testbed
-    does). The pool's ``stage_workers`` are the stages' workers."""
+    does); ``rank0_meter()``: one for rank 0's model ops on every lane (``pipeline.lanes.lane_engine``). The pool's
+    ``stage_workers`` are the stages' workers."""
     import threading
 
     from model.stage_format import read_manifest
@@ -111,7 +112,7 @@ def run_concurrent(stage_root: Path, jobs: list[tuple[list[int], str, object]], 
             timed_generation(engine, prompt, new_decoder(mode))
         if after_warmup is not None:
             after_warmup(ring, engine)
-        pool = LanePool(engine, lanes, timeout_s=lane_timeout_s)
+        pool = LanePool(engine, lanes, timeout_s=lane_timeout_s, rank0_meter=rank0_meter)
         pool.stage_workers = workers
 
         def job(i: int) -> None:

@@ -19,7 +19,8 @@ far as its decode loop can see.
   per-generation state its own), its own generation counter and tracer (busy counters per lane), and the
   emulated testbed's meters when it is on. Rank 0's model work (``lm_head``, draft head, small LM) runs one
   op at a time across lanes (:class:`DeviceLock`): rank 0 is one device, so two lanes' ops must not overlap
-  (nor their emulated pads).
+  (nor their emulated pads); the target ``lm_head`` calls (verification, draft log-probs) of lanes that wait for
+  the device at once run as ONE op over their rows, charged once (:mod:`pipeline.coalesce`).
 * :class:`SharedPrefill`: the ``n`` choices of one request (``pipeline.serve``'s ``submit_n``) prefill the prompt
   once; every other choice starts from a :class:`pipeline.messages.Fork` of a lane that holds it.
 * :class:`LanePool` is what a server holds: ``n`` lane engines, a free list, a control lane for the idle
@@ -46,6 +47,7 @@ from __future__ import annotations
 import copy
 import math
 import queue
+import sys
 import threading
 from contextlib import contextmanager
 
@@ -53,6 +55,7 @@ import torch
 
 from config.errors import UserError
 from model.meter import MeterStack
+from pipeline.coalesce import CoalescingMeter, OpBatcher
 from pipeline.messages import Fork, Message, Shutdown, Stats
 from pipeline.trace import Tracer
 
@@ -201,19 +204,12 @@ class LaneMux:
         self._thread.join(5)
 
 
-class DeviceLock:
-    """An :class:`model.meter.OpMeter` that holds one lock over each op (stacked outermost): rank 0's model work
-    from several lanes runs one op at a time, as on one device (and the emulated testbed's pads do not overlap,
-    which would model a rank 0 with several devices). Re-entrant: an op inside another op of the same thread
-    does not wait for itself."""
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-
-    @contextmanager
-    def op(self, kind: str, rows: int, ctx: int = 0):
-        with self.lock:
-            yield
+class DeviceLock(OpBatcher):
+    """Rank 0's one device shared by the lanes: an :class:`pipeline.coalesce.OpBatcher`. Every rank-0 model op of
+    a lane holds it (:meth:`OpBatcher.hold`: one op at a time, as on one device, so the emulated testbed's pads do
+    not overlap either, which would model a rank 0 with several devices; re-entrant within a thread), and the
+    row-wise ``lm_head`` ops of lanes that wait for it at once run as ONE op over their rows
+    (:meth:`OpBatcher.run`, through :class:`pipeline.coalesce.CoalescingMeter` on every lane site)."""
 
 
 def _is_meter(obj) -> bool:
@@ -260,8 +256,9 @@ def fork_drafter(drafter):
 
 
 def _lock_sites(drafter, lock: DeviceLock) -> None:
-    """Stack ``lock`` outermost on every metered site of ``drafter`` (the sites of
-    :func:`draft.protocol.install_meter`); a site already locked is left alone."""
+    """Put ``lock`` outermost on every metered site of ``drafter`` (the sites of
+    :func:`draft.protocol.install_meter`: a :class:`pipeline.coalesce.CoalescingMeter` over the site's meter); a
+    site already on ``lock`` is left alone."""
     if drafter is None:
         return
     inner = getattr(drafter, "inner", None)
@@ -279,15 +276,17 @@ def _lock_sites(drafter, lock: DeviceLock) -> None:
         sites.append(head)
     for site in sites:
         m = getattr(site, "meter", None)
-        if m is None or (isinstance(m, MeterStack) and m.meters and m.meters[0] is lock):
+        if m is None or (isinstance(m, CoalescingMeter) and m.batcher is lock):
             continue
-        site.meter = MeterStack(lock, m)
+        site.meter = CoalescingMeter(lock, m)
 
 
-def lane_engine(base, transport: LaneTransport, lock: DeviceLock):
+def lane_engine(base, transport: LaneTransport, lock: DeviceLock, rank0_meter=None):
     """Lane ``transport.lane``'s engine (module docstring): ``base``'s model, configuration, stop ids and
     observers; its own drafter fork (and small LM fork for ``sps``), generation counter and tracer; the emulated
-    testbed's meters when ``base``'s transport has an emulated link; ``lock`` over every rank-0 model op."""
+    testbed's meters when ``base``'s transport has an emulated link (``rank0_meter()``: another meter stacked the
+    same way, on the engine and every drafter site, e.g. a test's pad); ``lock`` over every rank-0 model op."""
+    from draft.protocol import install_meter
     from pipeline.emulation import instrument_rank0
     from pipeline.engine import Engine
     drafter = fork_drafter(base.drafter)
@@ -295,9 +294,13 @@ def lane_engine(base, transport: LaneTransport, lock: DeviceLock):
         else fork_drafter(base.sps_drafter)
     engine = Engine(base.model, transport, drafter, base.stop_ids, base.cfg, sps)
     instrument_rank0(engine, transport)
+    if rank0_meter is not None:
+        engine.meter = MeterStack(engine.meter, rank0_meter())
+        if drafter is not None:
+            install_meter(drafter, rank0_meter())
     if sps is not None and sps is not drafter and hasattr(sps, "meter"):
         sps.meter = engine.meter   # as pipeline.build.make_sps_drafter: metered like the engine's own work
-    engine.meter = MeterStack(lock, engine.meter)
+    engine.meter = CoalescingMeter(lock, engine.meter)
     _lock_sites(drafter, lock)
     if sps is not drafter:
         _lock_sites(sps, lock)
@@ -427,17 +430,19 @@ class LanePool:
     :data:`pipeline.engine.PREFILL_WINDOW` chunks in flight when it starts alone and one chunk at a time when
     other lanes are busy (their segments then wait behind at most one chunk of it per stage)."""
 
-    def __init__(self, base, lanes: int, timeout_s: float | None = None) -> None:
+    def __init__(self, base, lanes: int, timeout_s: float | None = None, rank0_meter=None) -> None:
         """``base``: the engine built on rank 0's transport; from here on the pool owns that transport's receive
-        side, so ``base`` must not generate again (its generation numbers continue in the lane engines)."""
+        side, so ``base`` must not generate again (its generation numbers continue in the lane engines).
+        ``rank0_meter``: :func:`lane_engine`'s."""
         if lanes < 1:
             raise ValueError("a lane pool needs at least one lane")
         self.base = base
         self.mux = LaneMux(base.comm, lanes + 1, timeout_s)
-        self.lock = DeviceLock()
-        self.engines = [lane_engine(base, self.mux.transport(i), self.lock) for i in range(lanes)]
+        self.lock = DeviceLock()    # rank 0's device: its ops one at a time, lm_heads coalesced (pipeline.coalesce)
+        self.engines = [lane_engine(base, self.mux.transport(i), self.lock, rank0_meter) for i in range(lanes)]
         self.control = self.mux.transport(lanes)
         self._free = list(range(lanes))
+        self._reported: dict | None = None   # the op counts of the last report()
         self._cv = threading.Condition()
         self.active = 0
         world = base.comm.world
@@ -479,7 +484,19 @@ class LanePool:
             self._free.append(lane)
             self._free.sort()
             self.active = self.size - len(self._free)
+            idle = self.active == 0
             self._cv.notify_all()
+        if idle:
+            self.report()
+
+    def report(self) -> None:
+        """One stderr line of rank 0's op counts since the pool started (:meth:`OpBatcher.summary`: how many ops
+        were coalesced), when they changed since the last line; the pool calls it whenever its last active lane
+        is released (a server logs it once per busy period) and at :meth:`shutdown`."""
+        counts = dict(self.lock.counts)
+        if counts != self._reported:
+            self._reported = counts
+            print(f"[rank 0] {self.lock.summary()}", file=sys.stderr, flush=True)
 
     def keepalive(self) -> None:
         """One ``Stats`` trip on the control lane (keeps idle stages' receives alive)."""
@@ -488,3 +505,4 @@ class LanePool:
 
     def shutdown(self) -> None:
         self.mux.shutdown()
+        self.report()
