@@ -115,7 +115,8 @@ def draft_vocab_ids(n: int, counts_path: str | Path, vocab_size: int) -> torch.T
     return top_ids(load_counts(counts_path, vocab_size), n)
 
 
-def resolve_draft_vocab(setting: int, *, counts_found: bool, shares_lm_head: bool, vocab_size: int) -> int:
+def resolve_draft_vocab(setting: int, *, counts_found: bool, shares_lm_head: bool, vocab_size: int,
+                        static_levels: bool = False) -> int:
     """The ``model.draft_vocab`` a drafter applies: an explicit ``N >= 0`` as given (errors where it cannot apply
     are the caller's: :func:`require_shared_lm_head`, :func:`load_counts`); :data:`AUTO` (the default) is
     :data:`DEFAULT_DRAFT_VOCAB` where it applies (the head shares the target's ``lm_head``, token counts are
@@ -125,10 +126,15 @@ def resolve_draft_vocab(setting: int, *, counts_found: bool, shares_lm_head: boo
     untrained head, a custom model's head), an EAGLE-3 head (its own vocabulary) or a vocabulary of at most 16384
     tokens drafts over the whole vocabulary as before, while the shipped SmolLM2 heads, whose counts ship beside
     them, draft over 16384 (measured: docs/results.md, "The reduced draft vocabulary by default"). The output is the
-    same either way."""
+    same either way.
+
+    ``static_levels`` (rank 0 runs draft levels on static shapes: ``model.graphs`` resolves to an executor, as
+    ``auto`` does on CUDA): auto gives the whole vocabulary there, because a reduced vocabulary keeps a level's step
+    out of the graph (docs/gpu.md) and its gain was measured only where levels run eagerly (a CPU, the simulator's
+    profiles); an explicit ``N`` still applies."""
     if setting != AUTO:
         return setting
-    ok = counts_found and shares_lm_head and vocab_size > DEFAULT_DRAFT_VOCAB
+    ok = counts_found and shares_lm_head and vocab_size > DEFAULT_DRAFT_VOCAB and not static_levels
     return DEFAULT_DRAFT_VOCAB if ok else 0
 
 

@@ -269,8 +269,11 @@ def _draft_ids(cfg, head_dir: Path | None, model, head):
     from draft.vocab import counts_path, draft_vocab_ids, resolve_draft_vocab
     counts = counts_path(cfg.model.draft_vocab_counts, head_dir)
     found = bool(cfg.model.draft_vocab_counts) or (counts is not None and counts.is_file())  # a named file: its error
+    from model.graphs import resolve_executor
+    static = resolve_executor(cfg.model.graphs, model.lm_head.weight.device.type) is not None
     n = resolve_draft_vocab(cfg.model.draft_vocab, counts_found=found,
-                            shares_lm_head=not hasattr(head, "draft_logits"), vocab_size=model.lm_head.out_features)
+                            shares_lm_head=not hasattr(head, "draft_logits"), vocab_size=model.lm_head.out_features,
+                            static_levels=static)
     if not n:
         return None
     if counts is None:

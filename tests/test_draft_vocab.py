@@ -82,6 +82,9 @@ def test_auto_draft_vocab_applies_only_where_it_can(tmp_path):
     assert resolve_draft_vocab(AUTO, counts_found=False, shares_lm_head=True, vocab_size=big) == 0
     assert resolve_draft_vocab(AUTO, counts_found=True, shares_lm_head=False, vocab_size=big) == 0
     assert resolve_draft_vocab(AUTO, counts_found=True, shares_lm_head=True, vocab_size=DEFAULT_DRAFT_VOCAB) == 0
+    # levels on static shapes (graphs): auto keeps the whole vocabulary (the graph holds the level's step); N applies
+    assert resolve_draft_vocab(AUTO, counts_found=True, shares_lm_head=True, vocab_size=big, static_levels=True) == 0
+    assert resolve_draft_vocab(8192, counts_found=True, shares_lm_head=True, vocab_size=big, static_levels=True) == 8192
     for n in (0, 8, 8192, big):
         for found in (False, True):
             assert resolve_draft_vocab(n, counts_found=found, shares_lm_head=found, vocab_size=16) == n
