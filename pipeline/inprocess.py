@@ -16,11 +16,18 @@ import torch
 from config.run_config import DEFAULT, apply_overrides
 from model.stage_model import load_stage
 from pipeline.engine import timed_generation
-from pipeline.local_ring import LocalComm, LocalRing, stage_threads
+from pipeline.local_ring import TIMEOUT_S, LocalComm, LocalRing, stage_threads
 from pipeline.build import make_drafter, make_engine, make_static_stage
 from pipeline.modes import new_decoder
 from pipeline.worker import StageWorker
 
+
+
+def _wait_s(cfg) -> float:
+    """How long a thread of the in-process ring waits for its next message: the ring's own 60 s, or longer when
+    ``comm.timeout_s`` says so (on a loaded host a long prefill can take longer than 60 s; the threads can be
+    slow, not lost, and a failed thread's error is raised by ``stage_threads``)."""
+    return max(TIMEOUT_S, float(cfg.comm.timeout_s))
 
 def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], overrides: list[str],
                  stop_ids: set[int], drafter: str | None = None, dtype=torch.float64,
@@ -44,12 +51,13 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
         m.set_taps(taps)
 
     def stage(r: int) -> None:
-        worker = StageWorker(models[r], LocalComm(ring, r), cfg.model.max_seq_len, dtype, "cpu")
+        worker = StageWorker(models[r], LocalComm(ring, r, timeout_s=_wait_s(cfg)), cfg.model.max_seq_len, dtype,
+                             "cpu")
         worker.static = make_static_stage(cfg, models[r], "cpu")
         with guard():
             worker.run()
 
-    comm0 = LocalComm(ring, 0)
+    comm0 = LocalComm(ring, 0, timeout_s=_wait_s(cfg))
     if drafter is not None:
         cfg.model.head_dir = drafter
     d = make_drafter(cfg, stage_root, models[0], dtype, "cpu") if any(m != "ar" for m in modes) else None
@@ -95,13 +103,15 @@ def run_concurrent(stage_root: Path, jobs: list[tuple[list[int], str, object]], 
     if drafter is not None:
         cfg.model.head_dir = drafter
     d = make_drafter(cfg, stage_root, models[0], dtype, "cpu") if any(m != "ar" for m in modes) else None
-    engine = make_engine(cfg, LocalComm(ring, 0), models[0], stage_root, modes, stop_ids, dtype, "cpu", drafter=d)
+    engine = make_engine(cfg, LocalComm(ring, 0, timeout_s=_wait_s(cfg)), models[0], stage_root, modes, stop_ids, dtype,
+                         "cpu", drafter=d)
     results: list = [None] * len(jobs)
     failures: list[BaseException] = []
     workers: list[StageWorker] = []      # the stages' workers (tests read their batched-forward counters)
 
     def stage(r: int) -> None:
-        worker = StageWorker(models[r], LocalComm(ring, r), cfg.model.max_seq_len, dtype, "cpu")
+        worker = StageWorker(models[r], LocalComm(ring, r, timeout_s=_wait_s(cfg)), cfg.model.max_seq_len, dtype,
+                             "cpu")
         if stage_meter is not None:
             worker.meter = stage_meter(r)
         workers.append(worker)

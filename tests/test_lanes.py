@@ -277,3 +277,14 @@ def test_ring_share_rule():
     assert [ring_share(5, a, 2.0) for a in range(1, 7)] == [5, 5, 4, 3, 2, 2]     # serve.ring_share=2
     assert [ring_share(5, a, 0.5) for a in range(1, 7)] == [5, 2, 1, 1, 1, 1]
     assert all(ring_share(w, a, 64) == w for w in range(1, 9) for a in range(1, 9))
+
+
+def test_in_process_ring_waits_as_long_as_comm_timeout_says():
+    """The in-process ring's threads wait the ring's own 60 s, or ``comm.timeout_s`` when that is longer (a long
+    prefill on a loaded host took over 60 s and failed a bench run with ``queue.Empty``: the fixed wait ignored
+    the setting)."""
+    from config.run_config import DEFAULT, apply_overrides
+    from pipeline.inprocess import _wait_s
+    from pipeline.local_ring import TIMEOUT_S
+    assert _wait_s(apply_overrides(DEFAULT, [])) == TIMEOUT_S
+    assert _wait_s(apply_overrides(DEFAULT, ["comm.timeout_s=900"])) == 900.0
