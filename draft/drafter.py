@@ -325,6 +325,35 @@ class BeamTreeDrafter:
         outputs = torch.where(known.to(dev)[:, None], outputs, 0)
         return tree, inputs, outputs.to(inputs.dtype), known
 
+    def commit_tree_forward(self, tokens: Tensor, features: Tensor, tree_tokens: Tensor, tree_inputs: Tensor,
+                            parents: Tensor) -> tuple[Tensor, Tensor]:
+        """Commit context entries ``(tokens, features)`` (:meth:`commit`), then feed tree entries ``(tree_tokens,
+        tree_inputs)`` below them (:meth:`tree_forward`, ``parents``: draft-cache tree slots, -1 = a child of the
+        context); returns ``(the commit's last output, the tree rows' outputs)``. Here the two calls in that order
+        (a drafter with no cheaper way); :class:`Drafter` does both in ONE head forward, and
+        :class:`draft.merged.MergedDrafter` asks each source. The tree rows' inputs must not depend on the
+        commit's outputs (that is what makes one forward possible: issue 41, ``tree.fuse_commit``)."""
+        root = self.commit(tokens, features)
+        return root, self.tree_forward(tree_tokens, tree_inputs, parents)
+
+    @torch.no_grad()
+    def commit_extend_tree(self, tokens: Tensor, features: Tensor, tree: DraftTree, inputs: Tensor, levels: int,
+                           top_k: int, max_new: int) -> tuple[DraftTree, Tensor, Tensor]:
+        """Commit the accepted tokens and expand the re-rooted tree with ONE draft forward fewer than
+        :meth:`commit` followed by :meth:`extend_tree` (``tree.fuse_commit``, issue 41): ``(grown tree, its
+        per-node inputs, the commit's output = the new root's draft output)``.
+
+        Why: in :meth:`extend_tree` the re-feed of the surviving tree waits on the commit (the root's children take
+        the commit's output as their input), so a verified step's turnaround holds two head forwards before the
+        first level's log-probs. Here the root's children keep the input they were drafted with (the new root's
+        draft output as a tree node, remembered in ``inputs``), so the commit's rows and the tree's rows are
+        independent and go through the head in one forward (:meth:`commit_tree_forward`): the tree rows attend to
+        the freshly committed context (target features) exactly as after a separate commit; only the root's
+        children's own input differs (draft-predicted instead of recomputed from the target's features). The
+        returned ``inputs`` carry the fresh commit output for the root's children (later re-feeds use it).
+        Changes which trees are drafted, never what is accepted: verification is exact for any tree."""
+        return self._extend(tree, inputs, None, levels, top_k, max_new, (tokens, features))
+
     @torch.no_grad()
     def extend_tree(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor, levels: int, top_k: int,
                     max_new: int) -> tuple[DraftTree, Tensor]:
@@ -347,15 +376,31 @@ class BeamTreeDrafter:
         forward. A candidate records only its frontier row; the rows' parent, depth and output feature are
         gathered once, for the chosen candidates, at the end. No per-node Python, no concatenation per level.
         """
+        return self._extend(tree, inputs, root_hidden, levels, top_k, max_new, None)[:2]
+
+    def _extend(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor | None, levels: int, top_k: int,
+                max_new: int, commit: tuple[Tensor, Tensor] | None) -> tuple[DraftTree, Tensor, Tensor | None]:
+        """:meth:`extend_tree` (``commit`` None) or :meth:`commit_extend_tree` (``commit = (tokens, features)``:
+        the re-feed is :meth:`commit_tree_forward`, ``root_hidden`` its output)."""
         n = len(tree)
-        if levels <= 0 or max_new <= 0:
-            return tree, inputs
         dev = inputs.device
         depth1 = (tree.parents == 0).to(dev)[:, None]
-        inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)      # a fresh copy: root's children
+        if commit is not None and (levels <= 0 or max_new <= 0 or n == 1):   # nothing to fuse with: commit alone
+            root_hidden = self.commit(*commit)
+            inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)
+            commit = None
+        if levels <= 0 or max_new <= 0:
+            return tree, inputs, root_hidden
+        if commit is None:
+            inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)  # a fresh copy: root's children
+            if n > 1:
+                out = self.tree_forward(tree.tokens[1:], inputs[1:], tree.parents[1:] - 1)  # node i at slot i-1
+        else:   # the root's children as drafted (remembered inputs): commit rows and tree rows in one forward
+            root_hidden, out = self.commit_tree_forward(commit[0], commit[1], tree.tokens[1:], inputs[1:],
+                                                        tree.parents[1:] - 1)
+            inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)  # later re-feeds: the fresh output
         outs = root_hidden[None].to(inputs.dtype)
         if n > 1:
-            out = self.tree_forward(tree.tokens[1:], inputs[1:], tree.parents[1:] - 1)   # node i at cache slot i-1
             outs = torch.cat([outs, out.to(inputs.dtype)])
         has_child = torch.zeros(n, dtype=torch.bool, device=HOST)
         has_child[tree.parents[1:]] = True
@@ -403,7 +448,7 @@ class BeamTreeDrafter:
             n_cand = end
         self.drop_tree()
         if not n_cand:
-            return tree, inputs
+            return tree, inputs, root_hidden
         chosen = top_node_order(c_score[:n_cand], max_new + 1)            # + 1: the helper counts a root
         row = c_row[chosen]
         par = torch.cat(rows_par)[row]                                    # a tree node, or n + a candidate
@@ -421,7 +466,7 @@ class BeamTreeDrafter:
             tok.copy_(ct[chosen])
         score.copy_(c_score[chosen])
         torch.add(torch.cat(rows_dep)[row], 1, out=depth)
-        return grown, torch.cat([inputs, torch.cat(rows_out)[row.to(dev)]])
+        return grown, torch.cat([inputs, torch.cat(rows_out)[row.to(dev)]]), root_hidden
 
     def host_top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """:meth:`top_tokens` of a frontier, moved to the host in one copy (:func:`to_host`): what a beam level
@@ -531,6 +576,42 @@ class Drafter(BeamTreeDrafter):
                         pos, mask, cache)
         cache.commit_forward(n, as_context=True)
         return out[0, -1]
+
+    @torch.no_grad()
+    def commit_tree_forward(self, tokens: Tensor, features: Tensor, tree_tokens: Tensor, tree_inputs: Tensor,
+                            parents: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`BeamTreeDrafter.commit_tree_forward` as ONE head forward over ``n`` commit rows then ``t`` tree
+        rows: the commit rows see the context and each other causally (:meth:`model.kv_cache.KVCache.context_inputs`),
+        the tree rows the whole context including the commit rows plus their tree ancestors
+        (:meth:`~model.kv_cache.KVCache.staged_tree_inputs`, staged as if the commit were done); afterwards the cache
+        holds the commit rows as context and the tree rows as tree entries, exactly as after :meth:`commit` then
+        :meth:`tree_forward` (same keys, values and outputs up to float reassociation: tested). Rows of different
+        widths (an EAGLE-3 head: wide target features, narrow tree inputs) or no tree rows: the two calls."""
+        t = tree_tokens.numel()
+        if t == 0 or features.shape[-1] != tree_inputs.shape[-1]:
+            return super().commit_tree_forward(tokens, features, tree_tokens, tree_inputs, parents)
+        cache = self.cache
+        if cache.num_tree:
+            cache.truncate_tree()
+        if self.dvocab is not None:
+            self.dvocab.add(tokens)
+        n, c = tokens.numel(), cache.length
+        pos_c, mask_c = cache.context_inputs(n, self.dtype)                  # [1, n], [1, 1, n, c + n]
+        cache.length = cache.context_len = c + n                             # stage the tree rows after the commit
+        try:
+            pos_t, mask_t = cache.staged_tree_inputs(parents, self.dtype)    # [1, t], [1, 1, t, c + n + t]
+        finally:
+            cache.length = cache.context_len = c
+        mask = torch.full((1, 1, n + t, c + n + t), torch.finfo(self.dtype).min, dtype=self.dtype, device=HOST)
+        mask[..., :n, :c + n] = mask_c
+        mask[..., n:, :] = mask_t
+        rows = (torch.cat([tokens.view(-1).to(self.device), tree_tokens.view(-1).to(self.device)]).view(1, -1),
+                torch.cat([features.view(n, -1).to(self.device, self.dtype),
+                           tree_inputs.view(t, -1).to(self.device, self.dtype)]).view(1, n + t, -1))
+        out = self.head(*rows, torch.cat([pos_c, pos_t], dim=-1), mask, cache)
+        cache.commit_forward(n, as_context=True)
+        cache.commit_forward(t, as_context=False)                            # the staged tree rows
+        return out[0, n - 1], out[0, n:]
 
     @torch.no_grad()
     def level(self, tokens: Tensor, features: Tensor, parents: Tensor, scores: Tensor,

@@ -199,12 +199,20 @@ class CountingContinuous(ContinuousMode):
     def __init__(self) -> None:
         super().__init__()
         self.appended = 0
+        self.fused = 0          # verified steps whose commit and expansion ran as one call (tree.fuse_commit)
 
     def grow(self, engine, tree, root_hidden, verified):
         out = super().grow(engine, tree, root_hidden, verified)
         if engine.comm.live():
             self.appended += len(out) - len(tree)
         return out
+
+    def commit_and_grow(self, engine, tree, tokens, feats):
+        got = super().commit_and_grow(engine, tree, tokens, feats)
+        if got is not None and engine.comm.live():
+            self.appended += len(got[0]) - len(tree)
+            self.fused += 1
+        return got
 
 
 TREE = {  # small trees so that enumeration stays cheap, segments of 1-2 nodes so that every event happens
@@ -360,6 +368,8 @@ EXACT_CASES = [
      {"tree.lookahead_min_prob": 0.05, "tree.lookahead_max_levels": 3}, ("CONTINUE", "expand")),
     ("continuous", 4, 2.0, 0.9, 0, "random", 2, {"tree.first_levels": 0},
      ("CONTINUE", "expand")),
+    ("continuous", 3, 1.0, 1.0, 0, "target", 3,   # commit + re-feed fused (issue 41: commit_extend_tree)
+     {"tree.fuse_commit": True}, ("CONTINUE", "EMPTY", "expand", "fused")),
     ("continuous", 3, 1.0, 1.0, 0, "disjoint", 2, {}, ()),
     ("pipedec", 3, 1.0, 0.9, 0, "random", 3, {}, ("CONTINUE",)),
     ("pipedec", 4, 0.3, 1.0, 0, "target", 2, {}, ("CONTINUE",)),
@@ -386,6 +396,7 @@ def test_exact_law_every_mode(mode, world, temp, top_p, top_k, draft, horizon, o
     print(mode, runs, seen, getattr(run.cont, "appended", None), len(law), len(ref))
     if run.cont is not None:
         seen["expand"] = run.cont.appended
+        seen["fused"] = run.cont.fused
     for e in events:
         if e == "EMPTY" and not early:
             continue   # without early pruning a stale result still carries its (dead) rows

@@ -208,10 +208,23 @@ class StreamingMode:
             if state.waiting >= self.segment_target(engine):
                 self.top_up(engine, box, state)      # what is already drafted goes out first
             if self.commit_every_step:
-                root_hidden = self._commit(engine, pending_tokens, pending_feats)
+                fused = self.commit_and_grow(engine, state.tree, pending_tokens, pending_feats)
+                if fused is None:
+                    root_hidden = self._commit(engine, pending_tokens, pending_feats)
+                    state.set_tree(self.grow(engine, state.tree, root_hidden, True))
+                else:
+                    tree, root_hidden = fused
+                    state.set_tree(tree)
                 pending_tokens, pending_feats = [], []
-            state.set_tree(self.grow(engine, state.tree, root_hidden, True))
+            else:
+                state.set_tree(self.grow(engine, state.tree, root_hidden, True))
             self.top_up(engine, box, state, root_hidden)
+
+    def commit_and_grow(self, engine: Engine, tree: DraftTree, tokens: list[int],
+                        feats: list[torch.Tensor]) -> tuple[DraftTree, torch.Tensor] | None:
+        """Commit the accepted tokens and grow the re-rooted tree in one call, ``(grown tree, root_hidden)``; None:
+        this mode does it as a commit then :meth:`grow` (the base class always)."""
+        return None
 
     @staticmethod
     def _commit(engine: Engine, tokens: list[int], feats: list[torch.Tensor]) -> torch.Tensor:
@@ -332,6 +345,40 @@ class ContinuousMode(StreamingMode):
             cap = affordable_levels(self.profile_costs(engine), t.subseq_token, t.expand_topk, cap)
         depth = int(tree.depths.max()) if len(tree) > 1 else 0
         return lookahead_levels(self.acceptance.alpha, depth, t.lookahead_min_prob, cap)
+
+    def expand_levels(self, engine: Engine, tree: DraftTree) -> int:
+        """Levels an incremental expansion grows after a verified step: ``tree.expand_levels``, or with
+        ``tree.lookahead_min_prob > 0`` what :meth:`lookahead` says (0: none this step)."""
+        t = engine.cfg.tree
+        if t.lookahead_min_prob > 0 and self.inputs is not None:
+            return self.lookahead(engine, tree)
+        return t.expand_levels
+
+    def commit_and_grow(self, engine: Engine, tree: DraftTree, tokens: list[int],
+                        feats: list[torch.Tensor]) -> tuple[DraftTree, torch.Tensor] | None:
+        """``tree.fuse_commit`` (issue 41): commit the accepted tokens and re-feed the surviving tree in ONE draft
+        forward (:meth:`draft.drafter.BeamTreeDrafter.commit_extend_tree`), then grow as :meth:`grow` would.
+
+        Why: every call between a result and the next ring send is on rank 0's turnaround; with a separate commit
+        the chain holds two head forwards (commit, then the re-feed that needs the commit's output for the root's
+        children) before the first level's log-probs. Fused, the root's children keep the input they were drafted
+        with, and the commit's rows and the tree's rows share one forward: one head forward fewer per verified
+        step, on the chain and in total. It changes which trees are drafted (τ may move), never the output:
+        verification accepts exactly what the target says, whatever the tree. None (commit, then :meth:`grow`):
+        the key is off, there is no incremental expansion, expansion is off, nothing is grown this step, or the
+        drafter has no fused call (a wrapper such as :class:`draft.osd.OnlineDrafter`)."""
+        t = engine.cfg.tree
+        if not t.fuse_commit or self.inputs is None or t.expand_total_token == 0 \
+                or not hasattr(engine.drafter, "commit_extend_tree"):
+            return None
+        levels = self.expand_levels(engine, tree)
+        if levels <= 0:
+            return None
+        room = max(t.expand_total_token - len(tree), t.expand_topk)
+        with engine.tracer.span("expand"):
+            tree, self.inputs, root_hidden = engine.drafter.commit_extend_tree(
+                torch.tensor(tokens, device=HOST), torch.cat(feats), tree, self.inputs, levels, t.expand_topk, room)
+        return tree, root_hidden
 
     def grow(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor, verified: bool) -> DraftTree:
         """After a verified step (``verified``): incremental expansion grows ``tree.expand_levels`` levels, or with
