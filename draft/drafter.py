@@ -337,8 +337,32 @@ class BeamTreeDrafter:
         return root, self.tree_forward(tree_tokens, tree_inputs, parents)
 
     @torch.no_grad()
+    def prefetch_leaves(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor,
+                        top_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The first level of the NEXT expansion, drafted ahead for every leaf (``tree.prefetch_level``, issue 41):
+        re-feed the tree as :meth:`extend_tree` does (one head forward; the root's children take ``root_hidden``),
+        then every leaf's draft output and its best ``top_k`` (:meth:`host_top_tokens`, one log-prob call, one
+        device->host copy). Returns ``(leaf mask [n], outputs [n, H], scores [n, kk], tokens [n, kk])`` with rows
+        of non-leaves unused. Called after a ring send, while the stages compute: the next verified step's
+        expansion (:meth:`commit_extend_tree` with ``pre``) then starts from these candidates instead of a re-feed
+        and a log-prob call, so its turnaround holds one head forward and one log-prob call fewer."""
+        n = len(tree)
+        dev = inputs.device
+        depth1 = (tree.parents == 0).to(dev)[:, None]
+        inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)
+        outs = root_hidden[None].to(inputs.dtype)
+        if n > 1:
+            out = self.tree_forward(tree.tokens[1:], inputs[1:], tree.parents[1:] - 1)
+            outs = torch.cat([outs, out.to(inputs.dtype)])
+            self.drop_tree()
+        leaf = torch.ones(n, dtype=torch.bool, device=HOST)
+        leaf[tree.parents[1:]] = False
+        cs, ct = self.host_top_tokens(outs, top_k)
+        return leaf, outs, cs, ct
+
+    @torch.no_grad()
     def commit_extend_tree(self, tokens: Tensor, features: Tensor, tree: DraftTree, inputs: Tensor, levels: int,
-                           top_k: int, max_new: int) -> tuple[DraftTree, Tensor, Tensor]:
+                           top_k: int, max_new: int, pre: tuple | None = None) -> tuple[DraftTree, Tensor, Tensor]:
         """Commit the accepted tokens and expand the re-rooted tree with ONE draft forward fewer than
         :meth:`commit` followed by :meth:`extend_tree` (``tree.fuse_commit``, issue 41): ``(grown tree, its
         per-node inputs, the commit's output = the new root's draft output)``.
@@ -351,8 +375,14 @@ class BeamTreeDrafter:
         the freshly committed context (target features) exactly as after a separate commit; only the root's
         children's own input differs (draft-predicted instead of recomputed from the target's features). The
         returned ``inputs`` carry the fresh commit output for the root's children (later re-feeds use it).
-        Changes which trees are drafted, never what is accepted: verification is exact for any tree."""
-        return self._extend(tree, inputs, None, levels, top_k, max_new, (tokens, features))
+        Changes which trees are drafted, never what is accepted: verification is exact for any tree.
+
+        ``pre`` (:meth:`prefetch_leaves` of this tree, re-rooted with it; ``tree.prefetch_level``): the first
+        level's candidates come from it (no re-feed, no log-prob call), and the commit, the re-fed tree and the
+        first level's chosen nodes share the level's one head forward. Its candidates were ranked with the
+        context of the previous step (the path just accepted as draft tree entries): a different draft, the
+        same exactness."""
+        return self._extend(tree, inputs, None, levels, top_k, max_new, (tokens, features), pre)
 
     @torch.no_grad()
     def extend_tree(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor, levels: int, top_k: int,
@@ -379,12 +409,16 @@ class BeamTreeDrafter:
         return self._extend(tree, inputs, root_hidden, levels, top_k, max_new, None)[:2]
 
     def _extend(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor | None, levels: int, top_k: int,
-                max_new: int, commit: tuple[Tensor, Tensor] | None) -> tuple[DraftTree, Tensor, Tensor | None]:
+                max_new: int, commit: tuple[Tensor, Tensor] | None,
+                pre: tuple | None = None) -> tuple[DraftTree, Tensor, Tensor | None]:
         """:meth:`extend_tree` (``commit`` None) or :meth:`commit_extend_tree` (``commit = (tokens, features)``:
-        the re-feed is :meth:`commit_tree_forward`, ``root_hidden`` its output)."""
+        the re-feed is :meth:`commit_tree_forward`, ``root_hidden`` its output; with ``pre``, the first level's
+        forward)."""
         n = len(tree)
         dev = inputs.device
         depth1 = (tree.parents == 0).to(dev)[:, None]
+        if pre is not None and commit is not None and levels >= 2 and max_new > 0 and n > 1:
+            return self._extend_prefetched(tree, inputs, levels, top_k, max_new, commit, pre)
         if commit is not None and (levels <= 0 or max_new <= 0 or n == 1):   # nothing to fuse with: commit alone
             root_hidden = self.commit(*commit)
             inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)
@@ -449,6 +483,17 @@ class BeamTreeDrafter:
         self.drop_tree()
         if not n_cand:
             return tree, inputs, root_hidden
+        return (*self._append_chosen(tree, inputs, c_score, c_row, c_tok, rows_par, rows_dep, rows_out, n_cand,
+                                     max_new), root_hidden)
+
+    @staticmethod
+    def _append_chosen(tree: DraftTree, inputs: Tensor, c_score: Tensor, c_row: Tensor, c_tok: list[Tensor],
+                       rows_par: list[Tensor], rows_dep: list[Tensor], rows_out: list[Tensor], n_cand: int,
+                       max_new: int) -> tuple[DraftTree, Tensor]:
+        """The end of an expansion: the best ``max_new`` of ``n_cand`` candidates appended to ``tree`` (its
+        buffers, in place where it owns them), and the grown tree's per-node inputs (a candidate's input: its
+        frontier row's output)."""
+        n, dev = len(tree), inputs.device
         chosen = top_node_order(c_score[:n_cand], max_new + 1)            # + 1: the helper counts a root
         row = c_row[chosen]
         par = torch.cat(rows_par)[row]                                    # a tree node, or n + a candidate
@@ -466,7 +511,83 @@ class BeamTreeDrafter:
             tok.copy_(ct[chosen])
         score.copy_(c_score[chosen])
         torch.add(torch.cat(rows_dep)[row], 1, out=depth)
-        return grown, torch.cat([inputs, torch.cat(rows_out)[row.to(dev)]]), root_hidden
+        return grown, torch.cat([inputs, torch.cat(rows_out)[row.to(dev)]])
+
+    def _extend_prefetched(self, tree: DraftTree, inputs: Tensor, levels: int, top_k: int, max_new: int,
+                           commit: tuple[Tensor, Tensor], pre: tuple) -> tuple[DraftTree, Tensor, Tensor]:
+        """:meth:`commit_extend_tree` with ``pre``: level 0's candidates are the prefetched ones of the frontier
+        leaves; its chosen nodes are fed in ONE forward with the commit rows and the re-fed tree
+        (:meth:`commit_tree_forward`); later levels as in :meth:`_extend`, the final choice
+        :meth:`_append_chosen`."""
+        leaf, p_out, p_s, p_t = pre
+        n = len(tree)
+        dev = inputs.device
+        leaves = leaf.nonzero().flatten()
+        k = min(top_k, leaves.numel())
+        frontier = leaves[beam_frontier(tree.scores[leaves], k)]
+        cs, ct = p_s[frontier], p_t[frontier]
+        nf, kk = cs.shape
+        if kk == 0:
+            root_hidden = self.commit(*commit)
+            return tree, torch.where((tree.parents == 0).to(dev)[:, None], root_hidden.to(inputs.dtype), inputs), \
+                root_hidden
+        f_out = p_out[frontier.to(dev)].to(inputs.dtype)
+        cum = tree.scores[frontier][:, None] + cs                                 # [nf, kk]
+        best = self._frontier(self.tree_shape, cum.reshape(-1), [cum.reshape(-1)], max_new + 1, top_k)
+        row = best // kk
+        l1_tok = ct.reshape(-1)[best]
+        root_hidden, out = self.commit_tree_forward(
+            commit[0], commit[1], torch.cat([tree.tokens[1:], l1_tok]), torch.cat([inputs[1:], f_out[row.to(dev)]]),
+            torch.cat([tree.parents[1:] - 1, frontier[row] - 1]))
+        inputs = torch.where((tree.parents == 0).to(dev)[:, None], root_hidden.to(inputs.dtype), inputs)
+        l1_out = out[n - 1:].to(inputs.dtype)
+        start = n - 1                                                             # the level's cache slots
+        # the remaining levels: one beam below the level-1 nodes; candidates of level 0 compete with them
+        cap = levels * top_k * top_k
+        c_score = torch.empty(cap, dtype=torch.promote_types(cum.dtype, torch.float32), device=HOST)
+        c_row = torch.empty(cap, dtype=torch.long, device=HOST)
+        c_score[:nf * kk] = cum.reshape(-1)
+        c_row[:nf * kk] = _row_pattern(nf, kk)
+        c_tok = [ct.reshape(-1)]
+        rows_par, rows_dep, rows_out = [frontier], [tree.depths[frontier]], [f_out]
+        rows_par.append(best + n)
+        rows_dep.append(rows_dep[-1][row] + 1)
+        rows_out.append(l1_out)
+        n_rows, n_cand = nf, nf * kk
+        f_slot = torch.arange(start, start + best.numel(), device=HOST)
+        f_score = cum.reshape(-1)[best][:, None]
+        for level in range(1, levels):
+            cs, ct = self.host_top_tokens(rows_out[-1], top_k)
+            nf2, kk2 = cs.shape
+            if kk2 == 0:
+                break
+            if c_score.dtype != torch.promote_types(c_score.dtype, cs.dtype):
+                c_score = c_score.to(torch.promote_types(c_score.dtype, cs.dtype))
+            end = n_cand + nf2 * kk2
+            cum = c_score[n_cand:end]
+            torch.add(f_score, cs, out=cum.view(nf2, kk2))
+            c_tok.append(ct.reshape(-1))
+            torch.add(_row_pattern(nf2, kk2), n_rows, out=c_row[n_cand:end])
+            if level == levels - 1:
+                n_cand = end
+                break
+            best = self._frontier(self.tree_shape, cum, [c_score[:end]], max_new + 1, top_k)
+            if best.numel() == 0:
+                n_cand = end
+                break
+            row = best // kk2
+            start = self.tree_size
+            out = self.tree_forward(c_tok[-1][best], rows_out[-1][row.to(dev)], f_slot[row])
+            n_rows += nf2
+            rows_par.append(best + (n + n_cand))
+            rows_dep.append(rows_dep[-1][row] + 1)
+            rows_out.append(out.to(inputs.dtype))
+            f_slot = torch.arange(start, start + best.numel(), device=HOST)
+            f_score = cum[best][:, None]
+            n_cand = end
+        self.drop_tree()
+        return (*self._append_chosen(tree, inputs, c_score, c_row, c_tok, rows_par, rows_dep, rows_out, n_cand,
+                                     max_new), root_hidden)
 
     def host_top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """:meth:`top_tokens` of a frontier, moved to the host in one copy (:func:`to_host`): what a beam level

@@ -214,3 +214,90 @@ def test_stories260k_all_modes_equal_hf_fused(tmp_path):
     rows = _run(5, stages, tmp_path / "out.jsonl", prompts, 32, ("tree.fuse_commit=true",), modes=ALL_MODES,
                 dtype="float32")
     _check_against_hf(rows, STORIES, 32, {2}, torch.float32, 5 * len(prompts))
+
+
+def _markov(seed: int = 3, vocab: int = 12):
+    """A drafter whose states are their tokens (tests/test_sampling.py's Markov world): its outputs do not depend on
+    the context, so a prefetched first level equals the one drafted after the commit, and the prefetched
+    expansion must then equal the plain one node for node (its bookkeeping is what differs)."""
+    from tests.test_sampling import MarkovDrafter
+    g = torch.Generator().manual_seed(seed)
+    return MarkovDrafter(torch.randn(vocab, vocab, generator=g) * 2.0)
+
+
+@pytest.mark.parametrize("levels,max_new", [(2, 6), (3, 9), (2, 1)])
+def test_prefetched_expansion_equals_the_plain_one_on_a_context_free_drafter(levels, max_new):
+    from tests.test_sampling import enc
+    d = _markov()
+    root = enc(4)
+    tree, inputs = d.grow_tree_with_inputs(4, root, 9, 2, 3)
+    tokens, feats = torch.tensor([2, 4]), torch.zeros(2, 1, dtype=torch.float64)
+    pre = d.prefetch_leaves(tree, inputs, root, 3)
+    ga, ia, ra = d.commit_extend_tree(tokens, feats, tree, inputs, levels, 3, max_new, pre)
+    gb, ib, rb = d.commit_extend_tree(tokens, feats, tree, inputs, levels, 3, max_new)
+    assert ga.tokens.tolist() == gb.tokens.tolist() and ga.parents.tolist() == gb.parents.tolist()
+    assert ga.depths.tolist() == gb.depths.tolist()
+    torch.testing.assert_close(ga.scores, gb.scores)
+    torch.testing.assert_close(ia, ib)
+    torch.testing.assert_close(ra, rb)
+    assert len(ga) > len(tree)
+
+
+def test_planted_prefetch_rows_of_other_nodes_fail():
+    """Planted bug: prefetched rows that belong to other nodes (as after a re-root that forgot to re-index them)
+    give another tree, so the equality above can fail."""
+    from tests.test_sampling import enc
+    d = _markov()
+    root = enc(4)
+    tree, inputs = d.grow_tree_with_inputs(4, root, 9, 2, 3)
+    tokens, feats = torch.tensor([2, 4]), torch.zeros(2, 1, dtype=torch.float64)
+    leaf, out, s, t = d.prefetch_leaves(tree, inputs, root, 3)
+    shifted = (leaf, out.roll(1, 0), s.roll(1, 0), t.roll(1, 0))
+    ga, _, _ = d.commit_extend_tree(tokens, feats, tree, inputs, 2, 3, 6, shifted)
+    gb, _, _ = d.commit_extend_tree(tokens, feats, tree, inputs, 2, 3, 6)
+    assert ga.tokens.tolist() != gb.tokens.tolist()
+
+
+def test_a_prefetched_step_holds_one_forward_and_one_log_prob_call():
+    """The claim, counted on an EAGLE + lookup drafter, levels = 2: on the verified step's chain, plain = 3 head
+    forwards (commit, re-feed, level 2) and 2 log-prob calls; fused = 2 and 2; prefetched = 1 and 1 (the prefetch
+    itself, after the send: 1 and 1)."""
+    from draft.lookup import LookupDrafter
+    from draft.protocol import install_meter
+
+    class Count:
+        def __init__(self):
+            self.ops = {}
+
+        @contextlib.contextmanager
+        def op(self, kind, rows, ctx=0):
+            self.ops[kind] = self.ops.get(kind, 0) + 1
+            yield
+
+    def make():
+        d, g = _committed()
+        look = LookupDrafter(V_TINY, max_matches=4)
+        look.start(list(range(9)), 3, None)
+        m = MergedDrafter([d, look], ["eagle", "lookup"])
+        m.widths = [16, int(look.state([]).shape[-1])]
+        return m, g
+
+    got = {}
+    for how in ("plain", "fused", "prefetch", "chain"):
+        d, g = make()
+        tokens, feats = torch.tensor([5, 7, 11]), torch.randn(3, 16, generator=g, dtype=torch.float64)
+        root = d.commit(tokens[:1], feats[:1])
+        tree, inputs = d.grow_tree_with_inputs(11, root, 9, 2, 3)
+        pre = d.prefetch_leaves(tree, inputs, root, 3) if how == "chain" else None
+        meter = Count()
+        install_meter(d, meter)
+        if how == "plain":
+            d.extend_tree(tree, inputs, d.commit(tokens, feats), 2, 3, 6)
+        elif how == "fused":
+            d.commit_extend_tree(tokens, feats, tree, inputs, 2, 3, 6)
+        elif how == "prefetch":
+            d.prefetch_leaves(tree, inputs, root, 3)
+        else:
+            d.commit_extend_tree(tokens, feats, tree, inputs, 2, 3, 6, pre)
+        got[how] = (meter.ops.get("draft_forward", 0), meter.ops.get("lm_head", 0))
+    assert got == {"plain": (3, 2), "fused": (2, 2), "prefetch": (1, 1), "chain": (1, 1)}, got
