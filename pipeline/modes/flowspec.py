@@ -336,7 +336,7 @@ class ContinuousMode(StreamingMode):
         and two log-prob calls more. The work moves, it does not vanish (one re-feed and one log-prob call per
         step, here). The candidates were ranked before the step's accepted tokens were committed (those are draft
         tree entries then): a different draft, the same exactness. Invariant: ``self.pre`` has one row per node
-        of the current tree (re-rooted with it, :meth:`on_reroot`); any growth drops it (:meth:`drop_prefetch`)."""
+        of the current tree (re-rooted with it, :meth:`on_reroot`); any growth drops it (set to None)."""
         t = engine.cfg.tree
         self.pre = None
         if not t.prefetch_level or self.inputs is None or t.expand_total_token == 0 \
