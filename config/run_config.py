@@ -125,6 +125,14 @@ class TreeConfig(Checked):
     ahead_levels: int = 0        # continuous: when a ring link is free and nothing waits, grow this many levels
                                  # below the best leaves and send them (draft ahead; 0 = off)
     ahead_min_prob: float = 0.02  # ... only while the best new node's draft path probability is at least this
+    fuse_commit: bool = False    # continuous (incremental): commit the accepted tokens and re-feed the surviving
+                                 # tree in ONE draft-head forward (the root's children keep their drafted input;
+                                 # issue 41: one forward fewer per verified step; changes the trees, not the output)
+    prefetch_level: bool = True   # continuous (incremental), implies fuse_commit: after each ring send, draft the
+                                 # next expansion's first level for every leaf (a re-feed + one log-prob call while
+                                 # the stages compute), so a verified step's turnaround holds one head forward and
+                                 # one log-prob call (issue 41; changes the trees, not the output; default since
+                                 # docs/results.md "41: A shorter turnaround": ξ +5.7% what-if, +4.8% edge)
     pipedec_topk: int = 16       # pipedec: nodes per new tree layer
 
 

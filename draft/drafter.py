@@ -330,6 +330,65 @@ class BeamTreeDrafter:
         outputs = torch.where(known.to(dev)[:, None], outputs, 0)
         return tree, inputs, outputs.to(inputs.dtype), known
 
+    def commit_tree_forward(self, tokens: Tensor, features: Tensor, tree_tokens: Tensor, tree_inputs: Tensor,
+                            parents: Tensor) -> tuple[Tensor, Tensor]:
+        """Commit context entries ``(tokens, features)`` (:meth:`commit`), then feed tree entries ``(tree_tokens,
+        tree_inputs)`` below them (:meth:`tree_forward`, ``parents``: draft-cache tree slots, -1 = a child of the
+        context); returns ``(the commit's last output, the tree rows' outputs)``. Here the two calls in that order
+        (a drafter with no cheaper way); :class:`Drafter` does both in ONE head forward, and
+        :class:`draft.merged.MergedDrafter` asks each source. The tree rows' inputs must not depend on the
+        commit's outputs (that is what makes one forward possible: issue 41, ``tree.fuse_commit``)."""
+        root = self.commit(tokens, features)
+        return root, self.tree_forward(tree_tokens, tree_inputs, parents)
+
+    @torch.no_grad()
+    def prefetch_leaves(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor,
+                        top_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The first level of the NEXT expansion, drafted ahead for every leaf (``tree.prefetch_level``, issue 41):
+        re-feed the tree as :meth:`extend_tree` does (one head forward; the root's children take ``root_hidden``),
+        then every leaf's draft output and its best ``top_k`` (:meth:`host_top_tokens`, one log-prob call, one
+        device->host copy). Returns ``(leaf mask [n], outputs [n, H], scores [n, kk], tokens [n, kk])`` with rows
+        of non-leaves unused. Called after a ring send, while the stages compute: the next verified step's
+        expansion (:meth:`commit_extend_tree` with ``pre``) then starts from these candidates instead of a re-feed
+        and a log-prob call, so its turnaround holds one head forward and one log-prob call fewer."""
+        n = len(tree)
+        dev = inputs.device
+        depth1 = (tree.parents == 0).to(dev)[:, None]
+        inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)
+        outs = root_hidden[None].to(inputs.dtype)
+        if n > 1:
+            out = self.tree_forward(tree.tokens[1:], inputs[1:], tree.parents[1:] - 1)
+            outs = torch.cat([outs, out.to(inputs.dtype)])
+            self.drop_tree()
+        leaf = torch.ones(n, dtype=torch.bool, device=HOST)
+        leaf[tree.parents[1:]] = False
+        cs, ct = self.host_top_tokens(outs, top_k)
+        return leaf, outs, cs, ct
+
+    @torch.no_grad()
+    def commit_extend_tree(self, tokens: Tensor, features: Tensor, tree: DraftTree, inputs: Tensor, levels: int,
+                           top_k: int, max_new: int, pre: tuple | None = None) -> tuple[DraftTree, Tensor, Tensor]:
+        """Commit the accepted tokens and expand the re-rooted tree with ONE draft forward fewer than
+        :meth:`commit` followed by :meth:`extend_tree` (``tree.fuse_commit``, issue 41): ``(grown tree, its
+        per-node inputs, the commit's output = the new root's draft output)``.
+
+        Why: in :meth:`extend_tree` the re-feed of the surviving tree waits on the commit (the root's children take
+        the commit's output as their input), so a verified step's turnaround holds two head forwards before the
+        first level's log-probs. Here the root's children keep the input they were drafted with (the new root's
+        draft output as a tree node, remembered in ``inputs``), so the commit's rows and the tree's rows are
+        independent and go through the head in one forward (:meth:`commit_tree_forward`): the tree rows attend to
+        the freshly committed context (target features) exactly as after a separate commit; only the root's
+        children's own input differs (draft-predicted instead of recomputed from the target's features). The
+        returned ``inputs`` carry the fresh commit output for the root's children (later re-feeds use it).
+        Changes which trees are drafted, never what is accepted: verification is exact for any tree.
+
+        ``pre`` (:meth:`prefetch_leaves` of this tree, re-rooted with it; ``tree.prefetch_level``): the first
+        level's candidates come from it (no re-feed, no log-prob call), and the commit, the re-fed tree and the
+        first level's chosen nodes share the level's one head forward. Its candidates were ranked with the
+        context of the previous step (the path just accepted as draft tree entries): a different draft, the
+        same exactness."""
+        return self._extend(tree, inputs, None, levels, top_k, max_new, (tokens, features), pre)
+
     @torch.no_grad()
     def extend_tree(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor, levels: int, top_k: int,
                     max_new: int) -> tuple[DraftTree, Tensor]:
@@ -352,15 +411,35 @@ class BeamTreeDrafter:
         forward. A candidate records only its frontier row; the rows' parent, depth and output feature are
         gathered once, for the chosen candidates, at the end. No per-node Python, no concatenation per level.
         """
+        return self._extend(tree, inputs, root_hidden, levels, top_k, max_new, None)[:2]
+
+    def _extend(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor | None, levels: int, top_k: int,
+                max_new: int, commit: tuple[Tensor, Tensor] | None,
+                pre: tuple | None = None) -> tuple[DraftTree, Tensor, Tensor | None]:
+        """:meth:`extend_tree` (``commit`` None) or :meth:`commit_extend_tree` (``commit = (tokens, features)``:
+        the re-feed is :meth:`commit_tree_forward`, ``root_hidden`` its output; with ``pre``, the first level's
+        forward)."""
         n = len(tree)
-        if levels <= 0 or max_new <= 0:
-            return tree, inputs
         dev = inputs.device
         depth1 = (tree.parents == 0).to(dev)[:, None]
-        inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)      # a fresh copy: root's children
+        if pre is not None and commit is not None and levels >= 2 and max_new > 0 and n > 1:
+            return self._extend_prefetched(tree, inputs, levels, top_k, max_new, commit, pre)
+        if commit is not None and (levels <= 0 or max_new <= 0 or n == 1):   # nothing to fuse with: commit alone
+            root_hidden = self.commit(*commit)
+            inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)
+            commit = None
+        if levels <= 0 or max_new <= 0:
+            return tree, inputs, root_hidden
+        if commit is None:
+            inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)  # a fresh copy: root's children
+            if n > 1:
+                out = self.tree_forward(tree.tokens[1:], inputs[1:], tree.parents[1:] - 1)  # node i at slot i-1
+        else:   # the root's children as drafted (remembered inputs): commit rows and tree rows in one forward
+            root_hidden, out = self.commit_tree_forward(commit[0], commit[1], tree.tokens[1:], inputs[1:],
+                                                        tree.parents[1:] - 1)
+            inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)  # later re-feeds: the fresh output
         outs = root_hidden[None].to(inputs.dtype)
         if n > 1:
-            out = self.tree_forward(tree.tokens[1:], inputs[1:], tree.parents[1:] - 1)   # node i at cache slot i-1
             outs = torch.cat([outs, out.to(inputs.dtype)])
         has_child = torch.zeros(n, dtype=torch.bool, device=HOST)
         has_child[tree.parents[1:]] = True
@@ -408,7 +487,18 @@ class BeamTreeDrafter:
             n_cand = end
         self.drop_tree()
         if not n_cand:
-            return tree, inputs
+            return tree, inputs, root_hidden
+        return (*self._append_chosen(tree, inputs, c_score, c_row, c_tok, rows_par, rows_dep, rows_out, n_cand,
+                                     max_new), root_hidden)
+
+    @staticmethod
+    def _append_chosen(tree: DraftTree, inputs: Tensor, c_score: Tensor, c_row: Tensor, c_tok: list[Tensor],
+                       rows_par: list[Tensor], rows_dep: list[Tensor], rows_out: list[Tensor], n_cand: int,
+                       max_new: int) -> tuple[DraftTree, Tensor]:
+        """The end of an expansion: the best ``max_new`` of ``n_cand`` candidates appended to ``tree`` (its
+        buffers, in place where it owns them), and the grown tree's per-node inputs (a candidate's input: its
+        frontier row's output)."""
+        n, dev = len(tree), inputs.device
         chosen = top_node_order(c_score[:n_cand], max_new + 1)            # + 1: the helper counts a root
         row = c_row[chosen]
         par = torch.cat(rows_par)[row]                                    # a tree node, or n + a candidate
@@ -427,6 +517,82 @@ class BeamTreeDrafter:
         score.copy_(c_score[chosen])
         torch.add(torch.cat(rows_dep)[row], 1, out=depth)
         return grown, torch.cat([inputs, torch.cat(rows_out)[row.to(dev)]])
+
+    def _extend_prefetched(self, tree: DraftTree, inputs: Tensor, levels: int, top_k: int, max_new: int,
+                           commit: tuple[Tensor, Tensor], pre: tuple) -> tuple[DraftTree, Tensor, Tensor]:
+        """:meth:`commit_extend_tree` with ``pre``: level 0's candidates are the prefetched ones of the frontier
+        leaves; its chosen nodes are fed in ONE forward with the commit rows and the re-fed tree
+        (:meth:`commit_tree_forward`); later levels as in :meth:`_extend`, the final choice
+        :meth:`_append_chosen`."""
+        leaf, p_out, p_s, p_t = pre
+        n = len(tree)
+        dev = inputs.device
+        leaves = leaf.nonzero().flatten()
+        k = min(top_k, leaves.numel())
+        frontier = leaves[beam_frontier(tree.scores[leaves], k)]
+        cs, ct = p_s[frontier], p_t[frontier]
+        nf, kk = cs.shape
+        if kk == 0:
+            root_hidden = self.commit(*commit)
+            return tree, torch.where((tree.parents == 0).to(dev)[:, None], root_hidden.to(inputs.dtype), inputs), \
+                root_hidden
+        f_out = p_out[frontier.to(dev)].to(inputs.dtype)
+        cum = tree.scores[frontier][:, None] + cs                                 # [nf, kk]
+        best = self._frontier(self.tree_shape, cum.reshape(-1), [cum.reshape(-1)], max_new + 1, top_k)
+        row = best // kk
+        l1_tok = ct.reshape(-1)[best]
+        root_hidden, out = self.commit_tree_forward(
+            commit[0], commit[1], torch.cat([tree.tokens[1:], l1_tok]), torch.cat([inputs[1:], f_out[row.to(dev)]]),
+            torch.cat([tree.parents[1:] - 1, frontier[row] - 1]))
+        inputs = torch.where((tree.parents == 0).to(dev)[:, None], root_hidden.to(inputs.dtype), inputs)
+        l1_out = out[n - 1:].to(inputs.dtype)
+        start = n - 1                                                             # the level's cache slots
+        # the remaining levels: one beam below the level-1 nodes; candidates of level 0 compete with them
+        cap = levels * top_k * top_k
+        c_score = torch.empty(cap, dtype=torch.promote_types(cum.dtype, torch.float32), device=HOST)
+        c_row = torch.empty(cap, dtype=torch.long, device=HOST)
+        c_score[:nf * kk] = cum.reshape(-1)
+        c_row[:nf * kk] = _row_pattern(nf, kk)
+        c_tok = [ct.reshape(-1)]
+        rows_par, rows_dep, rows_out = [frontier], [tree.depths[frontier]], [f_out]
+        rows_par.append(best + n)
+        rows_dep.append(rows_dep[-1][row] + 1)
+        rows_out.append(l1_out)
+        n_rows, n_cand = nf, nf * kk
+        f_slot = torch.arange(start, start + best.numel(), device=HOST)
+        f_score = cum.reshape(-1)[best][:, None]
+        for level in range(1, levels):
+            cs, ct = self.host_top_tokens(rows_out[-1], top_k)
+            nf2, kk2 = cs.shape
+            if kk2 == 0:
+                break
+            if c_score.dtype != torch.promote_types(c_score.dtype, cs.dtype):
+                c_score = c_score.to(torch.promote_types(c_score.dtype, cs.dtype))
+            end = n_cand + nf2 * kk2
+            cum = c_score[n_cand:end]
+            torch.add(f_score, cs, out=cum.view(nf2, kk2))
+            c_tok.append(ct.reshape(-1))
+            torch.add(_row_pattern(nf2, kk2), n_rows, out=c_row[n_cand:end])
+            if level == levels - 1:
+                n_cand = end
+                break
+            best = self._frontier(self.tree_shape, cum, [c_score[:end]], max_new + 1, top_k)
+            if best.numel() == 0:
+                n_cand = end
+                break
+            row = best // kk2
+            start = self.tree_size
+            out = self.tree_forward(c_tok[-1][best], rows_out[-1][row.to(dev)], f_slot[row])
+            n_rows += nf2
+            rows_par.append(best + (n + n_cand))
+            rows_dep.append(rows_dep[-1][row] + 1)
+            rows_out.append(out.to(inputs.dtype))
+            f_slot = torch.arange(start, start + best.numel(), device=HOST)
+            f_score = cum[best][:, None]
+            n_cand = end
+        self.drop_tree()
+        return (*self._append_chosen(tree, inputs, c_score, c_row, c_tok, rows_par, rows_dep, rows_out, n_cand,
+                                     max_new), root_hidden)
 
     def host_top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """:meth:`top_tokens` of a frontier, moved to the host in one copy (:func:`to_host`): what a beam level
@@ -540,6 +706,42 @@ class Drafter(BeamTreeDrafter):
                         pos, mask, cache)
         cache.commit_forward(n, as_context=True)
         return out[0, -1]
+
+    @torch.no_grad()
+    def commit_tree_forward(self, tokens: Tensor, features: Tensor, tree_tokens: Tensor, tree_inputs: Tensor,
+                            parents: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`BeamTreeDrafter.commit_tree_forward` as ONE head forward over ``n`` commit rows then ``t`` tree
+        rows: the commit rows see the context and each other causally (:meth:`model.kv_cache.KVCache.context_inputs`),
+        the tree rows the whole context including the commit rows plus their tree ancestors
+        (:meth:`~model.kv_cache.KVCache.staged_tree_inputs`, staged as if the commit were done); afterwards the cache
+        holds the commit rows as context and the tree rows as tree entries, exactly as after :meth:`commit` then
+        :meth:`tree_forward` (same keys, values and outputs up to float reassociation: tested). Rows of different
+        widths (an EAGLE-3 head: wide target features, narrow tree inputs) or no tree rows: the two calls."""
+        t = tree_tokens.numel()
+        if t == 0 or features.shape[-1] != tree_inputs.shape[-1]:
+            return super().commit_tree_forward(tokens, features, tree_tokens, tree_inputs, parents)
+        cache = self.cache
+        if cache.num_tree:
+            cache.truncate_tree()
+        if self.dvocab is not None:
+            self.dvocab.add(tokens)
+        n, c = tokens.numel(), cache.length
+        pos_c, mask_c = cache.context_inputs(n, self.dtype)                  # [1, n], [1, 1, n, c + n]
+        cache.length = cache.context_len = c + n                             # stage the tree rows after the commit
+        try:
+            pos_t, mask_t = cache.staged_tree_inputs(parents, self.dtype)    # [1, t], [1, 1, t, c + n + t]
+        finally:
+            cache.length = cache.context_len = c
+        mask = torch.full((1, 1, n + t, c + n + t), torch.finfo(self.dtype).min, dtype=self.dtype, device=HOST)
+        mask[..., :n, :c + n] = mask_c
+        mask[..., n:, :] = mask_t
+        rows = (torch.cat([tokens.view(-1).to(self.device), tree_tokens.view(-1).to(self.device)]).view(1, -1),
+                torch.cat([features.view(n, -1).to(self.device, self.dtype),
+                           tree_inputs.view(t, -1).to(self.device, self.dtype)]).view(1, n + t, -1))
+        out = self.head(*rows, torch.cat([pos_c, pos_t], dim=-1), mask, cache)
+        cache.commit_forward(n, as_context=True)
+        cache.commit_forward(t, as_context=False)                            # the staged tree rows
+        return out[0, n - 1], out[0, n:]
 
     @torch.no_grad()
     def level(self, tokens: Tensor, features: Tensor, parents: Tensor, scores: Tensor,

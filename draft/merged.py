@@ -199,6 +199,21 @@ class MergedDrafter(BeamTreeDrafter):
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
         return self._cat([s.tree_forward(tokens, f, parents) for s, f in zip(self.sources, self._split(features))])
 
+    def commit_tree_forward(self, tokens: Tensor, features: Tensor, tree_tokens: Tensor, tree_inputs: Tensor,
+                            parents: Tensor) -> tuple[Tensor, Tensor]:
+        """Every source commits the same target ``features`` and feeds its own slice of ``tree_inputs``, in one
+        forward where it can (:meth:`draft.drafter.Drafter.commit_tree_forward`), else commit then tree_forward."""
+        roots, outs = [], []
+        for s, f in zip(self.sources, self._split(tree_inputs)):
+            if hasattr(s, "commit_tree_forward"):
+                r, o = s.commit_tree_forward(tokens, features, tree_tokens, f, parents)
+            else:
+                r = s.commit(tokens, features)
+                o = s.tree_forward(tree_tokens, f, parents)
+            roots.append(r)
+            outs.append(o)
+        return self._join(roots), self._cat(outs)
+
     def drop_tree(self) -> None:
         for s in self.sources:
             s.drop_tree()

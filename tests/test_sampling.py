@@ -199,12 +199,23 @@ class CountingContinuous(ContinuousMode):
     def __init__(self) -> None:
         super().__init__()
         self.appended = 0
+        self.fused = 0          # verified steps whose commit and expansion ran as one call (tree.fuse_commit)
+        self.prefetched = 0     # ... of them, started from a prefetched first level (tree.prefetch_level)
 
     def grow(self, engine, tree, root_hidden, verified):
         out = super().grow(engine, tree, root_hidden, verified)
         if engine.comm.live():
             self.appended += len(out) - len(tree)
         return out
+
+    def commit_and_grow(self, engine, tree, tokens, feats):
+        pre = self.pre is not None
+        got = super().commit_and_grow(engine, tree, tokens, feats)
+        if got is not None and engine.comm.live():
+            self.appended += len(got[0]) - len(tree)
+            self.fused += 1
+            self.prefetched += int(pre)
+        return got
 
 
 TREE = {  # small trees so that enumeration stays cheap, segments of 1-2 nodes so that every event happens
@@ -379,6 +390,10 @@ EXACT_CASES = [
      {"tree.lookahead_min_prob": 0.05, "tree.lookahead_max_levels": 3}, ("CONTINUE", "expand")),
     ("continuous", 4, 2.0, 0.9, 0, "random", 2, {"tree.first_levels": 0},
      ("CONTINUE", "expand")),
+    ("continuous", 3, 1.0, 1.0, 0, "target", 3,   # commit + re-feed fused (issue 41: commit_extend_tree)
+     {"tree.fuse_commit": True}, ("CONTINUE", "EMPTY", "expand", "fused")),
+    ("continuous", 4, 2.0, 0.9, 0, "random", 3,   # + the next first level drafted after the send (prefetched)
+     {"tree.prefetch_level": True}, ("CONTINUE", "expand", "fused", "prefetched")),
     ("continuous", 3, 1.0, 1.0, 0, "disjoint", 2, {}, ()),
     ("pipedec", 3, 1.0, 0.9, 0, "random", 3, {}, ("CONTINUE",)),
     ("pipedec", 4, 0.3, 1.0, 0, "target", 2, {}, ("CONTINUE",)),
@@ -405,6 +420,8 @@ def test_exact_law_every_mode(mode, world, temp, top_p, top_k, draft, horizon, o
     print(mode, runs, seen, getattr(run.cont, "appended", None), len(law), len(ref))
     if run.cont is not None:
         seen["expand"] = run.cont.appended
+        seen["fused"] = run.cont.fused
+        seen["prefetched"] = run.cont.prefetched
     for e in events:
         if e == "EMPTY" and not early:
             continue   # without early pruning a stale result still carries its (dead) rows

@@ -175,6 +175,7 @@ class StreamingMode:
         if len(grown) > len(state.tree):
             state.set_tree(grown)
             self.fill(engine, box, state)
+        self.after_send(engine, state, root_hidden)
         pending_tokens: list[int] = []
         pending_feats: list[torch.Tensor] = []
         steps = 0
@@ -208,10 +209,28 @@ class StreamingMode:
             if state.waiting >= self.segment_target(engine):
                 self.top_up(engine, box, state)      # what is already drafted goes out first
             if self.commit_every_step:
-                root_hidden = self._commit(engine, pending_tokens, pending_feats)
+                fused = self.commit_and_grow(engine, state.tree, pending_tokens, pending_feats)
+                if fused is None:
+                    root_hidden = self._commit(engine, pending_tokens, pending_feats)
+                    state.set_tree(self.grow(engine, state.tree, root_hidden, True))
+                else:
+                    tree, root_hidden = fused
+                    state.set_tree(tree)
                 pending_tokens, pending_feats = [], []
-            state.set_tree(self.grow(engine, state.tree, root_hidden, True))
+            else:
+                state.set_tree(self.grow(engine, state.tree, root_hidden, True))
             self.top_up(engine, box, state, root_hidden)
+            self.after_send(engine, state, root_hidden)
+
+    def after_send(self, engine: Engine, state: RankTree, root_hidden: torch.Tensor) -> None:
+        """Work that waits for no result, done after a step's ring sends while the stages compute (off rank 0's
+        turnaround). The base class has none."""
+
+    def commit_and_grow(self, engine: Engine, tree: DraftTree, tokens: list[int],
+                        feats: list[torch.Tensor]) -> tuple[DraftTree, torch.Tensor] | None:
+        """Commit the accepted tokens and grow the re-rooted tree in one call, ``(grown tree, root_hidden)``; None:
+        this mode does it as a commit then :meth:`grow` (the base class always)."""
+        return None
 
     @staticmethod
     def _commit(engine: Engine, tokens: list[int], feats: list[torch.Tensor]) -> torch.Tensor:
@@ -242,6 +261,7 @@ class ContinuousMode(StreamingMode):
         self.inputs: torch.Tensor | None = None   # draft input feature per tree node (incremental expansion)
         self.quick_fill = False                   # the round's quick-started first tree is not sent yet
         self.acceptance: AcceptanceStats | None = None   # per-level acceptance, measured with tree.lookahead_*
+        self.pre: tuple | None = None             # tree.prefetch_level: the next expansion's first level, per node
 
     @staticmethod
     def incremental(engine: Engine) -> bool:
@@ -261,6 +281,7 @@ class ContinuousMode(StreamingMode):
             return super().first_tree(engine, root, root_hidden)
         quick = 0 < t.first_levels <= t.init_depth
         self.quick_fill = quick
+        self.pre = None
         total = min(t.init_total_token, t.subseq_token + 1) if quick else t.init_total_token
         depth = t.first_levels - 1 if quick else t.init_depth
         with engine.tracer.span("draft"):
@@ -301,6 +322,28 @@ class ContinuousMode(StreamingMode):
     def on_reroot(self, keep: torch.Tensor, accepted_len: int) -> None:
         if self.inputs is not None:
             self.inputs = self.inputs[keep[accepted_len:].to(self.inputs.device)]
+        if self.pre is not None:                  # per-node rows follow their nodes; a kept leaf stays a leaf
+            kept = keep[accepted_len:]
+            self.pre = tuple(x[kept.to(x.device)] for x in self.pre)
+
+    def after_send(self, engine: Engine, state: RankTree, root_hidden: torch.Tensor) -> None:
+        """``tree.prefetch_level`` (issue 41): draft the next expansion's first level for every leaf now
+        (:meth:`draft.drafter.BeamTreeDrafter.prefetch_leaves`), after the sends, while the stages compute.
+
+        Why: with it, the next verified step's expansion (:meth:`commit_and_grow`) starts from these candidates:
+        its turnaround holds the verification's log-prob call, ONE head forward (the commit, the re-fed tree and
+        the first level's chosen nodes together) and the second level's log-prob call, instead of two forwards
+        and two log-prob calls more. The work moves, it does not vanish (one re-feed and one log-prob call per
+        step, here). The candidates were ranked before the step's accepted tokens were committed (those are draft
+        tree entries then): a different draft, the same exactness. Invariant: ``self.pre`` has one row per node
+        of the current tree (re-rooted with it, :meth:`on_reroot`); any growth drops it (set to None)."""
+        t = engine.cfg.tree
+        self.pre = None
+        if not t.prefetch_level or self.inputs is None or t.expand_total_token == 0 \
+                or not hasattr(engine.drafter, "prefetch_leaves"):
+            return
+        with engine.tracer.span("expand"):
+            self.pre = engine.drafter.prefetch_leaves(state.tree, self.inputs, root_hidden, t.expand_topk)
 
     def decode(self, engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
                out: OutputBuffer) -> DecodeResult:
@@ -332,6 +375,44 @@ class ContinuousMode(StreamingMode):
             cap = affordable_levels(self.profile_costs(engine), t.subseq_token, t.expand_topk, cap)
         depth = int(tree.depths.max()) if len(tree) > 1 else 0
         return lookahead_levels(self.acceptance.alpha, depth, t.lookahead_min_prob, cap)
+
+    def expand_levels(self, engine: Engine, tree: DraftTree) -> int:
+        """Levels an incremental expansion grows after a verified step: ``tree.expand_levels``, or with
+        ``tree.lookahead_min_prob > 0`` what :meth:`lookahead` says (0: none this step)."""
+        t = engine.cfg.tree
+        if t.lookahead_min_prob > 0 and self.inputs is not None:
+            return self.lookahead(engine, tree)
+        return t.expand_levels
+
+    def commit_and_grow(self, engine: Engine, tree: DraftTree, tokens: list[int],
+                        feats: list[torch.Tensor]) -> tuple[DraftTree, torch.Tensor] | None:
+        """``tree.fuse_commit`` (issue 41): commit the accepted tokens and re-feed the surviving tree in ONE draft
+        forward (:meth:`draft.drafter.BeamTreeDrafter.commit_extend_tree`), then grow as :meth:`grow` would.
+
+        Why: every call between a result and the next ring send is on rank 0's turnaround; with a separate commit
+        the chain holds two head forwards (commit, then the re-feed that needs the commit's output for the root's
+        children) before the first level's log-probs. Fused, the root's children keep the input they were drafted
+        with, and the commit's rows and the tree's rows share one forward: one head forward fewer per verified
+        step, on the chain and in total. It changes which trees are drafted (τ may move), never the output:
+        verification accepts exactly what the target says, whatever the tree. None (commit, then :meth:`grow`):
+        the key is off, there is no incremental expansion, expansion is off, nothing is grown this step, or the
+        drafter has no fused call (a wrapper such as :class:`draft.osd.OnlineDrafter`)."""
+        t = engine.cfg.tree
+        pre, self.pre = self.pre, None
+        if not (t.fuse_commit or t.prefetch_level) or self.inputs is None or t.expand_total_token == 0 \
+                or not hasattr(engine.drafter, "commit_extend_tree"):
+            return None
+        levels = self.expand_levels(engine, tree)
+        if levels <= 0:
+            return None
+        if pre is not None and (pre[0].numel() != len(tree) or not t.prefetch_level):
+            raise AssertionError("prefetched rows do not match the tree")      # on_reroot keeps them in step
+        room = max(t.expand_total_token - len(tree), t.expand_topk)
+        with engine.tracer.span("expand"):
+            tree, self.inputs, root_hidden = engine.drafter.commit_extend_tree(
+                torch.tensor(tokens, device=HOST), torch.cat(feats), tree, self.inputs, levels, t.expand_topk, room,
+                pre)
+        return tree, root_hidden
 
     def grow(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor, verified: bool) -> DraftTree:
         """After a verified step (``verified``): incremental expansion grows ``tree.expand_levels`` levels, or with
@@ -381,6 +462,7 @@ class ContinuousMode(StreamingMode):
         keep = n + worth
         tree = tree.prefix(keep)
         self.inputs = inputs[:keep]
+        self.pre = None                           # new leaves: the prefetched level no longer covers the tree
         state.set_tree(tree)
         return True
 

@@ -86,6 +86,16 @@ class ReplayDrafter:
                     max_new: int) -> tuple[DraftTree, Tensor]:
         return self.inner.extend_tree(tree, inputs, root_hidden, levels, top_k, max_new)
 
+    def commit_extend_tree(self, tokens: Tensor, features: Tensor, tree: DraftTree, inputs: Tensor, levels: int,
+                           top_k: int, max_new: int, pre: tuple | None = None) -> tuple[DraftTree, Tensor, Tensor]:
+        """``tree.fuse_commit`` (:meth:`draft.drafter.BeamTreeDrafter.commit_extend_tree`): a commit, so the rows
+        become the target's features first."""
+        return self.inner.commit_extend_tree(tokens, self._features(features), tree, inputs, levels, top_k, max_new,
+                                             pre)
+
+    def prefetch_leaves(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor, top_k: int) -> tuple:
+        return self.inner.prefetch_leaves(tree, inputs, root_hidden, top_k)
+
 
 class LogMeter:
     """An :class:`model.meter.OpMeter` that logs each op as a modeled rank-0 op of the current log (``lm_head`` as
