@@ -132,7 +132,7 @@ class TreeConfig(Checked):
                                  # next expansion's first level for every leaf (a re-feed + one log-prob call while
                                  # the stages compute), so a verified step's turnaround holds one head forward and
                                  # one log-prob call (issue 41; changes the trees, not the output; default since
-                                 # docs/results.md "41: A shorter turnaround": ξ +5.7% what-if, +4.8% edge)
+                                 # docs/results.md §48: ξ +5.7% what-if, +4.8% edge)
     pipedec_topk: int = 16       # pipedec: nodes per new tree layer
 
 

@@ -125,7 +125,7 @@ def resolve_draft_vocab(setting: int, *, counts_found: bool, shares_lm_head: boo
     Why auto and not a plain 16384: the default must not refuse what ran before it, so a head without counts (an
     untrained head, a custom model's head), an EAGLE-3 head (its own vocabulary) or a vocabulary of at most 16384
     tokens drafts over the whole vocabulary as before, while the shipped SmolLM2 heads, whose counts ship beside
-    them, draft over 16384 (measured: docs/results.md, "The reduced draft vocabulary by default"). The output is the
+    them, draft over 16384 (measured: docs/results.md §46, "The reduced draft vocabulary by default"). The output is the
     same either way.
 
     ``static_levels`` (rank 0 runs draft levels on static shapes: ``model.graphs`` resolves to an executor, as

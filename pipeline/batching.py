@@ -1,6 +1,6 @@
 """Several messages in ONE stage forward: which waiting messages join a stage step (the rule), and the step's
 pieces of work. Two kinds of joining: segments of several lanes (issue 46, docs/results.md §41), and one lane's
-consecutive waiting segments (a chain, §46).
+consecutive waiting segments (a chain, §45).
 
 Why: on a memory-bound device (the edge profile: a stage step streams 3.2 GB of weights whether it carries 1 row or
 16) a stage's capacity is forwards per second, not rows. With several requests in flight (lanes,
@@ -56,7 +56,7 @@ lane's greedy output is unchanged (``tests/test_lanes.py``, ``tests/test_lanes_b
 ``tests/test_lane_chain.py``).
 
 Where it does not batch (one message per forward, as before): a stage that has served only one lane, unless
-``StageWorker.chain_alone`` (docs/results.md §46 measured whether a single request gains); a stage on static
+``StageWorker.chain_alone`` (docs/results.md §45 measured whether a single request gains); a stage on static
 shapes / CUDA graphs (``model.graphs``: one cache per recorded graph); a device wire (NCCL: ``Comm.poll_prev``
 returns nothing). The TP group worker (``pipeline/tp_run.py``) serves one request at a time.
 
@@ -65,7 +65,7 @@ keep one live segment each, so what chains there is a prompt chunk and its first
 higher share, is where a stage finds a lane's segments queued. A stage's counters (``StageWorker.forwards``,
 ``messages``, ``joined_forwards``, ``batched_forwards``, ``chained_forwards``, ``chain_stops``) say how often it
 happened (``FLOWSPEC_STAGE_COUNTERS=1`` prints them at every ``Stats`` trip); ``FLOWSPEC_STAGE_CHAIN=off|alone``
-is the A/B switch docs/results.md §46 measured with (chains off: the §41 rule; ``alone``: chains for one lane too).
+is the A/B switch docs/results.md §45 measured with (chains off: the §41 rule; ``alone``: chains for one lane too).
 """
 from __future__ import annotations
 

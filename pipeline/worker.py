@@ -148,7 +148,7 @@ class ChainSwitchError(UserError):
 
 class StageWorker:
     def __init__(self, model: StageModel, comm: Transport, max_len: int, dtype: torch.dtype, device: str) -> None:
-        # FLOWSPEC_STAGE_CHAIN=off|alone: the A/B switch of docs/results.md §46 (a measurement switch, not a setting)
+        # FLOWSPEC_STAGE_CHAIN=off|alone: the A/B switch of docs/results.md §45 (a measurement switch, not a setting)
         lever = os.environ.get("FLOWSPEC_STAGE_CHAIN", "on")
         if lever not in ("on", "off", "alone"):
             raise ChainSwitchError(f"FLOWSPEC_STAGE_CHAIN={lever!r}: expected on, off or alone")
@@ -164,7 +164,7 @@ class StageWorker:
         # several messages in one forward (pipeline/batching.py): arrived, not yet handled (ring order)
         self.batching = True          # other lanes' waiting messages join a step (once a second lane exists)
         self.chain = lever != "off"   # a lane's consecutive waiting segments join as one piece of work (a chain)
-        self.chain_alone = lever == "alone"   # chains while this stage has served one lane only (§46)
+        self.chain_alone = lever == "alone"   # chains while this stage has served one lane only (§45)
         self.backlog: deque = deque()
         # counters (cumulative): stage forwards (segments and prompt chunks), the messages they computed, forwards
         # carrying more than one message, more than one lane (and the lane messages in them), a lane's chain, and
