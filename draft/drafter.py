@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -71,6 +72,25 @@ def _beam_layout(shape: tuple[tuple[int, int], ...]) -> tuple[Tensor, Tensor]:
 def float_log_softmax(logits: Tensor) -> Tensor:
     """Log-probs of ``logits`` rows in float32 (row-wise)."""
     return torch.log_softmax(logits.float(), dim=-1)
+
+@dataclass
+class _Beam:
+    """A beam search's state below a tree (:meth:`BeamTreeDrafter._beam_levels`): the candidates so far (scores,
+    frontier rows and tokens, preallocated at ``cap``; ``n_cand`` written), every level's frontier rows (parent code,
+    depth, head output; ``n_rows`` of them before the current frontier), and the current frontier's draft-cache
+    slots and cumulative scores."""
+    cap: int
+    c_score: Tensor | None
+    c_row: Tensor | None
+    c_tok: list
+    rows_par: list
+    rows_dep: list
+    rows_out: list
+    f_slot: Tensor
+    f_score: Tensor
+    n_cand: int = 0
+    n_rows: int = 0
+
 
 class BeamTreeDrafter:
     """EAGLE-2's dynamic tree search, written against a drafter's state hooks only.
@@ -449,47 +469,55 @@ class BeamTreeDrafter:
         # frontier rows of every level, in order: parent code (a tree node < n, or n + candidate), depth, output
         rows_par, rows_dep, rows_out = [frontier], [tree.depths[frontier]], [outs[frontier.to(dev)]]
         f_score, f_slot = tree.scores[frontier][:, None], frontier - 1              # draft-cache slot of node i: i-1
-        cap = levels * top_k * top_k
-        c_score = c_row = None                                                    # the candidates, preallocated
-        c_tok: list[Tensor] = []                                                  # (their tokens: one view a level)
-        n_cand = n_rows = 0
-        for level in range(levels):
-            cs, ct = self.host_top_tokens(rows_out[-1], top_k)                    # one device->host copy per level
+        b = _Beam(levels * top_k * top_k, None, None, [], [frontier], [tree.depths[frontier]], [outs[frontier.to(dev)]],
+                  frontier - 1, tree.scores[frontier][:, None])                # draft-cache slot of node i: i-1
+        self._beam_levels(b, 0, levels, top_k, max_new, n, dev, inputs.dtype)
+        self.drop_tree()
+        if not b.n_cand:
+            return tree, inputs, root_hidden
+        return (*self._append_chosen(tree, inputs, b.c_score, b.c_row, b.c_tok, b.rows_par, b.rows_dep, b.rows_out,
+                                     b.n_cand, max_new), root_hidden)
+
+    def _beam_levels(self, b: "_Beam", first: int, levels: int, top_k: int, max_new: int, n: int, dev,
+                     dtype: torch.dtype) -> None:
+        """Beam levels ``first .. levels-1`` below ``b``'s frontier (:meth:`_extend`'s loop, shared with
+        :meth:`_extend_prefetched`, whose level 0 came prefetched): each level ranks the frontier's top-k (one
+        device->host copy), writes its candidates' cumulative scores, tokens and frontier rows in place into ``b``'s
+        arrays (allocated at ``b.cap`` by the first level that needs them), and, unless it is the last, picks the next
+        frontier and feeds it (one head forward). ``n``: the tree's size (a candidate's parent code is ``n + its
+        index``)."""
+        for level in range(first, levels):
+            cs, ct = self.host_top_tokens(b.rows_out[-1], top_k)                  # one device->host copy per level
             nf, kk = cs.shape
             if kk == 0:       # no source proposes a token below some frontier node (merged top-k): stop here
                 break
-            if c_score is None:
-                c_score = torch.empty(cap, dtype=torch.promote_types(f_score.dtype, cs.dtype), device=HOST)
-                c_row = torch.empty(cap, dtype=torch.long, device=HOST)
-            elif cs.dtype != c_score.dtype and c_score.dtype != torch.promote_types(c_score.dtype, cs.dtype):
-                c_score = c_score.to(torch.promote_types(c_score.dtype, cs.dtype))   # exact widening (never so far)
-            end = n_cand + nf * kk
-            cum = c_score[n_cand:end]                                             # this level's candidates
-            torch.add(f_score, cs, out=cum.view(nf, kk))                          # cumulative scores, in place
-            c_tok.append(ct.reshape(-1))
-            torch.add(_row_pattern(nf, kk), n_rows, out=c_row[n_cand:end])    # each candidate's frontier row
+            if b.c_score is None:
+                b.c_score = torch.empty(b.cap, dtype=torch.promote_types(b.f_score.dtype, cs.dtype), device=HOST)
+                b.c_row = torch.empty(b.cap, dtype=torch.long, device=HOST)
+            elif b.c_score.dtype != torch.promote_types(b.c_score.dtype, cs.dtype):
+                b.c_score = b.c_score.to(torch.promote_types(b.c_score.dtype, cs.dtype))  # exact widening (never so far)
+            end = b.n_cand + nf * kk
+            cum = b.c_score[b.n_cand:end]                                         # this level's candidates
+            torch.add(b.f_score, cs, out=cum.view(nf, kk))                        # cumulative scores, in place
+            b.c_tok.append(ct.reshape(-1))
+            torch.add(_row_pattern(nf, kk), b.n_rows, out=b.c_row[b.n_cand:end])  # each candidate's frontier row
             if level == levels - 1:
-                n_cand = end
+                b.n_cand = end
                 break
-            best = self._frontier(self.tree_shape, cum, [c_score[:end]], max_new + 1, top_k)
+            best = self._frontier(self.tree_shape, cum, [b.c_score[:end]], max_new + 1, top_k)
             if best.numel() == 0:                        # a shaped search found nothing worth expanding
-                n_cand = end
+                b.n_cand = end
                 break
             row = best // kk
             start = self.tree_size
-            out = self.tree_forward(c_tok[-1][best], rows_out[-1][row.to(dev)], f_slot[row])
-            n_rows += nf
-            rows_par.append(best + (n + n_cand))
-            rows_dep.append(rows_dep[-1][row] + 1)
-            rows_out.append(out.to(inputs.dtype))
-            f_slot = torch.arange(start, start + best.numel(), device=HOST)
-            f_score = cum[best][:, None]
-            n_cand = end
-        self.drop_tree()
-        if not n_cand:
-            return tree, inputs, root_hidden
-        return (*self._append_chosen(tree, inputs, c_score, c_row, c_tok, rows_par, rows_dep, rows_out, n_cand,
-                                     max_new), root_hidden)
+            out = self.tree_forward(b.c_tok[-1][best], b.rows_out[-1][row.to(dev)], b.f_slot[row])
+            b.n_rows += nf
+            b.rows_par.append(best + (n + b.n_cand))
+            b.rows_dep.append(b.rows_dep[-1][row] + 1)
+            b.rows_out.append(out.to(dtype))
+            b.f_slot = torch.arange(start, start + best.numel(), device=HOST)
+            b.f_score = cum[best][:, None]
+            b.n_cand = end
 
     @staticmethod
     def _append_chosen(tree: DraftTree, inputs: Tensor, c_score: Tensor, c_row: Tensor, c_tok: list[Tensor],
@@ -548,51 +576,18 @@ class BeamTreeDrafter:
         l1_out = out[n - 1:].to(inputs.dtype)
         start = n - 1                                                             # the level's cache slots
         # the remaining levels: one beam below the level-1 nodes; candidates of level 0 compete with them
-        cap = levels * top_k * top_k
-        c_score = torch.empty(cap, dtype=torch.promote_types(cum.dtype, torch.float32), device=HOST)
-        c_row = torch.empty(cap, dtype=torch.long, device=HOST)
-        c_score[:nf * kk] = cum.reshape(-1)
-        c_row[:nf * kk] = _row_pattern(nf, kk)
-        c_tok = [ct.reshape(-1)]
-        rows_par, rows_dep, rows_out = [frontier], [tree.depths[frontier]], [f_out]
-        rows_par.append(best + n)
-        rows_dep.append(rows_dep[-1][row] + 1)
-        rows_out.append(l1_out)
-        n_rows, n_cand = nf, nf * kk
-        f_slot = torch.arange(start, start + best.numel(), device=HOST)
-        f_score = cum.reshape(-1)[best][:, None]
-        for level in range(1, levels):
-            cs, ct = self.host_top_tokens(rows_out[-1], top_k)
-            nf2, kk2 = cs.shape
-            if kk2 == 0:
-                break
-            if c_score.dtype != torch.promote_types(c_score.dtype, cs.dtype):
-                c_score = c_score.to(torch.promote_types(c_score.dtype, cs.dtype))
-            end = n_cand + nf2 * kk2
-            cum = c_score[n_cand:end]
-            torch.add(f_score, cs, out=cum.view(nf2, kk2))
-            c_tok.append(ct.reshape(-1))
-            torch.add(_row_pattern(nf2, kk2), n_rows, out=c_row[n_cand:end])
-            if level == levels - 1:
-                n_cand = end
-                break
-            best = self._frontier(self.tree_shape, cum, [c_score[:end]], max_new + 1, top_k)
-            if best.numel() == 0:
-                n_cand = end
-                break
-            row = best // kk2
-            start = self.tree_size
-            out = self.tree_forward(c_tok[-1][best], rows_out[-1][row.to(dev)], f_slot[row])
-            n_rows += nf2
-            rows_par.append(best + (n + n_cand))
-            rows_dep.append(rows_dep[-1][row] + 1)
-            rows_out.append(out.to(inputs.dtype))
-            f_slot = torch.arange(start, start + best.numel(), device=HOST)
-            f_score = cum[best][:, None]
-            n_cand = end
+        b = _Beam(levels * top_k * top_k, torch.empty(levels * top_k * top_k, dtype=torch.promote_types(cum.dtype,
+                  torch.float32), device=HOST), torch.empty(levels * top_k * top_k, dtype=torch.long, device=HOST),
+                  [ct.reshape(-1)], [frontier, best + n], [tree.depths[frontier]], [f_out, l1_out],
+                  torch.arange(start, start + best.numel(), device=HOST), cum.reshape(-1)[best][:, None],
+                  n_cand=nf * kk, n_rows=nf)
+        b.rows_dep.append(b.rows_dep[-1][row] + 1)
+        b.c_score[:nf * kk] = cum.reshape(-1)
+        b.c_row[:nf * kk] = _row_pattern(nf, kk)
+        self._beam_levels(b, 1, levels, top_k, max_new, n, dev, inputs.dtype)
         self.drop_tree()
-        return (*self._append_chosen(tree, inputs, c_score, c_row, c_tok, rows_par, rows_dep, rows_out, n_cand,
-                                     max_new), root_hidden)
+        return (*self._append_chosen(tree, inputs, b.c_score, b.c_row, b.c_tok, b.rows_par, b.rows_dep, b.rows_out,
+                                     b.n_cand, max_new), root_hidden)
 
     def host_top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """:meth:`top_tokens` of a frontier, moved to the host in one copy (:func:`to_host`): what a beam level
