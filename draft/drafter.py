@@ -467,8 +467,6 @@ class BeamTreeDrafter:
         k = min(top_k, leaves.numel())
         frontier = leaves[beam_frontier(tree.scores[leaves], k)]                  # tree node ids (host)
         # frontier rows of every level, in order: parent code (a tree node < n, or n + candidate), depth, output
-        rows_par, rows_dep, rows_out = [frontier], [tree.depths[frontier]], [outs[frontier.to(dev)]]
-        f_score, f_slot = tree.scores[frontier][:, None], frontier - 1              # draft-cache slot of node i: i-1
         b = _Beam(levels * top_k * top_k, None, None, [], [frontier], [tree.depths[frontier]], [outs[frontier.to(dev)]],
                   frontier - 1, tree.scores[frontier][:, None])                # draft-cache slot of node i: i-1
         self._beam_levels(b, 0, levels, top_k, max_new, n, dev, inputs.dtype)
@@ -494,8 +492,8 @@ class BeamTreeDrafter:
             if b.c_score is None:
                 b.c_score = torch.empty(b.cap, dtype=torch.promote_types(b.f_score.dtype, cs.dtype), device=HOST)
                 b.c_row = torch.empty(b.cap, dtype=torch.long, device=HOST)
-            elif b.c_score.dtype != torch.promote_types(b.c_score.dtype, cs.dtype):
-                b.c_score = b.c_score.to(torch.promote_types(b.c_score.dtype, cs.dtype))  # exact widening (never so far)
+            elif cs.dtype != b.c_score.dtype and b.c_score.dtype != torch.promote_types(b.c_score.dtype, cs.dtype):
+                b.c_score = b.c_score.to(torch.promote_types(b.c_score.dtype, cs.dtype))  # exact widening (never yet)
             end = b.n_cand + nf * kk
             cum = b.c_score[b.n_cand:end]                                         # this level's candidates
             torch.add(b.f_score, cs, out=cum.view(nf, kk))                        # cumulative scores, in place
