@@ -262,6 +262,10 @@ class CompileExecutor:
         cuda = inputs[0].is_cuda
         if entry is None:
             import torch._dynamo.config as dynamo_config
+            # one code object (StaticForward.run's padded body) serves every bucket, cache and head: each compiled
+            # key is one more guarded entry of it, more than dynamo's default 8 per code object
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 256)
+            dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 1024)
             if cuda:        # reduce-overhead's CUDA graphs may write in place only into static addresses: the cache
                 for t in (getattr(owner, "keys", None), getattr(owner, "values", None)):
                     if isinstance(t, torch.Tensor):
@@ -269,13 +273,7 @@ class CompileExecutor:
             fn = torch.compile(body, dynamic=False, fullgraph=True,
                                mode="reduce-overhead" if cuda else None)
             t0 = time.perf_counter()
-            # one code object (StaticForward.run's padded body) serves every bucket, cache and head: each compiled
-            # key is one more guarded entry of it, more than dynamo's default 8 per code object. The limits are
-            # raised only while this key compiles (a later call of a compiled key finds its entry, compiles nothing),
-            # so the rest of the process keeps dynamo's defaults.
-            with dynamo_config.patch(recompile_limit=max(dynamo_config.recompile_limit, 256),
-                                     accumulated_recompile_limit=max(dynamo_config.accumulated_recompile_limit, 1024)):
-                out = call_compiled(fn, body, inputs)
+            out = call_compiled(fn, body, inputs)
             if cuda:
                 torch.cuda.synchronize()
             self.compile_s += time.perf_counter() - t0
