@@ -158,28 +158,34 @@ def test_commit_extend_tree_on_a_root_alone_is_a_commit():
     assert ga.tokens.tolist() == gb.tokens.tolist()
 
 
+class _OpCount:
+    """A meter that counts its ops by kind (``draft_forward``, ``lm_head``, ...)."""
+
+    def __init__(self):
+        self.ops = {}
+
+    @contextlib.contextmanager
+    def op(self, kind, rows, ctx=0):
+        self.ops[kind] = self.ops.get(kind, 0) + 1
+        yield
+
+
+def _eagle_lookup():
+    """A committed EAGLE drafter merged with prompt lookup (its generator too): the counted tests' drafter."""
+    from draft.lookup import LookupDrafter
+    d, g = _committed()
+    look = LookupDrafter(V_TINY, max_matches=4)
+    look.start(list(range(9)), 3, None)
+    m = MergedDrafter([d, look], ["eagle", "lookup"])
+    m.widths = [16, int(look.state([]).shape[-1])]
+    return m, g
+
+
 def test_a_fused_step_costs_one_head_forward_fewer():
     """The claim, counted: the same expansion after a verified step, fused and separate, on an EAGLE + lookup
     drafter: draft-head forwards (the meter's ``draft_forward`` ops) 1 fewer, log-prob calls the same."""
-    from draft.lookup import LookupDrafter
     from draft.protocol import install_meter
-
-    class Count:
-        def __init__(self):
-            self.ops = {}
-
-        @contextlib.contextmanager
-        def op(self, kind, rows, ctx=0):
-            self.ops[kind] = self.ops.get(kind, 0) + 1
-            yield
-
-    def make():
-        d, g = _committed()
-        look = LookupDrafter(V_TINY, max_matches=4)
-        look.start(list(range(9)), 3, None)
-        m = MergedDrafter([d, look], ["eagle", "lookup"])
-        m.widths = [16, int(look.state([]).shape[-1])]
-        return m, g
+    Count, make = _OpCount, _eagle_lookup
 
     counts = []
     for fused in (True, False):
@@ -268,25 +274,8 @@ def test_a_prefetched_step_holds_one_forward_and_one_log_prob_call():
     """The claim, counted on an EAGLE + lookup drafter, levels = 2: on the verified step's chain, plain = 3 head
     forwards (commit, re-feed, level 2) and 2 log-prob calls; fused = 2 and 2; prefetched = 1 and 1 (the prefetch
     itself, after the send: 1 and 1)."""
-    from draft.lookup import LookupDrafter
     from draft.protocol import install_meter
-
-    class Count:
-        def __init__(self):
-            self.ops = {}
-
-        @contextlib.contextmanager
-        def op(self, kind, rows, ctx=0):
-            self.ops[kind] = self.ops.get(kind, 0) + 1
-            yield
-
-    def make():
-        d, g = _committed()
-        look = LookupDrafter(V_TINY, max_matches=4)
-        look.start(list(range(9)), 3, None)
-        m = MergedDrafter([d, look], ["eagle", "lookup"])
-        m.widths = [16, int(look.state([]).shape[-1])]
-        return m, g
+    Count, make = _OpCount, _eagle_lookup
 
     got = {}
     for how in ("plain", "fused", "prefetch", "chain"):

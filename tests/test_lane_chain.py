@@ -98,19 +98,7 @@ def test_chain_mask():
 
 # -- the stage worker ----------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lane_chain")
-    full = tiny_llama(root / "full", layers=2, dtype=torch.float64)
-    return split_checkpoint(full, root / "stages", [0, 2], progress=False)
-
-
-def _stage(stages, lean: bool):
-    from model.layers import set_lean
-    from model.stage_model import load_stage
-    model = load_stage(stages, 1, 2, torch.float64)
-    set_lean(model, lean)
-    return model
+from tests.test_lanes_batch import _stage, tiny  # noqa: E402,F401  (the same 2-layer float64 stage and its fixture)
 
 
 PROMPTS = [[1, 5, 9, 13, 22], [1, 40, 41]]
