@@ -384,6 +384,13 @@ class ContinuousMode(StreamingMode):
             return self.lookahead(engine, tree)
         return t.expand_levels
 
+    @staticmethod
+    def expand_room(engine: Engine, tree: DraftTree) -> int:
+        """Nodes an incremental expansion may add to ``tree``: up to ``tree.expand_total_token``, at least one
+        level's ``tree.expand_topk``."""
+        t = engine.cfg.tree
+        return max(t.expand_total_token - len(tree), t.expand_topk)
+
     def commit_and_grow(self, engine: Engine, tree: DraftTree, tokens: list[int],
                         feats: list[torch.Tensor]) -> tuple[DraftTree, torch.Tensor] | None:
         """``tree.fuse_commit`` (issue 41): commit the accepted tokens and re-feed the surviving tree in ONE draft
@@ -407,11 +414,10 @@ class ContinuousMode(StreamingMode):
             return None
         if pre is not None and (pre[0].numel() != len(tree) or not t.prefetch_level):
             raise AssertionError("prefetched rows do not match the tree")      # on_reroot keeps them in step
-        room = max(t.expand_total_token - len(tree), t.expand_topk)
         with engine.tracer.span("expand"):
             tree, self.inputs, root_hidden = engine.drafter.commit_extend_tree(
-                torch.tensor(tokens, device=HOST), torch.cat(feats), tree, self.inputs, levels, t.expand_topk, room,
-                pre)
+                torch.tensor(tokens, device=HOST), torch.cat(feats), tree, self.inputs, levels, t.expand_topk,
+                self.expand_room(engine, tree), pre)
         return tree, root_hidden
 
     def grow(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor, verified: bool) -> DraftTree:
@@ -421,19 +427,17 @@ class ContinuousMode(StreamingMode):
         t = engine.cfg.tree
         if not verified or t.expand_total_token == 0:   # expansion off: the round keeps its first tree
             return tree
-        levels = t.expand_levels
-        if t.lookahead_min_prob > 0 and self.inputs is not None:
-            levels = self.lookahead(engine, tree)
-            if levels == 0:
+        if self.inputs is not None:
+            levels = self.expand_levels(engine, tree)
+            if levels <= 0:
                 return tree
-        total, depth = t.expand_total_token, t.expand_depth
-        with engine.tracer.span("expand"):
-            if self.inputs is not None:
-                room = max(total - len(tree), t.expand_topk)
+            with engine.tracer.span("expand"):
                 tree, self.inputs = engine.drafter.extend_tree(tree, self.inputs, root_hidden, levels,
-                                                               t.expand_topk, room)
-                return tree
-            extra = engine.drafter.grow_tree(int(tree.tokens[0]), root_hidden, total, depth, t.expand_topk)
+                                                               t.expand_topk, self.expand_room(engine, tree))
+            return tree
+        with engine.tracer.span("expand"):
+            extra = engine.drafter.grow_tree(int(tree.tokens[0]), root_hidden, t.expand_total_token, t.expand_depth,
+                                             t.expand_topk)
             tree, _ = merge_trees(tree, extra)
         return tree
 
