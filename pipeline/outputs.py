@@ -76,7 +76,34 @@ def drafter_fields(drafter) -> dict:
     if drafter is None:
         return {"drafter_version": None}
     fields = getattr(drafter, "row_fields", None)
-    return fields() if callable(fields) else {"drafter_version": 0}
+    out = fields() if callable(fields) else {"drafter_version": 0}
+    size = drafted_vocab(drafter)
+    if size is not None:
+        out["draft_vocab_size"] = size
+    return out
+
+
+def drafted_vocab(drafter) -> int | None:
+    """How many target ids the EAGLE source drafts over, as resolved at build time (``model.draft_vocab=-1``, the
+    auto default, is recorded in the config as -1: this is the size it became; the whole vocabulary when no reduced
+    vocabulary applies). None when no source drafts from a vocabulary (prompt lookup, suffix, oracles).
+    Looks through wrappers (``inner``: OSD) and merged drafters (``sources``)."""
+    todo, seen = [drafter], set()
+    while todo:
+        d = todo.pop(0)
+        if d is None or id(d) in seen:
+            continue
+        seen.add(id(d))
+        if hasattr(d, "dvocab"):
+            if d.dvocab is not None:
+                return int(d.dvocab.ids.numel())
+            vmap = getattr(d, "vocab_map", None)
+            if vmap is not None:
+                return int(vmap.numel())
+            lm = getattr(d, "lm_head", None)
+            return int(lm.weight.shape[0]) if lm is not None else None
+        todo += [getattr(d, "inner", None), *getattr(d, "sources", [])]
+    return None
 
 
 def flat_config(cfg) -> dict:

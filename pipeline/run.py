@@ -343,7 +343,7 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
                            "tokens_per_s": round(res.new_tokens / res.decode_s, 3) if res.decode_s else None,
                            "busy_fraction": [round(b, 4) for b in res.busy_fraction], "world_size": comm.world}
                     row.update(res.meter_fields)  # emu_* fidelity fields when the emulated testbed is on
-                    row.update(drafter_fields(drafter))  # drafter_version (online learning: draft/osd.py)
+                    row.update(drafter_fields(drafter if mode != "ar" else None))  # drafter_version (draft/osd.py)
                     row.update(prov)
                     if out_f:
                         out_f.write(json.dumps(row) + "\n")

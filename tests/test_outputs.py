@@ -48,6 +48,10 @@ def test_every_row_carries_provenance(run):
     assert row["config"]["tree.top_k"] == 10 and row["config"]["gen.max_new_tokens"] == 6
     assert row["config"]["world_size"] == 2 and "gen.mode" not in row["config"]
     assert len({r["config_hash"] for r in rows}) == 1
+    # the draft vocabulary as resolved (model.draft_vocab=-1 is "auto" in the config): the untrained head drafts
+    # over stories260K's whole 512-token vocabulary; ar has no drafter
+    assert {r.get("draft_vocab_size") for r in rows if r["mode"] == "naive"} == {512}
+    assert all("draft_vocab_size" not in r for r in rows if r["mode"] == "ar")
     assert row["git_commit"] == "unknown" or len(row["git_commit"]) == 40
     # the loading line: one per rank, nothing else from the worker rank on success
     err = run["first"].stderr
@@ -169,3 +173,23 @@ def test_plots_and_tables_mark_rows_the_emulation_flagged(tmp_path, monkeypatch)
     assert any("flagged" in t.get_text() for t in xi.get_legend().get_texts())
     agg = bench.aggregate(rows, ["ar", "continuous"])
     assert agg["continuous"]["flagged"] == 1 and agg["ar"]["flagged"] == 0
+
+
+def test_drafted_vocab_looks_through_wrappers_and_merged_sources():
+    """The resolved size is found behind an OSD wrapper (``inner``) and in a merged drafter's EAGLE source; sources
+    without a vocabulary (lookup) give None; a reduced vocabulary's ids win over the lm_head's rows."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    from pipeline.outputs import drafted_vocab, drafter_fields
+    lm = NS(weight=torch.zeros(49152, 4))
+    whole = NS(dvocab=None, vocab_map=None, lm_head=lm)
+    reduced = NS(dvocab=NS(ids=torch.arange(16384)), vocab_map=None, lm_head=lm)
+    lookup = NS()
+    assert drafted_vocab(whole) == 49152 and drafted_vocab(reduced) == 16384
+    assert drafted_vocab(NS(sources=[lookup, reduced])) == 16384
+    assert drafted_vocab(NS(inner=NS(sources=[lookup, whole]))) == 49152
+    assert drafted_vocab(NS(sources=[lookup])) is None and drafted_vocab(lookup) is None
+    assert drafter_fields(NS(sources=[reduced])) == {"drafter_version": 0, "draft_vocab_size": 16384}
+    assert drafter_fields(None) == {"drafter_version": None}
