@@ -247,3 +247,86 @@ def trees_match_up_to_ties(ref, got, tol: float) -> str | None:
             return None        # a near-tie decided the other way (scores within tol): the searches diverge here
     return None if len(ref) == len(got) else f"sizes {len(ref)} vs {len(got)} with no tie before node {n}"
 
+
+
+def run_concurrent(stage_root: Path, jobs: list[tuple[list[int], str, object]], overrides: list[str],
+                   stop_ids: set[int], drafter: str | None = None, lanes: int = 2, dtype=torch.float64,
+                   lane_timeout_s: float | None = 60.0, started=None, warmup: list | None = None,
+                   after_warmup=None, stage_meter=None, rank0_meter=None):
+    """Run ``jobs`` (``(prompt ids, mode, GenSettings or None)``) concurrently on ``lanes`` lanes of one ring
+    (:mod:`pipeline.lanes`): every job starts at once in its own thread and waits for a free lane; returns
+    ``(results in job order, the LanePool)``. A job's exception is re-raised (the first one). ``started``:
+    optional ``started(job index, lane)`` hook, called when a job gets its lane. ``warmup``: ``(prompt ids, mode)``
+    generations run first, one at a time, by the engine the pool is then built on (as a server's warm-up);
+    ``after_warmup(ring, engine)``: a test hook called then (e.g. to deliver a late direct message).
+    ``stage_meter(rank)``: a meter for stage ``rank``'s forwards (e.g. one that pads them, as the emulated testbed
+    does); ``rank0_meter()``: one for rank 0's model ops on every lane (``pipeline.lanes.lane_engine``). The pool's
+    ``stage_workers`` are the stages' workers."""
+    import threading
+
+    from config.run_config import DEFAULT, apply_overrides
+    from model.layers import set_lean
+    from model.stage_format import read_manifest
+    from model.stage_model import load_stage
+    from pipeline.build import make_drafter, make_engine
+    from pipeline.engine import timed_generation
+    from pipeline.inprocess import _wait_s
+    from pipeline.lanes import LanePool
+    from pipeline.local_ring import LocalComm, LocalRing, stage_threads
+    from pipeline.modes import new_decoder
+    from pipeline.worker import StageWorker
+    world = len(read_manifest(stage_root)["split"])
+    cfg = apply_overrides(DEFAULT, overrides)
+    ring = LocalRing(world)
+    models = [load_stage(stage_root, r, world, dtype) for r in range(world)]
+    for m in models:
+        set_lean(m, cfg.model.lean_layers)     # model.lean_layers=false: the transformers layers, as pipeline.build
+    modes = sorted({m for _, m, _ in jobs})
+    if drafter is not None:
+        cfg.model.head_dir = drafter
+    d = make_drafter(cfg, stage_root, models[0], dtype, "cpu") if any(m != "ar" for m in modes) else None
+    engine = make_engine(cfg, LocalComm(ring, 0, timeout_s=_wait_s(cfg)), models[0], stage_root, modes, stop_ids, dtype,
+                         "cpu", drafter=d)
+    results: list = [None] * len(jobs)
+    failures: list[BaseException] = []
+    workers: list[StageWorker] = []      # the stages' workers (tests read their batched-forward counters)
+
+    def stage(r: int) -> None:
+        worker = StageWorker(models[r], LocalComm(ring, r, timeout_s=_wait_s(cfg)), cfg.model.max_seq_len, dtype,
+                             "cpu")
+        if stage_meter is not None:
+            worker.meter = stage_meter(r)
+        workers.append(worker)
+        worker.run()
+
+    with stage_threads(world, stage) as errors:
+        for prompt, mode in warmup or []:
+            timed_generation(engine, prompt, new_decoder(mode))
+        if after_warmup is not None:
+            after_warmup(ring, engine)
+        pool = LanePool(engine, lanes, timeout_s=lane_timeout_s, rank0_meter=rank0_meter)
+        pool.stage_workers = workers
+
+        def job(i: int) -> None:
+            lane = pool.acquire()
+            try:
+                if started is not None:
+                    started(i, lane)
+                prompt, mode, settings = jobs[i]
+                results[i] = timed_generation(pool.engines[lane], prompt, new_decoder(mode), settings)
+            except BaseException as e:   # re-raised by the caller's thread
+                failures.append(e)
+            finally:
+                pool.release(lane)
+
+        threads = [threading.Thread(target=job, args=(i,), daemon=True) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if not errors:
+            pool.shutdown()
+    if failures:
+        raise failures[0]
+    return results, pool
+

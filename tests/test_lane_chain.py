@@ -257,7 +257,7 @@ def test_concurrent_greedy_with_chains_equals_alone(ring4, mode):
     queue up, as on the emulated testbed): stage steps carry a lane's consecutive segments (counted), and every
     answer is its single-request answer."""
     from pipeline.engine import GenSettings
-    from pipeline.inprocess import run_concurrent
+    from tests.helpers import run_concurrent
     from tests.test_lanes import Pad
     full, stages, refs = ring4
     res, pool = run_concurrent(stages, [(p, mode, GenSettings(NEW)) for p in E2E_PROMPTS],
@@ -273,7 +273,7 @@ def test_one_request_chained_alone_equals_hf(ring4, monkeypatch, mode):
     its answer is still HF's greedy answer. (Modes whose segments queue up on this tiny ring with the oracle
     drafter; ``continuous`` chains in the three-request test above.)"""
     from pipeline.engine import GenSettings
-    from pipeline.inprocess import run_concurrent
+    from tests.helpers import run_concurrent
     from tests.test_lanes import Pad
     full, stages, refs = ring4
     monkeypatch.setenv("FLOWSPEC_STAGE_CHAIN", "alone")

@@ -1,4 +1,4 @@
-"""Several requests in flight through one ring (pipeline/lanes.py), in one process (pipeline.inprocess.run_concurrent).
+"""Several requests in flight through one ring (pipeline/lanes.py), in one process (tests/helpers.py: run_concurrent).
 
 Every concurrent greedy answer equals HF ``generate(do_sample=False)`` (its single-request answer) in every mode,
 with modes mixed on one ring and lanes reused; a sampled answer equals the same request's answer alone (same
@@ -17,10 +17,10 @@ import torch
 
 from model.split import split_checkpoint
 from pipeline.engine import GenSettings
-from pipeline.inprocess import run_concurrent, run_threaded
+from pipeline.inprocess import run_threaded
 from pipeline.messages import (MAX_LANES, Context, Decision, Segment, Shutdown, Stats, Status, decode, decode_at,
                                encode, pack_log, split_kind_word)
-from tests.helpers import hf_greedy, tiny_llama
+from tests.helpers import hf_greedy, run_concurrent, tiny_llama
 
 PROMPTS = [[1, 5, 9, 13, 22, 7], [1, 40, 41, 42, 43], [1, 7, 7, 8, 9, 10, 11]]
 NEW = 12
