@@ -27,13 +27,17 @@ NEW = 12
 COMMON = [f"max_new_tokens={NEW}", "dtype=float64"]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lanes")
+def tiny_ring(root):
+    """``(full model dir, stages split [0, 2, 2], HF greedy answers to PROMPTS)``: a 4-layer float64 LLaMA (the
+    fixture of this file and of ``tests/test_lane_chain.py``)."""
     full = tiny_llama(root / "full", layers=4, dtype=torch.float64)
     stages = split_checkpoint(full, root / "stages", [0, 2, 2], progress=False)
-    refs = [hf_greedy(full, p, NEW, {2}, torch.float64) for p in PROMPTS]
-    return full, stages, refs
+    return full, stages, [hf_greedy(full, p, NEW, {2}, torch.float64) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_ring(tmp_path_factory.mktemp("lanes"))
 
 
 def _greedy(n=NEW):
