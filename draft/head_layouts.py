@@ -20,8 +20,6 @@ from pathlib import Path
 
 import torch
 
-EAGLE1_FLAVORS = ("vicuna", "llama3", "qwen2")
-
 
 def _cfg_dict(target_cfg, **over) -> dict:
     """The config fields a published head carries (a one-layer Llama config at the target's widths)."""

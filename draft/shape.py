@@ -1,6 +1,7 @@
 """Confidence-shaped draft trees (Talon-style, issue 45 item 2): within one node budget, the tree's width and depth
 follow the draft's confidence, so a confident stretch becomes a chain and an uncertain level gets more rows.
-Pure functions over a level's numbers (and a driver over an ``expand`` callback). Wired into the EAGLE-2 search of
+Pure functions over a level's numbers (the whole rule as one driver over an ``expand`` callback, the tests'
+reference tree, is ``tests/helpers.py: shaped_tree``). Wired into the EAGLE-2 search of
 :class:`draft.drafter.BeamTreeDrafter` by the run key ``draft.tree_shape=confidence`` (:class:`TreeShape`): the
 drafter asks :func:`pick_frontier` per level which candidates to expand next; ``eagle2`` (the default) keeps the
 fixed beam.
@@ -30,9 +31,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-
-from draft.tree import DraftTree, select_top_nodes
-from model.devices import HOST
 
 Tensor = torch.Tensor
 
@@ -137,51 +135,3 @@ def install_shape(drafter, shape: TreeShape) -> None:
             except AttributeError:
                 pass
         todo += list(getattr(d, "sources", []) or []) + [getattr(d, "inner", None)]
-
-
-def shaped_tree(root_token: int, expand, total_token: int, max_depth: int, top_k: int, cover: float,
-                width: int | None = None, rows: int | None = None) -> DraftTree:
-    """The confidence-shaped tree (module docstring). ``expand(nodes, tokens, parents)`` is called once per level
-    with the nodes to expand (candidate ids; ``-1`` is the root) and all candidates so far (``tokens``/``parents``
-    lists, candidate ``i``'s parent a candidate id or ``-1``); it returns ``(logp [m, top_k], tokens [m, top_k])``:
-    each node's best children, best first (log-probabilities local to the node; ``-inf`` for absent ones).
-    ``max_depth`` levels at most (the root's children are level 1); ``width`` (default ``top_k``) nodes expanded per
-    level at most; ``rows`` (default unbounded) nodes expanded in all at most, the root included (EAGLE-2 spends
-    ``1 + (depth - 1) * top_k``)."""
-    width = top_k if width is None else width
-    rows_left = float("inf") if rows is None else rows
-    if total_token <= 1 or max_depth < 1 or rows_left < 1:
-        return DraftTree.single(root_token)
-    budget = total_token - 1
-    tokens: list[int] = []
-    parents: list[int] = []
-    scores = torch.empty(0, dtype=torch.float64)
-    frontier = [-1]
-    front_scores = torch.zeros(1, dtype=torch.float64)
-    for _ in range(max_depth):
-        rows_left -= len(frontier)
-        logp, toks = expand(frontier, list(tokens), list(parents))
-        logp, toks = logp.double().to(HOST), toks.to(HOST)
-        cum = (front_scores[:, None] + logp).reshape(-1)
-        ok = (cum > float("-inf")).nonzero().flatten()
-        first = len(tokens)
-        tokens += toks.reshape(-1)[ok].tolist()
-        parents += [frontier[i // logp.shape[1]] for i in ok.tolist()]
-        new_scores = cum[ok]
-        scores = torch.cat([scores, new_scores])
-        pick = pick_frontier(new_scores, scores, budget, width, cover, rows_left)
-        if pick.numel() == 0:
-            break
-        frontier = (first + pick).tolist()
-        front_scores = new_scores[pick]
-    if not tokens:
-        return DraftTree.single(root_token)
-    return select_top_nodes(root_token, torch.tensor(tokens, device=HOST), torch.tensor(parents, device=HOST),
-                            scores, total_token)
-
-
-def expected_accepted(tree: DraftTree) -> float:
-    """The expected number of draft tokens a round accepts if the draft's law were the target's (greedy target
-    drawn from it): the sum over nodes of the path probability ``exp(score)`` (root excluded). The figure of merit
-    the shape maximises under a fixed node budget."""
-    return float(tree.scores[1:].double().exp().sum())

@@ -96,28 +96,6 @@ class StaticHead:
         return out
 
 
-def trees_match_up_to_ties(ref, got, tol: float) -> str | None:
-    """The exactness rule for draft trees drafted through compiled code (``model.graphs=compile``) against the
-    dynamic path's: None when they match, else why not (one line).
-
-    A compiled graph may fuse and reorder float math (inductor; the rotary angles are float32 whatever the model's
-    dtype), so a candidate's cumulative score may differ in its last bits, and two candidates whose scores *tie*
-    within that error may swap ranks; from that node on the two searches legitimately diverge. So: node by node in
-    tree order, tokens and parents equal and scores within ``tol``, up to the first node where they differ; there
-    both trees' scores must lie within ``tol`` of each other (a near-tie decided the other way) -- anything else
-    (a different token or parent with a clearly different score, or a score off by more than ``tol``) is a bug.
-    Trees of different sizes match only through such a tie before the shorter one ends."""
-    n = min(len(ref), len(got))
-    for i in range(n):
-        a, b = float(ref.scores[i]), float(got.scores[i])
-        same = int(ref.tokens[i]) == int(got.tokens[i]) and int(ref.parents[i]) == int(got.parents[i])
-        if abs(a - b) > tol:
-            return f"node {i}: scores {a!r} vs {b!r} differ by more than {tol}"
-        if not same:
-            return None        # a near-tie decided the other way (scores within tol): the searches diverge here
-    return None if len(ref) == len(got) else f"sizes {len(ref)} vs {len(got)} with no tie before node {n}"
-
-
 def static_head(head, executor_kind: str | None, buckets: tuple[int, ...]) -> StaticHead | None:
     """A :class:`StaticHead` for ``head``, or None where drafting keeps dynamic shapes: no executor, a head other
     than :class:`draft.eagle.EagleHead` (EAGLE-3, test drafters), or a layer :func:`model.graphs.static_ok` refuses

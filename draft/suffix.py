@@ -174,14 +174,6 @@ def with_continuation(sam: SuffixAutomaton, state: int, length: int) -> tuple[in
     return (state, length) if state > 0 else (0, 0)
 
 
-def match_text(sam: SuffixAutomaton, tokens) -> tuple[int, int]:
-    """The match of a whole query text (:func:`advance` token by token from the empty match)."""
-    state, length = 0, 0
-    for t in tokens:
-        state, length = advance(sam, state, length, int(t))
-    return state, length
-
-
 def children(sam: SuffixAutomaton, state: int, k: int) -> tuple[list[tuple[int, int, int]], int]:
     """``state``'s ``k`` most frequent real continuations as ``(count, token, next state)`` (count descending, then
     token ascending), and the total count over all of them (``N``: occurrences followed by a real token)."""

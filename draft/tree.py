@@ -304,25 +304,6 @@ def subtree_nodes(parents: Tensor, root: int) -> Tensor:
     return (up == root).nonzero().flatten()
 
 
-def remap_parents(parents: Tensor, node_ids: Tensor, keep: Tensor, accepted_len: int) -> tuple[Tensor, Tensor]:
-    """Apply a keep-list to some nodes (e.g. a not-yet-computed segment).
-
-    ``node_ids`` are the nodes' indices in the old index space and ``parents`` their old parents.
-    After the decision the accepted path (``keep[:accepted_len]``) leaves the tree and the other kept
-    nodes are renumbered ``0..`` in order. Returns ``(row_keep, new_parents)``: a boolean row mask and
-    the new parents of kept rows (``-1`` for the new root, whose parent became context).
-    """
-    node_ids, parents, keep = node_ids.to(HOST).long(), parents.to(HOST).long(), keep.to(HOST).long()
-    size = 1 + max(int(node_ids.max()) if node_ids.numel() else 0, int(parents.max()) if parents.numel() else 0,
-                   int(keep.max()) if keep.numel() else 0)
-    new = torch.full((size,), -1, dtype=torch.long, device=HOST)        # old id -> new index (-1: not kept/path)
-    new[keep] = torch.arange(keep.numel(), device=HOST) - accepted_len
-    new = new.clamp(min=-1)                                             # the accepted path leaves the tree
-    rows = new[node_ids] >= 0
-    mapped = torch.where(parents >= 0, new[parents.clamp(min=0)], -1)
-    return rows, mapped[rows]
-
-
 def reroot(tree: DraftTree, keep: Tensor, accepted_len: int) -> DraftTree:
     """The subtree that survives a continue decision, renumbered, with the new root at 0."""
     rest = keep[accepted_len:]
@@ -342,7 +323,7 @@ def reroot(tree: DraftTree, keep: Tensor, accepted_len: int) -> DraftTree:
     scores, depths = tree.scores[rest], tree.depths[rest]
     views = (torch.index_select(tree.tokens, 0, rest, out=st.tokens[:r]),     # (out= returns the prefix view)
              # old index -> new: a kept node's rank in ``rest`` (increasing); the new root's parent, on the accepted
-             # path before rest[0], ranks -1: a root's parent (as remap_parents maps it)
+             # path before rest[0], ranks -1: a root's parent
              torch.sub(torch.searchsorted(rest, tree.parents[rest], right=True), 1, out=st.parents[:r]),
              torch.sub(scores, scores[0], out=st.scores[:r]),
              torch.sub(depths, depths[0], out=st.depths[:r]))                # the new root (rest[0]) at depth 0

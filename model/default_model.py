@@ -123,19 +123,25 @@ def ensure_default_checkpoint(cache_dir: str | Path = DEFAULT_CACHE_DIR) -> Path
     tmp = cache_dir / f".{DEFAULT_NAME}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
+    _build_into(out, tmp, lambda t: _convert(gguf, t), _is_complete)
+    _log(f"default checkpoint ready at {out}")
+    return out
+
+
+def _build_into(out: Path, tmp: Path, build, complete) -> None:
+    """``build(tmp)``, then move ``tmp`` to ``out`` in one rename, so a reader never sees half a folder. When
+    another process finished ``out`` first (``complete(out)``) its copy stays; anything else at ``out`` is the
+    leftover of an interrupted build and is replaced. ``tmp`` never outlives the call."""
     try:
-        _convert(gguf, tmp)
+        build(tmp)
         if out.exists():
-            if _is_complete(out):  # another process finished first
-                shutil.rmtree(tmp)
-                return out
-            shutil.rmtree(out)  # leftover of an interrupted conversion
+            if complete(out):
+                return
+            shutil.rmtree(out)
         os.replace(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    _log(f"default checkpoint ready at {out}")
-    return out
 
 
 def _has_manifest_for(root: Path, split: list[int]) -> bool:
@@ -160,16 +166,8 @@ def ensure_default_stages(cache_dir: str | Path = DEFAULT_CACHE_DIR, split: str 
 
     _log(f"splitting {ckpt.name} into stages {spec}")
     tmp = ckpt / f".stages_{spec}.tmp-{os.getpid()}"
-    try:
-        split_checkpoint(ckpt, tmp, parts, dtype=None, force=True, progress=progress)
-        if root.exists():
-            if _has_manifest_for(root, parts):  # another process finished first
-                return root
-            shutil.rmtree(root)
-        os.replace(tmp, root)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    _build_into(root, tmp, lambda t: split_checkpoint(ckpt, t, parts, dtype=None, force=True, progress=progress),
+                lambda r: _has_manifest_for(r, parts))
     _log(f"stages ready at {root}")
     return root
 

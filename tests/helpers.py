@@ -147,3 +147,186 @@ def step2_batch(tokens, pred):
     pos = torch.cat([i, i])[None].expand(b, 2 * n)
     dfeat = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1]], 1)
     return torch.cat([tokens, tokens], 1), pos, mask, dfeat
+
+
+# Reference implementations the tests compare the package against (test oracles; nothing outside the tests uses
+# them, so they live here: issue 43 item 5).
+
+def shaped_tree(root_token: int, expand, total_token: int, max_depth: int, top_k: int, cover: float,
+                width: int | None = None, rows: int | None = None) -> "DraftTree":
+    """The confidence-shaped tree (``draft/shape.py``'s module docstring; the wired search, ``draft.tree_shape=confidence``, must build
+    exactly this tree). ``expand(nodes, tokens, parents)`` is called once per level
+    with the nodes to expand (candidate ids; ``-1`` is the root) and all candidates so far (``tokens``/``parents``
+    lists, candidate ``i``'s parent a candidate id or ``-1``); it returns ``(logp [m, top_k], tokens [m, top_k])``:
+    each node's best children, best first (log-probabilities local to the node; ``-inf`` for absent ones).
+    ``max_depth`` levels at most (the root's children are level 1); ``width`` (default ``top_k``) nodes expanded per
+    level at most; ``rows`` (default unbounded) nodes expanded in all at most, the root included (EAGLE-2 spends
+    ``1 + (depth - 1) * top_k``)."""
+    from draft.shape import pick_frontier
+    from draft.tree import DraftTree, select_top_nodes
+    from model.devices import HOST
+    width = top_k if width is None else width
+    rows_left = float("inf") if rows is None else rows
+    if total_token <= 1 or max_depth < 1 or rows_left < 1:
+        return DraftTree.single(root_token)
+    budget = total_token - 1
+    tokens: list[int] = []
+    parents: list[int] = []
+    scores = torch.empty(0, dtype=torch.float64)
+    frontier = [-1]
+    front_scores = torch.zeros(1, dtype=torch.float64)
+    for _ in range(max_depth):
+        rows_left -= len(frontier)
+        logp, toks = expand(frontier, list(tokens), list(parents))
+        logp, toks = logp.double().to(HOST), toks.to(HOST)
+        cum = (front_scores[:, None] + logp).reshape(-1)
+        ok = (cum > float("-inf")).nonzero().flatten()
+        first = len(tokens)
+        tokens += toks.reshape(-1)[ok].tolist()
+        parents += [frontier[i // logp.shape[1]] for i in ok.tolist()]
+        new_scores = cum[ok]
+        scores = torch.cat([scores, new_scores])
+        pick = pick_frontier(new_scores, scores, budget, width, cover, rows_left)
+        if pick.numel() == 0:
+            break
+        frontier = (first + pick).tolist()
+        front_scores = new_scores[pick]
+    if not tokens:
+        return DraftTree.single(root_token)
+    return select_top_nodes(root_token, torch.tensor(tokens, device=HOST), torch.tensor(parents, device=HOST),
+                            scores, total_token)
+
+
+def expected_accepted(tree) -> float:
+    """The expected number of draft tokens a round accepts if the draft's law were the target's (greedy target
+    drawn from it): the sum over nodes of the path probability ``exp(score)`` (root excluded). The figure of merit
+    the shape maximises under a fixed node budget."""
+    return float(tree.scores[1:].double().exp().sum())
+
+
+
+def remap_parents(parents, node_ids, keep, accepted_len: int):
+    """Apply a keep-list to some nodes (e.g. a not-yet-computed segment).
+
+    ``node_ids`` are the nodes' indices in the old index space and ``parents`` their old parents.
+    After the decision the accepted path (``keep[:accepted_len]``) leaves the tree and the other kept
+    nodes are renumbered ``0..`` in order. Returns ``(row_keep, new_parents)``: a boolean row mask and
+    the new parents of kept rows (``-1`` for the new root, whose parent became context).
+    """
+    from model.devices import HOST
+    node_ids, parents, keep = node_ids.to(HOST).long(), parents.to(HOST).long(), keep.to(HOST).long()
+    size = 1 + max(int(node_ids.max()) if node_ids.numel() else 0, int(parents.max()) if parents.numel() else 0,
+                   int(keep.max()) if keep.numel() else 0)
+    new = torch.full((size,), -1, dtype=torch.long, device=HOST)        # old id -> new index (-1: not kept/path)
+    new[keep] = torch.arange(keep.numel(), device=HOST) - accepted_len
+    new = new.clamp(min=-1)                                             # the accepted path leaves the tree
+    rows = new[node_ids] >= 0
+    mapped = torch.where(parents >= 0, new[parents.clamp(min=0)], -1)
+    return rows, mapped[rows]
+
+
+
+def trees_match_up_to_ties(ref, got, tol: float) -> str | None:
+    """The exactness rule for draft trees drafted through compiled code (``model.graphs=compile``) against the
+    dynamic path's: None when they match, else why not (one line).
+
+    A compiled graph may fuse and reorder float math (inductor; the rotary angles are float32 whatever the model's
+    dtype), so a candidate's cumulative score may differ in its last bits, and two candidates whose scores *tie*
+    within that error may swap ranks; from that node on the two searches legitimately diverge. So: node by node in
+    tree order, tokens and parents equal and scores within ``tol``, up to the first node where they differ; there
+    both trees' scores must lie within ``tol`` of each other (a near-tie decided the other way) -- anything else
+    (a different token or parent with a clearly different score, or a score off by more than ``tol``) is a bug.
+    Trees of different sizes match only through such a tie before the shorter one ends."""
+    n = min(len(ref), len(got))
+    for i in range(n):
+        a, b = float(ref.scores[i]), float(got.scores[i])
+        same = int(ref.tokens[i]) == int(got.tokens[i]) and int(ref.parents[i]) == int(got.parents[i])
+        if abs(a - b) > tol:
+            return f"node {i}: scores {a!r} vs {b!r} differ by more than {tol}"
+        if not same:
+            return None        # a near-tie decided the other way (scores within tol): the searches diverge here
+    return None if len(ref) == len(got) else f"sizes {len(ref)} vs {len(got)} with no tie before node {n}"
+
+
+
+def run_concurrent(stage_root: Path, jobs: list[tuple[list[int], str, object]], overrides: list[str],
+                   stop_ids: set[int], drafter: str | None = None, lanes: int = 2, dtype=torch.float64,
+                   lane_timeout_s: float | None = 60.0, started=None, warmup: list | None = None,
+                   after_warmup=None, stage_meter=None, rank0_meter=None):
+    """Run ``jobs`` (``(prompt ids, mode, GenSettings or None)``) concurrently on ``lanes`` lanes of one ring
+    (:mod:`pipeline.lanes`): every job starts at once in its own thread and waits for a free lane; returns
+    ``(results in job order, the LanePool)``. A job's exception is re-raised (the first one). ``started``:
+    optional ``started(job index, lane)`` hook, called when a job gets its lane. ``warmup``: ``(prompt ids, mode)``
+    generations run first, one at a time, by the engine the pool is then built on (as a server's warm-up);
+    ``after_warmup(ring, engine)``: a test hook called then (e.g. to deliver a late direct message).
+    ``stage_meter(rank)``: a meter for stage ``rank``'s forwards (e.g. one that pads them, as the emulated testbed
+    does); ``rank0_meter()``: one for rank 0's model ops on every lane (``pipeline.lanes.lane_engine``). The pool's
+    ``stage_workers`` are the stages' workers."""
+    import threading
+
+    from config.run_config import DEFAULT, apply_overrides
+    from model.layers import set_lean
+    from model.stage_format import read_manifest
+    from model.stage_model import load_stage
+    from pipeline.build import make_drafter, make_engine
+    from pipeline.engine import timed_generation
+    from pipeline.inprocess import _wait_s
+    from pipeline.lanes import LanePool
+    from pipeline.local_ring import LocalComm, LocalRing, stage_threads
+    from pipeline.modes import new_decoder
+    from pipeline.worker import StageWorker
+    world = len(read_manifest(stage_root)["split"])
+    cfg = apply_overrides(DEFAULT, overrides)
+    ring = LocalRing(world)
+    models = [load_stage(stage_root, r, world, dtype) for r in range(world)]
+    for m in models:
+        set_lean(m, cfg.model.lean_layers)     # model.lean_layers=false: the transformers layers, as pipeline.build
+    modes = sorted({m for _, m, _ in jobs})
+    if drafter is not None:
+        cfg.model.head_dir = drafter
+    d = make_drafter(cfg, stage_root, models[0], dtype, "cpu") if any(m != "ar" for m in modes) else None
+    engine = make_engine(cfg, LocalComm(ring, 0, timeout_s=_wait_s(cfg)), models[0], stage_root, modes, stop_ids, dtype,
+                         "cpu", drafter=d)
+    results: list = [None] * len(jobs)
+    failures: list[BaseException] = []
+    workers: list[StageWorker] = []      # the stages' workers (tests read their batched-forward counters)
+
+    def stage(r: int) -> None:
+        worker = StageWorker(models[r], LocalComm(ring, r, timeout_s=_wait_s(cfg)), cfg.model.max_seq_len, dtype,
+                             "cpu")
+        if stage_meter is not None:
+            worker.meter = stage_meter(r)
+        workers.append(worker)
+        worker.run()
+
+    with stage_threads(world, stage) as errors:
+        for prompt, mode in warmup or []:
+            timed_generation(engine, prompt, new_decoder(mode))
+        if after_warmup is not None:
+            after_warmup(ring, engine)
+        pool = LanePool(engine, lanes, timeout_s=lane_timeout_s, rank0_meter=rank0_meter)
+        pool.stage_workers = workers
+
+        def job(i: int) -> None:
+            lane = pool.acquire()
+            try:
+                if started is not None:
+                    started(i, lane)
+                prompt, mode, settings = jobs[i]
+                results[i] = timed_generation(pool.engines[lane], prompt, new_decoder(mode), settings)
+            except BaseException as e:   # re-raised by the caller's thread
+                failures.append(e)
+            finally:
+                pool.release(lane)
+
+        threads = [threading.Thread(target=job, args=(i,), daemon=True) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if not errors:
+            pool.shutdown()
+    if failures:
+        raise failures[0]
+    return results, pool
+

@@ -21,7 +21,8 @@ from model.meter import run_rows
 from pipeline import coalesce
 from pipeline.coalesce import Call, CoalescingMeter, OpBatcher, split_rows, take_group
 from pipeline.engine import GenSettings
-from pipeline.inprocess import run_concurrent, run_threaded
+from pipeline.inprocess import run_threaded
+from tests.helpers import run_concurrent
 from tests.test_lanes import COMMON, NEW, PROMPTS, Pad, tiny  # noqa: F401 - tiny: the module's fixture
 
 

@@ -22,11 +22,11 @@ import torch
 
 import model.graphs as G
 from config.run_config import DEFAULT, ConfigError, apply_overrides
-from draft.static_head import StaticHead, head_buckets, static_head, trees_match_up_to_ties
+from draft.static_head import StaticHead, head_buckets, static_head
 from model.graphs import (StaticStage, make_executor, pick_bucket, resolve_executor, static_mask, static_slots)
 from model.split import split_checkpoint
 from pipeline.inprocess import run_threaded
-from tests.helpers import STORIES, hf_greedy, tiny_llama
+from tests.helpers import STORIES, hf_greedy, tiny_llama, trees_match_up_to_ties
 from tests.test_lean_layer import block_for
 
 EXECUTORS = ["eager", "replay"]

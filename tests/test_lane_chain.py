@@ -15,12 +15,10 @@ import itertools
 import pytest
 import torch
 
-from model.split import split_checkpoint
 from pipeline import batching
 from pipeline.batching import CONTEXT, OTHER, SEGMENT, chain_continues, chain_mask, take_batch
 from pipeline.local_ring import LocalComm, LocalRing
 from pipeline.messages import Context, Decision, Segment, Shutdown, Stats, Status, pack_log
-from tests.helpers import tiny_llama
 
 S, C, O = SEGMENT, CONTEXT, OTHER
 
@@ -232,18 +230,12 @@ def test_planted_chain_bugs_change_the_outputs(tiny, monkeypatch, bug):
 
 # -- end to end: several requests (and one alone) through a ring whose stages chain ------------------------------
 
-E2E_PROMPTS = [[1, 5, 9, 13, 22, 7], [1, 40, 41, 42, 43], [1, 7, 7, 8, 9, 10, 11]]
-NEW = 12
-COMMON = [f"max_new_tokens={NEW}", "dtype=float64"]
+from tests.test_lanes import COMMON, NEW, PROMPTS as E2E_PROMPTS, tiny_ring  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ring4(tmp_path_factory):
-    from tests.helpers import hf_greedy
-    root = tmp_path_factory.mktemp("lane_chain_e2e")
-    full = tiny_llama(root / "full", layers=4, dtype=torch.float64)
-    stages = split_checkpoint(full, root / "stages", [0, 2, 2], progress=False)
-    return full, stages, [hf_greedy(full, p, NEW, {2}, torch.float64) for p in E2E_PROMPTS]
+    return tiny_ring(tmp_path_factory.mktemp("lane_chain_e2e"))
 
 
 def _chained(pool) -> int:
@@ -257,7 +249,7 @@ def test_concurrent_greedy_with_chains_equals_alone(ring4, mode):
     queue up, as on the emulated testbed): stage steps carry a lane's consecutive segments (counted), and every
     answer is its single-request answer."""
     from pipeline.engine import GenSettings
-    from pipeline.inprocess import run_concurrent
+    from tests.helpers import run_concurrent
     from tests.test_lanes import Pad
     full, stages, refs = ring4
     res, pool = run_concurrent(stages, [(p, mode, GenSettings(NEW)) for p in E2E_PROMPTS],
@@ -273,7 +265,7 @@ def test_one_request_chained_alone_equals_hf(ring4, monkeypatch, mode):
     its answer is still HF's greedy answer. (Modes whose segments queue up on this tiny ring with the oracle
     drafter; ``continuous`` chains in the three-request test above.)"""
     from pipeline.engine import GenSettings
-    from pipeline.inprocess import run_concurrent
+    from tests.helpers import run_concurrent
     from tests.test_lanes import Pad
     full, stages, refs = ring4
     monkeypatch.setenv("FLOWSPEC_STAGE_CHAIN", "alone")

@@ -1,4 +1,4 @@
-"""Several requests in flight through one ring (pipeline/lanes.py), in one process (pipeline.inprocess.run_concurrent).
+"""Several requests in flight through one ring (pipeline/lanes.py), in one process (tests/helpers.py: run_concurrent).
 
 Every concurrent greedy answer equals HF ``generate(do_sample=False)`` (its single-request answer) in every mode,
 with modes mixed on one ring and lanes reused; a sampled answer equals the same request's answer alone (same
@@ -17,23 +17,27 @@ import torch
 
 from model.split import split_checkpoint
 from pipeline.engine import GenSettings
-from pipeline.inprocess import run_concurrent, run_threaded
+from pipeline.inprocess import run_threaded
 from pipeline.messages import (MAX_LANES, Context, Decision, Segment, Shutdown, Stats, Status, decode, decode_at,
                                encode, pack_log, split_kind_word)
-from tests.helpers import hf_greedy, tiny_llama
+from tests.helpers import hf_greedy, run_concurrent, tiny_llama
 
 PROMPTS = [[1, 5, 9, 13, 22, 7], [1, 40, 41, 42, 43], [1, 7, 7, 8, 9, 10, 11]]
 NEW = 12
 COMMON = [f"max_new_tokens={NEW}", "dtype=float64"]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lanes")
+def tiny_ring(root):
+    """``(full model dir, stages split [0, 2, 2], HF greedy answers to PROMPTS)``: a 4-layer float64 LLaMA (the
+    fixture of this file and of ``tests/test_lane_chain.py``)."""
     full = tiny_llama(root / "full", layers=4, dtype=torch.float64)
     stages = split_checkpoint(full, root / "stages", [0, 2, 2], progress=False)
-    refs = [hf_greedy(full, p, NEW, {2}, torch.float64) for p in PROMPTS]
-    return full, stages, refs
+    return full, stages, [hf_greedy(full, p, NEW, {2}, torch.float64) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_ring(tmp_path_factory.mktemp("lanes"))
 
 
 def _greedy(n=NEW):

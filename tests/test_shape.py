@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import draft.shape as shape
-from draft.shape import budget_cut, expected_accepted, frontier_width, next_frontier, shaped_tree
+from draft.shape import budget_cut, frontier_width, next_frontier
 from draft.tree import check_tree, select_top_nodes
+from tests.helpers import expected_accepted, shaped_tree
 
 V = 12
 

@@ -17,8 +17,16 @@ from draft.merged import MergedDrafter, SourceError, build_sources
 from draft.protocol import TreeDrafter, can_extend
 from tests.multidraft_common import path_to
 from draft.suffix import (FLOOR, SuffixAutomaton, SuffixDrafter, SuffixStore, advance, corpus_automaton,
-                          match_text, read_corpus, with_continuation)
+                          read_corpus, with_continuation)
 from draft.tree import check_tree
+
+
+def match_text(sam: SuffixAutomaton, tokens) -> tuple[int, int]:
+    """The match of a whole query text (:func:`advance` token by token from the empty match)."""
+    state, length = 0, 0
+    for t in tokens:
+        state, length = advance(sam, state, length, int(t))
+    return state, length
 
 
 def T(x, dtype=torch.long):

@@ -3,7 +3,8 @@ import torch
 import pytest
 
 from draft.tree import (DraftTree, ancestor_matrix, check_tree, depths_from_parents, keep_indices_for,
-                        merge_trees, remap_parents, reroot, select_top_nodes, split_sizes)
+                        merge_trees, reroot, select_top_nodes, split_sizes)
+from tests.helpers import remap_parents
 
 
 def tree_of(parents, tokens=None, scores=None):

@@ -3,9 +3,9 @@ random trees, including extensions of an existing tree; a planted bug in the ref
 import pytest
 import torch
 
-from draft.tree import (DraftTree, ancestor_matrix, depths_from_parents, keep_indices_for, remap_parents,
-                        select_top_nodes)
+from draft.tree import DraftTree, ancestor_matrix, depths_from_parents, keep_indices_for, select_top_nodes
 from model.kv_cache import extend_ancestry
+from tests.helpers import remap_parents
 
 
 def ref_depths(parents, base=None):

@@ -4,7 +4,7 @@ agree, and whole generations through CUDA-graph ranks equal HF ``generate`` on t
 (tests/gpu/conftest.py); the CPU twins of these checks are tests/test_graphs.py.
 
 ``model.graphs=compile`` (torch.compile, ``mode="reduce-overhead"`` on CUDA) against eager too: the head's trees
-(equal up to near-ties, :func:`draft.static_head.trees_match_up_to_ties`) and a stage block's outputs and KV entries.
+(equal up to near-ties, ``tests/helpers.py: trees_match_up_to_ties``) and a stage block's outputs and KV entries.
 
 Never run yet: the sessions that wrote it had no GPU (docs/gpu.md, "Static shapes and CUDA graphs").
 """
@@ -13,11 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draft.static_head import trees_match_up_to_ties
 from model.graphs import CompileExecutor, GraphExecutor, StaticStage, make_executor
 from model.split import split_checkpoint
 from tests.gpu.test_cuda import assert_equal_hf, report, run_cuda
-from tests.helpers import STORIES
+from tests.helpers import STORIES, trees_match_up_to_ties
 from tests.test_graphs import _Stage, _stage_run, _trees
 from tests.test_lean_layer import block_for
 
