@@ -57,13 +57,19 @@ def fusable(block) -> bool:
                for layer in block.layers)
 
 
-def _weights(head) -> list[Tensor]:
-    """Every parameter/buffer the fused forward reads through a copy or a cached view (its signature)."""
-    out = [head.fc.weight, head.fc.bias, head.block.rotary_emb.inv_freq]
-    for layer in head.block.layers:
-        a, m = layer.self_attn, layer.mlp
-        for lin in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
-            out += [lin.weight, lin.bias]
+def _weights(head) -> list[Tensor | None]:
+    """Every parameter/buffer the fused forward reads through a copy or a cached view (its signature). Read through
+    the modules' own dicts (``nn.Module.__getattr__`` is the slow path; called once per forward)."""
+    m = head._modules
+    fc = m["fc"]._parameters
+    block = m["block"]._modules
+    out = [fc["weight"], fc.get("bias"), block["rotary_emb"]._buffers.get("inv_freq")]
+    for layer in block["layers"]._modules.values():
+        a, mlp = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
+        for lin in (a["q_proj"], a["k_proj"], a["v_proj"], a["o_proj"], mlp["gate_proj"], mlp["up_proj"],
+                    mlp["down_proj"]):
+            p = lin._parameters
+            out += [p.get("weight"), p.get("bias")]
     return out
 
 
@@ -156,7 +162,10 @@ class FusedHead:
         self.__init__(_Dead())
 
     def _refresh(self, head) -> bool:
-        sig = _signature(head)
+        try:
+            sig = _signature(head)
+        except (KeyError, AttributeError):                 # not the layout the fused path reads
+            return False
         if sig != self._sig:
             self._sig = sig
             self._ok = fusable(head.block)
