@@ -12,8 +12,9 @@ of a small head). The lean layer already drops transformers' framework; this dro
   bitwise the same products) applied to q and k in one pass;
 * the transposed weights kept as views (``mm`` / ``addmm``: no ``t`` per call), the residual adds folded into the
   ``addmm`` of ``o_proj`` and ``down_proj`` where those have no bias, ``fc`` + embedding on 2-D rows;
-* grouped-query attention through ``scaled_dot_product_attention(enable_gqa=True)`` (no ``repeat_kv`` copies), the
-  key/value write into the draft cache through per-layer views of its buffers.
+* grouped-query attention through ``scaled_dot_product_attention(enable_gqa=True)`` on a CPU (no ``repeat_kv``
+  copies; :data:`NATIVE_GQA_DEVICES`), the key/value write into the draft cache through per-layer views of its
+  buffers.
 
 Contract (``tests/test_fused_head.py``): for every input the drafter gives the head (a :class:`model.kv_cache.KVCache`
 or a :class:`model.lane_batch.LaneBatch` of several lanes' caches), the output and the keys/values written equal
@@ -130,6 +131,19 @@ def _linear_res(x: Tensor, w_t: Tensor, b: Tensor | None, res: Tensor) -> Tensor
     return res + torch.addmm(b, x, w_t)
 
 
+# Devices whose scaled_dot_product_attention runs grouped-query attention (``enable_gqa``) in its fused kernel with an
+# explicit mask: the CPU's flash kernel does. On CUDA (torch 2.13's documentation) only the flash kernel, which takes
+# no mask, and the math fallback do: there the key/value heads are repeated (as the lean layer does) so the
+# memory-efficient kernel runs.
+NATIVE_GQA_DEVICES = ("cpu",)
+
+
+def _repeat_kv(x: Tensor, groups: int) -> Tensor:
+    """``[b, kv, s, d]`` -> ``[b, kv * groups, s, d]``: kv head ``j`` serves query heads ``j * groups ..``."""
+    b, kv, s, d = x.shape
+    return x[:, :, None].expand(b, kv, groups, s, d).reshape(b, kv * groups, s, d)
+
+
 def _capacity(cache) -> int | None:
     """The highest position + 1 a forward on ``cache`` may use (its slots), or None for a cache this path skips."""
     if type(cache) is KVCache:
@@ -230,10 +244,13 @@ class FusedHead:
             qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin).transpose(1, 2)   # rotary on q and k at once
             q, k = qk.split([hq, hkv], dim=1)
             v = v.transpose(1, 2)
-            gqa = hq != hkv
+            groups = hq // hkv
+            native = groups > 1 and dev.type in NATIVE_GQA_DEVICES
 
             def attention(q_, k_, v_, m):
-                return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=m, scale=ly.scale, enable_gqa=gqa)
+                if groups > 1 and not native:
+                    k_, v_ = _repeat_kv(k_, groups), _repeat_kv(v_, groups)
+                return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=m, scale=ly.scale, enable_gqa=native)
             if lanes:
                 o = cache.attend(q, k, v, i, attention)
             else:

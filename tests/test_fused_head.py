@@ -100,6 +100,13 @@ def test_fused_equals_lean_float64(family, kv_heads):
     assert head.fused_head.rebuilds == 1                # built once, the weights unchanged since
 
 
+def test_repeated_kv_heads_where_sdpa_has_no_masked_gqa(monkeypatch):
+    """On a device without a masked grouped-query kernel (CUDA) the key/value heads are repeated: the same values."""
+    import draft.fused_head as fh
+    monkeypatch.setattr(fh, "NATIVE_GQA_DEVICES", ())
+    assert max_diff(make_head("llama", 2)) < 1e-12
+
+
 def test_fused_equals_lean_float32():
     head = make_head("llama", 2, torch.float32)
     assert max_diff(head, torch.float32) < 1e-5
