@@ -151,8 +151,8 @@ class KVCache:
                 anc[m:m + n] = anc[par]                   # the parents' whole rows: zero beyond their own column
                 torch.add(dep[par], 1, out=dep[m:m + n])
             else:                                         # n roots below the context
-                anc[m:m + n] = False
-                dep[m:m + n] = 0
+                anc[m:m + n].fill_(False)
+                dep[m:m + n].fill_(0)
             cap = dep.numel()
             anc.view(-1)[m * (cap + 1):(m + n) * (cap + 1):cap + 1].fill_(True)  # each new node is its own
         elif n <= SMALL_TREE:                             # a few linked nodes (a stage's segment): one list pass

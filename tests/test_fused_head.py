@@ -291,3 +291,20 @@ def test_stories_head_drafts_the_same_trees(tmp_path):
     d = make_drafter(cfg, root, rank0, torch.float32, "cpu")
     ref, got = _same_trees(d, torch.float32, 1e-5, rank0.config.hidden_size, rank0.config.vocab_size)
     assert sum(len(t) for t in ref[0]) > 40
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_context_mask_in_fewer_ops_is_bitwise_the_old_one(dtype):
+    """``KVCache.context_inputs`` builds the commit's causal mask as ``full(min).triu_(length + 1)`` (5 operators
+    instead of 9): bitwise the additive form of the ``tril``'d allowed matrix it replaced; a planted off-by-one
+    (``triu_(length)``: a row that cannot see itself) differs."""
+    from model.kv_cache import KVCache, _additive
+    for length, n in ((0, 1), (0, 5), (7, 1), (7, 3), (30, 12)):
+        cache = KVCache(1, 1, 4, 64, dtype)
+        cache.length = cache.context_len = length
+        pos, mask = cache.context_inputs(n, dtype)
+        old = _additive(torch.ones(n, length + n, dtype=torch.bool).tril(length), dtype)
+        assert mask.dtype == dtype and mask.shape == old.shape and torch.equal(mask, old)
+        assert torch.equal(pos, torch.arange(length, length + n)[None])
+        planted = torch.full((n, length + n), torch.finfo(dtype).min, dtype=dtype).triu_(length)[None, None]
+        assert not torch.equal(planted, old)

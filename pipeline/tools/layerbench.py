@@ -423,10 +423,10 @@ def count(calls, blocks, device) -> list[dict]:
 # finish 965 (480, 5), expand 456 (262, 2), commit 111 (16, 0), verified step 62 (62, 0).
 # The draft head's fused forward (issue 41, docs/results.md "41: The draft head's forward in fewer operators";
 # draft/fused_head.py): head forward over 10 rows
-# 120 -> 64 ops (model 95 -> 39), first tree 467 -> 355, finish 965 -> 685, expand 456 -> 344, commit 111 -> 51
+# 120 -> 62 ops (model 95 -> 39), first tree 467 -> 351, finish 965 -> 685, expand 456 -> 344, commit 111 -> 51
 # (bookkeeping 16 -> 12: KVCache.context_inputs' mask in fewer ops), verified step 62 (unchanged).
-OP_BOUNDS = {"draft head forward": {"ops": 66, "model_ops": 40, "syncs": 0},
-             "first tree": {"ops": 366, "bookkeeping_ops": 280, "syncs": 2},
+OP_BOUNDS = {"draft head forward": {"ops": 64, "model_ops": 40, "syncs": 0},
+             "first tree": {"ops": 362, "bookkeeping_ops": 276, "syncs": 2},
              "finish first tree": {"ops": 705, "bookkeeping_ops": 490, "syncs": 5},
              "expand": {"ops": 355, "bookkeeping_ops": 270, "syncs": 2},
              "commit": {"ops": 53, "bookkeeping_ops": 14, "syncs": 0},
