@@ -20,7 +20,7 @@ Contract (``tests/test_fused_head.py``): for every input the drafter gives the h
 or a :class:`model.lane_batch.LaneBatch` of several lanes' caches), the output and the keys/values written equal
 the lean path's up to float reassociation (the folded residual adds, the fused matmuls' blocking, ``addcmul``):
 within 1e-5 in float32 and 1e-12 in float64, and the drafted trees match up to float ties
-(:func:`draft.static_head.trees_match_up_to_ties`).
+(``trees_match_up_to_ties``, the tests' tie rule).
 
 Weights never go stale: the fused copies are rebuilt whenever any weight the head reads changes, detected by a
 signature of every such parameter's ``(data_ptr, _version)``: an in-place update (an optimizer step, OSD's
