@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoConfig
 
+from draft.fused_head import FusedHead
 from draft.head_io import (HeadError, assign_weights, head_config_from_target, init_head_weights, is_eagle3_config,
                            read_head_config, read_head_weights)
 from model.layers import LayerBlock
@@ -27,6 +28,9 @@ from model.meter import NULL_METER, OpMeter, cache_length, run_joint
 
 class EagleHead(nn.Module):
     meter: OpMeter = NULL_METER   # instrumentation sees each forward as a draft_forward op (model.meter)
+    # issue 41: inference forwards on the lean path run the fused forward (draft/fused_head.py); False: the lean
+    # layer path (tests compare the two)
+    fused: bool = True
 
     def __init__(self, config, bias: bool = True) -> None:
         super().__init__()
@@ -61,8 +65,21 @@ class EagleHead(nn.Module):
                 mask: torch.Tensor, cache) -> torch.Tensor:
         """:meth:`forward` unmetered (what a recorded static forward replays: ``draft/static_head.py`` meters
         around it)."""
+        if self.fused and self.block.lean:      # the fused forward where it applies (draft/fused_head.py)
+            out = self.fused_head(tokens, features, positions, mask, cache)
+            if out is not None:
+                return out
         x = self.fc(torch.cat([self.embed_tokens(tokens).to(features.dtype), features], dim=-1))
         return self.block(x, positions, mask, cache)
+
+    @property
+    def fused_head(self) -> FusedHead:
+        """This head's :class:`draft.fused_head.FusedHead` (built at first use; it rebuilds its fused weights
+        itself whenever a weight changes)."""
+        fh = self.__dict__.get("_fused_head")
+        if fh is None or fh._head() is not self:      # a deep copy carries the original's: make its own
+            fh = self.__dict__["_fused_head"] = FusedHead(self)
+        return fh
 
     # -- checkpoint I/O (EAGLE layout) -----------------------------------------------------------
     def eagle_state_dict(self, with_embeddings: bool = False) -> dict[str, torch.Tensor]:

@@ -106,8 +106,10 @@ class KVCache:
             raise RuntimeError("context tokens can only be appended when no tree nodes are cached")
         self._check_room(n)
         pos = torch.arange(self.length, self.length + n, device=HOST)
-        allowed = torch.ones(n, self.length + n, dtype=torch.bool, device=HOST).tril(self.length)
-        return pos[None], _additive(allowed, dtype)
+        # row i sees slots j <= length + i: 0 there, the dtype's lowest above (what _additive of the tril'd
+        # allowed matrix gives, bitwise; issue 41: 5 operators instead of 9 per commit)
+        mask = torch.full((n, self.length + n), torch.finfo(dtype).min, dtype=dtype, device=HOST)
+        return pos[None], mask.triu_(self.length + 1).view(1, 1, n, self.length + n)
 
     def tree_inputs(self, parents: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Positions, additive mask and the extended ancestor matrix/depths for a tree segment.
@@ -149,8 +151,8 @@ class KVCache:
                 anc[m:m + n] = anc[par]                   # the parents' whole rows: zero beyond their own column
                 torch.add(dep[par], 1, out=dep[m:m + n])
             else:                                         # n roots below the context
-                anc[m:m + n] = False
-                dep[m:m + n] = 0
+                anc[m:m + n].fill_(False)
+                dep[m:m + n].fill_(0)
             cap = dep.numel()
             anc.view(-1)[m * (cap + 1):(m + n) * (cap + 1):cap + 1].fill_(True)  # each new node is its own
         elif n <= SMALL_TREE:                             # a few linked nodes (a stage's segment): one list pass

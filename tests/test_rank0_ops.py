@@ -51,6 +51,36 @@ def test_a_planted_per_node_loop_breaks_the_bound(bench):
     assert bad and any("syncs" in b for b in bad), rows
 
 
+def test_the_lean_head_path_breaks_the_fused_heads_bound(bench):
+    """The draft head's bound holds only with its fused forward (draft/fused_head.py): the lean layer path it
+    replaces (``EagleHead.fused`` off, a regression to it) dispatches ~120 operators per forward over 10 rows."""
+    lb, calls, blocks, device = bench
+    heads = [m for m in device[1] if hasattr(m, "fused")]
+    head_call = [c for c in calls if c[0].startswith("draft head forward")]
+    assert heads and head_call
+    try:
+        for h in heads:
+            h.fused = False
+        bad = lb.over_bounds(lb.count(head_call, blocks, device))
+    finally:
+        for h in heads:
+            h.fused = True
+    assert any("draft head forward" in b and "ops" in b for b in bad), bad
+    assert lb.over_bounds(lb.count(head_call, blocks, device)) == []
+
+
+def test_layerbench_times_the_fused_head_against_the_lean_one(bench):
+    """``--fused-head``: both settings timed in alternating blocks (lean layers on throughout), the heads left fused."""
+    lb, calls, blocks, device = bench
+    heads = [m for m in device[1] if hasattr(m, "fused")]
+    args = lb.parse_args(["--fused-head", "--blocks", "1", "--repeat", "1", "--clock", "thread"])
+    head_call = [c for c in calls if c[0].startswith("draft head forward")]
+    rows = lb.measure(args, head_call, blocks, heads)
+    assert rows[0]["lean_ms"] > 0 and rows[0]["transformers_ms"] > 0
+    assert all(h.fused for h in heads) and all(b.lean for b in blocks)
+    assert "fused head, ms" in lb.table(rows, "t", fused=True)
+
+
 def test_the_counter_sees_a_compiled_call_as_its_dispatched_operators():
     """Under ``model.graphs=compile`` the counter (a dispatch mode, under which dynamo cannot run) hands the compiled
     call to the profiler (:meth:`pipeline.tools.opcount.OpCounter.compiled_call`): it counts the aten operators the

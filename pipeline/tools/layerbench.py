@@ -27,10 +27,14 @@ slots); each fused C++ (or, on CUDA, Triton) kernel of inductor's is not an aten
 call each: one launch on a GPU, where reduce-overhead replays the lot as one CUDA graph); the model-op column is 0
 there (the head's modules are not called, their forward hooks do not fire).
 
+``--fused-head`` times the draft head's fused forward (:mod:`draft.fused_head`, the default) against the lean layer
+path it replaces (``EagleHead.fused`` off), both on lean layers, in the same alternating blocks.
+
 Example::
 
     python -m pipeline.tools.layerbench --device cpu --blocks 3 --repeat 20 --json outputs/layerbench.json
     python -m pipeline.tools.layerbench --clock thread --graphs off,compile --count model.stage_dir=/tmp/s260
+    python -m pipeline.tools.layerbench --clock thread --fused-head --count --blocks 3 --repeat 10 model.stage_dir=/tmp/s260
 """
 from __future__ import annotations
 
@@ -69,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--count-only", action="store_true", help="only the counts (deterministic, no timing)")
     p.add_argument("--clock", choices=("wall", "thread"), default="wall", help="wall seconds, or this thread's CPU "
                    "seconds (thread: on a loaded shared CPU, time descheduled is not counted; CPU runs only)")
+    p.add_argument("--fused-head", action="store_true", help="time the draft head's fused forward "
+                   "(draft/fused_head.py) against the lean layer path (both lean layers) instead of transformers vs "
+                   "lean layers")
     p.add_argument("--graphs", help="comma-separated model.graphs values (e.g. off,compile) to compare side by side "
                    "instead of transformers vs lean layers (lean layers on; compile time reported apart)")
     p.add_argument("overrides", nargs="*", help="key=value run overrides (model.stage_dir, model.head_dir, "
@@ -259,7 +266,10 @@ def bookkeeping_call(tree, inputs, root_hidden, vocab: int, seg: int):
     return call, setup
 
 
-def measure(args, calls, blocks) -> list[dict]:
+def measure(args, calls, blocks, heads=()) -> list[dict]:
+    """Per call, the median ms of the two settings alternated in blocks: lean layers off / on, or with
+    ``--fused-head`` the draft ``heads``' fused forward off / on (lean layers on; the same keys, the table says
+    which)."""
     from model.layers import set_lean
     import time
 
@@ -272,24 +282,28 @@ def measure(args, calls, blocks) -> list[dict]:
             setup()
         return timed_call(fn, cuda, clock)
 
+    fused = getattr(args, "fused_head", False)
+
+    def setting(on: bool) -> None:
+        for b in blocks:
+            set_lean(b, on or fused)
+        for h in heads:
+            h.fused = on or not fused
     rows = []
     for name, fn, setup, _ in calls:
         times = {False: [], True: []}
         for lean in (False, True):          # warm both paths
-            for b in blocks:
-                set_lean(b, lean)
+            setting(lean)
             for _ in range(2):
                 once(fn, setup)
         for i in range(args.blocks):
             for lean in ((False, True) if i % 2 == 0 else (True, False)):   # alternate which goes first
-                for b in blocks:
-                    set_lean(b, lean)
+                setting(lean)
                 times[lean] += [once(fn, setup) for _ in range(args.repeat)]
         ref, lean = statistics.median(times[False]) * 1e3, statistics.median(times[True]) * 1e3
         rows.append({"call": name, "transformers_ms": round(ref, 3), "lean_ms": round(lean, 3),
                      "lean_vs_transformers": round(lean / ref, 3) if ref else None})
-    for b in blocks:
-        set_lean(b, True)
+    setting(True)
     return rows
 
 
@@ -407,10 +421,15 @@ def count(calls, blocks, device) -> list[dict]:
 # expand 451 (257, 2), commit 111 (16, 0), verified step 58 (58, 0). Capacity-sized trees (docs/results.md section 42;
 # drafting calls grow trees preallocated at ContinuousMode.capacity): first tree 467 (271, 2),
 # finish 965 (480, 5), expand 456 (262, 2), commit 111 (16, 0), verified step 62 (62, 0).
-OP_BOUNDS = {"first tree": {"ops": 480, "bookkeeping_ops": 280, "syncs": 2},
-             "finish first tree": {"ops": 985, "bookkeeping_ops": 490, "syncs": 5},
-             "expand": {"ops": 465, "bookkeeping_ops": 265, "syncs": 2},
-             "commit": {"ops": 115, "bookkeeping_ops": 20, "syncs": 0},
+# The draft head's fused forward (issue 41, docs/results.md "41: The draft head's forward in fewer operators";
+# draft/fused_head.py): head forward over 10 rows
+# 120 -> 62 ops (model 95 -> 39), first tree 467 -> 351, finish 965 -> 685, expand 456 -> 344, commit 111 -> 51
+# (bookkeeping 16 -> 12: KVCache.context_inputs' mask in fewer ops), verified step 62 (unchanged).
+OP_BOUNDS = {"draft head forward": {"ops": 64, "model_ops": 40, "syncs": 0},
+             "first tree": {"ops": 362, "bookkeeping_ops": 276, "syncs": 2},
+             "finish first tree": {"ops": 705, "bookkeeping_ops": 490, "syncs": 5},
+             "expand": {"ops": 355, "bookkeeping_ops": 270, "syncs": 2},
+             "commit": {"ops": 53, "bookkeeping_ops": 14, "syncs": 0},
              "verified step bookkeeping": {"ops": 62, "bookkeeping_ops": 62, "syncs": 0}}
 
 
@@ -425,10 +444,12 @@ def over_bounds(rows: list[dict], bounds: dict = OP_BOUNDS) -> list[str]:
     return out
 
 
-def table(rows: list[dict], header: str) -> str:
+def table(rows: list[dict], header: str, fused: bool = False) -> str:
     timed = "lean_ms" in rows[0]
     counted = "ops" in rows[0]
-    cols = (["transformers layers, ms", "lean layers, ms", "lean / transformers"] if timed else []) + \
+    names = ["lean head, ms", "fused head, ms", "fused / lean"] if fused else \
+        ["transformers layers, ms", "lean layers, ms", "lean / transformers"]
+    cols = (names if timed else []) + \
         (["aten ops", "model ops", "device ops", "value reads", "syncs", "ops / level", "bookkeeping ops / level",
           "syncs / level"] if counted else [])
     return md_table(header, cols, [
@@ -454,7 +475,8 @@ def main(argv=None) -> int:
         except SetupError as e:
             raise LayerBenchError(str(e)) from None
         if not args.graphs:
-            rows = [] if args.count_only else measure(args, calls, blocks)
+            heads = [m for m in device[1] if hasattr(m, "fused")]     # EAGLE-1/2 heads (--fused-head)
+            rows = [] if args.count_only else measure(args, calls, blocks, heads)
             if args.count or args.count_only:
                 counts = count(calls, blocks, device)
                 rows = counts if args.count_only else [{**r, **c} for r, c in zip(rows, counts)]
@@ -470,11 +492,12 @@ def main(argv=None) -> int:
         write_json(args.json, {"device": device, "stage_root": str(stage_root), "dtype": args.dtype,
                                "ctx": args.ctx, **result})
         return 0
-    header = (f"# Per-call time, transformers vs lean decoder layers ({stage_root.name}, {args.dtype}, {device}, "
+    what = "lean vs fused draft head, lean layers" if args.fused_head else "transformers vs lean decoder layers"
+    header = (f"# Per-call time, {what} ({stage_root.name}, {args.dtype}, {device}, "
               f"context {args.ctx}; median of {args.blocks} x {args.repeat} calls each, {args.clock} clock)") \
         if not args.count_only \
         else f"# Per-call operator counts, lean layers ({stage_root.name}, {args.dtype}, context {args.ctx})"
-    print(table(rows, header))
+    print(table(rows, header, args.fused_head))
     write_json(args.json, {"device": device, "stage_root": str(stage_root), "dtype": args.dtype, "ctx": args.ctx,
                            "rows": rows})
     return 0

@@ -1,0 +1,266 @@
+"""The EAGLE-1/2 draft head's forward as few operators (issue 41): the same weights and math as
+:func:`model.lean_layer.lean_forward`, about half its aten operators.
+
+Why: rank 0 runs the head once per drafted level and once per commit, at batch 1; on a GPU every aten operator is a
+launch and on this CPU a few microseconds of host time (docs/results.md §24: the operator count *is* the host time
+of a small head). The lean layer already drops transformers' framework; this drops the layer's own redundancy:
+
+* q/k/v as ONE matmul and gate/up as ONE matmul (weights concatenated once, kept until a weight changes, below);
+* the rotary ``(cos, sin)`` gathered from a table precomputed per position by the layer's own rotary module (no
+  per-call rotary module: its cos/sin are elementwise in the position, so a table row is bitwise the per-call
+  value), with ``rotate_half(x) * sin`` as ``roll(x, d/2) * sin'`` (``sin'``: ``sin`` with its first half negated,
+  bitwise the same products) applied to q and k in one pass;
+* the transposed weights kept as views (``mm`` / ``addmm``: no ``t`` per call), the residual adds folded into the
+  ``addmm`` of ``o_proj`` and ``down_proj`` where those have no bias, ``fc`` + embedding on 2-D rows;
+* grouped-query attention through ``scaled_dot_product_attention(enable_gqa=True)`` on a CPU (no ``repeat_kv``
+  copies; :data:`NATIVE_GQA_DEVICES`), the key/value write into the draft cache through per-layer views of its
+  buffers.
+
+Contract (``tests/test_fused_head.py``): for every input the drafter gives the head (a :class:`model.kv_cache.KVCache`
+or a :class:`model.lane_batch.LaneBatch` of several lanes' caches), the output and the keys/values written equal
+the lean path's up to float reassociation (the folded residual adds, the fused matmuls' blocking, ``addcmul``):
+within 1e-5 in float32 and 1e-12 in float64, and the drafted trees match up to float ties
+(``trees_match_up_to_ties``, the tests' tie rule).
+
+Weights never go stale: the fused copies are rebuilt whenever any weight the head reads changes, detected by a
+signature of every such parameter's ``(data_ptr, _version)``: an in-place update (an optimizer step, OSD's
+``load_head_state`` copy, ``torch.no_grad`` edits) bumps the version, a loaded or moved weight (``load_state_dict``
+with ``assign``, ``.to(...)``) has another pointer. Writes through ``param.data`` (which autograd does not version)
+are not seen: the project writes ``.data`` only into the embedding and ``lm_head``, which this path reads live, never
+copies. Not used (the head runs :func:`model.lean_layer.lean_forward`): with autograd on (training: the fused
+copies carry no gradient to the parameters), while ``torch.compile`` traces, on a static-shape cache
+(``model.graphs``: a recorded graph or compiled body would keep the fused copies of its recording, which a weight
+update could not refresh), for a layer :func:`fusable` refuses, and with ``model.lean_layers=false`` (the reference).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.kv_cache import KVCache
+from model.lane_batch import LaneBatch
+from model.lean_layer import lean_supported
+
+Tensor = torch.Tensor
+
+
+def fusable(block) -> bool:
+    """Whether :class:`FusedHead` computes this :class:`model.layers.LayerBlock`: every layer
+    :func:`model.lean_layer.lean_supported`, without Qwen3's per-head query/key norms, with a rotary embedding whose
+    angles depend on the position alone (not ``dynamic`` / ``longrope``, which rescale with the sequence length)."""
+    rope = getattr(block.rotary_emb, "rope_type", "default")
+    if rope in ("dynamic", "longrope") or not hasattr(block.rotary_emb, "inv_freq"):
+        return False
+    return all(lean_supported(layer) and getattr(layer.self_attn, "q_norm", None) is None
+               for layer in block.layers)
+
+
+def _weights(head) -> list[Tensor | None]:
+    """Every parameter/buffer the fused forward reads through a copy or a cached view (its signature). Read through
+    the modules' own dicts (``nn.Module.__getattr__`` is the slow path; called once per forward)."""
+    m = head._modules
+    fc = m["fc"]._parameters
+    block = m["block"]._modules
+    out = [fc["weight"], fc.get("bias"), block["rotary_emb"]._buffers.get("inv_freq")]
+    for layer in block["layers"]._modules.values():
+        a, mlp = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
+        for lin in (a["q_proj"], a["k_proj"], a["v_proj"], a["o_proj"], mlp["gate_proj"], mlp["up_proj"],
+                    mlp["down_proj"]):
+            p = lin._parameters
+            out += [p.get("weight"), p.get("bias")]
+    return out
+
+
+def _signature(head) -> tuple:
+    return tuple((t.data_ptr(), t._version) if t is not None else None for t in _weights(head))
+
+
+class _Layer:
+    """One decoder layer's fused weights (copies / views of the layer's parameters at build time)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        a, m = layer.self_attn, layer.mlp
+        self.in_norm = None if isinstance(layer.input_layernorm, nn.Identity) else layer.input_layernorm
+        self.post_norm = layer.post_attention_layernorm
+        self.d = a.head_dim
+        self.hq = a.q_proj.out_features // self.d
+        self.hkv = a.k_proj.out_features // self.d
+        self.scale = a.scaling
+        self.act = m.act_fn
+        self.inter = m.gate_proj.out_features
+        self.qkv_t = torch.cat([a.q_proj.weight.detach(), a.k_proj.weight.detach(), a.v_proj.weight.detach()]).t()
+        self.qkv_b = _fused_bias([a.q_proj, a.k_proj, a.v_proj])
+        self.gu_t = torch.cat([m.gate_proj.weight.detach(), m.up_proj.weight.detach()]).t()
+        self.gu_b = _fused_bias([m.gate_proj, m.up_proj])
+        self.o_t, self.o_b = a.o_proj.weight.detach().t(), _bias(a.o_proj)
+        self.down_t, self.down_b = m.down_proj.weight.detach().t(), _bias(m.down_proj)
+
+
+class _Dead:
+    """Stands for the head of a copied :class:`FusedHead` (which its copy's head replaces at first use)."""
+
+
+def _bias(lin: nn.Linear) -> Tensor | None:
+    return None if lin.bias is None else lin.bias.detach()
+
+
+def _fused_bias(lins: list[nn.Linear]) -> Tensor | None:
+    """The concatenated biases of ``lins`` (zeros for one without: Qwen2's q/k/v have biases, o has none)."""
+    if all(lin.bias is None for lin in lins):
+        return None
+    w = lins[0].weight
+    return torch.cat([lin.bias.detach() if lin.bias is not None else w.new_zeros(lin.out_features) for lin in lins])
+
+
+def _rms(norm: nn.Module, x: Tensor) -> Tensor:
+    """transformers' ``LlamaRMSNorm`` (the lean layer's ``_rms_norm``): statistics in float32, the weight after the
+    cast back (bitwise the same operations)."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(dtype)
+
+
+def _linear_res(x: Tensor, w_t: Tensor, b: Tensor | None, res: Tensor) -> Tensor:
+    """``res + x @ w_t (+ b)``: one ``addmm`` with the residual as its input where there is no bias."""
+    if b is None:
+        return torch.addmm(res, x, w_t)
+    return res + torch.addmm(b, x, w_t)
+
+
+# Devices whose scaled_dot_product_attention runs grouped-query attention (``enable_gqa``) in its fused kernel with an
+# explicit mask: the CPU's flash kernel does. On CUDA (torch 2.13's documentation) only the flash kernel, which takes
+# no mask, and the math fallback do: there the key/value heads are repeated (as the lean layer does) so the
+# memory-efficient kernel runs.
+NATIVE_GQA_DEVICES = ("cpu",)
+
+
+def _repeat_kv(x: Tensor, groups: int) -> Tensor:
+    """``[b, kv, s, d]`` -> ``[b, kv * groups, s, d]``: kv head ``j`` serves query heads ``j * groups ..``."""
+    b, kv, s, d = x.shape
+    return x[:, :, None].expand(b, kv, groups, s, d).reshape(b, kv * groups, s, d)
+
+
+def _capacity(cache) -> int | None:
+    """The highest position + 1 a forward on ``cache`` may use (its slots), or None for a cache this path skips."""
+    if type(cache) is KVCache:
+        return cache.max_len
+    if isinstance(cache, LaneBatch) and all(type(c) is KVCache for c in cache.caches):
+        return max(c.max_len for c in cache.caches)
+    return None
+
+
+class FusedHead:
+    """The fused forward of one :class:`draft.eagle.EagleHead` (``head.fused_head``): ``fused(tokens, features,
+    positions, mask, cache)`` -> what ``head.compute`` returns on the lean path, or None where this path does not
+    apply (the caller runs the lean path; see the module docstring)."""
+
+    def __init__(self, head) -> None:
+        self._head = weakref.ref(head)      # the head holds this object: no cycle
+        self._sig = None
+        self._ok = False
+        self._layers: list[_Layer] = []
+        self._fc_t = self._fc_b = None
+        self._rope: Tensor | None = None   # [positions, 2, 1, head_dim]: cos, then sin with its first half negated
+        self._rope_key = None
+        self._views = weakref.WeakKeyDictionary()   # KVCache -> (keys ptr, [(keys[i], values[i]) per layer])
+        self.rebuilds = 0
+
+    def __getstate__(self) -> dict:        # a copied / pickled head builds its own (nothing stale crosses over)
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(_Dead())
+
+    def _refresh(self, head) -> bool:
+        try:
+            sig = _signature(head)
+        except (KeyError, AttributeError):                 # not the layout the fused path reads
+            return False
+        if sig != self._sig:
+            self._sig = sig
+            self._ok = fusable(head.block)
+            if self._ok:
+                self._layers = [_Layer(layer) for layer in head.block.layers]
+                self._fc_t, self._fc_b = head.fc.weight.detach().t(), _bias(head.fc)
+                self.rebuilds += 1
+            else:
+                self._layers = []
+            self._rope = None
+        return self._ok
+
+    def _rope_table(self, head, length: int, dtype: torch.dtype, device) -> Tensor:
+        key = (dtype, device)
+        if self._rope is None or self._rope_key != key or self._rope.shape[0] < length:
+            rot = head.block.rotary_emb
+            n = max(length, 2 * self._rope.shape[0] if self._rope is not None and self._rope_key == key else 0, 64)
+            with torch.no_grad():
+                cos, sin = rot(torch.zeros(1, 1, dtype=dtype, device=device),
+                               torch.arange(n, device=device)[None])          # the layer's own angles, per position
+            cos, sin = cos[0], sin[0]
+            half = sin.shape[-1] // 2
+            sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)       # rotate_half's sign moved into the table
+            self._rope = torch.stack([cos, sin], dim=1)[:, :, None].contiguous()
+            self._rope_key = key
+        return self._rope
+
+    def _kv(self, cache: KVCache) -> list[tuple[Tensor, Tensor]]:
+        got = self._views.get(cache)
+        if got is None or got[0] != cache.keys.data_ptr():
+            got = (cache.keys.data_ptr(), [(cache.keys[i], cache.values[i]) for i in range(cache.keys.shape[0])])
+            self._views[cache] = got
+        return got[1]
+
+    def __call__(self, tokens: Tensor, features: Tensor, positions: Tensor, mask: Tensor | None,
+                 cache) -> Tensor | None:
+        head = self._head()
+        cap = _capacity(cache)
+        if head is None or cap is None or torch.is_grad_enabled() or torch.compiler.is_compiling() \
+                or not self._refresh(head):
+            return None
+        n = tokens.shape[-1]
+        dtype, dev = features.dtype, features.device
+        f = features.reshape(n, -1)
+        e = F.embedding(tokens.reshape(n), head.embed_tokens.weight).to(dtype)
+        x = torch.cat([e, f], dim=1)
+        h = torch.mm(x, self._fc_t) if self._fc_b is None else torch.addmm(self._fc_b, x, self._fc_t)
+        cs = self._rope_table(head, cap, dtype, dev).index_select(0, positions.reshape(n).to(dev))
+        cos, sin = cs.unbind(1)                                                # [n, 1, d] each
+        lanes = isinstance(cache, LaneBatch)
+        if lanes:
+            cache.to(dev, dtype)
+        else:
+            mask = mask.to(device=dev, dtype=dtype)
+            length = cache.length
+            kv = self._kv(cache)
+        for i, ly in enumerate(self._layers):
+            d, hq, hkv = ly.d, ly.hq, ly.hkv
+            x = h if ly.in_norm is None else _rms(ly.in_norm, h)
+            qkv = torch.mm(x, ly.qkv_t) if ly.qkv_b is None else torch.addmm(ly.qkv_b, x, ly.qkv_t)
+            qk, v = qkv.view(1, n, hq + 2 * hkv, d).split([hq + hkv, hkv], dim=2)
+            qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin).transpose(1, 2)   # rotary on q and k at once
+            q, k = qk.split([hq, hkv], dim=1)
+            v = v.transpose(1, 2)
+            groups = hq // hkv
+            native = groups > 1 and dev.type in NATIVE_GQA_DEVICES
+
+            def attention(q_, k_, v_, m):
+                if groups > 1 and not native:
+                    k_, v_ = _repeat_kv(k_, groups), _repeat_kv(v_, groups)
+                return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=m, scale=ly.scale, enable_gqa=native)
+            if lanes:
+                o = cache.attend(q, k, v, i, attention)
+            else:
+                kl, vl = kv[i]
+                kl[:, :, length:length + n] = k
+                vl[:, :, length:length + n] = v
+                o = attention(q, kl[:, :, :length + n], vl[:, :, :length + n], mask)
+            h = _linear_res(o.transpose(1, 2).reshape(n, hq * d), ly.o_t, ly.o_b, h)
+            x = _rms(ly.post_norm, h)
+            gu = torch.mm(x, ly.gu_t) if ly.gu_b is None else torch.addmm(ly.gu_b, x, ly.gu_t)
+            g, u = gu.split(ly.inter, dim=1)
+            h = _linear_res(ly.act(g) * u, ly.down_t, ly.down_b, h)
+        return h.view(1, n, -1)
