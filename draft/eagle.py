@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from torch import nn
-from transformers import AutoConfig
 
 from draft.head_io import (HeadError, assign_weights, head_config_from_target, init_head_weights, is_eagle3_config,
                            read_head_config, read_head_weights)
@@ -113,6 +112,7 @@ def load_eagle_head(head_dir: str | Path, target_config, target_embed: torch.Ten
     if is_eagle3_config(read_head_config(head_dir)):
         raise HeadError(f"{head_dir} is an EAGLE-3 head: load it with draft.load_head.load_draft_head")
     try:
+        from transformers import AutoConfig    # here: the decode path imports no transformers (model/light.py)
         cfg = AutoConfig.from_pretrained(head_dir)
     except Exception as e:
         raise HeadError(f"cannot read {head_dir / 'config.json'}: {e}") from None

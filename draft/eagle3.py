@@ -37,7 +37,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from torch import nn
-from transformers import AutoConfig
 
 from draft.head_io import (HeadError, assign_weights, head_config_from_target, init_head_weights, is_eagle3_config,
                            read_head_config, read_head_weights)
@@ -244,6 +243,7 @@ def load_eagle3_head(head_dir: str | Path, target_config, target_embed: Tensor |
     if raw is None:
         raise HeadError(f"draft head directory {head_dir} has no readable config.json")
     try:
+        from transformers import AutoConfig    # here: the decode path imports no transformers (model/light.py)
         cfg = AutoConfig.from_pretrained(head_dir)
     except Exception as e:
         raise HeadError(f"cannot read {head_dir / 'config.json'}: {e}") from None
