@@ -121,7 +121,7 @@ class FlowSpec:
         models = [load_rank_stage(cfg, root, r, world, dtype, device) for r in range(world)]
         gen_cfg = generation_config(root)
         try:
-            tokenizer = load_tokenizer(root)
+            tokenizer = load_tokenizer(root, light=True)   # no transformers import where it can (model/tokenizer.py)
             stop_ids = stop_token_ids(tokenizer, gen_cfg)
         except SetupError:   # a split without a tokenizer: token-id prompts only
             tokenizer = None
