@@ -133,14 +133,15 @@ def rope_inv_freq(config) -> torch.Tensor:
     """The inverse frequencies of ``config``'s rope type, as transformers' ``compute_default_rope_parameters`` /
     ``ROPE_INIT_FUNCTIONS[type]`` compute them (``default``; ``linear``: divided by ``factor``; ``llama3``: low
     frequencies divided by ``factor``, a smooth interpolation between ``low_freq_factor`` and
-    ``high_freq_factor`` wavelengths)."""
+    ``high_freq_factor`` wavelengths). Computed on the CPU even under a meta default device (a module built on
+    meta: the meta ``pow`` goes through torch's Python reference kernels, which import ``torch._dynamo``)."""
     rope = config.rope_parameters
     kind = rope.get("rope_type", rope.get("type", "default"))
     dim = head_dim_of(config)
     base = rope["rope_theta"]
     if kind == "default":
-        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float) / dim))
     factor = rope["factor"]
     if kind == "linear":
         return inv_freq / factor

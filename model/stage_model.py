@@ -26,6 +26,15 @@ class SliceLinear(nn.Linear):
         return super().forward(x)
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding(num, dim)``; on the meta device without its random init, whose meta ``normal_`` goes through
+    torch's Python reference kernels and imports ``torch._dynamo`` (about 1 s of CPU at every load,
+    docs/results.md section 49)."""
+    if torch.empty(0).is_meta:
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 class StageModel(nn.Module):
     """Rank ``r``'s slice of the base model.
 
@@ -48,7 +57,7 @@ class StageModel(nn.Module):
         self.num_layers = end - start
         _, _, norm_cls = block_classes(config)
         h = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, h) if config.has_embedding else None
+        self.embed_tokens = _embedding(config.vocab_size, h) if config.has_embedding else None
         self.block = LayerBlock(config, self.num_layers) if self.num_layers else None
         self.norm = norm_cls(h, eps=config.rms_norm_eps) if config.has_final_norm else None
         self.lm_head = SliceLinear(h, config.vocab_size, bias=False) if config.has_lm_head else None
