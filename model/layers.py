@@ -95,9 +95,10 @@ class LayerBlock(nn.Module):
         (:func:`model.light.to_reference`; imports transformers). Idempotent."""
         if any(isinstance(layer, light.DecoderLayer) for layer in self.layers):
             cfg = self.config.to_hf() if isinstance(self.config, light.LightConfig) else self.config
+            layer_cls, _, norm_cls = family_classes(cfg)
             for i, layer in enumerate(self.layers):
                 if isinstance(layer, light.DecoderLayer):
-                    self.layers[i] = light.to_reference(layer, cfg)
+                    self.layers[i] = light.to_reference(layer, cfg, layer_cls, norm_cls)
         if self.cache_arg is None and len(self.layers):
             self.cache_arg = cache_arg(type(self.layers[0]))    # the release's name of the KV-cache argument
 

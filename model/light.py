@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.lean_layer import lean_forward
 from model.stage_format import SUPPORTED_FAMILIES
 
 ROPE_TYPES = ("default", "linear", "llama3")     # computed here; others (dynamic, yarn, longrope...) by transformers
@@ -255,7 +256,6 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids=None, use_cache: bool = False, position_embeddings=None, **kwargs) -> torch.Tensor:
-        from model.lean_layer import lean_forward
         if kwargs.get("cache", kwargs.get("past_key_values")) is not None:
             raise ValueError("model.light.DecoderLayer is called cache-free only; a stage runs it through lean_forward")
         n = hidden_states.shape[1]
@@ -266,12 +266,11 @@ class DecoderLayer(nn.Module):
         return lean_forward(self, hidden_states, cos, sin, mask, _NoCache(), self.self_attn.layer_idx)
 
 
-def to_reference(layer: DecoderLayer, config):
-    """The transformers decoder layer of ``config``'s family holding ``layer``'s own parameters and projection
-    modules (quantized ones included): the reference path, and the path for modules ``lean_forward`` cannot run.
-    Norms become the family's RMSNorm class on the same weight parameter. Imports transformers."""
-    from model.layers import family_classes
-    layer_cls, _, norm_cls = family_classes(config)
+def to_reference(layer: DecoderLayer, config, layer_cls: type, norm_cls: type):
+    """The transformers decoder layer ``layer_cls(config)`` (the family's, from
+    :func:`model.layers.family_classes`) holding ``layer``'s own parameters and projection modules (quantized ones
+    included): the reference path, and the path for modules ``lean_forward`` cannot run. Norms become the family's
+    RMSNorm class ``norm_cls`` on the same weight parameter."""
     with torch.device("meta"):
         ref = layer_cls(config, layer_idx=layer.self_attn.layer_idx)
 
