@@ -106,6 +106,15 @@ def read_config(path: str | Path):
     return AutoConfig.from_pretrained(path.parent)
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding(num, dim)``; on the meta device without its random init, whose meta ``normal_`` goes through
+    torch's Python reference kernels and imports ``torch._dynamo`` (about 1 s of CPU at every load that builds a
+    module on meta before reading its weights, docs/results.md section 49)."""
+    if torch.empty(0).is_meta:
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 

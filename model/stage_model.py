@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from model.layers import LayerBlock, block_classes, family_classes
+from model.light import embedding
 from model.stage_format import (STAGE_FIELDS, SUPPORTED_FAMILIES, WEIGHTS, StageDirError, check_world, iter_safetensors,  # noqa: F401
                                 stage_dir, verify_stage_file)
 
@@ -24,15 +25,6 @@ class SliceLinear(nn.Linear):
         if x.shape[-1] != self.in_features:
             x = x[..., :self.in_features]
         return super().forward(x)
-
-
-def _embedding(num: int, dim: int) -> nn.Embedding:
-    """``nn.Embedding(num, dim)``; on the meta device without its random init, whose meta ``normal_`` goes through
-    torch's Python reference kernels and imports ``torch._dynamo`` (about 1 s of CPU at every load,
-    docs/results.md section 49)."""
-    if torch.empty(0).is_meta:
-        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
-    return nn.Embedding(num, dim)
 
 
 class StageModel(nn.Module):
@@ -57,7 +49,7 @@ class StageModel(nn.Module):
         self.num_layers = end - start
         _, _, norm_cls = block_classes(config)
         h = config.hidden_size
-        self.embed_tokens = _embedding(config.vocab_size, h) if config.has_embedding else None
+        self.embed_tokens = embedding(config.vocab_size, h) if config.has_embedding else None
         self.block = LayerBlock(config, self.num_layers) if self.num_layers else None
         self.norm = norm_cls(h, eps=config.rms_norm_eps) if config.has_final_norm else None
         self.lm_head = SliceLinear(h, config.vocab_size, bias=False) if config.has_lm_head else None
