@@ -9,8 +9,8 @@ from torch import nn
 
 from model.layers import LayerBlock, block_classes, family_classes
 from model.light import embedding
-from model.stage_format import (STAGE_FIELDS, SUPPORTED_FAMILIES, WEIGHTS, StageDirError, check_world, iter_safetensors,  # noqa: F401
-                                stage_dir, verify_stage_file)
+from model.stage_format import (STAGE_FIELDS, SUPPORTED_FAMILIES, WEIGHTS, StageDirError,  # noqa: F401
+                                check_world, iter_safetensors, stage_dir, verify_stage_file)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}

@@ -14,9 +14,9 @@ from model.prompts import chat_prompt_ids, stop_token_ids
 from model.tokenizer import LightTokenizer, load_light_tokenizer
 from tests.helpers import STORIES
 
-TEXTS = ["Once upon a time", "  two  spaces\n\nnew line", "héllo wörld 日本語 🙂", "", " leading", "trailing ", "a\tb",
-         "<s> x </s>", "<|im_start|>user\nhi<|im_end|>", "x" * 50, "Don't you're 1234567 3.14 -- foo_bar()", "\n",
-         "   ", "Write a haiku about the sea."]
+TEXTS = ["Once upon a time", "  two  spaces\n\nnew line", "héllo wörld 日本語 🙂", "", " leading", "trailing ",
+         "a\tb", "<s> x </s>", "<|im_start|>user\nhi<|im_end|>", "x" * 50, "Don't you're 1234567 3.14 -- foo_bar()",
+         "\n", "   ", "Write a haiku about the sea."]
 CHATS = [([], ["Hi there"], ""), ([], ["Q1", "Q2 ünï"], "Be brief."), (["A1"], ["Q1", "Q2"], "")]
 
 
