@@ -2,10 +2,10 @@
 
 Why: importing a transformers model module costs about 1.5 s of CPU on every process start (``modeling_llama``
 pulls ``modeling_utils``, ``core_model_loading`` and ``torch.distributed.tensor``; ``configuration_llama`` the
-activations and hub kernels), more than loading and running a small split (docs/results.md section 49). The
-pipeline runs its layers through :func:`model.lean_layer.lean_forward`, which needs the layers' *weights and
-attributes*, not transformers' forward; so a stage is built from these modules, transformers being imported only
-where its own code runs: the reference path (``model.lean_layers=false``), quantized projections, an EAGLE-3 head,
+activations and hub kernels), more than loading and running a small split (docs/results.md, "The API example
+under 5 s"). The pipeline runs its layers through :func:`model.lean_layer.lean_forward`, which needs the
+layers' *weights and attributes*, not transformers' forward; so a stage is built from these modules, transformers
+being imported only where its own code runs: the reference path (``model.lean_layers=false``), quantized projections, an EAGLE-3 head,
 a tensor-parallel shard, a rope type or activation these modules do not implement (:func:`light_ok` false).
 
 Contract (``tests/test_light.py``): for every config :func:`light_ok` accepts,
@@ -109,7 +109,7 @@ def read_config(path: str | Path):
 def embedding(num: int, dim: int) -> nn.Embedding:
     """``nn.Embedding(num, dim)``; on the meta device without its random init, whose meta ``normal_`` goes through
     torch's Python reference kernels and imports ``torch._dynamo`` (about 1 s of CPU at every load that builds a
-    module on meta before reading its weights, docs/results.md section 49)."""
+    module on meta before reading its weights, docs/results.md, "The API example under 5 s")."""
     if torch.empty(0).is_meta:
         return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
     return nn.Embedding(num, dim)

@@ -2,7 +2,7 @@
 importing transformers.
 
 Why: ``AutoTokenizer`` imports transformers (about 1 s of CPU per process start, more than loading and running a
-small split: docs/results.md section 49); the tokenizer itself is ``tokenizers``' Rust object from
+small split: docs/results.md, "The API example under 5 s"); the tokenizer itself is ``tokenizers``' Rust object from
 ``tokenizer.json``, which loads in milliseconds. :func:`load_light_tokenizer` builds the same backend transformers
 5 builds for the tokenizer classes it knows (``TokenizersBackend`` / ``PreTrainedTokenizerFast``: the file as is;
 ``LlamaTokenizer``: transformers' Metaspace pre-tokenizer and decoder replace the file's), and renders a chat

@@ -163,7 +163,7 @@ def test_light_config_reads_a_stage_config(tmp_path):
 
 def test_api_path_imports_neither_transformers_nor_dynamo(tmp_path):
     """The one-process API on stories260K (the README's example): no transformers and no torch._dynamo import
-    (together about 2.5 s of the example's 6 s before, docs/results.md section 49)."""
+    (together about 2.5 s of the example's 6 s before, docs/results.md, "The API example under 5 s")."""
     if not STORIES.is_dir():
         pytest.skip("../shared/models/stories260K is not available")
     from model.split import split_checkpoint
