@@ -5,8 +5,9 @@ pulls ``modeling_utils``, ``core_model_loading`` and ``torch.distributed.tensor`
 activations and hub kernels), more than loading and running a small split (docs/results.md, "The API example
 under 5 s"). The pipeline runs its layers through :func:`model.lean_layer.lean_forward`, which needs the
 layers' *weights and attributes*, not transformers' forward; so a stage is built from these modules, transformers
-being imported only where its own code runs: the reference path (``model.lean_layers=false``), quantized projections, an EAGLE-3 head,
-a tensor-parallel shard, a rope type or activation these modules do not implement (:func:`light_ok` false).
+being imported only where its own code runs: the reference path (``model.lean_layers=false``), quantized
+projections, an EAGLE-3 head, a tensor-parallel shard, a rope type or activation these modules do not implement
+(:func:`light_ok` false).
 
 Contract (``tests/test_light.py``): for every config :func:`light_ok` accepts,
 
