@@ -43,6 +43,7 @@ from draft.head_io import (HeadError, assign_weights, head_config_from_target, i
 from model.hf_compat import cache_arg
 from model.kv_cache import KVCache
 from model.layers import family_classes
+from model.light import hf_config
 from model.meter import NULL_METER, OpMeter, cache_length
 
 Tensor = torch.Tensor
@@ -108,6 +109,7 @@ class Eagle3Head(nn.Module):
     def __init__(self, config, target_hidden: int, aux_layers: list[int], vocab_map: Tensor | None,
                  target_vocab: int) -> None:
         super().__init__()
+        config = hf_config(config)      # its mid layer drives transformers' attention module (model.light)
         h = config.hidden_size
         self.config = config
         self.aux_layers = list(aux_layers)

@@ -72,6 +72,12 @@ class LightConfig:
         return f"LightConfig({self.to_dict()})"
 
 
+def hf_config(config):
+    """``config`` as a transformers config (a :class:`LightConfig` converted; imports transformers): for modules
+    that run transformers' own code (an EAGLE-3 head's attention, a TP shard)."""
+    return config.to_hf() if isinstance(config, LightConfig) else config
+
+
 def light_ok(config) -> bool:
     """Whether these modules compute ``config``'s layers (a transformers config or a :class:`LightConfig`): a
     supported family, a SiLU MLP, the sdpa backend (or none chosen yet) and a rope type in :data:`ROPE_TYPES`
