@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from torch import nn
-from transformers import AutoConfig
 
 from draft.fused_head import FusedHead
 from draft.head_io import (HeadError, assign_weights, head_config_from_target, init_head_weights, is_eagle3_config,
                            read_head_config, read_head_weights)
 from model.layers import LayerBlock
+from model.light import embedding, read_config
 from model.meter import NULL_METER, OpMeter, cache_length, run_joint
 
 
@@ -36,7 +36,7 @@ class EagleHead(nn.Module):
         super().__init__()
         h = config.hidden_size
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.embed_tokens = embedding(config.vocab_size, h)   # no random init on meta (model.light.embedding)
         self.fc = nn.Linear(2 * h, h, bias=bias)
         self.block = LayerBlock(config, 1, skip_first_input_norm=True)
 
@@ -130,7 +130,7 @@ def load_eagle_head(head_dir: str | Path, target_config, target_embed: torch.Ten
     if is_eagle3_config(read_head_config(head_dir)):
         raise HeadError(f"{head_dir} is an EAGLE-3 head: load it with draft.load_head.load_draft_head")
     try:
-        cfg = AutoConfig.from_pretrained(head_dir)
+        cfg = read_config(head_dir / "config.json")   # transformers' AutoConfig only where model.light cannot
     except Exception as e:
         raise HeadError(f"cannot read {head_dir / 'config.json'}: {e}") from None
     if cfg.hidden_size != target_config.hidden_size:

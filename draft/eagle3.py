@@ -37,13 +37,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from torch import nn
-from transformers import AutoConfig
 
 from draft.head_io import (HeadError, assign_weights, head_config_from_target, init_head_weights, is_eagle3_config,
                            read_head_config, read_head_weights)
 from model.hf_compat import cache_arg
 from model.kv_cache import KVCache
 from model.layers import family_classes
+from model.light import hf_config
 from model.meter import NULL_METER, OpMeter, cache_length
 
 Tensor = torch.Tensor
@@ -109,6 +109,7 @@ class Eagle3Head(nn.Module):
     def __init__(self, config, target_hidden: int, aux_layers: list[int], vocab_map: Tensor | None,
                  target_vocab: int) -> None:
         super().__init__()
+        config = hf_config(config)      # its mid layer drives transformers' attention module (model.light)
         h = config.hidden_size
         self.config = config
         self.aux_layers = list(aux_layers)
@@ -244,6 +245,7 @@ def load_eagle3_head(head_dir: str | Path, target_config, target_embed: Tensor |
     if raw is None:
         raise HeadError(f"draft head directory {head_dir} has no readable config.json")
     try:
+        from transformers import AutoConfig    # here: the decode path imports no transformers (model/light.py)
         cfg = AutoConfig.from_pretrained(head_dir)
     except Exception as e:
         raise HeadError(f"cannot read {head_dir / 'config.json'}: {e}") from None

@@ -84,16 +84,15 @@ def assign_weights(head: nn.Module, state: dict[str, torch.Tensor], dtype: torch
     about 1.5 GiB that rank 0 never uses (measured in the 7B rehearsal, docs/results.md section 21). Invariant:
     nothing of the head is left on the meta device (else :class:`HeadError`); no tensor is shared with the
     caller's (the target's embedding is copied: training a head must never write into the target)."""
-    from model.layers import family_classes
     owned = {}
     for k, v in state.items():
         v = v.detach()
         owned[k] = v.to(dtype, copy=True) if v.is_floating_point() else v.clone()
     head.load_state_dict(owned, strict=False, assign=True)
-    _, rotary_cls, _ = family_classes(config)
-    for path in rotary_paths:
+    for path in rotary_paths:     # the class the head was built with (model.light's or transformers')
         parent, _, name = path.rpartition(".")
-        setattr(head.get_submodule(parent) if parent else head, name, rotary_cls(config=config))
+        owner = head.get_submodule(parent) if parent else head
+        setattr(owner, name, type(getattr(owner, name))(config=config))
     left = [n for n, t in list(head.named_parameters()) + list(head.named_buffers()) if t.is_meta]
     if left:
         raise HeadError(f"draft head {where}: {left[:3]} were not in the checkpoint")

@@ -1,7 +1,10 @@
-"""Run a family's own transformers decoder layers on our :class:`~model.kv_cache.KVCache`.
+"""Run a family's decoder layers on our :class:`~model.kv_cache.KVCache`.
 
-One code path serves Llama, Mistral, Qwen2 and Qwen3 layouts: the decoder-layer, rotary-embedding and
-RMSNorm classes are looked up from the config's ``model_type``.
+One code path serves Llama, Mistral, Qwen2 and Qwen3 layouts. A block is built from :mod:`model.light`'s modules
+(transformers' parameter names and math, no transformers import) wherever :func:`model.light.light_ok` accepts the
+config, else from the transformers classes :func:`family_classes` looks up from the config's ``model_type``; the
+transformers reference path (``model.lean_layers=false``, quantized projections) swaps in the transformers layers
+holding the same parameters (:func:`model.light.to_reference`).
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import importlib
 import torch
 from torch import nn
 
+from model import light
 from model.hf_compat import cache_arg
 from model.kv_cache import KVCache
 from model.lane_batch import LaneBatch
@@ -34,6 +38,15 @@ def family_classes(config) -> tuple[type, type, type]:
             getattr(mod, f"{prefix}RMSNorm"))
 
 
+def block_classes(config) -> tuple[type, type, type]:
+    """``(DecoderLayer, RotaryEmbedding, RMSNorm)`` a stage or head block is built from: :mod:`model.light`'s where
+    :func:`model.light.light_ok` accepts ``config`` (no transformers import), else :func:`family_classes`."""
+    mt = getattr(config, "model_type", None)
+    if mt in SUPPORTED_FAMILIES and light.light_ok(config):
+        return light.DecoderLayer, light.RotaryEmbedding, light.RMSNorm
+    return family_classes(config)
+
+
 class LayerBlock(nn.Module):
     """A contiguous block of decoder layers (renumbered from 0) plus the rotary embedding.
 
@@ -52,24 +65,42 @@ class LayerBlock(nn.Module):
 
     def __init__(self, config, num_layers: int, skip_first_input_norm: bool = False) -> None:
         super().__init__()
-        layer_cls, rotary_cls, _ = family_classes(config)
+        layer_cls, rotary_cls, _ = block_classes(config)
         config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+        self.config = config
         self.layers = nn.ModuleList(layer_cls(config, layer_idx=i) for i in range(num_layers))
         if skip_first_input_norm and num_layers:
             self.layers[0].input_layernorm = nn.Identity()  # EAGLE-1/2 heads have none on layer 0
         self.rotary_emb = rotary_cls(config=config)
-        self.cache_arg = cache_arg(layer_cls)    # the release's name of the layers' KV-cache argument
         cfg = config
         self.num_kv_heads = cfg.num_key_value_heads or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.lean_ok = all(lean_supported(layer) for layer in self.layers)
         self.lean = self.lean_ok
+        self.cache_arg = None
+        if not self.lean:
+            self.use_reference_layers()
 
     def refresh_lean(self) -> None:
         """Re-check :func:`model.lean_layer.lean_supported` after the layers' modules were replaced (e.g. by
         quantized linears); a block that no longer qualifies falls back to the transformers path."""
         self.lean_ok = all(lean_supported(layer) for layer in self.layers)
         self.lean = self.lean and self.lean_ok
+        if not self.lean:
+            self.use_reference_layers()
+
+    def use_reference_layers(self) -> None:
+        """Make every layer a transformers layer (the non-lean path calls their forward): :mod:`model.light`
+        layers become the family's transformers layers holding the same parameters and projection modules
+        (:func:`model.light.to_reference`; imports transformers). Idempotent."""
+        if any(isinstance(layer, light.DecoderLayer) for layer in self.layers):
+            cfg = self.config.to_hf() if isinstance(self.config, light.LightConfig) else self.config
+            layer_cls, _, norm_cls = family_classes(cfg)
+            for i, layer in enumerate(self.layers):
+                if isinstance(layer, light.DecoderLayer):
+                    self.layers[i] = light.to_reference(layer, cfg, layer_cls, norm_cls)
+        if self.cache_arg is None and len(self.layers):
+            self.cache_arg = cache_arg(type(self.layers[0]))    # the release's name of the KV-cache argument
 
     def new_cache(self, max_len: int, dtype: torch.dtype, device) -> KVCache:
         return KVCache(len(self.layers), self.num_kv_heads, self.head_dim, max_len, dtype, device)
@@ -90,6 +121,7 @@ class LayerBlock(nn.Module):
                 if i in taps:
                     tapped.append(hidden)
             return hidden
+        self.use_reference_layers()     # no-op unless a caller turned ``lean`` off by hand
         cache_kw = {self.cache_arg: cache}
         for i, layer in enumerate(self.layers):
             out = layer(hidden, attention_mask=mask, position_ids=positions, use_cache=True,
@@ -109,5 +141,7 @@ def set_lean(module: nn.Module, on: bool) -> int:
         if isinstance(m, LayerBlock):
             m.refresh_lean()
             m.lean = bool(on) and m.lean_ok
+            if not m.lean:
+                m.use_reference_layers()
             n += m.lean
     return n

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoConfig
 
-from model.layers import LayerBlock, family_classes
-from model.stage_format import (STAGE_FIELDS, WEIGHTS, StageDirError, check_world, iter_safetensors,  # noqa: F401
-                                stage_dir, verify_stage_file)
+from model.layers import LayerBlock, block_classes, family_classes
+from model.light import embedding
+from model.stage_format import (STAGE_FIELDS, SUPPORTED_FAMILIES, WEIGHTS, StageDirError,  # noqa: F401
+                                check_world, iter_safetensors, stage_dir, verify_stage_file)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64}
@@ -47,9 +47,9 @@ class StageModel(nn.Module):
         self.num_stages = config.num_stages
         start, end = config.layer_range
         self.num_layers = end - start
-        _, _, norm_cls = family_classes(config)
+        _, _, norm_cls = block_classes(config)
         h = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, h) if config.has_embedding else None
+        self.embed_tokens = embedding(config.vocab_size, h) if config.has_embedding else None
         self.block = LayerBlock(config, self.num_layers) if self.num_layers else None
         self.norm = norm_cls(h, eps=config.rms_norm_eps) if config.has_final_norm else None
         self.lm_head = SliceLinear(h, config.vocab_size, bias=False) if config.has_lm_head else None
@@ -96,7 +96,10 @@ class StageModel(nn.Module):
         return torch.cat([x] + ([extra] if extra is not None else []) + tapped, dim=-1)
 
 
-def load_stage_config(root: str | Path, rank: int):
+def load_stage_config(root: str | Path, rank: int, hf: bool = False):
+    """Stage ``rank``'s config: a :class:`model.light.LightConfig` (no transformers import) where
+    :func:`model.light.light_ok` accepts it, else (or with ``hf``) the transformers config of its folder."""
+    from model.light import LightConfig, light_ok
     path = stage_dir(root, rank) / "config.json"
     if not path.is_file():
         raise StageDirError(f"{path} is missing")
@@ -104,10 +107,14 @@ def load_stage_config(root: str | Path, rank: int):
     missing = [f for f in STAGE_FIELDS if f not in raw]
     if missing:
         raise StageDirError(f"{path} lacks stage fields {missing}: not written by split_and_save_models.py")
-    config = AutoConfig.from_pretrained(stage_dir(root, rank))
-    for f in STAGE_FIELDS:
-        setattr(config, f, raw[f])
-    family_classes(config)  # unsupported architectures fail here
+    config = LightConfig(raw)
+    if raw.get("model_type") not in SUPPORTED_FAMILIES:
+        family_classes(config)      # raises UnsupportedModel: one line naming the supported families
+    if hf or not light_ok(config):
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(stage_dir(root, rank))
+        for f in STAGE_FIELDS:
+            setattr(config, f, raw[f])
     return config
 
 
@@ -136,9 +143,8 @@ def load_stage(root: str | Path, rank: int, world_size: int, dtype: torch.dtype 
         raise StageDirError(f"cannot read {path}: {e}") from None
     model.load_weights(state, assign=True)
     del state
-    if model.block is not None:  # rotary buffers were created on meta; rebuild them
-        _, rotary_cls, _ = family_classes(config)
-        model.block.rotary_emb = rotary_cls(config=config)
+    if model.block is not None:  # rotary buffers were created on meta; rebuild them (same class: light or not)
+        model.block.rotary_emb = type(model.block.rotary_emb)(config=config)
     model = model.to(dtype=dtype)
     on_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if on_meta:

@@ -276,7 +276,7 @@ def load_tp_shard(root, rank: int, world: int, dtype: torch.dtype = torch.float3
         raise StageDirError(f"{root} is a pipeline split, not a tensor-parallel one (split it with --tp N)")
     if verify:
         verify_stage_file(root, manifest, rank)
-    config = load_stage_config(root, rank)
+    config = load_stage_config(root, rank, hf=True)   # TPShard drives transformers' modules
     if getattr(config, "tp_rank", None) != rank - 1:
         raise StageDirError(f"{stage_dir(root, rank)} is not TP rank {rank - 1}")
     config._attn_implementation = "sdpa"

@@ -19,6 +19,11 @@ its own generation settings (max_new_tokens, temperature, top_p, top_k, seed, st
 arguments of that generation (:class:`pipeline.engine.GenSettings`): nothing of the engine or the
 configuration changes between generations. Bad input raises :class:`config.errors.UserError` subclasses with
 one-line messages.
+
+Start-up: for the supported families the whole path imports neither transformers nor ``torch._dynamo`` (stages and
+EAGLE-1/2 heads built from :mod:`model.light`, the tokenizer from :mod:`model.tokenizer`): the README's example on
+stories260K stages runs in about 3 s on a 2-core CPU, ``import torch`` a third of it (docs/results.md, "The API
+example under 5 s").
 """
 from __future__ import annotations
 
@@ -121,7 +126,7 @@ class FlowSpec:
         models = [load_rank_stage(cfg, root, r, world, dtype, device) for r in range(world)]
         gen_cfg = generation_config(root)
         try:
-            tokenizer = load_tokenizer(root)
+            tokenizer = load_tokenizer(root, light=True)   # no transformers import where it can (model/tokenizer.py)
             stop_ids = stop_token_ids(tokenizer, gen_cfg)
         except SetupError:   # a split without a tokenizer: token-id prompts only
             tokenizer = None

@@ -62,12 +62,18 @@ def generation_config(stage_root: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def load_tokenizer(stage_root: Path):
-    """The tokenizer stored with stage 0; an unusable one is a :class:`SetupError`."""
-    from transformers import AutoTokenizer
-
+def load_tokenizer(stage_root: Path, light: bool = False):
+    """The tokenizer stored with stage 0; an unusable one is a :class:`SetupError`. ``light``: read with the
+    ``tokenizers`` library alone where :func:`model.tokenizer.load_light_tokenizer` reproduces transformers' (the
+    same ids, text and chat template; no transformers import: the one-process API), else ``AutoTokenizer``."""
     from model.stage_format import stage_dir
     sdir = stage_dir(stage_root, 0)
+    if light:
+        from model.tokenizer import load_light_tokenizer
+        tok = load_light_tokenizer(sdir)
+        if tok is not None:
+            return tok
+    from transformers import AutoTokenizer
     try:
         return AutoTokenizer.from_pretrained(sdir)
     except Exception as e:
