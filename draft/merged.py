@@ -56,6 +56,7 @@ class MergedDrafter(BeamTreeDrafter):
         if len(self.score_scales) != len(self.sources) or any(c <= 0 for c in self.score_scales):
             raise SourceError("one positive score scale per source")
         self.widths: list[int] = []
+        self._pack_buffers: dict = {}     # (shape, device) -> float64 buffer of top_numpy's one concatenation
 
     @staticmethod
     def _cat(states: list[Tensor]) -> Tensor:
@@ -197,12 +198,16 @@ class MergedDrafter(BeamTreeDrafter):
                  for s, h in zip(self.sources, self._split(hidden))]
         dev = parts[0][0].device
         cols = [p[0] if c == 1.0 else p[0].double() * c for p, c in zip(parts, self.score_scales)]
-        if not any(x.dtype == torch.float64 for x in cols):   # (Python dtype checks: torch.promote_types dispatches)
-            cols[0] = cols[0].double()    # ids ride in float64 (exact below 2**53), so every score widens exactly
         m = sum(x.shape[-1] for x in cols)
-        # ONE concatenation (torch.cat promotes: float32 / float64 scores and int64 ids become float64, exactly)
-        # and the level's one device->host copy; the dedup then runs in NumPy on the host (union_top: why)
-        both = torch.cat([x.to(dev) for x in cols] + [p[1].to(dev) for p in parts], dim=-1).to(HOST)
+        xs = [x.to(dev) for x in cols] + [p[1].to(dev) for p in parts]
+        # ONE concatenation into a float64 buffer kept per shape (float32 / float64 scores and int64 / float ids
+        # widen exactly: ids below 2**53) and the level's one device->host copy; the dedup then runs in NumPy on
+        # the host (union_top: why). The buffer is only read into fresh arrays (union_top_np), never kept.
+        shape = (*xs[0].shape[:-1], m + sum(p[1].shape[-1] for p in parts))
+        buf = self._pack_buffers.get((shape, dev))
+        if buf is None:
+            buf = self._pack_buffers[(shape, dev)] = torch.empty(shape, dtype=torch.float64, device=dev)
+        both = torch.cat(xs, dim=-1, out=buf).to(HOST)
         return union_top_np(both.numpy(), m, k)
 
     def host_top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
