@@ -228,19 +228,23 @@ def select_top_nodes(root_token: int, cand_tokens: Tensor, cand_parents: Tensor,
     root (1 for a child of the root), when the caller knows them (a beam knows its levels): the tree's depths
     are then gathered instead of recomputed from the parents.
     """
-    order = top_node_order(cand_scores, total_token)
-    cand_parents = cand_parents.to(HOST)
-    inv = torch.full((len(cand_scores),), -1, dtype=torch.long, device=HOST)   # candidate -> tree index (-1: cut)
-    inv[order] = torch.arange(1, order.numel() + 1, device=HOST)
-    cp = cand_parents[order]
-    parents = torch.where(cp >= 0, inv[cp.clamp(min=0)], 0)
-    if bool((parents < 0).any()):
+    # In NumPy on the host candidates (issue 41: the same steps as torch ops were about 18 dispatched operators per
+    # call; here a view per input and a tensor per output array). Values and dtypes as the torch steps had them.
+    sc = cand_scores.to(HOST).numpy()
+    order = np.argsort(-sc, kind="stable")[:max(0, min(total_token - 1, sc.size))]   # = top_node_order
+    inv = np.full(sc.size, -1, dtype=np.int64)                                 # candidate -> tree index (-1: cut)
+    inv[order] = np.arange(1, order.size + 1)
+    cp = cand_parents.to(HOST).numpy()[order].astype(np.int64, copy=False)
+    parents = np.where(cp >= 0, inv[np.clip(cp, 0, None)], 0)
+    if (parents < 0).any():
         raise AssertionError("selected set is not ancestor-closed")  # impossible by construction
-    head = torch.tensor([-1], dtype=torch.long, device=HOST)
-    return DraftTree(torch.cat([torch.tensor([root_token], device=HOST), cand_tokens.to(HOST)[order].long()]),
-                     torch.cat([head, parents]),
-                     torch.cat([torch.zeros(1, device=HOST), cand_scores.to(HOST)[order].float()]),
-                     None if cand_depths is None else torch.cat([head + 1, cand_depths.to(HOST).long()[order]]))
+    head = np.full(1, -1, dtype=np.int64)
+    return DraftTree(torch.from_numpy(np.concatenate([np.full(1, root_token, dtype=np.int64),
+                                                      cand_tokens.to(HOST).numpy()[order].astype(np.int64)])),
+                     torch.from_numpy(np.concatenate([head, parents])),
+                     torch.from_numpy(np.concatenate([np.zeros(1, dtype=np.float32), sc[order].astype(np.float32)])),
+                     None if cand_depths is None else
+                     torch.from_numpy(np.concatenate([head + 1, cand_depths.to(HOST).numpy().astype(np.int64)[order]])))
 
 
 def top_node_order(cand_scores: Tensor, total_token: int) -> Tensor:
