@@ -27,6 +27,7 @@ lookup, :mod:`draft.lookup`) and ``ssm:<dir>`` (a small causal LM, :mod:`draft.s
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import numpy as np
@@ -263,8 +264,9 @@ def union_top(scores: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
     Runs in NumPy on the host tensors' memory (``Tensor.numpy()`` / ``torch.from_numpy`` share it: no copy, no
     operator dispatched). Why: this is a few dozen host numbers per level, after the level's one device->host copy;
-    as torch ops it was 19 dispatched operators per level (sort, gathers, an outer comparison, a read of the width),
-    each a few microseconds of dispatch where a NumPy call is about one. The dispatched-operator count
+    as torch ops it was 19 dispatched operators per level (sort, gathers, an outer comparison, a read of the width):
+    70 us of host time for 10 rows of 18 candidates, 35 us here (one thread, thread clock; docs/results.md
+    section 41; ``np.take_along_axis`` instead of the fancy-index gathers would cost as much as the torch ops). The dispatched-operator count
     (``pipeline.tools.opcount``, the simulator's ``--rank0-cost ops``) does not see NumPy calls: they are host
     time, which layerbench's timings and the simulator's ``--rank0-cost measured`` do see (docs/results.md section
     41). A fixed sequence of about ten NumPy calls, whatever the rows (no per-row Python)."""
@@ -276,14 +278,31 @@ def union_top(scores: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor]:
 def union_top_np(both: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """:func:`union_top` of ``both = [scores | tokens]`` (float64, ``m`` score columns), in and out NumPy: what
     :meth:`MergedDrafter.top_numpy` hands over from its one device->host copy."""
-    s, t = both[..., :m], both[..., m:].astype(np.int64)
+    s, t = both[:, :m], both[:, m:].astype(np.int64)
+    r = _rows(s.shape[0])                    # row-wise gathers by fancy indexing (take_along_axis: twice slower)
     order = np.argsort(-s, axis=-1, kind="stable")                           # best first, ties in union order
-    s, t = np.take_along_axis(s, order, -1), np.take_along_axis(t, order, -1)
-    bad = np.tril(t[..., :, None] == t[..., None, :], -1).any(-1)           # a better copy comes earlier
+    s, t = s[r, order], t[r, order]
+    bad = ((t[:, :, None] == t[:, None, :]) & _below(t.shape[1])).any(-1)   # a better copy comes earlier
     bad |= s == -np.inf                               # an empty slot (its token is -1) or a token out of reach
     kk = min(k, bad.shape[-1] - int(bad.sum(-1).max())) if bad.size else 0
-    pick = np.argsort(bad, axis=-1, kind="stable")[..., :kk]                 # the valid ones, in order
-    return np.take_along_axis(s, pick, -1), np.take_along_axis(t, pick, -1)
+    pick = np.argsort(bad, axis=-1, kind="stable")[:, :kk]                   # the valid ones, in order
+    return s[r, pick], t[r, pick]
+
+
+@functools.lru_cache(maxsize=64)
+def _rows(n: int) -> np.ndarray:
+    """``[[0], [1], ..., [n-1]]`` (cached, read only): the row index of a row-wise fancy-index gather."""
+    out = np.arange(n)[:, None]
+    out.flags.writeable = False
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _below(m: int) -> np.ndarray:
+    """``[m, m]`` strictly-lower-triangular mask (cached, read only): ``[i, j]`` true iff ``j < i``."""
+    out = np.tri(m, m, -1, dtype=bool)
+    out.flags.writeable = False
+    return out
 
 
 def _match_nodes(tree: DraftTree, key: dict[tuple[int, int], int]) -> Tensor:
