@@ -265,11 +265,12 @@ def union_top(scores: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor]:
     Runs in NumPy on the host tensors' memory (``Tensor.numpy()`` / ``torch.from_numpy`` share it: no copy, no
     operator dispatched). Why: this is a few dozen host numbers per level, after the level's one device->host copy;
     as torch ops it was 19 dispatched operators per level (sort, gathers, an outer comparison, a read of the width):
-    70 us of host time for 10 rows of 18 candidates, 35 us here (one thread, thread clock; docs/results.md
-    section 41; ``np.take_along_axis`` instead of the fancy-index gathers would cost as much as the torch ops). The dispatched-operator count
+    70 us of host time for 10 rows of 18 candidates, 35 us here (one thread, thread clock; ``np.take_along_axis``
+    instead of the fancy-index gathers would cost as much as the torch ops). The dispatched-operator count
     (``pipeline.tools.opcount``, the simulator's ``--rank0-cost ops``) does not see NumPy calls: they are host
-    time, which layerbench's timings and the simulator's ``--rank0-cost measured`` do see (docs/results.md section
-    41). A fixed sequence of about ten NumPy calls, whatever the rows (no per-row Python)."""
+    time, which layerbench's timings and the simulator's ``--rank0-cost measured`` do see (docs/results.md,
+    "41: Fewer operators on the chain"). A fixed sequence of about ten NumPy calls, whatever the rows (no per-row
+    Python)."""
     s, t = union_top_np(np.concatenate([scores.numpy().astype(np.float64), tokens.numpy().astype(np.float64)], -1),
                         scores.shape[-1], k)
     return torch.from_numpy(s), torch.from_numpy(t)
