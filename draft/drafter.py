@@ -20,6 +20,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from draft.eagle import EagleHead
@@ -54,6 +55,20 @@ def _row_pattern(rows: int, width: int) -> Tensor:
     return torch.arange(rows, device=HOST).repeat_interleave(width)
 
 
+@functools.lru_cache(maxsize=256)
+def _row_pattern_np(rows: int, width: int) -> np.ndarray:
+    """:func:`_row_pattern` as a NumPy array (cached; read only): the beam's host bookkeeping (:class:`_Beam`)."""
+    out = np.repeat(np.arange(rows, dtype=np.int64), width)
+    out.flags.writeable = False
+    return out
+
+
+def _np_best(scores: np.ndarray, width: int) -> np.ndarray:
+    """:func:`draft.tree.beam_frontier` in NumPy: indices of the best ``width`` of ``scores`` (1-D), descending,
+    ties by index (a stable sort of the negated scores: negation is exact, so the order is the torch one's)."""
+    return np.argsort(-scores, kind="stable")[:width]
+
+
 @functools.lru_cache(maxsize=64)
 def _beam_layout(shape: tuple[tuple[int, int], ...]) -> tuple[Tensor, Tensor]:
     """Host patterns (cached; read only) of a beam whose level ``L`` (0: the root's children) has ``rows`` frontier
@@ -78,16 +93,25 @@ class _Beam:
     """A beam search's state below a tree (:meth:`BeamTreeDrafter._beam_levels`): the candidates so far (scores,
     frontier rows and tokens, preallocated at ``cap``; ``n_cand`` written), every level's frontier rows (parent code,
     depth, head output; ``n_rows`` of them before the current frontier), and the current frontier's draft-cache
-    slots and cumulative scores."""
+    slots and cumulative scores.
+
+    Host bookkeeping in NumPy (issue 41; docs/results.md, "41: Fewer operators on the chain"): everything here
+    but ``rows_out`` (the head's
+    outputs, on the drafter's device) is a few dozen host integers and scores per level, which the level reads
+    after its one device->host copy. As torch ops on host tensors they were about a dozen dispatched operators
+    per level (slices, adds, gathers, arange), each a few microseconds of dispatch; NumPy calls on the same
+    numbers are about a microsecond each and dispatch nothing. The operator count (``pipeline.tools.opcount``,
+    the simulator's ``--rank0-cost ops``) does not see them: they are host time, which layerbench's timings and
+    the simulator's ``--rank0-cost measured`` include."""
     cap: int
-    c_score: Tensor | None
-    c_row: Tensor | None
+    c_score: np.ndarray | None
+    c_row: np.ndarray | None
     c_tok: list
     rows_par: list
     rows_dep: list
     rows_out: list
-    f_slot: Tensor
-    f_score: Tensor
+    f_slot: np.ndarray
+    f_score: np.ndarray
     n_cand: int = 0
     n_rows: int = 0
 
@@ -467,8 +491,9 @@ class BeamTreeDrafter:
         k = min(top_k, leaves.numel())
         frontier = leaves[beam_frontier(tree.scores[leaves], k)]                  # tree node ids (host)
         # frontier rows of every level, in order: parent code (a tree node < n, or n + candidate), depth, output
-        b = _Beam(levels * top_k * top_k, None, None, [], [frontier], [tree.depths[frontier]], [outs[frontier.to(dev)]],
-                  frontier - 1, tree.scores[frontier][:, None])                # draft-cache slot of node i: i-1
+        fr = frontier.numpy()
+        b = _Beam(levels * top_k * top_k, None, None, [], [fr], [tree.depths[frontier].numpy()],
+                  [outs[frontier.to(dev)]], fr - 1, tree.scores[frontier].numpy()[:, None])  # node i's slot: i-1
         self._beam_levels(b, 0, levels, top_k, max_new, n, dev, inputs.dtype)
         self.drop_tree()
         if not b.n_cand:
@@ -485,64 +510,72 @@ class BeamTreeDrafter:
         frontier and feeds it (one head forward). ``n``: the tree's size (a candidate's parent code is ``n + its
         index``)."""
         for level in range(first, levels):
-            cs, ct = self.host_top_tokens(b.rows_out[-1], top_k)                  # one device->host copy per level
+            cs, ct = self.host_top_numpy(b.rows_out[-1], top_k)                  # one device->host copy per level
             nf, kk = cs.shape
             if kk == 0:       # no source proposes a token below some frontier node (merged top-k): stop here
                 break
             if b.c_score is None:
-                b.c_score = torch.empty(b.cap, dtype=torch.promote_types(b.f_score.dtype, cs.dtype), device=HOST)
-                b.c_row = torch.empty(b.cap, dtype=torch.long, device=HOST)
-            elif cs.dtype != b.c_score.dtype and b.c_score.dtype != torch.promote_types(b.c_score.dtype, cs.dtype):
-                b.c_score = b.c_score.to(torch.promote_types(b.c_score.dtype, cs.dtype))  # exact widening (never yet)
+                b.c_score = np.empty(b.cap, dtype=np.promote_types(b.f_score.dtype, cs.dtype))
+                b.c_row = np.empty(b.cap, dtype=np.int64)
+            elif b.c_score.dtype != np.promote_types(b.c_score.dtype, cs.dtype):
+                b.c_score = b.c_score.astype(np.promote_types(b.c_score.dtype, cs.dtype))  # exact widening (never yet)
             end = b.n_cand + nf * kk
             cum = b.c_score[b.n_cand:end]                                         # this level's candidates
-            torch.add(b.f_score, cs, out=cum.view(nf, kk))                        # cumulative scores, in place
+            cum[:] = (b.f_score + cs).reshape(-1)       # cumulative scores in their common dtype, as torch.add
             b.c_tok.append(ct.reshape(-1))
-            torch.add(_row_pattern(nf, kk), b.n_rows, out=b.c_row[b.n_cand:end])  # each candidate's frontier row
+            b.c_row[b.n_cand:end] = _row_pattern_np(nf, kk) + b.n_rows            # each candidate's frontier row
             if level == levels - 1:
                 b.n_cand = end
                 break
-            best = self._frontier(self.tree_shape, cum, [b.c_score[:end]], max_new + 1, top_k)
-            if best.numel() == 0:                        # a shaped search found nothing worth expanding
+            best = self._frontier_np(cum, b.c_score[:end], max_new + 1, top_k)
+            if best.size == 0:                           # a shaped search found nothing worth expanding
                 b.n_cand = end
                 break
             row = best // kk
             start = self.tree_size
-            out = self.tree_forward(b.c_tok[-1][best], b.rows_out[-1][row.to(dev)], b.f_slot[row])
+            out = self.tree_forward(torch.from_numpy(b.c_tok[-1][best]),
+                                    b.rows_out[-1][torch.from_numpy(row).to(dev)], torch.from_numpy(b.f_slot[row]))
             b.n_rows += nf
             b.rows_par.append(best + (n + b.n_cand))
             b.rows_dep.append(b.rows_dep[-1][row] + 1)
             b.rows_out.append(out.to(dtype))
-            b.f_slot = torch.arange(start, start + best.numel(), device=HOST)
+            b.f_slot = np.arange(start, start + best.size, dtype=np.int64)
             b.f_score = cum[best][:, None]
             b.n_cand = end
 
+    def _frontier_np(self, level_scores: np.ndarray, all_scores: np.ndarray, total_token: int,
+                     width: int) -> np.ndarray:
+        """:meth:`_frontier` on the beam's NumPy scores (:class:`_Beam`): EAGLE-2's stable best-``width`` in
+        NumPy; a confidence shape's :func:`draft.shape.pick_frontier` on torch views of the same memory."""
+        if not self.tree_shape.shaped:
+            return _np_best(level_scores, width)
+        return self._frontier(self.tree_shape, torch.from_numpy(level_scores), [torch.from_numpy(all_scores)],
+                              total_token, width).numpy()
+
     @staticmethod
-    def _append_chosen(tree: DraftTree, inputs: Tensor, c_score: Tensor, c_row: Tensor, c_tok: list[Tensor],
-                       rows_par: list[Tensor], rows_dep: list[Tensor], rows_out: list[Tensor], n_cand: int,
+    def _append_chosen(tree: DraftTree, inputs: Tensor, c_score: np.ndarray, c_row: np.ndarray, c_tok: list,
+                       rows_par: list, rows_dep: list, rows_out: list[Tensor], n_cand: int,
                        max_new: int) -> tuple[DraftTree, Tensor]:
         """The end of an expansion: the best ``max_new`` of ``n_cand`` candidates appended to ``tree`` (its
         buffers, in place where it owns them), and the grown tree's per-node inputs (a candidate's input: its
-        frontier row's output)."""
+        frontier row's output). The beam's arrays are NumPy (:class:`_Beam`: why); the tree's new slots are
+        written through NumPy views of its buffers (one view per array; the values and their casts as torch's)."""
         n, dev = len(tree), inputs.device
-        chosen = top_node_order(c_score[:n_cand], max_new + 1)            # + 1: the helper counts a root
+        chosen = _np_best(c_score[:n_cand], max(0, min(max_new, n_cand)))  # top_node_order(.., max_new + 1)
         row = c_row[chosen]
-        par = torch.cat(rows_par)[row]                                    # a tree node, or n + a candidate
-        inv = torch.full((n_cand,), -1, dtype=torch.long, device=HOST)    # candidate -> new tree index
-        inv[chosen] = torch.arange(n, n + chosen.numel(), device=HOST)
+        par = np.concatenate(rows_par)[row]                               # a tree node, or n + a candidate
+        inv = np.full(n_cand, -1, dtype=np.int64)                         # candidate -> new tree index
+        inv[chosen] = np.arange(n, n + chosen.size)
         # the chosen nodes are written straight into the tree's buffers (draft.tree: capacity-sized trees)
-        grown, (tok, parents, score, depth) = tree.append_slots(chosen.numel())
-        torch.where(par < n, par, inv[(par - n).clamp(min=0)], out=parents)  # ancestors-first
-        if bool((parents < 0).any()):
+        grown, (tok, parents, score, depth) = tree.append_slots(chosen.size)
+        par = np.where(par < n, par, inv[np.clip(par - n, 0, None)])     # ancestors-first
+        if (par < 0).any():
             raise AssertionError("chosen candidates are not ancestor-closed")        # impossible by construction
-        ct = torch.cat(c_tok)
-        if ct.dtype == tok.dtype:
-            torch.index_select(ct, 0, chosen, out=tok)
-        else:                                                             # (never so far: ids are int64)
-            tok.copy_(ct[chosen])
-        score.copy_(c_score[chosen])
-        torch.add(torch.cat(rows_dep)[row], 1, out=depth)
-        return grown, torch.cat([inputs, torch.cat(rows_out)[row.to(dev)]])
+        parents.numpy()[:] = par
+        tok.numpy()[:] = np.concatenate(c_tok)[chosen]
+        score.numpy()[:] = c_score[chosen]
+        depth.numpy()[:] = np.concatenate(rows_dep)[row] + 1
+        return grown, torch.cat([inputs, torch.cat(rows_out)[torch.from_numpy(row).to(dev)]])
 
     def _extend_prefetched(self, tree: DraftTree, inputs: Tensor, levels: int, top_k: int, max_new: int,
                            commit: tuple[Tensor, Tensor], pre: tuple) -> tuple[DraftTree, Tensor, Tensor]:
@@ -574,14 +607,15 @@ class BeamTreeDrafter:
         l1_out = out[n - 1:].to(inputs.dtype)
         start = n - 1                                                             # the level's cache slots
         # the remaining levels: one beam below the level-1 nodes; candidates of level 0 compete with them
-        b = _Beam(levels * top_k * top_k, torch.empty(levels * top_k * top_k, dtype=torch.promote_types(cum.dtype,
-                  torch.float32), device=HOST), torch.empty(levels * top_k * top_k, dtype=torch.long, device=HOST),
-                  [ct.reshape(-1)], [frontier, best + n], [tree.depths[frontier]], [f_out, l1_out],
-                  torch.arange(start, start + best.numel(), device=HOST), cum.reshape(-1)[best][:, None],
+        cap = levels * top_k * top_k
+        cum_np, best_np = cum.reshape(-1).numpy(), best.numpy()
+        b = _Beam(cap, np.empty(cap, dtype=np.promote_types(cum_np.dtype, np.float32)), np.empty(cap, dtype=np.int64),
+                  [ct.reshape(-1).numpy()], [frontier.numpy(), best_np + n], [tree.depths[frontier].numpy()],
+                  [f_out, l1_out], np.arange(start, start + best_np.size, dtype=np.int64), cum_np[best_np][:, None],
                   n_cand=nf * kk, n_rows=nf)
-        b.rows_dep.append(b.rows_dep[-1][row] + 1)
-        b.c_score[:nf * kk] = cum.reshape(-1)
-        b.c_row[:nf * kk] = _row_pattern(nf, kk)
+        b.rows_dep.append(b.rows_dep[-1][best_np // kk] + 1)
+        b.c_score[:nf * kk] = cum_np
+        b.c_row[:nf * kk] = _row_pattern_np(nf, kk)
         self._beam_levels(b, 1, levels, top_k, max_new, n, dev, inputs.dtype)
         self.drop_tree()
         return (*self._append_chosen(tree, inputs, b.c_score, b.c_row, b.c_tok, b.rows_par, b.rows_dep, b.rows_out,
@@ -591,6 +625,11 @@ class BeamTreeDrafter:
         """:meth:`top_tokens` of a frontier, moved to the host in one copy (:func:`to_host`): what a beam level
         ranks. A drafter whose ``top_tokens`` already answers on the host (the merged one) returns it as is."""
         return to_host(*self.top_tokens(hidden, k))
+
+    def host_top_numpy(self, hidden: Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`host_top_tokens` as NumPy arrays (the beam's bookkeeping, :class:`_Beam`); the merged drafter
+        answers in NumPy already (no view to take)."""
+        return tuple(x.numpy() for x in self.host_top_tokens(hidden, k))
 
 
 class Drafter(BeamTreeDrafter):

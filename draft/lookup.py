@@ -185,7 +185,8 @@ def spread_state(ids: Tensor, scores: Tensor, vocab_size: int) -> Tensor:
 
 def best_supported(ids: Tensor, scores: Tensor, vocab_size: int, k: int) -> tuple[Tensor, Tensor]:
     """The best ``min(k, slots)`` (score, token) per compact state, empty slots as (-inf, -1): no vocabulary-sized
-    work (what a merged drafter's union top-k reads)."""
+    work (what a merged drafter's union top-k reads). ``ids`` may be the state's float slots (exact integers):
+    the tokens then come back in that float dtype."""
     empty = (ids < 0) | (ids >= vocab_size)
     s, j = torch.topk(scores.masked_fill(empty, float("-inf")), min(k, scores.shape[-1]), dim=-1)
     return s, ids.gather(-1, j).masked_fill(s == float("-inf"), -1)
@@ -253,7 +254,14 @@ class LookupDrafter(TokenHistory):
         drops the empty slots), with no vocabulary-sized work. Not a tree's children by itself: alone, lookup's
         children come from :func:`draft.protocol.top_tokens`, the top-k of :meth:`logprobs` (real tokens, the
         unsupported ones at ``FLOOR``)."""
-        return best_supported(*self._unpack(hidden), self.vocab_size, k)
+        if hidden.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"a lookup state holds token ids: float32 or float64 only, got {hidden.dtype}")
+        # the state's own slices, not unpack_state's rounded int64 ids and float64 scores: ids are exact integers in
+        # the float state (state_row writes them), a float32 -> float64 widening is exact and keeps every
+        # comparison (so topk's order), and the merged drafter's one concatenation widens both to float64 anyway:
+        # the same candidates in 3 fewer operators per level (issue 41). Tokens come back as floats holding ids.
+        m = self.max_matches
+        return best_supported(hidden[..., :m], hidden[..., m:], self.vocab_size, k)
 
     def _unpack(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         return unpack_state(hidden, self.max_matches, "lookup")

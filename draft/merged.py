@@ -27,12 +27,14 @@ lookup, :mod:`draft.lookup`) and ``ssm:<dir>`` (a small causal LM, :mod:`draft.s
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from config.run_config import SourceError, parse_sources
-from draft.drafter import BeamTreeDrafter, to_host
+from draft.drafter import BeamTreeDrafter
 from draft.protocol import top_tokens
 from draft.tree import DraftTree, ancestor_matrix, merge_sources
 from model.devices import HOST
@@ -55,6 +57,7 @@ class MergedDrafter(BeamTreeDrafter):
         if len(self.score_scales) != len(self.sources) or any(c <= 0 for c in self.score_scales):
             raise SourceError("one positive score scale per source")
         self.widths: list[int] = []
+        self._pack_buffers: dict = {}     # (shape, device) -> float64 buffer of top_numpy's one concatenation
 
     @staticmethod
     def _cat(states: list[Tensor]) -> Tensor:
@@ -175,6 +178,14 @@ class MergedDrafter(BeamTreeDrafter):
         return self._cat(out_states)
 
     def top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """:meth:`top_numpy` as host tensors (of the same memory)."""
+        return tuple(torch.from_numpy(x) for x in self.top_numpy(hidden, k))
+
+    def host_top_numpy(self, hidden: Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`top_numpy`: a beam level's candidates (``draft.drafter._Beam`` keeps its bookkeeping in NumPy)."""
+        return self.top_numpy(hidden, k)
+
+    def top_numpy(self, hidden: Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The best ``k`` (score, token) per row of merged states by the **maximum** over the sources' (scaled)
         scores, the :meth:`logprobs` rule, from each source's own top-``k`` (:func:`draft.protocol.top_tokens`): a
         token in the top ``k`` of the maximum is in the top ``k`` of a source that attains it, so the union holds
@@ -182,15 +193,23 @@ class MergedDrafter(BeamTreeDrafter):
         (:meth:`draft.lookup.LookupDrafter.supported_tokens`; its empty slots, token -1, never win: every other
         token of lookup's is at its floor). A token proposed twice keeps its best score. Fewer than ``k`` only where
         fewer distinct tokens were proposed in some row. Returned on the host: the sources' candidates cross in one
-        copy (:func:`draft.drafter.to_host`), and the dedup, whose width is read, runs there."""
+        copy (one concatenation of every source's scores and ids, as :func:`draft.drafter.to_host` packs them), and
+        the dedup, whose width is read, runs there in NumPy (:func:`union_top`)."""
         parts = [s.supported_tokens(h, k) if hasattr(s, "supported_tokens") else top_tokens(s, h, k)
                  for s, h in zip(self.sources, self._split(hidden))]
         dev = parts[0][0].device
-        scores = torch.cat([(p[0].double() if c == 1.0 else p[0].double() * c).to(dev)
-                            for p, c in zip(parts, self.score_scales)], dim=-1)
-        tokens = torch.cat([p[1].to(dev) for p in parts], dim=-1)
-        scores, tokens = to_host(scores, tokens)          # the level's one device->host copy; the rest on the host
-        return union_top(scores, tokens, k)
+        cols = [p[0] if c == 1.0 else p[0].double() * c for p, c in zip(parts, self.score_scales)]
+        m = sum(x.shape[-1] for x in cols)
+        xs = [x.to(dev) for x in cols] + [p[1].to(dev) for p in parts]
+        # ONE concatenation into a float64 buffer kept per shape (float32 / float64 scores and int64 / float ids
+        # widen exactly: ids below 2**53) and the level's one device->host copy; the dedup then runs in NumPy on
+        # the host (union_top: why). The buffer is only read into fresh arrays (union_top_np), never kept.
+        shape = (*xs[0].shape[:-1], m + sum(p[1].shape[-1] for p in parts))
+        buf = self._pack_buffers.get((shape, dev))
+        if buf is None:
+            buf = self._pack_buffers[(shape, dev)] = torch.empty(shape, dtype=torch.float64, device=dev)
+        both = torch.cat(xs, dim=-1, out=buf).to(HOST)
+        return union_top_np(both.numpy(), m, k)
 
     def host_top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """:meth:`top_tokens`, which answers on the host already (one copy per level)."""
@@ -237,18 +256,54 @@ class MergedDrafter(BeamTreeDrafter):
 
 
 def union_top(scores: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The best ``k`` distinct tokens per row of a union of candidates ``(scores, tokens)`` ``[rows, m]``: each
-    token at its best score, best first, ties by position in the union (a stable sort). An empty slot is
-    ``(-inf, -1)`` (a source's :meth:`draft.lookup.LookupDrafter.supported_tokens`), and no candidate with score
-    -inf is returned. Returns ``kk = min(k, the fewest valid distinct tokens of any row)`` columns (one read, of a
-    host tensor). A fixed sequence of about a dozen host tensor ops, whatever the rows (no per-row Python)."""
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices       # best first
-    scores, tokens = scores.gather(-1, order), tokens.gather(-1, order)
-    bad = (tokens[..., :, None] == tokens[..., None, :]).tril(-1).any(-1)    # a better copy comes earlier
-    bad |= scores == float("-inf")                    # an empty slot (its token is -1) or a token out of reach
-    kk = min(k, bad.shape[-1] - int(bad.sum(-1).max())) if bad.numel() else 0
-    pick = torch.sort(bad.to(torch.int8), dim=-1, stable=True).indices[..., :kk]   # the valid ones, in order
-    return scores.gather(-1, pick), tokens.gather(-1, pick)
+    """The best ``k`` distinct tokens per row of a union of host candidates ``(scores, tokens)`` ``[rows, m]``
+    (tokens may ride in a float64 tensor: exact ids): each token at its best score, best first, ties by position in
+    the union (a stable sort). An empty slot is ``(-inf, -1)`` (a source's
+    :meth:`draft.lookup.LookupDrafter.supported_tokens`), and no candidate with score -inf is returned. Returns
+    float64 scores and int64 tokens, ``kk = min(k, the fewest valid distinct tokens of any row)`` columns.
+
+    Runs in NumPy on the host tensors' memory (``Tensor.numpy()`` / ``torch.from_numpy`` share it: no copy, no
+    operator dispatched). Why: this is a few dozen host numbers per level, after the level's one device->host copy;
+    as torch ops it was 19 dispatched operators per level (sort, gathers, an outer comparison, a read of the width):
+    70 us of host time for 10 rows of 18 candidates, 35 us here (one thread, thread clock; ``np.take_along_axis``
+    instead of the fancy-index gathers would cost as much as the torch ops). The dispatched-operator count
+    (``pipeline.tools.opcount``, the simulator's ``--rank0-cost ops``) does not see NumPy calls: they are host
+    time, which layerbench's timings and the simulator's ``--rank0-cost measured`` do see (docs/results.md,
+    "41: Fewer operators on the chain"). A fixed sequence of about ten NumPy calls, whatever the rows (no per-row
+    Python)."""
+    s, t = union_top_np(np.concatenate([scores.numpy().astype(np.float64), tokens.numpy().astype(np.float64)], -1),
+                        scores.shape[-1], k)
+    return torch.from_numpy(s), torch.from_numpy(t)
+
+
+def union_top_np(both: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`union_top` of ``both = [scores | tokens]`` (float64, ``m`` score columns), in and out NumPy: what
+    :meth:`MergedDrafter.top_numpy` hands over from its one device->host copy."""
+    s, t = both[:, :m], both[:, m:].astype(np.int64)
+    r = _rows(s.shape[0])                    # row-wise gathers by fancy indexing (take_along_axis: twice slower)
+    order = np.argsort(-s, axis=-1, kind="stable")                           # best first, ties in union order
+    s, t = s[r, order], t[r, order]
+    bad = ((t[:, :, None] == t[:, None, :]) & _below(t.shape[1])).any(-1)   # a better copy comes earlier
+    bad |= s == -np.inf                               # an empty slot (its token is -1) or a token out of reach
+    kk = min(k, bad.shape[-1] - int(bad.sum(-1).max())) if bad.size else 0
+    pick = np.argsort(bad, axis=-1, kind="stable")[:, :kk]                   # the valid ones, in order
+    return s[r, pick], t[r, pick]
+
+
+@functools.lru_cache(maxsize=64)
+def _rows(n: int) -> np.ndarray:
+    """``[[0], [1], ..., [n-1]]`` (cached, read only): the row index of a row-wise fancy-index gather."""
+    out = np.arange(n)[:, None]
+    out.flags.writeable = False
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _below(m: int) -> np.ndarray:
+    """``[m, m]`` strictly-lower-triangular mask (cached, read only): ``[i, j]`` true iff ``j < i``."""
+    out = np.tri(m, m, -1, dtype=bool)
+    out.flags.writeable = False
+    return out
 
 
 def _match_nodes(tree: DraftTree, key: dict[tuple[int, int], int]) -> Tensor:

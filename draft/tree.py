@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from model.devices import HOST
@@ -227,19 +228,23 @@ def select_top_nodes(root_token: int, cand_tokens: Tensor, cand_parents: Tensor,
     root (1 for a child of the root), when the caller knows them (a beam knows its levels): the tree's depths
     are then gathered instead of recomputed from the parents.
     """
-    order = top_node_order(cand_scores, total_token)
-    cand_parents = cand_parents.to(HOST)
-    inv = torch.full((len(cand_scores),), -1, dtype=torch.long, device=HOST)   # candidate -> tree index (-1: cut)
-    inv[order] = torch.arange(1, order.numel() + 1, device=HOST)
-    cp = cand_parents[order]
-    parents = torch.where(cp >= 0, inv[cp.clamp(min=0)], 0)
-    if bool((parents < 0).any()):
+    # In NumPy on the host candidates (issue 41: the same steps as torch ops were about 18 dispatched operators per
+    # call; here a view per input and a tensor per output array). Values and dtypes as the torch steps had them.
+    sc = cand_scores.to(HOST).numpy()
+    order = np.argsort(-sc, kind="stable")[:max(0, min(total_token - 1, sc.size))]   # = top_node_order
+    inv = np.full(sc.size, -1, dtype=np.int64)                                 # candidate -> tree index (-1: cut)
+    inv[order] = np.arange(1, order.size + 1)
+    cp = cand_parents.to(HOST).numpy()[order].astype(np.int64, copy=False)
+    parents = np.where(cp >= 0, inv[np.clip(cp, 0, None)], 0)
+    if (parents < 0).any():
         raise AssertionError("selected set is not ancestor-closed")  # impossible by construction
-    head = torch.tensor([-1], dtype=torch.long, device=HOST)
-    return DraftTree(torch.cat([torch.tensor([root_token], device=HOST), cand_tokens.to(HOST)[order].long()]),
-                     torch.cat([head, parents]),
-                     torch.cat([torch.zeros(1, device=HOST), cand_scores.to(HOST)[order].float()]),
-                     None if cand_depths is None else torch.cat([head + 1, cand_depths.to(HOST).long()[order]]))
+    head = np.full(1, -1, dtype=np.int64)
+    return DraftTree(torch.from_numpy(np.concatenate([np.full(1, root_token, dtype=np.int64),
+                                                      cand_tokens.to(HOST).numpy()[order].astype(np.int64)])),
+                     torch.from_numpy(np.concatenate([head, parents])),
+                     torch.from_numpy(np.concatenate([np.zeros(1, dtype=np.float32), sc[order].astype(np.float32)])),
+                     None if cand_depths is None else
+                     torch.from_numpy(np.concatenate([head + 1, cand_depths.to(HOST).numpy().astype(np.int64)[order]])))
 
 
 def top_node_order(cand_scores: Tensor, total_token: int) -> Tensor:
@@ -283,10 +288,10 @@ def keep_indices_for(tree: DraftTree, accepted: list[int], new_root: int | None)
     acc = list(accepted)
     if any(b <= a for a, b in zip(acc, acc[1:])) or (new_root is not None and acc and new_root <= acc[-1]):
         raise AssertionError("keep-list must be strictly increasing")
-    keep = torch.tensor(acc, dtype=torch.long, device=HOST)
+    keep = np.asarray(acc, dtype=np.int64)
     if new_root is not None:
-        keep = torch.cat([keep, subtree_nodes(tree.parents, new_root)])
-    return keep
+        keep = np.concatenate([keep, _subtree_np(tree.parents.numpy(), new_root)])
+    return torch.from_numpy(keep)
 
 
 def subtree_nodes(parents: Tensor, root: int) -> Tensor:
@@ -295,13 +300,20 @@ def subtree_nodes(parents: Tensor, root: int) -> Tensor:
     Pointer jumping with the nodes up to ``root`` as fixed points: ``up[i]`` starts as ``parents[i]`` for
     ``i > root`` and ``i`` otherwise; ``up = up[up]`` doubles every jump, so after ``bit_length(n - root)`` rounds
     (a chain from ``i`` down to ``root`` has fewer than ``n - root`` links) ``up[i]`` is the first node ``<= root``
-    on ``i``'s path, and ``i`` is in the subtree iff that is ``root``. About ``log2(n) + 5`` host tensor ops."""
-    n = parents.numel()
-    idx = torch.arange(n, device=HOST)
-    up = torch.where(idx > root, parents, idx)
+    on ``i``'s path, and ``i`` is in the subtree iff that is ``root``. In NumPy on the host tree's memory
+    (:func:`_subtree_np`; issue 41: the same ``log2(n) + 5`` steps were as many dispatched operators on the
+    verified step's chain): two operators (the view and the answer's tensor)."""
+    return torch.from_numpy(_subtree_np(parents.numpy(), root))
+
+
+def _subtree_np(parents: np.ndarray, root: int) -> np.ndarray:
+    """:func:`subtree_nodes` on a NumPy array of parents (int64 node ids, increasing)."""
+    n = parents.size
+    idx = np.arange(n, dtype=np.int64)
+    up = np.where(idx > root, parents, idx).astype(np.int64, copy=False)
     for _ in range((n - root).bit_length()):
         up = up[up]
-    return (up == root).nonzero().flatten()
+    return np.flatnonzero(up == root).astype(np.int64, copy=False)
 
 
 def reroot(tree: DraftTree, keep: Tensor, accepted_len: int) -> DraftTree:
@@ -318,16 +330,20 @@ def reroot(tree: DraftTree, keep: Tensor, accepted_len: int) -> DraftTree:
         props = [[(new_of[c], q) for c, q in tree.proposals[int(k)]] for k in rest.tolist()]
     # the surviving tree keeps the tree's capacity: each array gathered straight into its new buffer's prefix
     cap = max(tree.capacity, r) if props is None else r
-    st = _Store(*(torch.empty(cap, dtype=x.dtype, device=HOST)
-                  for x in (tree.tokens, tree.parents, tree.scores, tree.depths)), r)
-    scores, depths = tree.scores[rest], tree.depths[rest]
-    views = (torch.index_select(tree.tokens, 0, rest, out=st.tokens[:r]),     # (out= returns the prefix view)
-             # old index -> new: a kept node's rank in ``rest`` (increasing); the new root's parent, on the accepted
-             # path before rest[0], ranks -1: a root's parent
-             torch.sub(torch.searchsorted(rest, tree.parents[rest], right=True), 1, out=st.parents[:r]),
-             torch.sub(scores, scores[0], out=st.scores[:r]),
-             torch.sub(depths, depths[0], out=st.depths[:r]))                # the new root (rest[0]) at depth 0
-    return DraftTree._on_store(st, r, props, views)
+    # In NumPy on the host arrays' memory (issue 41: about 22 dispatched operators on the verified step's chain
+    # became 13: a view per array in, a buffer per array out and its prefix view; the same values and dtypes)
+    rest_np = rest.numpy()
+    tok, par, sc, dep = (x.numpy() for x in (tree.tokens, tree.parents, tree.scores, tree.depths))
+    bufs = [np.empty(cap, dtype=x.dtype) for x in (tok, par, sc, dep)]
+    bufs[0][:r] = tok[rest_np]
+    # old index -> new: a kept node's rank in ``rest`` (increasing); the new root's parent, on the accepted path
+    # before rest[0], ranks -1: a root's parent
+    bufs[1][:r] = np.searchsorted(rest_np, par[rest_np], side="right") - 1
+    s_r, d_r = sc[rest_np], dep[rest_np]
+    bufs[2][:r] = s_r - s_r[0]
+    bufs[3][:r] = d_r - d_r[0]                                                  # the new root (rest[0]) at depth 0
+    st = _Store(*(torch.from_numpy(b) for b in bufs), r)
+    return DraftTree._on_store(st, r, props)
 
 
 def merge_trees(tree: DraftTree, extra: DraftTree) -> tuple[DraftTree, int]:

@@ -425,12 +425,15 @@ def count(calls, blocks, device) -> list[dict]:
 # draft/fused_head.py): head forward over 10 rows
 # 120 -> 62 ops (model 95 -> 39), first tree 467 -> 351, finish 965 -> 685, expand 456 -> 344, commit 111 -> 51
 # (bookkeeping 16 -> 12: KVCache.context_inputs' mask in fewer ops), verified step 62 (unchanged).
+# Host bookkeeping in NumPy (docs/results.md "41: Fewer operators on the chain": the beam, the merged union top-k,
+# lookup's slots, select_top_nodes, the re-root), with the fused head: first tree 317 (233, 2),
+# finish 463 (258, 5), expand 248 (166, 2), commit 51 (12, 0), verified step 45 (45, 0).
 OP_BOUNDS = {"draft head forward": {"ops": 64, "model_ops": 40, "syncs": 0},
-             "first tree": {"ops": 362, "bookkeeping_ops": 276, "syncs": 2},
-             "finish first tree": {"ops": 705, "bookkeeping_ops": 490, "syncs": 5},
-             "expand": {"ops": 355, "bookkeeping_ops": 270, "syncs": 2},
+             "first tree": {"ops": 327, "bookkeeping_ops": 240, "syncs": 2},
+             "finish first tree": {"ops": 477, "bookkeeping_ops": 266, "syncs": 5},
+             "expand": {"ops": 256, "bookkeeping_ops": 171, "syncs": 2},
              "commit": {"ops": 53, "bookkeeping_ops": 14, "syncs": 0},
-             "verified step bookkeeping": {"ops": 62, "bookkeeping_ops": 62, "syncs": 0}}
+             "verified step bookkeeping": {"ops": 47, "bookkeeping_ops": 47, "syncs": 0}}
 
 
 def over_bounds(rows: list[dict], bounds: dict = OP_BOUNDS) -> list[str]:
