@@ -274,9 +274,12 @@ class ServeConfig(Checked):
     """Serving (``pipeline.serve``): ``max_active`` requests in flight through the ring at once, each on its own
     lane (``pipeline/lanes.py``; 1 = one at a time, exactly as before lanes); every stage then holds up to
     ``max_active`` KV caches of ``model.max_seq_len`` slots. ``ring_share``: live segments per ring link that the
-    active requests share (``pipeline.lanes.ring_share``; a request alone keeps one per link whatever it is)."""
+    active requests share (``pipeline.lanes.ring_share``; a request alone keeps one per link whatever it is).
+    ``lane_rows``: most nodes per segment of a request while several are active (``pipeline.lanes.lane_rows``;
+    0 = no limit; a request alone is never limited)."""
     max_active: int = 1
     ring_share: float = 1.0
+    lane_rows: int = 0
 
 
 @dataclass
@@ -324,6 +327,8 @@ class RunConfig(Checked):
             raise ConfigError(f"serve.max_active={self.serve.max_active} must be in [1, 64]")
         if not 0 < self.serve.ring_share <= 64:
             raise ConfigError(f"serve.ring_share={self.serve.ring_share} must be in (0, 64]")
+        if self.serve.lane_rows < 0:
+            raise ConfigError(f"serve.lane_rows={self.serve.lane_rows} must be >= 0 (0 = no limit)")
         if self.model.draft_vocab < -1:
             raise ConfigError(f"model.draft_vocab={self.model.draft_vocab} must be >= 0 (0 = the whole vocabulary) "
                               "or -1 (auto)")

@@ -422,6 +422,25 @@ def ring_share(world: int, active: int, per_link: float = 1.0) -> int:
     return max(1, min(world, math.ceil(per_link * world / active - 1e-9)))
 
 
+def lane_rows(active: int, rows: int) -> int | None:
+    """Most nodes one segment of a request carries while ``active`` requests share the ring: ``rows``
+    (``serve.lane_rows``) when several are active, None (no limit: the mode's own sizes) alone or with ``rows`` 0
+    (off). Pure.
+
+    Why: after a verified step a FlowSpec request sends every waiting node in one segment
+    (``tree.expand_subseq_token = -1``): on the edge testbed four active requests sent 42 nodes per verified step
+    for one accepted draft token (docs/results.md §49). Alone that is free: its ring is not full. Shared, every row
+    is paid on every hop (a hidden state per row on each link: 0.44 ms per row per hop at 150 Mbps, so 42 rows
+    cost 18 ms per hop against a 25 ms stage forward) and the links and stages are queues that every lane's
+    segments wait in. The rows the target accepts are the tree's best nodes, which a segment carries first
+    (score order), so a cap keeps almost every accepted token while the rest of the tree stays on rank 0, waiting
+    for the next segment (still sent, and still verified in score order: only the schedule changes, never what
+    is verified or the output). A request alone is unchanged (same trees, same segments)."""
+    if active <= 1 or rows <= 0:
+        return None
+    return rows
+
+
 class LanePool:
     """``lanes`` lane engines over ``base``'s transport (module docstring), a free list of lanes and the control
     lane (``lanes``: the idle keep-alive's ``Stats`` trips, no KV cache on any stage).
@@ -447,8 +466,10 @@ class LanePool:
         self.active = 0
         world = base.comm.world
         per_link = float(getattr(getattr(getattr(base, "cfg", None), "serve", None), "ring_share", 1.0))
+        rows = int(getattr(getattr(getattr(base, "cfg", None), "serve", None), "lane_rows", 0))
         for e in self.engines:
             e.ring_share = lambda: ring_share(world, self.active, per_link)
+            e.lane_rows = lambda: lane_rows(self.active, rows)
 
     @property
     def size(self) -> int:
