@@ -276,8 +276,9 @@ class ServeConfig(Checked):
     ``max_active`` KV caches of ``model.max_seq_len`` slots. ``ring_share``: live segments per ring link that the
     active requests share (``pipeline.lanes.ring_share``; a request alone keeps one per link whatever it is).
     ``lane_rows``: most nodes per segment of a request while several are active (``pipeline.lanes.lane_rows``;
-    0 = no limit; a request alone is never limited)."""
-    max_active: int = 1
+    0 = no limit; a request alone is never limited). ``max_active=0`` (default): chosen by
+    ``pipeline.lanes.auto_max_active`` (docs/results.md §49: 4, or 1 with ``osd.enabled``)."""
+    max_active: int = 0
     ring_share: float = 1.0
     lane_rows: int = 0
 
@@ -323,8 +324,8 @@ class RunConfig(Checked):
         for k in ("depth", "init_depth", "expand_depth", "expand_total_token", "ahead_levels", "first_levels"):
             if getattr(self.tree, k) < 0:
                 raise ConfigError(f"{k}={getattr(self.tree, k)} must be >= 0")
-        if not 1 <= self.serve.max_active <= 64:
-            raise ConfigError(f"serve.max_active={self.serve.max_active} must be in [1, 64]")
+        if not 0 <= self.serve.max_active <= 64:
+            raise ConfigError(f"serve.max_active={self.serve.max_active} must be in [0, 64] (0 = auto)")
         if not 0 < self.serve.ring_share <= 64:
             raise ConfigError(f"serve.ring_share={self.serve.ring_share} must be in (0, 64]")
         if self.serve.lane_rows < 0:

@@ -441,6 +441,23 @@ def lane_rows(active: int, rows: int) -> int | None:
     return rows
 
 
+AUTO_MAX_ACTIVE = 4   # serve.max_active=0 (the default): docs/results.md §49 measured 1, 2 and 4
+
+
+def auto_max_active(setting: int, osd_enabled: bool) -> int:
+    """Requests a server keeps in flight: ``setting`` (``serve.max_active``) when it is > 0; 0 (auto, the default):
+    :data:`AUTO_MAX_ACTIVE`, or 1 with online learning (``osd.enabled``: one request at a time, draft/osd.py
+    "Lanes"). Pure.
+
+    Why 4 (docs/results.md §34, §49): four clients get about 2.3x one client's tokens/s on lanes against 0.9x one at
+    a time (and wait 1.4-1.6x a lone request's latency instead of 4.2x), one client alone is as fast on either, and
+    two lanes give four clients less than four do; each lane costs every stage one KV cache of
+    ``model.max_seq_len`` slots, allocated only when a lane is first used."""
+    if setting > 0:
+        return setting
+    return 1 if osd_enabled else AUTO_MAX_ACTIVE
+
+
 class LanePool:
     """``lanes`` lane engines over ``base``'s transport (module docstring), a free list of lanes and the control
     lane (``lanes``: the idle keep-alive's ``Stats`` trips, no KV cache on any stage).

@@ -294,6 +294,19 @@ def test_lane_rows_rule():
     assert [segment_cap(E(3), c) for c in (-1, 2, 4)] == [3, 2, 3]        # every waiting node -> at most 3
 
 
+def test_auto_max_active_rule():
+    """``serve.max_active=0`` (the default) serves AUTO_MAX_ACTIVE requests at once, one with online learning; a
+    setting > 0 is taken as it is; a configuration reads 0 and refuses negatives."""
+    from config.run_config import DEFAULT, ConfigError, apply_overrides
+    from pipeline.lanes import AUTO_MAX_ACTIVE, auto_max_active
+    assert DEFAULT.serve.max_active == 0 and AUTO_MAX_ACTIVE == 4
+    assert [auto_max_active(s, False) for s in (0, 1, 2, 8)] == [4, 1, 2, 8]
+    assert [auto_max_active(s, True) for s in (0, 1)] == [1, 1]
+    apply_overrides(DEFAULT, ["osd.enabled=true"])           # the default does not refuse online learning
+    with pytest.raises(ConfigError):
+        apply_overrides(DEFAULT, ["serve.max_active=-1"])
+
+
 def _segment_sends(monkeypatch) -> list[tuple[int, object]]:
     """``(rows, limit)`` of every ``Segment`` rank 0's lanes put on the ring (LaneMux.send recorded); ``limit``: what
     the lane rule said just before that send in the same lane thread (``StreamingMode.top_up`` asks it once per
