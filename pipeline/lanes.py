@@ -416,7 +416,14 @@ def ring_share(world: int, active: int, per_link: float = 1.0) -> int:
     equal shares the ring carries about as many segments as alone, each lane's less speculative, and the
     forwards go to the segments most likely to be accepted (each lane's best nodes first). Since a stage step
     carries every lane's waiting segment in one forward (:mod:`pipeline.batching`), more segments in flight cost
-    more rows per forward rather than more forwards: docs/results.md §41 measures ``per_link`` again."""
+    more rows per forward rather than more forwards: docs/results.md §41 measures ``per_link`` again.
+
+    The default ``serve.ring_share=0.5`` (docs/results.md, "46: Four clients", with ``serve.lane_rows``): at four
+    active requests on four stages one live segment each instead of two. A lane's second segment is sent before the first one's
+    verification, and at about two tokens per step with frequent round ends (a bonus token the tree lacks) the
+    decision that arrives before it mostly kills it; stage 1 learns decisions only on the ring, so it computes
+    those rows anyway. One live segment each took four clients from 2.31x to 2.57x one client's tokens/s with
+    the stages 61% busy instead of 80-84%."""
     if active <= 1:
         return world
     return max(1, min(world, math.ceil(per_link * world / active - 1e-9)))
@@ -425,12 +432,12 @@ def ring_share(world: int, active: int, per_link: float = 1.0) -> int:
 def lane_rows(active: int, rows: int) -> int | None:
     """Most nodes one segment of a request carries while ``active`` requests share the ring: ``rows``
     (``serve.lane_rows``) when several are active, None (no limit: the mode's own sizes) alone or with ``rows`` 0
-    (off). Pure.
+    (off; the default is 16, ``serve.lane_rows``). Pure.
 
     Why: after a verified step a FlowSpec request sends every waiting node in one segment
     (``tree.expand_subseq_token = -1``): on the edge testbed four active requests sent 42 nodes per verified step
-    for one accepted draft token (docs/results.md §49). Alone that is free: its ring is not full. Shared, every row
-    is paid on every hop (a hidden state per row on each link: 0.44 ms per row per hop at 150 Mbps, so 42 rows
+    for one accepted draft token (docs/results.md, "46: Four clients"). Alone that is free: its ring is not full.
+    Shared, every row is paid on every hop (a hidden state per row on each link: 0.44 ms per row per hop at 150 Mbps, so 42 rows
     cost 18 ms per hop against a 25 ms stage forward) and the links and stages are queues that every lane's
     segments wait in. The rows the target accepts are the tree's best nodes, which a segment carries first
     (score order), so a cap keeps almost every accepted token while the rest of the tree stays on rank 0, waiting
@@ -441,7 +448,7 @@ def lane_rows(active: int, rows: int) -> int | None:
     return rows
 
 
-AUTO_MAX_ACTIVE = 4   # serve.max_active=0 (the default): docs/results.md §49 measured 1, 2 and 4
+AUTO_MAX_ACTIVE = 4   # serve.max_active=0 (the default): docs/results.md, "46: Four clients" measured 1, 2 and 4
 
 
 def auto_max_active(setting: int, osd_enabled: bool) -> int:
@@ -449,8 +456,8 @@ def auto_max_active(setting: int, osd_enabled: bool) -> int:
     :data:`AUTO_MAX_ACTIVE`, or 1 with online learning (``osd.enabled``: one request at a time, draft/osd.py
     "Lanes"). Pure.
 
-    Why 4 (docs/results.md §34, §49): four clients get about 2.3x one client's tokens/s on lanes against 0.9x one at
-    a time (and wait 1.4-1.6x a lone request's latency instead of 4.2x), one client alone is as fast on either, and
+    Why 4 (docs/results.md §34, "46: Four clients"): four clients get about 2.3x one client's tokens/s on lanes
+    against 0.9x one at a time (and wait 1.4-1.6x a lone request's latency instead of 4.2x), one client alone is as fast on either, and
     two lanes give four clients less than four do; each lane costs every stage one KV cache of
     ``model.max_seq_len`` slots, allocated only when a lane is first used."""
     if setting > 0:
