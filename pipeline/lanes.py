@@ -418,12 +418,14 @@ def ring_share(world: int, active: int, per_link: float = 1.0) -> int:
     carries every lane's waiting segment in one forward (:mod:`pipeline.batching`), more segments in flight cost
     more rows per forward rather than more forwards: docs/results.md §41 measures ``per_link`` again.
 
-    The default ``serve.ring_share=0.5`` (docs/results.md, "46: Four clients", with ``serve.lane_rows``): at four
-    active requests on four stages one live segment each instead of two. A lane's second segment is sent before the first one's
-    verification, and at about two tokens per step with frequent round ends (a bonus token the tree lacks) the
-    decision that arrives before it mostly kills it; stage 1 learns decisions only on the ring, so it computes
-    those rows anyway. One live segment each took four clients from 2.31x to 2.57x one client's tokens/s with
-    the stages 61% busy instead of 80-84%."""
+    ``serve.ring_share=0.5`` (docs/results.md, "46: Four clients", with ``serve.lane_rows``): at four active
+    requests on four stages one live segment each instead of two. A lane's second segment is sent before the
+    first one's verification, and at about two tokens per step with frequent round ends (a bonus token the tree
+    lacks) the decision that arrives before it mostly kills it; stage 1 learns decisions only on the ring, so it
+    computes those rows anyway. Measured: four clients 2.57x one client's tokens/s at 1.32x its latency (stages
+    61% busy) against 2.31x / 1.52x. Not the default yet: with it, tests/test_prefill_share.py's seeded sampled
+    ``naive`` choices (run after a greedy ``continuous`` request on the same lanes) no longer equal their seed's
+    answer alone, which is not explained (the same test passes at 1.0; ``naive`` never reads the share)."""
     if active <= 1:
         return world
     return max(1, min(world, math.ceil(per_link * world / active - 1e-9)))
@@ -437,9 +439,9 @@ def lane_rows(active: int, rows: int) -> int | None:
     Why: after a verified step a FlowSpec request sends every waiting node in one segment
     (``tree.expand_subseq_token = -1``): on the edge testbed four active requests sent 42 nodes per verified step
     for one accepted draft token (docs/results.md, "46: Four clients"). Alone that is free: its ring is not full.
-    Shared, every row is paid on every hop (a hidden state per row on each link: 0.44 ms per row per hop at 150 Mbps, so 42 rows
-    cost 18 ms per hop against a 25 ms stage forward) and the links and stages are queues that every lane's
-    segments wait in. The rows the target accepts are the tree's best nodes, which a segment carries first
+    Shared, every row is paid on every hop (a hidden state per row on each link: 0.44 ms per row per hop at 150
+    Mbps, so 42 rows cost 18 ms per hop against a 25 ms stage forward) and the links and stages are queues that
+    every lane's segments wait in. The rows the target accepts are the tree's best nodes, which a segment carries first
     (score order), so a cap keeps almost every accepted token while the rest of the tree stays on rank 0, waiting
     for the next segment (still sent, and still verified in score order: only the schedule changes, never what
     is verified or the output). A request alone is unchanged (same trees, same segments)."""
@@ -456,9 +458,9 @@ def auto_max_active(setting: int, osd_enabled: bool) -> int:
     :data:`AUTO_MAX_ACTIVE`, or 1 with online learning (``osd.enabled``: one request at a time, draft/osd.py
     "Lanes"). Pure.
 
-    Why 4 (docs/results.md §34, "46: Four clients"): four clients get about 2.3x one client's tokens/s on lanes
-    against 0.9x one at a time (and wait 1.4-1.6x a lone request's latency instead of 4.2x), one client alone is as fast on either, and
-    two lanes give four clients less than four do; each lane costs every stage one KV cache of
+    Why 4 (docs/results.md §34, "46: Four clients"): four clients get 2.0-2.3x one client's tokens/s on four lanes
+    against 0.9x one at a time (and wait 1.4-1.7x a lone request's latency instead of 4.2x), one client alone is as
+    fast on either, and two lanes give four clients less than four do; each lane costs every stage one KV cache of
     ``model.max_seq_len`` slots, allocated only when a lane is first used."""
     if setting > 0:
         return setting
