@@ -274,9 +274,13 @@ class ServeConfig(Checked):
     """Serving (``pipeline.serve``): ``max_active`` requests in flight through the ring at once, each on its own
     lane (``pipeline/lanes.py``; 1 = one at a time, exactly as before lanes); every stage then holds up to
     ``max_active`` KV caches of ``model.max_seq_len`` slots. ``ring_share``: live segments per ring link that the
-    active requests share (``pipeline.lanes.ring_share``; a request alone keeps one per link whatever it is)."""
-    max_active: int = 1
-    ring_share: float = 1.0
+    active requests share (``pipeline.lanes.ring_share``; a request alone keeps one per link whatever it is).
+    ``lane_rows``: most nodes per segment of a request while several are active (``pipeline.lanes.lane_rows``;
+    0 = no limit; a request alone is never limited). ``max_active=0`` (default): chosen by
+    ``pipeline.lanes.auto_max_active`` (docs/results.md, "46: Four clients": 4, or 1 with ``osd.enabled``)."""
+    max_active: int = 0
+    ring_share: float = 1.0      # 0.5 measured faster (docs/results.md, "46: Four clients"); not the default yet
+    lane_rows: int = 16          # docs/results.md, "46: Four clients" (0 before: every waiting node in one segment)
 
 
 @dataclass
@@ -320,10 +324,12 @@ class RunConfig(Checked):
         for k in ("depth", "init_depth", "expand_depth", "expand_total_token", "ahead_levels", "first_levels"):
             if getattr(self.tree, k) < 0:
                 raise ConfigError(f"{k}={getattr(self.tree, k)} must be >= 0")
-        if not 1 <= self.serve.max_active <= 64:
-            raise ConfigError(f"serve.max_active={self.serve.max_active} must be in [1, 64]")
+        if not 0 <= self.serve.max_active <= 64:
+            raise ConfigError(f"serve.max_active={self.serve.max_active} must be in [0, 64] (0 = auto)")
         if not 0 < self.serve.ring_share <= 64:
             raise ConfigError(f"serve.ring_share={self.serve.ring_share} must be in (0, 64]")
+        if self.serve.lane_rows < 0:
+            raise ConfigError(f"serve.lane_rows={self.serve.lane_rows} must be >= 0 (0 = no limit)")
         if self.model.draft_vocab < -1:
             raise ConfigError(f"model.draft_vocab={self.model.draft_vocab} must be >= 0 (0 = the whole vocabulary) "
                               "or -1 (auto)")

@@ -61,7 +61,7 @@ shapes / CUDA graphs (``model.graphs``: one cache per recorded graph); a device 
 returns nothing). The TP group worker (``pipeline/tp_run.py``) serves one request at a time.
 
 Chains need a lane with more than one segment in flight: at the default ``serve.ring_share=1`` four active lanes
-keep one live segment each, so what chains there is a prompt chunk and its first segments; a request alone, or a
+keep one or two live segments each, so what chains there is a prompt chunk and its first segments; a request alone, or a
 higher share, is where a stage finds a lane's segments queued. A stage's counters (``StageWorker.forwards``,
 ``messages``, ``joined_forwards``, ``batched_forwards``, ``chained_forwards``, ``chain_stops``) say how often it
 happened (``FLOWSPEC_STAGE_COUNTERS=1`` prints them at every ``Stats`` trip); ``FLOWSPEC_STAGE_CHAIN=off|alone``

@@ -265,6 +265,9 @@ class Engine:
         self.prefill_window = PREFILL_WINDOW
         # pipeline.lanes: this request's share of the ring's links while other requests share it (None: all)
         self.ring_share: Callable[[], int] | None = None
+        # pipeline.lanes (serve.lane_rows): most nodes one segment of this request carries while others share the
+        # ring (None: no limit beyond the mode's own)
+        self.lane_rows: Callable[[], int | None] | None = None
         self.step_observers: list[StepObserver] = []   # e.g. pipeline.tree_stats.TreeStats (the simulator's)
 
     def observe_step(self, tree, path: list[int], token: int | None, finished: bool) -> None:
@@ -343,6 +346,17 @@ def live_segments(engine) -> int:
     world = engine.comm.world
     share = getattr(engine, "ring_share", None)
     return world if share is None else max(1, min(world, int(share())))
+
+
+def segment_cap(engine, cap: int) -> int:
+    """A streaming mode's segment size ``cap`` (``-1``: every waiting node) under this request's lane limit
+    (``engine.lane_rows()``, :func:`pipeline.lanes.lane_rows`; None or no limit: ``cap`` unchanged). Only a
+    schedule, as :func:`live_segments`: the output does not depend on it."""
+    limit = getattr(engine, "lane_rows", None)
+    rows = None if limit is None else limit()
+    if rows is None:
+        return cap
+    return rows if cap < 0 else min(cap, rows)
 
 
 def tree_room(tree, world: int) -> int:

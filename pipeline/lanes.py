@@ -416,10 +416,55 @@ def ring_share(world: int, active: int, per_link: float = 1.0) -> int:
     equal shares the ring carries about as many segments as alone, each lane's less speculative, and the
     forwards go to the segments most likely to be accepted (each lane's best nodes first). Since a stage step
     carries every lane's waiting segment in one forward (:mod:`pipeline.batching`), more segments in flight cost
-    more rows per forward rather than more forwards: docs/results.md §41 measures ``per_link`` again."""
+    more rows per forward rather than more forwards: docs/results.md §41 measures ``per_link`` again.
+
+    ``serve.ring_share=0.5`` (docs/results.md, "46: Four clients", with ``serve.lane_rows``): at four active
+    requests on four stages one live segment each instead of two. A lane's second segment is sent before the
+    first one's verification, and at about two tokens per step with frequent round ends (a bonus token the tree
+    lacks) the decision that arrives before it mostly kills it; stage 1 learns decisions only on the ring, so it
+    computes those rows anyway. Measured: four clients 2.57x one client's tokens/s at 1.32x its latency (stages
+    61% busy) against 2.31x / 1.52x. Not the default yet: with it, tests/test_prefill_share.py's seeded sampled
+    ``naive`` choices (run after a greedy ``continuous`` request on the same lanes) no longer equal their seed's
+    answer alone, which is not explained (the same test passes at 1.0; ``naive`` never reads the share)."""
     if active <= 1:
         return world
     return max(1, min(world, math.ceil(per_link * world / active - 1e-9)))
+
+
+def lane_rows(active: int, rows: int) -> int | None:
+    """Most nodes one segment of a request carries while ``active`` requests share the ring: ``rows``
+    (``serve.lane_rows``) when several are active, None (no limit: the mode's own sizes) alone or with ``rows`` 0
+    (off; the default is 16, ``serve.lane_rows``). Pure.
+
+    Why: after a verified step a FlowSpec request sends every waiting node in one segment
+    (``tree.expand_subseq_token = -1``): on the edge testbed four active requests sent 42 nodes per verified step
+    for one accepted draft token (docs/results.md, "46: Four clients"). Alone that is free: its ring is not full.
+    Shared, every row is paid on every hop (a hidden state per row on each link: 0.44 ms per row per hop at 150
+    Mbps, so 42 rows cost 18 ms per hop against a 25 ms stage forward) and the links and stages are queues that
+    every lane's segments wait in. The rows the target accepts are the tree's best nodes, which a segment carries first
+    (score order), so a cap keeps almost every accepted token while the rest of the tree stays on rank 0, waiting
+    for the next segment (still sent, and still verified in score order: only the schedule changes, never what
+    is verified or the output). A request alone is unchanged (same trees, same segments)."""
+    if active <= 1 or rows <= 0:
+        return None
+    return rows
+
+
+AUTO_MAX_ACTIVE = 4   # serve.max_active=0 (the default): docs/results.md, "46: Four clients" measured 1, 2 and 4
+
+
+def auto_max_active(setting: int, osd_enabled: bool) -> int:
+    """Requests a server keeps in flight: ``setting`` (``serve.max_active``) when it is > 0; 0 (auto, the default):
+    :data:`AUTO_MAX_ACTIVE`, or 1 with online learning (``osd.enabled``: one request at a time, draft/osd.py
+    "Lanes"). Pure.
+
+    Why 4 (docs/results.md §34, "46: Four clients"): four clients get 2.0-2.3x one client's tokens/s on four lanes
+    against 0.9x one at a time (and wait 1.4-1.7x a lone request's latency instead of 4.2x), one client alone is as
+    fast on either, and two lanes give four clients less than four do; each lane costs every stage one KV cache of
+    ``model.max_seq_len`` slots, allocated only when a lane is first used."""
+    if setting > 0:
+        return setting
+    return 1 if osd_enabled else AUTO_MAX_ACTIVE
 
 
 class LanePool:
@@ -447,8 +492,10 @@ class LanePool:
         self.active = 0
         world = base.comm.world
         per_link = float(getattr(getattr(getattr(base, "cfg", None), "serve", None), "ring_share", 1.0))
+        rows = int(getattr(getattr(getattr(base, "cfg", None), "serve", None), "lane_rows", 0))
         for e in self.engines:
             e.ring_share = lambda: ring_share(world, self.active, per_link)
+            e.lane_rows = lambda: lane_rows(self.active, rows)
 
     @property
     def size(self) -> int:

@@ -790,8 +790,10 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
 
     from pipeline.messages import Stats
     keepalive_s = max(0.2, min(5.0, cfg.comm.timeout_s / 4))
-    if cfg.serve.max_active > 1:   # several requests in flight, each on its own lane (pipeline/lanes.py)
-        serve_lanes(manager, engine, generate, cfg.serve.max_active, keepalive_s, sargs.stop_grace_s)
+    from pipeline.lanes import auto_max_active
+    active = auto_max_active(cfg.serve.max_active, cfg.osd.enabled)
+    if active > 1:   # several requests in flight, each on its own lane (pipeline/lanes.py)
+        serve_lanes(manager, engine, generate, active, keepalive_s, sargs.stop_grace_s)
         if server is not None:
             server.should_exit = True
             server.thread.join(5)

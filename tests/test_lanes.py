@@ -283,6 +283,102 @@ def test_ring_share_rule():
     assert all(ring_share(w, a, 64) == w for w in range(1, 9) for a in range(1, 9))
 
 
+def test_lane_rows_rule():
+    """``serve.lane_rows``: a segment limit only while several requests are active, never alone, never when off."""
+    from pipeline.engine import segment_cap
+    from pipeline.lanes import lane_rows
+    assert [lane_rows(a, 16) for a in range(5)] == [None, None, 16, 16, 16]
+    assert all(lane_rows(a, 0) is None for a in range(6))
+
+    class E:   # an engine as segment_cap reads it
+        def __init__(self, rows):
+            self.lane_rows = None if rows == "none" else (lambda: rows)
+    assert [segment_cap(E("none"), c) for c in (-1, 4)] == [-1, 4]        # not a lane: the mode's own cap
+    assert [segment_cap(E(None), c) for c in (-1, 4)] == [-1, 4]          # a lane alone: unchanged
+    assert [segment_cap(E(3), c) for c in (-1, 2, 4)] == [3, 2, 3]        # every waiting node -> at most 3
+
+
+def test_auto_max_active_rule():
+    """``serve.max_active=0`` (the default) serves AUTO_MAX_ACTIVE requests at once, one with online learning; a
+    setting > 0 is taken as it is; a configuration reads 0 and refuses negatives."""
+    from config.run_config import DEFAULT, ConfigError, apply_overrides
+    from pipeline.lanes import AUTO_MAX_ACTIVE, auto_max_active
+    assert DEFAULT.serve.max_active == 0 and AUTO_MAX_ACTIVE == 4
+    assert [auto_max_active(s, False) for s in (0, 1, 2, 8)] == [4, 1, 2, 8]
+    assert [auto_max_active(s, True) for s in (0, 1)] == [1, 1]
+    apply_overrides(DEFAULT, ["osd.enabled=true"])           # the default does not refuse online learning
+    with pytest.raises(ConfigError):
+        apply_overrides(DEFAULT, ["serve.max_active=-1"])
+
+
+def _segment_sends(monkeypatch) -> list[tuple[int, object]]:
+    """``(rows, limit)`` of every ``Segment`` rank 0's lanes put on the ring (LaneMux.send recorded); ``limit``: what
+    the lane rule said just before that send in the same lane thread (``StreamingMode.top_up`` asks it once per
+    send), ``"-"`` for a send that did not ask (a round's first segments: ``fill``)."""
+    import threading
+
+    import pipeline.lanes as lanes
+    sizes: list[tuple[int, object]] = []
+    asked = threading.local()
+    send, rule = lanes.LaneMux.send, lanes.lane_rows
+
+    def recording_rule(active, rows):
+        asked.limit = rule(active, rows)
+        return asked.limit
+
+    def recording(self, lane, msg, direct):
+        if isinstance(msg, Segment) and not direct:
+            sizes.append((int(msg.gids.numel()), getattr(asked, "limit", "-")))
+            asked.limit = "-"
+        return send(self, lane, msg, direct)
+    monkeypatch.setattr(lanes.LaneMux, "send", recording)
+    monkeypatch.setattr(lanes, "lane_rows", recording_rule)
+    return sizes
+
+
+@pytest.mark.parametrize("drafter", ["oracle", "default"])
+@pytest.mark.parametrize("planted", [False, True])
+def test_lane_rows_limits_segments_under_load_and_stays_exact(tiny, monkeypatch, drafter, planted):
+    """Three ``continuous`` requests at ``serve.lane_rows=1``: every segment sent after a verified step while
+    several requests are active carries one node (with the oracle's deep acceptance many do, and some had more
+    waiting), and every answer is still HF's. Planted: the mode asks the rule and ignores its limit, and the test
+    fails."""
+    full, stages, refs = tiny
+    d = f"oracle:{full}" if drafter == "oracle" else None
+    sizes = _segment_sends(monkeypatch)
+    if planted:
+        monkeypatch.setattr("pipeline.modes.flowspec.segment_cap", lambda engine, cap: (engine.lane_rows(), cap)[1])
+    res, _ = run_concurrent(stages, [(p, "continuous", _greedy()) for p in PROMPTS], [*COMMON, "serve.lane_rows=1"],
+                            {2}, d, lanes=3, stage_meter=lambda r: Pad())
+    assert [r.output_ids for r in res] == refs
+    limited = [n for n, limit in sizes if limit == 1]
+
+    def obeyed():
+        assert all(n <= 1 for n in limited), sizes
+    if drafter == "default":    # an untrained head: rounds end at once, few sends ask the rule; exactness only
+        return
+    assert len(limited) >= 3, sizes
+    if planted:
+        with pytest.raises(AssertionError):
+            obeyed()
+    else:
+        obeyed()
+
+
+def test_lane_rows_leaves_a_request_alone_unchanged(tiny, monkeypatch):
+    """One request on a pool (the only one active) sends exactly the segments it sends with the limit off."""
+    full, stages, refs = tiny
+    seen = []
+    for rows in (0, 1):
+        sizes = _segment_sends(monkeypatch)
+        res, _ = run_concurrent(stages, [(PROMPTS[0], "continuous", _greedy())], [*COMMON, f"serve.lane_rows={rows}"],
+                                {2}, f"oracle:{full}", lanes=2)
+        monkeypatch.undo()
+        assert res[0].output_ids == refs[0]
+        seen.append(list(sizes))
+    assert seen[0] == seen[1] and seen[0]
+
+
 def test_in_process_ring_waits_as_long_as_comm_timeout_says():
     """The in-process ring's threads wait the ring's own 60 s, or ``comm.timeout_s`` when that is longer (a long
     prefill on a loaded host took over 60 s and failed a bench run with ``queue.Empty``: the fixed wait ignored

@@ -208,7 +208,10 @@ def test_n2_logprobs_usage_chunk_and_stats_with_the_openai_client(fserver):
     assert next(iter(fps)).startswith("fp_")
     assert text[0] == text[1] and text[0] and set(finish) == {0, 1}
     assert len(lps[0]) == len(lps[1]) == usage.completion_tokens // 2 > 0
-    assert [e.logprob for e in lps[0]] == [e.logprob for e in lps[1]]
+    # the two choices run on two lanes at once (serve.max_active's default): their rows may share one stage forward
+    # or lm_head op with other rows, equal within float reassociation (docs/results.md §41, §47), tokens exactly
+    assert [e.token for e in lps[0]] == [e.token for e in lps[1]]
+    assert [e.logprob for e in lps[0]] == pytest.approx([e.logprob for e in lps[1]], abs=1e-4)
     assert usage.prompt_tokens > 0 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     details = usage.completion_tokens_details
     extra = usage.model_extra

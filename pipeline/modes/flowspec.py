@@ -29,7 +29,7 @@ from draft.tree import DraftTree, keep_indices_for, merge_trees, split_sizes
 from model.devices import HOST
 from pipeline.budget import (AcceptanceStats, StepCosts, affordable_levels, choose_segment_size, lookahead_levels,
                              path_probs)
-from pipeline.engine import DecodeResult, Engine, OutputBuffer, live_segments
+from pipeline.engine import DecodeResult, Engine, OutputBuffer, live_segments, segment_cap
 from pipeline.messages import Segment, Status
 from pipeline.outbox import Outbox, RankTree
 from pipeline.verify import Sampler, walk_tree
@@ -156,7 +156,7 @@ class StreamingMode:
         while box.live_inflight(alive) < live_segments(engine):
             if not state.waiting and (root_hidden is None or not self.deepen(engine, state, root_hidden)):
                 break
-            cap = self.budget_size(engine, state) or engine.cfg.tree.expand_subseq_token
+            cap = segment_cap(engine, self.budget_size(engine, state) or engine.cfg.tree.expand_subseq_token)
             state.send(box, state.waiting if cap < 0 else min(cap, state.waiting))
             alive = state.alive_gids()
 
