@@ -277,10 +277,10 @@ class ServeConfig(Checked):
     active requests share (``pipeline.lanes.ring_share``; a request alone keeps one per link whatever it is).
     ``lane_rows``: most nodes per segment of a request while several are active (``pipeline.lanes.lane_rows``;
     0 = no limit; a request alone is never limited). ``max_active=0`` (default): chosen by
-    ``pipeline.lanes.auto_max_active`` (docs/results.md, "46: Four clients": 4, or 1 with ``osd.enabled``)."""
+    ``pipeline.lanes.auto_max_active`` (docs/results.md, §53 ("Four clients"): 4, or 1 with ``osd.enabled``)."""
     max_active: int = 0
-    ring_share: float = 1.0      # 0.5 measured faster (docs/results.md, "46: Four clients"); not the default yet
-    lane_rows: int = 16          # docs/results.md, "46: Four clients" (0 before: every waiting node in one segment)
+    ring_share: float = 1.0      # 0.5 measured faster (docs/results.md, §53 ("Four clients")); not the default yet
+    lane_rows: int = 16          # docs/results.md, §53 ("Four clients") (0 before: every waiting node in one segment)
 
 
 @dataclass

@@ -95,7 +95,7 @@ class _Beam:
     depth, head output; ``n_rows`` of them before the current frontier), and the current frontier's draft-cache
     slots and cumulative scores.
 
-    Host bookkeeping in NumPy (issue 41; docs/results.md, "41: Fewer operators on the chain"): everything here
+    Host bookkeeping in NumPy (issue 41; docs/results.md, §52 ("Fewer operators on the chain")): everything here
     but ``rows_out`` (the head's
     outputs, on the drafter's device) is a few dozen host integers and scores per level, which the level reads
     after its one device->host copy. As torch ops on host tensors they were about a dozen dispatched operators

@@ -269,7 +269,7 @@ def union_top(scores: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor]:
     instead of the fancy-index gathers would cost as much as the torch ops). The dispatched-operator count
     (``pipeline.tools.opcount``, the simulator's ``--rank0-cost ops``) does not see NumPy calls: they are host
     time, which layerbench's timings and the simulator's ``--rank0-cost measured`` do see (docs/results.md,
-    "41: Fewer operators on the chain"). A fixed sequence of about ten NumPy calls, whatever the rows (no per-row
+    §52 ("Fewer operators on the chain")). A fixed sequence of about ten NumPy calls, whatever the rows (no per-row
     Python)."""
     s, t = union_top_np(np.concatenate([scores.numpy().astype(np.float64), tokens.numpy().astype(np.float64)], -1),
                         scores.shape[-1], k)

@@ -418,7 +418,7 @@ def ring_share(world: int, active: int, per_link: float = 1.0) -> int:
     carries every lane's waiting segment in one forward (:mod:`pipeline.batching`), more segments in flight cost
     more rows per forward rather than more forwards: docs/results.md §41 measures ``per_link`` again.
 
-    ``serve.ring_share=0.5`` (docs/results.md, "46: Four clients", with ``serve.lane_rows``): at four active
+    ``serve.ring_share=0.5`` (docs/results.md, §53 ("Four clients"), with ``serve.lane_rows``): at four active
     requests on four stages one live segment each instead of two. A lane's second segment is sent before the
     first one's verification, and at about two tokens per step with frequent round ends (a bonus token the tree
     lacks) the decision that arrives before it mostly kills it; stage 1 learns decisions only on the ring, so it
@@ -438,7 +438,7 @@ def lane_rows(active: int, rows: int) -> int | None:
 
     Why: after a verified step a FlowSpec request sends every waiting node in one segment
     (``tree.expand_subseq_token = -1``): on the edge testbed four active requests sent 42 nodes per verified step
-    for one accepted draft token (docs/results.md, "46: Four clients"). Alone that is free: its ring is not full.
+    for one accepted draft token (docs/results.md, §53 ("Four clients")). Alone that is free: its ring is not full.
     Shared, every row is paid on every hop (a hidden state per row on each link: 0.44 ms per row per hop at 150
     Mbps, so 42 rows cost 18 ms per hop against a 25 ms stage forward) and the links and stages are queues that
     every lane's segments wait in. The rows the target accepts are the tree's best nodes, which a segment carries first
@@ -450,7 +450,7 @@ def lane_rows(active: int, rows: int) -> int | None:
     return rows
 
 
-AUTO_MAX_ACTIVE = 4   # serve.max_active=0 (the default): docs/results.md, "46: Four clients" measured 1, 2 and 4
+AUTO_MAX_ACTIVE = 4   # serve.max_active=0 (the default): docs/results.md, §53 ("Four clients") measured 1, 2 and 4
 
 
 def auto_max_active(setting: int, osd_enabled: bool) -> int:
@@ -458,7 +458,7 @@ def auto_max_active(setting: int, osd_enabled: bool) -> int:
     :data:`AUTO_MAX_ACTIVE`, or 1 with online learning (``osd.enabled``: one request at a time, draft/osd.py
     "Lanes"). Pure.
 
-    Why 4 (docs/results.md §34, "46: Four clients"): four clients get 2.0-2.3x one client's tokens/s on four lanes
+    Why 4 (docs/results.md §34, §53 ("Four clients")): four clients get 2.0-2.3x one client's tokens/s on four lanes
     against 0.9x one at a time (and wait 1.4-1.7x a lone request's latency instead of 4.2x), one client alone is as
     fast on either, and two lanes give four clients less than four do; each lane costs every stage one KV cache of
     ``model.max_seq_len`` slots, allocated only when a lane is first used."""

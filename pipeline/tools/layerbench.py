@@ -421,11 +421,11 @@ def count(calls, blocks, device) -> list[dict]:
 # expand 451 (257, 2), commit 111 (16, 0), verified step 58 (58, 0). Capacity-sized trees (docs/results.md section 42;
 # drafting calls grow trees preallocated at ContinuousMode.capacity): first tree 467 (271, 2),
 # finish 965 (480, 5), expand 456 (262, 2), commit 111 (16, 0), verified step 62 (62, 0).
-# The draft head's fused forward (issue 41, docs/results.md "41: The draft head's forward in fewer operators";
+# The draft head's fused forward (issue 41, docs/results.md §50 ("The draft head's forward in fewer operators");
 # draft/fused_head.py): head forward over 10 rows
 # 120 -> 62 ops (model 95 -> 39), first tree 467 -> 351, finish 965 -> 685, expand 456 -> 344, commit 111 -> 51
 # (bookkeeping 16 -> 12: KVCache.context_inputs' mask in fewer ops), verified step 62 (unchanged).
-# Host bookkeeping in NumPy (docs/results.md "41: Fewer operators on the chain": the beam, the merged union top-k,
+# Host bookkeeping in NumPy (docs/results.md §52 ("Fewer operators on the chain"): the beam, the merged union top-k,
 # lookup's slots, select_top_nodes, the re-root), with the fused head: first tree 317 (233, 2),
 # finish 463 (258, 5), expand 248 (166, 2), commit 51 (12, 0), verified step 45 (45, 0).
 OP_BOUNDS = {"draft head forward": {"ops": 64, "model_ops": 40, "syncs": 0},

@@ -13,8 +13,8 @@ prices (``--rank0-cost``):
   per-sync costs (:class:`config.profiles.HostCost`: the profile's ``rank0_host``, a
   ``profiles/rank0_host/<profile name>.json`` file for profiles kept elsewhere, or ``--rank0-op-us`` /
   ``--rank0-sync-us``). Python that dispatches no operator (lists, dicts, message headers, and the NumPy host
-  bookkeeping of the beam, the merged top-k and the re-root: issue 41; docs/results.md, "41: Fewer operators on
-  the chain") is priced at
+  bookkeeping of the beam, the merged top-k and the re-root: issue 41; docs/results.md, §52 ("Fewer operators on
+  the chain")) is priced at
   zero: the op count is a floor on that device's host work, exact only where every step is a tensor op; what
   that Python costs is in ``measured``.
 * ``zero``: 0 (host work off the critical path; rank 0's lm_head and draft head are still priced by the
