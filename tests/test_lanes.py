@@ -66,6 +66,18 @@ def batched(pool) -> int:
     return sum(w.batched_forwards for w in pool.stage_workers)
 
 
+def run_batched(check, *args, attempts: int = 3, **kw):
+    """``run_concurrent(*args, **kw)`` until a stage step carried several lanes, ``check``-ing the outputs of EVERY
+    run. Why: whether the lanes' segments meet at a stage is timing (the ``Pad`` meter makes it likely, a host at
+    load 20 can still serialise the threads); the claim tested is the outputs', the batching only its coverage."""
+    for _ in range(attempts):
+        res, pool = run_concurrent(*args, **kw)
+        check(res)
+        if batched(pool) > 0:
+            return res, pool
+    pytest.fail(f"no stage step carried several lanes in {attempts} runs")
+
+
 @pytest.mark.parametrize("mode", ["continuous", "naive", "pipedec", "ar", "pruned"])
 @pytest.mark.parametrize("drafter", ["oracle", "default"])
 def test_concurrent_greedy_equals_alone(tiny, mode, drafter):
@@ -73,11 +85,11 @@ def test_concurrent_greedy_equals_alone(tiny, mode, drafter):
     (the Drafter fork), ``oracle``: deep acceptance (CONTINUE decisions, direct pruning)."""
     full, stages, refs = tiny
     d = f"oracle:{full}" if drafter == "oracle" else None
-    res, pool = run_concurrent(stages, [(p, mode, _greedy()) for p in PROMPTS], COMMON, {2}, d, lanes=3,
-                               stage_meter=lambda r: Pad())
-    assert [r.output_ids for r in res] == refs
+    def check(res):
+        assert [r.output_ids for r in res] == refs
+    res, pool = run_batched(check, stages, [(p, mode, _greedy()) for p in PROMPTS], COMMON, {2}, d, lanes=3,
+                            stage_meter=lambda r: Pad())
     assert pool.mux.switches >= 3, "the lanes did not interleave on the ring"
-    assert batched(pool) > 0, "no stage step carried several lanes"
 
 
 @pytest.mark.parametrize("mode", ["continuous", "naive"])
@@ -85,10 +97,10 @@ def test_concurrent_greedy_on_transformers_layers(tiny, mode):
     """The same on the transformers decoder layers (``model.lean_layers=false``): several lanes in one forward
     attend through a block-diagonal mask there (model/lane_batch.py)."""
     full, stages, refs = tiny
-    res, pool = run_concurrent(stages, [(p, mode, _greedy()) for p in PROMPTS], [*COMMON, "model.lean_layers=false"],
-                               {2}, f"oracle:{full}", lanes=3, stage_meter=lambda r: Pad())
-    assert [r.output_ids for r in res] == refs
-    assert batched(pool) > 0
+    def check(res):
+        assert [r.output_ids for r in res] == refs
+    run_batched(check, stages, [(p, mode, _greedy()) for p in PROMPTS], [*COMMON, "model.lean_layers=false"],
+                {2}, f"oracle:{full}", lanes=3, stage_meter=lambda r: Pad())
 
 
 def test_mixed_modes_and_lane_reuse(tiny):
@@ -127,9 +139,10 @@ def test_sampling_interleaved_equals_alone(tiny, mode):
     alone = [run_threaded(stages, [p], [mode], [*COMMON, "temperature=1.0", f"seed={s}"], {2}, f"oracle:{full}")
              [mode][0].output_ids for p, s in zip(PROMPTS, seeds)]
     jobs = [(p, mode, GenSettings(NEW, temperature=1.0, seed=s)) for p, s in zip(PROMPTS, seeds)]
-    res, pool = run_concurrent(stages, jobs, COMMON, {2}, f"oracle:{full}", lanes=3, stage_meter=lambda r: Pad())
-    assert [r.output_ids for r in res] == alone
-    assert pool.mux.switches >= 3 and batched(pool) > 0
+    def check(res):
+        assert [r.output_ids for r in res] == alone
+    res, pool = run_batched(check, stages, jobs, COMMON, {2}, f"oracle:{full}", lanes=3, stage_meter=lambda r: Pad())
+    assert pool.mux.switches >= 3
 
 
 def test_planted_shared_generator_fails(tiny, monkeypatch):
