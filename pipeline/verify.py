@@ -157,7 +157,8 @@ def walk_proposals(tree: DraftTree, n_verified: int, logits: Tensor, sampler: Sa
         where r is normalised; on rejection r <- max(0, r - q) (normalised on use);
       * deterministic (q = None, i.e. q = the point mass at x): accept with r(x); on rejection r <- r with x
         zeroed. This is the sampled rule with q = delta_x (min(1, r(x)/1) = r(x), max(0, r - delta_x) = r
-        without x), and it is exactly ``walk_tree``'s rule.
+        without x), and it has the law of ``walk_tree``'s rule (which draws the token first, for seeded answers
+        that do not depend on the schedule; this list's draws still depend on the proposals a node holds).
     On acceptance the walk descends into ``child``; if every proposal is rejected, the token is drawn from
     the final residual r. At T = 0 the walk is greedy: the argmax's node if some proposal carries it.
 
