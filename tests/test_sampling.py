@@ -336,7 +336,10 @@ class BranchingSampler(Sampler):
         return value
 
     def uniform(self) -> float:
-        raise AssertionError("walk_tree must spend randomness through accept() and draw() only")
+        raise AssertionError("the verifiers must spend randomness through accept(), draw() and pick() only")
+
+    def pick(self, p: torch.Tensor) -> int:
+        return self.draw(p)                  # the same law (Sampler.pick: inverse CDF of one uniform)
 
     def accept(self, prob: float) -> bool:
         ok = self._branch([o for o in ((False, 1.0 - prob), (True, prob)) if o[1] > 0])
@@ -493,6 +496,8 @@ def test_residual_restricted_to_draft_vocabulary_fails_exact_law(monkeypatch):
             p = p.clone()
             p[outside] = 0.0
             return self.s.draw(p / p.sum())
+
+        pick = draw                          # walk_tree's draw (pipeline.verify, "Draw first")
 
     def bad_walk(tree, n_verified, logits, sampler):
         return real(tree, n_verified, logits, Masking(sampler))

@@ -62,11 +62,32 @@ def test_root_token_and_stream_do_not_depend_on_the_children():
     assert len({t for t, _ in ref}) >= 4        # the draws do vary with the seed
 
 
-def test_token_is_the_plain_seeded_draw():
-    """The root's token is what ``Sampler.choose`` (``ar``'s rule, HF's ``multinomial``) draws with that seed."""
+def test_token_is_the_plain_seeded_pick():
+    """The root's token is ``Sampler.pick`` of the root's processed law with that seed (one uniform)."""
     for seed in range(50):
         s = Sampler(1.0, 1.0, 0, torch.Generator().manual_seed(seed))
-        assert root_draws(walk_tree, [0, 6], [seed])[0][0] == s.choose(LOGITS[0])
+        assert root_draws(walk_tree, [0, 6], [seed])[0][0] == s.pick(s.probs(LOGITS[0]))
+
+
+class Coins(Sampler):
+    def __init__(self, coins):
+        super().__init__(1.0, 1.0, 0, None)
+        self.coins = list(coins)
+
+    def uniform(self):
+        return self.coins.pop(0)
+
+
+def test_pick_is_the_inverse_cdf_and_skips_zero_mass():
+    """Token i owns [c_(i-1), c_i) of the cumulative sum (unnormalised p too): the edges, a zero-mass token (never
+    picked, even by a uniform at its edge), and a uniform that rounds up to the total (the last token with mass)."""
+    p = torch.tensor([0.25, 0.0, 0.5, 0.25, 0.0], dtype=torch.float64)
+    assert [Coins([u]).pick(p) for u in (0.0, 0.2499, 0.25, 0.7499, 0.75, 0.9999)] == [0, 0, 2, 2, 3, 3]
+    assert Coins([0.5]).pick(p * 4) == 2
+    assert Coins([1.0]).pick(p) == 3
+    counts = torch.bincount(torch.tensor([Sampler(1.0, 1.0, 0, torch.Generator().manual_seed(s)).pick(p)
+                                          for s in range(4000)]), minlength=5)
+    assert counts[1] == counts[4] == 0 and abs(int(counts[2]) - 2000) < 150
 
 
 def test_a_matching_child_continues_and_a_verified_one_descends():
