@@ -423,9 +423,10 @@ def ring_share(world: int, active: int, per_link: float = 1.0) -> int:
     first one's verification, and at about two tokens per step with frequent round ends (a bonus token the tree
     lacks) the decision that arrives before it mostly kills it; stage 1 learns decisions only on the ring, so it
     computes those rows anyway. Measured: four clients 2.57x one client's tokens/s at 1.32x its latency (stages
-    61% busy) against 2.31x / 1.52x. Not the default yet: with it, tests/test_prefill_share.py's seeded sampled
-    ``naive`` choices (run after a greedy ``continuous`` request on the same lanes) no longer equal their seed's
-    answer alone, which is not explained (the same test passes at 1.0; ``naive`` never reads the share)."""
+    61% busy) against 2.31x / 1.52x. Not the default yet (the lead decides). It had made a seeded sampled
+    ``continuous`` choice differ from its seed alone (tests/test_prefill_share.py): a node verified at another
+    step had other children, and the verifier's draws depended on them; ``pipeline.verify`` now draws first
+    ("Draw first"), so a seeded answer does not depend on the share."""
     if active <= 1:
         return world
     return max(1, min(world, math.ceil(per_link * world / active - 1e-9)))

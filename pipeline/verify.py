@@ -3,18 +3,26 @@
 ``walk_tree`` verifies the prefix ``[0, n_verified)`` of a tree whose target logits are known. Node
 indices are ancestors-first, so a verified node's ancestors are verified too.
 
-Sampling rule (EAGLE-2 / SpecInfer multi-candidate rule with a deterministic draft, q = 1): at a
-verified node with processed target distribution p, try its distinct children in index order; accept
-child x with probability p'(x), where p' is p with previously rejected siblings zeroed and
-renormalised; on acceptance descend, otherwise sample the next token from the final residual p'.
+Sampling rule (a deterministic draft, q = 1; "Draw first"): at a verified node with processed target
+distribution p, draw the node's token x from p (one ``Sampler.pick``: one uniform); descend into the child that carries
+x if the node has one (siblings are distinct tokens), else x ends the walk. This is the EAGLE-2 /
+SpecInfer multi-candidate rule for q = 1 (try the children in order, accept child c with p'(c), p' being p
+with the rejected siblings zeroed and renormalised, else draw from the residual) in another coupling:
+P(accept c_j) = prod_{i<j}(1 - p_{i-1}'(c_i)) * p_{j-1}'(c_j) telescopes to p(c_j) and the residual gives
+every other token p(x), so both commit a token of law exactly p and accept child c with probability p(c).
 
-Why the committed token at a node has law exactly p (children c_1..c_k, distinct tokens, fixed order):
-P(accept c_j) = prod_{i<j}(1 - p_{i-1}'(c_i)) * p_{j-1}'(c_j), and with p_0' = p, p_i' = p restricted to
-V \\ {c_1..c_i} and renormalised, the product telescopes to p(c_j); the residual draw gives every other
-token x mass (1 - sum_j p(c_j)) * p(x) / (1 - sum_j p(c_j)) = p(x). Each node resolves exactly one token
+Why draw first (issue 46, docs/results.md "46: Four clients"): the sequential rule spends one uniform per
+tried child, so the generator's stream, hence a seeded answer, depended on how many children a node had
+when it was verified, and with continuous expansion that depends on the pipeline's schedule (a node
+verified one step later may have gained a child; a lane's share of the ring, ``serve.ring_share``, changes
+the segments and so the steps). Measured: seed 12 of tests/test_prefill_share.py at ``ring_share=0.5``, the
+last token's node had no child on two lanes (residual draw: 294) and one child (422, p = 0.984, accepted)
+alone. Drawing first spends exactly one draw per committed token whatever the tree, so a seeded answer is a
+function of the prompt, the seed and the target's logits only: the same on any schedule, lane count or tree
+shape, as long as the logits are bit-identical (``ar`` draws with ``multinomial`` for HF parity: another stream). Each node resolves exactly one token
 with fresh randomness, so the path's joint law is the target's autoregressive law, *provided the child
-list of a node is a function of what was decided before the node's first draw* (it may depend on earlier
-draws, the draft and the pipeline's timing, but not on this node's draws).
+list of a node is a function of what was decided before the node's draw* (it may depend on earlier draws,
+the draft and the pipeline's timing, but not on this node's draw).
 
 Exactness under pipelining (pruned / continuous / pipedec), i.e. why that proviso holds:
   * a node is *resolved* (its draws consumed) only inside ``walk_tree`` and only once its logits are
@@ -86,11 +94,22 @@ class Sampler:
                                 device=self.generator.device if self.generator is not None else HOST))
 
     def accept(self, prob: float) -> bool:
-        """One Bernoulli(prob) draw: the only way ``walk_tree`` spends randomness besides ``draw``."""
+        """One Bernoulli(prob) draw (``walk_proposals``, ``sps``; ``walk_tree`` spends randomness through ``pick``)."""
         return self.uniform() < prob
 
     def draw(self, p: Tensor) -> int:
         return int(torch.multinomial(p.float(), 1, generator=self.generator))
+
+    def pick(self, p: Tensor) -> int:
+        """One token of law ``p / p.sum()`` from exactly one :meth:`uniform` (inverse CDF over the float64
+        cumulative sum: token i owns ``[c_{i-1}, c_i)``, so a zero-probability token is never picked). ``walk_tree``'s
+        draw ("Draw first"): one uniform per resolved node whatever the node's children, and about 20x cheaper
+        than ``torch.multinomial`` at V = 49152 (0.11 ms against 2.2 ms on the shared CPU host); ``draw`` stays
+        ``multinomial`` where HF parity needs it (``choose``: ``ar``, a generation's first token)."""
+        c = torch.cumsum(p.double(), 0)
+        u = self.uniform() * float(c[-1])
+        i = int(torch.searchsorted(c, torch.tensor([u], dtype=c.dtype), right=True)[0])
+        return i if i < c.numel() else int(torch.nonzero(p).max())   # u * total rounded up to the total
 
     def choose(self, logits: Tensor) -> int:
         return int(torch.argmax(logits)) if self.greedy else self.draw(self.probs(logits))
@@ -127,24 +146,9 @@ def walk_tree(tree: DraftTree, n_verified: int, logits: Tensor, sampler: Sampler
             x = best[cur]
             child = next((c for c in children if tokens[c] == x), None)
         else:
-            p = sampler.probs(logits[cur])
-            child, rejected, mass = None, [], float(p.sum())
-            for c in children:  # index order; distinct tokens (check_tree)
-                t = tokens[c]
-                pt = float(p[t])
-                # p'(t) = p(t) / (mass left after zeroing the rejected siblings): the renormalised residual,
-                # without touching the vocabulary-sized vector once per sibling
-                if mass > 0 and sampler.accept(pt / mass):
-                    child = c
-                    break
-                rejected.append(t)
-                mass -= pt
-            if child is None:
-                if rejected:
-                    p[rejected] = 0.0
-                x = sampler.draw(p)  # torch.multinomial renormalises the residual
-            else:
-                x = tokens[child]
+            # one draw per resolved node, then the child that carries it (module docstring, "Draw first")
+            x = sampler.pick(sampler.probs(logits[cur]))
+            child = next((c for c in children if tokens[c] == x), None)
         if child is None:
             return path, x, None
         if child >= n_verified:
@@ -164,7 +168,8 @@ def walk_proposals(tree: DraftTree, n_verified: int, logits: Tensor, sampler: Sa
         where r is normalised; on rejection r <- max(0, r - q) (normalised on use);
       * deterministic (q = None, i.e. q = the point mass at x): accept with r(x); on rejection r <- r with x
         zeroed. This is the sampled rule with q = delta_x (min(1, r(x)/1) = r(x), max(0, r - delta_x) = r
-        without x), and it is exactly ``walk_tree``'s rule.
+        without x), and it has the law of ``walk_tree``'s rule (which draws the token first, for seeded answers
+        that do not depend on the schedule; this list's draws still depend on the proposals a node holds).
     On acceptance the walk descends into ``child``; if every proposal is rejected, the token is drawn from
     the final residual r. At T = 0 the walk is greedy: the argmax's node if some proposal carries it.
 

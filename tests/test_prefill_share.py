@@ -44,8 +44,8 @@ def stages(tmp_path_factory):
 class Ring:
     """3 ranks as threads: the stage workers (kept, to read their caches), rank 0's engine and a lane pool."""
 
-    def __init__(self, stage_root, lanes: int, modes=("continuous",)) -> None:
-        cfg = apply_overrides(DEFAULT, OVERRIDES)
+    def __init__(self, stage_root, lanes: int, modes=("continuous",), ring_share: float = 1.0) -> None:
+        cfg = apply_overrides(DEFAULT, OVERRIDES + [f"serve.ring_share={ring_share}"])
         cfg.model.head_dir = f"oracle:{STORIES}"
         self.ring = LocalRing(3)
         models = [load_stage(stage_root, r, 3, torch.float32) for r in range(3)]
@@ -115,10 +115,11 @@ def test_planted_copy_one_slot_short_fails(stages, monkeypatch):
     assert any("KV differ" in m for m in mismatches)
 
 
-def run_choices(stage_root, mode: str, settings: list[GenSettings], lanes: int, shared: bool = True):
+def run_choices(stage_root, mode: str, settings: list[GenSettings], lanes: int, shared: bool = True,
+                ring_share: float = 1.0):
     """The choices (one GenSettings each) of one prompt, each in its own thread on a lane of a ``lanes``-lane pool,
-    sharing one SharedPrefill (or not): ``(outputs, forked flags)``."""
-    with Ring(stage_root, lanes, (mode,)) as r:
+    sharing one SharedPrefill (or not), ``serve.ring_share`` = ``ring_share``: ``(outputs, forked flags)``."""
+    with Ring(stage_root, lanes, (mode,), ring_share) as r:
         share = SharedPrefill(PROMPT)
         outs, forked, fails = [None] * len(settings), [False] * len(settings), []
 
@@ -158,9 +159,13 @@ def test_more_choices_than_lanes(stages):
     assert outs == [ref] * 3 and 1 <= sum(forked) <= 2
 
 
-def test_sampled_choices_equal_their_seed_alone(stages):
+@pytest.mark.parametrize("ring_share", [1.0, 0.5])
+def test_sampled_choices_equal_their_seed_alone(stages, ring_share):
+    """Two lanes schedule a choice's segments otherwise than one (``ring_share``: 2 or 1 live segments each
+    instead of 3), so a node may be verified with fewer children; its seeded draws must not depend on that
+    (``pipeline.verify``, "Draw first": at 0.5 seed 12's last token differed before)."""
     settings = [GenSettings(NEW, temperature=1.0, seed=s) for s in (11, 12)]
-    outs, forked = run_choices(stages, "continuous", settings, lanes=2)
+    outs, forked = run_choices(stages, "continuous", settings, lanes=2, ring_share=ring_share)
     alone, _ = run_choices(stages, "continuous", settings, lanes=1, shared=False)
     assert outs == alone and sum(forked) == 1 and outs[0] != outs[1]
 
@@ -227,9 +232,8 @@ def test_server_n2_shares_the_prefill(stages, tmp_path):
         ref = hf_greedy(STORIES, greedy[0]["prompt_ids"], 16, {2}, torch.float32)
         assert [c["output_ids"] for c in greedy] == [ref, ref]
         assert sorted(c["prefill_shared"] for c in greedy) == [False, True]
-        # sampled: naive (its rounds do not depend on the ring's schedule; continuous's segments in flight follow
-        # lanes.ring_share, i.e. how many requests are active, so its draws differ between n=2 and n=1 with or
-        # without a shared prefill: the same law, not the same draws)
+        # sampled: naive here (continuous's seeded draws no longer depend on its schedule either: pipeline.verify,
+        # "Draw first", and test_sampled_choices_equal_their_seed_alone above)
         sampled = ask(n=2, temperature=1.0, seed=11, mode="naive")
         alone = [ask(n=1, temperature=1.0, seed=seed, mode="naive")[0] for seed in (11, choice_seed(11, 1))]
         assert [c["output_ids"] for c in sampled] == [a["output_ids"] for a in alone]

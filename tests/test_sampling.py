@@ -336,7 +336,10 @@ class BranchingSampler(Sampler):
         return value
 
     def uniform(self) -> float:
-        raise AssertionError("walk_tree must spend randomness through accept() and draw() only")
+        raise AssertionError("the verifiers must spend randomness through accept(), draw() and pick() only")
+
+    def pick(self, p: torch.Tensor) -> int:
+        return self.draw(p)                  # the same law (Sampler.pick: inverse CDF of one uniform)
 
     def accept(self, prob: float) -> bool:
         ok = self._branch([o for o in ((False, 1.0 - prob), (True, prob)) if o[1] > 0])
@@ -448,11 +451,10 @@ def test_expansion_off_appends_nothing_and_keeps_the_law(levels):
 
 # Reduced draft vocabulary (EAGLE-3 d2t/t2d). Why verification stays lossless: the EAGLE tree is deterministic
 # (top-k), so every child is a point-mass proposal and walk_tree never reads the draft's probabilities. At a node
-# it tries the children in order, accepting child x with the *target's* residual probability p'(x) and, on
-# rejection, setting p'(x) = 0 and renormalising; if all are rejected it draws from the residual p' over the
-# *whole target vocabulary*. By induction over the children, P(emit x) = p(x) for every x whatever the proposed
-# set, so tokens the draft gives zero mass (outside its vocabulary) are simply never proposed and keep their full
-# target probability through the residual draw. (For a sampled draft, walk_proposals accepts with min(1, p/q) only
+# it draws the token from the target's p over the *whole target vocabulary* and descends into the child carrying
+# it, if any (pipeline.verify, "Draw first"), so P(emit x) = p(x) for every x whatever the proposed set: tokens
+# the draft gives zero mass (outside its vocabulary) are simply never proposed and keep their full target
+# probability. (For a sampled draft, walk_proposals accepts with min(1, p/q) only
 # at tokens drawn from q, where q > 0, and its residual max(0, p - q) equals p outside the draft vocabulary.)
 # The planted bug below restricts the residual draw to the draft vocabulary: the law must then differ.
 REDUCED_VOCAB = [0, 2, 3, 5, 6]
@@ -494,6 +496,8 @@ def test_residual_restricted_to_draft_vocabulary_fails_exact_law(monkeypatch):
             p = p.clone()
             p[outside] = 0.0
             return self.s.draw(p / p.sum())
+
+        pick = draw                          # walk_tree's draw (pipeline.verify, "Draw first")
 
     def bad_walk(tree, n_verified, logits, sampler):
         return real(tree, n_verified, logits, Masking(sampler))
