@@ -423,7 +423,7 @@ def ring_share(world: int, active: int, per_link: float = 1.0) -> int:
     first one's verification, and at about two tokens per step with frequent round ends (a bonus token the tree
     lacks) the decision that arrives before it mostly kills it; stage 1 learns decisions only on the ring, so it
     computes those rows anyway. Measured: four clients 2.57x one client's tokens/s at 1.32x its latency (stages
-    61% busy) against 2.31x / 1.52x. Not the default yet (the lead decides). It had made a seeded sampled
+    61% busy) against 2.31x / 1.52x: the default since. It had made a seeded sampled
     ``continuous`` choice differ from its seed alone (tests/test_prefill_share.py): a node verified at another
     step had other children, and the verifier's draws depended on them; ``pipeline.verify`` now draws first
     ("Draw first"), so a seeded answer does not depend on the share."""
@@ -492,7 +492,7 @@ class LanePool:
         self._cv = threading.Condition()
         self.active = 0
         world = base.comm.world
-        per_link = float(getattr(getattr(getattr(base, "cfg", None), "serve", None), "ring_share", 1.0))
+        per_link = float(getattr(getattr(getattr(base, "cfg", None), "serve", None), "ring_share", 0.5))
         rows = int(getattr(getattr(getattr(base, "cfg", None), "serve", None), "lane_rows", 0))
         for e in self.engines:
             e.ring_share = lambda: ring_share(world, self.active, per_link)
