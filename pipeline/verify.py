@@ -108,7 +108,7 @@ class Sampler:
         ``multinomial`` where HF parity needs it (``choose``: ``ar``, a generation's first token)."""
         c = torch.cumsum(p.double(), 0)
         u = self.uniform() * float(c[-1])
-        i = int(torch.searchsorted(c, torch.tensor([u], dtype=c.dtype), right=True)[0])
+        i = int(torch.searchsorted(c, torch.tensor([u], dtype=c.dtype, device=c.device), right=True)[0])
         return i if i < c.numel() else int(torch.nonzero(p).max())   # u * total rounded up to the total
 
     def choose(self, logits: Tensor) -> int:
