@@ -11,7 +11,7 @@ with the rejected siblings zeroed and renormalised, else draw from the residual)
 P(accept c_j) = prod_{i<j}(1 - p_{i-1}'(c_i)) * p_{j-1}'(c_j) telescopes to p(c_j) and the residual gives
 every other token p(x), so both commit a token of law exactly p and accept child c with probability p(c).
 
-Why draw first (issue 46, docs/results.md "46: Four clients"): the sequential rule spends one uniform per
+Why draw first (issue 46, docs/results.md §54): the sequential rule spends one uniform per
 tried child, so the generator's stream, hence a seeded answer, depended on how many children a node had
 when it was verified, and with continuous expansion that depends on the pipeline's schedule (a node
 verified one step later may have gained a child; a lane's share of the ring, ``serve.ring_share``, changes
@@ -107,8 +107,8 @@ class Sampler:
         than ``torch.multinomial`` at V = 49152 (0.11 ms against 2.2 ms on the shared CPU host); ``draw`` stays
         ``multinomial`` where HF parity needs it (``choose``: ``ar``, a generation's first token)."""
         c = torch.cumsum(p.double(), 0)
-        u = self.uniform() * float(c[-1])
-        i = int(torch.searchsorted(c, torch.tensor([u], dtype=c.dtype, device=c.device), right=True)[0])
+        # the threshold u * total stays on c's device: one read (the index) per draw, not three
+        i = int(torch.searchsorted(c, c[-1:] * self.uniform(), right=True)[0])
         return i if i < c.numel() else int(torch.nonzero(p).max())   # u * total rounded up to the total
 
     def choose(self, logits: Tensor) -> int:
