@@ -16,7 +16,7 @@ Two ways to keep the lanes apart inside attention, both here:
   every other lane's slots are masked out).
 
 Why the loop for the lean path (measured, docs/results.md §41 on this host;
-``python -m scripts.lane_attention_bench`` times both): the block-diagonal form concatenates every lane's whole cache on every layer (a copy of all lanes' keys
+its command there times both): the block-diagonal form concatenates every lane's whole cache on every layer (a copy of all lanes' keys
 and values per layer) and attends over ``lanes x`` more slots, nearly all of them masked; the loop pays one
 attention call per lane instead. The transformers layers cannot take the loop (their attention is inside the
 module), so they take the block-diagonal form: correct, at that copy's cost.

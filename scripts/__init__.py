@@ -2,5 +2,4 @@
 
     .venv/bin/python -m scripts.serve_bench --help      # HTTP server overhead against pipeline.run
     .venv/bin/python -m scripts.fault_matrix --help     # launcher fault sweep (tests/test_launchers.py runs a slice)
-    .venv/bin/python -m scripts.greedy_rows --help      # HF greedy rows for the what-if simulators
 """

@@ -118,13 +118,13 @@ def test_layering_check_sees_a_planted_violation(tmp_path):
     path.write_text("def f():\n    from pipeline.engine import Engine\n")
     deps = project_imports("model.bad", path, set(modules()))
     assert "pipeline.engine" in deps and layer("pipeline.engine") > layer("model.bad")
-    path.write_text("import scripts.greedy_rows\n")              # a tool reaching a developer script
+    path.write_text("import scripts.serve_bench\n")              # a tool reaching a developer script
     deps = project_imports("pipeline.tools.bad", path, set(modules()))
-    assert "scripts.greedy_rows" in deps and layer("scripts.greedy_rows") > layer("pipeline.tools.bad")
+    assert "scripts.serve_bench" in deps and layer("scripts.serve_bench") > layer("pipeline.tools.bad")
 
 
 def test_scripts_are_checked():
-    assert {"scripts.fault_matrix", "scripts.greedy_rows", "scripts.serve_bench"} <= set(modules())
+    assert {"scripts.fault_matrix", "scripts.rehearse_7b", "scripts.serve_bench"} <= set(modules())
 
 
 def test_mode_registry_matches_config_and_makes_fresh_strategies():

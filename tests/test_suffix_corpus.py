@@ -88,17 +88,3 @@ def test_heldout_records_are_numbered_from_30():
     assert heldout_slice(p, 30, 32) + heldout_slice(p, 32, 35) == p
     assert heldout_slice(p, 0, 4) == p[:4]                    # calibration ranges below 30: the first prompts
     assert heldout_slice(p, 40, 45) == []
-
-
-def test_round_marks_put_one_end_per_round_at_its_depth():
-    from scripts.round_ends import round_marks, summarize
-    marks = round_marks([3, 1, 2], 7)           # 6 committed tokens after the prefill's
-    assert marks == [(1, 0, False), (2, 0, False), (3, 0, True), (1, 1, True), (1, 2, False), (2, 2, True)]
-    assert sum(e for _, _, e in marks) == 3
-    with pytest.raises(ValueError, match="do not cover"):
-        round_marks([3, 1, 2], 8)              # a planted miscount: the rows' lengths must add up
-    pts = [{"p1": 0.9, "head_rank": 0, "is_end": False, "depth": 1},
-           {"p1": 0.3, "head_rank": 12, "is_end": True, "depth": 2}]
-    s = summarize(pts, 10)
-    assert s["tau"] == 2 and s["head_top1"] == 0.5 and s["end_head_top10"] == 0 and s["end_p1"] == 0.3
-    assert s["head_top1_if_p1_ge_08"] == 1 and s["head_top1_if_p1_lt_08"] == 0
