@@ -26,15 +26,15 @@ def test_timing_of_one_round_by_hand():
     # 1 us per byte on the links (8 Mbit/s), 1 ms latency, 10 ms per stage op, 2 ms lm_head, 3 ms draft forward
     logs = [
         [("mark", "decode_begin"), ("host", 0.0005), ("draft", 4, 0, 9.0), ("send", 1, 0, 50), ("recv", 2),
-         ("lm_head", 4, 1.0, 9.0), ("bcast", 16), ("mark", "gen_end")],
-        [("recv", 0), ("compute", 4, 10), ("send", 2, 4, 0), ("bcast_recv",)],
-        [("recv", 1), ("compute", 4, 10), ("send", 0, 4, 0), ("bcast_recv",)],
+         ("lm_head", 4, 1.0, 9.0), ("mark", "gen_end")],
+        [("recv", 0), ("compute", 4, 10), ("send", 2, 4, 0)],
+        [("recv", 1), ("compute", 4, 10), ("send", 0, 4, 0)],
     ]
     marks = simulate_timing(logs, TimingConfig(PROF))
     t_send0 = 0.0005 + 0.003 + 50e-6 + 0.001          # host, draft, 50 B, latency
     t_r1 = t_send0 + 0.010 + 400e-6 + 0.001            # compute, 4 rows x 100 B, latency
     t_r2 = t_r1 + 0.010 + 400e-6 + 0.001
-    end = t_r2 + 0.002 + 0.001 + 2 * 16e-6             # lm_head, broadcast to 2 stages
+    end = t_r2 + 0.002                                 # lm_head
     assert decode_times(marks) == [pytest.approx(end, abs=1e-12)]
     # dilation scales modeled work and links but not measured host work
     marks2 = simulate_timing(logs, TimingConfig(PROF, time_scale=2.0))

@@ -13,7 +13,6 @@ This is the contract between the replay (:mod:`.replayer`, which writes the logs
   lm_head (over ``share`` of the vocabulary: < 1 for a reduced draft vocabulary) / draft-head / small-draft-LM
   applications, with the CPU time they really took (used when rank 0 is not modeled);
 * ``("send", dst, hidden_rows, other_bytes)``, ``("recv", src)``: ring messages (modeled bytes);
-* ``("bcast", other_bytes)`` (rank 0), ``("bcast_recv",)``: decision broadcasts;
 * ``("dsend", dst, bytes)`` (rank 0), ``("poll", received so far)`` (a stage): direct decisions
   (:mod:`.transport`);
 * ``("mark", name)``: rank 0's generation marks (``decode_begin``, ``gen_end``: the decode windows).
@@ -36,8 +35,7 @@ class OpLog:
 
     Ops are tuples: ``("host", s)``, ``("compute", w, ctx)``, ``("lm_head", rows, share, real_s)``,
     ``("draft", w, ctx, real_s)``, ``("ssm", w, ctx, real_s)``, ``("send", dst, hidden_rows, other_bytes)``,
-    ``("recv", src)``,
-    ``("bcast", other_bytes)`` (rank 0), ``("bcast_recv",)``, ``("mark", name)``.
+    ``("recv", src)``, ``("mark", name)``.
     """
 
     def __init__(self) -> None:
@@ -108,7 +106,7 @@ class OpLog:
 
 
 class Recorder:
-    """The ring observer: per-rank :class:`OpLog` entries for every send, receive and broadcast."""
+    """The ring observer: per-rank :class:`OpLog` entries for every send and receive."""
 
     def __init__(self, world: int, row_factors: list[int] | None = None) -> None:
         self.logs = [OpLog() for _ in range(world)]
@@ -122,12 +120,6 @@ class Recorder:
 
     def on_recv(self, rank, src) -> None:
         self.logs[rank].add("recv", src)
-
-    def on_bcast_root(self, msg) -> None:
-        self.logs[0].add("bcast", message_parts(msg)[1])
-
-    def on_bcast_recv(self, rank) -> None:
-        self.logs[rank].add("bcast_recv")
 
 
 class MarkTracer:

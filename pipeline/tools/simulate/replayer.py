@@ -5,7 +5,7 @@ tree operations (:class:`.drafter.ReplayDrafter`), and the real stage loop (``pi
 KV compaction, in-flight pruning) on any number of stages, one thread per rank (:mod:`pipeline.local_ring`,
 through :class:`.transport.SimComm`). Only the expensive parts are stand-ins (:mod:`.stand_ins`). Every rank's
 ordered operations are recorded (:class:`.oplog.OpLog`): stage forwards (rows, cached slots), lm_head and
-draft-head applications, sends (modeled bytes), receives, broadcasts, and the host work in between (the thread
+draft-head applications, sends (modeled bytes), receives, and the host work in between (the thread
 CPU time of the real bookkeeping: tree building, verification, pruning, message encoding).
 
 **Exactness.** At T = 0 the replay reproduces the recorded run's acceptance (τ, steps, rows per segment) for the

@@ -23,8 +23,7 @@ from config.profiles import Profile
 from pipeline.tools.simulate.replayer import Session
 
 SPAN_KIND = {"compute": "compute", "lm_head": "lm_head", "draft": "draft", "ssm": "draft", "recv": "recv",
-             "bcast_recv": "broadcast",
-             "bcast": "broadcast", "host": "host"}
+             "host": "host"}
 
 
 def to_timeline(timeline: list, world: int):
@@ -78,7 +77,7 @@ def turnaround_calls(timeline: list, windows: list[tuple[float, float]], world: 
     """Per generation window, what rank 0's turnarounds (:func:`rank0_turnaround`'s: a result in hand -> the next
     ring send, none when rank 0 receives again first) are made of: ``{call: seconds}`` summed over the window's
     turnarounds, plus ``"turnarounds"`` (their number). A call is a rank-0 op kind (``host``, ``lm_head``,
-    ``draft``, ``ssm``, ``bcast``, ...); the first ``lm_head`` after a result is named ``lm_head (verify)`` (the
+    ``draft``, ``ssm``, ...); the first ``lm_head`` after a result is named ``lm_head (verify)`` (the
     result's logits), later ones ``lm_head (draft)`` (draft log-probs). Divide by ``turnarounds`` for the mean."""
     from bisect import bisect_right
     last, starts = world - 1, [lo for lo, _ in windows]

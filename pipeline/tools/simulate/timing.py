@@ -12,8 +12,6 @@
 * a message serialises on its link (header + rows x bytes per row + other bytes, over the bandwidth; one link
   per (sender, receiver) pair, messages on it back to back) and arrives ``latency_s`` later without blocking
   the sender; a receive waits for its message (plus ``msg_overhead_s``);
-* rank 0 issues a decision broadcast after ``latency + (N-1) x transfer``, a stage takes it no earlier, and (as
-  with gloo) the broadcast returns on rank 0 only once every stage has entered it;
 * a direct decision (``dsend``) travels on its own link and never blocks rank 0; a stage's ``poll`` takes no
   time (their times go to :class:`.transport.DirectTimes` for the next replay pass).
 
@@ -43,7 +41,7 @@ class TimingConfig:
     profile: Profile
     time_scale: float = 1.0
     stage_cost_scale: float = 1.0
-    msg_overhead_s: float = 0.0         # transport cost per received message or broadcast (every rank)
+    msg_overhead_s: float = 0.0         # transport cost per received message (every rank)
     model_rank0: bool = True
     real_hidden_bytes: float = 0.0      # bytes per hidden row of the real model (profiles that count payloads)
     op_overhead_s: float = 0.0          # added to every modeled op (e.g. the testbed's padding overhead)
@@ -53,7 +51,7 @@ class TimingConfig:
 
 
 class Deadlock(RuntimeError):
-    """The op logs cannot all complete: a rank waits for a message or broadcast that is never sent."""
+    """The op logs cannot all complete: a rank waits for a message that is never sent."""
 def simulate_timing(logs: list[list[tuple]], tc: TimingConfig,
                     timeline: list | None = None, direct: DirectTimes | None = None) -> list[tuple[str, float]]:
     """Discrete-event timing of per-rank op lists; returns the ``(mark, time)`` list (rank 0 writes the marks).
@@ -65,10 +63,6 @@ def simulate_timing(logs: list[list[tuple]], tc: TimingConfig,
     chan: dict[tuple[int, int], list[float]] = {}
     read: dict[tuple[int, int], int] = {}
     link_free: dict[tuple[int, int], float] = {}
-    issued: list[float] = []              # k-th broadcast: when rank 0 issued it
-    done_bcasts: list[float] = []         # ... and when it returned on rank 0
-    joins: dict[int, dict[int, float]] = {}   # k -> {stage rank: when it entered the k-th broadcast}
-    bread = [0] * world
     marks: list[tuple[str, float]] = []
     r0_lm = prof.lm_head if (tc.model_rank0 and prof.lm_head is not None) else None
     # rank 0's draft-model ops (w rows over ctx slots): the profile's model, or None = their recorded CPU time
@@ -96,13 +90,6 @@ def simulate_timing(logs: list[list[tuple]], tc: TimingConfig,
                         break
                     t = max(t, q[k]) + tc.msg_overhead_s
                     read[key] = k + 1
-                elif kind == "bcast_recv":
-                    k = bread[r]
-                    joins.setdefault(k, {}).setdefault(r, t)      # this rank is in the collective from now on
-                    if k >= len(issued):
-                        break
-                    t = max(t, issued[k]) + tc.msg_overhead_s
-                    bread[r] += 1
                 elif kind == "host":
                     t += (host_seconds(op, tc.rank0_pricing) if r == 0 else op[1]) * own
                 elif kind == "compute":
@@ -119,15 +106,6 @@ def simulate_timing(logs: list[list[tuple]], tc: TimingConfig,
                     done = start + link.transfer_s(nbytes(link, op[2], op[3])) * s
                     link_free[(r, dst)] = done
                     chan.setdefault((r, dst), []).append(done + link.latency_s * s)
-                elif kind == "bcast":
-                    k = len(done_bcasts)
-                    if k == len(issued):   # rank 0 waits out the modeled delay, then issues the collective
-                        link = prof.link_model(0, 1 % world)
-                        issued.append(t + (link.latency_s + (world - 1) * link.transfer_s(nbytes(link, 0, op[1]))) * s)
-                    if len(joins.get(k, {})) < world - 1:
-                        break             # a gloo broadcast returns on the root once every stage has joined
-                    t = max(issued[k], max(joins[k].values(), default=0.0))
-                    done_bcasts.append(t)
                 elif kind == "dsend":     # a direct decision: its own link, does not block rank 0
                     dst = op[1]
                     link = prof.link_model(r, dst)
