@@ -29,9 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from config.paths import REPO
+from config.paths import DATASETS, OUTPUTS, REPO
 
-SETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
 MODES = "ar,pipedec,continuous"
 GOALS = {"whatif": "continuous >= 2.5x ar and >= 1.3x pipedec; rank 0's turnaround <= 0.5 of a stage step",
          "edge": "rank 0's turnaround <= 0.4 of a stage step (0.86 on the 140 answers of results.md section 3)"}
@@ -50,12 +49,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--h100-profile", default=str(REPO.parent / "shared" / "gpu" / "profiles" / "h100_7b_fp16.json"),
                    help="the fast-hardware profile (the H100 7B-stage profile measured on a lent H100)")
     p.add_argument("--jobs", type=int, default=2, help="simulator runs at a time")
-    p.add_argument("--out-dir", default=str(REPO / "outputs" / "whatif_rank0"))
+    p.add_argument("--out-dir", default=str(OUTPUTS / "whatif_rank0"))
     return p.parse_args(argv)
 
 
 def record(rows: Path, data_dir: Path) -> None:
-    for s in SETS:
+    for s in DATASETS:
         q = data_dir / s / "question.jsonl"
         if not q.is_file():
             raise SystemExit(f"error: {q} not found (give --data-dir, or --rows)")

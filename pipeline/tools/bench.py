@@ -39,7 +39,7 @@ from pathlib import Path
 
 from config.invocation import prog
 from config.modes import COMPARED_MODES, label
-from config.paths import REPO
+from config.paths import OUTPUTS
 from pipeline.outputs import read_rows
 from pipeline.tools.ranks import child_env, job_command, log_tail, run_job
 from pipeline.tools.rows import (UNTRAINED_WARNING, RowTailer, find_mismatches, head_line, losslessness_md,
@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-ids", action="append", default=[],
                    help="instead of a file: a raw prompt as comma-separated token ids (repeatable)")
     p.add_argument("--modes", default=",".join(COMPARED_MODES), help="comma-separated modes")
-    p.add_argument("--out-dir", default=str(REPO / "outputs" / "bench"), help="results folder (its previous "
+    p.add_argument("--out-dir", default=str(OUTPUTS / "bench"), help="results folder (its previous "
                    "rows, traces and charts are replaced)")
     p.add_argument("--world", type=int, default=0, help="ranks (default: from the stage manifest)")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per mode")

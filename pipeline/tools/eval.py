@@ -30,7 +30,7 @@ from pathlib import Path
 
 from config.invocation import prog
 from config.modes import COMPARED_MODES, label
-from config.paths import DATASET_LABELS, DATASETS, REPO
+from config.paths import DATA, DATASET_LABELS, DATASETS, OUTPUTS
 from pipeline.tools.ranks import child_env, job_command, log_tail, run_job
 from pipeline.tools.rows import (UNTRAINED_WARNING, RowTailer, find_mismatches, head_line, losslessness_md,
                                  mismatch_banner, sr_baseline, untrained)
@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--begin", type=int, default=30, help="first record of each question.jsonl (0-based)")
     p.add_argument("--end", type=int, default=50, help="end record (exclusive)")
     p.add_argument("--first-turn-only", action="store_true", help="ask only each record's first turn")
-    p.add_argument("--data-dir", default=str(REPO / "data"), help="holds <dataset>/question.jsonl")
+    p.add_argument("--data-dir", default=str(DATA), help="holds <dataset>/question.jsonl")
     p.add_argument("--profile", default="edge_orin_7b",
                    help="emulation profile (builtin name or JSON path); 'none' = real timing")
     p.add_argument("--time-scale", type=float, default=1.0,
@@ -485,7 +485,7 @@ def _main(args, log) -> int:
             profile = str(resolve_profile(profile).resolve())
         except EmulationError as e:
             raise EvalError(str(e)) from None
-    out_dir = Path(args.out_dir or REPO / "outputs" / "eval" / prof_name)
+    out_dir = Path(args.out_dir or OUTPUTS / "eval" / prof_name)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows_path = out_dir / "rows.jsonl"
     data_dir = Path(args.data_dir)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from config.invocation import prog
-from config.paths import REPO
+from config.paths import OUTPUTS, REPO
 from pipeline.outputs import read_rows
 from pipeline.tools.ranks import child_env, job_command
 from pipeline.tools.rows import first_difference
@@ -49,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("-n", "--num-prompts", type=int, default=20, help="records of --prompts-file to use")
     p.add_argument("--begin", type=int, default=0, help="first record of --prompts-file (0-based)")
     p.add_argument("--quants", default="none,int8,nf4", help="comma-separated; 'none' is the reference")
-    p.add_argument("--out-dir", default=str(REPO / "outputs" / "quant"), help="results folder")
+    p.add_argument("--out-dir", default=str(OUTPUTS / "quant"), help="results folder")
     p.add_argument("--memory-stage-dir", default=None,
                    help="stage root whose stages are weighed (default: the run's model.stage_dir)")
     p.add_argument("--compute-dtype", default="float32", help="compute dtype of the quantized layers (memory "

@@ -64,7 +64,6 @@ class RankTrace:
     offset: float                      # add to this rank's event times to get the common axis
     spans: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # kind -> sorted (start, end)
     marks: list[tuple[str, float, dict]] = field(default_factory=list)
-    n_events: int = 0
     sends: list[tuple[float, int]] = field(default_factory=list)   # (start, destination rank) of each send
     handoffs: list[tuple[float, int]] = field(default_factory=list)  # emulated links: when the caller handed
                                                                       # a message to the link (Comm.send)
@@ -134,7 +133,7 @@ def load(trace_dir: str | Path) -> Timeline:
     ranks = {}
     for r, d in sorted(raw.items()):
         off = (d[key] - origin) if key else 0.0
-        rt = RankTrace(r, off, n_events=len(d.get("events", [])))
+        rt = RankTrace(r, off)
         for ev in d.get("events", []):
             name, s, e = ev.get("name"), float(ev["start"]) + off, float(ev["end"]) + off
             if name in MARKS:

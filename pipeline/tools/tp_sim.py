@@ -36,7 +36,7 @@ bandwidth; link latency held at the profile's or ``--latency-s``).
 from __future__ import annotations
 
 from config.invocation import prog
-from config.paths import REPO
+from config.paths import OUTPUTS
 import argparse
 import json
 import math
@@ -174,7 +174,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "previous pass's timing (as pipeline.tools.simulate); 0 = decisions on the ring only")
     p.add_argument("--stage-dir", default="", help="split checkpoint of the recorded run (default: embedded SmolLM2)")
     p.add_argument("--head-dir", default="", help="EAGLE head of the recorded run (default: the default head)")
-    p.add_argument("--out-dir", default=str(REPO / "outputs" / "tp_sim"), help="predictions.jsonl and summary.md")
+    p.add_argument("--out-dir", default=str(OUTPUTS / "tp_sim"), help="predictions.jsonl and summary.md")
     from pipeline.tools.simulate import parse_rows_args
     args = parse_rows_args(p, argv)
     if args.tp < 1 or args.layers < 1 or args.profile_stages < 1:

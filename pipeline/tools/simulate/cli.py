@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from config.invocation import prog
-from config.paths import REPO
+from config.paths import OUTPUTS
 from config.errors import UserError
 from config.profiles import EmulationError, Profile, load_profile
 from pipeline.tools.simulate.predict import calibrate, prediction, timed_passes, with_link
@@ -86,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--limit", type=int, default=0, help="at most this many rows per input (0 = all)")
     p.add_argument("--stage-dir", default="", help="split checkpoint of the recorded run (default: embedded SmolLM2)")
     p.add_argument("--head-dir", default="", help="EAGLE head of the recorded run (default: the default head)")
-    p.add_argument("--out-dir", default=str(REPO / "outputs" / "sim"),
+    p.add_argument("--out-dir", default=str(OUTPUTS / "sim"),
                    help="predictions.jsonl, summary.md/csv, tree_stats.md/csv")
     p.add_argument("--no-plots", action="store_true", help="skip the paper-style plots")
     p.add_argument("--direct-passes", type=int, default=1, metavar="K",

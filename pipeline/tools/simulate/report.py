@@ -37,8 +37,6 @@ def to_timeline(timeline: list, world: int):
             ranks[r].marks.append((op[1], a, {}))
         elif kind is not None and b > a:
             ranks[r].spans.setdefault(kind, []).append((a, b))
-    for rt in ranks.values():
-        rt.n_events = sum(len(v) for v in rt.spans.values())
     return Timeline(ranks, "simulated")
 
 
