@@ -241,15 +241,14 @@ def analyze_traces(trace_dir: Path, mode: str, mode_index: int, n_modes: int, n_
 
 
 # -- launching ------------------------------------------------------------------------------------------
-def launch(tag: str, modes: list[str], run_args: list[str], world: int, out_dir: Path, rows_path: Path,
-           n_expected: int, args, log) -> int:
+def run_tagged(tag: str, make_cmd, intro: str, out_dir: Path, rows_path: Path, n_expected: int, args, log) -> int:
+    """Run the job ``make_cmd(rows file)`` (log ``logs/<tag>.log``), moving the rows it writes into ``rows_path`` as
+    they come (a progress line per row unless ``--quiet``); its exit status, with the log's tail when it failed."""
     part = out_dir / "tmp" / f"{tag}.rows.jsonl"
-    part.parent.mkdir(parents=True, exist_ok=True)
-    part.unlink(missing_ok=True)
     logf = out_dir / "logs" / f"{tag}.log"
-    logf.parent.mkdir(parents=True, exist_ok=True)
-    cmd = job_command(world, [*run_args, "--modes", ",".join(modes), "--output", str(part), "--quiet",
-                              "--warmup", str(args.warmup)])
+    for d in (part.parent, logf.parent):
+        d.mkdir(parents=True, exist_ok=True)
+    part.unlink(missing_ok=True)
     tailer, seen, t_start = RowTailer(part), 0, time.time()
 
     def transfer() -> None:
@@ -265,43 +264,33 @@ def launch(tag: str, modes: list[str], run_args: list[str], world: int, out_dir:
                     log(f"[bench] {row['mode']:>10} q{row['question_id']}: {row['new_tokens']} tokens, {tps:.1f} tok/s, "
                         f"tau {row['tau']:.2f}  ({seen}/{n_expected}, {time.time() - t_start:.0f} s)")
 
-    log(f"[bench] launch {tag}: {world} ranks, modes {','.join(modes)} (log {logf})")
-    rc = run_job(cmd, logf, child_env(), transfer, poll_s=0.5, grace_s=30.0, timeout_s=args.timeout,
+    log(f"[bench] {tag}: {intro} (log {logf})")
+    rc = run_job(make_cmd(part), logf, child_env(), transfer, poll_s=0.5, grace_s=30.0, timeout_s=args.timeout,
                  on_timeout=lambda: log(f"[bench] {tag}: over --timeout {args.timeout:g} s; stopping it"))
     transfer()
     if rc:
-        log(f"[bench] {tag}: pipeline exited {rc}; last log lines:{log_tail(logf, 12)}")
+        log(f"[bench] {tag}: exited {rc}; last log lines:{log_tail(logf, 12)}")
     elif seen != n_expected:
         log(f"[bench] {tag}: expected {n_expected} rows, got {seen}")
     log(f"[bench] {tag}: done in {time.time() - t_start:.0f} s")
     return rc
 
 
+def launch(tag: str, modes: list[str], run_args: list[str], world: int, out_dir: Path, rows_path: Path,
+           n_expected: int, args, log) -> int:
+    """One pipeline launch of ``modes`` on ``world`` ranks."""
+    return run_tagged(tag, lambda part: job_command(world, [*run_args, "--modes", ",".join(modes), "--output", str(part),
+                                                            "--quiet", "--warmup", str(args.warmup)]),
+                      f"launch of {world} ranks, modes {','.join(modes)}", out_dir, rows_path, n_expected, args, log)
+
+
 def run_hf_generate(prompt_args: list[str], args, out_dir: Path, rows_path: Path, n_prompts: int, log) -> int:
     """One-process HF ``generate`` on the same prompts and overrides (``pipeline.tools.hf_generate``), its rows
     appended to ``rows_path``."""
-    part = out_dir / "tmp" / f"{HF}.rows.jsonl"
-    part.parent.mkdir(parents=True, exist_ok=True)
-    part.unlink(missing_ok=True)
-    logf = out_dir / "logs" / f"{HF}.log"
-    logf.parent.mkdir(parents=True, exist_ok=True)
     ask = [a for a in prompt_args if a != "--first-turn-only"]  # hf_generate asks first turns only
-    cmd = [sys.executable, "-m", "pipeline.tools.hf_generate", *args.overrides, *ask, "--output", str(part),
-           "--warmup", str(args.warmup), "--quiet"]
-    log(f"[bench] {HF}: one process, HF generate of the unsplit model (log {logf})")
-    t_start = time.time()
-    rc = run_job(cmd, logf, child_env(), lambda: None, poll_s=0.5, grace_s=30.0, timeout_s=args.timeout,
-                 on_timeout=lambda: log(f"[bench] {HF}: over --timeout {args.timeout:g} s; stopping it"))
-    rows = read_rows(part) if part.is_file() else []
-    with open(rows_path, "a", encoding="utf-8") as out:
-        for row in rows:
-            out.write(json.dumps(row) + "\n")
-    if rc:
-        log(f"[bench] {HF}: exited {rc}; last log lines:{log_tail(logf, 12)}")
-    elif len(rows) != n_prompts:
-        log(f"[bench] {HF}: expected {n_prompts} rows, got {len(rows)}")
-    log(f"[bench] {HF}: done in {time.time() - t_start:.0f} s")
-    return rc
+    return run_tagged(HF, lambda part: [sys.executable, "-m", "pipeline.tools.hf_generate", *args.overrides, *ask,
+                                        "--output", str(part), "--warmup", str(args.warmup), "--quiet"],
+                      "one process, HF generate of the unsplit model", out_dir, rows_path, n_prompts, args, log)
 
 
 def _interrupt(signum, frame):
