@@ -41,6 +41,15 @@ class EmulationError(UserError, ValueError):
     pass
 
 
+def _check_keys(raw, where: str, names) -> None:
+    """``raw`` must be a JSON object whose keys are ``names``, prose (:data:`_TEXT_KEYS`) or ``_``-prefixed notes."""
+    if not isinstance(raw, dict):
+        raise EmulationError(f"{where} must be an object")
+    bad = [k for k in raw if k not in names and k not in _TEXT_KEYS and not k.startswith("_")]
+    if bad:
+        raise EmulationError(f"{where}: unknown keys {bad}; valid: {sorted(names)}")
+
+
 # -- cost models ------------------------------------------------------------------------------------
 def interp1(xs: list[float], ys: list[float], x: float, clamp_low: bool = False) -> float:
     """Piecewise-linear ``y(x)``; the edge segments extend beyond the table (``clamp_low``: hold below)."""
@@ -99,14 +108,9 @@ class CostModel:
 
     @classmethod
     def parse(cls, raw: dict, where: str) -> "CostModel":
-        if not isinstance(raw, dict):
-            raise EmulationError(f"{where} must be an object")
-        names = {f for f in cls.__dataclass_fields__}
-        bad = [k for k in raw if k not in names and k not in _TEXT_KEYS and not k.startswith("_")]
-        if bad:
-            raise EmulationError(f"{where}: unknown keys {bad}; valid: {sorted(names)}")
-        kw = {k: v for k, v in raw.items() if k in names}
-        cm = cls(**kw)
+        names = set(cls.__dataclass_fields__)
+        _check_keys(raw, where, names)
+        cm = cls(**{k: v for k, v in raw.items() if k in names})
         if cm.model not in ("analytic", "table"):
             raise EmulationError(f"{where}.model must be 'analytic' or 'table', not {cm.model!r}")
         if cm.model == "table":
@@ -156,12 +160,8 @@ class LinkModel:
 
     @classmethod
     def parse(cls, raw: dict, where: str) -> "LinkModel":
-        if not isinstance(raw, dict):
-            raise EmulationError(f"{where} must be an object")
         names = set(cls.__dataclass_fields__)
-        bad = [k for k in raw if k not in names and k not in _TEXT_KEYS and not k.startswith("_")]
-        if bad:
-            raise EmulationError(f"{where}: unknown keys {bad}; valid: {sorted(names)}")
+        _check_keys(raw, where, names)
         lm = cls(**{k: v for k, v in raw.items() if k in names})
         for k in ("latency_s", "hidden_bytes_per_token", "header_bytes"):
             if not isinstance(getattr(lm, k), (int, float)) or getattr(lm, k) < 0:
@@ -186,12 +186,8 @@ class HostCost:
 
     @classmethod
     def parse(cls, raw: dict, where: str) -> "HostCost":
-        if not isinstance(raw, dict):
-            raise EmulationError(f"{where} must be an object")
-        known = {"op_us", "sync_us"}
-        bad = [k for k in raw if k not in known and k not in _TEXT_KEYS and k != "measured" and not k.startswith("_")]
-        if bad:
-            raise EmulationError(f"{where}: unknown keys {bad}; valid: op_us, sync_us")
+        known = ("op_us", "sync_us")
+        _check_keys(raw, where, {*known, "measured"})
         for k in known:
             v = raw.get(k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
@@ -227,13 +223,8 @@ class Profile:
     @classmethod
     def from_dict(cls, raw: dict, path: str = "") -> "Profile":
         where = path or "profile"
-        if not isinstance(raw, dict):
-            raise EmulationError(f"{where}: a profile is a JSON object")
-        known = {"name", "description", "stage", "stages", "rank0", "link", "links", "measured",
-                 "rank0_host"} | _TEXT_KEYS
-        bad = [k for k in raw if k not in known and not k.startswith("_")]
-        if bad:
-            raise EmulationError(f"{where}: unknown keys {bad}; valid: {sorted(known)}")
+        _check_keys(raw, where, {"name", "description", "stage", "stages", "rank0", "link", "links", "measured",
+                                 "rank0_host"})
         if "stage" not in raw:
             raise EmulationError(f"{where}: missing 'stage' (the layer-stage cost model)")
         stages = {}
@@ -245,9 +236,7 @@ class Profile:
             stages[r] = CostModel.parse(v, f"{where}.stages.{k}")
         r0 = raw.get("rank0") or {}
         r0_keys = ("draft_forward", "lm_head", "ssm_forward")
-        bad = [k for k in r0 if k not in r0_keys and k not in _TEXT_KEYS and not k.startswith("_")]
-        if bad:
-            raise EmulationError(f"{where}.rank0: unknown keys {bad}; valid: {', '.join(r0_keys)}")
+        _check_keys(r0, f"{where}.rank0", r0_keys)
         rank0 = {k: CostModel.parse(r0[k], f"{where}.rank0.{k}") for k in r0_keys if k in r0}
         links = {}
         for k, v in (raw.get("links") or {}).items():
