@@ -44,25 +44,49 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from config.paths import REPO
+from pipeline.tools.ranks import free_port, launcher_command
 
 
-def _wait_healthy(url: str, srv, timeout_s: float) -> None:
-    """Until the server at ``url`` answers ``/health`` (it exited or ``timeout_s`` passed: stop with one line)."""
+def _setup(args) -> tuple[list[dict], list[str], dict]:
+    """``(records [0, n) of --prompts-file, the launcher command for the stage root's ranks, their environment)``."""
+    from model.default_model import ensure_default_stages
+    from model.prompts import load_questions
+    from model.stage_format import read_manifest
+    stage = next((o.split("=", 1)[1] for o in args.overrides if o.split("=", 1)[0] in ("stage_dir", "model.stage_dir")),
+                 None) or str(ensure_default_stages())
+    nproc = args.nproc or len(read_manifest(stage)["split"])
+    launch = [*launcher_command(), "--standalone", f"--nproc_per_node={nproc}"]
+    return load_questions(args.prompts_file, 0, args.n), launch, dict(os.environ, OMP_NUM_THREADS="1")
+
+
+@contextmanager
+def _server(launch: list[str], serve_args: list[str], env: dict, timeout_s: float):
+    """A ``pipeline.serve`` job on a free port, its URL once it answers ``/health`` (it exited or ``timeout_s``
+    passed: stop with one line); stopped with SIGINT on the way out."""
     import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if srv.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit("the server did not start")
-        time.sleep(0.5)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    srv = subprocess.Popen([*launch, "-m", "pipeline.serve", *serve_args, "--port", str(port)], cwd=REPO, env=env,
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if srv.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the server did not start")
+            time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(srv.pid, signal.SIGINT)
+        srv.wait(60)
 
 
 def main(argv=None) -> int:
@@ -80,59 +104,22 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.clients:
         return concurrency(args)
-    import httpx
-
-    from model.default_model import ensure_default_stages
-    from model.prompts import load_questions
-    from tests.helpers import free_port, read_jsonl
-    stage = next((o.split("=", 1)[1] for o in args.overrides if o.split("=", 1)[0] in ("stage_dir", "model.stage_dir")),
-                 None) or str(ensure_default_stages())
-    nproc = args.nproc or int(subprocess.check_output([sys.executable, "-m", "model.stage_format", stage, "--world"],
-                                                      cwd=REPO, text=True).split()[-1])
-    recs = load_questions(args.prompts_file, 0, args.n)
+    from pipeline.outputs import read_rows
+    recs, launch, env = _setup(args)
     modes = args.modes.split(",")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    from pipeline.tools.ranks import launcher_command
-    launch = [*launcher_command(), "--standalone", f"--nproc_per_node={nproc}"]
     with tempfile.TemporaryDirectory() as tmp:
         rows_path = Path(tmp) / "rows.jsonl"
         subprocess.run([*launch, "-m", "pipeline.run", *args.overrides, "--modes", args.modes, "--prompts-file",
                         args.prompts_file, "--end", str(args.n), "--first-turn-only", "--warmup", "1", "--quiet",
                         "--output", str(rows_path)], cwd=REPO, env=env, check=True)
-        run_rows = read_jsonl(rows_path)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    srv = subprocess.Popen([*launch, "-m", "pipeline.serve", *args.overrides, "--modes", args.modes, "--warmup", "1",
-                            "--port", str(port)], cwd=REPO, env=env, start_new_session=True)
+        run_rows = read_rows(rows_path)
     served = []
-    try:
-        _wait_healthy(url, srv, 600)
+    with _server(launch, [*args.overrides, "--modes", args.modes, "--warmup", "1"], env, 600) as url:
         for mode in modes:
             for rec in recs:
-                body = {"messages": [{"role": "user", "content": rec["turns"][0]}], "mode": mode, "stream": True,
-                        "return_token_ids": True, "temperature": 0}
-                t0 = time.perf_counter()
-                t_first = t_last = None
-                last = None
-                with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
-                    r.raise_for_status()
-                    seen = 0
-                    for line in r.iter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        ev = json.loads(line[6:])
-                        n = ev["speculative"]["new_tokens"]
-                        if n > seen:
-                            now = time.perf_counter()
-                            t_first = t_first or now
-                            t_last, seen = now, n
-                        last = ev["speculative"]
-                t_end = time.perf_counter()
-                served.append({"mode": mode, "question_id": rec.get("question_id"), "ttft_s": t_first - t0,
-                               "client_decode_s": t_last - t_first, "wall_s": t_end - t0, **last})
-    finally:
-        os.killpg(srv.pid, signal.SIGINT)
-        srv.wait(60)
+                s = _stream_chat(url, rec["turns"][0], mode, return_token_ids=True)
+                served.append({"mode": mode, "question_id": rec.get("question_id"), **s,
+                               "client_decode_s": s["t_last"] - s["t0"] - s["ttft_s"], "wall_s": s["t_end"] - s["t0"]})
     if args.out:
         Path(args.out).write_text(json.dumps({"run": run_rows, "serve": served}, indent=1))
     mean = statistics.mean
@@ -157,12 +144,14 @@ def main(argv=None) -> int:
     return 0
 
 
-def _stream_chat(url: str, content: str, mode: str) -> dict:
-    """One streamed greedy chat request: client-side send / first token / end times and the final statistics."""
+def _stream_chat(url: str, content: str, mode: str, **fields) -> dict:
+    """One streamed greedy chat request (``fields``: more request fields): client-side send / first token / last new
+    token / end times and the final statistics."""
     import httpx
-    body = {"messages": [{"role": "user", "content": content}], "mode": mode, "stream": True, "temperature": 0}
+    body = {"messages": [{"role": "user", "content": content}], "mode": mode, "stream": True, "temperature": 0,
+            **fields}
     t0 = time.perf_counter()
-    t_first, last = None, None
+    t_first, t_last, last = None, None, None
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=1800) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -174,10 +163,12 @@ def _stream_chat(url: str, content: str, mode: str) -> dict:
             spec = ev.get("speculative")
             if spec is None:
                 continue
-            if t_first is None and spec["new_tokens"] > 0:
-                t_first = time.perf_counter()
+            if spec["new_tokens"] > (last or {}).get("new_tokens", 0):
+                t_last = time.perf_counter()
+                t_first = t_first or t_last
             last = spec
-    return {"t0": t0, "ttft_s": (t_first or time.perf_counter()) - t0, "t_end": time.perf_counter(), **last}
+    t_end = time.perf_counter()
+    return {"t0": t0, "ttft_s": (t_first or t_end) - t0, "t_last": t_last or t_end, "t_end": t_end, **last}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -204,32 +195,15 @@ def concurrency_row(rows: list[dict], scale: float) -> dict:
 def concurrency(args) -> int:
     """``--clients``: the concurrency bench (module docstring)."""
     import concurrent.futures
-
-    from model.default_model import ensure_default_stages
-    from model.prompts import load_questions
-    from pipeline.tools.ranks import launcher_command
-    from tests.helpers import free_port
-    stage = next((o.split("=", 1)[1] for o in args.overrides if o.split("=", 1)[0] in ("stage_dir", "model.stage_dir")),
-                 None) or str(ensure_default_stages())
-    nproc = args.nproc or int(subprocess.check_output([sys.executable, "-m", "model.stage_format", stage, "--world"],
-                                                      cwd=REPO, text=True).split()[-1])
-    recs = load_questions(args.prompts_file, 0, args.n)
+    recs, launch, env = _setup(args)
     mode = args.modes.split(",")[0]
     scale = next((float(o.split("=", 1)[1]) for o in args.overrides if o.split("=", 1)[0] in
                   ("emu.time_scale", "time_scale")), 1.0)
     clients = [int(c) for c in args.clients.split(",")]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    launch = [*launcher_command(), "--standalone", f"--nproc_per_node={nproc}"]
     table, raw = [], []
     for active in [int(a) for a in args.max_active.split(",")]:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        srv = subprocess.Popen([*launch, "-m", "pipeline.serve", *args.overrides, f"serve.max_active={active}",
-                                "--modes", mode, "--warmup", "1", "--port", str(port),
-                                "--queue-size", str(max(64, 2 * max(clients)))],
-                               cwd=REPO, env=env, start_new_session=True)
-        try:
-            _wait_healthy(url, srv, 900)
+        with _server(launch, [*args.overrides, f"serve.max_active={active}", "--modes", mode, "--warmup", "1",
+                              "--queue-size", str(max(64, 2 * max(clients)))], env, 900) as url:
             for c in clients:
                 def client(j: int) -> list[dict]:
                     return [_stream_chat(url, recs[(j * args.per_client + i) % len(recs)]["turns"][0], mode)
@@ -243,9 +217,6 @@ def concurrency(args) -> int:
                 raw.append({**row, "requests_raw": rows})
                 print(f"[bench] max_active={active} clients={c}: {row['tok_s']:.2f} tok/s, latency median "
                       f"{row['lat_med']:.1f} s", file=sys.stderr, flush=True)
-        finally:
-            os.killpg(srv.pid, signal.SIGINT)
-            srv.wait(60)
     if args.out:
         Path(args.out).write_text(json.dumps(raw, indent=1))
     base = next((r for r in table if r["max_active"] == 1 and r["clients"] == 1), None)
