@@ -445,9 +445,10 @@ UNSUPPORTED = {
 SPECIAL = ("do_sample", "gen.do_sample")
 
 
-def _keys(cfg: RunConfig) -> dict[str, tuple[str, str]]:
-    """Every accepted key -> (section, field): ``section.field`` always, a bare ``field`` only when exactly
-    one section has it (see :func:`ambiguous_keys`), and the deprecated :data:`ALIASES`."""
+def _keys(cfg: RunConfig) -> tuple[dict[str, tuple[str, str]], dict[str, list[str]]]:
+    """``(keys, ambiguous)``: every accepted key -> (section, field): ``section.field`` always, a bare ``field``
+    only when exactly one section has it, and the deprecated :data:`ALIASES`; and the bare names that more than one
+    section has -> their qualified keys (``top_k`` -> tree.top_k, gen.top_k)."""
     out, seen = {}, {}
     for sec in fields(cfg):
         for f in fields(getattr(cfg, sec.name)):
@@ -458,16 +459,7 @@ def _keys(cfg: RunConfig) -> dict[str, tuple[str, str]]:
             out[name] = (secs[0], name)
     for alias, target in ALIASES.items():
         out[alias] = out[target]
-    return out
-
-
-def ambiguous_keys(cfg: RunConfig) -> dict[str, list[str]]:
-    """Bare names that more than one section has -> their qualified keys (``top_k`` -> tree.top_k, gen.top_k)."""
-    seen: dict[str, list[str]] = {}
-    for sec in fields(cfg):
-        for f in fields(getattr(cfg, sec.name)):
-            seen.setdefault(f.name, []).append(f"{sec.name}.{f.name}")
-    return {k: v for k, v in seen.items() if len(v) > 1}
+    return out, {k: [f"{s}.{k}" for s in secs] for k, secs in seen.items() if len(secs) > 1}
 
 
 def _unknown(key: str, keys: dict) -> ConfigError:
@@ -513,8 +505,7 @@ def apply_overrides(cfg: RunConfig, overrides: list[str] | dict) -> RunConfig:
     Later words win over earlier ones; ``do_sample`` is applied after all the others, so its place on the
     command line does not matter."""
     cfg = dataclasses.replace(cfg, **{s.name: dataclasses.replace(getattr(cfg, s.name)) for s in fields(cfg)})
-    keys = _keys(cfg)
-    ambiguous = ambiguous_keys(cfg)
+    keys, ambiguous = _keys(cfg)
     items = overrides.items() if isinstance(overrides, dict) else [_split(o) for o in overrides]
     do_sample = None
     for key, raw in items:

@@ -51,32 +51,28 @@ class Case:
     env: dict = field(default_factory=dict)
 
 
-def _case(name, launcher, lost, fault="", **kw) -> Case:
-    return Case(name, launcher, lost, fault, **kw)
-
-
 CASES = [
-    _case("pipe-kill-r0-load", "pipe", 0, "rank=0,at=load"),
-    _case("pipe-kill-r1-load", "pipe", 1, "rank=1,at=load"),
-    _case("pipe-kill-r1-prefill", "pipe", 1, "rank=1,at=prefill,count=2", args=list(PREFILL)),
-    _case("pipe-kill-r2-prefill", "pipe", 2, "rank=2,at=prefill", args=list(PREFILL)),
-    _case("pipe-kill-r0-decode", "pipe", 0, "rank=0,at=segment,count=10"),
-    _case("pipe-kill-r1-decode", "pipe", 1, "rank=1,at=segment,count=15"),
-    _case("pipe-kill-r2-decode", "pipe", 2, "rank=2,at=segment,count=15"),
-    _case("pipe-kill-r2-decision", "pipe", 2, "rank=2,at=decision,count=5"),
-    _case("pipe-term-r1-decode", "pipe", 1, "rank=1,at=segment,count=15,sig=TERM"),
-    _case("pipe-term-r0-decode", "pipe", 0, "rank=0,at=segment,count=10,sig=TERM"),
-    _case("pipe-frozen-r2-decode", "pipe", 2, "rank=2,at=segment,count=15,sig=STOP"),
-    _case("pipe-frozen-r0-decode", "pipe", 0, "rank=0,at=segment,count=10,sig=STOP"),
+    Case("pipe-kill-r0-load", "pipe", 0, "rank=0,at=load"),
+    Case("pipe-kill-r1-load", "pipe", 1, "rank=1,at=load"),
+    Case("pipe-kill-r1-prefill", "pipe", 1, "rank=1,at=prefill,count=2", args=list(PREFILL)),
+    Case("pipe-kill-r2-prefill", "pipe", 2, "rank=2,at=prefill", args=list(PREFILL)),
+    Case("pipe-kill-r0-decode", "pipe", 0, "rank=0,at=segment,count=10"),
+    Case("pipe-kill-r1-decode", "pipe", 1, "rank=1,at=segment,count=15"),
+    Case("pipe-kill-r2-decode", "pipe", 2, "rank=2,at=segment,count=15"),
+    Case("pipe-kill-r2-decision", "pipe", 2, "rank=2,at=decision,count=5"),
+    Case("pipe-term-r1-decode", "pipe", 1, "rank=1,at=segment,count=15,sig=TERM"),
+    Case("pipe-term-r0-decode", "pipe", 0, "rank=0,at=segment,count=10,sig=TERM"),
+    Case("pipe-frozen-r2-decode", "pipe", 2, "rank=2,at=segment,count=15,sig=STOP"),
+    Case("pipe-frozen-r0-decode", "pipe", 0, "rank=0,at=segment,count=10,sig=STOP"),
     # four prompts: still decoding when the launcher dies at 12 s however fast this host runs one
-    _case("pipe-kill-launcher", "pipe", None, kill_launcher_after=12.0, code=-9,
+    Case("pipe-kill-launcher", "pipe", None, kill_launcher_after=12.0, code=-9,
           args=[*DECODE, "--prompt-ids", "1,40,41,42", "--prompt-ids", "2,3,4,5", "--prompt-ids", "7,8,9"]),
-    _case("jetson-kill-r0-decode", "jetson", 0, "rank=0,at=segment,count=10"),
-    _case("jetson-kill-r1-decode", "jetson", 1, "rank=1,at=segment,count=15"),
-    _case("jetson-kill-r2-prefill", "jetson", 2, "rank=2,at=prefill", args=list(PREFILL)),
-    _case("jetson-frozen-r1-decode", "jetson", 1, "rank=1,at=segment,count=15,sig=STOP"),
-    _case("jetson-missing-host", "jetson", 2, missing_node=2),
-    _case("jetson-taken-port", "jetson", None, taken_port=True, code=-1),
+    Case("jetson-kill-r0-decode", "jetson", 0, "rank=0,at=segment,count=10"),
+    Case("jetson-kill-r1-decode", "jetson", 1, "rank=1,at=segment,count=15"),
+    Case("jetson-kill-r2-prefill", "jetson", 2, "rank=2,at=prefill", args=list(PREFILL)),
+    Case("jetson-frozen-r1-decode", "jetson", 1, "rank=1,at=segment,count=15,sig=STOP"),
+    Case("jetson-missing-host", "jetson", 2, missing_node=2),
+    Case("jetson-taken-port", "jetson", None, taken_port=True, code=-1),
 ]
 BY_NAME = {c.name: c for c in CASES}
 
