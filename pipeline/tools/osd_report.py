@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+from config.errors import UserError
 from config.invocation import prog
 
 EPILOG = """Examples:
@@ -54,17 +55,26 @@ def _group(row: dict) -> str:
     return cat.split(":", 1)[0] if cat else "all"
 
 
+class ReportError(UserError, ValueError):
+    """Bad input to a command: printed as one ``error:`` line, exit 2."""
+
+
 def load(path: Path) -> list[dict]:
+    """The rows of ``path``; a missing file, an empty one or a line that is not a row is a :class:`ReportError`."""
     from pipeline.outputs import jsonl_lines
+    if not Path(path).is_file():
+        raise ReportError(f"{path} does not exist")
     rows = []
     for i, line in jsonl_lines(Path(path), repair=False)[0]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
-            raise ValueError(f"{path}:{i} is not a JSON row") from None
+            raise ReportError(f"{path}:{i} is not a JSON row") from None
         if not isinstance(row, dict) or "tau" not in row:
-            raise ValueError(f"{path}:{i} has no tau: not a pipeline.run / osd_report row")
+            raise ReportError(f"{path}:{i} has no tau: not a pipeline.run / osd_report row")
         rows.append(row)
+    if not rows:
+        raise ReportError(f"{path} has no rows")
     return rows
 
 
@@ -158,21 +168,8 @@ def cmd_report(args) -> int:
     files = [Path(f) for f in args.rows]
     labels = args.labels.split(",") if args.labels else [f.stem for f in files]
     if len(labels) != len(files):
-        print(f"error: --labels names {len(labels)} runs but {len(files)} files were given", file=sys.stderr)
-        return 2
-    runs = {}
-    for lab, f in zip(labels, files):
-        if not f.is_file():
-            print(f"error: {f} does not exist", file=sys.stderr)
-            return 2
-        try:
-            runs[lab] = load(f)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        if not runs[lab]:
-            print(f"error: {f} has no rows", file=sys.stderr)
-            return 2
+        raise ReportError(f"--labels names {len(labels)} runs but {len(files)} files were given")
+    runs = {lab: load(f) for lab, f in zip(labels, files)}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "osd_rows.csv", "w", newline="") as fh:
@@ -203,34 +200,15 @@ def cmd_report(args) -> int:
 def cmd_replay(args) -> int:
     import torch
 
-    from config.run_config import DEFAULT, ConfigError, apply_overrides
+    from config.run_config import DEFAULT, apply_overrides
     from pipeline.outputs import drafter_fields
-    from config.errors import UserError
     from pipeline.build import make_drafter
     from pipeline.tools.simulate import load_target, replay
-    try:
-        cfg = apply_overrides(DEFAULT, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if not Path(args.rows).is_file():
-        print(f"error: {args.rows} does not exist", file=sys.stderr)
-        return 2
-    try:
-        rows = load(Path(args.rows))
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if not rows:
-        print(f"error: {args.rows} has no rows", file=sys.stderr)
-        return 2
+    cfg = apply_overrides(DEFAULT, args.overrides)     # a ConfigError, like every error below, is a UserError
+    rows = load(Path(args.rows))
     torch.set_num_threads(cfg.model.num_threads)
-    try:
-        target = load_target(cfg, "cpu")
-        drafter = make_drafter(cfg, target.stage_root, target.model0, target.dtype, "cpu")
-    except UserError as e:      # SetupError, StageDirError: one line
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    target = load_target(cfg, "cpu")                   # SetupError, StageDirError
+    drafter = make_drafter(cfg, target.stage_root, target.model0, target.dtype, "cpu")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
@@ -284,7 +262,7 @@ def dataset_records(data: Path, name: str) -> list[dict]:
     from model.prompts import load_questions
     path = data / name / "question.jsonl"
     if not path.is_file():
-        raise ValueError(f"{path} does not exist (--data must hold the sets' <dataset>/question.jsonl)")
+        raise ReportError(f"{path} does not exist (--data must hold the sets' <dataset>/question.jsonl)")
     return [{"turns": r["turns"][:1], "source": f"{name}:{i}"} for i, r in enumerate(load_questions(path))]
 
 
@@ -295,14 +273,14 @@ def build_stream(data: Path, domain: str, n_stream: int, eval_begin: int, eval_e
     sets = [translation_records(data)] if domain == "translation" else \
         [dataset_records(data, d) for d in domain.split(",") if d]
     if not sets:
-        raise ValueError("--domain names no set")
+        raise ReportError("--domain names no set")
     share = [n_stream // len(sets) + (1 if k < n_stream % len(sets) else 0) for k in range(len(sets))]
     stream, evals = [], []
     for recs, n in zip(sets, share):
         outside = [r for i, r in enumerate(recs) if not eval_begin <= i < eval_end]
         if len(outside) < n or len(recs) < eval_end:
-            raise ValueError(f"{recs[0]['source'].split(':')[0]} has {len(recs)} records: too few for {n} stream "
-                             f"records outside [{eval_begin}, {eval_end}) and the evaluation records")
+            raise ReportError(f"{recs[0]['source'].split(':')[0]} has {len(recs)} records: too few for {n} stream "
+                              f"records outside [{eval_begin}, {eval_end}) and the evaluation records")
         stream += [("stream", r) for r in outside[:n]]
         evals += [("eval", r) for r in recs[eval_begin:eval_end]]
     return [{"question_id": i, "category": f"{tag}:{r['source']}", "turns": r["turns"]}
@@ -310,11 +288,7 @@ def build_stream(data: Path, domain: str, n_stream: int, eval_begin: int, eval_e
 
 
 def cmd_stream(args) -> int:
-    try:
-        recs = build_stream(Path(args.data), args.domain, args.stream, args.eval_begin, args.eval_end)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    recs = build_stream(Path(args.data), args.domain, args.stream, args.eval_begin, args.eval_end)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", encoding="utf-8") as fh:
@@ -372,7 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         p.print_help()
         return 2
-    return args.func(args)
+    try:
+        return args.func(args)
+    except UserError as e:       # ReportError, ConfigError, SetupError, StageDirError: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
