@@ -40,9 +40,9 @@ import sys
 import time
 from pathlib import Path
 
+from config.paths import REPO
 from pipeline.tools.ranks import child_env, free_port
 
-REPO = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
 SLACK = int(1.5 * GIB)
 VICUNA_CONFIG = {  # lmsys/vicuna-7b-v1.3 config.json (torch_dtype follows the tensors written here: bfloat16)

@@ -417,20 +417,15 @@ def main(argv: list[str] | None = None) -> int:
         return draft_time(args)
     if not args.out:
         ap.error("--out is required (unless --draft-time)")
-    if args.report:
-        try:
-            return report(args)
-        except FileNotFoundError as e:
-            print(f"[drafter_bench] error: {e}", file=sys.stderr)
-            return 2
     bad = [kv for kv in args.overrides if "=" not in kv or kv.startswith("=")]
-    if bad:
+    if bad and not args.report:
         ap.error(f"overrides take KEY=VALUE, got {bad[0]!r}")
     try:
-        return run(args)
+        return report(args) if args.report else run(args)
     except FileNotFoundError as e:
         print(f"[drafter_bench] error: {e}", file=sys.stderr)
         return 2
+
 
 if __name__ == "__main__":
     sys.exit(main())

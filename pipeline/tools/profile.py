@@ -79,7 +79,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     o.add_argument("--name", help="profile name [output file stem]")
     o.add_argument("--out", required=True, help="profile JSON to write")
     o.add_argument("--quiet", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.repeat < 1 or args.warmup < 0 or args.host_rounds < 1:
+        p.error("--repeat and --host-rounds must be >= 1, --warmup >= 0")
+    return args
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -295,13 +298,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    if args.repeat < 1 or args.warmup < 0:
-        print("error: --repeat must be >= 1 and --warmup >= 0", file=sys.stderr)
-        return 2
     log = (lambda s: None) if args.quiet else (lambda s: print(s, flush=True))
-    if args.host_rounds < 1:
-        print("error: --host-rounds must be >= 1", file=sys.stderr)
-        return 2
     host = None
     if not args.no_rank0 or args.host_only:
         host = measure_host_costs(device, args.host_rounds, args.repeat)
