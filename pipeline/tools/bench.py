@@ -37,6 +37,7 @@ import sys
 import time
 from pathlib import Path
 
+from config.errors import UserError
 from config.invocation import prog
 from config.modes import COMPARED_MODES, label
 from config.paths import OUTPUTS
@@ -46,8 +47,9 @@ from pipeline.tools.rows import (UNTRAINED_WARNING, RowTailer, find_mismatches, 
                                  mismatch_banner, untrained)
 
 
-class BenchError(RuntimeError):
-    pass
+class BenchError(UserError, RuntimeError):
+    """Bad input to the bench; ``main`` prints it, like every other :class:`UserError` (a bad override, stage root
+    or question file), as one line and exits 2."""
 
 
 HF = "hf_generate"  # pipeline.tools.hf_generate's rows: one-process HF generate, the single-device baseline
@@ -306,7 +308,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         return _main(args, log)
-    except BenchError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -316,7 +318,7 @@ def main(argv=None) -> int:
 
 def _main(args, log) -> int:
     from config.modes import MODES as VALID, canonical_mode
-    from config.run_config import DEFAULT, ConfigError, apply_overrides
+    from config.run_config import DEFAULT, apply_overrides
     modes = [canonical_mode(m) for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in VALID for m in modes):
         raise BenchError(f"--modes {args.modes!r}: choose from {', '.join(VALID)}")
@@ -325,10 +327,7 @@ def _main(args, log) -> int:
     for o in args.overrides:
         if o.split("=", 1)[0].strip() in ("trace", "comm.trace", "trace_dir", "comm.trace_dir", "mode", "gen.mode"):
             raise BenchError(f"override {o!r} is set by the bench itself")
-    try:
-        cfg = apply_overrides(DEFAULT, args.overrides)
-    except ConfigError as e:
-        raise BenchError(str(e)) from None
+    cfg = apply_overrides(DEFAULT, args.overrides)
 
     if args.hf_generate and cfg.emu.profile:
         raise BenchError("--hf-generate times real HF generate: it cannot be compared with an emulated testbed "
@@ -343,13 +342,10 @@ def _main(args, log) -> int:
         n_prompts = len(args.prompt_ids)
         prompts_desc = f"{n_prompts} raw token-id prompt(s)"
     elif args.prompts_file:
-        from model.prompts import PromptError, load_questions
+        from model.prompts import load_questions
         if args.num_prompts < 1 or args.begin < 0:
             raise BenchError("-n must be >= 1 and --begin >= 0")
-        try:
-            recs = load_questions(args.prompts_file, args.begin, args.begin + args.num_prompts)
-        except PromptError as e:
-            raise BenchError(str(e)) from None
+        recs = load_questions(args.prompts_file, args.begin, args.begin + args.num_prompts)
         if not recs:
             raise BenchError(f"{args.prompts_file} has no records from {args.begin}")
         n_prompts = len(recs)
@@ -362,7 +358,7 @@ def _main(args, log) -> int:
         raise BenchError("no prompts: pass --prompts-file FILE (FastChat question.jsonl, e.g. MT-bench's) or --prompt-ids")
 
     # world
-    from model.stage_format import StageDirError, read_manifest
+    from model.stage_format import read_manifest
     from config.paths import DEFAULT_HEAD_DIR, DEFAULT_STAGE_DIR
     if args.summarize_only:
         stage_root = Path(cfg.model.stage_dir) if cfg.model.stage_dir else DEFAULT_STAGE_DIR
@@ -371,10 +367,7 @@ def _main(args, log) -> int:
         stage_root = resolve_stage_root(cfg.model.stage_dir)
     world = args.world
     if not world and not args.summarize_only:
-        try:
-            world = len(read_manifest(stage_root)["split"])
-        except StageDirError as e:
-            raise BenchError(str(e)) from None
+        world = len(read_manifest(stage_root)["split"])
     head = cfg.model.head_dir or (str(DEFAULT_HEAD_DIR) if stage_root.resolve() == DEFAULT_STAGE_DIR.resolve()
                                   else "untrained random head")
 

@@ -28,6 +28,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from config.errors import UserError
 from config.invocation import prog
 from config.modes import COMPARED_MODES, label
 from config.paths import DATA, DATASET_LABELS, DATASETS, OUTPUTS
@@ -49,8 +50,9 @@ def draft_sources(overrides: list[str], default: str | None = None) -> str:
     return value.replace(" ", "") or "eagle"
 
 
-class EvalError(RuntimeError):
-    pass
+class EvalError(UserError, RuntimeError):
+    """Bad input to the sweep; ``main`` prints it, like every other :class:`UserError` (a bad override, profile,
+    stage root or question file), as one line and exits 2."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -142,16 +144,13 @@ class RowSink:
 
 # -- planning -------------------------------------------------------------------------------------------
 def load_dataset(data_dir: Path, ds: str, begin: int, end: int) -> list[dict]:
-    from model.prompts import PromptError, load_questions
+    from model.prompts import load_questions
     path = data_dir / ds / "question.jsonl"
     if not path.is_file():
         raise EvalError(f"dataset {ds!r} is missing: {path} does not exist. Prepare it with "
                         f"`python -m data.prepare --from DIR --out {data_dir}` (DIR/{ds}/question.jsonl, "
                         f"EAGLE/FlowSpec layout) or pass --data-dir")
-    try:
-        recs = load_questions(path, begin, end)
-    except PromptError as e:
-        raise EvalError(str(e)) from None
+    recs = load_questions(path, begin, end)
     for r in recs:
         if "question_id" not in r:
             raise EvalError(f"{path}: a record lacks question_id")
@@ -457,7 +456,7 @@ def main(argv=None) -> int:
     log = (lambda s: print(s, file=sys.stderr, flush=True))
     try:
         return _main(args, log)
-    except EvalError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -479,12 +478,9 @@ def _main(args, log) -> int:
     profile = "" if args.profile.lower() in ("", "none", "off") else args.profile
     prof_name = "real"
     if profile:
-        from config.profiles import EmulationError, load_profile, resolve_profile
-        try:
-            prof_name = load_profile(profile).name
-            profile = str(resolve_profile(profile).resolve())
-        except EmulationError as e:
-            raise EvalError(str(e)) from None
+        from config.profiles import load_profile, resolve_profile
+        prof_name = load_profile(profile).name
+        profile = str(resolve_profile(profile).resolve())
     out_dir = Path(args.out_dir or OUTPUTS / "eval" / prof_name)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows_path = out_dir / "rows.jsonl"
@@ -499,19 +495,13 @@ def _main(args, log) -> int:
               *([f"model.head_dir={head_dir}"] if head_dir else []),
               *([f"emu.profile={profile}", f"emu.time_scale={args.time_scale}"] if profile else []), *args.overrides]
     if not args.summarize_only:
-        from config.run_config import DEFAULT, ConfigError, apply_overrides
-        try:
-            apply_overrides(DEFAULT, common)
-        except ConfigError as e:
-            raise EvalError(str(e)) from None
+        from config.run_config import DEFAULT, apply_overrides
+        apply_overrides(DEFAULT, common)
     world = args.world
     if not args.summarize_only and not world:
         from model.default_model import resolve_stage_root
-        from model.stage_format import StageDirError, read_manifest
-        try:
-            world = len(read_manifest(resolve_stage_root(stage_dir))["split"])
-        except StageDirError as e:
-            raise EvalError(str(e)) from None
+        from model.stage_format import read_manifest
+        world = len(read_manifest(resolve_stage_root(stage_dir))["split"])
     meta = {"profile": profile, "time_scale": args.time_scale if profile else 1.0, "max_new_tokens": args.max_new_tokens,
             "stage_dir": stage_dir, "head_dir": head_dir, "overrides": list(args.overrides), "world": world,
             "draft_sources": draft_sources(list(args.overrides))}
