@@ -24,13 +24,14 @@ import sys
 import time
 from pathlib import Path
 
+from config.errors import UserError
 from config.invocation import prog
 
 MODE = "hf_generate"
 
 
-class HFBaselineError(RuntimeError):
-    pass
+class HFBaselineError(UserError, RuntimeError):
+    """Bad input; ``main`` prints it, like every other :class:`UserError` (a bad override or prompt), as one line."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -97,24 +98,18 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         return _main(args)
-    except HFBaselineError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
 def _main(args) -> int:
-    from config.run_config import DEFAULT, ConfigError, apply_overrides
-    from model.prompts import PromptError, chat_prompt_ids, eos_ids, prompt_records, stop_token_ids
-    try:
-        cfg = apply_overrides(DEFAULT, args.overrides)
-    except ConfigError as e:
-        raise HFBaselineError(str(e)) from None
+    from config.run_config import DEFAULT, apply_overrides
+    from model.prompts import chat_prompt_ids, eos_ids, prompt_records, stop_token_ids
+    cfg = apply_overrides(DEFAULT, args.overrides)
     if bool(args.prompts_file) == bool(args.prompt_ids):
         raise HFBaselineError("give --prompts-file FILE or --prompt-ids (one of the two)")
-    try:
-        records = prompt_records(args.prompt_ids, args.prompts_file, args.begin, args.end)
-    except PromptError as e:
-        raise HFBaselineError(str(e)) from None
+    records = prompt_records(args.prompt_ids, args.prompts_file, args.begin, args.end)
     if not records:
         raise HFBaselineError("no prompts in the given range")
 
