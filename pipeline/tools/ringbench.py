@@ -58,10 +58,9 @@ def _messages(rank: int, w: int, hidden: int):
 
     from model.devices import HOST
     from pipeline.messages import Context, Segment
-    if w == 1:
-        x = torch.ones(1, 1, dtype=torch.long, device=HOST) if rank == 0 else torch.ones(1, 1, hidden, device=HOST)
-        return Context(x)
     x = torch.ones(1, w, dtype=torch.long, device=HOST) if rank == 0 else torch.ones(1, w, hidden, device=HOST)
+    if w == 1:
+        return Context(x)
     return Segment(x, torch.arange(-1, w - 1, device=HOST), torch.arange(w, device=HOST), 1, 5)
 
 
@@ -86,25 +85,17 @@ def _worker(rank: int, world: int, port: int, args, out_q) -> None:
         in_msgs = [torch.empty(FRAME_BYTES, dtype=torch.uint8, device=HOST)] + \
                   [torch.empty(n, dtype=torch.uint8, device=HOST) for n in in_sizes[1:]]
 
+        # one trip round the ring: rank 0 sends, then receives; every stage receives, then sends
         def bare_trip() -> None:
-            if rank == 0:
-                for tag, t in enumerate(out_msgs):
-                    dist.send(t, nxt, tag=tag)
-                for tag, t in enumerate(in_msgs):
-                    dist.recv(t, prv, tag=tag)
-            else:
-                for tag, t in enumerate(in_msgs):
-                    dist.recv(t, prv, tag=tag)
-                for tag, t in enumerate(out_msgs):
-                    dist.send(t, nxt, tag=tag)
+            steps = [(dist.send, out_msgs, nxt), (dist.recv, in_msgs, prv)]
+            for op, frames, peer in steps if rank == 0 else steps[::-1]:
+                for tag, t in enumerate(frames):
+                    op(t, peer, tag=tag)
 
         def project_trip() -> None:
-            if rank == 0:
-                comm.send_next(msg)
-                comm.recv_prev()
-            else:
-                comm.recv_prev()
-                comm.send_next(msg)
+            steps = [lambda: comm.send_next(msg), comm.recv_prev]
+            for step in steps if rank == 0 else steps[::-1]:
+                step()
 
         times: dict[str, list[float]] = {"bare": [], "project": []}
         dist.barrier()
