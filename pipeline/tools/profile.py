@@ -159,9 +159,9 @@ def timed_call(fn, cuda: bool, clock=time.perf_counter) -> float:
     return clock() - t0
 
 
-def measure_stage(block, cfg, ws, ctxs, dtype, device, repeat, warmup, log) -> list[list[float]]:
-    """``t[i][j]`` = seconds of one forward of ``ws[i]`` rows over ``ctxs[j]`` cached slots."""
-    import torch
+def _grid(name: str, block, ws, ctxs, dtype, device, repeat, warmup, log, forward) -> list[list[float]]:
+    """``t[i][j]`` = seconds of ``forward(w, pos, mask, cache)`` (a forward of ``block`` on ``w = ws[i]`` new rows)
+    over ``ctxs[j]`` cached slots of a fresh ``block`` cache."""
     measure = _timer(device)
     cache = block.new_cache(max(ctxs) + max(ws), dtype, device)
     grid = [[0.0] * len(ctxs) for _ in ws]
@@ -170,14 +170,20 @@ def measure_stage(block, cfg, ws, ctxs, dtype, device, repeat, warmup, log) -> l
             cache.reset()
             cache.context_len = cache.length = ctx   # ctx committed slots; forwards write after them, never commit
             pos, mask = cache.context_inputs(w, dtype)
-            x = torch.randn(1, w, cfg.hidden_size, device=device).to(dtype)
-
-            def fwd():
-                with torch.no_grad():
-                    block(x, pos, mask, cache)
-            grid[i][j] = measure(fwd, repeat, warmup)
-            log(f"  stage  w={w:4d} ctx={ctx:5d}  {grid[i][j] * 1e3:9.3f} ms")
+            grid[i][j] = measure(forward(w, pos, mask, cache), repeat, warmup)
+            log(f"  {name:6s} w={w:4d} ctx={ctx:5d}  {grid[i][j] * 1e3:9.3f} ms")
     return grid
+
+
+def measure_stage(block, cfg, ws, ctxs, dtype, device, repeat, warmup, log) -> list[list[float]]:
+    """``t[i][j]`` = seconds of one forward of ``ws[i]`` rows over ``ctxs[j]`` cached slots."""
+    import torch
+
+    def forward(w, pos, mask, cache):
+        x = torch.randn(1, w, cfg.hidden_size, device=device).to(dtype)
+        return lambda: block(x, pos, mask, cache)
+    with torch.no_grad():
+        return _grid("stage", block, ws, ctxs, dtype, device, repeat, warmup, log, forward)
 
 
 def measure_rank0(cfg, ws, ctxs, dtype, device, repeat, warmup, log, transformers_layers: bool = False) -> dict:
@@ -202,21 +208,12 @@ def measure_rank0(cfg, ws, ctxs, dtype, device, repeat, warmup, log, transformer
                 torch.log_softmax(lm_head(x).float(), dim=-1)
         lm.append([measure(f, repeat, warmup)])
         log(f"  lm_head w={w:4d}            {lm[-1][0] * 1e3:9.3f} ms")
-    cache = head.new_cache(max(ctxs) + max(ws), dtype, device)
-    draft = [[0.0] * len(ctxs) for _ in ws]
-    for j, ctx in enumerate(ctxs):
-        for i, w in enumerate(ws):
-            cache.reset()
-            cache.context_len = cache.length = ctx
-            pos, mask = cache.context_inputs(w, dtype)
-            emb = torch.randn(1, w, h, device=device).to(dtype)
-            feat = torch.randn(1, w, h, device=device).to(dtype)
 
-            def g():
-                with torch.no_grad():
-                    head(fc(torch.cat([emb, feat], dim=-1)), pos, mask, cache)
-            draft[i][j] = measure(g, repeat, warmup)
-            log(f"  draft  w={w:4d} ctx={ctx:5d}  {draft[i][j] * 1e3:9.3f} ms")
+    def forward(w, pos, mask, cache):
+        emb, feat = (torch.randn(1, w, h, device=device).to(dtype) for _ in range(2))
+        return lambda: head(fc(torch.cat([emb, feat], dim=-1)), pos, mask, cache)
+    with torch.no_grad():
+        draft = _grid("draft", head, ws, ctxs, dtype, device, repeat, warmup, log, forward)
     return {"lm_head": {"model": "table", "w": ws, "ctx": [0], "t_s": lm},
             "draft_forward": {"model": "table", "w": ws, "ctx": ctxs, "t_s": draft}}
 
