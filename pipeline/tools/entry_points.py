@@ -19,22 +19,14 @@ def run_main(argv: list[str] | None = None) -> int:
         return main(argv)
     stage_dir = next((a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] in ("model.stage_dir", "stage_dir")),
                      "")
-    if not stage_dir:
-        from model.default_model import DEFAULT_CACHE_DIR, DEFAULT_SPLIT, DefaultModelError, ensure_default_stages
-        from model.stage_format import StageDirError
-        try:
-            stage_dir = str(ensure_default_stages(str(DEFAULT_CACHE_DIR), DEFAULT_SPLIT, progress=True))
-        except (DefaultModelError, StageDirError, ValueError, FileNotFoundError) as e:
-            print(f"flowspec-run: error: {e}", file=sys.stderr)
-            return 2
-    nproc = os.environ.get("NPROC", "")
-    if not nproc:
-        from model.stage_format import StageDirError, read_manifest
-        try:
-            nproc = str(len(read_manifest(stage_dir)["split"]))
-        except StageDirError as e:
-            print(f"flowspec-run: error: {e}", file=sys.stderr)
-            return 2
+    from model.default_model import DEFAULT_CACHE_DIR, DEFAULT_SPLIT, DefaultModelError, ensure_default_stages
+    from model.stage_format import StageDirError, read_manifest
+    try:
+        stage_dir = stage_dir or str(ensure_default_stages(str(DEFAULT_CACHE_DIR), DEFAULT_SPLIT, progress=True))
+        nproc = os.environ.get("NPROC", "") or str(len(read_manifest(stage_dir)["split"]))
+    except (DefaultModelError, StageDirError, ValueError, FileNotFoundError) as e:
+        print(f"flowspec-run: error: {e}", file=sys.stderr)
+        return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from pipeline.tools.launch import main as launch
     return launch(["--standalone", f"--nproc_per_node={nproc}", "-m", "pipeline.run", *argv])
