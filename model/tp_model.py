@@ -22,13 +22,12 @@ import importlib
 from typing import Callable, Protocol
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from model.devices import HOST
 from model.kv_cache import KVCache
 from model.layers import family_classes
-from model.stage_format import WEIGHTS, StageDirError, stage_dir, verify_stage_file
+from model.stage_format import StageDirError, stage_dir, verify_stage_file
 
 Tensor = torch.Tensor
 SCHEDULES = ("megatron", "galaxy")
@@ -270,7 +269,7 @@ def load_tp_shard(root, rank: int, world: int, dtype: torch.dtype = torch.float3
                   verify: bool = True) -> TPShard:
     """Load global rank ``rank`` (>= 1) of a TP split, checking manifest, world size and checksum."""
     from model.stage_format import check_world
-    from model.stage_model import load_stage_config
+    from model.stage_model import load_stage_config, load_weights
     manifest = check_world(root, world)
     if not manifest.get("tp"):
         raise StageDirError(f"{root} is a pipeline split, not a tensor-parallel one (split it with --tp N)")
@@ -282,17 +281,7 @@ def load_tp_shard(root, rank: int, world: int, dtype: torch.dtype = torch.float3
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = TPShard(config)
-    model = model.to_empty(device="cpu")
-    try:
-        state = load_file(str(stage_dir(root, rank) / WEIGHTS))
-    except Exception as e:
-        raise StageDirError(f"cannot read {stage_dir(root, rank) / WEIGHTS}: {e}") from None
-    own = model.state_dict()
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise StageDirError(f"TP shard {rank} weights do not match its config: missing {missing[:4]} "
-                            f"unexpected {unexpected[:4]}")
-    model.load_state_dict(state, strict=True)
+    load_weights(model, root, rank, dtype, f"TP shard {rank}")
     _, rotary_cls, _ = family_classes(config)
     model.rotary_emb = rotary_cls(config=config)   # buffers were created on meta
     return model.to(dtype=dtype).to(device).eval()
