@@ -237,12 +237,8 @@ class DistCollectives:
             return None
         return torch.cat([b[:, :r] for b, r in zip(bufs, rows)], dim=1).to(t.device)
 
-    def all_gather_floats(self, value: float) -> list[float]:
-        """Every shard's ``value`` in shard order (host tensors; used once per generation for busy times)."""
-        return [v[0] for v in self.all_gather_vectors([value])]
-
     def all_gather_vectors(self, values: list[float]) -> list[list[float]]:
-        """Every shard's equally long ``values`` in shard order (busy times, emulation counters)."""
+        """Every shard's equally long ``values`` in shard order (busy times and meter counters, once per generation)."""
         if self.size == 1:
             return [list(values)]
         import torch.distributed as dist
