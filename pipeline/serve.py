@@ -712,12 +712,12 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     import torch
 
     from model.prompts import stop_token_ids
-    from model.stage_format import stage_dir
     from pipeline import faults
     from pipeline.build import SetupError, generation_config, load_tokenizer, make_engine
     from pipeline.engine import GenSettings, timed_generation
     from pipeline.modes import new_decoder
     from pipeline.outputs import drafter_fields
+    from pipeline.run import model_name
 
     sock = None
     if not sargs.no_http:  # bind first: a taken port fails before anything else loads
@@ -728,12 +728,11 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
             sock.listen(128)
         except OSError as e:
             raise SetupError(f"cannot listen on {sargs.host}:{sargs.port}: {e.strerror or e}") from None
-    sdir = stage_dir(stage_root, 0)
     tokenizer = load_tokenizer(stage_root)
     stop_ids = stop_token_ids(tokenizer, generation_config(stage_root))
     engine = make_engine(cfg, comm, model, stage_root, modes, stop_ids, dtype, device)
     default_mode = cfg.gen.mode if cfg.gen.mode in modes else modes[0]
-    name = sargs.model_name or _model_name(stage_root, sdir)
+    name = sargs.model_name or model_name(stage_root)
     manager = RequestManager(tokenizer, stop_ids, modes, default_mode, cfg, model.config, comm.world,
                              sargs.queue_size, name, sargs.template, sargs.max_prompt_chars,
                              system_fingerprint(cfg, stage_root, modes, sargs.template, comm.world))
@@ -874,18 +873,6 @@ def serve_lanes(manager: RequestManager, engine, generate, lanes: int, keepalive
     if errors:
         raise errors[0]
     pool.shutdown()
-
-
-def _model_name(stage_root: Path, sdir: Path) -> str:
-    try:
-        cfg = json.loads((sdir / "config.json").read_text())
-        src = cfg.get("_name_or_path") or ""
-    except (OSError, ValueError):
-        src = ""
-    name = Path(src).name if src else ""
-    if not name or name.startswith("stage_model"):
-        name = stage_root.resolve().parent.name if stage_root.name.startswith("stages") else stage_root.name
-    return name
 
 
 def _start_http(manager: RequestManager, sock: socket.socket, access_log: bool, max_body_bytes: int = MAX_BODY_BYTES):
