@@ -740,7 +740,6 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     faults.on_fatal(manager.fail_all)
     global _graceful_stop
     _graceful_stop = manager.begin_stop   # SIGTERM from here on: a graceful stop (entry)
-    keep_max = cfg.gen.max_new_tokens
 
     def generate(req: Request, eng=engine) -> None:
         p = req.params      # the request's own settings: an argument of its generation, nothing swapped
@@ -757,10 +756,9 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     for mode in modes:  # warm-up: untimed, unrecorded
         for _ in range(sargs.warmup):
             warm = Request(-1, manager.prompt_ids(messages=[{"role": "user", "content": "Hello"}]),
-                           Params(mode, min(16, keep_max)), manager.decode, stop_ids)
+                           Params(mode, min(16, cfg.gen.max_new_tokens)), manager.decode, stop_ids)
             generate(warm)
-    for k in list(manager.m):
-        del manager.m[k]
+    manager.m.clear()
 
     server = None
     if sock is not None:
