@@ -305,14 +305,9 @@ def _frozen(name: str) -> bool:
     return any(part in FROZEN for part in name.split("."))
 
 
-def _trainable_names(head) -> list[str]:
-    return [n for n, _ in head.named_parameters() if not _frozen(n)]
-
-
 def head_state(head) -> dict[str, Tensor]:
     """The swapped weights (everything but the frozen embedding and ``lm_head``), cloned to the host."""
-    params = dict(head.named_parameters())
-    return {n: params[n].detach().to("cpu", copy=True) for n in _trainable_names(head)}
+    return {n: q.detach().to("cpu", copy=True) for n, q in head.named_parameters() if not _frozen(n)}
 
 
 @torch.no_grad()
@@ -542,7 +537,7 @@ class Learner:
     def train_step(self, batch: list[Record]) -> float:
         s = self.s
         self.net.train()
-        total, count = 0.0, 0
+        count = 0
         self.opt.zero_grad(set_to_none=True)
         terms = []
         for r in batch:
@@ -568,8 +563,7 @@ class Learner:
         torch.nn.utils.clip_grad_norm_([q for q in self.net.parameters() if q.requires_grad], 0.5)
         self.opt.step()
         self.net.eval()
-        total = float(loss.detach())
-        return total
+        return float(loss.detach())
 
     def _levels_max(self) -> int:
         """The most levels :meth:`_levels` trains (evaluation scores at most two of them)."""

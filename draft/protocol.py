@@ -88,26 +88,30 @@ class ExtendableTreeDrafter(TreeDrafter, Protocol):
         existing indices unchanged); returns the tree and its per-node input features."""
 
 
-def install_meter(drafter: object, meter) -> None:
-    """Put ``meter`` (:class:`model.meter.OpMeter`) on every site of ``drafter`` that runs model work: the drafter
-    itself (its ``logprobs`` as ``lm_head`` ops, a small LM's ``ssm_forward`` ops) and its draft head when it keeps
-    a draft cache (EAGLE's ``draft_forward`` ops). A merged drafter (one with ``sources``) runs no model op of its
-    own: every source gets the meter instead, so each op is metered exactly once. So does a wrapper (one with
-    ``inner``, e.g. :class:`draft.osd.OnlineDrafter`): the inner drafter gets the meter, which then also sees the
-    ``lm_head`` calls of its own tree search (metering the wrapper's ``logprobs`` would miss those)."""
+def meter_sites(drafter: object) -> list:
+    """Every object of ``drafter`` whose ``meter`` attribute meters model work (:class:`model.meter.OpMeter`): the
+    drafter itself (its ``logprobs`` as ``lm_head`` ops, a small LM's ``ssm_forward`` ops) and its draft head when it
+    keeps a draft cache (EAGLE's ``draft_forward`` ops). A merged drafter (one with ``sources``) runs no model op of
+    its own: its sites are its sources', so each op is metered exactly once. So are a wrapper's (one with ``inner``,
+    e.g. :class:`draft.osd.OnlineDrafter`): the inner drafter's meter then also sees the ``lm_head`` calls of its own
+    tree search (metering the wrapper's ``logprobs`` would miss those). None has no site."""
+    if drafter is None:
+        return []
     inner = getattr(drafter, "inner", None)
     if inner is not None:
-        install_meter(inner, meter)
-        return
+        return meter_sites(inner)
     sources = getattr(drafter, "sources", None)
     if sources is not None:
-        for s in sources:
-            install_meter(s, meter)
-        return
-    drafter.meter = meter
+        return [site for s in sources for site in meter_sites(s)]
     head = getattr(drafter, "head", None)
-    if head is not None and getattr(drafter, "cache", None) is not None:
-        head.meter = meter
+    return [drafter] + ([head] if head is not None and getattr(drafter, "cache", None) is not None else [])
+
+
+def install_meter(drafter: object, meter) -> None:
+    """Put ``meter`` (:class:`model.meter.OpMeter`) on every site of ``drafter`` that runs model work
+    (:func:`meter_sites`)."""
+    for site in meter_sites(drafter):
+        site.meter = meter
 
 
 def top_tokens(drafter: object, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -137,12 +137,8 @@ def eos_ids(generation_config: dict | None, default=None) -> set[int]:
 
 
 def stop_token_ids(tokenizer, generation_config: dict | None = None) -> set[int]:
-    ids: set[int] = set()
-    eos = (generation_config or {}).get("eos_token_id")
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif isinstance(eos, list):
-        ids.update(int(e) for e in eos)
+    """The generation config's ``eos_token_id`` (:func:`eos_ids`), the tokenizer's and its chat end markers."""
+    ids = {int(e) for e in eos_ids(generation_config)}
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     for special in ("<|im_end|>", "<|eot_id|>", "<|end|>"):

@@ -265,10 +265,12 @@ def check_output(out: Path, dtype: str | None, force: bool) -> None:
         raise ValueError(f"output directory {out} is not empty (use --force to overwrite)")
 
 
-def write_stage(out: Path, rank: int, tensors: dict, cfg: dict, model_dir: Path) -> tuple[str, dict]:
-    """Write stage ``rank``'s weights, its ``config.json`` and the tokenizer files; returns its manifest entry
-    ``(relative path of the weights, {"sha256", "bytes"})``."""
+def write_stage(out: Path, rank: int, tensors: dict, cfg: dict, model_dir: Path, dtype_name: str | None,
+                files: dict) -> None:
+    """Write stage ``rank``'s weights, its ``config.json`` (``cfg`` plus the source and the dtype) and the tokenizer
+    files; its manifest entry goes into ``files``: ``{relative path of the weights: {"sha256", "bytes"}}``."""
     from safetensors.torch import save_file
+    cfg = {**cfg, "source_model": str(model_dir.resolve()), "dtype": dtype_name, "torch_dtype": dtype_name}
     d = stage_dir(out, rank)
     d.mkdir(parents=True, exist_ok=True)
     weights = d / WEIGHTS
@@ -278,14 +280,18 @@ def write_stage(out: Path, rank: int, tensors: dict, cfg: dict, model_dir: Path)
         src = model_dir / fname
         if src.is_file():
             shutil.copyfile(src, d / fname)
-    return f"{d.name}/{WEIGHTS}", {"sha256": sha256_file(weights), "bytes": weights.stat().st_size}
+    files[f"{d.name}/{WEIGHTS}"] = {"sha256": sha256_file(weights), "bytes": weights.stat().st_size}
 
 
-def write_manifest(out: Path, manifest: dict) -> None:
-    """The manifest goes last, atomically: a stage root without one is an interrupted split."""
+def write_manifest(out: Path, model_dir: Path, split: list[int], num_layers: int, dtype_name: str | None,
+                   files: dict, **extra) -> Path:
+    """The manifest goes last, atomically: a stage root without one is an interrupted split. Returns ``out``."""
+    manifest = {"format": FORMAT, "split": split, **extra, "source": str(model_dir.resolve()),
+                "num_hidden_layers": num_layers, "dtype": dtype_name, "files": files}
     tmp = out / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     tmp.replace(out / MANIFEST)
+    return out
 
 
 def split_checkpoint(model_dir: str | Path, out_dir: str | Path, split: list[int] | str,
@@ -315,29 +321,18 @@ def split_checkpoint(model_dir: str | Path, out_dir: str | Path, split: list[int
         for rank in range(len(split)):
             bar.set_postfix_str(f"stage {rank}")
             tensors: dict[str, torch.Tensor] = {}
-            src_of = dict((key, name) for name, key in plan[rank])      # tied lm_head: the same key twice
-            names_of: dict[str, list[str]] = {}
+            names_of: dict[str, list[str]] = {}      # tied lm_head: one key under two names
             for name, key in plan[rank]:
                 names_of.setdefault(key, []).append(name)
-            for key in source.shard_order(list(src_of)):
+            for key in source.shard_order(list(names_of)):
                 t, dtype_name = cast_for_output(source.get(key, out_dtype), out_dtype, dtype_name)
                 for i, name in enumerate(names_of[key]):
                     tensors[name] = t if i == 0 else t.clone()
                     bar.update(1)
             source.close()
-            cfg = dict(config)
-            cfg.update(stage_fields(split, rank))
-            cfg["source_model"] = str(model_dir.resolve())
-            cfg["dtype"] = dtype_name
-            cfg["torch_dtype"] = dtype_name
-            key, entry = write_stage(out, rank, tensors, cfg, model_dir)
+            write_stage(out, rank, tensors, {**config, **stage_fields(split, rank)}, model_dir, dtype_name, files)
             del tensors
-            files[key] = entry
     finally:
         bar.close()
         source.close()
-
-    manifest = {"format": FORMAT, "split": split, "source": str(model_dir.resolve()),
-                "num_hidden_layers": num_layers, "dtype": dtype_name, "files": files}
-    write_manifest(out, manifest)
-    return out
+    return write_manifest(out, model_dir, split, num_layers, dtype_name, files)

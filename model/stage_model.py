@@ -64,20 +64,6 @@ class StageModel(nn.Module):
         self.local_taps = [i - start for i in self.taps if start <= i < end]
         self.out_width = self.config.hidden_size * (1 + sum(1 for i in self.taps if i < end))
 
-    def load_weights(self, state: dict[str, torch.Tensor], assign: bool = False) -> None:
-        """Load a stage file's tensors (names as in ``model/stage_format.py``); ``assign``: the tensors become the
-        parameters themselves (a model built on the meta device: no second copy)."""
-        mapped = {}
-        for k, v in state.items():
-            mapped["block." + k if k.startswith("layers.") else k] = v
-        own = self.state_dict()
-        missing = sorted(set(own) - set(mapped))
-        unexpected = sorted(set(mapped) - set(own))
-        if missing or unexpected:
-            raise StageDirError(f"stage {self.rank} weights do not match its config: missing {missing[:4]} "
-                                f"unexpected {unexpected[:4]}")
-        self.load_state_dict(mapped, strict=True, assign=assign)
-
     def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
         """``x``: token ids ``[1, n]`` on the first layer stage, hidden ``[1, n, H]`` elsewhere."""
         if self.rank == 1:
@@ -118,6 +104,28 @@ def load_stage_config(root: str | Path, rank: int, hf: bool = False):
     return config
 
 
+def load_weights(model: torch.nn.Module, root: str | Path, rank: int, dtype: torch.dtype, what: str,
+                 rename=None) -> None:
+    """Stage ``rank``'s weights become ``model``'s parameters themselves (``model`` was built on the meta device: no
+    random weights materialised), each tensor read from the file one at a time and already in ``dtype``
+    (:func:`model.stage_format.iter_safetensors`): the rank's resident set is the stage's weights plus one tensor,
+    not two copies of the stage. ``rename``: a file name to the model's (names as in ``model/stage_format.py``).
+    StageDirError (one line, ``what`` names the stage): an unreadable file, or names that do not match the model's."""
+    path = stage_dir(root, rank) / WEIGHTS
+    try:
+        state = {rename(k) if rename else k: v for k, v in iter_safetensors(path, dtype)}
+    except StageDirError:
+        raise
+    except Exception as e:  # an unreadable file
+        raise StageDirError(f"cannot read {path}: {e}") from None
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise StageDirError(f"{what} weights do not match its config: missing {missing[:4]} "
+                            f"unexpected {unexpected[:4]}")
+    model.load_state_dict(state, strict=True, assign=True)
+
+
 def load_stage(root: str | Path, rank: int, world_size: int, dtype: torch.dtype = torch.float32,
                device: str = "cpu", verify: bool = True, quant: str = "none",
                quant_compute_dtype: torch.dtype | None = None) -> StageModel:
@@ -129,20 +137,9 @@ def load_stage(root: str | Path, rank: int, world_size: int, dtype: torch.dtype 
     if config.stage_index != rank:
         raise StageDirError(f"{stage_dir(root, rank)} holds stage {config.stage_index}, expected {rank}")
     config._attn_implementation = "sdpa"
-    # Built on the meta device (no random weights materialised), then every parameter *is* a tensor read from the
-    # file, one at a time and already in ``dtype`` (stage_format.iter_safetensors): the rank's resident set is the
-    # stage's weights plus one tensor, not two copies of the stage.
     with torch.device("meta"):
         model = StageModel(config)
-    path = stage_dir(root, rank) / WEIGHTS
-    try:
-        state = dict(iter_safetensors(path, dtype))
-    except StageDirError:
-        raise
-    except Exception as e:  # an unreadable file
-        raise StageDirError(f"cannot read {path}: {e}") from None
-    model.load_weights(state, assign=True)
-    del state
+    load_weights(model, root, rank, dtype, f"stage {rank}", lambda k: "block." + k if k.startswith("layers.") else k)
     if model.block is not None:  # rotary buffers were created on meta; rebuild them (same class: light or not)
         model.block.rotary_emb = type(model.block.rotary_emb)(config=config)
     model = model.to(dtype=dtype)

@@ -22,13 +22,12 @@ import importlib
 from typing import Callable, Protocol
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from model.devices import HOST
 from model.kv_cache import KVCache
 from model.layers import family_classes
-from model.stage_format import WEIGHTS, StageDirError, stage_dir, verify_stage_file
+from model.stage_format import StageDirError, stage_dir, verify_stage_file
 
 Tensor = torch.Tensor
 SCHEDULES = ("megatron", "galaxy")
@@ -238,12 +237,8 @@ class DistCollectives:
             return None
         return torch.cat([b[:, :r] for b, r in zip(bufs, rows)], dim=1).to(t.device)
 
-    def all_gather_floats(self, value: float) -> list[float]:
-        """Every shard's ``value`` in shard order (host tensors; used once per generation for busy times)."""
-        return [v[0] for v in self.all_gather_vectors([value])]
-
     def all_gather_vectors(self, values: list[float]) -> list[list[float]]:
-        """Every shard's equally long ``values`` in shard order (busy times, emulation counters)."""
+        """Every shard's equally long ``values`` in shard order (busy times and meter counters, once per generation)."""
         if self.size == 1:
             return [list(values)]
         import torch.distributed as dist
@@ -270,7 +265,7 @@ def load_tp_shard(root, rank: int, world: int, dtype: torch.dtype = torch.float3
                   verify: bool = True) -> TPShard:
     """Load global rank ``rank`` (>= 1) of a TP split, checking manifest, world size and checksum."""
     from model.stage_format import check_world
-    from model.stage_model import load_stage_config
+    from model.stage_model import load_stage_config, load_weights
     manifest = check_world(root, world)
     if not manifest.get("tp"):
         raise StageDirError(f"{root} is a pipeline split, not a tensor-parallel one (split it with --tp N)")
@@ -282,17 +277,7 @@ def load_tp_shard(root, rank: int, world: int, dtype: torch.dtype = torch.float3
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = TPShard(config)
-    model = model.to_empty(device="cpu")
-    try:
-        state = load_file(str(stage_dir(root, rank) / WEIGHTS))
-    except Exception as e:
-        raise StageDirError(f"cannot read {stage_dir(root, rank) / WEIGHTS}: {e}") from None
-    own = model.state_dict()
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise StageDirError(f"TP shard {rank} weights do not match its config: missing {missing[:4]} "
-                            f"unexpected {unexpected[:4]}")
-    model.load_state_dict(state, strict=True)
+    load_weights(model, root, rank, dtype, f"TP shard {rank}")
     _, rotary_cls, _ = family_classes(config)
     model.rotary_emb = rotary_cls(config=config)   # buffers were created on meta
     return model.to(dtype=dtype).to(device).eval()

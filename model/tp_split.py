@@ -30,7 +30,7 @@ import re
 from pathlib import Path
 
 from config.modes import TP_MODES  # the modes that run on a tensor-parallel split (and only they)
-from model.stage_format import FORMAT, StageDirError, stage_fields
+from model.stage_format import StageDirError, stage_fields
 
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
@@ -182,17 +182,12 @@ def split_checkpoint_tp(model_dir: str | Path, out_dir: str | Path, n: int, dtyp
             cfg.update(stage_fields(split, rank))
             if rank:
                 cfg.update(layer_range=[0, layers], has_embedding=True, has_final_norm=True)
-            cfg.update(source_model=str(model_dir.resolve()), dtype=dtype_name, torch_dtype=dtype_name)
-            key, entry = write_stage(out, rank, tensors, cfg, model_dir)
+            write_stage(out, rank, tensors, cfg, model_dir, dtype_name, files)
             del tensors
-            files[key] = entry
     finally:
         bar.close()
         source.close()
-    manifest = {"format": FORMAT, "split": split, "tp": n, "source": str(model_dir.resolve()),
-                "num_hidden_layers": layers, "dtype": dtype_name, "files": files}
-    write_manifest(out, manifest)
-    return out
+    return write_manifest(out, model_dir, split, layers, dtype_name, files, tp=n)
 
 
 def tp_size(manifest: dict) -> int:

@@ -326,13 +326,9 @@ class Comm:
 
     def _send(self, dst: int, msg: Message) -> None:
         if not self._cpu_wire:   # NCCL: codec tensors moved to the device
-            header, payload = encode(msg)
-            header = header.to(self.wire_device)
-            reqs = [self._guard(lambda: dist.isend(header, dst, tag=0), dst)]
-            if payload.numel():
-                payload = payload.to(self.wire_device)
-                reqs.append(self._guard(lambda: dist.isend(payload, dst, tag=1), dst))
-            self._queue(dst, reqs, (header, payload))
+            parts = self._device_parts(msg)
+            self._queue(dst, [self._guard(lambda: dist.isend(t, dst, tag=tag), dst) for tag, t in enumerate(parts)],
+                        parts)
             return
         head, tensors, nbytes = layout(msg)
         total = HEADER_BYTES + nbytes
@@ -442,13 +438,7 @@ class Comm:
         """One message from ``src`` (waits); ``frame``: the receive buffer (default: the caller thread's
         ``_rx_frame``; the read-ahead thread has its own)."""
         if not self._cpu_wire:
-            header = torch.empty(HEADER_LEN, dtype=torch.long, device=self.wire_device)
-            self._guard(lambda: dist.recv(header, src, tag=0), src)
-            nbytes = payload_size(header.cpu())
-            payload = torch.empty(nbytes, dtype=torch.uint8, device=self.wire_device)
-            if nbytes:
-                self._guard(lambda: dist.recv(payload, src, tag=1), src)
-            return decode(header.cpu(), payload)
+            return self._device_message(lambda t, tag: dist.recv(t, src, tag=tag), src)
         hnp = self._rx_hnp if frame is None else frame[:HEADER_BYTES].view(torch.long).numpy()
         frame = self._rx_frame if frame is None else frame
         try:
@@ -491,20 +481,26 @@ class Comm:
             faults.hit("decision")
         with self.tracer.span("broadcast"):
             if self.rank == 0:
-                header, payload = encode(decision)
-                header = header.to(self.wire_device)
-                self._guard(lambda: dist.broadcast(header, 0), None)
-                if payload.numel():
-                    self._guard(lambda: dist.broadcast(payload.to(self.wire_device), 0), None)
+                for t in self._device_parts(decision):
+                    self._guard(lambda: dist.broadcast(t, 0), None)
                 return decision
-            header = torch.empty(HEADER_LEN, dtype=torch.long, device=self.wire_device)
-            self._guard(lambda: dist.broadcast(header, 0), 0)
-            nbytes = payload_size(header.cpu())
-            payload = torch.empty(nbytes, dtype=torch.uint8, device=self.wire_device)
-            if nbytes:
-                self._guard(lambda: dist.broadcast(payload, 0), 0)
-            return decode(header.cpu(), payload)
+            return self._device_message(lambda t, tag: dist.broadcast(t, 0), 0)
 
+    def _device_parts(self, msg: Message) -> list[torch.Tensor]:
+        """``msg`` on the wire device as codec tensors: the header, then the payload unless it is empty."""
+        header, payload = encode(msg)
+        return [t.to(self.wire_device) for t in (header, payload) if t.numel()]
+
+    def _device_message(self, op, peer: int | None) -> Message:
+        """The message that ``op(tensor, tag)`` fills in on the wire device: the header (tag 0), then the payload
+        (tag 1) when the header says there is one (the receiving side of :meth:`_device_parts`)."""
+        header = torch.empty(HEADER_LEN, dtype=torch.long, device=self.wire_device)
+        self._guard(lambda: op(header, 0), peer)
+        nbytes = payload_size(header.cpu())
+        payload = torch.empty(nbytes, dtype=torch.uint8, device=self.wire_device)
+        if nbytes:
+            self._guard(lambda: op(payload, 1), peer)
+        return decode(header.cpu(), payload)
 
     # -- direct decision links (rank 0 -> stages 2..N) -----------------------------------------------
     def send_direct(self, msg: Message) -> None:

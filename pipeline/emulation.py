@@ -138,12 +138,6 @@ class Emulator:
         return cost.time(rows, ctx)
 
     # installation
-    def install_comm(self, comm) -> None:
-        """Route ``comm.send`` (ring and direct decision links alike) through the link model."""
-        # the link thread must get the GIL soon after its wake-up time, not a 5 ms switch interval later
-        sys.setswitchinterval(min(sys.getswitchinterval(), 2e-4))
-        self.sender = LinkSender(self, comm)
-
     def install_tp_worker(self, worker, n: int, layers: int, profile_stages: int, real_hidden_bytes: float) -> None:
         """Pad every forward of a TP group rank to the modeled time of the whole group's forward
         (:class:`config.profiles.GroupCost`, the cost model ``pipeline.tools.tp_sim`` predicts with: compute of
@@ -302,7 +296,10 @@ def install(comm, cfg, device: str = "cpu") -> Emulator | None:
     profile = with_link(load_profile(cfg.emu.profile), cfg.emu.bandwidth_mbps or None, None)
     emu = Emulator(profile, comm.rank, comm.world, cfg.emu.model_rank0,
                    cfg.emu.flag_threshold, device, cfg.emu.time_scale, cfg.emu.stage_cost_scale)
-    emu.install_comm(comm)
+    # every comm.send (ring and direct decision links alike) goes through the link model; the link thread must get
+    # the GIL soon after its wake-up time, not a 5 ms switch interval later
+    sys.setswitchinterval(min(sys.getswitchinterval(), 2e-4))
+    emu.sender = LinkSender(emu, comm)
     return emu
 
 

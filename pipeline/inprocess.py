@@ -14,13 +14,11 @@ from pathlib import Path
 import torch
 
 from config.run_config import DEFAULT, apply_overrides
-from model.stage_model import load_stage
 from pipeline.engine import timed_generation
 from pipeline.local_ring import TIMEOUT_S, LocalComm, LocalRing, stage_threads
-from pipeline.build import make_drafter, make_engine, make_static_stage
+from pipeline.build import load_rank_stage, make_drafter, make_engine, make_static_stage
 from pipeline.modes import new_decoder
 from pipeline.worker import StageWorker
-
 
 
 def _wait_s(cfg) -> float:
@@ -28,6 +26,7 @@ def _wait_s(cfg) -> float:
     ``comm.timeout_s`` says so (on a loaded host a long prefill can take longer than 60 s; the threads can be
     slow, not lost, and a failed thread's error is raised by ``stage_threads``)."""
     return max(TIMEOUT_S, float(cfg.comm.timeout_s))
+
 
 def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], overrides: list[str],
                  stop_ids: set[int], drafter: str | None = None, dtype=torch.float64,
@@ -43,12 +42,10 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
     from model.stage_format import read_manifest
     world = len(read_manifest(stage_root)["split"])
     cfg = apply_overrides(DEFAULT, overrides)
+    if drafter is not None:
+        cfg.model.head_dir = drafter
     ring = LocalRing(world)
-    models = [load_stage(stage_root, r, world, dtype) for r in range(world)]
-    from draft.eagle3 import stage_taps   # as pipeline.run does on every rank (EAGLE-3 heads: tapped layers)
-    taps = stage_taps(cfg.model.eagle3_taps, Path(drafter) if drafter else None, models[0].config.num_hidden_layers)
-    for m in models:
-        m.set_taps(taps)
+    models = [load_rank_stage(cfg, stage_root, r, world, dtype, "cpu") for r in range(world)]   # as pipeline.run
 
     def stage(r: int) -> None:
         worker = StageWorker(models[r], LocalComm(ring, r, timeout_s=_wait_s(cfg)), cfg.model.max_seq_len, dtype,
@@ -58,8 +55,6 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
             worker.run()
 
     comm0 = LocalComm(ring, 0, timeout_s=_wait_s(cfg))
-    if drafter is not None:
-        cfg.model.head_dir = drafter
     d = make_drafter(cfg, stage_root, models[0], dtype, "cpu") if any(m != "ar" for m in modes) else None
     engine = make_engine(cfg, comm0, models[0], stage_root, modes, stop_ids, dtype, "cpu", drafter=d)
     engine.step_observers = list(step_observers)

@@ -54,6 +54,7 @@ from contextlib import contextmanager
 import torch
 
 from config.errors import UserError
+from draft.protocol import install_meter, meter_sites
 from model.meter import MeterStack
 from pipeline.coalesce import CoalescingMeter, OpBatcher
 from pipeline.messages import Fork, Message, Shutdown, Stats
@@ -256,25 +257,9 @@ def fork_drafter(drafter):
 
 
 def _lock_sites(drafter, lock: DeviceLock) -> None:
-    """Put ``lock`` outermost on every metered site of ``drafter`` (the sites of
-    :func:`draft.protocol.install_meter`: a :class:`pipeline.coalesce.CoalescingMeter` over the site's meter); a
-    site already on ``lock`` is left alone."""
-    if drafter is None:
-        return
-    inner = getattr(drafter, "inner", None)
-    if inner is not None:
-        _lock_sites(inner, lock)
-        return
-    sources = getattr(drafter, "sources", None)
-    if sources is not None:
-        for s in sources:
-            _lock_sites(s, lock)
-        return
-    sites = [drafter]
-    head = getattr(drafter, "head", None)
-    if head is not None and getattr(drafter, "cache", None) is not None:
-        sites.append(head)
-    for site in sites:
+    """Put ``lock`` outermost on every metered site of ``drafter`` (:func:`draft.protocol.meter_sites`: a
+    :class:`pipeline.coalesce.CoalescingMeter` over the site's meter); a site already on ``lock`` is left alone."""
+    for site in meter_sites(drafter):
         m = getattr(site, "meter", None)
         if m is None or (isinstance(m, CoalescingMeter) and m.batcher is lock):
             continue
@@ -286,7 +271,6 @@ def lane_engine(base, transport: LaneTransport, lock: DeviceLock, rank0_meter=No
     observers; its own drafter fork (and small LM fork for ``sps``), generation counter and tracer; the emulated
     testbed's meters when ``base``'s transport has an emulated link (``rank0_meter()``: another meter stacked the
     same way, on the engine and every drafter site, e.g. a test's pad); ``lock`` over every rank-0 model op."""
-    from draft.protocol import install_meter
     from pipeline.emulation import instrument_rank0
     from pipeline.engine import Engine
     drafter = fork_drafter(base.drafter)

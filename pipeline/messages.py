@@ -61,8 +61,28 @@ class Status(IntEnum):
     TRUNCATE = 2   # accepted path -> context, everything else dropped; a fresh tree follows at once
 
 
+class Wire:
+    """A message's wire form, from its class's field lists: ``INTS``, ``(name, type)`` of the fields that travel
+    as header ints, in order (a ``bool`` or enum field travels as its int and is rebuilt by ``type``), and
+    ``TENSORS``, the names of its tensor fields, in order (a None tensor is not sent: only a last, optional one may
+    be None). ``lane`` travels in the header's kind word (:func:`kind_word`), never here."""
+
+    INTS: tuple = ()
+    TENSORS: tuple = ()
+
+    def ints(self) -> list[int]:
+        return [int(getattr(self, name)) for name, _ in self.INTS]
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in (getattr(self, name) for name in self.TENSORS) if t is not None]
+
+    @classmethod
+    def build(cls, ints: list[int], tensors: list[Tensor]):
+        return cls(**{name: kind(v) for (name, kind), v in zip(cls.INTS, ints)}, **dict(zip(cls.TENSORS, tensors)))
+
+
 @dataclass
-class Decision:
+class Decision(Wire):
     """Rank 0's verdict after one verification step, numbered ``seq = 1, 2, ...`` within generation ``gen``.
 
     Applying it (:func:`draft.tree.decision_keep`): the nodes ``path`` (node ids, root first) become committed
@@ -80,16 +100,8 @@ class Decision:
     lane: int = 0             # the request slot (module docstring: lanes); not in ints() nor in a packed log
 
     kind = Kind.DECISION
-
-    def ints(self) -> list[int]:
-        return [self.gen, self.seq, int(self.status), self.root, int(self.finished)]
-
-    def tensors(self) -> list[Tensor]:
-        return [self.path]
-
-    @classmethod
-    def build(cls, ints: list[int], tensors: list[Tensor]) -> "Decision":
-        return cls(ints[0], ints[1], Status(ints[2]), ints[3], bool(ints[4]), tensors[0])
+    INTS = (("gen", int), ("seq", int), ("status", Status), ("root", int), ("finished", bool))
+    TENSORS = ("path",)
 
 
 def pack_log(decisions: list[Decision]) -> Tensor:
@@ -111,27 +123,19 @@ def unpack_log(log: Tensor) -> list[Decision]:
 
 
 @dataclass
-class Context:
+class Context(Wire):
     x: Tensor                 # token ids [1, n] (to rank 1) or hidden [1, n, H]
     gen: int = 0              # generation number (decisions of other generations are ignored)
     reset: bool = False
     lane: int = 0
 
     kind = Kind.CONTEXT
-
-    def ints(self) -> list[int]:
-        return [self.gen, int(self.reset)]
-
-    def tensors(self) -> list[Tensor]:
-        return [self.x]
-
-    @classmethod
-    def build(cls, ints, tensors) -> "Context":
-        return cls(tensors[0], ints[0], bool(ints[1]))
+    INTS = (("gen", int), ("reset", bool))
+    TENSORS = ("x",)
 
 
 @dataclass
-class Segment:
+class Segment(Wire):
     """Draft-tree nodes on their way through the stages (and back to rank 0 as hidden states).
 
     ``gids`` are the nodes' ids and ``parents`` their parents' ids (``-1``: child of the committed context).
@@ -150,6 +154,8 @@ class Segment:
     lane: int = 0
 
     kind = Kind.SEGMENT
+    INTS = (("gen", int), ("epoch", int), ("tag", int))
+    TENSORS = ("x", "parents", "gids", "log")
 
     @property
     def n(self) -> int:
@@ -162,35 +168,15 @@ class Segment:
             d.lane = self.lane
         return out
 
-    def ints(self) -> list[int]:
-        return [self.gen, self.epoch, self.tag]
-
-    def tensors(self) -> list[Tensor]:
-        return [self.x, self.parents, self.gids, self.log]
-
-    @classmethod
-    def build(cls, ints, tensors) -> "Segment":
-        return cls(tensors[0], tensors[1], tensors[2], ints[0], ints[1], tensors[3], ints[2])
-
 
 @dataclass
-class Shutdown:
+class Shutdown(Wire):
     kind = Kind.SHUTDOWN
     lane = 0                  # global: it ends every lane
 
-    def ints(self) -> list[int]:
-        return []
-
-    def tensors(self) -> list[Tensor]:
-        return []
-
-    @classmethod
-    def build(cls, ints, tensors) -> "Shutdown":
-        return cls()
-
 
 @dataclass
-class Stats:
+class Stats(Wire):
     """Travels once around the ring between generation phases; each rank writes its busy seconds and, when its
     meter counts (``model.meter``: e.g. the emulated testbed's fidelity counters), those counters into row
     ``counters[rank]``."""
@@ -200,20 +186,11 @@ class Stats:
     lane: int = 0                   # the lane whose decode window it closes (pipeline.worker: busy per lane)
 
     kind = Kind.STATS
-
-    def ints(self) -> list[int]:
-        return []
-
-    def tensors(self) -> list[Tensor]:
-        return [self.busy_s] + ([self.counters] if self.counters is not None else [])
-
-    @classmethod
-    def build(cls, ints, tensors) -> "Stats":
-        return cls(tensors[0], tensors[1] if len(tensors) > 1 else None)
+    TENSORS = ("busy_s", "counters")
 
 
 @dataclass
-class Fork:
+class Fork(Wire):
     """Start generation ``gen`` on lane ``lane`` from lane ``src``'s committed prefix: every stage copies ``src``'s
     first ``n`` committed KV slots into ``lane``'s cache (:meth:`model.kv_cache.KVCache.copy_prefix_to`) and resets
     ``lane``'s decision state to ``gen``, then forwards the message; back on rank 0 it says every stage holds the
@@ -231,16 +208,7 @@ class Fork:
     lane: int = 0
 
     kind = Kind.FORK
-
-    def ints(self) -> list[int]:
-        return [self.gen, self.src, self.n]
-
-    def tensors(self) -> list[Tensor]:
-        return []
-
-    @classmethod
-    def build(cls, ints, tensors) -> "Fork":
-        return cls(ints[0], ints[1], ints[2])
+    INTS = (("gen", int), ("src", int), ("n", int))
 
 
 _CLASSES = {Kind.CONTEXT: Context, Kind.SEGMENT: Segment, Kind.SHUTDOWN: Shutdown, Kind.DECISION: Decision,
@@ -299,16 +267,6 @@ def _build(kind: Kind, lane: int, ints: list[int], tensors: list[Tensor]) -> "Me
     return msg
 
 
-def write_payload(tensors: list[Tensor], payload: Tensor) -> None:
-    """Copy the tensors' raw bytes, in order, into the front of the uint8 ``payload``."""
-    off = 0
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        if n:
-            payload[off:off + n].copy_(t.detach().reshape(-1).view(torch.uint8))
-            off += n
-
-
 def encode(msg: Message) -> tuple[Tensor, Tensor]:
     """-> ``(header int64[HEADER_LEN], payload uint8[nbytes])`` (fresh tensors; :class:`pipeline.comm.Comm`
     writes the same bytes into preallocated buffers instead)."""
@@ -316,7 +274,7 @@ def encode(msg: Message) -> tuple[Tensor, Tensor]:
     header = torch.zeros(HEADER_LEN, dtype=torch.long, device=HOST)
     header.numpy()[:len(head)] = head
     payload = torch.empty(nbytes, dtype=torch.uint8, device=HOST)
-    write_payload(ts, payload)
+    write_at(ts, payload.data_ptr())
     return header, payload
 
 

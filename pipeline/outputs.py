@@ -107,11 +107,9 @@ def drafted_vocab(drafter) -> int | None:
 
 
 def flat_config(cfg) -> dict:
-    out = {}
-    for sec in dataclasses.fields(cfg):
-        for k, v in dataclasses.asdict(getattr(cfg, sec.name)).items():
-            out[f"{sec.name}.{k}"] = v
-    return out
+    """``section.key -> value`` of every setting of ``cfg`` (a :class:`config.run_config.RunConfig`)."""
+    return {f"{sec.name}.{k}": v for sec in dataclasses.fields(cfg)
+            for k, v in dataclasses.asdict(getattr(cfg, sec.name)).items()}
 
 
 def provenance(cfg, stage_root: Path, head: tuple[str, str | None], template: str, world: int) -> dict:
@@ -209,8 +207,7 @@ class AnswerFile:
             for row in read_rows(self.path):
                 if row.get("model_id") == model_id:
                     self.done.add(row.get("question_id"))
-        if self.path.parent and not self.path.parent.is_dir():
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def add(self, question_id, turns: list[str]) -> bool:
         if question_id in self.done:

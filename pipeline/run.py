@@ -415,10 +415,17 @@ def print_result(row: dict, prompt: str, quiet: bool, streamed: bool = False) ->
           flush=True)
 
 
-def _exit_on_signals() -> None:
+def exit_on_signals(graceful=None, grace_s: float = 0.0) -> None:
     """SIGINT (Ctrl-C; torchrun's terminal sends it to every rank) and SIGTERM end this rank at once with
     one line and tell its peers. A dedicated thread takes them with ``sigwait``: the main thread may sit
     in a gloo wait that would not return to Python (and so not raise KeyboardInterrupt) for a long time.
+
+    ``graceful`` (the server's ranks, :func:`pipeline.serve.entry`): the first SIGTERM is a graceful stop instead.
+    ``graceful()`` returns rank 0's stop once it serves (:meth:`pipeline.serve.RequestManager.begin_stop`, called
+    with ``grace_s``; one line says so), else None; rank 0 then ends normally, sending the stages the ring's
+    ``Shutdown``, and the stage ranks keep computing until then. A second signal stops at once; a rank still alive
+    ``grace_s`` + 30 s after the first leaves anyway (a backstop: the launcher kills its ranks after the grace too).
+    SIGTERM before rank 0 serves stops it at once.
 
     Everything the thread needs is imported here, before it starts: an import made by the thread at signal time
     raced with the main thread's own imports (a rank still importing torch saw ``typing`` half initialized and
@@ -426,22 +433,38 @@ def _exit_on_signals() -> None:
     import faulthandler
     import signal
     import threading
+    import time
 
     from pipeline import faults
     sigs = {signal.SIGINT, signal.SIGTERM}
     signal.pthread_sigmask(signal.SIG_BLOCK, sigs)  # inherited by every thread started later
+    rank = os.environ.get("RANK", "0")
 
-    def wait() -> None:
-        sig = signal.Signals(signal.sigwait(sigs))
+    def leave(sig) -> None:
         if debug():
             faulthandler.dump_traceback(all_threads=True)
-        rank = os.environ.get("RANK", "0")
         line = f"[rank {rank}] interrupted by {sig.name}; exiting"
         if sig == signal.SIGTERM and faults.peer_failed():
             line = ""  # e.g. torchrun stopping the survivors of a failed rank, which printed the cause
         elif sig == signal.SIGTERM and "TORCHELASTIC_RUN_ID" in os.environ:
             line = f"[rank {rank}] stopped by torchrun (SIGTERM): another rank failed or the job was interrupted"
         faults.fatal(line, 128 + sig.value, f"interrupted by {sig.name}")
+
+    def backstop(sig) -> None:
+        time.sleep(grace_s + 30.0)
+        leave(sig)
+
+    def wait() -> None:
+        sig = signal.Signals(signal.sigwait(sigs))
+        stop = graceful() if graceful is not None else None
+        if graceful is None or sig != signal.SIGTERM or (rank == "0" and stop is None):
+            leave(sig)
+        if stop is not None:
+            print(f"[rank {rank}] SIGTERM: stopping; the request in flight may finish (at most {grace_s:g}s), new "
+                  f"requests get 503; a second signal stops at once", file=sys.stderr, flush=True)
+            stop(grace_s)
+        threading.Thread(target=backstop, args=(sig,), daemon=True, name="flowspec-stop-backstop").start()
+        leave(signal.Signals(signal.sigwait(sigs)))
 
     threading.Thread(target=wait, daemon=True, name="flowspec-signals").start()
 
@@ -450,7 +473,7 @@ def entry(argv: list[str] | None = None) -> int:
     """What ``python -m pipeline.run`` runs (tests fork ranks through it too)."""
     if not debug():
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d's C++ warnings carry stack dumps
-    _exit_on_signals()
+    exit_on_signals()
     return main(argv)
 
 

@@ -28,7 +28,7 @@ Invariants:
 * a fatal error on rank 0 (a lost rank, Ctrl-C) answers every pending request with 503 before the process
   exits (:func:`pipeline.faults.on_fatal`); the existing fault machinery then stops every rank within
   ``comm.timeout_s``, naming the lost rank;
-* SIGTERM is a graceful stop (:func:`graceful_signals`): new requests get 503, the request in flight finishes
+* SIGTERM is a graceful stop (:func:`entry`): new requests get 503, the request in flight finishes
   or, after ``--stop-grace-s``, ends at its next commit (``finish_reason`` "cancelled"), then every rank exits;
   a second signal (or Ctrl-C) stops at once;
 * what a client sends is bounded before any work: the body (``--max-body-bytes``, HTTP 413), the prompt's
@@ -261,10 +261,6 @@ class Request:
             if final:
                 return
 
-    def changes(self):
-        """Async generator: yields (nothing) once per change of this request, from any event loop thread."""
-        return changes_of([self])
-
     @property
     def stats(self) -> dict:
         """The ``speculative`` object: final statistics once done, progress so far before. Once done it holds
@@ -293,9 +289,6 @@ class Request:
                 out["ttft_s"] = round(self.t_first - self.t_submit, 6)
             out["elapsed_s"] = round((self.t_end or time.perf_counter()) - self.t_start, 6)
         return out
-
-    def usage(self) -> dict:
-        return usage_of([self])
 
     # -- writing (rank 0's threads) -------------------------------------------------------------------
     def _notify(self) -> None:
@@ -634,7 +627,6 @@ class RequestManager:
                 for i, b in enumerate(r.busy_fraction[:self.world]):
                     self.busy_weighted[i] += b * wall
                 self.busy_wall += wall
-            if r is not None:
                 self.m["draft_tokens"] += r.drafted_tokens
                 self.m["accepted_draft_tokens"] += r.accepted_draft_tokens
             if req.seq >= 0:   # not a warm-up generation
@@ -720,12 +712,12 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     import torch
 
     from model.prompts import stop_token_ids
-    from model.stage_format import stage_dir
     from pipeline import faults
     from pipeline.build import SetupError, generation_config, load_tokenizer, make_engine
     from pipeline.engine import GenSettings, timed_generation
     from pipeline.modes import new_decoder
     from pipeline.outputs import drafter_fields
+    from pipeline.run import model_name
 
     sock = None
     if not sargs.no_http:  # bind first: a taken port fails before anything else loads
@@ -736,20 +728,18 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
             sock.listen(128)
         except OSError as e:
             raise SetupError(f"cannot listen on {sargs.host}:{sargs.port}: {e.strerror or e}") from None
-    sdir = stage_dir(stage_root, 0)
     tokenizer = load_tokenizer(stage_root)
     stop_ids = stop_token_ids(tokenizer, generation_config(stage_root))
     engine = make_engine(cfg, comm, model, stage_root, modes, stop_ids, dtype, device)
     default_mode = cfg.gen.mode if cfg.gen.mode in modes else modes[0]
-    name = sargs.model_name or _model_name(stage_root, sdir)
+    name = sargs.model_name or model_name(stage_root)
     manager = RequestManager(tokenizer, stop_ids, modes, default_mode, cfg, model.config, comm.world,
                              sargs.queue_size, name, sargs.template, sargs.max_prompt_chars,
                              system_fingerprint(cfg, stage_root, modes, sargs.template, comm.world))
     manager.share_prefill = not sargs.no_share_prefill
     faults.on_fatal(manager.fail_all)
     global _graceful_stop
-    _graceful_stop = manager.begin_stop   # SIGTERM from here on: a graceful stop (graceful_signals)
-    keep_max = cfg.gen.max_new_tokens
+    _graceful_stop = manager.begin_stop   # SIGTERM from here on: a graceful stop (entry)
 
     def generate(req: Request, eng=engine) -> None:
         p = req.params      # the request's own settings: an argument of its generation, nothing swapped
@@ -766,10 +756,9 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     for mode in modes:  # warm-up: untimed, unrecorded
         for _ in range(sargs.warmup):
             warm = Request(-1, manager.prompt_ids(messages=[{"role": "user", "content": "Hello"}]),
-                           Params(mode, min(16, keep_max)), manager.decode, stop_ids)
+                           Params(mode, min(16, cfg.gen.max_new_tokens)), manager.decode, stop_ids)
             generate(warm)
-    for k in list(manager.m):
-        del manager.m[k]
+    manager.m.clear()
 
     server = None
     if sock is not None:
@@ -794,12 +783,8 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     active = auto_max_active(cfg.serve.max_active, cfg.osd.enabled)
     if active > 1:   # several requests in flight, each on its own lane (pipeline/lanes.py)
         serve_lanes(manager, engine, generate, active, keepalive_s, sargs.stop_grace_s)
-        if server is not None:
-            server.should_exit = True
-            server.thread.join(5)
-        return 0
     last_ring = time.monotonic()
-    while True:
+    while active == 1:
         req = manager.next(timeout=max(0.05, keepalive_s - (time.monotonic() - last_ring)))
         if req is not None:
             generate(req)
@@ -813,7 +798,8 @@ def serve_rank0(sargs, client, args, cfg, modes, comm, model, stage_root: Path, 
     if server is not None:
         server.should_exit = True
         server.thread.join(5)
-    engine.shutdown()
+    if active == 1:   # serve_lanes shut its lanes' stages down itself
+        engine.shutdown()
     return 0
 
 
@@ -885,18 +871,6 @@ def serve_lanes(manager: RequestManager, engine, generate, lanes: int, keepalive
     if errors:
         raise errors[0]
     pool.shutdown()
-
-
-def _model_name(stage_root: Path, sdir: Path) -> str:
-    try:
-        cfg = json.loads((sdir / "config.json").read_text())
-        src = cfg.get("_name_or_path") or ""
-    except (OSError, ValueError):
-        src = ""
-    name = Path(src).name if src else ""
-    if not name or name.startswith("stage_model"):
-        name = stage_root.resolve().parent.name if stage_root.name.startswith("stages") else stage_root.name
-    return name
 
 
 def _start_http(manager: RequestManager, sock: socket.socket, access_log: bool, max_body_bytes: int = MAX_BODY_BYTES):
@@ -1098,14 +1072,10 @@ def make_app(manager: RequestManager, max_body_bytes: int = MAX_BODY_BYTES):
                             top_p=body.get("top_p"), top_k=body.get("top_k"), seed=body.get("seed"),
                             stop=body.get("stop"), logprobs=requested_logprobs(body, chat))
             n = manager.check_n(body.get("n"))
-            if chat:
-                if "messages" not in body:
-                    raise RequestError("messages is required", "messages")
-                reqs = await off_loop(manager.submit_n, n, messages=body.get("messages"), **sampling)
-            else:
-                if "prompt" not in body:
-                    raise RequestError("prompt is required", "prompt")
-                reqs = await off_loop(manager.submit_n, n, prompt=body["prompt"], **sampling)
+            key = "messages" if chat else "prompt"
+            if key not in body:
+                raise RequestError(f"{key} is required", key)
+            reqs = await off_loop(manager.submit_n, n, **{key: body[key]}, **sampling)
         except BodyTooLarge:
             manager.m["bad_requests"] += 1
             return error(413, f"the request body is larger than this server accepts ({max_body_bytes} bytes, "
@@ -1235,14 +1205,9 @@ def make_app(manager: RequestManager, max_body_bytes: int = MAX_BODY_BYTES):
             resp = error(status, message, "server_error", None, "unavailable" if status == 503 else None)
             resp.background = bg
             return resp
-        choices = []
-        for r in reqs:
-            lp = logprobs_of(r, 0, len(r.logprobs))
-            if chat:
-                choices.append({"index": r.index, "message": {"role": "assistant", "content": r.text},
-                                "logprobs": lp, "finish_reason": r.finish_reason})
-            else:
-                choices.append({"index": r.index, "text": r.text, "logprobs": lp, "finish_reason": r.finish_reason})
+        choices = [{"index": r.index, **({"message": {"role": "assistant", "content": r.text}} if chat else
+                                         {"text": r.text}),
+                    "logprobs": logprobs_of(r, 0, len(r.logprobs)), "finish_reason": r.finish_reason} for r in reqs]
         out = {**base, "object": "chat.completion" if chat else "text_completion", "choices": choices,
                "usage": usage_of(reqs), "speculative": speculative()}
         return JSONResponse(out, background=bg)
@@ -1310,17 +1275,17 @@ class _ManagerCollector:
         steps, acc = m["verification_steps"], m["accepted_tokens"]
         drafted, accepted = m["draft_tokens"], m["accepted_draft_tokens"]
 
-        def counter(name, help_, value, labels=None, samples=()):
-            fam = CounterMetricFamily(name, help_, value=None if labels else value, labels=labels)
+        def family(kind, name, help_, value, labels=None, samples=()):
+            fam = kind(name, help_, value=None if labels else value, labels=labels)
             for lab, v in samples:
                 fam.add_metric(lab, v)
             return fam
 
-        def gauge(name, help_, value=None, labels=None, samples=()):
-            fam = GaugeMetricFamily(name, help_, value=None if labels else value, labels=labels)
-            for lab, v in samples:
-                fam.add_metric(lab, v)
-            return fam
+        def counter(*a):
+            return family(CounterMetricFamily, *a)
+
+        def gauge(*a):
+            return family(GaugeMetricFamily, *a)
 
         yield counter("flowspec_requests", "Requests by outcome", None, ["outcome"],
                       [([k], m[k]) for k in ("completed", "cancelled", "rejected_queue_full", "bad_requests")])
@@ -1383,48 +1348,9 @@ def main(argv: list[str] | None = None, client=None) -> int:
 _graceful_stop = None   # rank 0's RequestManager.begin_stop once it serves (set by serve_rank0)
 
 
-def graceful_signals(grace_s: float) -> None:
-    """Every rank of the server: SIGINT (Ctrl-C) stops at once, as in ``pipeline.run``; the first SIGTERM is a
-    graceful stop. Rank 0, once serving, calls :meth:`RequestManager.begin_stop` (one line says so) and ends
-    normally, sending the stages the ring's ``Shutdown``; the stage ranks keep computing until then. A second
-    signal stops at once; a rank still alive ``grace_s`` + 30 s after the first leaves anyway (a backstop: the
-    launcher kills its ranks after the grace too). SIGTERM before rank 0 serves stops at once. Signals are taken
-    by a ``sigwait`` thread, as in :func:`pipeline.run._exit_on_signals` (imports made before it starts)."""
-    import signal
-
-    from pipeline import faults
-    sigs = {signal.SIGINT, signal.SIGTERM}
-    signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
-    rank = os.environ.get("RANK", "0")
-
-    def leave(sig) -> None:
-        line = f"[rank {rank}] interrupted by {sig.name}; exiting"
-        if sig == signal.SIGTERM and faults.peer_failed():
-            line = ""
-        faults.fatal(line, 128 + sig.value, f"interrupted by {sig.name}")
-
-    def backstop(sig) -> None:
-        time.sleep(grace_s + 30.0)
-        leave(sig)
-
-    def wait() -> None:
-        sig = signal.Signals(signal.sigwait(sigs))
-        stop = _graceful_stop
-        if sig != signal.SIGTERM or (rank == "0" and stop is None):
-            leave(sig)
-        if stop is not None:
-            print(f"[rank {rank}] SIGTERM: stopping; the request in flight may finish (at most {grace_s:g}s), new "
-                  f"requests get 503; a second signal stops at once", file=sys.stderr, flush=True)
-            stop(grace_s)
-        threading.Thread(target=backstop, args=(sig,), daemon=True, name="flowspec-stop-backstop").start()
-        leave(signal.Signals(signal.sigwait(sigs)))
-
-    threading.Thread(target=wait, daemon=True, name="flowspec-signals").start()
-
-
 def entry(argv: list[str] | None = None, client=None) -> int:
     """What ``python -m pipeline.serve`` runs: Ctrl-C stops every rank at once, SIGTERM gracefully
-    (:func:`graceful_signals`)."""
+    (:func:`pipeline.run.exit_on_signals` with rank 0's ``RequestManager.begin_stop``)."""
     from pipeline import run
     if not run.debug():
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -1433,7 +1359,7 @@ def entry(argv: list[str] | None = None, client=None) -> int:
         grace = parse_args(argv, one_line=True).stop_grace_s
     except UsageError:
         grace = STOP_GRACE_S   # main() prints the usage
-    graceful_signals(grace)
+    run.exit_on_signals(lambda: _graceful_stop, grace)
     return main(argv, client)
 
 

@@ -87,14 +87,13 @@ class TPWorker:
                 self._reply(msg)
                 self.comm.flush()
                 return
-            if isinstance(msg, Stats):
-                every = self.coll.all_gather_floats(self.tracer.busy_s)
+            if isinstance(msg, Stats):   # every group rank's busy seconds and meter counters, in one gather
+                table = self.coll.all_gather_vectors([self.tracer.busy_s, *take_counters(self.meter)])
                 self.tracer.reset_counters()
-                msg.busy_s[1:1 + self.coll.size] = torch.tensor(every, dtype=torch.float64, device=HOST)
-                values = take_counters(self.meter)
-                if msg.counters is not None and values:    # every group rank's meter counters
-                    table = self.coll.all_gather_vectors(values)
-                    msg.counters[1:1 + self.coll.size] = torch.tensor(table, dtype=torch.float64, device=HOST)
+                table = torch.tensor(table, dtype=torch.float64, device=HOST)
+                msg.busy_s[1:1 + self.coll.size] = table[:, 0]
+                if msg.counters is not None and table.shape[1] > 1:
+                    msg.counters[1:1 + self.coll.size] = table[:, 1:]
                 self._reply(msg)
             elif isinstance(msg, Context):
                 pos, mask = context_inputs(self.cache, self.tree, msg, self.dtype)

@@ -17,6 +17,7 @@ import json
 import os
 import socket
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 # span kinds that count as busy; "host" is the simulator's rank-0 tree/verification work (pipeline/tools/simulate/)
@@ -101,17 +102,7 @@ class Tracer:
         return path
 
 
-class _NullSpan:
-    __slots__ = ()
-
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc) -> bool:
-        return False
-
-
-_NULL = _NullSpan()
+_NULL = nullcontext()   # the span of nothing (reusable: it keeps no state)
 
 
 class _Span:
