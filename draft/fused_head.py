@@ -223,12 +223,12 @@ class FusedHead:
             return None
         n = tokens.shape[-1]
         dtype, dev = features.dtype, features.device
-        f = features.reshape(n, -1)
-        e = F.embedding(tokens.reshape(n), head.embed_tokens.weight).to(dtype)
-        x = torch.cat([e, f], dim=1)
+        # [1, n] tokens and [1, n, H] features as they come: the embedding and the concatenation on 3-D rows, one
+        # view to 2-D for fc (no reshape of each input first)
+        e = F.embedding(tokens, head.embed_tokens.weight).to(dtype)
+        x = torch.cat([e, features], dim=-1).view(n, -1)
         h = torch.mm(x, self._fc_t) if self._fc_b is None else torch.addmm(self._fc_b, x, self._fc_t)
-        cs = self._rope_table(head, cap, dtype, dev).index_select(0, positions.reshape(n).to(dev))
-        cos, sin = cs.unbind(1)                                                # [n, 1, d] each
+        cos, sin = self._rope_table(head, cap, dtype, dev)[positions.to(dev)].unbind(2)   # [1, n, 1, d] each
         lanes = isinstance(cache, LaneBatch)
         if lanes:
             cache.to(dev, dtype)
@@ -240,10 +240,10 @@ class FusedHead:
             d, hq, hkv = ly.d, ly.hq, ly.hkv
             x = h if ly.in_norm is None else _rms(ly.in_norm, h)
             qkv = torch.mm(x, ly.qkv_t) if ly.qkv_b is None else torch.addmm(ly.qkv_b, x, ly.qkv_t)
-            qk, v = qkv.view(1, n, hq + 2 * hkv, d).split([hq + hkv, hkv], dim=2)
-            qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin).transpose(1, 2)   # rotary on q and k at once
-            q, k = qk.split([hq, hkv], dim=1)
-            v = v.transpose(1, 2)
+            qkv = qkv.view(1, n, hq + 2 * hkv, d)
+            qk = qkv[:, :, :hq + hkv]
+            torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin, out=qk)          # rotary on q and k at once, in place
+            q, k, v = qkv.transpose(1, 2).split([hq, hkv, hkv], dim=1)
             groups = hq // hkv
             native = groups > 1 and dev.type in NATIVE_GQA_DEVICES
 
