@@ -465,7 +465,8 @@ class BeamTreeDrafter:
         forward)."""
         n = len(tree)
         dev = inputs.device
-        depth1 = (tree.parents == 0).to(dev)[:, None]
+        _, t_par, t_score, t_dep = tree.host_numpy()      # the tree's host arrays as NumPy views (no operator)
+        depth1 = torch.from_numpy((t_par == 0)[:, None]).to(dev)
         if pre is not None and commit is not None and levels >= 2 and max_new > 0 and n > 1:
             return self._extend_prefetched(tree, inputs, levels, top_k, max_new, commit, pre)
         if commit is not None and (levels <= 0 or max_new <= 0 or n == 1):   # nothing to fuse with: commit alone
@@ -477,23 +478,21 @@ class BeamTreeDrafter:
         if commit is None:
             inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)  # a fresh copy: root's children
             if n > 1:
-                out = self.tree_forward(tree.tokens[1:], inputs[1:], tree.parents[1:] - 1)  # node i at slot i-1
+                out = self.tree_forward(tree.tokens[1:], inputs[1:], torch.from_numpy(t_par[1:] - 1))  # i at slot i-1
         else:   # the root's children as drafted (remembered inputs): commit rows and tree rows in one forward
             root_hidden, out = self.commit_tree_forward(commit[0], commit[1], tree.tokens[1:], inputs[1:],
-                                                        tree.parents[1:] - 1)
+                                                        torch.from_numpy(t_par[1:] - 1))
             inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)  # later re-feeds: the fresh output
-        outs = root_hidden[None].to(inputs.dtype)
-        if n > 1:
-            outs = torch.cat([outs, out.to(inputs.dtype)])
-        has_child = torch.zeros(n, dtype=torch.bool, device=HOST)
-        has_child[tree.parents[1:]] = True
-        leaves = (~has_child).nonzero().flatten()
-        k = min(top_k, leaves.numel())
-        frontier = leaves[beam_frontier(tree.scores[leaves], k)]                  # tree node ids (host)
+        # the frontier: the best top_k leaves (host NumPy on the tree's views: beam_frontier's stable order)
+        has_child = np.zeros(n, dtype=bool)
+        has_child[t_par[1:]] = True
+        leaves = np.flatnonzero(~has_child)
+        fr = leaves[_np_best(t_score[leaves], min(top_k, leaves.size))]         # tree node ids
+        # a leaf's output: row i-1 of the re-feed (the root is a leaf only of a one-node tree: root_hidden)
+        f_out = out[torch.from_numpy(fr - 1).to(dev)] if n > 1 else root_hidden[None]
         # frontier rows of every level, in order: parent code (a tree node < n, or n + candidate), depth, output
-        fr = frontier.numpy()
-        b = _Beam(levels * top_k * top_k, None, None, [], [fr], [tree.depths[frontier].numpy()],
-                  [outs[frontier.to(dev)]], fr - 1, tree.scores[frontier].numpy()[:, None])  # node i's slot: i-1
+        b = _Beam(levels * top_k * top_k, None, None, [], [fr], [t_dep[fr]],
+                  [f_out.to(inputs.dtype)], fr - 1, t_score[fr][:, None])  # node i's slot: i-1
         self._beam_levels(b, 0, levels, top_k, max_new, n, dev, inputs.dtype)
         self.drop_tree()
         if not b.n_cand:
@@ -567,15 +566,17 @@ class BeamTreeDrafter:
         inv = np.full(n_cand, -1, dtype=np.int64)                         # candidate -> new tree index
         inv[chosen] = np.arange(n, n + chosen.size)
         # the chosen nodes are written straight into the tree's buffers (draft.tree: capacity-sized trees)
-        grown, (tok, parents, score, depth) = tree.append_slots(chosen.size)
+        grown, (tok, parents, score, depth) = tree.append_slots_numpy(chosen.size)
         par = np.where(par < n, par, inv[np.clip(par - n, 0, None)])     # ancestors-first
         if (par < 0).any():
             raise AssertionError("chosen candidates are not ancestor-closed")        # impossible by construction
-        parents.numpy()[:] = par
-        tok.numpy()[:] = np.concatenate(c_tok)[chosen]
-        score.numpy()[:] = c_score[chosen]
-        depth.numpy()[:] = np.concatenate(rows_dep)[row] + 1
-        return grown, torch.cat([inputs, torch.cat(rows_out)[torch.from_numpy(row).to(dev)]])
+        parents[:] = par
+        tok[:] = np.concatenate(c_tok)[chosen]
+        score[:] = c_score[chosen]
+        depth[:] = np.concatenate(rows_dep)[row] + 1
+        # the grown tree's inputs: the old rows, then each chosen candidate's frontier row's output (one gather)
+        pick = np.concatenate([np.arange(n), row + n])
+        return grown, torch.cat([inputs, *rows_out])[torch.from_numpy(pick).to(dev)]
 
     def _extend_prefetched(self, tree: DraftTree, inputs: Tensor, levels: int, top_k: int, max_new: int,
                            commit: tuple[Tensor, Tensor], pre: tuple) -> tuple[DraftTree, Tensor, Tensor]:

@@ -71,6 +71,7 @@ def _weights(head) -> list[Tensor | None]:
                     mlp["down_proj"]):
             p = lin._parameters
             out += [p.get("weight"), p.get("bias")]
+        out.append(layer._modules["post_attention_layernorm"]._parameters["weight"])   # folded into gate/up
     return out
 
 
@@ -93,7 +94,9 @@ class _Layer:
         self.inter = m.gate_proj.out_features
         self.qkv_t = torch.cat([a.q_proj.weight.detach(), a.k_proj.weight.detach(), a.v_proj.weight.detach()]).t()
         self.qkv_b = _fused_bias([a.q_proj, a.k_proj, a.v_proj])
-        self.gu_t = torch.cat([m.gate_proj.weight.detach(), m.up_proj.weight.detach()]).t()
+        # the post-attention norm's weight folded into the rows of gate/up (RMSNorm without its last multiply)
+        self.gu_t = (torch.cat([m.gate_proj.weight.detach(), m.up_proj.weight.detach()])
+                     * self.post_norm.weight.detach()).t()
         self.gu_b = _fused_bias([m.gate_proj, m.up_proj])
         self.o_t, self.o_b = a.o_proj.weight.detach().t(), _bias(a.o_proj)
         self.down_t, self.down_b = m.down_proj.weight.detach().t(), _bias(m.down_proj)
@@ -122,6 +125,14 @@ def _rms(norm: nn.Module, x: Tensor) -> Tensor:
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
     return norm.weight * h.to(dtype)
+
+
+def _rms_unweighted(norm: nn.Module, x: Tensor) -> Tensor:
+    """:func:`_rms` without the weight's multiply (folded into the next matmul's weights: ``(w * y) @ W = y @ (w[:,
+    None] * W)``, equal up to float rounding): one operator fewer."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).to(dtype)
 
 
 def _linear_res(x: Tensor, w_t: Tensor, b: Tensor | None, res: Tensor) -> Tensor:
@@ -259,7 +270,7 @@ class FusedHead:
                 vl[:, :, length:length + n] = v
                 o = attention(q, kl[:, :, :length + n], vl[:, :, :length + n], mask)
             h = _linear_res(o.transpose(1, 2).reshape(n, hq * d), ly.o_t, ly.o_b, h)
-            x = _rms(ly.post_norm, h)
+            x = _rms_unweighted(ly.post_norm, h)                                 # its weight is in gu_t
             gu = torch.mm(x, ly.gu_t) if ly.gu_b is None else torch.addmm(ly.gu_b, x, ly.gu_t)
             g, u = gu.split(ly.inter, dim=1)
             h = _linear_res(ly.act(g) * u, ly.down_t, ly.down_b, h)

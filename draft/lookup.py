@@ -204,9 +204,17 @@ def lookup_supported(state: Tensor, slots: int, k: int) -> tuple[Tensor, Tensor]
     every used slot, equal among the unused): the same order, ties included; the unused slots come back as
     ``(-inf, -1)`` as there (their ids are -1 already). ``tests/test_level_ops.py`` checks it against
     :func:`best_supported` on random states with ties."""
+    s, ids = lookup_supported_raw(state, slots, k)
+    return s.masked_fill(s == FLOOR, float("-inf")), ids
+
+
+def lookup_supported_raw(state: Tensor, slots: int, k: int) -> tuple[Tensor, Tensor]:
+    """:func:`lookup_supported` with an unused slot's score left at ``FLOOR`` (its id is -1): what the merged
+    drafter's union reads (:func:`draft.merged.union_top_np` drops a slot by its -1 token on the host, so the two
+    operators that turn ``FLOOR`` into ``-inf`` are not needed there). 3 operators."""
     ids, scores = state.split(slots, dim=-1)
     s, j = torch.topk(scores, min(k, slots), dim=-1)
-    return s.masked_fill(s == FLOOR, float("-inf")), ids.gather(-1, j)
+    return s, ids.gather(-1, j)
 
 
 class LookupDrafter(TokenHistory):
@@ -281,6 +289,14 @@ class LookupDrafter(TokenHistory):
         if self.token_logp - math.log(m) > FLOOR:          # every used slot scores above FLOOR: lookup_supported
             return lookup_supported(hidden, m, k)
         return best_supported(hidden[..., :m], hidden[..., m:], self.vocab_size, k)
+
+    def supported_raw(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """:meth:`supported_tokens` with the empty slots as ``(FLOOR, -1)`` instead of ``(-inf, -1)``
+        (:func:`lookup_supported_raw`): the merged drafter's union (:meth:`draft.merged.MergedDrafter.top_numpy`)
+        drops them by their -1 token. Where the fast path does not apply, :meth:`supported_tokens` itself."""
+        if hidden.dtype in (torch.float32, torch.float64) and self.token_logp - math.log(self.max_matches) > FLOOR:
+            return lookup_supported_raw(hidden, self.max_matches, k)
+        return self.supported_tokens(hidden, k)
 
     def _unpack(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         return unpack_state(hidden, self.max_matches, "lookup")

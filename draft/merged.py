@@ -195,8 +195,9 @@ class MergedDrafter(BeamTreeDrafter):
         fewer distinct tokens were proposed in some row. Returned on the host: the sources' candidates cross in one
         copy (one concatenation of every source's scores and ids, as :func:`draft.drafter.to_host` packs them), and
         the dedup, whose width is read, runs there in NumPy (:func:`union_top`)."""
-        parts = [s.supported_tokens(h, k) if hasattr(s, "supported_tokens") else top_tokens(s, h, k)
-                 for s, h in zip(self.sources, self._split(hidden))]
+        parts = [s.supported_raw(h, k) if hasattr(s, "supported_raw") else
+                 s.supported_tokens(h, k) if hasattr(s, "supported_tokens") else top_tokens(s, h, k)
+                 for s, h in zip(self.sources, self._split_known(hidden))]
         dev = parts[0][0].device
         cols = [p[0] if c == 1.0 else p[0].double() * c for p, c in zip(parts, self.score_scales)]
         m = sum(x.shape[-1] for x in cols)
@@ -216,7 +217,22 @@ class MergedDrafter(BeamTreeDrafter):
         return self.top_tokens(hidden, k)
 
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
-        return self._cat([s.tree_forward(tokens, f, parents) for s, f in zip(self.sources, self._split(features))])
+        outs = [s.tree_forward(tokens, f, parents) for s, f in zip(self.sources, self._split(features))]
+        out = self._cat(outs)
+        # the parts of this output as the sources returned them: a beam level ranks exactly this output next
+        # (top_numpy), which then needs no split (issue 41: one operator per level)
+        self._last_parts = (out, out._version, outs)
+        return out
+
+    def _split_known(self, state: Tensor) -> list[Tensor]:
+        """:meth:`_split` of ``state``; for the output of the last :meth:`tree_forward`, unchanged since (same object,
+        same version) and whose parts already had its dtype and device, those parts themselves (the same values as
+        the split's views, no operator)."""
+        last = getattr(self, "_last_parts", None)
+        if last is not None and last[0] is state and last[1] == state._version and \
+                all(p.dtype == state.dtype and p.device == state.device for p in last[2]):
+            return last[2]
+        return self._split(state)
 
     def commit_tree_forward(self, tokens: Tensor, features: Tensor, tree_tokens: Tensor, tree_inputs: Tensor,
                             parents: Tensor) -> tuple[Tensor, Tensor]:
@@ -284,7 +300,8 @@ def union_top_np(both: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarr
     order = np.argsort(-s, axis=-1, kind="stable")                           # best first, ties in union order
     s, t = s[r, order], t[r, order]
     bad = ((t[:, :, None] == t[:, None, :]) & _below(t.shape[1])).any(-1)   # a better copy comes earlier
-    bad |= s == -np.inf                               # an empty slot (its token is -1) or a token out of reach
+    bad |= (s == -np.inf) | (t < 0)                   # a token out of reach, or an empty slot (its token is -1;
+    #                                                   lookup's raw slots keep their FLOOR score: supported_raw)
     kk = min(k, bad.shape[-1] - int(bad.sum(-1).max())) if bad.size else 0
     pick = np.argsort(bad, axis=-1, kind="stable")[:, :kk]                   # the valid ones, in order
     return s[r, pick], t[r, pick]

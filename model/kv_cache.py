@@ -183,7 +183,7 @@ class KVCache:
             new = np.arange(m, m + n)
             anc[new, new] = True                          # each new node is its own
         elif n <= SMALL_TREE:                             # a few linked nodes (a stage's segment): one list pass
-            _stage_rows_loop(par.tolist(), m, self._anc, self._dep)
+            _stage_rows_loop(par.tolist(), m, anc, dep)
         else:
             full, depth = extend_ancestry(torch.from_numpy(par), self.tree_anc if m else None,
                                           self.tree_depth if m else None)
@@ -390,22 +390,22 @@ def _extend_ancestry_loop(par: Tensor, m: int, base_anc: Tensor | None, base_dep
     return anc, torch.tensor(base + new_depth, dtype=torch.long, device=HOST)
 
 
-def _stage_rows_loop(pl: list[int], m: int, anc: Tensor, dep: Tensor) -> None:
+def _stage_rows_loop(pl: list[int], m: int, anc: np.ndarray, dep: np.ndarray) -> None:
     """:meth:`KVCache._stage_rows` for up to ``SMALL_TREE`` new nodes with linked parents, written in place into the
-    buffers ``anc``/``dep`` (rows ``m..m+n-1``): the rule of :func:`_extend_ancestry_loop` (each new row is its
-    chain's first cached ancestor's row plus a small new-by-new block), one pass over Python lists."""
+    buffers' NumPy views ``anc``/``dep`` (rows ``m..m+n-1``): the rule of :func:`_extend_ancestry_loop` (each new row
+    is its chain's first cached ancestor's row plus a small new-by-new block), one pass over Python lists."""
     n = len(pl)
     base = dep[:m].tolist() if m else []
     anchor, new_depth, block = _chain_rows(pl, m, base)
     rows = anc[m:m + n]
     if m and any(a >= 0 for a in anchor):
-        rows.copy_(anc.index_select(0, torch.tensor([max(a, 0) for a in anchor], dtype=torch.long, device=HOST)))
+        rows[:] = anc[[max(a, 0) for a in anchor]]
         if min(anchor) < 0:
-            rows[torch.tensor([a < 0 for a in anchor], device=HOST)] = False
+            rows[np.array([a < 0 for a in anchor])] = False
     else:
-        rows.fill_(False)
-    rows[:, m:m + n] = torch.tensor(block, dtype=torch.bool, device=HOST)
-    dep[m:m + n] = torch.tensor(new_depth, dtype=torch.long, device=HOST)
+        rows[:] = False
+    rows[:, m:m + n] = block
+    dep[m:m + n] = new_depth
 
 
 def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
