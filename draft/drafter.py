@@ -84,6 +84,14 @@ def _beam_layout(shape: tuple[tuple[int, int], ...]) -> tuple[Tensor, Tensor]:
 
 
 
+@functools.lru_cache(maxsize=64)
+def _beam_layout_np(shape: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """:func:`_beam_layout`'s parent rows as a NumPy array (cached; read only)."""
+    out = _beam_layout(shape)[0].numpy().copy()
+    out.flags.writeable = False
+    return out
+
+
 def float_log_softmax(logits: Tensor) -> Tensor:
     """Log-probs of ``logits`` rows in float32 (row-wise)."""
     return torch.log_softmax(logits.float(), dim=-1)
@@ -363,16 +371,19 @@ class BeamTreeDrafter:
         scores, cand_tok, fed = to_host(torch.cat(cand_scores), torch.cat(cand_tokens), fed)
         parent_row, levels = _beam_layout(tuple(shape))
         tree = select_top_nodes(root_token, cand_tok, fed[parent_row], scores, total_token, levels)
-        order = top_node_order(scores, total_token)                       # the candidates select_top_nodes kept
-        rows = torch.cat([root_hidden[None], *outs])                      # row 0 the root's output, then each fed
-        rowof = torch.full((n_cand,), -1, dtype=torch.long, device=HOST)   # candidate -> its output row (-1: none)
-        rowof[fed[:-1]] = torch.arange(1, fed.numel(), device=HOST)
+        order = _np_best(scores.numpy(), max(0, min(total_token - 1, n_cand)))   # top_node_order: the kept ones
+        # the row gathers' indices in NumPy (issue 41): rows = [zeros, root's output, each fed level's outputs]
+        fed_np = fed.numpy()
+        rowof = np.full(n_cand, -1, dtype=np.int64)                        # candidate -> its output row (-1: none)
+        rowof[fed_np[:-1]] = np.arange(1, fed_np.size)
         own = rowof[order]
-        inputs = rows[torch.cat([torch.zeros(1, dtype=torch.long, device=HOST), parent_row[order] + 1]).to(dev)]
-        known = torch.cat([torch.ones(1, dtype=torch.bool, device=HOST), own >= 0])
-        outputs = rows[torch.cat([torch.zeros(1, dtype=torch.long, device=HOST), own.clamp(min=0)]).to(dev)]
-        outputs = torch.where(known.to(dev)[:, None], outputs, 0)
-        return tree, inputs, outputs.to(inputs.dtype), known
+        known = np.concatenate([np.ones(1, dtype=bool), own >= 0])
+        rows = torch.cat([root_hidden.new_zeros(1, root_hidden.shape[-1]), root_hidden[None], *outs])
+        pick_in = np.concatenate([np.ones(1, dtype=np.int64), _beam_layout_np(tuple(shape))[order] + 2])
+        pick_out = np.concatenate([np.ones(1, dtype=np.int64), own + 1])  # an unknown row (-1) reads the zeros
+        inputs = rows[torch.from_numpy(pick_in).to(dev)]
+        outputs = rows[torch.from_numpy(pick_out).to(dev)]
+        return tree, inputs, outputs.to(inputs.dtype), torch.from_numpy(known)
 
     def commit_tree_forward(self, tokens: Tensor, features: Tensor, tree_tokens: Tensor, tree_inputs: Tensor,
                             parents: Tensor) -> tuple[Tensor, Tensor]:

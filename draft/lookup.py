@@ -81,7 +81,8 @@ def continuation_trie(root_token: int, conts: list[list[int]], token_logp: float
             parent = node
     scores = [math.log(c / n) + d * token_logp for c, d in zip(counts, depths)]
     return select_top_nodes(root_token, torch.tensor(toks, device=HOST), torch.tensor(pars, device=HOST),
-                            torch.tensor(scores, dtype=torch.float64, device=HOST), total_token)
+                            torch.tensor(scores, dtype=torch.float64, device=HOST), total_token,
+                            torch.tensor(depths, device=HOST))           # known here: no recomputation
 
 
 class NgramIndex:

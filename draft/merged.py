@@ -133,48 +133,56 @@ class MergedDrafter(BeamTreeDrafter):
         are a function of the token path alone (``features_free``: lookup, suffix) takes every fed node in one
         ``tree_forward`` (ancestors first, parents earlier in the same call), not one per level; a source with
         nothing to feed costs no ancestry and no level loop."""
+        # Host bookkeeping in NumPy on the tree's buffers (issue 41: which nodes each source lacks, their levels and
+        # cache slots are a few dozen host integers; as torch ops they were ~45 dispatched operators per source);
+        # only the states' gathers and writes are torch ops.
         n = len(tree)
-        parents, depths = tree.parents, tree.depths
-        has_child = torch.zeros(n, dtype=torch.bool, device=HOST)
-        has_child[parents[1:]] = True
+        tok_np, par_np, _, dep_np = tree.host_numpy()
+        pl = par_np.tolist()
+        has_child = np.zeros(n, dtype=bool)
+        has_child[par_np[1:]] = True
         has_child[0] = False                                        # the root's state is root_hidden
-        key = {(p, t): i for i, (p, t) in enumerate(zip(parents.tolist(), tree.tokens.tolist()))}
+        key = {(p, t): i for i, (p, t) in enumerate(zip(pl, tok_np.tolist()))}
+        clamped = torch.from_numpy(np.maximum(par_np, 0))           # each node's parent row (the root: row 0)
         out_states = []
-        anc = None
         for i, (src, h) in enumerate(zip(self.sources, self._split(root_hidden.reshape(1, -1)))):
+            dev = h.device
             states = h.expand(n, -1).clone()                        # row i: node i's state in this source
-            known = torch.zeros(n, dtype=torch.bool, device=HOST)
+            known = np.zeros(n, dtype=bool)
             known[0] = True
             found = searched[i] if searched else None
             if found is not None:
-                at = _match_nodes(found[0], key)
-                hit = (at >= 0) & found[2].to(HOST)
-                states[at[hit].to(states.device)] = found[1][hit.to(found[1].device)].to(states.device, states.dtype)
-                known[at[hit]] = True
+                at = _match_nodes_np(found[0], key)
+                hit = np.flatnonzero((at > 0) & found[2].to(HOST).numpy())    # row 0 stays h: the root's own
+                if hit.size:
+                    states[torch.from_numpy(at[hit]).to(dev)] = \
+                        found[1][torch.from_numpy(hit).to(found[1].device)].to(dev, states.dtype)
+                    known[at[hit]] = True
             feed = has_child & ~known
-            if bool(feed.any()):
-                if anc is None:
-                    anc = ancestor_matrix(parents)
-                feed = (anc & feed[:, None]).any(0)                  # ancestors of a fed node are fed (its path)
+            if feed.any():
+                fl = feed.tolist()                                   # ancestors of a fed node are fed (its path):
+                for j in range(n - 1, 0, -1):                        # one pass up, children after their parents
+                    if fl[j]:
+                        fl[pl[j]] = True
+                feed = np.array(fl)
                 feed[0] = False
-                slot = torch.full((n,), -1, dtype=torch.long, device=HOST)   # draft-cache tree slot (root: -1)
+                slot = np.full(n, -1, dtype=np.int64)                # draft-cache tree slot (root: -1)
                 if getattr(src, "features_free", False):             # states from token paths: one call, all levels
-                    levels = [feed.nonzero().flatten()]
+                    levels = [np.flatnonzero(feed)]
                 else:
-                    levels = [((depths == d) & feed).nonzero().flatten()
-                              for d in range(1, int(depths.max()) if n > 1 else 1)]
+                    levels = [np.flatnonzero((dep_np == d) & feed) for d in range(1, int(dep_np.max()) if n > 1 else 1)]
                 for level in levels:
-                    if level.numel() == 0:
+                    if level.size == 0:
                         continue
                     start = src.tree_size
-                    par = parents[level]
-                    slot[level] = start + torch.arange(level.numel(), device=HOST)   # before the parents' read
-                    out = src.tree_forward(tree.tokens[level], states[par.to(states.device)], slot[par])
-                    states[level.to(states.device)] = out.to(states.device, states.dtype)   # lookup's live on the host
+                    par = par_np[level]
+                    slot[level] = start + np.arange(level.size)       # before the parents' read
+                    lv = torch.from_numpy(level)
+                    out = src.tree_forward(tree.tokens[lv], states[torch.from_numpy(par).to(dev)],
+                                           torch.from_numpy(slot[par]))
+                    states[lv.to(dev)] = out.to(dev, states.dtype)   # lookup's live on the host
                 src.drop_tree()
-            rows = states[parents.clamp(min=0).to(states.device)]
-            rows[0] = h[0]
-            out_states.append(rows)
+            out_states.append(states[clamped.to(dev)])               # row 0: states[0], h itself
         return self._cat(out_states)
 
     def top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -326,10 +334,15 @@ def _below(m: int) -> np.ndarray:
 def _match_nodes(tree: DraftTree, key: dict[tuple[int, int], int]) -> Tensor:
     """For each node of ``tree`` (ancestors first), the index of the node with the same token path in the tree
     whose ``(parent, token) -> index`` map is ``key``, or -1 where that tree lacks the path."""
+    return torch.from_numpy(_match_nodes_np(tree, key))
+
+
+def _match_nodes_np(tree: DraftTree, key: dict[tuple[int, int], int]) -> np.ndarray:
+    """:func:`_match_nodes` as a NumPy int64 array."""
     at = [0]
     for p, t in zip(tree.parents.tolist()[1:], tree.tokens.tolist()[1:]):
         at.append(key.get((at[p], t), -1) if at[p] >= 0 else -1)
-    return torch.tensor(at, dtype=torch.long, device=HOST)
+    return np.array(at, dtype=np.int64)
 
 
 def scale_scores(tree: DraftTree, scale: float) -> DraftTree:

@@ -519,8 +519,9 @@ def merge_sources(trees: list[DraftTree], total_token: int) -> DraftTree:
     """
     if not trees:
         raise ValueError("merge_sources needs at least one tree")
-    root = int(trees[0].tokens[0])
-    if any(int(t.tokens[0]) != root for t in trees):
+    firsts = [t.tokens.tolist()[0] for t in trees]            # host reads, no operator (issue 41)
+    root = firsts[0]
+    if any(f != root for f in firsts):
         raise ValueError("merge needs trees with the same root token")
     live = [t for t in trees if len(t) > 1]
     if len(live) <= 1 and all(t.proposals is None for t in trees):
@@ -579,6 +580,10 @@ def merge_sources(trees: list[DraftTree], total_token: int) -> DraftTree:
     if n_sampled:
         out_props = [[(new[c], q) for c, q in props[u]
                       if c in new and (q is not None or c in det_kept)] for u in order]
+    out_depths = [0] * len(order)                                # ancestors first: one pass (no recomputation)
+    for i in range(1, len(order)):
+        out_depths[i] = out_depths[out_parents[i]] + 1
     return DraftTree(torch.tensor([tokens[u] for u in order], device=HOST),
                      torch.tensor(out_parents, device=HOST),
-                     torch.tensor([best[u] for u in order], device=HOST), proposals=out_props)
+                     torch.tensor([best[u] for u in order], device=HOST), torch.tensor(out_depths, device=HOST),
+                     proposals=out_props)

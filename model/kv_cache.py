@@ -119,11 +119,15 @@ class KVCache:
         if self.num_tree:
             raise RuntimeError("context tokens can only be appended when no tree nodes are cached")
         self._check_room(n)
-        pos = torch.arange(self.length, self.length + n, device=HOST)
+        c = self.length
         # row i sees slots j <= length + i: 0 there, the dtype's lowest above (what _additive of the tril'd
-        # allowed matrix gives, bitwise; issue 41: 5 operators instead of 9 per commit)
-        mask = torch.full((n, self.length + n), torch.finfo(dtype).min, dtype=dtype, device=HOST)
-        return pos[None], mask.triu_(self.length + 1).view(1, 1, n, self.length + n)
+        # allowed matrix gives, bitwise; issue 41: 5 operators instead of 9 per commit, 2 in NumPy)
+        pos = torch.from_numpy(np.arange(c, c + n, dtype=np.int64).reshape(1, n))
+        npd = _NUMPY_DTYPES.get(dtype)
+        if npd is None:                                   # no NumPy twin of the dtype (bfloat16): torch ops
+            mask = torch.full((n, c + n), torch.finfo(dtype).min, dtype=dtype, device=HOST)
+            return pos, mask.triu_(c + 1).view(1, 1, n, c + n)
+        return pos, torch.from_numpy(np.triu(np.full((1, 1, n, c + n), np.finfo(npd).min, dtype=npd), c + 1))
 
     def tree_inputs(self, parents: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Positions, additive mask and the extended ancestor matrix/depths for a tree segment.

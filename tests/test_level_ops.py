@@ -127,3 +127,16 @@ def test_numpy_slots_write_the_trees_buffers():
     again, (tok2, *_) = t.append_slots_numpy(1)              # t is no longer the longest: copy on write
     tok2[:] = [9]
     assert again.tokens.tolist() == [5, 6, 9] and grown.tokens.tolist() == [5, 6, 7, 8]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_context_masks_in_every_dtype(dtype):
+    """KVCache.context_inputs (a commit's causal mask, NumPy where the dtype has a twin): bitwise the torch
+    construction it replaced (``full(min).triu_(length + 1)``), positions ``length .. length + n - 1``."""
+    c = KVCache(1, 1, 4, 64, dtype)
+    for length, n in ((0, 3), (5, 1), (7, 4)):
+        c.length = c.context_len = length
+        pos, mask = c.context_inputs(n, dtype)
+        want = torch.full((n, length + n), torch.finfo(dtype).min, dtype=dtype).triu_(length + 1)
+        assert mask.dtype == dtype and torch.equal(mask, want.view(1, 1, n, length + n))
+        assert pos.dtype == torch.long and pos.tolist() == [list(range(length, length + n))]
