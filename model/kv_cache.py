@@ -188,12 +188,8 @@ class KVCache:
             anc[new, new] = True                          # each new node is its own
         elif n <= SMALL_TREE:                             # a few linked nodes (a stage's segment): one list pass
             _stage_rows_loop(par.tolist(), m, anc, dep)
-        else:
-            full, depth = extend_ancestry(torch.from_numpy(par), self.tree_anc if m else None,
-                                          self.tree_depth if m else None)
-            self._anc[m:m + n] = False
-            self._anc[m:m + n, :m + n] = full[m:]
-            self._dep[m:m + n] = depth[m:]
+        else:                                             # many linked nodes (a re-fed tree): pointer jumping
+            _stage_rows_jump(par, m, anc, dep)
 
     def extend_tree(self, parents: Tensor) -> tuple[Tensor, Tensor]:
         """The cached tree's ancestor matrix and depths extended by new nodes ``m..m+n-1`` with ``parents``
@@ -410,6 +406,38 @@ def _stage_rows_loop(pl: list[int], m: int, anc: np.ndarray, dep: np.ndarray) ->
         rows[:] = False
     rows[:, m:m + n] = block
     dep[m:m + n] = new_depth
+
+
+def _stage_rows_jump(par: np.ndarray, m: int, anc: np.ndarray, dep: np.ndarray) -> None:
+    """:meth:`KVCache._stage_rows` for more than ``SMALL_TREE`` new nodes some of whose parents are new (a re-fed
+    tree): :func:`extend_ancestry`'s pointer jumping, in NumPy on the buffers' views (rows ``m..m+n-1``; issue 41:
+    about 50 dispatched operators as torch ops, none here). Raises ``ValueError`` for a parent that is not an earlier
+    node, as :func:`extend_ancestry` does."""
+    n = par.size
+    idx = np.arange(n)
+    bad = np.flatnonzero(par >= idx + m)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"parent {int(par[i])} of node {m + i} is not an earlier node")
+    linked = par >= m
+    rows = np.zeros((n + 1, m + n), dtype=bool)       # row n: the zero sentinel "no new parent" points to
+    rows[idx, m + idx] = True
+    if m:
+        cached = (par >= 0) & ~linked
+        rows[:n, :m] = anc[np.clip(par, 0, m - 1), :m] & cached[:, None]
+    ext = np.append(np.where(linked, par - m, n), n)
+    while ext.min() < n:                              # ceil(log2(longest new chain)) rounds
+        rows |= rows[ext]
+        ext = ext[ext]
+    rows = rows[:n]
+    new = rows[:, m:]
+    val = new.sum(1) - 1                              # new ancestors above each node
+    if m:                                             # the chain's topmost new node enters a cached one (or -1)
+        top = par[new.argmax(1)]
+        val += np.where(top >= 0, dep[np.clip(top, 0, m - 1)] + 1, 0)
+    anc[m:m + n] = False
+    anc[m:m + n, :m + n] = rows
+    dep[m:m + n] = val
 
 
 def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
