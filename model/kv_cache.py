@@ -127,7 +127,8 @@ class KVCache:
         if npd is None:                                   # no NumPy twin of the dtype (bfloat16): torch ops
             mask = torch.full((n, c + n), torch.finfo(dtype).min, dtype=dtype, device=HOST)
             return pos, mask.triu_(c + 1).view(1, 1, n, c + n)
-        return pos, torch.from_numpy(np.triu(np.full((1, 1, n, c + n), np.finfo(npd).min, dtype=npd), c + 1))
+        above = np.arange(c + n) > np.arange(c, c + n)[:, None]                # slot j > length + i: masked
+        return pos, torch.from_numpy(np.where(above, npd(np.finfo(npd).min), npd(0)).reshape(1, 1, n, c + n))
 
     def tree_inputs(self, parents: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Positions, additive mask and the extended ancestor matrix/depths for a tree segment.
