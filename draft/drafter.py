@@ -92,6 +92,9 @@ def _beam_layout_np(shape: tuple[tuple[int, int], ...]) -> np.ndarray:
     return out
 
 
+_NUMPY_SCORES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}   # host_top_numpy
+
+
 def float_log_softmax(logits: Tensor) -> Tensor:
     """Log-probs of ``logits`` rows in float32 (row-wise)."""
     return torch.log_softmax(logits.float(), dim=-1)
@@ -640,8 +643,22 @@ class BeamTreeDrafter:
 
     def host_top_numpy(self, hidden: Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`host_top_tokens` as NumPy arrays (the beam's bookkeeping, :class:`_Beam`); the merged drafter
-        answers in NumPy already (no view to take)."""
-        return tuple(x.numpy() for x in self.host_top_tokens(hidden, k))
+        answers in NumPy already (no view to take). Scores and ids cross in ONE ``cat`` into a float64 buffer kept
+        per shape (exact: float32/float64 scores, ids below 2**53) and one device->host copy, split back in NumPy
+        (issue 41: :func:`to_host`'s widening casts, slices and narrowing casts were 9 dispatched operators per
+        level, here 2); a score dtype NumPy lacks (bfloat16) takes :func:`to_host`."""
+        s, t = self.top_tokens(hidden, k)
+        npd = _NUMPY_SCORES.get(s.dtype)
+        if npd is None or s.dim() != 2 or t.shape != s.shape:
+            return tuple(x.numpy() for x in to_host(s, t))
+        key = (tuple(s.shape), s.device)
+        packs = self.__dict__.setdefault("_host_packs", {})
+        buf = packs.get(key)
+        if buf is None:
+            buf = packs[key] = torch.empty((s.shape[0], 2 * s.shape[1]), dtype=torch.float64, device=s.device)
+        both = torch.cat([s, t], dim=-1, out=buf).to(HOST).numpy()
+        w = s.shape[1]
+        return both[:, :w].astype(npd), both[:, w:].astype(np.int64)
 
 
 class Drafter(BeamTreeDrafter):

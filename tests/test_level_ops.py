@@ -140,3 +140,24 @@ def test_context_masks_in_every_dtype(dtype):
         want = torch.full((n, length + n), torch.finfo(dtype).min, dtype=dtype).triu_(length + 1)
         assert mask.dtype == dtype and torch.equal(mask, want.view(1, 1, n, length + n))
         assert pos.dtype == torch.long and pos.tolist() == [list(range(length, length + n))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_host_top_numpy_packs_scores_and_ids_exactly(dtype):
+    """BeamTreeDrafter.host_top_numpy: one float64 concatenation into a kept buffer, split in NumPy: bitwise the
+    scores and ids of to_host; the buffer's reuse leaves no stale values. (Draft log-probs are float32 or wider:
+    float_log_softmax.)"""
+    from draft.drafter import BeamTreeDrafter, to_host
+
+    class D(BeamTreeDrafter):
+        def top_tokens(self, hidden, k):
+            return torch.topk(hidden, k, dim=-1)
+    d = D()
+    g = torch.Generator().manual_seed(0)
+    for rows in (3, 5, 3):
+        h = (torch.randn(rows, 50, generator=g) * 30).to(dtype)
+        got = d.host_top_numpy(h, 4)
+        want = to_host(*torch.topk(h, 4, dim=-1))
+        assert got[0].dtype == want[0].numpy().dtype
+        assert torch.equal(torch.as_tensor(got[0]).to(dtype), want[0]) and np.array_equal(got[1], want[1].numpy())
+        assert got[1].dtype == np.int64
