@@ -120,18 +120,22 @@ class NgramIndex:
         inside ``seq`` come from the index, the few that overlap ``path`` from a scan of those positions only."""
         seq, lc = self.seq or [], self.length
         total = lc + len(path)
-
-        def tok(j: int) -> int:
-            return seq[j] if j < lc else path[j - lc]
+        # the window every overlapping occurrence and the suffix reach: the last max_ngram tokens of seq, then path
+        # (issue 41: list slices compared in C instead of a Python call per token; the same matches in the same order)
+        base = max(0, lc - self.max_ngram)
+        w = seq[base:lc] + list(path)                                  # positions base .. total - 1
 
         def cont(i: int) -> list[int]:
-            return [tok(j) for j in range(i, min(i + length, total))]
+            end = min(i + length, total)
+            if i >= base:
+                return w[i - base:end - base]
+            return seq[i:end] if end <= lc else seq[i:lc] + w[lc - base:end - base]
 
         for n in range(min(self.max_ngram, total - 1), self.min_ngram - 1, -1):
-            suffix = [tok(j) for j in range(total - n, total)]
+            suffix = w[total - n - base:]
             out = []
             for i in range(total - n - 1, max(lc - n, -1), -1):     # occurrences that overlap ``path``
-                if all(tok(i + j) == suffix[j] for j in range(n)):
+                if w[i - base:i - base + n] == suffix:
                     out.append(cont(i + n))
                     if len(out) >= max_matches:
                         return out
