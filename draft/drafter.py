@@ -26,7 +26,7 @@ import torch
 from draft.eagle import EagleHead
 from draft.shape import EAGLE2, TreeShape, pick_frontier
 from draft.static_head import level_step
-from draft.tree import DraftTree, beam_frontier, select_top_nodes, top_node_order
+from draft.tree import DraftTree, beam_frontier, select_top_nodes
 from model.devices import HOST
 from model.meter import NULL_METER, OpMeter, hidden_rows, run_rows
 

@@ -36,7 +36,7 @@ import torch
 from config.run_config import SourceError, parse_sources
 from draft.drafter import BeamTreeDrafter
 from draft.protocol import top_tokens
-from draft.tree import DraftTree, ancestor_matrix, merge_sources
+from draft.tree import DraftTree, merge_sources
 from model.devices import HOST
 
 Tensor = torch.Tensor
