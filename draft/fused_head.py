@@ -11,7 +11,11 @@ of a small head). The lean layer already drops transformers' framework; this dro
   value), with ``rotate_half(x) * sin`` as ``roll(x, d/2) * sin'`` (``sin'``: ``sin`` with its first half negated,
   bitwise the same products) applied to q and k in one pass;
 * the transposed weights kept as views (``mm`` / ``addmm``: no ``t`` per call), the residual adds folded into the
-  ``addmm`` of ``o_proj`` and ``down_proj`` where those have no bias, ``fc`` + embedding on 2-D rows;
+  ``addmm`` of ``o_proj`` and ``down_proj`` where those have no bias, ``fc`` + embedding on the rows as given;
+* the post-attention RMSNorm's weight folded into the fused gate/up weights (``(w * y) @ W = y @ (w * W)``, equal up
+  to float rounding; the norm weight is in the signature below), the rotary applied in place on the q/k slice of the
+  q/k/v matmul so that one transpose and one split give q, k and v (issue 41, docs/results.md "A draft level in fewer
+  operators": 39 -> 35 operators per forward);
 * grouped-query attention through ``scaled_dot_product_attention(enable_gqa=True)`` on a CPU (no ``repeat_kv``
   copies; :data:`NATIVE_GQA_DEVICES`), the key/value write into the draft cache through per-layer views of its
   buffers.
