@@ -26,7 +26,7 @@ import torch
 from draft.eagle import EagleHead
 from draft.shape import EAGLE2, TreeShape, pick_frontier
 from draft.static_head import level_step
-from draft.tree import DraftTree, beam_frontier, select_top_nodes, top_node_order
+from draft.tree import DraftTree, beam_frontier, select_top_nodes
 from model.devices import HOST
 from model.meter import NULL_METER, OpMeter, hidden_rows, run_rows
 
@@ -82,6 +82,17 @@ def _beam_layout(shape: tuple[tuple[int, int], ...]) -> tuple[Tensor, Tensor]:
         off += rows if level else 1
     return torch.cat(parent), torch.cat(depth)
 
+
+
+@functools.lru_cache(maxsize=64)
+def _beam_layout_np(shape: tuple[tuple[int, int], ...]) -> np.ndarray:
+    """:func:`_beam_layout`'s parent rows as a NumPy array (cached; read only)."""
+    out = _beam_layout(shape)[0].numpy().copy()
+    out.flags.writeable = False
+    return out
+
+
+_NUMPY_SCORES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}   # host_top_numpy
 
 
 def float_log_softmax(logits: Tensor) -> Tensor:
@@ -363,16 +374,19 @@ class BeamTreeDrafter:
         scores, cand_tok, fed = to_host(torch.cat(cand_scores), torch.cat(cand_tokens), fed)
         parent_row, levels = _beam_layout(tuple(shape))
         tree = select_top_nodes(root_token, cand_tok, fed[parent_row], scores, total_token, levels)
-        order = top_node_order(scores, total_token)                       # the candidates select_top_nodes kept
-        rows = torch.cat([root_hidden[None], *outs])                      # row 0 the root's output, then each fed
-        rowof = torch.full((n_cand,), -1, dtype=torch.long, device=HOST)   # candidate -> its output row (-1: none)
-        rowof[fed[:-1]] = torch.arange(1, fed.numel(), device=HOST)
+        order = _np_best(scores.numpy(), max(0, min(total_token - 1, n_cand)))   # top_node_order: the kept ones
+        # the row gathers' indices in NumPy (issue 41): rows = [zeros, root's output, each fed level's outputs]
+        fed_np = fed.numpy()
+        rowof = np.full(n_cand, -1, dtype=np.int64)                        # candidate -> its output row (-1: none)
+        rowof[fed_np[:-1]] = np.arange(1, fed_np.size)
         own = rowof[order]
-        inputs = rows[torch.cat([torch.zeros(1, dtype=torch.long, device=HOST), parent_row[order] + 1]).to(dev)]
-        known = torch.cat([torch.ones(1, dtype=torch.bool, device=HOST), own >= 0])
-        outputs = rows[torch.cat([torch.zeros(1, dtype=torch.long, device=HOST), own.clamp(min=0)]).to(dev)]
-        outputs = torch.where(known.to(dev)[:, None], outputs, 0)
-        return tree, inputs, outputs.to(inputs.dtype), known
+        known = np.concatenate([np.ones(1, dtype=bool), own >= 0])
+        rows = torch.cat([root_hidden.new_zeros(1, root_hidden.shape[-1]), root_hidden[None], *outs])
+        pick_in = np.concatenate([np.ones(1, dtype=np.int64), _beam_layout_np(tuple(shape))[order] + 2])
+        pick_out = np.concatenate([np.ones(1, dtype=np.int64), own + 1])  # an unknown row (-1) reads the zeros
+        inputs = rows[torch.from_numpy(pick_in).to(dev)]
+        outputs = rows[torch.from_numpy(pick_out).to(dev)]
+        return tree, inputs, outputs.to(inputs.dtype), torch.from_numpy(known)
 
     def commit_tree_forward(self, tokens: Tensor, features: Tensor, tree_tokens: Tensor, tree_inputs: Tensor,
                             parents: Tensor) -> tuple[Tensor, Tensor]:
@@ -465,7 +479,8 @@ class BeamTreeDrafter:
         forward)."""
         n = len(tree)
         dev = inputs.device
-        depth1 = (tree.parents == 0).to(dev)[:, None]
+        _, t_par, t_score, t_dep = tree.host_numpy()      # the tree's host arrays as NumPy views (no operator)
+        depth1 = torch.from_numpy((t_par == 0)[:, None]).to(dev)
         if pre is not None and commit is not None and levels >= 2 and max_new > 0 and n > 1:
             return self._extend_prefetched(tree, inputs, levels, top_k, max_new, commit, pre)
         if commit is not None and (levels <= 0 or max_new <= 0 or n == 1):   # nothing to fuse with: commit alone
@@ -477,23 +492,21 @@ class BeamTreeDrafter:
         if commit is None:
             inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)  # a fresh copy: root's children
             if n > 1:
-                out = self.tree_forward(tree.tokens[1:], inputs[1:], tree.parents[1:] - 1)  # node i at slot i-1
+                out = self.tree_forward(tree.tokens[1:], inputs[1:], torch.from_numpy(t_par[1:] - 1))  # i at slot i-1
         else:   # the root's children as drafted (remembered inputs): commit rows and tree rows in one forward
             root_hidden, out = self.commit_tree_forward(commit[0], commit[1], tree.tokens[1:], inputs[1:],
-                                                        tree.parents[1:] - 1)
+                                                        torch.from_numpy(t_par[1:] - 1))
             inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)  # later re-feeds: the fresh output
-        outs = root_hidden[None].to(inputs.dtype)
-        if n > 1:
-            outs = torch.cat([outs, out.to(inputs.dtype)])
-        has_child = torch.zeros(n, dtype=torch.bool, device=HOST)
-        has_child[tree.parents[1:]] = True
-        leaves = (~has_child).nonzero().flatten()
-        k = min(top_k, leaves.numel())
-        frontier = leaves[beam_frontier(tree.scores[leaves], k)]                  # tree node ids (host)
+        # the frontier: the best top_k leaves (host NumPy on the tree's views: beam_frontier's stable order)
+        has_child = np.zeros(n, dtype=bool)
+        has_child[t_par[1:]] = True
+        leaves = np.flatnonzero(~has_child)
+        fr = leaves[_np_best(t_score[leaves], min(top_k, leaves.size))]         # tree node ids
+        # a leaf's output: row i-1 of the re-feed (the root is a leaf only of a one-node tree: root_hidden)
+        f_out = out[torch.from_numpy(fr - 1).to(dev)] if n > 1 else root_hidden[None]
         # frontier rows of every level, in order: parent code (a tree node < n, or n + candidate), depth, output
-        fr = frontier.numpy()
-        b = _Beam(levels * top_k * top_k, None, None, [], [fr], [tree.depths[frontier].numpy()],
-                  [outs[frontier.to(dev)]], fr - 1, tree.scores[frontier].numpy()[:, None])  # node i's slot: i-1
+        b = _Beam(levels * top_k * top_k, None, None, [], [fr], [t_dep[fr]],
+                  [f_out.to(inputs.dtype)], fr - 1, t_score[fr][:, None])  # node i's slot: i-1
         self._beam_levels(b, 0, levels, top_k, max_new, n, dev, inputs.dtype)
         self.drop_tree()
         if not b.n_cand:
@@ -567,15 +580,17 @@ class BeamTreeDrafter:
         inv = np.full(n_cand, -1, dtype=np.int64)                         # candidate -> new tree index
         inv[chosen] = np.arange(n, n + chosen.size)
         # the chosen nodes are written straight into the tree's buffers (draft.tree: capacity-sized trees)
-        grown, (tok, parents, score, depth) = tree.append_slots(chosen.size)
+        grown, (tok, parents, score, depth) = tree.append_slots_numpy(chosen.size)
         par = np.where(par < n, par, inv[np.clip(par - n, 0, None)])     # ancestors-first
         if (par < 0).any():
             raise AssertionError("chosen candidates are not ancestor-closed")        # impossible by construction
-        parents.numpy()[:] = par
-        tok.numpy()[:] = np.concatenate(c_tok)[chosen]
-        score.numpy()[:] = c_score[chosen]
-        depth.numpy()[:] = np.concatenate(rows_dep)[row] + 1
-        return grown, torch.cat([inputs, torch.cat(rows_out)[torch.from_numpy(row).to(dev)]])
+        parents[:] = par
+        tok[:] = np.concatenate(c_tok)[chosen]
+        score[:] = c_score[chosen]
+        depth[:] = np.concatenate(rows_dep)[row] + 1
+        # the grown tree's inputs: the old rows, then each chosen candidate's frontier row's output (one gather)
+        pick = np.concatenate([np.arange(n), row + n])
+        return grown, torch.cat([inputs, *rows_out])[torch.from_numpy(pick).to(dev)]
 
     def _extend_prefetched(self, tree: DraftTree, inputs: Tensor, levels: int, top_k: int, max_new: int,
                            commit: tuple[Tensor, Tensor], pre: tuple) -> tuple[DraftTree, Tensor, Tensor]:
@@ -628,8 +643,22 @@ class BeamTreeDrafter:
 
     def host_top_numpy(self, hidden: Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`host_top_tokens` as NumPy arrays (the beam's bookkeeping, :class:`_Beam`); the merged drafter
-        answers in NumPy already (no view to take)."""
-        return tuple(x.numpy() for x in self.host_top_tokens(hidden, k))
+        answers in NumPy already (no view to take). Scores and ids cross in ONE ``cat`` into a float64 buffer kept
+        per shape (exact: float32/float64 scores, ids below 2**53) and one device->host copy, split back in NumPy
+        (issue 41: :func:`to_host`'s widening casts, slices and narrowing casts were 9 dispatched operators per
+        level, here 2); a score dtype NumPy lacks (bfloat16) takes :func:`to_host`."""
+        s, t = self.top_tokens(hidden, k)
+        npd = _NUMPY_SCORES.get(s.dtype)
+        if npd is None or s.dim() != 2 or t.shape != s.shape:
+            return tuple(x.numpy() for x in to_host(s, t))
+        key = (tuple(s.shape), s.device)
+        packs = self.__dict__.setdefault("_host_packs", {})
+        buf = packs.get(key)
+        if buf is None:
+            buf = packs[key] = torch.empty((s.shape[0], 2 * s.shape[1]), dtype=torch.float64, device=s.device)
+        both = torch.cat([s, t], dim=-1, out=buf).to(HOST).numpy()
+        w = s.shape[1]
+        return both[:, :w].astype(npd), both[:, w:].astype(np.int64)
 
 
 class Drafter(BeamTreeDrafter):

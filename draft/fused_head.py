@@ -11,7 +11,11 @@ of a small head). The lean layer already drops transformers' framework; this dro
   value), with ``rotate_half(x) * sin`` as ``roll(x, d/2) * sin'`` (``sin'``: ``sin`` with its first half negated,
   bitwise the same products) applied to q and k in one pass;
 * the transposed weights kept as views (``mm`` / ``addmm``: no ``t`` per call), the residual adds folded into the
-  ``addmm`` of ``o_proj`` and ``down_proj`` where those have no bias, ``fc`` + embedding on 2-D rows;
+  ``addmm`` of ``o_proj`` and ``down_proj`` where those have no bias, ``fc`` + embedding on the rows as given;
+* the post-attention RMSNorm's weight folded into the fused gate/up weights (``(w * y) @ W = y @ (w * W)``, equal up
+  to float rounding; the norm weight is in the signature below), the rotary applied in place on the q/k slice of the
+  q/k/v matmul so that one transpose and one split give q, k and v (issue 41, docs/results.md "A draft level in fewer
+  operators": 39 -> 35 operators per forward);
 * grouped-query attention through ``scaled_dot_product_attention(enable_gqa=True)`` on a CPU (no ``repeat_kv``
   copies; :data:`NATIVE_GQA_DEVICES`), the key/value write into the draft cache through per-layer views of its
   buffers.
@@ -71,6 +75,7 @@ def _weights(head) -> list[Tensor | None]:
                     mlp["down_proj"]):
             p = lin._parameters
             out += [p.get("weight"), p.get("bias")]
+        out.append(layer._modules["post_attention_layernorm"]._parameters["weight"])   # folded into gate/up
     return out
 
 
@@ -93,7 +98,9 @@ class _Layer:
         self.inter = m.gate_proj.out_features
         self.qkv_t = torch.cat([a.q_proj.weight.detach(), a.k_proj.weight.detach(), a.v_proj.weight.detach()]).t()
         self.qkv_b = _fused_bias([a.q_proj, a.k_proj, a.v_proj])
-        self.gu_t = torch.cat([m.gate_proj.weight.detach(), m.up_proj.weight.detach()]).t()
+        # the post-attention norm's weight folded into the rows of gate/up (RMSNorm without its last multiply)
+        self.gu_t = (torch.cat([m.gate_proj.weight.detach(), m.up_proj.weight.detach()])
+                     * self.post_norm.weight.detach()).t()
         self.gu_b = _fused_bias([m.gate_proj, m.up_proj])
         self.o_t, self.o_b = a.o_proj.weight.detach().t(), _bias(a.o_proj)
         self.down_t, self.down_b = m.down_proj.weight.detach().t(), _bias(m.down_proj)
@@ -122,6 +129,14 @@ def _rms(norm: nn.Module, x: Tensor) -> Tensor:
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
     return norm.weight * h.to(dtype)
+
+
+def _rms_unweighted(norm: nn.Module, x: Tensor) -> Tensor:
+    """:func:`_rms` without the weight's multiply (folded into the next matmul's weights: ``(w * y) @ W = y @ (w[:,
+    None] * W)``, equal up to float rounding): one operator fewer."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).to(dtype)
 
 
 def _linear_res(x: Tensor, w_t: Tensor, b: Tensor | None, res: Tensor) -> Tensor:
@@ -223,12 +238,12 @@ class FusedHead:
             return None
         n = tokens.shape[-1]
         dtype, dev = features.dtype, features.device
-        f = features.reshape(n, -1)
-        e = F.embedding(tokens.reshape(n), head.embed_tokens.weight).to(dtype)
-        x = torch.cat([e, f], dim=1)
+        # [1, n] tokens and [1, n, H] features as they come: the embedding and the concatenation on 3-D rows, one
+        # view to 2-D for fc (no reshape of each input first)
+        e = F.embedding(tokens, head.embed_tokens.weight).to(dtype)
+        x = torch.cat([e, features], dim=-1).view(n, -1)
         h = torch.mm(x, self._fc_t) if self._fc_b is None else torch.addmm(self._fc_b, x, self._fc_t)
-        cs = self._rope_table(head, cap, dtype, dev).index_select(0, positions.reshape(n).to(dev))
-        cos, sin = cs.unbind(1)                                                # [n, 1, d] each
+        cos, sin = self._rope_table(head, cap, dtype, dev)[positions.to(dev)].unbind(2)   # [1, n, 1, d] each
         lanes = isinstance(cache, LaneBatch)
         if lanes:
             cache.to(dev, dtype)
@@ -240,10 +255,10 @@ class FusedHead:
             d, hq, hkv = ly.d, ly.hq, ly.hkv
             x = h if ly.in_norm is None else _rms(ly.in_norm, h)
             qkv = torch.mm(x, ly.qkv_t) if ly.qkv_b is None else torch.addmm(ly.qkv_b, x, ly.qkv_t)
-            qk, v = qkv.view(1, n, hq + 2 * hkv, d).split([hq + hkv, hkv], dim=2)
-            qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin).transpose(1, 2)   # rotary on q and k at once
-            q, k = qk.split([hq, hkv], dim=1)
-            v = v.transpose(1, 2)
+            qkv = qkv.view(1, n, hq + 2 * hkv, d)
+            qk = qkv[:, :, :hq + hkv]
+            torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin, out=qk)          # rotary on q and k at once, in place
+            q, k, v = qkv.transpose(1, 2).split([hq, hkv, hkv], dim=1)
             groups = hq // hkv
             native = groups > 1 and dev.type in NATIVE_GQA_DEVICES
 
@@ -259,7 +274,7 @@ class FusedHead:
                 vl[:, :, length:length + n] = v
                 o = attention(q, kl[:, :, :length + n], vl[:, :, :length + n], mask)
             h = _linear_res(o.transpose(1, 2).reshape(n, hq * d), ly.o_t, ly.o_b, h)
-            x = _rms(ly.post_norm, h)
+            x = _rms_unweighted(ly.post_norm, h)                                 # its weight is in gu_t
             gu = torch.mm(x, ly.gu_t) if ly.gu_b is None else torch.addmm(ly.gu_b, x, ly.gu_t)
             g, u = gu.split(ly.inter, dim=1)
             h = _linear_res(ly.act(g) * u, ly.down_t, ly.down_b, h)

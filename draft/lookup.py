@@ -81,7 +81,8 @@ def continuation_trie(root_token: int, conts: list[list[int]], token_logp: float
             parent = node
     scores = [math.log(c / n) + d * token_logp for c, d in zip(counts, depths)]
     return select_top_nodes(root_token, torch.tensor(toks, device=HOST), torch.tensor(pars, device=HOST),
-                            torch.tensor(scores, dtype=torch.float64, device=HOST), total_token)
+                            torch.tensor(scores, dtype=torch.float64, device=HOST), total_token,
+                            torch.tensor(depths, device=HOST))           # known here: no recomputation
 
 
 class NgramIndex:
@@ -119,18 +120,22 @@ class NgramIndex:
         inside ``seq`` come from the index, the few that overlap ``path`` from a scan of those positions only."""
         seq, lc = self.seq or [], self.length
         total = lc + len(path)
-
-        def tok(j: int) -> int:
-            return seq[j] if j < lc else path[j - lc]
+        # the window every overlapping occurrence and the suffix reach: the last max_ngram tokens of seq, then path
+        # (issue 41: list slices compared in C instead of a Python call per token; the same matches in the same order)
+        base = max(0, lc - self.max_ngram)
+        w = seq[base:lc] + list(path)                                  # positions base .. total - 1
 
         def cont(i: int) -> list[int]:
-            return [tok(j) for j in range(i, min(i + length, total))]
+            end = min(i + length, total)
+            if i >= base:
+                return w[i - base:end - base]
+            return seq[i:end] if end <= lc else seq[i:lc] + w[lc - base:end - base]
 
         for n in range(min(self.max_ngram, total - 1), self.min_ngram - 1, -1):
-            suffix = [tok(j) for j in range(total - n, total)]
+            suffix = w[total - n - base:]
             out = []
             for i in range(total - n - 1, max(lc - n, -1), -1):     # occurrences that overlap ``path``
-                if all(tok(i + j) == suffix[j] for j in range(n)):
+                if w[i - base:i - base + n] == suffix:
                     out.append(cont(i + n))
                     if len(out) >= max_matches:
                         return out
@@ -190,6 +195,31 @@ def best_supported(ids: Tensor, scores: Tensor, vocab_size: int, k: int) -> tupl
     empty = (ids < 0) | (ids >= vocab_size)
     s, j = torch.topk(scores.masked_fill(empty, float("-inf")), min(k, scores.shape[-1]), dim=-1)
     return s, ids.gather(-1, j).masked_fill(s == float("-inf"), -1)
+
+
+def lookup_supported(state: Tensor, slots: int, k: int) -> tuple[Tensor, Tensor]:
+    """:func:`best_supported` of lookup's own states (:func:`state_row`), in 5 operators instead of 10 (issue 41): the
+    state split once, ``topk`` of its scores as they are, the ``FLOOR`` of an unused slot turned into ``-inf``, the
+    ids gathered. Equal to ``best_supported(state[..., :slots], state[..., slots:], vocab_size, k)`` because a
+    lookup state keeps two invariants (``state_row``): an unused slot holds id -1 and score ``FLOOR``, a used one an
+    id of the context (a real token, ``0 <= id < vocab_size``) and a score above ``FLOOR`` (``log(count / n) +
+    token_logp`` with ``n <= max_matches``: :class:`LookupDrafter` takes this path only where ``token_logp -
+    log(max_matches) > FLOOR``, i.e. for every sane ``token_logp``). So nothing needs masking by id, and ``topk`` sees
+    the same comparisons between every pair of slots as on the masked scores (``FLOOR`` and ``-inf`` both below
+    every used slot, equal among the unused): the same order, ties included; the unused slots come back as
+    ``(-inf, -1)`` as there (their ids are -1 already). ``tests/test_level_ops.py`` checks it against
+    :func:`best_supported` on random states with ties."""
+    s, ids = lookup_supported_raw(state, slots, k)
+    return s.masked_fill(s == FLOOR, float("-inf")), ids
+
+
+def lookup_supported_raw(state: Tensor, slots: int, k: int) -> tuple[Tensor, Tensor]:
+    """:func:`lookup_supported` with an unused slot's score left at ``FLOOR`` (its id is -1): what the merged
+    drafter's union reads (:func:`draft.merged.union_top_np` drops a slot by its -1 token on the host, so the two
+    operators that turn ``FLOOR`` into ``-inf`` are not needed there). 3 operators."""
+    ids, scores = state.split(slots, dim=-1)
+    s, j = torch.topk(scores, min(k, slots), dim=-1)
+    return s, ids.gather(-1, j)
 
 
 class LookupDrafter(TokenHistory):
@@ -261,7 +291,17 @@ class LookupDrafter(TokenHistory):
         # comparison (so topk's order), and the merged drafter's one concatenation widens both to float64 anyway:
         # the same candidates in 3 fewer operators per level (issue 41). Tokens come back as floats holding ids.
         m = self.max_matches
+        if self.token_logp - math.log(m) > FLOOR:          # every used slot scores above FLOOR: lookup_supported
+            return lookup_supported(hidden, m, k)
         return best_supported(hidden[..., :m], hidden[..., m:], self.vocab_size, k)
+
+    def supported_raw(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """:meth:`supported_tokens` with the empty slots as ``(FLOOR, -1)`` instead of ``(-inf, -1)``
+        (:func:`lookup_supported_raw`): the merged drafter's union (:meth:`draft.merged.MergedDrafter.top_numpy`)
+        drops them by their -1 token. Where the fast path does not apply, :meth:`supported_tokens` itself."""
+        if hidden.dtype in (torch.float32, torch.float64) and self.token_logp - math.log(self.max_matches) > FLOOR:
+            return lookup_supported_raw(hidden, self.max_matches, k)
+        return self.supported_tokens(hidden, k)
 
     def _unpack(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         return unpack_state(hidden, self.max_matches, "lookup")

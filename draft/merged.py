@@ -36,7 +36,7 @@ import torch
 from config.run_config import SourceError, parse_sources
 from draft.drafter import BeamTreeDrafter
 from draft.protocol import top_tokens
-from draft.tree import DraftTree, ancestor_matrix, merge_sources
+from draft.tree import DraftTree, merge_sources
 from model.devices import HOST
 
 Tensor = torch.Tensor
@@ -133,48 +133,56 @@ class MergedDrafter(BeamTreeDrafter):
         are a function of the token path alone (``features_free``: lookup, suffix) takes every fed node in one
         ``tree_forward`` (ancestors first, parents earlier in the same call), not one per level; a source with
         nothing to feed costs no ancestry and no level loop."""
+        # Host bookkeeping in NumPy on the tree's buffers (issue 41: which nodes each source lacks, their levels and
+        # cache slots are a few dozen host integers; as torch ops they were ~45 dispatched operators per source);
+        # only the states' gathers and writes are torch ops.
         n = len(tree)
-        parents, depths = tree.parents, tree.depths
-        has_child = torch.zeros(n, dtype=torch.bool, device=HOST)
-        has_child[parents[1:]] = True
+        tok_np, par_np, _, dep_np = tree.host_numpy()
+        pl = par_np.tolist()
+        has_child = np.zeros(n, dtype=bool)
+        has_child[par_np[1:]] = True
         has_child[0] = False                                        # the root's state is root_hidden
-        key = {(p, t): i for i, (p, t) in enumerate(zip(parents.tolist(), tree.tokens.tolist()))}
+        key = {(p, t): i for i, (p, t) in enumerate(zip(pl, tok_np.tolist()))}
+        clamped = torch.from_numpy(np.maximum(par_np, 0))           # each node's parent row (the root: row 0)
         out_states = []
-        anc = None
         for i, (src, h) in enumerate(zip(self.sources, self._split(root_hidden.reshape(1, -1)))):
+            dev = h.device
             states = h.expand(n, -1).clone()                        # row i: node i's state in this source
-            known = torch.zeros(n, dtype=torch.bool, device=HOST)
+            known = np.zeros(n, dtype=bool)
             known[0] = True
             found = searched[i] if searched else None
             if found is not None:
-                at = _match_nodes(found[0], key)
-                hit = (at >= 0) & found[2].to(HOST)
-                states[at[hit].to(states.device)] = found[1][hit.to(found[1].device)].to(states.device, states.dtype)
-                known[at[hit]] = True
+                at = _match_nodes_np(found[0], key)
+                hit = np.flatnonzero((at > 0) & found[2].to(HOST).numpy())    # row 0 stays h: the root's own
+                if hit.size:
+                    states[torch.from_numpy(at[hit]).to(dev)] = \
+                        found[1][torch.from_numpy(hit).to(found[1].device)].to(dev, states.dtype)
+                    known[at[hit]] = True
             feed = has_child & ~known
-            if bool(feed.any()):
-                if anc is None:
-                    anc = ancestor_matrix(parents)
-                feed = (anc & feed[:, None]).any(0)                  # ancestors of a fed node are fed (its path)
+            if feed.any():
+                fl = feed.tolist()                                   # ancestors of a fed node are fed (its path):
+                for j in range(n - 1, 0, -1):                        # one pass up, children after their parents
+                    if fl[j]:
+                        fl[pl[j]] = True
+                feed = np.array(fl)
                 feed[0] = False
-                slot = torch.full((n,), -1, dtype=torch.long, device=HOST)   # draft-cache tree slot (root: -1)
+                slot = np.full(n, -1, dtype=np.int64)                # draft-cache tree slot (root: -1)
                 if getattr(src, "features_free", False):             # states from token paths: one call, all levels
-                    levels = [feed.nonzero().flatten()]
+                    levels = [np.flatnonzero(feed)]
                 else:
-                    levels = [((depths == d) & feed).nonzero().flatten()
-                              for d in range(1, int(depths.max()) if n > 1 else 1)]
+                    levels = [np.flatnonzero((dep_np == d) & feed) for d in range(1, int(dep_np.max()) if n > 1 else 1)]
                 for level in levels:
-                    if level.numel() == 0:
+                    if level.size == 0:
                         continue
                     start = src.tree_size
-                    par = parents[level]
-                    slot[level] = start + torch.arange(level.numel(), device=HOST)   # before the parents' read
-                    out = src.tree_forward(tree.tokens[level], states[par.to(states.device)], slot[par])
-                    states[level.to(states.device)] = out.to(states.device, states.dtype)   # lookup's live on the host
+                    par = par_np[level]
+                    slot[level] = start + np.arange(level.size)       # before the parents' read
+                    lv = torch.from_numpy(level)
+                    out = src.tree_forward(tree.tokens[lv], states[torch.from_numpy(par).to(dev)],
+                                           torch.from_numpy(slot[par]))
+                    states[lv.to(dev)] = out.to(dev, states.dtype)   # lookup's live on the host
                 src.drop_tree()
-            rows = states[parents.clamp(min=0).to(states.device)]
-            rows[0] = h[0]
-            out_states.append(rows)
+            out_states.append(states[clamped.to(dev)])               # row 0: states[0], h itself
         return self._cat(out_states)
 
     def top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -195,8 +203,9 @@ class MergedDrafter(BeamTreeDrafter):
         fewer distinct tokens were proposed in some row. Returned on the host: the sources' candidates cross in one
         copy (one concatenation of every source's scores and ids, as :func:`draft.drafter.to_host` packs them), and
         the dedup, whose width is read, runs there in NumPy (:func:`union_top`)."""
-        parts = [s.supported_tokens(h, k) if hasattr(s, "supported_tokens") else top_tokens(s, h, k)
-                 for s, h in zip(self.sources, self._split(hidden))]
+        parts = [s.supported_raw(h, k) if hasattr(s, "supported_raw") else
+                 s.supported_tokens(h, k) if hasattr(s, "supported_tokens") else top_tokens(s, h, k)
+                 for s, h in zip(self.sources, self._split_known(hidden))]
         dev = parts[0][0].device
         cols = [p[0] if c == 1.0 else p[0].double() * c for p, c in zip(parts, self.score_scales)]
         m = sum(x.shape[-1] for x in cols)
@@ -216,7 +225,22 @@ class MergedDrafter(BeamTreeDrafter):
         return self.top_tokens(hidden, k)
 
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
-        return self._cat([s.tree_forward(tokens, f, parents) for s, f in zip(self.sources, self._split(features))])
+        outs = [s.tree_forward(tokens, f, parents) for s, f in zip(self.sources, self._split(features))]
+        out = self._cat(outs)
+        # the parts of this output as the sources returned them: a beam level ranks exactly this output next
+        # (top_numpy), which then needs no split (issue 41: one operator per level)
+        self._last_parts = (out, out._version, outs)
+        return out
+
+    def _split_known(self, state: Tensor) -> list[Tensor]:
+        """:meth:`_split` of ``state``; for the output of the last :meth:`tree_forward`, unchanged since (same object,
+        same version) and whose parts already had its dtype and device, those parts themselves (the same values as
+        the split's views, no operator)."""
+        last = getattr(self, "_last_parts", None)
+        if last is not None and last[0] is state and last[1] == state._version and \
+                all(p.dtype == state.dtype and p.device == state.device for p in last[2]):
+            return last[2]
+        return self._split(state)
 
     def commit_tree_forward(self, tokens: Tensor, features: Tensor, tree_tokens: Tensor, tree_inputs: Tensor,
                             parents: Tensor) -> tuple[Tensor, Tensor]:
@@ -284,7 +308,8 @@ def union_top_np(both: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarr
     order = np.argsort(-s, axis=-1, kind="stable")                           # best first, ties in union order
     s, t = s[r, order], t[r, order]
     bad = ((t[:, :, None] == t[:, None, :]) & _below(t.shape[1])).any(-1)   # a better copy comes earlier
-    bad |= s == -np.inf                               # an empty slot (its token is -1) or a token out of reach
+    bad |= (s == -np.inf) | (t < 0)                   # a token out of reach, or an empty slot (its token is -1;
+    #                                                   lookup's raw slots keep their FLOOR score: supported_raw)
     kk = min(k, bad.shape[-1] - int(bad.sum(-1).max())) if bad.size else 0
     pick = np.argsort(bad, axis=-1, kind="stable")[:, :kk]                   # the valid ones, in order
     return s[r, pick], t[r, pick]
@@ -309,10 +334,15 @@ def _below(m: int) -> np.ndarray:
 def _match_nodes(tree: DraftTree, key: dict[tuple[int, int], int]) -> Tensor:
     """For each node of ``tree`` (ancestors first), the index of the node with the same token path in the tree
     whose ``(parent, token) -> index`` map is ``key``, or -1 where that tree lacks the path."""
+    return torch.from_numpy(_match_nodes_np(tree, key))
+
+
+def _match_nodes_np(tree: DraftTree, key: dict[tuple[int, int], int]) -> np.ndarray:
+    """:func:`_match_nodes` as a NumPy int64 array."""
     at = [0]
     for p, t in zip(tree.parents.tolist()[1:], tree.tokens.tolist()[1:]):
         at.append(key.get((at[p], t), -1) if at[p] >= 0 else -1)
-    return torch.tensor(at, dtype=torch.long, device=HOST)
+    return np.array(at, dtype=np.int64)
 
 
 def scale_scores(tree: DraftTree, scale: float) -> DraftTree:

@@ -64,10 +64,18 @@ def ancestor_matrix(parents: Tensor, base: Tensor | None = None) -> Tensor:
 class _Store:
     """The buffers of one or more trees (see the module docstring's capacity invariant): ``filled`` slots written."""
 
-    __slots__ = ("tokens", "parents", "scores", "depths", "filled")
+    __slots__ = ("tokens", "parents", "scores", "depths", "filled", "_np")
 
     def __init__(self, tokens: Tensor, parents: Tensor, scores: Tensor, depths: Tensor, filled: int) -> None:
         self.tokens, self.parents, self.scores, self.depths, self.filled = tokens, parents, scores, depths, filled
+        self._np = None
+
+    def numpy(self) -> tuple:
+        """NumPy views of the four buffers (the same memory; taken once per store, host buffers only): the drafter's
+        host bookkeeping reads and writes a tree's slots through them without a dispatched operator per access."""
+        if self._np is None:
+            self._np = tuple(x.numpy() for x in (self.tokens, self.parents, self.scores, self.depths))
+        return self._np
 
     @property
     def capacity(self) -> int:
@@ -151,6 +159,25 @@ class DraftTree:
         """:meth:`append` for a caller that writes the new nodes itself (with ``out=`` ops: no separate copy):
         returns the grown tree and the four views of its new slots ``[len, len + k)`` (tokens, parents, scores,
         depths), which the caller must fill before the grown tree is read. The same buffers rule as ``append``."""
+        st, n, end = self._grow_store(k)
+        return DraftTree._on_store(st, end), (st.tokens[n:end], st.parents[n:end], st.scores[n:end],
+                                              st.depths[n:end])
+
+    def append_slots_numpy(self, k: int) -> tuple["DraftTree", tuple]:
+        """:meth:`append_slots` with the new slots as NumPy views of the buffers (host trees; the drafter's beam
+        writes them: issue 41, no dispatched operator per slot array). The same buffers rule."""
+        st, n, end = self._grow_store(k)
+        return DraftTree._on_store(st, end), tuple(x[n:end] for x in st.numpy())
+
+    def host_numpy(self) -> tuple:
+        """``(tokens, parents, scores, depths)`` of the live nodes as NumPy views of the buffers (host trees; read
+        only by convention: slots ``[0, len)`` never change)."""
+        n = len(self)
+        return tuple(x[:n] for x in self._store.numpy())
+
+    def _grow_store(self, k: int) -> tuple[_Store, int, int]:
+        """The store a tree grown by ``k`` nodes lives on (this one's in place, else a copy: :meth:`append`'s rule),
+        marked filled up to ``len + k``; returns ``(store, len, len + k)``."""
         if self.proposals is not None:
             raise ValueError("append grows deterministic trees only (proposals would need their lists)")
         n = len(self)
@@ -160,8 +187,7 @@ class DraftTree:
             st = DraftTree(self.tokens, self.parents, self.scores, self.depths, capacity=cap)._store
         end = n + k
         st.filled = end
-        return DraftTree._on_store(st, end), (st.tokens[n:end], st.parents[n:end], st.scores[n:end],
-                                              st.depths[n:end])
+        return st, n, end
 
     @staticmethod
     def _on_store(store: _Store, n: int, proposals: list | None = None, views: tuple | None = None) -> "DraftTree":
@@ -493,8 +519,9 @@ def merge_sources(trees: list[DraftTree], total_token: int) -> DraftTree:
     """
     if not trees:
         raise ValueError("merge_sources needs at least one tree")
-    root = int(trees[0].tokens[0])
-    if any(int(t.tokens[0]) != root for t in trees):
+    firsts = [t.tokens.tolist()[0] for t in trees]            # host reads, no operator (issue 41)
+    root = firsts[0]
+    if any(f != root for f in firsts):
         raise ValueError("merge needs trees with the same root token")
     live = [t for t in trees if len(t) > 1]
     if len(live) <= 1 and all(t.proposals is None for t in trees):
@@ -553,6 +580,10 @@ def merge_sources(trees: list[DraftTree], total_token: int) -> DraftTree:
     if n_sampled:
         out_props = [[(new[c], q) for c, q in props[u]
                       if c in new and (q is not None or c in det_kept)] for u in order]
+    out_depths = [0] * len(order)                                # ancestors first: one pass (no recomputation)
+    for i in range(1, len(order)):
+        out_depths[i] = out_depths[out_parents[i]] + 1
     return DraftTree(torch.tensor([tokens[u] for u in order], device=HOST),
                      torch.tensor(out_parents, device=HOST),
-                     torch.tensor([best[u] for u in order], device=HOST), proposals=out_props)
+                     torch.tensor([best[u] for u in order], device=HOST), torch.tensor(out_depths, device=HOST),
+                     proposals=out_props)

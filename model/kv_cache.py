@@ -10,9 +10,18 @@ host buffers preallocated at a capacity that doubles when a tree outgrows it, fi
 drafted level below cached nodes costs a fixed dozen operators, no concatenation); invariant: for every cached
 tree node ``i``, row ``i`` of the ancestor buffer is its ancestor-or-self row over *all* columns (zero beyond
 column ``i``), so a new node's row is its parent's row plus its own bit.
+
+The buffers are torch tensors with NumPy views of the same memory (``_anc_np``, ``_dep_np``). A level below
+cached nodes (:meth:`KVCache.staged_tree_inputs`, every drafted level and most stage segments) is staged in NumPy:
+a parent-row gather, the diagonal, the depths, the additive mask and the positions are a handful of host
+integers and booleans, which NumPy handles in about a microsecond per call where each torch operator costs a
+dispatch (issue 41; docs/results.md, section "A draft level in fewer operators": 19 -> 2 dispatched operators per
+drafted level). The mask and positions come back as fresh host tensors over NumPy arrays (``torch.from_numpy``):
+the same values, dtypes and shapes as before; a dtype NumPy lacks (bfloat16) builds its mask with torch ops.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from model.devices import HOST
@@ -44,8 +53,8 @@ class KVCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
-        self._anc = torch.zeros(0, 0, dtype=torch.bool, device=HOST)    # ancestor rows, [cap, cap] (module doc)
-        self._dep = torch.zeros(0, dtype=torch.long, device=HOST)       # depths, [cap]
+        self._set_buffers(torch.zeros(0, 0, dtype=torch.bool, device=HOST),   # ancestor rows, [cap, cap] (module doc)
+                          torch.zeros(0, dtype=torch.long, device=HOST))       # depths, [cap]
         self._staged = None                                             # tree_inputs' (anc, depth) views
         self.reset()
 
@@ -77,7 +86,12 @@ class KVCache:
         dep = torch.zeros(new, dtype=torch.long, device=HOST)
         anc[:m, :cap] = self._anc[:m]
         dep[:m] = self._dep[:m]
+        self._set_buffers(anc, dep)
+
+    def _set_buffers(self, anc: Tensor, dep: Tensor) -> None:
+        """The ancestry and depth buffers, and their NumPy views (the same memory: module docstring)."""
         self._anc, self._dep = anc, dep
+        self._anc_np, self._dep_np = anc.numpy(), dep.numpy()
 
     @property
     def num_tree(self) -> int:
@@ -105,11 +119,16 @@ class KVCache:
         if self.num_tree:
             raise RuntimeError("context tokens can only be appended when no tree nodes are cached")
         self._check_room(n)
-        pos = torch.arange(self.length, self.length + n, device=HOST)
+        c = self.length
         # row i sees slots j <= length + i: 0 there, the dtype's lowest above (what _additive of the tril'd
-        # allowed matrix gives, bitwise; issue 41: 5 operators instead of 9 per commit)
-        mask = torch.full((n, self.length + n), torch.finfo(dtype).min, dtype=dtype, device=HOST)
-        return pos[None], mask.triu_(self.length + 1).view(1, 1, n, self.length + n)
+        # allowed matrix gives, bitwise; issue 41: 5 operators instead of 9 per commit, 2 in NumPy)
+        pos = torch.from_numpy(np.arange(c, c + n, dtype=np.int64).reshape(1, n))
+        npd = _NUMPY_DTYPES.get(dtype)
+        if npd is None:                                   # no NumPy twin of the dtype (bfloat16): torch ops
+            mask = torch.full((n, c + n), torch.finfo(dtype).min, dtype=dtype, device=HOST)
+            return pos, mask.triu_(c + 1).view(1, 1, n, c + n)
+        above = np.arange(c + n) > np.arange(c, c + n)[:, None]                # slot j > length + i: masked
+        return pos, torch.from_numpy(np.where(above, npd(np.finfo(npd).min), npd(0)).reshape(1, 1, n, c + n))
 
     def tree_inputs(self, parents: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Positions, additive mask and the extended ancestor matrix/depths for a tree segment.
@@ -123,46 +142,55 @@ class KVCache:
         self._staged = (self._anc[:m, :m], self._dep[:m])
         return pos, mask, *self._staged
 
-    def staged_tree_inputs(self, parents: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def staged_tree_inputs(self, parents: Tensor | np.ndarray, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """:meth:`tree_inputs` without the extended ancestor matrix and depths: the new rows are staged in the
-        cache's buffers and :meth:`commit_forward` (``anc=None``) takes them (a drafted level: fewer operators)."""
+        cache's buffers and :meth:`commit_forward` (``anc=None``) takes them (a drafted level: fewer operators).
+        ``parents`` may be a host NumPy integer array (the drafter's beam keeps its slots in NumPy: no conversion).
+        Staged and masked in NumPy (module docstring): two dispatched operators (the returned tensors) for a level
+        below cached nodes."""
         n = len(parents)
         self._check_room(n)
         m, c = self.num_tree, self.context_len
-        par = parents.to(torch.long).to(HOST)
-        rows = self._stage_rows(par if par.dim() == 1 else par.reshape(-1), m)
-        mask = torch.zeros((n, c + m + n), dtype=dtype, device=HOST)           # the context: visible to all
-        mask[:, c:].masked_fill_(~rows, torch.finfo(dtype).min)
-        pos = self._dep[m:m + n] + c
-        return pos.view(1, n), mask.view(1, 1, n, c + m + n)
+        if isinstance(parents, np.ndarray):
+            par = parents.astype(np.int64, copy=False).reshape(-1)
+        else:
+            par = parents.to(torch.long).to(HOST)
+            par = (par if par.dim() == 1 else par.reshape(-1)).numpy()
+        self._stage_rows(par, m)
+        rows = self._anc_np[m:m + n, :m + n]
+        npd = _NUMPY_DTYPES.get(dtype)
+        pos = torch.from_numpy((self._dep_np[m:m + n] + c).reshape(1, n))
+        if npd is None:                                   # no NumPy twin of the dtype (bfloat16): torch ops
+            mask = torch.zeros((n, c + m + n), dtype=dtype, device=HOST)       # the context: visible to all
+            mask[:, c:].masked_fill_(~torch.from_numpy(rows), torch.finfo(dtype).min)
+            return pos, mask.view(1, 1, n, c + m + n)
+        mask = np.zeros((1, 1, n, c + m + n), dtype=npd)                       # the context: visible to all
+        np.copyto(mask[0, 0, :, c:], np.finfo(npd).min, where=~rows)           # torch.finfo(dtype).min, bitwise
+        return pos, torch.from_numpy(mask)
 
-    def _stage_rows(self, par: Tensor, m: int) -> Tensor:
-        """Write the ancestor rows and depths of new nodes ``m..m+n-1`` (``par``: their parents) into the buffers
-        (rows past the cached tree: scratch until :meth:`commit_forward`); returns their rows over ``[0, m+n)``.
+    def _stage_rows(self, par: np.ndarray, m: int) -> None:
+        """Write the ancestor rows and depths of new nodes ``m..m+n-1`` (``par``: their parents, a NumPy int64 array)
+        into the buffers (rows past the cached tree: scratch until :meth:`commit_forward`).
         One level below cached nodes (every parent cached, or every one ``-1``): a parent row gather, the diagonal
-        and the depths, a fixed handful of ops; otherwise :func:`extend_ancestry` (which validates the parents)."""
-        n = par.numel()
+        and the depths, in NumPy on the buffers' views; otherwise :func:`extend_ancestry` (which validates the
+        parents) or, for a few linked nodes, :func:`_stage_rows_loop`."""
+        n = par.size
         self._reserve(m + n)
-        anc, dep = self._anc, self._dep
-        pl = par.tolist()                                 # one read of a host tensor (the parents are few)
-        lo, hi = (min(pl), max(pl)) if n else (0, -1)
+        anc, dep = self._anc_np, self._dep_np
+        lo, hi = (int(par.min()), int(par.max())) if n else (0, -1)
         if n and ((0 <= lo and hi < m) or lo == hi == -1):
             if lo >= 0:
                 anc[m:m + n] = anc[par]                   # the parents' whole rows: zero beyond their own column
-                torch.add(dep[par], 1, out=dep[m:m + n])
+                np.add(dep[par], 1, out=dep[m:m + n])
             else:                                         # n roots below the context
-                anc[m:m + n].fill_(False)
-                dep[m:m + n].fill_(0)
-            cap = dep.numel()
-            anc.view(-1)[m * (cap + 1):(m + n) * (cap + 1):cap + 1].fill_(True)  # each new node is its own
+                anc[m:m + n] = False
+                dep[m:m + n] = 0
+            new = np.arange(m, m + n)
+            anc[new, new] = True                          # each new node is its own
         elif n <= SMALL_TREE:                             # a few linked nodes (a stage's segment): one list pass
-            _stage_rows_loop(pl, m, anc, dep)
-        else:
-            full, depth = extend_ancestry(par, self.tree_anc if m else None, self.tree_depth if m else None)
-            anc[m:m + n] = False
-            anc[m:m + n, :m + n] = full[m:]
-            dep[m:m + n] = depth[m:]
-        return anc[m:m + n, :m + n]
+            _stage_rows_loop(par.tolist(), m, anc, dep)
+        else:                                             # many linked nodes (a re-fed tree): pointer jumping
+            _stage_rows_jump(par, m, anc, dep)
 
     def extend_tree(self, parents: Tensor) -> tuple[Tensor, Tensor]:
         """The cached tree's ancestor matrix and depths extended by new nodes ``m..m+n-1`` with ``parents``
@@ -241,8 +269,10 @@ class KVCache:
         other.length = other.context_len = n
 
     def truncate_tree(self) -> None:
-        """Drop every cached tree node (keep the committed context)."""
-        self.apply_keep(torch.zeros(0, dtype=torch.long, device=HOST), 0)
+        """Drop every cached tree node (keep the committed context): :meth:`apply_keep` of an empty keep-list,
+        without building one (nothing moves)."""
+        self._staged = None
+        self.length = self.context_len
 
 
 def extend_ancestry(parents: Tensor, base_anc: Tensor | None = None,
@@ -309,6 +339,9 @@ def extend_ancestry(parents: Tensor, base_anc: Tensor | None = None,
     return anc, torch.cat([torch.zeros(m, dtype=torch.long, device=HOST) if base_depth is None else base_depth, val])
 
 
+# torch dtype -> NumPy dtype of the additive masks staged_tree_inputs builds in NumPy (finfo(min) equal bitwise)
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+
 SMALL_TREE = 32   # up to this many linked new nodes a per-row Python loop beats pointer jumping on a CPU (measured)
 
 
@@ -358,22 +391,54 @@ def _extend_ancestry_loop(par: Tensor, m: int, base_anc: Tensor | None, base_dep
     return anc, torch.tensor(base + new_depth, dtype=torch.long, device=HOST)
 
 
-def _stage_rows_loop(pl: list[int], m: int, anc: Tensor, dep: Tensor) -> None:
+def _stage_rows_loop(pl: list[int], m: int, anc: np.ndarray, dep: np.ndarray) -> None:
     """:meth:`KVCache._stage_rows` for up to ``SMALL_TREE`` new nodes with linked parents, written in place into the
-    buffers ``anc``/``dep`` (rows ``m..m+n-1``): the rule of :func:`_extend_ancestry_loop` (each new row is its
-    chain's first cached ancestor's row plus a small new-by-new block), one pass over Python lists."""
+    buffers' NumPy views ``anc``/``dep`` (rows ``m..m+n-1``): the rule of :func:`_extend_ancestry_loop` (each new row
+    is its chain's first cached ancestor's row plus a small new-by-new block), one pass over Python lists."""
     n = len(pl)
     base = dep[:m].tolist() if m else []
     anchor, new_depth, block = _chain_rows(pl, m, base)
     rows = anc[m:m + n]
     if m and any(a >= 0 for a in anchor):
-        rows.copy_(anc.index_select(0, torch.tensor([max(a, 0) for a in anchor], dtype=torch.long, device=HOST)))
+        rows[:] = anc[[max(a, 0) for a in anchor]]
         if min(anchor) < 0:
-            rows[torch.tensor([a < 0 for a in anchor], device=HOST)] = False
+            rows[np.array([a < 0 for a in anchor])] = False
     else:
-        rows.fill_(False)
-    rows[:, m:m + n] = torch.tensor(block, dtype=torch.bool, device=HOST)
-    dep[m:m + n] = torch.tensor(new_depth, dtype=torch.long, device=HOST)
+        rows[:] = False
+    rows[:, m:m + n] = block
+    dep[m:m + n] = new_depth
+
+
+def _stage_rows_jump(par: np.ndarray, m: int, anc: np.ndarray, dep: np.ndarray) -> None:
+    """:meth:`KVCache._stage_rows` for more than ``SMALL_TREE`` new nodes some of whose parents are new (a re-fed
+    tree): :func:`extend_ancestry`'s pointer jumping, in NumPy on the buffers' views (rows ``m..m+n-1``; issue 41:
+    about 50 dispatched operators as torch ops, none here). Raises ``ValueError`` for a parent that is not an earlier
+    node, as :func:`extend_ancestry` does."""
+    n = par.size
+    idx = np.arange(n)
+    bad = np.flatnonzero(par >= idx + m)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"parent {int(par[i])} of node {m + i} is not an earlier node")
+    linked = par >= m
+    rows = np.zeros((n + 1, m + n), dtype=bool)       # row n: the zero sentinel "no new parent" points to
+    rows[idx, m + idx] = True
+    if m:
+        cached = (par >= 0) & ~linked
+        rows[:n, :m] = anc[np.clip(par, 0, m - 1), :m] & cached[:, None]
+    ext = np.append(np.where(linked, par - m, n), n)
+    while ext.min() < n:                              # ceil(log2(longest new chain)) rounds
+        rows |= rows[ext]
+        ext = ext[ext]
+    rows = rows[:n]
+    new = rows[:, m:]
+    val = new.sum(1) - 1                              # new ancestors above each node
+    if m:                                             # the chain's topmost new node enters a cached one (or -1)
+        top = par[new.argmax(1)]
+        val += np.where(top >= 0, dep[np.clip(top, 0, m - 1)] + 1, 0)
+    anc[m:m + n] = False
+    anc[m:m + n, :m + n] = rows
+    dep[m:m + n] = val
 
 
 def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:

@@ -428,11 +428,16 @@ def count(calls, blocks, device) -> list[dict]:
 # Host bookkeeping in NumPy (docs/results.md §52 ("Fewer operators on the chain"): the beam, the merged union top-k,
 # lookup's slots, select_top_nodes, the re-root), with the fused head: first tree 317 (233, 2),
 # finish 463 (258, 5), expand 248 (166, 2), commit 51 (12, 0), verified step 45 (45, 0).
-OP_BOUNDS = {"draft head forward": {"ops": 64, "model_ops": 40, "syncs": 0},
-             "first tree": {"ops": 327, "bookkeeping_ops": 240, "syncs": 2},
-             "finish first tree": {"ops": 477, "bookkeeping_ops": 266, "syncs": 5},
-             "expand": {"ops": 256, "bookkeeping_ops": 171, "syncs": 2},
-             "commit": {"ops": 53, "bookkeeping_ops": 14, "syncs": 0},
+# A draft level in fewer operators (issue 41, docs/results.md "A draft level in fewer operators": the KV cache's
+# staging, the beam's tree reads and writes, lookup's supported slots and the merged drafter's round-start inputs in
+# NumPy; the fused head 39 -> 35): head forward 43 (35 model), first tree 182 (106, 1 sync: the merged inputs'
+# boolean-mask gather is gone), finish 300 (115, 5: 60.0 per level), expand 129 (55, 2: the re-fed tree staged by
+# NumPy pointer jumping), commit 44 (9, 0: its causal mask in NumPy), verified step 45 (45, 0).
+OP_BOUNDS = {"draft head forward": {"ops": 44, "model_ops": 36, "syncs": 0},
+             "first tree": {"ops": 187, "bookkeeping_ops": 109, "syncs": 1},
+             "finish first tree": {"ops": 309, "bookkeeping_ops": 118, "syncs": 5},
+             "expand": {"ops": 133, "bookkeeping_ops": 57, "syncs": 2},
+             "commit": {"ops": 45, "bookkeeping_ops": 9, "syncs": 0},
              "verified step bookkeeping": {"ops": 47, "bookkeeping_ops": 47, "syncs": 0}}
 
 
