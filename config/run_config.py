@@ -133,6 +133,10 @@ class TreeConfig(Checked):
                                  # the stages compute), so a verified step's turnaround holds one head forward and
                                  # one log-prob call (issue 41; changes the trees, not the output; default since
                                  # docs/results.md §48: ξ +5.7% what-if, +4.8% edge)
+    early_level: bool = False    # continuous, with prefetch_level: after a verified step's re-root, send the next
+                                 # expansion's first level (chosen from the prefetched candidates, no model call)
+                                 # before the commit and the rest of the expansion (issue 41; the turnaround holds
+                                 # no head forward; changes the trees, not the output)
     pipedec_topk: int = 16       # pipedec: nodes per new tree layer
 
 
