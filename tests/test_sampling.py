@@ -405,6 +405,9 @@ EXACT_CASES = [
      {"tree.prefetch_level": True}, ("CONTINUE", "expand", "fused", "prefetched")),
     ("continuous", 4, 2.0, 0.9, 0, "random", 3,   # + that level sent before the commit (issue 41: early_level)
      {"tree.early_level": True}, ("CONTINUE", "expand", "fused", "prefetched", "early")),
+    ("continuous", 3, 1.0, 1.0, 0, "target", 3,   # a new round's root sent before the commit (tree.root_first)
+     {"tree.root_first": True, "tree.early_level": True}, ("CONTINUE", "TRUNCATE", "expand", "early")),
+    ("pruned", 3, 1.0, 0.9, 0, "random", 3, {"tree.root_first": True}, ("CONTINUE", "TRUNCATE")),
     ("continuous", 3, 1.0, 1.0, 0, "disjoint", 2, {}, ()),
     ("pipedec", 3, 1.0, 0.9, 0, "random", 3, {}, ("CONTINUE",)),
     ("pipedec", 4, 0.3, 1.0, 0, "target", 2, {}, ("CONTINUE",)),

@@ -127,6 +127,7 @@ class StreamingMode:
         with engine.tracer.span("draft"):
             root_hidden = engine.drafter.start(prompt_ids, x, features)
         box = Outbox(engine)
+        self.deferred = None
         rounds, accepts, steps = 0, [], 0
         while not out.finished:
             rounds += 1
@@ -167,9 +168,16 @@ class StreamingMode:
                 break
             state.send(box, size)
 
-    def run_round(self, engine: Engine, box: Outbox, root: int, root_hidden: torch.Tensor, out: OutputBuffer,
+    def run_round(self, engine: Engine, box: Outbox, root: int, root_hidden: torch.Tensor | None, out: OutputBuffer,
                   accepts: list[int]):
-        state = RankTree(self.first_tree(engine, root, root_hidden))
+        if root_hidden is None:      # tree.root_first: the round's root leaves before the commit that drafts from it
+            state = RankTree(DraftTree.single(root))
+            state.send(box, 1)
+            root_hidden = self._commit(engine, *self.deferred)
+            self.deferred = None
+            state.set_tree(self.first_tree(engine, root, root_hidden))     # node 0: that root (sent)
+        else:
+            state = RankTree(self.first_tree(engine, root, root_hidden))
         self.fill(engine, box, state)
         grown = self.finish_first_tree(engine, state.tree, root_hidden)
         if len(grown) > len(state.tree):
@@ -198,6 +206,9 @@ class StreamingMode:
             path_gids = state.gids[path].tolist()
             if out.finished or verdict.new_root is None:
                 box.decide(Status.TRUNCATE, path_gids, -1, out.finished)
+                if not out.finished and engine.cfg.tree.root_first:
+                    self.deferred = (pending_tokens, pending_feats)   # committed after the next root's send
+                    return verdict.token, None, steps
                 if not out.finished:
                     root_hidden = self._commit(engine, pending_tokens, pending_feats)
                 return verdict.token, root_hidden, steps
@@ -206,7 +217,8 @@ class StreamingMode:
                 keep = keep_indices_for(state.tree, path, verdict.new_root)
                 state.reroot(keep, len(path))
                 self.on_reroot(keep, len(path))
-            if self.send_early(engine, state) or state.waiting >= self.segment_target(engine):
+            early = self.send_early(engine, state)
+            if early or state.waiting >= self.segment_target(engine):
                 self.top_up(engine, box, state)      # what is already drafted goes out first
             if self.commit_every_step:
                 fused = self.commit_and_grow(engine, state.tree, pending_tokens, pending_feats)
@@ -219,8 +231,11 @@ class StreamingMode:
                 pending_tokens, pending_feats = [], []
             else:
                 state.set_tree(self.grow(engine, state.tree, root_hidden, True))
-            self.top_up(engine, box, state, root_hidden)
+            if not (early and engine.cfg.tree.early_hold and box.inflight):
+                self.top_up(engine, box, state, root_hidden)
             self.after_send(engine, state, root_hidden)
+
+    deferred: tuple | None = None   # tree.root_first: (tokens, features) of a truncated round, not yet committed
 
     def send_early(self, engine: Engine, state: RankTree) -> bool:
         """After a re-root, before the commit: add to the tree nodes that need no model call, to be sent at once

@@ -1,4 +1,14 @@
-"""``tree.early_level`` (issue 41): after a verified step's re-root, the next expansion's first level is chosen from the
+"""Rank 0's turnaround off the chain (issue 41): two opt-in run keys that send before drafting.
+
+``tree.root_first``: after a truncation the next round's root goes out alone at once, and the commit of the
+accepted tokens and the first tree follow (``pipeline.modes.flowspec.StreamingMode.run_round``):
+
+* in the decode loop the send of a new round's root precedes the commit that gives its draft output, and without
+  the key it does not; the greedy output is the same;
+* the exact law with the key is in tests/test_sampling.py (EXACT_CASES' ``tree.root_first`` case), greedy output
+  against HF on stories260K below.
+
+``tree.early_level``: after a verified step's re-root, the next expansion's first level is chosen from the
 prefetched candidates (``draft.drafter.BeamTreeDrafter.append_prefetched_level``, no model call) and sent before the
 commit and the rest of the expansion (``pipeline.modes.flowspec.ContinuousMode.send_early``, then
 ``commit_and_grow`` finishes it with the ``EarlyLevel`` as ``pre``).
@@ -180,11 +190,57 @@ def test_the_first_send_of_a_step_precedes_its_forwards():
     assert plain.count("send") < early.count("send"), (plain, early)
 
 
+def _root_sends_before_commit(key: str | None):
+    """Run the real ContinuousMode once (greedy, a world whose rounds truncate) and record, after each TRUNCATE
+    decision, whether the next ring send or the next commit comes first."""
+    from pipeline.messages import Status
+    from pipeline.verify import Sampler
+    from tests.test_sampling import MarkovDrafter, make_runner, make_world
+    tables = make_world(11, "random", 1.5)
+    over = {key: True} if key else {}
+    drafter = MarkovDrafter(tables[1])
+    run = make_runner("continuous", 3, tables, Sampler(), 12, over, drafter=drafter)
+    events = []
+    ring = run.ring
+    send, direct, commit = ring.send_next, ring.send_direct, drafter.commit
+
+    def rec_send(*a, **k):
+        events.append("send")
+        return send(*a, **k)
+
+    def rec_direct(d):
+        if d.status == Status.TRUNCATE and not d.finished:
+            events.append("truncate")
+        return direct(d)
+
+    def rec_commit(*a, **k):
+        events.append("commit")
+        return commit(*a, **k)
+    ring.send_next, ring.send_direct, drafter.commit = rec_send, rec_direct, rec_commit
+    out = run()
+    firsts = []
+    for i, e in enumerate(events):
+        if e == "truncate":
+            nxt = [x for x in events[i + 1:] if x in ("send", "commit")]
+            if nxt:
+                firsts.append(nxt[0])
+    return firsts, out
+
+
+def test_a_new_rounds_root_is_sent_before_the_commit():
+    first, out_first = _root_sends_before_commit("tree.root_first")
+    plain, out_plain = _root_sends_before_commit(None)
+    assert out_first == out_plain
+    assert first and set(first) == {"send"}, first
+    assert set(plain) == {"commit"}, plain
+
+
 @pytest.mark.skipif(not __import__("tests.helpers", fromlist=["STORIES"]).STORIES.is_dir(),
                     reason="../shared is not available")
-def test_stories260k_all_modes_equal_hf_early_level(tmp_path):
-    """Every mode with ``tree.early_level=true`` equals HF generate (greedy), stories260K on 5 ranks in one process,
-    the untrained EAGLE head with prompt lookup (the default sources), prompts from the six datasets."""
+@pytest.mark.parametrize("keys", [["tree.early_level=true"], ["tree.root_first=true", "tree.early_level=true"]])
+def test_stories260k_all_modes_equal_hf_off_chain(tmp_path, keys):
+    """Every mode with the keys equals HF generate (greedy), stories260K on 5 ranks in one process, the untrained
+    EAGLE head with prompt lookup (the default sources), prompts from the six datasets."""
     from transformers import AutoTokenizer
 
     from model.split import split_checkpoint
@@ -193,8 +249,8 @@ def test_stories260k_all_modes_equal_hf_early_level(tmp_path):
     from tests.test_e2e import ALL_MODES, _dataset_prompts
     stages = split_checkpoint(STORIES, tmp_path / "stages", [0, 1, 1, 1, 2], progress=False)
     prompts = _dataset_prompts(AutoTokenizer.from_pretrained(STORIES), 40)[:3]
-    res = run_threaded(stages, prompts, ALL_MODES.split(","), ["max_new_tokens=32", "dtype=float32",
-                                                                 "tree.early_level=true"], {2}, dtype=torch.float32)
+    res = run_threaded(stages, prompts, ALL_MODES.split(","), ["max_new_tokens=32", "dtype=float32", *keys], {2},
+                       dtype=torch.float32)
     for mode, rows in res.items():
         assert len(rows) == len(prompts), mode
         for p, r in zip(prompts, rows):
