@@ -235,7 +235,12 @@ class StreamingMode:
                 self.top_up(engine, box, state, root_hidden)
             self.after_send(engine, state, root_hidden)
 
-    deferred: tuple | None = None   # tree.root_first: (tokens, features) of a truncated round, not yet committed
+    # tree.root_first (issue 41): (tokens, features) of a truncated round, committed only after the next round's root
+    # was sent (run_round). Why: a round start's turnaround otherwise holds the commit (a head forward) and the quick
+    # first tree's levels, though the stages need nothing of them to compute the root itself; the root's result then
+    # verifies the root alone (one more segment per round: measured in docs/results.md, "41: Turnaround off the
+    # chain", to cut the turnaround but not to raise the what-if's throughput, so it is off by default).
+    deferred: tuple | None = None
 
     def send_early(self, engine: Engine, state: RankTree) -> bool:
         """After a re-root, before the commit: add to the tree nodes that need no model call, to be sent at once
@@ -378,7 +383,11 @@ class ContinuousMode(StreamingMode):
         choose -> send, and the commit, the re-feed and the later levels (:meth:`commit_and_grow`, which finishes
         this expansion) run after the send. The expansion's budget is unchanged (the level counts against
         ``expand_room``) and it holds the same nodes as without the key whenever the plain expansion keeps its whole
-        first-level beam; a different order, sent in two segments. Trees change, the output never does.
+        first-level beam; a different order, sent in two segments (``tree.early_hold``: the second waits for the next
+        step's early send, one segment per step). Trees change, the output never does. Measured (docs/results.md,
+        "41: Turnaround off the chain"): the turnaround falls by about a third on both profiles, but the level's
+        nodes then leave a stage step ahead of their children, which reach the stages a stage step later than in one
+        segment; off by default.
         Invariant: ``self.early`` is ``(levels, room left)`` exactly while ``self.pre`` is the appended level's
         :class:`draft.drafter.EarlyLevel` (set here, consumed by :meth:`commit_and_grow`)."""
         t = engine.cfg.tree
