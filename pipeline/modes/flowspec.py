@@ -395,6 +395,8 @@ class ContinuousMode(StreamingMode):
         if not (t.early_level and t.prefetch_level) or self.pre is None or self.inputs is None \
                 or t.expand_total_token == 0 or not hasattr(engine.drafter, "append_prefetched_level"):
             return False
+        if t.early_root_only and len(state.tree) > 1:   # only where the plain step commits alone, then 2 levels
+            return False
         levels = self.expand_levels(engine, state.tree)
         if levels < 2:                            # one level: the expansion is the prefetched choice alone
             return False
