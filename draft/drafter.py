@@ -127,6 +127,24 @@ class _Beam:
     n_rows: int = 0
 
 
+@dataclass
+class EarlyLevel:
+    """An expansion's first level already in the tree (``tree.early_level``, issue 41;
+    :meth:`BeamTreeDrafter.append_prefetched_level`): what :meth:`BeamTreeDrafter.commit_extend_tree` needs, as its
+    ``pre``, to finish that expansion after the level was sent. ``n0``: the tree's size before the level (the
+    level's nodes are ``[n0, len(tree))``, best first); ``frontier``: the leaves whose prefetched candidates
+    ranked it (tree ids, host); ``f_out``: those leaves' draft outputs (the candidates' inputs); ``cum`` / ``tok``:
+    every candidate's cumulative score and token (``len(frontier) * kk``, row-major); ``best``: the candidates
+    that became the level's nodes (indices into ``cum``, in the nodes' order)."""
+    n0: int
+    frontier: np.ndarray
+    f_out: Tensor
+    cum: np.ndarray
+    tok: np.ndarray
+    best: np.ndarray
+    kk: int
+
+
 class BeamTreeDrafter:
     """EAGLE-2's dynamic tree search, written against a drafter's state hooks only.
 
@@ -477,6 +495,8 @@ class BeamTreeDrafter:
         """:meth:`extend_tree` (``commit`` None) or :meth:`commit_extend_tree` (``commit = (tokens, features)``:
         the re-feed is :meth:`commit_tree_forward`, ``root_hidden`` its output; with ``pre``, the first level's
         forward)."""
+        if isinstance(pre, EarlyLevel):                # tree.early_level: the first level is in the tree already
+            return self._extend_early(tree, inputs, levels, top_k, max_new, commit, pre)
         n = len(tree)
         dev = inputs.device
         _, t_par, t_score, t_dep = tree.host_numpy()      # the tree's host arrays as NumPy views (no operator)
@@ -631,6 +651,82 @@ class BeamTreeDrafter:
         b.rows_dep.append(b.rows_dep[-1][best_np // kk] + 1)
         b.c_score[:nf * kk] = cum_np
         b.c_row[:nf * kk] = _row_pattern_np(nf, kk)
+        self._beam_levels(b, 1, levels, top_k, max_new, n, dev, inputs.dtype)
+        self.drop_tree()
+        return (*self._append_chosen(tree, inputs, b.c_score, b.c_row, b.c_tok, b.rows_par, b.rows_dep, b.rows_out,
+                                     b.n_cand, max_new), root_hidden)
+
+    @torch.no_grad()
+    def append_prefetched_level(self, tree: DraftTree, inputs: Tensor, pre: tuple, top_k: int,
+                                max_new: int) -> tuple[DraftTree, Tensor, EarlyLevel] | None:
+        """``tree.early_level`` (issue 41): append the next expansion's first level, chosen from the prefetched
+        candidates (:meth:`prefetch_leaves` of this tree, re-rooted with it), with no model call, so that it can
+        be sent at once; :meth:`commit_extend_tree` with the returned :class:`EarlyLevel` as ``pre`` finishes the
+        expansion (the commit, the re-fed tree and the level in one head forward, the later levels) after the send.
+
+        The rule (which nodes, how many): exactly the nodes the prefetched expansion feeds as its first level
+        (:meth:`_extend_prefetched`): the best ``top_k`` leaves by cumulative score seed it, and the best
+        ``top_k`` of their candidates by cumulative score (``_frontier``; a confidence shape's choice) become
+        nodes, best first, at most ``max_new`` of them. Why these: they are the expansion's beam, the nodes the
+        search was going to feed anyway, and each one's score is at least that of every node the expansion's
+        later levels could add below it; the rest of the candidates still compete with the later levels for
+        the remaining ``max_new - len(level)`` slots. So the grown tree holds the same nodes as the plain
+        prefetched expansion whenever that one kept its whole beam (the usual case: the beam is the best-scored
+        part of the level), in another order (the level first). Every new node is a child of an existing leaf:
+        the tree stays ancestors-first and the sent nodes a prefix. None: nothing to append (no leaf, no
+        candidate, ``max_new <= 0``)."""
+        leaf, p_out, p_s, p_t = pre
+        n = len(tree)
+        dev = inputs.device
+        leaves = leaf.nonzero().flatten()
+        k = min(top_k, leaves.numel())
+        if k == 0 or max_new <= 0:
+            return None
+        frontier = leaves[beam_frontier(tree.scores[leaves], k)]
+        cs, ct = p_s[frontier], p_t[frontier]
+        nf, kk = cs.shape
+        if kk == 0:
+            return None
+        f_out = p_out[frontier.to(dev)].to(inputs.dtype)
+        cum = tree.scores[frontier][:, None] + cs                                 # [nf, kk]
+        best = self._frontier(self.tree_shape, cum.reshape(-1), [cum.reshape(-1)], max_new + 1, top_k)[:max_new]
+        if best.numel() == 0:
+            return None
+        row = best // kk
+        par = frontier[row]
+        grown = tree.append(ct.reshape(-1)[best], par, cum.reshape(-1)[best], tree.depths[par] + 1)
+        early = EarlyLevel(n, frontier.numpy(), f_out, cum.reshape(-1).numpy(), ct.reshape(-1).numpy(),
+                           best.numpy(), kk)
+        return grown, torch.cat([inputs, f_out[row.to(dev)]]), early
+
+    def _extend_early(self, tree: DraftTree, inputs: Tensor, levels: int, top_k: int, max_new: int,
+                      commit: tuple[Tensor, Tensor], early: EarlyLevel) -> tuple[DraftTree, Tensor, Tensor]:
+        """:meth:`commit_extend_tree` after :meth:`append_prefetched_level` (``pre = early``; ``tree`` holds the
+        level as nodes ``[early.n0, len(tree))``; ``max_new``: the slots left after it): the commit, the re-fed
+        tree and the level in ONE head forward (:meth:`commit_tree_forward`), then levels ``1 .. levels-1`` below
+        the level's nodes; the level's unchosen candidates compete with them for the ``max_new`` slots, as in
+        :meth:`_extend_prefetched`."""
+        n, n0, dev = len(tree), early.n0, inputs.device
+        depth1 = (tree.parents == 0).to(dev)[:, None]
+        root_hidden, out = self.commit_tree_forward(commit[0], commit[1], tree.tokens[1:], inputs[1:],
+                                                    tree.parents[1:] - 1)          # node i at slot i-1
+        inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)
+        if levels < 2 or max_new <= 0:
+            self.drop_tree()
+            return tree, inputs, root_hidden
+        nf = early.frontier.size
+        rest = np.ones(early.cum.size, dtype=bool)
+        rest[early.best] = False
+        rest = np.flatnonzero(rest)                                               # the level's other candidates
+        cap = rest.size + (levels - 1) * top_k * top_k
+        cum = early.cum
+        b = _Beam(cap, np.empty(cap, dtype=np.promote_types(cum.dtype, np.float32)), np.empty(cap, dtype=np.int64),
+                  [early.tok[rest]], [early.frontier, np.arange(n0, n, dtype=np.int64)],
+                  [tree.depths[torch.from_numpy(early.frontier)].numpy(), tree.depths[n0:].numpy()],
+                  [early.f_out, out[n0 - 1:].to(inputs.dtype)], np.arange(n0 - 1, n - 1, dtype=np.int64),
+                  cum[early.best][:, None], n_cand=rest.size, n_rows=nf)
+        b.c_score[:rest.size] = cum[rest]
+        b.c_row[:rest.size] = _row_pattern_np(nf, early.kk)[rest]
         self._beam_levels(b, 1, levels, top_k, max_new, n, dev, inputs.dtype)
         self.drop_tree()
         return (*self._append_chosen(tree, inputs, b.c_score, b.c_row, b.c_tok, b.rows_par, b.rows_dep, b.rows_out,

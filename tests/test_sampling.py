@@ -201,12 +201,18 @@ class CountingContinuous(ContinuousMode):
         self.appended = 0
         self.fused = 0          # verified steps whose commit and expansion ran as one call (tree.fuse_commit)
         self.prefetched = 0     # ... of them, started from a prefetched first level (tree.prefetch_level)
+        self.early_sent = 0     # verified steps that sent that first level before the commit (tree.early_level)
 
     def grow(self, engine, tree, root_hidden, verified):
         out = super().grow(engine, tree, root_hidden, verified)
         if engine.comm.live():
             self.appended += len(out) - len(tree)
         return out
+
+    def send_early(self, engine, state):
+        sent = super().send_early(engine, state)
+        self.early_sent += int(sent and engine.comm.live())
+        return sent
 
     def commit_and_grow(self, engine, tree, tokens, feats):
         pre = self.pre is not None
@@ -397,6 +403,11 @@ EXACT_CASES = [
      {"tree.fuse_commit": True}, ("CONTINUE", "EMPTY", "expand", "fused")),
     ("continuous", 4, 2.0, 0.9, 0, "random", 3,   # + the next first level drafted after the send (prefetched)
      {"tree.prefetch_level": True}, ("CONTINUE", "expand", "fused", "prefetched")),
+    ("continuous", 4, 2.0, 0.9, 0, "random", 3,   # + that level sent before the commit (issue 41: early_level)
+     {"tree.early_level": True}, ("CONTINUE", "expand", "fused", "prefetched", "early")),
+    ("continuous", 3, 1.0, 1.0, 0, "target", 3,   # a new round's root sent before the commit (tree.root_first)
+     {"tree.root_first": True, "tree.early_level": True}, ("CONTINUE", "TRUNCATE", "expand", "early")),
+    ("pruned", 3, 1.0, 0.9, 0, "random", 3, {"tree.root_first": True}, ("CONTINUE", "TRUNCATE")),
     ("continuous", 3, 1.0, 1.0, 0, "disjoint", 2, {}, ()),
     ("pipedec", 3, 1.0, 0.9, 0, "random", 3, {}, ("CONTINUE",)),
     ("pipedec", 4, 0.3, 1.0, 0, "target", 2, {}, ("CONTINUE",)),
@@ -425,6 +436,7 @@ def test_exact_law_every_mode(mode, world, temp, top_p, top_k, draft, horizon, o
         seen["expand"] = run.cont.appended
         seen["fused"] = run.cont.fused
         seen["prefetched"] = run.cont.prefetched
+        seen["early"] = run.cont.early_sent
     for e in events:
         if e == "EMPTY" and not early:
             continue   # without early pruning a stale result still carries its (dead) rows

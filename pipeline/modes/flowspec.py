@@ -127,6 +127,7 @@ class StreamingMode:
         with engine.tracer.span("draft"):
             root_hidden = engine.drafter.start(prompt_ids, x, features)
         box = Outbox(engine)
+        self.deferred = None
         rounds, accepts, steps = 0, [], 0
         while not out.finished:
             rounds += 1
@@ -167,9 +168,16 @@ class StreamingMode:
                 break
             state.send(box, size)
 
-    def run_round(self, engine: Engine, box: Outbox, root: int, root_hidden: torch.Tensor, out: OutputBuffer,
+    def run_round(self, engine: Engine, box: Outbox, root: int, root_hidden: torch.Tensor | None, out: OutputBuffer,
                   accepts: list[int]):
-        state = RankTree(self.first_tree(engine, root, root_hidden))
+        if root_hidden is None:      # tree.root_first: the round's root leaves before the commit that drafts from it
+            state = RankTree(DraftTree.single(root))
+            state.send(box, 1)
+            root_hidden = self._commit(engine, *self.deferred)
+            self.deferred = None
+            state.set_tree(self.first_tree(engine, root, root_hidden))     # node 0: that root (sent)
+        else:
+            state = RankTree(self.first_tree(engine, root, root_hidden))
         self.fill(engine, box, state)
         grown = self.finish_first_tree(engine, state.tree, root_hidden)
         if len(grown) > len(state.tree):
@@ -198,6 +206,9 @@ class StreamingMode:
             path_gids = state.gids[path].tolist()
             if out.finished or verdict.new_root is None:
                 box.decide(Status.TRUNCATE, path_gids, -1, out.finished)
+                if not out.finished and engine.cfg.tree.root_first:
+                    self.deferred = (pending_tokens, pending_feats)   # committed after the next root's send
+                    return verdict.token, None, steps
                 if not out.finished:
                     root_hidden = self._commit(engine, pending_tokens, pending_feats)
                 return verdict.token, root_hidden, steps
@@ -206,7 +217,8 @@ class StreamingMode:
                 keep = keep_indices_for(state.tree, path, verdict.new_root)
                 state.reroot(keep, len(path))
                 self.on_reroot(keep, len(path))
-            if state.waiting >= self.segment_target(engine):
+            early = self.send_early(engine, state)
+            if early or state.waiting >= self.segment_target(engine):
                 self.top_up(engine, box, state)      # what is already drafted goes out first
             if self.commit_every_step:
                 fused = self.commit_and_grow(engine, state.tree, pending_tokens, pending_feats)
@@ -219,8 +231,21 @@ class StreamingMode:
                 pending_tokens, pending_feats = [], []
             else:
                 state.set_tree(self.grow(engine, state.tree, root_hidden, True))
-            self.top_up(engine, box, state, root_hidden)
+            if not (early and engine.cfg.tree.early_hold and box.inflight):
+                self.top_up(engine, box, state, root_hidden)
             self.after_send(engine, state, root_hidden)
+
+    # tree.root_first (issue 41): (tokens, features) of a truncated round, committed only after the next round's root
+    # was sent (run_round). Why: a round start's turnaround otherwise holds the commit (a head forward) and the quick
+    # first tree's levels, though the stages need nothing of them to compute the root itself; the root's result then
+    # verifies the root alone (one more segment per round: measured in docs/results.md, "41: Turnaround off the
+    # chain", to cut the turnaround but not to raise the what-if's throughput, so it is off by default).
+    deferred: tuple | None = None
+
+    def send_early(self, engine: Engine, state: RankTree) -> bool:
+        """After a re-root, before the commit: add to the tree nodes that need no model call, to be sent at once
+        (True: it added some). The base class adds none."""
+        return False
 
     def after_send(self, engine: Engine, state: RankTree, root_hidden: torch.Tensor) -> None:
         """Work that waits for no result, done after a step's ring sends while the stages compute (off rank 0's
@@ -262,6 +287,7 @@ class ContinuousMode(StreamingMode):
         self.quick_fill = False                   # the round's quick-started first tree is not sent yet
         self.acceptance: AcceptanceStats | None = None   # per-level acceptance, measured with tree.lookahead_*
         self.pre: tuple | None = None             # tree.prefetch_level: the next expansion's first level, per node
+        self.early: tuple[int, int] | None = None  # tree.early_level: (levels, room) of the expansion under way
 
     @staticmethod
     def incremental(engine: Engine) -> bool:
@@ -281,7 +307,7 @@ class ContinuousMode(StreamingMode):
             return super().first_tree(engine, root, root_hidden)
         quick = 0 < t.first_levels <= t.init_depth
         self.quick_fill = quick
-        self.pre = None
+        self.pre = self.early = None
         total = min(t.init_total_token, t.subseq_token + 1) if quick else t.init_total_token
         depth = t.first_levels - 1 if quick else t.init_depth
         with engine.tracer.span("draft"):
@@ -345,6 +371,47 @@ class ContinuousMode(StreamingMode):
         with engine.tracer.span("expand"):
             self.pre = engine.drafter.prefetch_leaves(state.tree, self.inputs, root_hidden, t.expand_topk)
 
+    def send_early(self, engine: Engine, state: RankTree) -> bool:
+        """``tree.early_level`` (issue 41): after a verified step's re-root, append the next expansion's first level,
+        chosen from the prefetched candidates (:meth:`draft.drafter.BeamTreeDrafter.append_prefetched_level`: no
+        model call), so that it leaves on the ring before the commit and the rest of the expansion.
+
+        Why: with ``tree.prefetch_level`` the turnaround (a result in hand -> the next ring send) still holds the
+        fused head forward and the second level's log-prob call, because every node the step sends is drafted
+        after the result. The first level's candidates were drafted while the stages computed; choosing among
+        those of the surviving leaves takes bookkeeping only, so the turnaround becomes verify -> re-root ->
+        choose -> send, and the commit, the re-feed and the later levels (:meth:`commit_and_grow`, which finishes
+        this expansion) run after the send. The expansion's budget is unchanged (the level counts against
+        ``expand_room``) and it holds the same nodes as without the key whenever the plain expansion keeps its whole
+        first-level beam; a different order, sent in two segments (``tree.early_hold``: the second waits for the next
+        step's early send, one segment per step). Trees change, the output never does. Measured (docs/results.md,
+        "41: Turnaround off the chain"): the turnaround falls by about a third on both profiles, but the level's
+        nodes then leave a stage step ahead of their children, which reach the stages a stage step later than in one
+        segment; off by default.
+        Invariant: ``self.early`` is ``(levels, room left)`` exactly while ``self.pre`` is the appended level's
+        :class:`draft.drafter.EarlyLevel` (set here, consumed by :meth:`commit_and_grow`)."""
+        t = engine.cfg.tree
+        self.early = None
+        if not (t.early_level and t.prefetch_level) or self.pre is None or self.inputs is None \
+                or t.expand_total_token == 0 or not hasattr(engine.drafter, "append_prefetched_level"):
+            return False
+        if t.early_root_only and len(state.tree) > 1:   # only where the plain step commits alone, then 2 levels
+            return False
+        levels = self.expand_levels(engine, state.tree)
+        if levels < 2:                            # one level: the expansion is the prefetched choice alone
+            return False
+        room = self.expand_room(engine, state.tree)
+        if self.pre[0].numel() != len(state.tree):
+            raise AssertionError("prefetched rows do not match the tree")      # on_reroot keeps them in step
+        with engine.tracer.span("expand"):
+            got = engine.drafter.append_prefetched_level(state.tree, self.inputs, self.pre, t.expand_topk, room)
+        if got is None:
+            return False
+        tree, self.inputs, self.pre = got
+        self.early = (levels, room - (len(tree) - len(state.tree)))
+        state.set_tree(tree)
+        return True
+
     def decode(self, engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
                out: OutputBuffer) -> DecodeResult:
         # measured per generation (a generation's trees depend on it alone), and only when the lookahead reads it
@@ -406,6 +473,14 @@ class ContinuousMode(StreamingMode):
         drafter has no fused call (a wrapper such as :class:`draft.osd.OnlineDrafter`)."""
         t = engine.cfg.tree
         pre, self.pre = self.pre, None
+        early, self.early = self.early, None
+        if early is not None:                     # tree.early_level: finish the expansion whose level was sent
+            levels, room = early
+            with engine.tracer.span("expand"):
+                tree, self.inputs, root_hidden = engine.drafter.commit_extend_tree(
+                    torch.tensor(tokens, device=HOST), torch.cat(feats), tree, self.inputs, levels, t.expand_topk,
+                    room, pre)
+            return tree, root_hidden
         if not (t.fuse_commit or t.prefetch_level) or self.inputs is None or t.expand_total_token == 0 \
                 or not hasattr(engine.drafter, "commit_extend_tree"):
             return None

@@ -96,6 +96,9 @@ class ReplayDrafter:
     def prefetch_leaves(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor, top_k: int) -> tuple:
         return self.inner.prefetch_leaves(tree, inputs, root_hidden, top_k)
 
+    def append_prefetched_level(self, tree: DraftTree, inputs: Tensor, pre: tuple, top_k: int, max_new: int):
+        return self.inner.append_prefetched_level(tree, inputs, pre, top_k, max_new)
+
 
 class LogMeter:
     """An :class:`model.meter.OpMeter` that logs each op as a modeled rank-0 op of the current log (``lm_head`` as
