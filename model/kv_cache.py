@@ -15,7 +15,7 @@ The buffers are torch tensors with NumPy views of the same memory (``_anc_np``, 
 cached nodes (:meth:`KVCache.staged_tree_inputs`, every drafted level and most stage segments) is staged in NumPy:
 a parent-row gather, the diagonal, the depths, the additive mask and the positions are a handful of host
 integers and booleans, which NumPy handles in about a microsecond per call where each torch operator costs a
-dispatch (issue 41; docs/results.md, section "A draft level in fewer operators": 19 -> 2 dispatched operators per
+dispatch (issue 41; docs/results.md §58: 19 -> 2 dispatched operators per
 drafted level). The mask and positions come back as fresh host tensors over NumPy arrays (``torch.from_numpy``):
 the same values, dtypes and shapes as before; a dtype NumPy lacks (bfloat16) builds its mask with torch ops.
 """

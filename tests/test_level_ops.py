@@ -1,4 +1,4 @@
-"""Issue 41, a draft level in fewer operators (docs/results.md, "A draft level in fewer operators"): each cut gives
+"""Issue 41, a draft level in fewer operators (docs/results.md §58): each cut gives
 the values of what it replaced. Lookup's supported tokens in fewer operators (same order, ties included), the
 merged union reading lookup's raw empty slots, the KV cache's NumPy staging for every mask dtype, the merged
 drafter's known parts, a tree's NumPy slots. Planted bugs (a FLOOR slot left in the union, a stale part, an

@@ -238,8 +238,8 @@ class StreamingMode:
     # tree.root_first (issue 41): (tokens, features) of a truncated round, committed only after the next round's root
     # was sent (run_round). Why: a round start's turnaround otherwise holds the commit (a head forward) and the quick
     # first tree's levels, though the stages need nothing of them to compute the root itself; the root's result then
-    # verifies the root alone (one more segment per round: measured in docs/results.md, "41: Turnaround off the
-    # chain", to cut the turnaround but not to raise the what-if's throughput, so it is off by default).
+    # verifies the root alone (one more segment per round: measured in docs/results.md §59,
+    # to cut the turnaround but not to raise the what-if's throughput, so it is off by default).
     deferred: tuple | None = None
 
     def send_early(self, engine: Engine, state: RankTree) -> bool:
@@ -384,8 +384,8 @@ class ContinuousMode(StreamingMode):
         this expansion) run after the send. The expansion's budget is unchanged (the level counts against
         ``expand_room``) and it holds the same nodes as without the key whenever the plain expansion keeps its whole
         first-level beam; a different order, sent in two segments (``tree.early_hold``: the second waits for the next
-        step's early send, one segment per step). Trees change, the output never does. Measured (docs/results.md,
-        "41: Turnaround off the chain"): the turnaround falls by about a third on both profiles, but the level's
+        step's early send, one segment per step). Trees change, the output never does. Measured (docs/results.md §59):
+        the turnaround falls by about a third on both profiles, but the level's
         nodes then leave a stage step ahead of their children, which reach the stages a stage step later than in one
         segment; off by default.
         Invariant: ``self.early`` is ``(levels, room left)`` exactly while ``self.pre`` is the appended level's

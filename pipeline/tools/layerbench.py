@@ -428,7 +428,7 @@ def count(calls, blocks, device) -> list[dict]:
 # Host bookkeeping in NumPy (docs/results.md §52 ("Fewer operators on the chain"): the beam, the merged union top-k,
 # lookup's slots, select_top_nodes, the re-root), with the fused head: first tree 317 (233, 2),
 # finish 463 (258, 5), expand 248 (166, 2), commit 51 (12, 0), verified step 45 (45, 0).
-# A draft level in fewer operators (issue 41, docs/results.md "A draft level in fewer operators": the KV cache's
+# A draft level in fewer operators (issue 41, docs/results.md §58: the KV cache's
 # staging, the beam's tree reads and writes, lookup's supported slots and the merged drafter's round-start inputs in
 # NumPy; the fused head 39 -> 35): head forward 43 (35 model), first tree 182 (106, 1 sync: the merged inputs'
 # boolean-mask gather is gone), finish 300 (115, 5: 60.0 per level), expand 129 (55, 2: the re-fed tree staged by
