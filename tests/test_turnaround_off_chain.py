@@ -141,6 +141,17 @@ def test_choosing_the_level_calls_no_model_and_finishing_one_forward_one_log_pro
     assert len(level) > len(tree) and len(grown) >= len(level)
 
 
+def _firsts_after(events: list[str], mark: str, kinds: tuple[str, str]) -> list[str]:
+    """For each ``mark`` event, which of ``kinds`` happened first after it (marks with neither after them skipped)."""
+    firsts = []
+    for i, e in enumerate(events):
+        if e == mark:
+            nxt = [x for x in events[i + 1:] if x in kinds]
+            if nxt:
+                firsts.append(nxt[0])
+    return firsts
+
+
 def _first_send_before_forward(key: str | None):
     """Run the real ContinuousMode once (tests/test_sampling.py's ring and Markov drafter) and record, per verified
     step, whether the step's first ring send came before its first draft-head (tree) forward."""
@@ -172,13 +183,7 @@ def _first_send_before_forward(key: str | None):
         return real(self, engine, state)
     cont.send_early = mark.__get__(cont)
     out = run()
-    firsts = []
-    for i, e in enumerate(events):
-        if e == "step":
-            nxt = [x for x in events[i + 1:] if x in ("send", "forward")]
-            if nxt:
-                firsts.append(nxt[0])
-    return firsts, out
+    return _firsts_after(events, "step", ("send", "forward")), out
 
 
 def test_the_first_send_of_a_step_precedes_its_forwards():
@@ -218,13 +223,7 @@ def _root_sends_before_commit(key: str | None):
         return commit(*a, **k)
     ring.send_next, ring.send_direct, drafter.commit = rec_send, rec_direct, rec_commit
     out = run()
-    firsts = []
-    for i, e in enumerate(events):
-        if e == "truncate":
-            nxt = [x for x in events[i + 1:] if x in ("send", "commit")]
-            if nxt:
-                firsts.append(nxt[0])
-    return firsts, out
+    return _firsts_after(events, "truncate", ("send", "commit")), out
 
 
 def test_a_new_rounds_root_is_sent_before_the_commit():
