@@ -137,10 +137,6 @@ class TreeConfig(Checked):
                                  # expansion's first level (chosen from the prefetched candidates, no model call)
                                  # before the commit and the rest of the expansion (issue 41; the turnaround holds
                                  # no head forward; changes the trees, not the output)
-    early_hold: bool = False     # ... and the rest of that expansion waits for the next verified step's early send
-                                 # (one segment per step, as without early_level, but sent before the commit)
-    early_root_only: bool = False  # ... only after steps whose surviving tree is the new root alone (where the plain
-                                 # step commits, then drafts both levels from the fresh output)
     root_first: bool = False     # pruned/continuous: after a truncation, send the next round's root alone at once,
                                  # then commit the accepted tokens and draft its first tree (issue 41: a round
                                  # start's turnaround holds no draft call; changes the schedule, not the output)

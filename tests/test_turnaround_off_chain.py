@@ -254,32 +254,3 @@ def test_stories260k_all_modes_equal_hf_off_chain(tmp_path, keys):
         assert len(rows) == len(prompts), mode
         for p, r in zip(prompts, rows):
             assert r.output_ids == hf_greedy(STORIES, p, 32, {2}, torch.float32), f"{mode} differs from HF"
-
-
-def test_early_root_only_sends_early_only_after_a_root_alone():
-    """``tree.early_root_only``: the early level goes out only after steps whose surviving tree is the new root alone
-    (where the plain step commits, then drafts both levels); without it, after others too. Greedy output unchanged."""
-    from pipeline.verify import Sampler
-    from tests.test_sampling import MarkovDrafter, make_runner, make_world
-    tables = make_world(11, "target", 1.5)
-    seen = {}
-    outs = {}
-    for only in (True, False):
-        over = {"tree.early_level": True, "tree.early_root_only": only, "tree.expand_total_token": 9,
-                "tree.expand_topk": 2}
-        run = make_runner("continuous", 3, tables, Sampler(), 12, over, drafter=MarkovDrafter(tables[1]))
-        cont, sizes = run.cont, []
-        real = type(cont).send_early
-
-        def rec(self, engine, state, sizes=sizes, real=real):
-            n = len(state.tree)
-            sent = real(self, engine, state)
-            if sent:
-                sizes.append(n)
-            return sent
-        cont.send_early = rec.__get__(cont)
-        outs[only] = run()
-        seen[only] = sizes
-    assert outs[True] == outs[False]
-    assert seen[True] and set(seen[True]) == {1}, seen
-    assert any(n > 1 for n in seen[False]), seen

@@ -231,8 +231,7 @@ class StreamingMode:
                 pending_tokens, pending_feats = [], []
             else:
                 state.set_tree(self.grow(engine, state.tree, root_hidden, True))
-            if not (early and engine.cfg.tree.early_hold and box.inflight):
-                self.top_up(engine, box, state, root_hidden)
+            self.top_up(engine, box, state, root_hidden)
             self.after_send(engine, state, root_hidden)
 
     # tree.root_first (issue 41): (tokens, features) of a truncated round, committed only after the next round's root
@@ -383,19 +382,17 @@ class ContinuousMode(StreamingMode):
         choose -> send, and the commit, the re-feed and the later levels (:meth:`commit_and_grow`, which finishes
         this expansion) run after the send. The expansion's budget is unchanged (the level counts against
         ``expand_room``) and it holds the same nodes as without the key whenever the plain expansion keeps its whole
-        first-level beam; a different order, sent in two segments (``tree.early_hold``: the second waits for the next
-        step's early send, one segment per step). Trees change, the output never does. Measured (docs/results.md §59):
-        the turnaround falls by about a third on both profiles, but the level's
-        nodes then leave a stage step ahead of their children, which reach the stages a stage step later than in one
-        segment; off by default.
+        first-level beam; a different order, sent in two segments. Trees change, the output never does. Measured
+        (docs/results.md §59): the turnaround falls by about a third on both profiles, but the level's nodes then
+        leave a stage step ahead of their children, which reach the stages a stage step later than in one segment;
+        off by default. (Holding the second segment for the next step's early send, or sending early only after
+        root-alone steps, measured no better there and was removed.)
         Invariant: ``self.early`` is ``(levels, room left)`` exactly while ``self.pre`` is the appended level's
         :class:`draft.drafter.EarlyLevel` (set here, consumed by :meth:`commit_and_grow`)."""
         t = engine.cfg.tree
         self.early = None
         if not (t.early_level and t.prefetch_level) or self.pre is None or self.inputs is None \
                 or t.expand_total_token == 0 or not hasattr(engine.drafter, "append_prefetched_level"):
-            return False
-        if t.early_root_only and len(state.tree) > 1:   # only where the plain step commits alone, then 2 levels
             return False
         levels = self.expand_levels(engine, state.tree)
         if levels < 2:                            # one level: the expansion is the prefetched choice alone
