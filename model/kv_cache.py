@@ -309,27 +309,9 @@ def extend_ancestry(parents: Tensor, base_anc: Tensor | None = None,
         return anc, torch.cat([base, torch.where(cached, base[pc] + 1, 0)])
     if n <= SMALL_TREE:
         return _extend_ancestry_loop(par, m, base_anc, base_depth)
-    idx = torch.arange(n, device=HOST)
-    if bool((par >= idx + m).any()):
-        i = int((par >= idx + m).nonzero()[0])
-        raise ValueError(f"parent {int(par[i])} of node {m + i} is not an earlier node")
-    # rows[i]: node i's ancestors-or-self found so far; row n is a zero sentinel that "no new parent" points to
-    ext = torch.cat([torch.where(linked, par - m, n), torch.tensor([n], device=HOST)])
-    rows = torch.zeros(n + 1, m + n, dtype=torch.bool, device=HOST)
-    rows[:n, m:].fill_diagonal_(True)
-    if m and base_anc is not None:
-        cached = (par >= 0) & ~linked
-        rows[:n, :m] = base_anc[par.clamp(0, m - 1)] & cached[:, None]
-    while int(ext.min()) < n:                                # pointer jumping: ceil(log2(longest chain)) rounds
-        rows = rows | rows[ext]
-        ext = ext[ext]
-    rows = rows[:n]
-    if base_depth is None:
-        val = rows.sum(1) - 1                                # depth = ancestors on the path (a root: 0)
-    else:                                                    # the chain's topmost new node enters a cached one
-        new = rows[:, m:]
-        top = par[new.to(torch.int8).argmax(1)]              # its parent (ancestors have lower indices)
-        val = new.sum(1) - 1 + (torch.where(top >= 0, base_depth[top.clamp(0, m - 1)] + 1, 0) if m else 0)
+    rows, val = (torch.from_numpy(x) for x in _pointer_jump(
+        par.numpy(), m, None if base_anc is None else base_anc.numpy(),
+        None if base_depth is None else base_depth.to(torch.long).numpy()))
     if m == 0:
         return rows, val
     anc = torch.zeros(m + n, m + n, dtype=torch.bool, device=HOST)
@@ -409,11 +391,16 @@ def _stage_rows_loop(pl: list[int], m: int, anc: np.ndarray, dep: np.ndarray) ->
     dep[m:m + n] = new_depth
 
 
-def _stage_rows_jump(par: np.ndarray, m: int, anc: np.ndarray, dep: np.ndarray) -> None:
-    """:meth:`KVCache._stage_rows` for more than ``SMALL_TREE`` new nodes some of whose parents are new (a re-fed
-    tree): :func:`extend_ancestry`'s pointer jumping, in NumPy on the buffers' views (rows ``m..m+n-1``; issue 41:
-    about 50 dispatched operators as torch ops, none here). Raises ``ValueError`` for a parent that is not an earlier
-    node, as :func:`extend_ancestry` does."""
+def _pointer_jump(par: np.ndarray, m: int, base_anc: np.ndarray | None,
+                  base_depth: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """The pointer jumping (list ranking) of :func:`extend_ancestry`, in NumPy: for ``n`` new nodes ``m..m+n-1``
+    with parents ``par`` (int64; ``-1`` a root, else an earlier node), their ancestor rows ``[n, m+n]`` and depths
+    ``[n]``. A new row starts as itself plus, when its parent is cached, that parent's row of ``base_anc``; each
+    round ORs in the row its link (a new parent) points to and doubles the link: ``ceil(log2(longest new chain))``
+    rounds. Depths: ancestors on the path (``base_depth`` None), else the new ancestors plus the depth below the
+    cached node the chain's topmost new node enters. Raises ``ValueError`` for a parent that is not an earlier
+    node. The one home of the rule: :func:`extend_ancestry` (torch in, torch out) and the KV cache's staging
+    (:func:`_stage_rows_jump`, on its buffers' views) both call it."""
     n = par.size
     idx = np.arange(n)
     bad = np.flatnonzero(par >= idx + m)
@@ -423,19 +410,30 @@ def _stage_rows_jump(par: np.ndarray, m: int, anc: np.ndarray, dep: np.ndarray) 
     linked = par >= m
     rows = np.zeros((n + 1, m + n), dtype=bool)       # row n: the zero sentinel "no new parent" points to
     rows[idx, m + idx] = True
-    if m:
+    if m and base_anc is not None:
         cached = (par >= 0) & ~linked
-        rows[:n, :m] = anc[np.clip(par, 0, m - 1), :m] & cached[:, None]
+        rows[:n, :m] = base_anc[np.clip(par, 0, m - 1), :m] & cached[:, None]
     ext = np.append(np.where(linked, par - m, n), n)
     while ext.min() < n:                              # ceil(log2(longest new chain)) rounds
         rows |= rows[ext]
         ext = ext[ext]
     rows = rows[:n]
+    if base_depth is None:
+        return rows, rows.sum(1, dtype=np.int64) - 1
     new = rows[:, m:]
-    val = new.sum(1) - 1                              # new ancestors above each node
+    val = new.sum(1, dtype=np.int64) - 1              # new ancestors above each node
     if m:                                             # the chain's topmost new node enters a cached one (or -1)
         top = par[new.argmax(1)]
-        val += np.where(top >= 0, dep[np.clip(top, 0, m - 1)] + 1, 0)
+        val += np.where(top >= 0, base_depth[np.clip(top, 0, m - 1)] + 1, 0)
+    return rows, val
+
+
+def _stage_rows_jump(par: np.ndarray, m: int, anc: np.ndarray, dep: np.ndarray) -> None:
+    """:meth:`KVCache._stage_rows` for more than ``SMALL_TREE`` new nodes some of whose parents are new (a re-fed
+    tree): :func:`_pointer_jump` on the buffers' views, written into rows ``m..m+n-1`` (issue 41: about 50
+    dispatched operators as torch ops, none here)."""
+    n = par.size
+    rows, val = _pointer_jump(par, m, anc, dep[:m])
     anc[m:m + n] = False
     anc[m:m + n, :m + n] = rows
     dep[m:m + n] = val
