@@ -26,7 +26,7 @@ import torch
 from draft.eagle import EagleHead
 from draft.shape import EAGLE2, TreeShape, pick_frontier
 from draft.static_head import level_step
-from draft.tree import DraftTree, beam_frontier, select_top_nodes
+from draft.tree import DraftTree, beam_frontier, best_first, select_top_nodes
 from model.devices import HOST
 from model.meter import NULL_METER, OpMeter, hidden_rows, run_rows
 
@@ -61,12 +61,6 @@ def _row_pattern_np(rows: int, width: int) -> np.ndarray:
     out = np.repeat(np.arange(rows, dtype=np.int64), width)
     out.flags.writeable = False
     return out
-
-
-def _np_best(scores: np.ndarray, width: int) -> np.ndarray:
-    """:func:`draft.tree.beam_frontier` in NumPy: indices of the best ``width`` of ``scores`` (1-D), descending,
-    ties by index (a stable sort of the negated scores: negation is exact, so the order is the torch one's)."""
-    return np.argsort(-scores, kind="stable")[:width]
 
 
 @functools.lru_cache(maxsize=64)
@@ -392,7 +386,7 @@ class BeamTreeDrafter:
         scores, cand_tok, fed = to_host(torch.cat(cand_scores), torch.cat(cand_tokens), fed)
         parent_row, levels = _beam_layout(tuple(shape))
         tree = select_top_nodes(root_token, cand_tok, fed[parent_row], scores, total_token, levels)
-        order = _np_best(scores.numpy(), max(0, min(total_token - 1, n_cand)))   # top_node_order: the kept ones
+        order = best_first(scores.numpy(), max(0, min(total_token - 1, n_cand)))   # top_node_order: the kept ones
         # the row gathers' indices in NumPy (issue 41): rows = [zeros, root's output, each fed level's outputs]
         fed_np = fed.numpy()
         rowof = np.full(n_cand, -1, dtype=np.int64)                        # candidate -> its output row (-1: none)
@@ -521,7 +515,7 @@ class BeamTreeDrafter:
         has_child = np.zeros(n, dtype=bool)
         has_child[t_par[1:]] = True
         leaves = np.flatnonzero(~has_child)
-        fr = leaves[_np_best(t_score[leaves], min(top_k, leaves.size))]         # tree node ids
+        fr = leaves[best_first(t_score[leaves], min(top_k, leaves.size))]         # tree node ids
         # a leaf's output: row i-1 of the re-feed (the root is a leaf only of a one-node tree: root_hidden)
         f_out = out[torch.from_numpy(fr - 1).to(dev)] if n > 1 else root_hidden[None]
         # frontier rows of every level, in order: parent code (a tree node < n, or n + candidate), depth, output
@@ -581,7 +575,7 @@ class BeamTreeDrafter:
         """:meth:`_frontier` on the beam's NumPy scores (:class:`_Beam`): EAGLE-2's stable best-``width`` in
         NumPy; a confidence shape's :func:`draft.shape.pick_frontier` on torch views of the same memory."""
         if not self.tree_shape.shaped:
-            return _np_best(level_scores, width)
+            return best_first(level_scores, width)
         return self._frontier(self.tree_shape, torch.from_numpy(level_scores), [torch.from_numpy(all_scores)],
                               total_token, width).numpy()
 
@@ -594,7 +588,7 @@ class BeamTreeDrafter:
         frontier row's output). The beam's arrays are NumPy (:class:`_Beam`: why); the tree's new slots are
         written through NumPy views of its buffers (one view per array; the values and their casts as torch's)."""
         n, dev = len(tree), inputs.device
-        chosen = _np_best(c_score[:n_cand], max(0, min(max_new, n_cand)))  # top_node_order(.., max_new + 1)
+        chosen = best_first(c_score[:n_cand], max(0, min(max_new, n_cand)))  # top_node_order(.., max_new + 1)
         row = c_row[chosen]
         par = np.concatenate(rows_par)[row]                               # a tree node, or n + a candidate
         inv = np.full(n_cand, -1, dtype=np.int64)                         # candidate -> new tree index

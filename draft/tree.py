@@ -257,7 +257,7 @@ def select_top_nodes(root_token: int, cand_tokens: Tensor, cand_parents: Tensor,
     # In NumPy on the host candidates (issue 41: the same steps as torch ops were about 18 dispatched operators per
     # call; here a view per input and a tensor per output array). Values and dtypes as the torch steps had them.
     sc = cand_scores.to(HOST).numpy()
-    order = np.argsort(-sc, kind="stable")[:max(0, min(total_token - 1, sc.size))]   # = top_node_order
+    order = best_first(sc, max(0, min(total_token - 1, sc.size)))              # = top_node_order
     inv = np.full(sc.size, -1, dtype=np.int64)                                 # candidate -> tree index (-1: cut)
     inv[order] = np.arange(1, order.size + 1)
     cp = cand_parents.to(HOST).numpy()[order].astype(np.int64, copy=False)
@@ -283,6 +283,14 @@ def beam_frontier(scores: Tensor, width: int) -> Tensor:
     sorting ``-scores`` in float64, as the EAGLE-2 beam did, for any non-NaN scores). The per-level choice of a
     beam's next frontier (:meth:`draft.drafter.BeamTreeDrafter.extend_tree`): two operators, whatever the width."""
     return torch.sort(scores, descending=True, stable=True).indices[:width]
+
+
+def best_first(scores: np.ndarray, width: int) -> np.ndarray:
+    """:func:`beam_frontier` in NumPy, for the host bookkeeping (issue 41): indices of the best ``width`` of
+    ``scores`` (1-D), descending, ties by index (a stable sort of the negated scores: negation is exact, so the
+    order is the torch one's). The one NumPy home of the rule (the beam's frontier and kept candidates,
+    :func:`select_top_nodes`)."""
+    return np.argsort(-scores, kind="stable")[:width]
 
 
 def split_sizes(n_nodes: int, n_parts: int, cap: int) -> list[int]:
