@@ -361,9 +361,9 @@ def lookup_supported(state: Tensor, slots: int, k: int) -> tuple[Tensor, Tensor]
 
 def lookup_supported_raw(state: Tensor, slots: int, k: int) -> tuple[Tensor, Tensor]:
     """:func:`lookup_supported` with an unused slot's score left at ``FLOOR`` (its id is -1): what the merged
-    drafter's union reads (:func:`draft.merged.union_top_np` drops a slot by its -1 token on the host, so the two
+    drafter's union reads (:meth:`LookupDrafter.union_candidates`) (:func:`draft.merged.union_top_np` drops a slot by its -1 token on the host, so the two
     operators that turn ``FLOOR`` into ``-inf`` are not needed there). 3 operators."""
-    ids, scores = state.split(slots, dim=-1)
+    ids, scores = state.split_with_sizes([slots, slots], dim=-1)    # (Tensor.split's Python wrapper costs more)
     s, j = torch.topk(scores, min(k, slots), dim=-1)
     return s, ids.gather(-1, j)
 
@@ -400,6 +400,7 @@ class LookupDrafter(TokenHistory):
         if vocab_size >= 2 ** 24:
             raise ValueError(f"lookup keeps token ids in float32 states: vocabulary {vocab_size} >= 2**24")
         self.max_matches, self.token_logp = max_matches, token_logp
+        self._raw_ok = token_logp - math.log(max_matches) > FLOOR    # every used slot above FLOOR (lookup_supported)
         self.index = ContextIndex(max_ngram)
         self.ngrams = NgramIndex(min_ngram, max_ngram)           # the per-node path's index (vector_rows)
         # logt[c, n] = log(c / n) + token_logp (math.log, as state_row): a state's score of a token c of n matches had
@@ -489,15 +490,16 @@ class LookupDrafter(TokenHistory):
         # comparison (so topk's order), and the merged drafter's one concatenation widens both to float64 anyway:
         # the same candidates in 3 fewer operators per level (issue 41). Tokens come back as floats holding ids.
         m = self.max_matches
-        if self.token_logp - math.log(m) > FLOOR:          # every used slot scores above FLOOR: lookup_supported
+        if self._raw_ok:                                   # every used slot scores above FLOOR: lookup_supported
             return lookup_supported(hidden, m, k)
         return best_supported(hidden[..., :m], hidden[..., m:], self.vocab_size, k)
 
-    def supported_raw(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """:meth:`supported_tokens` with the empty slots as ``(FLOOR, -1)`` instead of ``(-inf, -1)``
-        (:func:`lookup_supported_raw`): the merged drafter's union (:meth:`draft.merged.MergedDrafter.top_numpy`)
-        drops them by their -1 token. Where the fast path does not apply, :meth:`supported_tokens` itself."""
-        if hidden.dtype in (torch.float32, torch.float64) and self.token_logp - math.log(self.max_matches) > FLOOR:
+    def union_candidates(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """What a merged drafter's union reads (:meth:`draft.merged.MergedDrafter.top_numpy`, which drops an empty
+        slot by its token -1): :meth:`supported_tokens` with the empty slots as ``(FLOOR, -1)`` instead of ``(-inf,
+        -1)`` (:func:`lookup_supported_raw`, 2 operators fewer) where every used slot scores above ``FLOOR``; else
+        :meth:`supported_tokens` itself."""
+        if self._raw_ok and hidden.dtype in (torch.float32, torch.float64):
             return lookup_supported_raw(hidden, self.max_matches, k)
         return self.supported_tokens(hidden, k)
 
