@@ -24,10 +24,11 @@ committed context kept as NumPy arrays indexed by token as it grows (:class:`Con
 pointer doubling (:func:`tree_paths`), every row's occurrences found at once (:func:`level_matches`: its last token's
 positions in the context by binary search, the path positions on a grid), the rows packed by :func:`pack_states`.
 That pass has a fixed cost of about 40 NumPy calls, which on this CPU loses to the per-node rule for a beam level of
-10 rows and wins from a few dozen rows (a re-fed tree: 64 rows 2.6x faster); so fewer than
+10 rows and wins from a few dozen rows (a re-fed tree of 64 rows: 285 us against 352); so fewer than
 :attr:`LookupDrafter.vector_rows` rows take the per-node rule (the context indexed by its n-grams as it grows,
-:class:`NgramIndex`: a query costs the occurrences it returns plus a scan of the few positions that overlap the
-tree path). Both equal :func:`find_continuations` then :func:`state_row` per row (``tests/test_lookup_level.py``).
+:class:`NgramIndex`; :meth:`NgramIndex.next_tokens`: a query costs the occurrences it returns plus one pass over the
+positions of the tree path, each compared once for its match length). Both equal :func:`find_continuations` then
+:func:`state_row` per row (``tests/test_lookup_level.py``).
 """
 from __future__ import annotations
 
@@ -158,6 +159,41 @@ class NgramIndex:
                 return out
         return []
 
+
+    def next_tokens(self, path: list[int], max_matches: int) -> list[int]:
+        """``[c[0] for c in continuations(path, max_matches, 1)]``, with less Python: each occurrence that ends in
+        ``path`` is compared once for its match length (not once per n-gram length); what
+        :meth:`draft.lookup.LookupDrafter.tree_forward`'s per-node rule runs, per row. Same order as there: the
+        occurrences that end in ``path`` (the most recent) first, then the index's, most recent first."""
+        seq, lc = self.seq or [], self.length
+        total = lc + len(path)
+        if total < 2:
+            return []
+        mg = self.max_ngram
+        base = max(0, lc - mg)
+        w = seq[base:lc] + path                                      # positions base .. total - 1
+        top = total - 1 - base
+        last = w[top]
+        hits, best = [], 0                                           # (length, next token), most recent first
+        for j in range(top - 1, lc - base - 1, -1):                  # last token at p = base + j, lc <= p <= len - 2
+            if w[j] == last:
+                n = 1
+                while n < mg and j >= n and w[j - n] == w[top - n]:
+                    n += 1
+                hits.append((n, w[j + 1]))
+                best = max(best, n)
+        for n in range(min(mg, total - 1), self.min_ngram - 1, -1):
+            out = [t for ln, t in hits if ln >= n][:max_matches] if n <= best else []
+            for i in reversed(self.starts[n].get(tuple(w[top - n + 1:]), ())):   # inside seq, most recent first
+                if len(out) >= max_matches:
+                    break
+                if i + n < lc:
+                    out.append(seq[i + n])
+                elif i + n < total:                                  # the next token is path[0] (not the suffix itself)
+                    out.append(path[0])
+            if out:
+                return out
+        return []
 
 class ContextIndex:
     """The committed context as NumPy arrays, indexed by token as it grows (what :func:`level_matches` reads).
@@ -361,8 +397,8 @@ def lookup_supported(state: Tensor, slots: int, k: int) -> tuple[Tensor, Tensor]
 
 def lookup_supported_raw(state: Tensor, slots: int, k: int) -> tuple[Tensor, Tensor]:
     """:func:`lookup_supported` with an unused slot's score left at ``FLOOR`` (its id is -1): what the merged
-    drafter's union reads (:meth:`LookupDrafter.union_candidates`) (:func:`draft.merged.union_top_np` drops a slot by its -1 token on the host, so the two
-    operators that turn ``FLOOR`` into ``-inf`` are not needed there). 3 operators."""
+    drafter's union reads (:meth:`LookupDrafter.union_candidates`; :func:`draft.merged.union_top_np` drops a slot by its
+    -1 token on the host, so the two operators that turn ``FLOOR`` into ``-inf`` are not needed there). 3 operators."""
     ids, scores = state.split_with_sizes([slots, slots], dim=-1)    # (Tensor.split's Python wrapper costs more)
     s, j = torch.topk(scores, min(k, slots), dim=-1)
     return s, ids.gather(-1, j)
@@ -408,13 +444,14 @@ class LookupDrafter(TokenHistory):
         for n in range(1, max_matches + 1):
             for c in range(1, n + 1):
                 self.logt[c, n] = math.log(c / n) + token_logp
+        self._logt_rows = self.logt.T.tolist()                    # [n][c]: the per-node rule's look-up
         TokenHistory.__init__(self)
 
     # Rows from which tree_forward takes the vectorised pass (level_matches); fewer go through the per-node rule
-    # (NgramIndex.continuations + state_row): measured on this CPU (docs/results.md §"41: A draft level's Python
-    # time"), the vectorised pass's fixed cost (about 40 NumPy calls) loses to the per-node Python below a few dozen
-    # rows and wins above (a re-fed tree). Both give the same states (tests/test_lookup_level.py runs both).
-    vector_rows: int = 24
+    # (NgramIndex.next_tokens + state_row's counting): measured on this CPU (docs/results.md, "41: A draft level's
+    # Python time"), the vectorised pass's fixed cost (about 40 NumPy calls) loses to the per-node Python below a few
+    # dozen rows and wins above (a re-fed tree). Both give the same states (tests/test_lookup_level.py runs both).
+    vector_rows: int = 48
 
     @property
     def state_width(self) -> int:
@@ -453,7 +490,7 @@ class LookupDrafter(TokenHistory):
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
         """Every node's state (equal to stacking :meth:`state` per node): from :attr:`vector_rows` rows in one
         vectorised pass (:func:`tree_paths`, :func:`level_matches`, :func:`pack_states`), fewer per node
-        (:meth:`NgramIndex.continuations`, :func:`state_row`), whichever is cheaper on this CPU."""
+        (:meth:`NgramIndex.next_tokens`, then :func:`state_row`'s rule), whichever is cheaper on this CPU."""
         first = len(self.tree_tokens)
         par = (parents if parents.dim() == 1 else parents.reshape(-1)).tolist()
         if any(not -1 <= p < first + i for i, p in enumerate(par)):
@@ -467,10 +504,18 @@ class LookupDrafter(TokenHistory):
             return torch.from_numpy(pack_states(self._matches(paths, depth), self.logt))
         ng = self.ngrams
         ng.sync(self.context)
-        m, w, lp = self.max_matches, self.state_width, self.token_logp
-        out = torch.tensor([state_row(ng.continuations(self._path(i), m, 1), w, lp)
-                            for i in range(first, first + rows)], dtype=torch.float32, device=HOST)
-        return out if rows else out.reshape(0, w)
+        m, logt = self.max_matches, self._logt_rows
+        rows_out = []
+        for i in range(first, first + rows):
+            counts: dict[int, int] = {}
+            nxt = ng.next_tokens(self._path(i), m)
+            for t in nxt:
+                counts[t] = counts.get(t, 0) + 1
+            ids, lt = list(counts), logt[len(nxt)]                   # state_row's rule, its scores precomputed
+            pad = m - len(ids)
+            rows_out.append(ids + [-1] * pad + [lt[c] for c in counts.values()] + [FLOOR] * pad)
+        out = torch.tensor(rows_out, dtype=torch.float32, device=HOST)
+        return out if rows else out.reshape(0, 2 * m)
 
     def logprobs(self, hidden: Tensor) -> Tensor:
         """The states spread over the vocabulary: ``[..., V]`` float64, ``FLOOR`` where no occurrence supports a

@@ -122,3 +122,20 @@ def test_planted_bug_is_caught(monkeypatch, bug):
     monkeypatch.setattr(L, "level_matches", buggy)
     with pytest.raises(AssertionError):
         test_tree_forward_equals_per_node_rule(0, 0, monkeypatch)
+
+
+def test_ngram_next_tokens_equal_find_continuations():
+    """NgramIndex.next_tokens (the per-node rule's query) equals the first tokens of the plain scan's continuations,
+    for every split between context and path, n-gram ranges and match limits."""
+    rng = random.Random(11)
+    for _ in range(2000):
+        seq = [rng.randrange(rng.choice([2, 3, 6])) for _ in range(rng.randrange(0, 30))]
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 4)
+        cut = rng.randint(0, len(seq))
+        index = L.NgramIndex(lo, hi)
+        ctx = seq[:cut]
+        index.sync(ctx)
+        m = rng.randint(1, 5)
+        want = [c[0] for c in find_continuations(seq, hi, lo, m, 1)]
+        assert index.next_tokens(seq[cut:], m) == want, (seq, cut, lo, hi, m)
