@@ -136,8 +136,10 @@ def _rms_unweighted(norm: nn.Module, x: Tensor) -> Tensor:
     """:func:`_rms` without the weight's multiply (folded into the next matmul's weights: ``(w * y) @ W = y @ (w[:,
     None] * W)``, equal up to float rounding): one operator fewer."""
     dtype = x.dtype
-    h = x.to(torch.float32)
-    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).to(dtype)
+    f32 = dtype == torch.float32                          # (no .to call when it would return its input: host time)
+    h = x if f32 else x.to(torch.float32)
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return y if f32 else y.to(dtype)
 
 
 def _linear_res(x: Tensor, w_t: Tensor, b: Tensor | None, res: Tensor) -> Tensor:

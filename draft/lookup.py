@@ -514,8 +514,8 @@ class LookupDrafter(TokenHistory):
             ids, lt = list(counts), logt[len(nxt)]                   # state_row's rule, its scores precomputed
             pad = m - len(ids)
             rows_out.append(ids + [-1] * pad + [lt[c] for c in counts.values()] + [FLOOR] * pad)
-        out = torch.tensor(rows_out, dtype=torch.float32, device=HOST)
-        return out if rows else out.reshape(0, 2 * m)
+        # one NumPy conversion of the rows (Python floats -> float32 rounds as torch.tensor does; ids are exact)
+        return torch.from_numpy(np.array(rows_out, dtype=np.float32).reshape(rows, 2 * m))
 
     def logprobs(self, hidden: Tensor) -> Tensor:
         """The states spread over the vocabulary: ``[..., V]`` float64, ``FLOOR`` where no occurrence supports a
