@@ -139,3 +139,12 @@ def test_ngram_next_tokens_equal_find_continuations():
         m = rng.randint(1, 5)
         want = [c[0] for c in find_continuations(seq, hi, lo, m, 1)]
         assert index.next_tokens(seq[cut:], m) == want, (seq, cut, lo, hi, m)
+
+
+def test_planted_bug_in_the_per_node_rule_is_caught(monkeypatch):
+    """The per-node rule with a plausible slip (a node's path cut to its last token, so occurrences spanning the
+    path are lost) makes the per-node equality test fail."""
+    orig = L.NgramIndex.next_tokens
+    monkeypatch.setattr(L.NgramIndex, "next_tokens", lambda self, path, m: orig(self, list(path[-1:]), m))
+    with pytest.raises(AssertionError):
+        test_tree_forward_equals_per_node_rule(1, 10 ** 9, monkeypatch)
