@@ -386,7 +386,7 @@ class BeamTreeDrafter:
         scores, cand_tok, fed = to_host(torch.cat(cand_scores), torch.cat(cand_tokens), fed)
         parent_row, levels = _beam_layout(tuple(shape))
         tree = select_top_nodes(root_token, cand_tok, fed[parent_row], scores, total_token, levels)
-        order = best_first(scores.numpy(), max(0, min(total_token - 1, n_cand)))   # top_node_order: the kept ones
+        order = best_first(scores.numpy(), max(0, min(total_token - 1, n_cand)))   # the kept ones
         # the row gathers' indices in NumPy (issue 41): rows = [zeros, root's output, each fed level's outputs]
         fed_np = fed.numpy()
         rowof = np.full(n_cand, -1, dtype=np.int64)                        # candidate -> its output row (-1: none)
@@ -588,7 +588,7 @@ class BeamTreeDrafter:
         frontier row's output). The beam's arrays are NumPy (:class:`_Beam`: why); the tree's new slots are
         written through NumPy views of its buffers (one view per array; the values and their casts as torch's)."""
         n, dev = len(tree), inputs.device
-        chosen = best_first(c_score[:n_cand], max(0, min(max_new, n_cand)))  # top_node_order(.., max_new + 1)
+        chosen = best_first(c_score[:n_cand], max(0, min(max_new, n_cand)))  # the best max_new, stable
         row = c_row[chosen]
         par = np.concatenate(rows_par)[row]                               # a tree node, or n + a candidate
         inv = np.full(n_cand, -1, dtype=np.int64)                         # candidate -> new tree index

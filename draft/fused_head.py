@@ -96,6 +96,7 @@ class _Layer:
         self.scale = a.scaling
         self.act = m.act_fn
         self.inter = m.gate_proj.out_features
+        self.qkv_sizes, self.gu_sizes = [self.hq, self.hkv, self.hkv], [self.inter, self.inter]
         self.qkv_t = torch.cat([a.q_proj.weight.detach(), a.k_proj.weight.detach(), a.v_proj.weight.detach()]).t()
         self.qkv_b = _fused_bias([a.q_proj, a.k_proj, a.v_proj])
         # the post-attention norm's weight folded into the rows of gate/up (RMSNorm without its last multiply)
@@ -135,8 +136,10 @@ def _rms_unweighted(norm: nn.Module, x: Tensor) -> Tensor:
     """:func:`_rms` without the weight's multiply (folded into the next matmul's weights: ``(w * y) @ W = y @ (w[:,
     None] * W)``, equal up to float rounding): one operator fewer."""
     dtype = x.dtype
-    h = x.to(torch.float32)
-    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).to(dtype)
+    f32 = dtype == torch.float32                          # (no .to call when it would return its input: host time)
+    h = x if f32 else x.to(torch.float32)
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return y if f32 else y.to(dtype)
 
 
 def _linear_res(x: Tensor, w_t: Tensor, b: Tensor | None, res: Tensor) -> Tensor:
@@ -258,7 +261,7 @@ class FusedHead:
             qkv = qkv.view(1, n, hq + 2 * hkv, d)
             qk = qkv[:, :, :hq + hkv]
             torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin, out=qk)          # rotary on q and k at once, in place
-            q, k, v = qkv.transpose(1, 2).split([hq, hkv, hkv], dim=1)
+            q, k, v = qkv.transpose(1, 2).split_with_sizes(ly.qkv_sizes, dim=1)   # (not Tensor.split's wrapper)
             groups = hq // hkv
             native = groups > 1 and dev.type in NATIVE_GQA_DEVICES
 
@@ -276,6 +279,6 @@ class FusedHead:
             h = _linear_res(o.transpose(1, 2).reshape(n, hq * d), ly.o_t, ly.o_b, h)
             x = _rms_unweighted(ly.post_norm, h)                                 # its weight is in gu_t
             gu = torch.mm(x, ly.gu_t) if ly.gu_b is None else torch.addmm(ly.gu_b, x, ly.gu_t)
-            g, u = gu.split(ly.inter, dim=1)
+            g, u = gu.split_with_sizes(ly.gu_sizes, dim=1)
             h = _linear_res(ly.act(g) * u, ly.down_t, ly.down_b, h)
         return h.view(1, n, -1)

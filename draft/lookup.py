@@ -19,15 +19,24 @@ small log-score; everywhere when nothing matches). It is kept **compact**: ``2 *
 supported token ids then their scores (:func:`pack_state`; unused slots hold id ``-1``), so a merged state
 (EAGLE's feature beside it) stays small; :meth:`LookupDrafter.logprobs` spreads it over the vocabulary.
 
-Speed: the committed context is indexed by its n-grams as it grows (:class:`NgramIndex`), so a query costs the
-occurrences it returns plus a scan of the few positions that overlap the tree path, not a scan of the context;
-:meth:`NgramIndex.continuations` returns exactly what :func:`find_continuations` returns on the whole sequence.
+Speed (issue 41 item 2): ``tree_forward`` computes many rows' states in ONE vectorised pass, no Python per node: the
+committed context kept as NumPy arrays indexed by token as it grows (:class:`ContextIndex`), the rows' paths by
+pointer doubling (:func:`tree_paths`), every row's occurrences found at once (:func:`level_matches`: its last token's
+positions in the context by binary search, the path positions on a grid), the rows packed by :func:`pack_states`.
+That pass has a fixed cost of about 40 NumPy calls, which on this CPU loses to the per-node rule for a beam level of
+10 rows and wins from a few dozen rows (a re-fed tree of 64 rows: 285 us against 352); so fewer than
+:attr:`LookupDrafter.vector_rows` rows take the per-node rule (the context indexed by its n-grams as it grows,
+:class:`NgramIndex`; :meth:`NgramIndex.next_tokens`: a query costs the occurrences it returns plus one pass over the
+positions of the tree path, each compared once for its match length). Both equal :func:`find_continuations` then
+:func:`state_row` per row (``tests/test_lookup_level.py``).
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from draft.token_history import TokenHistory
@@ -151,6 +160,179 @@ class NgramIndex:
         return []
 
 
+    def next_tokens(self, path: list[int], max_matches: int) -> list[int]:
+        """``[c[0] for c in continuations(path, max_matches, 1)]``, with less Python: each occurrence that ends in
+        ``path`` is compared once for its match length (not once per n-gram length); what
+        :meth:`draft.lookup.LookupDrafter.tree_forward`'s per-node rule runs, per row. Same order as there: the
+        occurrences that end in ``path`` (the most recent) first, then the index's, most recent first."""
+        seq, lc = self.seq or [], self.length
+        total = lc + len(path)
+        if total < 2:
+            return []
+        mg = self.max_ngram
+        base = max(0, lc - mg)
+        w = seq[base:lc] + path                                      # positions base .. total - 1
+        top = total - 1 - base
+        last = w[top]
+        hits, best = [], 0                                           # (length, next token), most recent first
+        for j in range(top - 1, lc - base - 1, -1):                  # last token at p = base + j, lc <= p <= len - 2
+            if w[j] == last:
+                n = 1
+                while n < mg and j >= n and w[j - n] == w[top - n]:
+                    n += 1
+                hits.append((n, w[j + 1]))
+                best = max(best, n)
+        for n in range(min(mg, total - 1), self.min_ngram - 1, -1):
+            out = [t for ln, t in hits if ln >= n][:max_matches] if n <= best else []
+            for i in reversed(self.starts[n].get(tuple(w[top - n + 1:]), ())):   # inside seq, most recent first
+                if len(out) >= max_matches:
+                    break
+                if i + n < lc:
+                    out.append(seq[i + n])
+                elif i + n < total:                                  # the next token is path[0] (not the suffix itself)
+                    out.append(path[0])
+            if out:
+                return out
+        return []
+
+class ContextIndex:
+    """The committed context as NumPy arrays, indexed by token as it grows (what :func:`level_matches` reads).
+
+    Invariant: after :meth:`sync`, ``padded[pad + p]`` is ``seq[p]`` for every position ``p`` of the list last synced,
+    and the ``pad`` slots before it hold distinct values below -1 (a read before the start is a non-token that equals
+    no token, no pad of another position and no -1 filler: :func:`level_matches` needs no bounds checks); ``keys``
+    holds, ascending, ``token << 32 | p`` for every position ``p`` that has a next token (``p <= len - 2``), so one
+    token's positions are one contiguous ascending run, found by two binary searches. The caller's list may only
+    grow by appends between syncs (as :class:`draft.token_history.TokenHistory` does); a new list object, or a shorter
+    one, starts over, but an in-place rewrite of tokens already indexed is not detected. A sync costs the appended
+    tokens plus one ``np.insert`` (a copy of the index), not a pass of Python over the context."""
+
+    def __init__(self, pad: int) -> None:
+        self.pad = pad
+        self.clear()
+
+    def clear(self) -> None:
+        self.seq: list[int] | None = None
+        self.length = 0
+        self.padded = np.full(self.pad + 64, -1, dtype=np.int64)
+        self.padded[:self.pad] = -2 - np.arange(self.pad)
+        self.keys = np.empty(0, dtype=np.int64)
+
+    def sync(self, seq: list[int]) -> None:
+        """Index the tokens appended to ``seq`` since the last call (``seq`` is the caller's list, read only)."""
+        if seq is not self.seq or len(seq) < self.length:
+            self.clear()
+            self.seq = seq
+        old, new = self.length, len(seq)
+        if new == old:
+            return
+        if self.pad + new > self.padded.size:
+            grown = np.full(max(self.pad + new, 2 * self.padded.size), -1, dtype=np.int64)
+            grown[:self.pad + old] = self.padded[:self.pad + old]
+            self.padded = grown
+        self.padded[self.pad + old:self.pad + new] = seq[old:]
+        at = max(old - 1, 0)                                   # positions that now have a next token
+        keys = (self.padded[self.pad + at:self.pad + new - 1] << 32) | np.arange(at, new - 1, dtype=np.int64)
+        if keys.size > 1:
+            keys.sort()
+        self.keys = np.insert(self.keys, np.searchsorted(self.keys, keys), keys) if self.keys.size else keys
+        self.length = new
+
+
+def level_matches(padded: np.ndarray, keys: np.ndarray, lc: int, paths: np.ndarray, depth: np.ndarray,
+                  max_ngram: int, min_ngram: int, max_matches: int) -> np.ndarray:
+    """:func:`find_continuations` (continuations of one token) for many rows at once, as one fixed sequence of NumPy
+    calls (issue 41 item 2: no Python per row). Row ``r``'s sequence is the context (``lc`` tokens; ``padded`` and
+    ``keys`` as :class:`ContextIndex` keeps them, with ``pad = max_ngram``) followed by its path, ``paths[r,
+    :depth[r]]`` (``paths``: ``[rows, D]``, ``D >= 1``, left-aligned). Returns ``[rows, max_matches]`` int64: per row
+    the next tokens of the chosen occurrences, most recent first, -1 in unused slots.
+
+    The rule, restated (equal to :func:`find_continuations`'s loop over ``n``): an earlier occurrence whose last token
+    is at ``p`` (its next token at ``p + 1 < len``) matches the sequence's suffix for ``l(p)`` tokens, the number of
+    leading equal tokens of ``seq[p], seq[p-1], ...`` and ``seq[-1], seq[-2], ...`` (at most ``max_ngram``, at most
+    ``p + 1``: an occurrence starts at 0 or later, which also keeps the suffix inside the sequence). The longest
+    n-gram with a match has ``n* = max l(p)`` (when ``>= min_ngram``); its occurrences are the ``p`` with ``l(p) =
+    n*``, of which the ``max_matches`` most recent are taken. The candidates ``p``: in the context up to ``lc - 2``,
+    the positions of the row's last token (``keys``: one binary search per row, no scan of the context); from
+    ``lc - 1`` on, every position of a window of the context's last ``max_ngram`` tokens and the path (a grid).
+    All rows' candidates are laid out in one token array (the context, then each row's window), ranked by one sort
+    of packed keys (row, longest first, most recent first)."""
+    mg = max_ngram
+    rows, width = paths.shape
+    w = mg + width
+    head = mg + lc
+    src = np.empty(head + rows * w, dtype=np.int64)             # [pads | context | row 0's window | row 1's | ...]
+    src[:head] = padded[:head]
+    win = src[head:].reshape(rows, w)
+    win[:, :mg] = padded[lc:head]                              # the context's last mg tokens (pads before its start)
+    win[:, mg:] = paths
+    ar, row_at, cell, r_b, cols, back = _layout(rows, width, mg)
+    suffix = src[(row_at + (head + mg - 1) + depth)[:, None] - back]    # [rows, mg]: seq[-1], seq[-2], ...
+    bounds = np.searchsorted(keys, (suffix[:, :1] << 32) + _RUN)     # the last token's run of context positions
+    cnt = bounds[:, 1] - bounds[:, 0]
+    r_a = np.repeat(ar, cnt)
+    p_a = keys[np.arange(r_a.size) + np.repeat(bounds[:, 0] - (np.cumsum(cnt) - cnt), cnt)] & 0xFFFFFFFF
+    r = np.concatenate([r_a, r_b])
+    idx = np.concatenate([p_a + mg, cell + head])               # src index of each candidate's last token
+    ok = np.concatenate([np.ones(r_a.size, dtype=bool), (cols < depth[:, None]).reshape(-1)])    # p < len - 1
+    # its match length (a pad equals nothing: no bound checks); src index grows with p within a row: recency
+    length = np.logical_and.accumulate(src[idx[:, None] - back] == suffix[r], axis=1).sum(1)
+    key = np.sort((((r * (mg + 1) + mg - length) << 32) | (0xFFFFFFFF - idx))[ok & (length >= min_ngram)])
+    hi = key >> 32
+    r, length, idx = hi // (mg + 1), mg - hi % (mg + 1), 0xFFFFFFFF - (key & 0xFFFFFFFF)
+    start = np.searchsorted(r, ar)[r]                          # each candidate's row's first (longest, newest)
+    rank = np.arange(r.size) - start
+    sel = (rank < max_matches) & (length == length[start])
+    out = np.full((rows, max_matches), -1, dtype=np.int64)
+    out[r[sel], rank[sel]] = src[idx[sel] + 1]                 # the next tokens
+    return out
+
+
+_RUN = np.array([0, 1 << 32])
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(rows: int, width: int, mg: int) -> tuple[np.ndarray, ...]:
+    """:func:`level_matches`' index patterns for ``rows`` windows of ``mg + width`` columns (cached, read only): the
+    rows, each window's offset in the window area, then per path-grid cell (window columns ``mg - 1 .. mg + width -
+    2``, row-major) its window-area index and its row, the cells' path index ``[1, width]`` (a cell is a candidate
+    below its row's depth), and ``0 .. mg - 1`` (how far back a token is read)."""
+    w = mg + width
+    ar = np.arange(rows)
+    cell = (ar[:, None] * w + np.arange(mg - 1, w - 1)).reshape(-1)
+    out = (ar, ar * w, cell, np.repeat(ar, width), np.arange(width)[None, :], np.arange(mg))
+    for x in out:
+        x.flags.writeable = False
+    return out
+
+
+def pack_states(nxt: np.ndarray, logt: np.ndarray) -> np.ndarray:
+    """The compact states (:func:`state_row`) of rows of next tokens ``nxt`` (``[rows, slots]``, -1 unused, the used
+    ones first: :func:`level_matches`), as one ``[rows, 2 * slots]`` float32 array: ids in order of first appearance,
+    then ``logt[count, n]`` (``log(count / n) + token_logp``, precomputed with :func:`math.log`: the very floats
+    :func:`state_row` computes), unused slots id -1 and score ``FLOOR``. NumPy, a fixed sequence of calls."""
+    rows, slots = nxt.shape
+    used = nxt >= 0
+    same = nxt[:, :, None] == nxt[:, None, :]
+    first = used & ~(same & _earlier(slots)).any(-1)                       # no earlier copy in its row
+    r, c = np.nonzero(first)
+    at = np.cumsum(first, axis=1)[r, c] - 1                               # its slot: firsts before it in the row
+    out = np.empty((rows, 2 * slots), dtype=np.float32)
+    out[:, :slots] = -1
+    out[:, slots:] = FLOOR
+    out[r, at] = nxt[r, c]
+    out[r, at + slots] = logt[same[r, c].sum(-1), used.sum(1)[r]]       # float64 -> float32: torch.tensor's rounding
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _earlier(n: int) -> np.ndarray:
+    """``[n, n]`` mask (cached, read only): ``[i, j]`` true iff ``j < i``."""
+    out = np.tri(n, n, -1, dtype=bool)
+    out.flags.writeable = False
+    return out
+
+
 def pack_state(conts: list[list[int]], width: int, token_logp: float) -> Tensor:
     """The compact state (module docstring) of the next tokens of ``conts``: ``width // 2`` id slots then as many
     score slots, ids in order of first appearance, unused slots id ``-1`` and score ``FLOOR``. float32: ids up to
@@ -215,11 +397,29 @@ def lookup_supported(state: Tensor, slots: int, k: int) -> tuple[Tensor, Tensor]
 
 def lookup_supported_raw(state: Tensor, slots: int, k: int) -> tuple[Tensor, Tensor]:
     """:func:`lookup_supported` with an unused slot's score left at ``FLOOR`` (its id is -1): what the merged
-    drafter's union reads (:func:`draft.merged.union_top_np` drops a slot by its -1 token on the host, so the two
-    operators that turn ``FLOOR`` into ``-inf`` are not needed there). 3 operators."""
-    ids, scores = state.split(slots, dim=-1)
+    drafter's union reads (:meth:`LookupDrafter.union_candidates`; :func:`draft.merged.union_top_np` drops a slot by its
+    -1 token on the host, so the two operators that turn ``FLOOR`` into ``-inf`` are not needed there). 3 operators."""
+    ids, scores = state.split_with_sizes([slots, slots], dim=-1)    # (Tensor.split's Python wrapper costs more)
     s, j = torch.topk(scores, min(k, slots), dim=-1)
     return s, ids.gather(-1, j)
+
+
+def tree_paths(parents: np.ndarray, tokens: np.ndarray, first: int) -> tuple[np.ndarray, np.ndarray]:
+    """The paths below the context of tree entries ``first ..`` of a tree (``parents``: every entry's parent entry, -1
+    = below the context, ancestors first; ``tokens``: every entry's token): ``(paths [rows, D], depth [rows])``,
+    paths left-aligned and -1 after their ``depth`` tokens, ``D = max(1, deepest)``. By pointer doubling: about
+    log2(depth) steps of a few NumPy calls, whatever the rows (no walk per entry)."""
+    n = parents.size
+    up = np.append(np.where(parents >= 0, parents, n), n)      # n: above the root, and n -> n
+    anc = np.arange(first, n)[:, None]                          # column k: the k-th ancestor (n once past the root)
+    while anc.size and (anc[:, -1] < n).any():
+        anc = np.concatenate([anc, up[anc]], axis=1)
+        up = up[up]
+    depth = (anc < n).sum(1)
+    width = max(1, int(depth.max()) if depth.size else 1)
+    k = depth[:, None] - 1 - np.arange(width)                   # column c holds the ancestor depth - 1 - c levels up
+    pick = anc[np.arange(anc.shape[0])[:, None], np.clip(k, 0, anc.shape[1] - 1)]
+    return np.where(k >= 0, np.append(tokens, -1)[pick], -1), depth
 
 
 class LookupDrafter(TokenHistory):
@@ -236,17 +436,38 @@ class LookupDrafter(TokenHistory):
         if vocab_size >= 2 ** 24:
             raise ValueError(f"lookup keeps token ids in float32 states: vocabulary {vocab_size} >= 2**24")
         self.max_matches, self.token_logp = max_matches, token_logp
-        self.index = NgramIndex(min_ngram, max_ngram)
+        self._raw_ok = token_logp - math.log(max_matches) > FLOOR    # every used slot above FLOOR (lookup_supported)
+        self.index = ContextIndex(max_ngram)
+        self.ngrams = NgramIndex(min_ngram, max_ngram)           # the per-node path's index (vector_rows)
+        # logt[c, n] = log(c / n) + token_logp (math.log, as state_row): a state's score of a token c of n matches had
+        self.logt = np.full((max_matches + 1, max_matches + 1), FLOOR)
+        for n in range(1, max_matches + 1):
+            for c in range(1, n + 1):
+                self.logt[c, n] = math.log(c / n) + token_logp
+        self._logt_rows = self.logt.T.tolist()                    # [n][c]: the per-node rule's look-up
         TokenHistory.__init__(self)
+
+    # Rows from which tree_forward takes the vectorised pass (level_matches); fewer go through the per-node rule
+    # (NgramIndex.next_tokens + state_row's counting): measured on this CPU (docs/results.md, "41: A draft level's
+    # Python time"), the vectorised pass's fixed cost (about 40 NumPy calls) loses to the per-node Python below a few
+    # dozen rows and wins above (a re-fed tree). Both give the same states (tests/test_lookup_level.py runs both).
+    vector_rows: int = 48
 
     @property
     def state_width(self) -> int:
         return 2 * self.max_matches
 
+    def _matches(self, paths: np.ndarray, depth: np.ndarray) -> np.ndarray:
+        """:func:`level_matches` of rows (``paths``, ``depth``: its layout) after the committed context."""
+        ix = self.index
+        ix.sync(self.context)
+        return level_matches(ix.padded, ix.keys, ix.length, paths, depth, self.max_ngram, self.min_ngram,
+                             self.max_matches)
+
     def continuations(self, path: list[int], length: int) -> list[list[int]]:
-        """:func:`find_continuations` of the committed context followed by ``path`` (through the index)."""
-        self.index.sync(self.context)
-        return self.index.continuations(path, self.max_matches, length)
+        """:func:`find_continuations` of the committed context followed by ``path`` (through the n-gram index)."""
+        self.ngrams.sync(self.context)
+        return self.ngrams.continuations(path, self.max_matches, length)
 
     def state(self, path: list[int]) -> Tensor:
         """The compact lookup state (module docstring) after the committed context followed by ``path``."""
@@ -267,11 +488,34 @@ class LookupDrafter(TokenHistory):
         return continuation_trie(root_token, self.continuations(path, depth + 1), self.token_logp, total_token)
 
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
-        """Every node's state (one tensor built at once; equal to stacking :meth:`state` per node)."""
-        w, lp = self.state_width, self.token_logp
-        rows = [state_row(self.continuations(path, 1), w, lp) for path in self.add_tree_paths(tokens, parents)]
-        out = torch.tensor(rows, dtype=torch.float32, device=HOST)
-        return out if rows else out.reshape(0, w)
+        """Every node's state (equal to stacking :meth:`state` per node): from :attr:`vector_rows` rows in one
+        vectorised pass (:func:`tree_paths`, :func:`level_matches`, :func:`pack_states`), fewer per node
+        (:meth:`NgramIndex.next_tokens`, then :func:`state_row`'s rule), whichever is cheaper on this CPU."""
+        first = len(self.tree_tokens)
+        par = (parents if parents.dim() == 1 else parents.reshape(-1)).tolist()
+        if any(not -1 <= p < first + i for i, p in enumerate(par)):
+            raise ValueError("lookup tree entries: a parent must be -1 or an earlier entry")
+        self.tree_tokens += (tokens if tokens.dim() == 1 else tokens.reshape(-1)).tolist()
+        self.tree_parents += par
+        rows = len(par)
+        if rows >= self.vector_rows:
+            paths, depth = tree_paths(np.array(self.tree_parents, dtype=np.int64),
+                                      np.array(self.tree_tokens, dtype=np.int64), first)
+            return torch.from_numpy(pack_states(self._matches(paths, depth), self.logt))
+        ng = self.ngrams
+        ng.sync(self.context)
+        m, logt = self.max_matches, self._logt_rows
+        rows_out = []
+        for i in range(first, first + rows):
+            counts: dict[int, int] = {}
+            nxt = ng.next_tokens(self._path(i), m)
+            for t in nxt:
+                counts[t] = counts.get(t, 0) + 1
+            ids, lt = list(counts), logt[len(nxt)]                   # state_row's rule, its scores precomputed
+            pad = m - len(ids)
+            rows_out.append(ids + [-1] * pad + [lt[c] for c in counts.values()] + [FLOOR] * pad)
+        # one NumPy conversion of the rows (Python floats -> float32 rounds as torch.tensor does; ids are exact)
+        return torch.from_numpy(np.array(rows_out, dtype=np.float32).reshape(rows, 2 * m))
 
     def logprobs(self, hidden: Tensor) -> Tensor:
         """The states spread over the vocabulary: ``[..., V]`` float64, ``FLOOR`` where no occurrence supports a
@@ -291,15 +535,16 @@ class LookupDrafter(TokenHistory):
         # comparison (so topk's order), and the merged drafter's one concatenation widens both to float64 anyway:
         # the same candidates in 3 fewer operators per level (issue 41). Tokens come back as floats holding ids.
         m = self.max_matches
-        if self.token_logp - math.log(m) > FLOOR:          # every used slot scores above FLOOR: lookup_supported
+        if self._raw_ok:                                   # every used slot scores above FLOOR: lookup_supported
             return lookup_supported(hidden, m, k)
         return best_supported(hidden[..., :m], hidden[..., m:], self.vocab_size, k)
 
-    def supported_raw(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """:meth:`supported_tokens` with the empty slots as ``(FLOOR, -1)`` instead of ``(-inf, -1)``
-        (:func:`lookup_supported_raw`): the merged drafter's union (:meth:`draft.merged.MergedDrafter.top_numpy`)
-        drops them by their -1 token. Where the fast path does not apply, :meth:`supported_tokens` itself."""
-        if hidden.dtype in (torch.float32, torch.float64) and self.token_logp - math.log(self.max_matches) > FLOOR:
+    def union_candidates(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """What a merged drafter's union reads (:meth:`draft.merged.MergedDrafter.top_numpy`, which drops an empty
+        slot by its token -1): :meth:`supported_tokens` with the empty slots as ``(FLOOR, -1)`` instead of ``(-inf,
+        -1)`` (:func:`lookup_supported_raw`, 2 operators fewer) where every used slot scores above ``FLOOR``; else
+        :meth:`supported_tokens` itself."""
+        if self._raw_ok and hidden.dtype in (torch.float32, torch.float64):
             return lookup_supported_raw(hidden, self.max_matches, k)
         return self.supported_tokens(hidden, k)
 

@@ -58,16 +58,23 @@ class MergedDrafter(BeamTreeDrafter):
             raise SourceError("one positive score scale per source")
         self.widths: list[int] = []
         self._pack_buffers: dict = {}     # (shape, device) -> float64 buffer of top_numpy's one concatenation
+        # each source's union candidates (top_numpy), resolved once: its own union_candidates (lookup: its raw
+        # supported slots; suffix: its supported tokens), else draft.protocol.top_tokens
+        self._candidates = [getattr(s, "union_candidates", None) or functools.partial(top_tokens, s)
+                            for s in self.sources]
+        self._scaled = any(c != 1.0 for c in self.score_scales)
+        self._last_parts = None           # (tree_forward's output, its version, the sources' outputs): _split_known
 
     @staticmethod
     def _cat(states: list[Tensor]) -> Tensor:
         """Concatenate along the last dim in the sources' common dtype (float32 for EAGLE + lookup: a smaller
         vector to allocate per commit than float64; widening is exact either way)."""
-        dtype = states[0].dtype
+        dtype, dev = states[0].dtype, states[0].device
+        if all(s.dtype == dtype and s.device == dev for s in states):     # the usual case: nothing to convert
+            return torch.cat(states, dim=-1)
         for s in states[1:]:
             if s.dtype != dtype:
                 dtype = torch.promote_types(dtype, s.dtype)
-        dev = states[0].device
         return torch.cat([s.to(dev, dtype) for s in states], dim=-1)
 
     def _join(self, states: list[Tensor]) -> Tensor:
@@ -75,7 +82,7 @@ class MergedDrafter(BeamTreeDrafter):
         return self._cat(states)
 
     def _split(self, state: Tensor) -> list[Tensor]:
-        return list(torch.split(state, self.widths, dim=-1))
+        return state.split_with_sizes(self.widths, dim=-1)      # (Tensor.split's Python wrapper costs more)
 
     def reset(self) -> None:
         for s in self.sources:
@@ -195,30 +202,32 @@ class MergedDrafter(BeamTreeDrafter):
 
     def top_numpy(self, hidden: Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
         """The best ``k`` (score, token) per row of merged states by the **maximum** over the sources' (scaled)
-        scores, the :meth:`logprobs` rule, from each source's own top-``k`` (:func:`draft.protocol.top_tokens`): a
-        token in the top ``k`` of the maximum is in the top ``k`` of a source that attains it, so the union holds
-        the answer (ties aside). Lookup contributes only the tokens an occurrence supports
-        (:meth:`draft.lookup.LookupDrafter.supported_tokens`; its empty slots, token -1, never win: every other
-        token of lookup's is at its floor). A token proposed twice keeps its best score. Fewer than ``k`` only where
+        scores, the :meth:`logprobs` rule, from each source's own top-``k``: a token in the top ``k`` of the maximum
+        is in the top ``k`` of a source that attains it, so the union holds the answer (ties aside). Each source
+        answers through ONE method, resolved when the merge is built: its ``union_candidates(hidden, k)`` where it
+        has one (lookup and suffix: only the tokens an occurrence supports, no vocabulary-sized work; an empty slot
+        is token -1, whatever its score, and never wins: every other token of theirs is at their floor), else
+        :func:`draft.protocol.top_tokens`. A token proposed twice keeps its best score. Fewer than ``k`` only where
         fewer distinct tokens were proposed in some row. Returned on the host: the sources' candidates cross in one
         copy (one concatenation of every source's scores and ids, as :func:`draft.drafter.to_host` packs them), and
         the dedup, whose width is read, runs there in NumPy (:func:`union_top`)."""
-        parts = [s.supported_raw(h, k) if hasattr(s, "supported_raw") else
-                 s.supported_tokens(h, k) if hasattr(s, "supported_tokens") else top_tokens(s, h, k)
-                 for s, h in zip(self.sources, self._split_known(hidden))]
+        parts = [f(h, k) for f, h in zip(self._candidates, self._split_known(hidden))]
         dev = parts[0][0].device
-        cols = [p[0] if c == 1.0 else p[0].double() * c for p, c in zip(parts, self.score_scales)]
-        m = sum(x.shape[-1] for x in cols)
-        xs = [x.to(dev) for x in cols] + [p[1].to(dev) for p in parts]
+        scores = [p[0] for p in parts]
+        if self._scaled:
+            scores = [x if c == 1.0 else x.double() * c for x, c in zip(scores, self.score_scales)]
+        xs = scores + [p[1] for p in parts]
+        if any(x.device != dev for x in xs):
+            xs = [x.to(dev) for x in xs]
+        m = sum(x.shape[-1] for x in scores)
         # ONE concatenation into a float64 buffer kept per shape (float32 / float64 scores and int64 / float ids
         # widen exactly: ids below 2**53) and the level's one device->host copy; the dedup then runs in NumPy on
         # the host (union_top: why). The buffer is only read into fresh arrays (union_top_np), never kept.
-        shape = (*xs[0].shape[:-1], m + sum(p[1].shape[-1] for p in parts))
-        buf = self._pack_buffers.get((shape, dev))
+        key = (xs[0].shape[:-1], 2 * m, dev)
+        buf = self._pack_buffers.get(key)
         if buf is None:
-            buf = self._pack_buffers[(shape, dev)] = torch.empty(shape, dtype=torch.float64, device=dev)
-        both = torch.cat(xs, dim=-1, out=buf).to(HOST)
-        return union_top_np(both.numpy(), m, k)
+            buf = self._pack_buffers[key] = torch.empty((*key[0], 2 * m), dtype=torch.float64, device=dev)
+        return union_top_np(torch.cat(xs, dim=-1, out=buf).to(HOST).numpy(), m, k)   # (counted as a sync on a CPU)
 
     def host_top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """:meth:`top_tokens`, which answers on the host already (one copy per level)."""
@@ -227,18 +236,18 @@ class MergedDrafter(BeamTreeDrafter):
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
         outs = [s.tree_forward(tokens, f, parents) for s, f in zip(self.sources, self._split(features))]
         out = self._cat(outs)
-        # the parts of this output as the sources returned them: a beam level ranks exactly this output next
-        # (top_numpy), which then needs no split (issue 41: one operator per level)
-        self._last_parts = (out, out._version, outs)
+        # the parts of this output as the sources returned them, where they already had its dtype and device: a beam
+        # level ranks exactly this output next (top_numpy), which then needs no split (issue 41: one operator per
+        # level). Kept with the output's version: an in-place write to it after this call makes them stale.
+        same = all(o.dtype == out.dtype and o.device == out.device for o in outs)
+        self._last_parts = (out, out._version, outs) if same else None
         return out
 
     def _split_known(self, state: Tensor) -> list[Tensor]:
         """:meth:`_split` of ``state``; for the output of the last :meth:`tree_forward`, unchanged since (same object,
-        same version) and whose parts already had its dtype and device, those parts themselves (the same values as
-        the split's views, no operator)."""
-        last = getattr(self, "_last_parts", None)
-        if last is not None and last[0] is state and last[1] == state._version and \
-                all(p.dtype == state.dtype and p.device == state.device for p in last[2]):
+        same version), the parts it was concatenated from (the same values as the split's views, no operator)."""
+        last = self._last_parts
+        if last is not None and last[0] is state and last[1] == state._version:
             return last[2]
         return self._split(state)
 
@@ -309,7 +318,7 @@ def union_top_np(both: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarr
     s, t = s[r, order], t[r, order]
     bad = ((t[:, :, None] == t[:, None, :]) & _below(t.shape[1])).any(-1)   # a better copy comes earlier
     bad |= (s == -np.inf) | (t < 0)                   # a token out of reach, or an empty slot (its token is -1;
-    #                                                   lookup's raw slots keep their FLOOR score: supported_raw)
+    #                                                   lookup's raw slots keep their FLOOR score: union_candidates)
     kk = min(k, bad.shape[-1] - int(bad.sum(-1).max())) if bad.size else 0
     pick = np.argsort(bad, axis=-1, kind="stable")[:, :kk]                   # the valid ones, in order
     return s[r, pick], t[r, pick]

@@ -487,6 +487,8 @@ class SuffixDrafter(TokenHistory):
         (-inf, -1) (what :meth:`draft.merged.MergedDrafter.top_tokens` reads; no vocabulary-sized work)."""
         return best_supported(*self._unpack(hidden), self.vocab_size, k)
 
+    union_candidates = supported_tokens   # what a merged drafter's union reads (draft.merged.MergedDrafter.top_numpy)
+
     def _unpack(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         return unpack_state(hidden, self.max_children, "suffix")
 

@@ -257,7 +257,7 @@ def select_top_nodes(root_token: int, cand_tokens: Tensor, cand_parents: Tensor,
     # In NumPy on the host candidates (issue 41: the same steps as torch ops were about 18 dispatched operators per
     # call; here a view per input and a tensor per output array). Values and dtypes as the torch steps had them.
     sc = cand_scores.to(HOST).numpy()
-    order = best_first(sc, max(0, min(total_token - 1, sc.size)))              # = top_node_order
+    order = best_first(sc, max(0, min(total_token - 1, sc.size)))              # the kept candidates
     inv = np.full(sc.size, -1, dtype=np.int64)                                 # candidate -> tree index (-1: cut)
     inv[order] = np.arange(1, order.size + 1)
     cp = cand_parents.to(HOST).numpy()[order].astype(np.int64, copy=False)
@@ -271,11 +271,6 @@ def select_top_nodes(root_token: int, cand_tokens: Tensor, cand_parents: Tensor,
                      torch.from_numpy(np.concatenate([np.zeros(1, dtype=np.float32), sc[order].astype(np.float32)])),
                      None if cand_depths is None else
                      torch.from_numpy(np.concatenate([head + 1, cand_depths.to(HOST).numpy().astype(np.int64)[order]])))
-
-
-def top_node_order(cand_scores: Tensor, total_token: int) -> Tensor:
-    """Indices of the best ``total_token - 1`` candidates: descending score, ties by index (stable)."""
-    return beam_frontier(cand_scores, max(0, min(total_token - 1, len(cand_scores))))
 
 
 def beam_frontier(scores: Tensor, width: int) -> Tensor:

@@ -314,10 +314,15 @@ class _Beam:
         return Stub()
 
 
+def top_node_order(cand_scores, total_token):
+    """The references' choice of kept candidates: the best ``total_token - 1``, descending score, ties by index."""
+    from draft.tree import beam_frontier
+    return beam_frontier(cand_scores, max(0, min(total_token - 1, len(cand_scores))))
+
+
 def ref_extend_tree(d, tree, inputs, root_hidden, levels, top_k, max_new):
     """The beam as it was before issue 41 (per-level lists, repeat_interleave, one cat at the end)."""
     from draft.drafter import to_host
-    from draft.tree import top_node_order
     n = len(tree)
     inputs = inputs.clone()
     inputs[(tree.parents == 0).nonzero().flatten()] = root_hidden
@@ -391,7 +396,7 @@ def test_in_place_beam_equals_the_per_level_reference(seed):
 def ref_grow_with_outputs(d, root_token, root_hidden, total_token, depth, top_k):
     """EAGLE-2's first tree as it was before issue 41 (per-level repeat_interleave of ids and features)."""
     from draft.drafter import to_host
-    from draft.tree import select_top_nodes, top_node_order
+    from draft.tree import select_top_nodes
     s, t = d.top_tokens(root_hidden, top_k)
     k = s.numel()
     ct_l, cp_l, cs_l, ci_l = [t], [torch.full((k,), -1)], [s], [root_hidden.expand(k, -1)]
