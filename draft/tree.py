@@ -271,20 +271,23 @@ def top_nodes_tree(root_token: int, tokens: np.ndarray, parents: np.ndarray, sco
     its node (every kept candidate's parent is kept and earlier: ``order`` is ancestor-closed, raises otherwise),
     scores as float32, depths gathered when given (else recomputed from the parents). For a caller that already
     holds the order (issue 41: the EAGLE-2 search reads it for its row gathers too, one sort instead of two)."""
-    inv = np.full(scores.size, -1, dtype=np.int64)                             # candidate -> tree index (-1: cut)
-    inv[order] = np.arange(1, order.size + 1)
-    cp = parents[order].astype(np.int64, copy=False)
-    par = np.where(cp >= 0, inv[np.clip(cp, 0, None)], 0)
-    if (par < 0).any():
+    k = order.size
+    inv = np.full(scores.size + 1, -1, dtype=np.int64)        # candidate -> tree index (-1: cut); a parent -1 (the
+    inv[-1] = 0                                               # root) reads the last slot: node 0
+    inv[order] = np.arange(1, k + 1)
+    tok, par, dep = np.empty(k + 1, dtype=np.int64), np.empty(k + 1, dtype=np.int64), np.empty(k + 1, dtype=np.int64)
+    sc = np.empty(k + 1, dtype=np.float32)
+    tok[0], par[0], sc[0], dep[0] = root_token, -1, 0.0, 0
+    tok[1:] = tokens[order]                                   # the casts of astype(int64 / float32), on assignment
+    par[1:] = inv[parents[order]]
+    if (par[1:] < 0).any():
         raise AssertionError("selected set is not ancestor-closed")  # impossible by construction
-    head = np.full(1, -1, dtype=np.int64)
-    return DraftTree(torch.from_numpy(np.concatenate([np.full(1, root_token, dtype=np.int64),
-                                                      tokens[order].astype(np.int64)])),
-                     torch.from_numpy(np.concatenate([head, par])),
-                     torch.from_numpy(np.concatenate([np.zeros(1, dtype=np.float32),
-                                                      scores[order].astype(np.float32)])),
-                     None if depths is None else
-                     torch.from_numpy(np.concatenate([head + 1, depths.astype(np.int64)[order]])))
+    sc[1:] = scores[order]
+    if depths is None:
+        return DraftTree(torch.from_numpy(tok), torch.from_numpy(par), torch.from_numpy(sc))
+    dep[1:] = depths[order]
+    arrays = tuple(torch.from_numpy(x) for x in (tok, par, sc, dep))   # already flat, in the tree's dtypes: a tree
+    return DraftTree._on_store(_Store(*arrays, k + 1), k + 1, views=arrays)   # on them as DraftTree(...) makes it
 
 
 def top_node_order(cand_scores: Tensor, total_token: int) -> Tensor:
@@ -643,7 +646,9 @@ def _merged_tree(nodes: list, parents: list, order: list, proposals: list | None
     out_depths = [0] * len(order)                                # ancestors first: one pass (no recomputation)
     for i in range(1, len(order)):
         out_depths[i] = out_depths[out_parents[i]] + 1
-    return DraftTree(torch.tensor([nodes[u][0] for u in order], device=HOST),
-                     torch.tensor(out_parents, device=HOST),
-                     torch.tensor([nodes[u][1] for u in order], device=HOST), torch.tensor(out_depths, device=HOST),
-                     proposals=proposals)
+    # NumPy arrays in the tree's dtypes (a Python float rounds to float32 as torch.tensor's default dtype does), the
+    # tree on them as DraftTree(...) makes it (no cast, no recomputation)
+    arrays = tuple(torch.from_numpy(np.array(x, dtype=d)) for x, d in (
+        ([nodes[u][0] for u in order], np.int64), (out_parents, np.int64), ([nodes[u][1] for u in order], np.float32),
+        (out_depths, np.int64)))
+    return DraftTree._on_store(_Store(*arrays, len(order)), len(order), proposals, views=arrays)
