@@ -79,14 +79,6 @@ def _beam_layout(shape: tuple[tuple[int, int], ...]) -> tuple[Tensor, Tensor]:
 
 
 @functools.lru_cache(maxsize=64)
-def _beam_layout_np(shape: tuple[tuple[int, int], ...]) -> np.ndarray:
-    """:func:`_beam_layout`'s parent rows as a NumPy array (cached; read only)."""
-    out = _beam_layout(shape)[0].numpy().copy()
-    out.flags.writeable = False
-    return out
-
-
-@functools.lru_cache(maxsize=64)
 def _beam_layout_host(shape: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray]:
     """:func:`_beam_layout`'s parent rows and depths as NumPy arrays (cached; read only): the round start's final
     selection reads both on the host (no tensor view per call)."""
