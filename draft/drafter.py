@@ -26,7 +26,7 @@ import torch
 from draft.eagle import EagleHead
 from draft.shape import EAGLE2, TreeShape, pick_frontier
 from draft.static_head import level_step
-from draft.tree import DraftTree, beam_frontier, best_first, select_top_nodes
+from draft.tree import DraftTree, beam_frontier, best_first, top_nodes_tree
 from model.devices import HOST
 from model.meter import NULL_METER, OpMeter, hidden_rows, run_rows
 
@@ -79,11 +79,12 @@ def _beam_layout(shape: tuple[tuple[int, int], ...]) -> tuple[Tensor, Tensor]:
 
 
 @functools.lru_cache(maxsize=64)
-def _beam_layout_np(shape: tuple[tuple[int, int], ...]) -> np.ndarray:
-    """:func:`_beam_layout`'s parent rows as a NumPy array (cached; read only)."""
-    out = _beam_layout(shape)[0].numpy().copy()
-    out.flags.writeable = False
-    return out
+def _beam_layout_host(shape: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_beam_layout`'s parent rows and depths as NumPy arrays (cached; read only): the round start's final
+    selection reads both on the host (no tensor view per call)."""
+    par, dep = (x.numpy().copy() for x in _beam_layout(shape))
+    par.flags.writeable = dep.flags.writeable = False
+    return par, dep
 
 
 _NUMPY_SCORES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}   # host_top_numpy
@@ -382,23 +383,48 @@ class BeamTreeDrafter:
             frontier_feat = out[parent_row]
             frontier_cache_parent = start + parent_row.to(HOST)            # the one transfer of this level
         self.drop_tree()
-        fed = torch.cat(expanded[:len(outs)] + [torch.full((1,), -1, dtype=torch.long, device=dev)])
-        scores, cand_tok, fed = to_host(torch.cat(cand_scores), torch.cat(cand_tokens), fed)
-        parent_row, levels = _beam_layout(tuple(shape))
-        tree = select_top_nodes(root_token, cand_tok, fed[parent_row], scores, total_token, levels)
-        order = best_first(scores.numpy(), max(0, min(total_token - 1, n_cand)))   # the kept ones
+        scores, cand_tok, fed_np = self._host_candidates(cand_scores, cand_tokens, expanded[:len(outs)], dev)
+        parent_row, levels = _beam_layout_host(tuple(shape))
+        order = best_first(scores, max(0, min(total_token - 1, n_cand)))   # the kept ones
+        tree = top_nodes_tree(root_token, cand_tok, fed_np[parent_row], scores, order, levels)
         # the row gathers' indices in NumPy (issue 41): rows = [zeros, root's output, each fed level's outputs]
-        fed_np = fed.numpy()
         rowof = np.full(n_cand, -1, dtype=np.int64)                        # candidate -> its output row (-1: none)
         rowof[fed_np[:-1]] = np.arange(1, fed_np.size)
         own = rowof[order]
         known = np.concatenate([np.ones(1, dtype=bool), own >= 0])
         rows = torch.cat([root_hidden.new_zeros(1, root_hidden.shape[-1]), root_hidden[None], *outs])
-        pick_in = np.concatenate([np.ones(1, dtype=np.int64), _beam_layout_np(tuple(shape))[order] + 2])
+        pick_in = np.concatenate([np.ones(1, dtype=np.int64), parent_row[order] + 2])
         pick_out = np.concatenate([np.ones(1, dtype=np.int64), own + 1])  # an unknown row (-1) reads the zeros
         inputs = rows[torch.from_numpy(pick_in).to(dev)]
         outputs = rows[torch.from_numpy(pick_out).to(dev)]
         return tree, inputs, outputs.to(inputs.dtype), torch.from_numpy(known)
+
+    def _host_candidates(self, scores: list[Tensor], tokens: list[Tensor], fed: list[Tensor],
+                         dev) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The EAGLE-2 search's candidates on the host as NumPy arrays: ``(scores, tokens, fed)``, each list's parts
+        concatenated, ``fed`` (the candidate ids each level fed) followed by ``-1`` (what a root's child's parent row
+        reads). ONE ``cat`` of every part into a float64 buffer kept per length and device, and one device->host copy
+        (exact: float16/32/64 scores, ids below 2**53), split and cast back in NumPy: the values and dtypes of
+        :func:`to_host` of the three concatenations (issue 41, the round start: its casts, slices and the three
+        concatenations were 13 dispatched operators, here 1). A score dtype NumPy lacks (bfloat16): :func:`to_host`."""
+        sdt = scores[0].dtype
+        for x in scores[1:]:
+            if x.dtype != sdt:                   # (promote_types is a dispatched operator: only where needed)
+                sdt = torch.promote_types(sdt, x.dtype)
+        npd = _NUMPY_SCORES.get(sdt)
+        if npd is None:
+            both = to_host(torch.cat(scores), torch.cat(tokens),
+                           torch.cat(fed + [torch.full((1,), -1, dtype=torch.long, device=dev)]))
+            return tuple(x.numpy() for x in both)
+        ns, nt = sum(x.numel() for x in scores), sum(x.numel() for x in tokens)
+        key = ("cand", ns + nt + sum(x.numel() for x in fed), dev)
+        packs = self.__dict__.setdefault("_host_packs", {})
+        buf = packs.get(key)
+        if buf is None:
+            buf = packs[key] = torch.empty(key[1], dtype=torch.float64, device=dev)
+        both = torch.cat(scores + tokens + fed, out=buf).to(HOST).numpy()
+        return (both[:ns].astype(npd), both[ns:ns + nt].astype(np.int64),
+                np.append(both[ns + nt:].astype(np.int64), -1))
 
     def commit_tree_forward(self, tokens: Tensor, features: Tensor, tree_tokens: Tensor, tree_inputs: Tensor,
                             parents: Tensor) -> tuple[Tensor, Tensor]:

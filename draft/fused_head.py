@@ -134,11 +134,19 @@ def _rms(norm: nn.Module, x: Tensor) -> Tensor:
 
 def _rms_unweighted(norm: nn.Module, x: Tensor) -> Tensor:
     """:func:`_rms` without the weight's multiply (folded into the next matmul's weights: ``(w * y) @ W = y @ (w[:,
-    None] * W)``, equal up to float rounding): one operator fewer."""
+    None] * W)``, equal up to float rounding): one operator fewer.
+
+    On a CPU, ``F.rms_norm`` without a weight: torch decomposes it into exactly these operators (``pow``, ``mean``,
+    ``add_``, ``rsqrt``, ``mul``: bitwise the same result, the same count) from ONE Python call instead of five
+    (issue 41, the commit's host time). Elsewhere the explicit form (CUDA may run a fused kernel with another
+    reduction order: the drafted trees would change)."""
     dtype = x.dtype
     f32 = dtype == torch.float32                          # (no .to call when it would return its input: host time)
     h = x if f32 else x.to(torch.float32)
-    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    if h.device.type == "cpu":
+        y = F.rms_norm(h, (h.shape[-1],), None, norm.variance_epsilon)
+    else:
+        y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
     return y if f32 else y.to(dtype)
 
 
@@ -243,7 +251,7 @@ class FusedHead:
         dtype, dev = features.dtype, features.device
         # [1, n] tokens and [1, n, H] features as they come: the embedding and the concatenation on 3-D rows, one
         # view to 2-D for fc (no reshape of each input first)
-        e = F.embedding(tokens, head.embed_tokens.weight).to(dtype)
+        e = torch.embedding(head.embed_tokens.weight, tokens).to(dtype)      # F.embedding's own op, no wrapper
         x = torch.cat([e, features], dim=-1).view(n, -1)
         h = torch.mm(x, self._fc_t) if self._fc_b is None else torch.addmm(self._fc_b, x, self._fc_t)
         cos, sin = self._rope_table(head, cap, dtype, dev)[positions.to(dev)].unbind(2)   # [1, n, 1, d] each

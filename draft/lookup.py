@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from draft.token_history import TokenHistory
-from draft.tree import DraftTree, select_top_nodes
+from draft.tree import DraftTree, best_first, top_nodes_tree
 from model.devices import HOST
 from model.meter import NULL_METER, OpMeter
 
@@ -88,10 +88,11 @@ def continuation_trie(root_token: int, conts: list[list[int]], token_logp: float
                 depths.append(d)
             counts[node] += 1
             parent = node
-    scores = [math.log(c / n) + d * token_logp for c, d in zip(counts, depths)]
-    return select_top_nodes(root_token, torch.tensor(toks, device=HOST), torch.tensor(pars, device=HOST),
-                            torch.tensor(scores, dtype=torch.float64, device=HOST), total_token,
-                            torch.tensor(depths, device=HOST))           # known here: no recomputation
+    scores = np.array([math.log(c / n) + d * token_logp for c, d in zip(counts, depths)], dtype=np.float64)
+    # select_top_nodes on the NumPy candidates (issue 41, the round start: no tensor built per list and viewed back)
+    order = best_first(scores, max(0, min(total_token - 1, scores.size)))
+    return top_nodes_tree(root_token, np.array(toks, dtype=np.int64), np.array(pars, dtype=np.int64), scores, order,
+                          np.array(depths, dtype=np.int64))           # depths known here: no recomputation
 
 
 class NgramIndex:

@@ -154,10 +154,13 @@ class MergedDrafter(BeamTreeDrafter):
         out_states = []
         for i, (src, h) in enumerate(zip(self.sources, self._split(root_hidden.reshape(1, -1)))):
             dev = h.device
+            found = searched[i] if searched else None
+            if found is None and getattr(src, "features_free", False):
+                out_states.append(_path_states(src, tree, h, has_child, par_np))
+                continue
             states = h.expand(n, -1).clone()                        # row i: node i's state in this source
             known = np.zeros(n, dtype=bool)
             known[0] = True
-            found = searched[i] if searched else None
             if found is not None:
                 at = _match_nodes_np(found[0], key)
                 hit = np.flatnonzero((at > 0) & found[2].to(HOST).numpy())    # row 0 stays h: the root's own
@@ -286,6 +289,28 @@ class MergedDrafter(BeamTreeDrafter):
     def source(self, kind: type):
         """The first source of class ``kind`` (e.g. the small LM for ``sps``), or None."""
         return next((s for s in self.sources if isinstance(s, kind)), None)
+
+
+def _path_states(src, tree: DraftTree, h: Tensor, inner: np.ndarray, par_np: np.ndarray) -> Tensor:
+    """:meth:`MergedDrafter.tree_inputs`' states for a source whose states are a function of the token path alone
+    (``features_free``: lookup, suffix) and that searched nothing of its own: each node's input, its parent's state
+    (``h`` for the root's children). Every inner node (``inner``: has a child, the root excluded) is fed in ONE
+    ``tree_forward`` (ancestors first, so a parent's slot precedes its children's; the source reads no features: it
+    gets ``h`` rows), then one gather from ``[h; outputs]`` (issue 41, the round start: the general loop's ancestor
+    pass, per-level lists, state buffer and its writes are not needed here, where every inner node is fed). The same
+    values as the general loop: there the fed set is the inner nodes too (only the root is known)."""
+    n, dev = par_np.size, h.device
+    fed = np.flatnonzero(inner)
+    if fed.size == 0:
+        return h.expand(n, -1)
+    slot = np.full(n, -1, dtype=np.int64)                   # draft-cache tree slot (root: -1)
+    slot[fed] = src.tree_size + np.arange(fed.size)
+    out = src.tree_forward(tree.tokens[torch.from_numpy(fed)], h.expand(fed.size, -1),
+                           torch.from_numpy(slot[par_np[fed]]))
+    src.drop_tree()
+    row = np.zeros(n, dtype=np.int64)                       # node -> its row of [h; outputs] (0: h)
+    row[fed] = np.arange(1, fed.size + 1)
+    return torch.cat([h, out.to(dev, h.dtype)])[torch.from_numpy(row[np.maximum(par_np, 0)]).to(dev)]
 
 
 def union_top(scores: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor]:

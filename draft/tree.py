@@ -219,7 +219,9 @@ class DraftTree:
 
     @staticmethod
     def single(token: int) -> "DraftTree":
-        return DraftTree(torch.tensor([token], device=HOST), torch.tensor([-1], device=HOST), torch.zeros(1, device=HOST))
+        """The one-node tree (its depth given: no recomputation from the parents, issue 41)."""
+        return DraftTree(torch.tensor([token], device=HOST), torch.tensor([-1], device=HOST),
+                         torch.zeros(1, device=HOST), torch.zeros(1, dtype=torch.long, device=HOST))
 
 
 def _flat(x: Tensor) -> Tensor:
@@ -258,19 +260,34 @@ def select_top_nodes(root_token: int, cand_tokens: Tensor, cand_parents: Tensor,
     # call; here a view per input and a tensor per output array). Values and dtypes as the torch steps had them.
     sc = cand_scores.to(HOST).numpy()
     order = best_first(sc, max(0, min(total_token - 1, sc.size)))              # the kept candidates
-    inv = np.full(sc.size, -1, dtype=np.int64)                                 # candidate -> tree index (-1: cut)
-    inv[order] = np.arange(1, order.size + 1)
-    cp = cand_parents.to(HOST).numpy()[order].astype(np.int64, copy=False)
-    parents = np.where(cp >= 0, inv[np.clip(cp, 0, None)], 0)
-    if (parents < 0).any():
+    return top_nodes_tree(root_token, cand_tokens.to(HOST).numpy(), cand_parents.to(HOST).numpy(), sc, order,
+                          None if cand_depths is None else cand_depths.to(HOST).numpy())
+
+
+def top_nodes_tree(root_token: int, tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, order: np.ndarray,
+                   depths: np.ndarray | None = None) -> DraftTree:
+    """:func:`select_top_nodes` on host NumPy candidates whose kept ones, best first, are ``order`` (its
+    ``best_first`` of ``scores``): the root, then candidate ``order[i]`` as node ``i + 1``, its parent mapped to
+    its node (every kept candidate's parent is kept and earlier: ``order`` is ancestor-closed, raises otherwise),
+    scores as float32, depths gathered when given (else recomputed from the parents). For a caller that already
+    holds the order (issue 41: the EAGLE-2 search reads it for its row gathers too, one sort instead of two)."""
+    k = order.size
+    inv = np.full(scores.size + 1, -1, dtype=np.int64)        # candidate -> tree index (-1: cut); a parent -1 (the
+    inv[-1] = 0                                               # root) reads the last slot: node 0
+    inv[order] = np.arange(1, k + 1)
+    tok, par, dep = np.empty(k + 1, dtype=np.int64), np.empty(k + 1, dtype=np.int64), np.empty(k + 1, dtype=np.int64)
+    sc = np.empty(k + 1, dtype=np.float32)
+    tok[0], par[0], sc[0], dep[0] = root_token, -1, 0.0, 0
+    tok[1:] = tokens[order]                                   # the casts of astype(int64 / float32), on assignment
+    par[1:] = inv[parents[order]]
+    if (par[1:] < 0).any():
         raise AssertionError("selected set is not ancestor-closed")  # impossible by construction
-    head = np.full(1, -1, dtype=np.int64)
-    return DraftTree(torch.from_numpy(np.concatenate([np.full(1, root_token, dtype=np.int64),
-                                                      cand_tokens.to(HOST).numpy()[order].astype(np.int64)])),
-                     torch.from_numpy(np.concatenate([head, parents])),
-                     torch.from_numpy(np.concatenate([np.zeros(1, dtype=np.float32), sc[order].astype(np.float32)])),
-                     None if cand_depths is None else
-                     torch.from_numpy(np.concatenate([head + 1, cand_depths.to(HOST).numpy().astype(np.int64)[order]])))
+    sc[1:] = scores[order]
+    if depths is None:
+        return DraftTree(torch.from_numpy(tok), torch.from_numpy(par), torch.from_numpy(sc))
+    dep[1:] = depths[order]
+    arrays = tuple(torch.from_numpy(x) for x in (tok, par, sc, dep))   # already flat, in the tree's dtypes: a tree
+    return DraftTree._on_store(_Store(*arrays, k + 1), k + 1, views=arrays)   # on them as DraftTree(...) makes it
 
 
 def beam_frontier(scores: Tensor, width: int) -> Tensor:
@@ -535,6 +552,9 @@ def merge_sources(trees: list[DraftTree], total_token: int) -> DraftTree:
             scores = t.scores.clone()
             scores[0] = 0.0
             return DraftTree(t.tokens, t.parents, scores, t.depths)
+    if all(t.proposals is None for t in trees):
+        tokens, parents, order = _merge_deterministic(trees, root, total_token)
+        return _merged_tree(tokens, parents, order, None)
     index: dict[tuple[int, int], int] = {}
     tokens, parents = [root], [-1]
     best = [0.0]                  # best score over all sources
@@ -575,18 +595,55 @@ def merge_sources(trees: list[DraftTree], total_token: int) -> DraftTree:
     det_kept = set(det_order[:budget])
     kept = [u for u in range(1, n) if sampled[u] or u in det_kept]
     order = [0] + sorted(kept, key=lambda u: (-best[u], u))
+    out_props = None
+    if n_sampled:
+        new = {u: i for i, u in enumerate(order)}
+        out_props = [[(new[c], q) for c, q in props[u]
+                      if c in new and (q is not None or c in det_kept)] for u in order]
+    return _merged_tree([(tokens[u], best[u]) for u in range(n)], parents, order, out_props)
+
+
+def _merge_deterministic(trees: list[DraftTree], root: int, total_token: int) -> tuple[list, list, list]:
+    """:func:`merge_sources` when no tree carries sampled proposals (every drafter of a ``continuous`` round start):
+    the union nodes ``(token, best score)`` and their union parents, and the kept ones in output order. The same
+    selection as the general rule, in one pass per tree and one sort (issue 41, the round start's host time): in a
+    deterministic tree every non-root node is exactly one deterministic proposal of its parent, so a node's best
+    deterministic score IS its best score over the sources (the same ``max`` over the same values in the same
+    order), nothing is sampled, the budget is ``total_token - 1`` and the kept nodes (score above ``-inf``) sorted
+    by ``(-best, index)`` are already the output order. ``tests/test_tree.py`` checks it against the general rule."""
+    index: dict[tuple[int, int], int] = {}
+    nodes, parents = [(root, 0.0)], [-1]
+    for tree in trees:
+        tp, tt, ts = tree.parents.tolist(), tree.tokens.tolist(), tree.scores.tolist()
+        mapped = [0] * len(tt)
+        for j in range(1, len(tt)):
+            key = (mapped[tp[j]], tt[j])
+            u = index.get(key)
+            if u is None:
+                u = index[key] = len(nodes)
+                nodes.append((tt[j], ts[j]))
+                parents.append(key[0])
+            elif ts[j] > nodes[u][1]:                       # max(best, score): the first of equal ones stays
+                nodes[u] = (tt[j], ts[j])
+            mapped[j] = u
+    ninf = float("-inf")
+    det = sorted((u for u in range(1, len(nodes)) if nodes[u][1] > ninf), key=lambda u: (-nodes[u][1], u))
+    return nodes, parents, [0] + det[:max(0, total_token - 1)]
+
+
+def _merged_tree(nodes: list, parents: list, order: list, proposals: list | None) -> DraftTree:
+    """The merged tree of union ``nodes`` ``(token, best score)`` with union ``parents``, kept in ``order`` (root
+    first, ancestor-closed: raises otherwise), depths in one pass (ancestors first)."""
     new = {u: i for i, u in enumerate(order)}
     out_parents = [-1] + [new[parents[u]] for u in order[1:]]
     if any(p >= i for i, p in enumerate(out_parents) if i):
         raise AssertionError("merged selection is not ancestor-closed")  # impossible by construction
-    out_props = None
-    if n_sampled:
-        out_props = [[(new[c], q) for c, q in props[u]
-                      if c in new and (q is not None or c in det_kept)] for u in order]
     out_depths = [0] * len(order)                                # ancestors first: one pass (no recomputation)
     for i in range(1, len(order)):
         out_depths[i] = out_depths[out_parents[i]] + 1
-    return DraftTree(torch.tensor([tokens[u] for u in order], device=HOST),
-                     torch.tensor(out_parents, device=HOST),
-                     torch.tensor([best[u] for u in order], device=HOST), torch.tensor(out_depths, device=HOST),
-                     proposals=out_props)
+    # NumPy arrays in the tree's dtypes (a Python float rounds to float32 as torch.tensor's default dtype does), the
+    # tree on them as DraftTree(...) makes it (no cast, no recomputation)
+    arrays = tuple(torch.from_numpy(np.array(x, dtype=d)) for x, d in (
+        ([nodes[u][0] for u in order], np.int64), (out_parents, np.int64), ([nodes[u][1] for u in order], np.float32),
+        (out_depths, np.int64)))
+    return DraftTree._on_store(_Store(*arrays, len(order)), len(order), proposals, views=arrays)

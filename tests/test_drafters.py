@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -265,3 +266,27 @@ def test_extend_tree_stops_where_no_source_proposes_a_token(empty_from_level):
     grown, inputs = Stub().extend_tree(tree, torch.zeros(2, 4), torch.zeros(4), 3, 2, 8)
     check_tree(grown)
     assert len(grown) == len(inputs) == 2 + (0 if empty_from_level == 0 else 2)
+
+
+@pytest.mark.parametrize("seed,total,depth,top_k", [(0, 14, 4, 3), (1, 30, 5, 4), (2, 60, 5, 10)])
+def test_path_states_are_the_general_loop(seed, total, depth, top_k, monkeypatch):
+    """``draft.merged._path_states`` (issue 41, the round start: lookup's slice of the merged inputs in one feed and
+    one gather) equals, bitwise, the general per-level loop that ``tree_inputs`` runs for a source that is not
+    ``features_free``; a planted bug (the deepest inner node left unfed: its children read the root's state)
+    differs."""
+    import draft.merged as merged_mod
+    merged, h = _eagle_lookup(seed)
+    tree, _ = merged.grow_tree_with_inputs(13, h, total, depth, top_k)
+    fast = merged.tree_inputs(tree, h)
+    monkeypatch.setattr(LookupDrafter, "features_free", False)
+    general = merged.tree_inputs(tree, h)
+    assert torch.equal(fast, general) and merged.tree_size == 0
+    monkeypatch.setattr(LookupDrafter, "features_free", True)
+    real = merged_mod._path_states
+
+    def planted(src, tree_, h_, inner, par_np):
+        short = inner.copy()
+        short[np.flatnonzero(inner)[-1:]] = False
+        return real(src, tree_, h_, short, par_np)
+    monkeypatch.setattr(merged_mod, "_path_states", planted)
+    assert not torch.equal(merged.tree_inputs(tree, h), general)

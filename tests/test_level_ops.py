@@ -133,13 +133,35 @@ def test_numpy_slots_write_the_trees_buffers():
 def test_context_masks_in_every_dtype(dtype):
     """KVCache.context_inputs (a commit's causal mask, NumPy where the dtype has a twin): bitwise the torch
     construction it replaced (``full(min).triu_(length + 1)``), positions ``length .. length + n - 1``."""
+    from model.kv_cache import CAUSAL_ROWS
     c = KVCache(1, 1, 4, 64, dtype)
-    for length, n in ((0, 3), (5, 1), (7, 4)):
+    # views of the shared tables (n <= CAUSAL_ROWS: a commit), at the cache's two ends; then fresh tensors (longer)
+    for length, n in ((0, 3), (5, 1), (7, 4), (0, CAUSAL_ROWS), (64 - CAUSAL_ROWS, CAUSAL_ROWS), (63, 1), (0, 1),
+                      (0, CAUSAL_ROWS + 1), (20, 40)):
         c.length = c.context_len = length
         pos, mask = c.context_inputs(n, dtype)
         want = torch.full((n, length + n), torch.finfo(dtype).min, dtype=dtype).triu_(length + 1)
         assert mask.dtype == dtype and torch.equal(mask, want.view(1, 1, n, length + n))
         assert pos.dtype == torch.long and pos.tolist() == [list(range(length, length + n))]
+        assert mask.device == pos.device == torch.device("cpu")
+
+
+def test_context_mask_views_are_read_only_tables():
+    """KVCache.context_inputs' views (issue 41, the commit's host time): two caches of one ``max_len`` and dtype
+    share the tables and neither call changes them; a planted off-by-one column offset of the view (a row that
+    cannot see itself) differs from the causal mask."""
+    from model.kv_cache import _causal_tables
+    a, b = KVCache(1, 1, 4, 48, torch.float32), KVCache(2, 1, 4, 48, torch.float32)
+    before = _causal_tables(48, torch.float32)[1][-1].clone()
+    a.length = a.context_len = 10
+    b.length = b.context_len = 30
+    (pa, ma), (pb, mb) = a.context_inputs(3, torch.float32), b.context_inputs(5, torch.float32)
+    assert ma.untyped_storage().data_ptr() == mb.untyped_storage().data_ptr()        # one shared table
+    assert torch.equal(_causal_tables(48, torch.float32)[1][-1], before)
+    assert pa.tolist() == [[10, 11, 12]] and pb.tolist() == [[30, 31, 32, 33, 34]]
+    table = _causal_tables(48, torch.float32)[1][-1]
+    planted = table[:, :, :3, 48 - 10 - 1:48 + 3 - 1]                                 # one column off
+    assert not torch.equal(planted, ma)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])

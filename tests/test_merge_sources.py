@@ -9,7 +9,7 @@ import torch
 from config.run_config import ConfigError, DEFAULT, apply_overrides
 from draft.lookup import LookupDrafter
 from draft.merged import MergedDrafter, SourceError
-from draft.tree import check_tree, keep_indices_for, merge_sources, merge_trees, proposal_lists, reroot
+from draft.tree import DraftTree, check_tree, keep_indices_for, merge_sources, merge_trees, proposal_lists, reroot
 from tests.multidraft_common import path_to, tree
 
 
@@ -97,3 +97,70 @@ def test_merge_trees_and_reroot_carry_proposals():
     assert proposal_lists(extra) == [[(1, None), (2, None)], [], []]
     plain, _ = merge_trees(tree([1, 2], [-1, 0], [0, -1]), extra)
     assert plain.proposals is None
+
+
+def _random_tree(rng, root: int, n: int, vocab: int):
+    """A random deterministic tree (ancestors first, distinct siblings, scores never rising along a path, many
+    equal scores, some -inf), best first as select_top_nodes orders it."""
+    from draft.tree import select_top_nodes
+    toks, pars, scores, seen = [], [], [], set()
+    for _ in range(n):
+        p = rng.randrange(-1, len(toks))
+        t = rng.randrange(vocab)
+        if (p, t) in seen:
+            continue
+        seen.add((p, t))
+        base = 0.0 if p < 0 else scores[p]
+        toks.append(t)
+        pars.append(p)
+        scores.append(base + rng.choice([0.0, -0.5, -0.5, -1.0, float("-inf")]))
+    if not toks:
+        return DraftTree.single(root)
+    return select_top_nodes(root, torch.tensor(toks), torch.tensor(pars), torch.tensor(scores, dtype=torch.float64),
+                            len(toks) + 1)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_deterministic_merge_is_the_general_rule(seed):
+    """merge_sources' deterministic path (issue 41, the round start: one pass per tree, one sort) gives exactly the
+    tree of the general rule, which it takes when the same trees carry their proposal lists (q None: the same
+    deterministic proposals): tokens, parents, scores (bitwise) and depths, for random trees with shared paths,
+    equal scores and -inf nodes, under budgets that cut and that do not (at least two trees proposing: one alone
+    takes merge_sources' as-is path); a planted bug fails it (below)."""
+    import random
+    from dataclasses import replace
+    rng = random.Random(seed)
+    trees = [_random_tree(rng, 5, rng.randrange(2, 25), 6) for _ in range(rng.randrange(2, 4))]
+    if sum(len(t) > 1 for t in trees) < 2:      # one live tree takes merge_sources' own as-is path: not this one
+        trees.append(_random_tree(rng, 5, 8, 3))
+    for total in (1, 2, 4, 9, 40):
+        fast = merge_sources(trees, total)
+        general = merge_sources([replace(t, proposals=proposal_lists(t)) for t in trees], total)
+        assert fast.proposals is None and general.proposals is None
+        for a, b in ((fast.tokens, general.tokens), (fast.parents, general.parents), (fast.scores, general.scores),
+                     (fast.depths, general.depths)):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        check_tree(fast)
+
+
+def test_deterministic_merge_planted_bug_fails(monkeypatch):
+    """The comparison above can fail: a planted variant of the deterministic path that keeps ``-inf`` nodes (the
+    general rule drops them: no deterministic score) differs from the general rule on some random trees."""
+    import random
+    from dataclasses import replace
+    import draft.tree as T
+    real = T._merge_deterministic
+
+    def planted(trees, root, total):
+        nodes, parents, _ = real(trees, root, total)
+        det = sorted(range(1, len(nodes)), key=lambda u: (-nodes[u][1], u))
+        return nodes, parents, [0] + det[:max(0, total - 1)]
+    differs = 0
+    monkeypatch.setattr(T, "_merge_deterministic", planted)
+    for seed in range(30):
+        rng = random.Random(seed)
+        trees = [_random_tree(rng, 5, rng.randrange(2, 25), 6) for _ in range(3)]
+        a = merge_sources(trees, 40)
+        b = merge_sources([replace(t, proposals=proposal_lists(t)) for t in trees], 40)
+        differs += len(a) != len(b) or not torch.equal(a.tokens, b.tokens)
+    assert differs > 0

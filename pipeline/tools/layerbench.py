@@ -433,8 +433,12 @@ def count(calls, blocks, device) -> list[dict]:
 # NumPy; the fused head 39 -> 35): head forward 43 (35 model), first tree 182 (106, 1 sync: the merged inputs'
 # boolean-mask gather is gone), finish 300 (115, 5: 60.0 per level), expand 129 (55, 2: the re-fed tree staged by
 # NumPy pointer jumping), commit 44 (9, 0: its causal mask in NumPy), verified step 45 (45, 0).
+# The round start's final selection (docs/results.md "The commit's and the round start's Python time": the EAGLE-2
+# search's candidates in one packed copy, select_top_nodes' NumPy core shared with lookup's trie, the deterministic
+# merge, lookup's slice of the merged inputs in one feed and one gather): first tree 153 (77, 1); commit 44 (9, 0:
+# its mask and positions views of shared tables).
 OP_BOUNDS = {"draft head forward": {"ops": 44, "model_ops": 36, "syncs": 0},
-             "first tree": {"ops": 187, "bookkeeping_ops": 109, "syncs": 1},
+             "first tree": {"ops": 158, "bookkeeping_ops": 80, "syncs": 1},
              "finish first tree": {"ops": 309, "bookkeeping_ops": 118, "syncs": 5},
              "expand": {"ops": 133, "bookkeeping_ops": 57, "syncs": 2},
              "commit": {"ops": 45, "bookkeeping_ops": 9, "syncs": 0},
