@@ -139,26 +139,48 @@ class EarlyLevel:
     kk: int
 
 
-def level2_seeds(leaf: np.ndarray, scores: np.ndarray, cand_scores: np.ndarray, width: int) -> np.ndarray:
+def level2_seeds(parents: np.ndarray, leaf: np.ndarray, scores: np.ndarray, cand_scores: np.ndarray, top_k: int,
+                 width: int) -> np.ndarray:
     """Which prefetched first-level candidates get their own children prefetched too (``tree.early_whole``, issue
-    41): the best ``width`` of the leaves' candidates by cumulative score (``scores[leaf] + cand_scores[leaf, j]``),
-    best first, ties by (leaf, rank), as flat indices ``node * kk + j`` into ``cand_scores`` ``[n, kk]``; rows of
-    non-leaves are never chosen. ``width <= 0``: none.
+    41), as flat indices ``node * kk + j`` into ``cand_scores`` ``[n, kk]`` (a leaf's candidates ranked by its
+    log-prob; ``scores``: the tree's cumulative scores, ``parents[0] = -1``).
 
-    Why these: after the next verified step the expansion's first level is the best ``expand_topk`` of the surviving
-    subtree's best leaves' candidates by cumulative score (the beam, :meth:`BeamTreeDrafter.append_prefetched_level`),
-    and the accepted path is most likely to run through the best-scored nodes, so the globally best candidates
-    are the likeliest members of that beam; each one's children cost a row of the prefetch's head forward and of its
-    log-prob call, so the rows are capped at ``width``. A beam member outside them is not covered: the step then
-    sends the first level alone (``tree.early_level``'s path), which is what makes the cap safe to tune.
-    Invariants: pure; at most ``width`` indices, all distinct, all of leaves; a prefix of the order for a larger
-    ``width``."""
+    The rule: the next verified step keeps the subtree of a new root ``r`` (a node of this tree), and its
+    expansion's first level is then that subtree's beam: the best ``top_k`` of the best ``top_k`` leaves'
+    candidates by cumulative score (:meth:`BeamTreeDrafter.append_prefetched_level`). For the candidate new roots
+    in descending score (the draft's own odds that the target's path reaches them; ties by index), add each one's
+    beam while the union stays within ``width`` candidates; stop at the first beam that does not fit. So
+    every outcome it covers is covered whole (a beam member outside the set makes the step fall back to sending
+    the first level alone), and the likeliest outcomes come first. Why a cap: each chosen candidate is a row of
+    the prefetch's second head forward and log-prob call, real work on rank 0 (priced as such); nested subtrees
+    share most of their beams, so a few beams' worth of rows covers the likely outcomes.
+    Invariants: pure; at most ``width`` indices, distinct, all of leaves, each a leaf's candidate rank below
+    ``top_k``; ``width <= 0`` or no candidates: none."""
     n, kk = cand_scores.shape
-    if width <= 0 or kk == 0 or n == 0:
+    if width <= 0 or kk == 0 or n == 0 or top_k <= 0:
         return np.empty(0, dtype=np.int64)
-    leaves = np.flatnonzero(leaf)
-    order = best_first((scores[leaves][:, None] + cand_scores[leaves]).reshape(-1), width)
-    return (leaves[order // kk] * kk + order % kk).astype(np.int64)
+    under = np.zeros((n, n), dtype=bool)                 # under[i, r]: r is i or an ancestor of i
+    for i in range(n):                                   # ancestors first (parents[i] < i)
+        if parents[i] >= 0:
+            under[i] = under[parents[i]]
+        under[i, i] = True
+    taken = np.zeros(n * kk, dtype=bool)
+    count = 0
+    roots = best_first(scores[1:], n - 1) + 1 if n > 1 else np.zeros(1, dtype=np.int64)
+    order = []
+    for r in roots:
+        lv = np.flatnonzero(leaf & under[:, r])
+        fr = lv[best_first(scores[lv], min(top_k, lv.size))]
+        cum = (scores[fr][:, None] + cand_scores[fr]).reshape(-1)
+        best = best_first(cum, top_k)
+        flat = fr[best // kk] * kk + best % kk
+        new = flat[~taken[flat]]
+        if count + new.size > width:
+            break
+        taken[new] = True
+        count += new.size
+        order.append(new)
+    return np.concatenate(order).astype(np.int64) if order else np.empty(0, dtype=np.int64)
 
 
 class BeamTreeDrafter:
@@ -499,7 +521,7 @@ class BeamTreeDrafter:
         leaf[t_par[1:]] = False
         cs, ct = self.host_top_tokens(outs, top_k)
         seed = np.full(tuple(cs.shape), -1, dtype=np.int64)
-        pick = level2_seeds(leaf, t_score, cs.numpy(), width)
+        pick = level2_seeds(t_par, leaf, t_score, cs.numpy(), top_k, width)
         pre2 = None
         if pick.size:
             kk = cs.shape[1]
