@@ -236,7 +236,8 @@ def test_a_new_rounds_root_is_sent_before_the_commit():
 
 @pytest.mark.skipif(not __import__("tests.helpers", fromlist=["STORIES"]).STORIES.is_dir(),
                     reason="../shared is not available")
-@pytest.mark.parametrize("keys", [["tree.early_level=true"], ["tree.root_first=true", "tree.early_level=true"]])
+@pytest.mark.parametrize("keys", [["tree.early_level=true"], ["tree.root_first=true", "tree.early_level=true"],
+                                  ["tree.early_level=true", "tree.early_whole=40"]])
 def test_stories260k_all_modes_equal_hf_off_chain(tmp_path, keys):
     """Every mode with the keys equals HF generate (greedy), stories260K on 5 ranks in one process, the untrained
     EAGLE head with prompt lookup (the default sources), prompts from the six datasets."""
