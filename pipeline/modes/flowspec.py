@@ -409,8 +409,18 @@ class ContinuousMode(StreamingMode):
         leave a stage step ahead of their children, which reach the stages a stage step later than in one segment;
         off by default. (Holding the second segment for the next step's early send, or sending early only after
         root-alone steps, measured no better there and was removed.)
+        ``tree.early_whole`` (issue 41): the prefetch also drafted the second level below the likeliest beams
+        (:meth:`draft.drafter.BeamTreeDrafter.prefetch_expansion`), so when this step's beam is among them the WHOLE
+        expansion is chosen here (:meth:`draft.drafter.BeamTreeDrafter.append_prefetched_expansion`: the same rule
+        as the early level then its finishing, no model call) and leaves as ONE segment; :meth:`commit_and_grow` then
+        only commits, fused with the next prefetch. Why: the early level's second segment costs a launch-bound stage
+        a whole step and sends the level's children a step late (§59: -1.6% on the what-if); this keeps one
+        segment per step and the early level's short turnaround. A beam outside the prefetched ones falls back to
+        the early level alone.
         Invariant: ``self.early`` is ``(levels, room left)`` exactly while ``self.pre`` is the appended level's
-        :class:`draft.drafter.EarlyLevel` (set here, consumed by :meth:`commit_and_grow`)."""
+        :class:`draft.drafter.EarlyLevel` (set here, consumed by :meth:`commit_and_grow`); ``self.whole`` is True from
+        a whole send to the next :meth:`after_send`, and ``self.pre2`` (the second level's rows) is None whenever
+        ``self.pre`` does not cover the current tree."""
         t = engine.cfg.tree
         self.early = None
         if not (t.early_level and t.prefetch_level) or self.pre is None or self.inputs is None \
