@@ -159,28 +159,36 @@ def level2_seeds(parents: np.ndarray, leaf: np.ndarray, scores: np.ndarray, cand
     n, kk = cand_scores.shape
     if width <= 0 or kk == 0 or n == 0 or top_k <= 0:
         return np.empty(0, dtype=np.int64)
+    # Vectorised over every candidate new root at once (a few dozen NumPy calls, whatever the tree: issue 41's
+    # bookkeeping rule); tests/test_turnaround_off_chain.py checks it against a plain-Python reference.
     under = np.zeros((n, n), dtype=bool)                 # under[i, r]: r is i or an ancestor of i
-    for i in range(n):                                   # ancestors first (parents[i] < i)
-        if parents[i] >= 0:
-            under[i] = under[parents[i]]
-        under[i, i] = True
-    taken = np.zeros(n * kk, dtype=bool)
-    count = 0
-    roots = best_first(scores[1:], n - 1) + 1 if n > 1 else np.zeros(1, dtype=np.int64)
-    order = []
-    for r in roots:
-        lv = np.flatnonzero(leaf & under[:, r])
-        fr = lv[best_first(scores[lv], min(top_k, lv.size))]
-        cum = (scores[fr][:, None] + cand_scores[fr]).reshape(-1)
-        best = best_first(cum, top_k)
-        flat = fr[best // kk] * kk + best % kk
-        new = flat[~taken[flat]]
-        if count + new.size > width:
+    node, anc = np.arange(n), np.arange(n)
+    while True:                                          # one pass per depth (pointer walk up, all nodes at once)
+        ok = anc >= 0
+        if not ok.any():
             break
-        taken[new] = True
-        count += new.size
-        order.append(new)
-    return np.concatenate(order).astype(np.int64) if order else np.empty(0, dtype=np.int64)
+        under[node[ok], anc[ok]] = True
+        anc = np.where(ok, parents[np.maximum(anc, 0)], -1)
+    roots = best_first(scores[1:], n - 1) + 1 if n > 1 else np.zeros(1, dtype=np.int64)
+    nr = roots.size
+    lv = np.flatnonzero(leaf)
+    lv = lv[best_first(scores[lv], lv.size)]             # leaves best first (ties by index)
+    inside = under[lv][:, roots]                         # [leaves, roots]: the leaf is in the root's subtree
+    rank = np.cumsum(inside, axis=0) - 1                 # its place among that subtree's leaves
+    li, ri = np.nonzero(inside & (rank < top_k))
+    fr = np.full((nr, top_k), -1, dtype=np.int64)        # each root's frontier: its best top_k leaves
+    fr[ri, rank[li, ri]] = lv[li]
+    valid = (fr >= 0)[:, :, None]
+    safe = np.maximum(fr, 0)
+    cum = np.where(valid, scores[safe][:, :, None] + cand_scores[safe], -np.inf).reshape(nr, -1)
+    flat = np.where(valid, safe[:, :, None] * kk + np.arange(kk), -1).reshape(nr, -1)
+    beams = np.take_along_axis(flat, np.argsort(-cum, axis=1, kind="stable")[:, :top_k], 1)   # [roots, top_k]
+    seq = beams.reshape(-1)
+    real = np.flatnonzero(seq >= 0)
+    new = np.zeros(seq.size, dtype=bool)                 # a candidate's first appearance, roots in order
+    new[real[np.unique(seq[real], return_index=True)[1]]] = True
+    fits = int(np.searchsorted(np.cumsum(new.reshape(nr, -1).sum(1)), width, side="right"))
+    return seq[:fits * beams.shape[1]][new[:fits * beams.shape[1]]].astype(np.int64)
 
 
 class BeamTreeDrafter:
