@@ -137,11 +137,12 @@ class TreeConfig(Checked):
                                  # expansion's first level (chosen from the prefetched candidates, no model call)
                                  # before the commit and the rest of the expansion (issue 41; the turnaround holds
                                  # no head forward; changes the trees, not the output)
-    early_whole: int = 0         # continuous, with early_level and expand_levels=2: while the stages compute, also
-                                 # prefetch the children of the best N first-level candidates, so that a verified
-                                 # step sends its WHOLE expansion (both levels) in one segment right after the
-                                 # re-root, with no model call before the send (issue 41; 0 = off; changes the
-                                 # trees, not the output)
+    early_whole: int = 0         # continuous, with prefetch_level and expand_levels=2: while the stages compute,
+                                 # also prefetch the children of N first-level candidates (the likeliest beams), so
+                                 # that a verified step whose beam is covered sends its WHOLE expansion (both levels)
+                                 # in one segment right after the re-root, no model call before the send; otherwise
+                                 # the early level (with early_level) or the plain prefetched expansion (issue 41;
+                                 # 0 = off; changes the trees, not the output)
     root_first: bool = False     # pruned/continuous: after a truncation, send the next round's root alone at once,
                                  # then commit the accepted tokens and draft its first tree (issue 41: a round
                                  # start's turnaround holds no draft call; changes the schedule, not the output)

@@ -385,12 +385,12 @@ class ContinuousMode(StreamingMode):
 
     @staticmethod
     def whole_ok(engine: Engine) -> bool:
-        """``tree.early_whole`` applies: on, with ``early_level``, ``prefetch_level``, an expansion of exactly two
-        levels (the two it prefetches; the measured lookahead varies them: off there) and a drafter that has the
-        calls (a wrapper such as :class:`draft.osd.OnlineDrafter` has not)."""
+        """``tree.early_whole`` applies: on, with ``prefetch_level``, an expansion of exactly two levels (the two it
+        prefetches; the measured lookahead varies them: off there) and a drafter that has the calls (a wrapper such
+        as :class:`draft.osd.OnlineDrafter` has not)."""
         t = engine.cfg.tree
-        return t.early_whole > 0 and t.early_level and t.prefetch_level and t.expand_levels == 2 \
-            and t.lookahead_min_prob == 0 and hasattr(engine.drafter, "prefetch_expansion")
+        return t.early_whole > 0 and t.prefetch_level and t.expand_levels == 2 and t.lookahead_min_prob == 0 \
+            and hasattr(engine.drafter, "prefetch_expansion")
 
     def send_early(self, engine: Engine, state: RankTree) -> bool:
         """``tree.early_level`` (issue 41): after a verified step's re-root, append the next expansion's first level,
@@ -416,14 +416,16 @@ class ContinuousMode(StreamingMode):
         only commits, fused with the next prefetch. Why: the early level's second segment costs a launch-bound stage
         a whole step and sends the level's children a step late (§59: -1.6% on the what-if); this keeps one
         segment per step and the early level's short turnaround. A beam outside the prefetched ones falls back to
-        the early level alone.
+        the early level alone with ``tree.early_level``, else to the plain prefetched expansion after the commit
+        (one segment per step always).
         Invariant: ``self.early`` is ``(levels, room left)`` exactly while ``self.pre`` is the appended level's
         :class:`draft.drafter.EarlyLevel` (set here, consumed by :meth:`commit_and_grow`); ``self.whole`` is True from
         a whole send to the next :meth:`after_send`, and ``self.pre2`` (the second level's rows) is None whenever
         ``self.pre`` does not cover the current tree."""
         t = engine.cfg.tree
         self.early = None
-        if not (t.early_level and t.prefetch_level) or self.pre is None or self.inputs is None \
+        whole = self.whole_ok(engine)
+        if not ((t.early_level or whole) and t.prefetch_level) or self.pre is None or self.inputs is None \
                 or t.expand_total_token == 0 or not hasattr(engine.drafter, "append_prefetched_level"):
             return False
         levels = self.expand_levels(engine, state.tree)
@@ -432,7 +434,7 @@ class ContinuousMode(StreamingMode):
         room = self.expand_room(engine, state.tree)
         if self.pre[0].numel() != len(state.tree):
             raise AssertionError("prefetched rows do not match the tree")      # on_reroot keeps them in step
-        if self.pre2 is not None and self.whole_ok(engine):   # tree.early_whole: both levels, one segment
+        if self.pre2 is not None and whole:       # tree.early_whole: both levels, one segment
             with engine.tracer.span("expand"):
                 got = engine.drafter.append_prefetched_expansion(state.tree, self.inputs, self.pre, self.pre2,
                                                                  t.expand_topk, room)
@@ -442,6 +444,8 @@ class ContinuousMode(StreamingMode):
                 self.whole = True
                 state.set_tree(tree)
                 return True
+        if not t.early_level:                     # early_whole alone: an uncovered beam takes the plain path
+            return False
         with engine.tracer.span("expand"):
             got = engine.drafter.append_prefetched_level(state.tree, self.inputs, self.pre, t.expand_topk, room)
         if got is None:
