@@ -429,6 +429,19 @@ def test_a_whole_step_sends_before_any_forward_and_grows_nothing_after_the_send(
         (cont_whole.appended, cont_level.appended)
 
 
+def test_early_whole_alone_sends_whole_expansions_or_nothing_early():
+    """``tree.early_whole`` without ``early_level``: every early send is a whole expansion (an uncovered beam takes
+    the plain prefetched path, no level-only send), with a tiny width some steps are uncovered, and the greedy
+    output is the plain run's."""
+    _, out_alone, cont = _step_events({"tree.early_whole": 16})
+    _, out_tiny, tiny = _step_events({"tree.early_whole": 1})
+    _, out_plain, plain = _step_events({})
+    assert out_alone == out_plain == out_tiny
+    assert cont.whole_sent > 0 and cont.early_sent == cont.whole_sent
+    assert tiny.early_sent == tiny.whole_sent < cont.whole_sent
+    assert plain.early_sent == 0
+
+
 def _step_events(over: dict):
     """Per verified step of the real ContinuousMode (greedy): which came first after the re-root, a ring send or a
     draft-head forward; the output and the mode (its counters)."""
