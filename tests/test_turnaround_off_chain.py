@@ -158,7 +158,8 @@ def _first_send_before_forward(key: str | None):
     from pipeline.verify import Sampler
     from tests.test_sampling import MarkovDrafter, make_runner, make_world
     tables = make_world(11, "target", 1.5)
-    over = {"tree.expand_total_token": 9, "tree.expand_topk": 2, "tree.expand_levels": 2}
+    over = {"tree.expand_total_token": 9, "tree.expand_topk": 2, "tree.expand_levels": 2,
+            "tree.early_level": False, "tree.early_whole": 0}          # the keys off (both are on by default)
     if key:
         over[key] = True
     drafter = MarkovDrafter(tables[1])
@@ -236,8 +237,10 @@ def test_a_new_rounds_root_is_sent_before_the_commit():
 
 @pytest.mark.skipif(not __import__("tests.helpers", fromlist=["STORIES"]).STORIES.is_dir(),
                     reason="../shared is not available")
-@pytest.mark.parametrize("keys", [["tree.early_level=true"], ["tree.root_first=true", "tree.early_level=true"],
-                                  ["tree.early_level=true", "tree.early_whole=40"]])
+@pytest.mark.parametrize("keys", [["tree.early_level=true", "tree.early_whole=0"],
+                                  ["tree.root_first=true", "tree.early_level=true", "tree.early_whole=0"],
+                                  ["tree.early_level=false", "tree.early_whole=40"],
+                                  ["tree.early_level=true", "tree.early_whole=80"]])   # the defaults, explicitly
 def test_stories260k_all_modes_equal_hf_off_chain(tmp_path, keys):
     """Every mode with the keys equals HF generate (greedy), stories260K on 5 ranks in one process, the untrained
     EAGLE head with prompt lookup (the default sources), prompts from the six datasets."""
@@ -425,8 +428,8 @@ def test_a_whole_step_sends_before_any_forward_and_grows_nothing_after_the_send(
     assert out_whole == out_level
     assert whole and whole.count("send") == len(whole), whole
     assert cont_whole.whole_sent > 0 and cont_level.whole_sent == 0
-    assert cont_whole.appended / cont_whole.early_sent < cont_level.appended / cont_level.early_sent, \
-        (cont_whole.appended, cont_level.appended)
+    assert cont_whole.grown_after / cont_whole.early_sent < cont_level.grown_after / cont_level.early_sent, \
+        (cont_whole.grown_after, cont_level.grown_after)
 
 
 def test_early_whole_alone_sends_whole_expansions_or_nothing_early():
@@ -450,7 +453,8 @@ def _step_events(over: dict):
     tables = make_world(11, "target", 1.5)
     drafter = MarkovDrafter(tables[1])
     run = make_runner("continuous", 3, tables, Sampler(), 12,
-                      {"tree.expand_total_token": 9, "tree.expand_topk": 2, "tree.expand_levels": 2, **over},
+                      {"tree.expand_total_token": 9, "tree.expand_topk": 2, "tree.expand_levels": 2,
+                       "tree.early_level": False, "tree.early_whole": 0, **over},   # off unless ``over`` says
                       drafter=drafter)
     events = []
     ring = run.ring
@@ -471,5 +475,13 @@ def _step_events(over: dict):
         events.append("step")
         return real(self, engine, state)
     cont.send_early = mark.__get__(cont)
+    grow = type(cont).commit_and_grow
+    cont.grown_after = 0
+
+    def after(self, engine, tree, tokens, feats):              # nodes the commit after the send appends
+        got = grow(self, engine, tree, tokens, feats)
+        self.grown_after += 0 if got is None else len(got[0]) - len(tree)
+        return got
+    cont.commit_and_grow = after.__get__(cont)
     out = run()
     return _firsts_after(events, "step", ("send", "forward")), out, cont

@@ -407,7 +407,8 @@ class ContinuousMode(StreamingMode):
         first-level beam; a different order, sent in two segments. Trees change, the output never does. Measured
         (docs/results.md §59): the turnaround falls by about a third on both profiles, but the level's nodes then
         leave a stage step ahead of their children, which reach the stages a stage step later than in one segment;
-        off by default. (Holding the second segment for the next step's early send, or sending early only after
+        alone it was off by default; with ``tree.early_whole`` (covered steps send one segment) both are the
+        default. (Holding the second segment for the next step's early send, or sending early only after
         root-alone steps, measured no better there and was removed.)
         ``tree.early_whole`` (issue 41): the prefetch also drafted the second level below the likeliest beams
         (:meth:`draft.drafter.BeamTreeDrafter.prefetch_expansion`), so when this step's beam is among them the WHOLE
