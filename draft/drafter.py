@@ -150,8 +150,9 @@ def level2_seeds(parents: np.ndarray, leaf: np.ndarray, scores: np.ndarray, cand
     candidates by cumulative score (:meth:`BeamTreeDrafter.append_prefetched_level`). For the candidate new roots
     in descending score (the draft's own odds that the target's path reaches them; ties by index), add each one's
     beam while the union stays within ``width`` candidates; stop at the first beam that does not fit. So
-    every outcome it covers is covered whole (a beam member outside the set makes the step fall back to sending
-    the first level alone), and the likeliest outcomes come first. Why a cap: each chosen candidate is a row of
+    every outcome it covers is covered whole (a beam member outside the set makes the step fall back to the first
+    level alone or the plain expansion), and the likeliest outcomes come first. The beams are EAGLE-2's (a
+    confidence-shaped frontier, ``draft.tree_shape``, may pick others: those steps fall back). Why a cap: each chosen candidate is a row of
     the prefetch's second head forward and log-prob call, real work on rank 0 (priced as such); nested subtrees
     share most of their beams, so a few beams' worth of rows covers the likely outcomes.
     Invariants: pure; at most ``width`` indices, distinct, all of leaves, each a leaf's candidate rank below
@@ -491,10 +492,10 @@ class BeamTreeDrafter:
     def prefetch_expansion(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor | None, top_k: int,
                            width: int, commit: tuple[Tensor, Tensor] | None = None) -> tuple:
         """``tree.early_whole`` (issue 41): :meth:`prefetch_leaves`, and the SECOND level of the next expansion too:
-        the children of the best ``width`` first-level candidates (:func:`level2_seeds`) fed in one more head
+        the children of at most ``width`` first-level candidates (:func:`level2_seeds`) fed in one more head
         forward (each with its leaf's output as input, below the leaf's slot) and ranked in one more log-prob call.
         Returns ``(pre, pre2, root_hidden, inputs)``: ``pre`` as :meth:`prefetch_leaves` returns it; ``pre2 =
-        (seed [n, kk] int64: the row of each candidate's children in the next three or -1, outputs [width, H],
+        (seed [n, kk] int64: each candidate's row in the next three arrays, or -1, outputs [width, H],
         scores [width, kk2], tokens [width, kk2])``, host rows NumPy.
 
         ``commit = (tokens, features)`` (a verified step after a whole early send, :meth:`append_prefetched_expansion`):
@@ -549,7 +550,7 @@ class BeamTreeDrafter:
         """``tree.early_whole`` (issue 41): the next expansion's two levels, chosen from the prefetched candidates
         (:meth:`prefetch_expansion` of this tree, re-rooted with it) with no model call, appended to ``tree``;
         ``(grown tree, its per-node inputs)``, or None when a beam member's children were not prefetched (the
-        caller then sends the first level alone: :meth:`append_prefetched_level`).
+        caller then sends the first level alone, :meth:`append_prefetched_level`, or the plain expansion).
 
         The rule (which nodes, how many), that of :meth:`append_prefetched_level` followed by
         :meth:`commit_extend_tree` with its record: the first level is the beam (the best ``top_k`` leaves' best
