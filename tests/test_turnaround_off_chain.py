@@ -24,6 +24,14 @@ commit and the rest of the expansion (``pipeline.modes.flowspec.ContinuousMode.s
   step comes before any draft-head forward of that step, and without the key it does not;
 * greedy output equals HF with the key on in every mode (stories260K); the exact law is in tests/test_sampling.py
   (EXACT_CASES' ``tree.early_level`` case, which must see early levels).
+
+``tree.early_whole`` (both on by default since docs/results.md "41: The whole expansion in the early send"): the
+prefetch drafts the next expansion's second level too, below the likeliest new roots' beams
+(``draft.drafter.level2_seeds``), and a covered step sends its whole expansion in one segment
+(``BeamTreeDrafter.prefetch_expansion``, ``append_prefetched_expansion``): the rule against a plain-Python
+reference; the whole expansion equal to the early level's finished tree on a context-free drafter, with three planted
+bugs that fail it; its op counts; the decode loop; greedy output equal to HF on stories260K. Tests of the older keys
+turn the new ones off explicitly.
 """
 from __future__ import annotations
 
