@@ -153,8 +153,8 @@ def level2_seeds(parents: np.ndarray, leaf: np.ndarray, scores: np.ndarray, cand
     every outcome it covers is covered whole (a beam member outside the set makes the step fall back to the first
     level alone or the plain expansion), and the likeliest outcomes come first. The beams are EAGLE-2's (a
     confidence-shaped frontier, ``draft.tree_shape``, may pick others: those steps fall back). Why a cap: each
-    chosen candidate is a row of the prefetch's second head forward and log-prob call, real work on rank 0 (priced as such); nested subtrees
-    share most of their beams, so a few beams' worth of rows covers the likely outcomes.
+    chosen candidate is a row of the prefetch's second head forward and log-prob call, real work on rank 0 (priced
+    as such); nested subtrees share most of their beams, so a few beams' worth of rows covers the likely outcomes.
     Invariants: pure; at most ``width`` indices, distinct, all of leaves, each a leaf's candidate rank below
     ``top_k``; ``width <= 0`` or no candidates: none."""
     n, kk = cand_scores.shape
