@@ -140,6 +140,59 @@ class EarlyLevel:
     kk: int
 
 
+def level2_seeds(parents: np.ndarray, leaf: np.ndarray, scores: np.ndarray, cand_scores: np.ndarray, top_k: int,
+                 width: int) -> np.ndarray:
+    """Which prefetched first-level candidates get their own children prefetched too (``tree.early_whole``, issue
+    41), as flat indices ``node * kk + j`` into ``cand_scores`` ``[n, kk]`` (a leaf's candidates ranked by its
+    log-prob; ``scores``: the tree's cumulative scores, ``parents[0] = -1``).
+
+    The rule: the next verified step keeps the subtree of a new root ``r`` (a node of this tree), and its
+    expansion's first level is then that subtree's beam: the best ``top_k`` of the best ``top_k`` leaves'
+    candidates by cumulative score (:meth:`BeamTreeDrafter.append_prefetched_level`). For the candidate new roots
+    in descending score (the draft's own odds that the target's path reaches them; ties by index), add each one's
+    beam while the union stays within ``width`` candidates; stop at the first beam that does not fit. So
+    every outcome it covers is covered whole (a beam member outside the set makes the step fall back to the first
+    level alone or the plain expansion), and the likeliest outcomes come first. The beams are EAGLE-2's (a
+    confidence-shaped frontier, ``draft.tree_shape``, may pick others: those steps fall back). Why a cap: each
+    chosen candidate is a row of the prefetch's second head forward and log-prob call, real work on rank 0 (priced
+    as such); nested subtrees share most of their beams, so a few beams' worth of rows covers the likely outcomes.
+    Invariants: pure; at most ``width`` indices, distinct, all of leaves, each a leaf's candidate rank below
+    ``top_k``; ``width <= 0`` or no candidates: none."""
+    n, kk = cand_scores.shape
+    if width <= 0 or kk == 0 or n == 0 or top_k <= 0:
+        return np.empty(0, dtype=np.int64)
+    # Vectorised over every candidate new root at once (a few dozen NumPy calls, whatever the tree: issue 41's
+    # bookkeeping rule); tests/test_turnaround_off_chain.py checks it against a plain-Python reference.
+    under = np.zeros((n, n), dtype=bool)                 # under[i, r]: r is i or an ancestor of i
+    node, anc = np.arange(n), np.arange(n)
+    while True:                                          # one pass per depth (pointer walk up, all nodes at once)
+        ok = anc >= 0
+        if not ok.any():
+            break
+        under[node[ok], anc[ok]] = True
+        anc = np.where(ok, parents[np.maximum(anc, 0)], -1)
+    roots = best_first(scores[1:], n - 1) + 1 if n > 1 else np.zeros(1, dtype=np.int64)
+    nr = roots.size
+    lv = np.flatnonzero(leaf)
+    lv = lv[best_first(scores[lv], lv.size)]             # leaves best first (ties by index)
+    inside = under[lv][:, roots]                         # [leaves, roots]: the leaf is in the root's subtree
+    rank = np.cumsum(inside, axis=0) - 1                 # its place among that subtree's leaves
+    li, ri = np.nonzero(inside & (rank < top_k))
+    fr = np.full((nr, top_k), -1, dtype=np.int64)        # each root's frontier: its best top_k leaves
+    fr[ri, rank[li, ri]] = lv[li]
+    valid = (fr >= 0)[:, :, None]
+    safe = np.maximum(fr, 0)
+    cum = np.where(valid, scores[safe][:, :, None] + cand_scores[safe], -np.inf).reshape(nr, -1)
+    flat = np.where(valid, safe[:, :, None] * kk + np.arange(kk), -1).reshape(nr, -1)
+    beams = np.take_along_axis(flat, np.argsort(-cum, axis=1, kind="stable")[:, :top_k], 1)   # [roots, top_k]
+    seq = beams.reshape(-1)
+    real = np.flatnonzero(seq >= 0)
+    new = np.zeros(seq.size, dtype=bool)                 # a candidate's first appearance, roots in order
+    new[real[np.unique(seq[real], return_index=True)[1]]] = True
+    fits = int(np.searchsorted(np.cumsum(new.reshape(nr, -1).sum(1)), width, side="right"))
+    return seq[:fits * beams.shape[1]][new[:fits * beams.shape[1]]].astype(np.int64)
+
+
 class BeamTreeDrafter:
     """EAGLE-2's dynamic tree search, written against a drafter's state hooks only.
 
@@ -462,6 +515,126 @@ class BeamTreeDrafter:
         return leaf, outs, cs, ct
 
     @torch.no_grad()
+    def prefetch_expansion(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor | None, top_k: int,
+                           width: int, commit: tuple[Tensor, Tensor] | None = None) -> tuple:
+        """``tree.early_whole`` (issue 41): :meth:`prefetch_leaves`, and the SECOND level of the next expansion too:
+        the children of at most ``width`` first-level candidates (:func:`level2_seeds`) fed in one more head
+        forward (each with its leaf's output as input, below the leaf's slot) and ranked in one more log-prob call.
+        Returns ``(pre, pre2, root_hidden, inputs)``: ``pre`` as :meth:`prefetch_leaves` returns it; ``pre2 =
+        (seed [n, kk] int64: each candidate's row in the next three arrays, or -1, outputs [width, H],
+        scores [width, kk2], tokens [width, kk2])``, host rows NumPy.
+
+        ``commit = (tokens, features)`` (a verified step after a whole early send, :meth:`append_prefetched_expansion`):
+        the commit rows and the re-fed tree share the first forward (:meth:`commit_tree_forward`; the root's
+        children keep their drafted inputs, as ``tree.fuse_commit``), ``root_hidden`` is its output and the
+        returned ``inputs`` carry it for the root's children. Without ``commit``: ``root_hidden`` is given (a
+        round start) and the re-feed is :meth:`prefetch_leaves`'s.
+
+        Why: with both levels' candidates at hand, the next verified step chooses its whole expansion with no model
+        call and sends it as ONE segment right after the re-root; all of this step's model calls (2 head forwards,
+        2 log-prob calls, as the prefetched step's) run after the send, while the stages compute. The second
+        forward and log-prob call are ``width`` rows each: real work on rank 0, priced by the meter like any other."""
+        n = len(tree)
+        dev = inputs.device
+        _, t_par, t_score, _ = tree.host_numpy()
+        depth1 = torch.from_numpy((t_par == 0)[:, None]).to(dev)
+        slots = torch.from_numpy(t_par[1:] - 1)                                   # node i at slot i-1
+        if commit is not None:
+            if n > 1:
+                root_hidden, out = self.commit_tree_forward(commit[0], commit[1], tree.tokens[1:], inputs[1:], slots)
+            else:
+                root_hidden = self.commit(*commit)
+            inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)
+        else:
+            inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)
+            if n > 1:
+                out = self.tree_forward(tree.tokens[1:], inputs[1:], slots)
+        outs = root_hidden[None].to(inputs.dtype)
+        if n > 1:
+            outs = torch.cat([outs, out.to(inputs.dtype)])
+        leaf = np.ones(n, dtype=bool)
+        leaf[t_par[1:]] = False
+        cs, ct = self.host_top_tokens(outs, top_k)
+        seed = np.full(tuple(cs.shape), -1, dtype=np.int64)
+        pick = level2_seeds(t_par, leaf, t_score, cs.numpy(), top_k, width)
+        pre2 = None
+        if pick.size:
+            kk = cs.shape[1]
+            node = pick // kk
+            seed.reshape(-1)[pick] = np.arange(pick.size)
+            out2 = self.tree_forward(torch.from_numpy(ct.numpy().reshape(-1)[pick]),
+                                     outs[torch.from_numpy(node).to(dev)], torch.from_numpy(node - 1))  # root: -1
+            out2 = out2.to(inputs.dtype)
+            s2, t2 = self.host_top_numpy(out2, top_k)
+            pre2 = (seed, out2, s2, t2)
+        self.drop_tree()
+        return (torch.from_numpy(leaf), outs, cs, ct), pre2, root_hidden, inputs
+
+    @torch.no_grad()
+    def append_prefetched_expansion(self, tree: DraftTree, inputs: Tensor, pre: tuple, pre2: tuple, top_k: int,
+                                    max_new: int) -> tuple[DraftTree, Tensor] | None:
+        """``tree.early_whole`` (issue 41): the next expansion's two levels, chosen from the prefetched candidates
+        (:meth:`prefetch_expansion` of this tree, re-rooted with it) with no model call, appended to ``tree``;
+        ``(grown tree, its per-node inputs)``, or None when a beam member's children were not prefetched (the
+        caller then sends the first level alone, :meth:`append_prefetched_level`, or the plain expansion).
+
+        The rule (which nodes, how many), that of :meth:`append_prefetched_level` followed by
+        :meth:`commit_extend_tree` with its record: the first level is the beam (the best ``top_k`` leaves' best
+        ``top_k`` candidates by cumulative score, at most ``max_new``), appended first, best first; then the beam's
+        prefetched children and the first level's other candidates compete for the remaining ``max_new -
+        len(beam)`` slots by cumulative score (ties: the level's candidates first, then the children in beam order),
+        appended best first. A child never outranks its parent, so the appended nodes are ancestors-first and every
+        prefix of them is sendable. On a drafter whose outputs do not depend on the context the result is exactly
+        the early level's finished tree (tested); otherwise the children were ranked with the previous step's
+        context: a different draft, the same exactness."""
+        leaf, p_out, p_s, p_t = pre
+        seed, out2, s2, t2 = pre2
+        n = len(tree)
+        dev = inputs.device
+        _, _, t_score, t_dep = tree.host_numpy()
+        leaves = np.flatnonzero(leaf.numpy())
+        k = min(top_k, leaves.size)
+        if k == 0 or max_new <= 0:
+            return None
+        fr = leaves[best_first(t_score[leaves], k)]
+        cs, ct = p_s.numpy()[fr], p_t.numpy()[fr]
+        nf, kk = cs.shape
+        if kk == 0:
+            return None
+        cum = (t_score[fr][:, None] + cs).reshape(-1)
+        best = self._frontier_np(cum, cum, max_new + 1, top_k)[:max_new]
+        if best.size == 0:
+            return None
+        rows = seed[fr].reshape(-1)[best]                      # each beam node's prefetched children (row of pre2)
+        if (rows < 0).any():
+            return None
+        kk2 = s2.shape[1]
+        rest = np.ones(cum.size, dtype=bool)
+        rest[best] = False
+        rest = np.flatnonzero(rest)                            # the level's other candidates
+        c_score = np.concatenate([cum[rest], (cum[best][:, None] + s2[rows]).reshape(-1)])
+        chosen = best_first(c_score, max(0, min(max_new - best.size, c_score.size)))
+        lv = chosen < rest.size                                # a first-level candidate, else a beam node's child
+        c1 = np.append(rest, 0)[np.where(lv, chosen, rest.size)]    # (a child's entries here are unused)
+        c2 = np.where(lv, 0, chosen - rest.size)
+        b2 = c2 // max(kk2, 1)
+        m = best.size + chosen.size
+        grown, (tok, parents, score, depth) = tree.append_slots_numpy(m)
+        f1 = fr[best // kk]
+        parents[:best.size] = f1
+        tok[:best.size] = ct.reshape(-1)[best]
+        score[:best.size] = cum[best]
+        depth[:best.size] = t_dep[f1] + 1
+        fc = fr[c1 // kk]
+        parents[best.size:] = np.where(lv, fc, n + b2)
+        tok[best.size:] = np.where(lv, ct.reshape(-1)[c1], t2[rows[b2], c2 % kk2] if kk2 else 0)
+        score[best.size:] = c_score[chosen]
+        depth[best.size:] = np.where(lv, t_dep[fc] + 1, t_dep[f1[b2]] + 2)
+        # inputs: a first-level node takes its leaf's output, a child its beam parent's prefetched output
+        src = np.concatenate([np.arange(n), n + f1, np.where(lv, n + fc, 2 * n + rows[b2])])
+        return grown, torch.cat([inputs, p_out.to(inputs.dtype), out2])[torch.from_numpy(src).to(dev)]
+
+    @torch.no_grad()
     def commit_extend_tree(self, tokens: Tensor, features: Tensor, tree: DraftTree, inputs: Tensor, levels: int,
                            top_k: int, max_new: int, pre: tuple | None = None) -> tuple[DraftTree, Tensor, Tensor]:
         """Commit the accepted tokens and expand the re-rooted tree with ONE draft forward fewer than
@@ -698,26 +871,30 @@ class BeamTreeDrafter:
         leaf, p_out, p_s, p_t = pre
         n = len(tree)
         dev = inputs.device
-        leaves = leaf.nonzero().flatten()
-        k = min(top_k, leaves.numel())
+        _, _, t_score, t_dep = tree.host_numpy()          # the tree's host arrays as NumPy views (no operator)
+        leaves = np.flatnonzero(leaf.numpy())
+        k = min(top_k, leaves.size)
         if k == 0 or max_new <= 0:
             return None
-        frontier = leaves[beam_frontier(tree.scores[leaves], k)]
-        cs, ct = p_s[frontier], p_t[frontier]
+        frontier = leaves[best_first(t_score[leaves], k)]
+        cs, ct = p_s.numpy()[frontier], p_t.numpy()[frontier]
         nf, kk = cs.shape
         if kk == 0:
             return None
-        f_out = p_out[frontier.to(dev)].to(inputs.dtype)
-        cum = tree.scores[frontier][:, None] + cs                                 # [nf, kk]
-        best = self._frontier(self.tree_shape, cum.reshape(-1), [cum.reshape(-1)], max_new + 1, top_k)[:max_new]
-        if best.numel() == 0:
+        f_out = p_out[torch.from_numpy(frontier).to(dev)].to(inputs.dtype)
+        cum = (t_score[frontier][:, None] + cs).reshape(-1)                     # [nf * kk]
+        best = self._frontier_np(cum, cum, max_new + 1, top_k)[:max_new]
+        if best.size == 0:
             return None
         row = best // kk
         par = frontier[row]
-        grown = tree.append(ct.reshape(-1)[best], par, cum.reshape(-1)[best], tree.depths[par] + 1)
-        early = EarlyLevel(n, frontier.numpy(), f_out, cum.reshape(-1).numpy(), ct.reshape(-1).numpy(),
-                           best.numpy(), kk)
-        return grown, torch.cat([inputs, f_out[row.to(dev)]]), early
+        grown, (tok, parents, score, depth) = tree.append_slots_numpy(best.size)
+        parents[:] = par
+        tok[:] = ct.reshape(-1)[best]
+        score[:] = cum[best]
+        depth[:] = t_dep[par] + 1
+        early = EarlyLevel(n, frontier, f_out, cum, ct.reshape(-1), best, kk)
+        return grown, torch.cat([inputs, f_out[torch.from_numpy(row).to(dev)]]), early
 
     def _extend_early(self, tree: DraftTree, inputs: Tensor, levels: int, top_k: int, max_new: int,
                       commit: tuple[Tensor, Tensor], early: EarlyLevel) -> tuple[DraftTree, Tensor, Tensor]:
@@ -727,9 +904,10 @@ class BeamTreeDrafter:
         the level's nodes; the level's unchosen candidates compete with them for the ``max_new`` slots, as in
         :meth:`_extend_prefetched`."""
         n, n0, dev = len(tree), early.n0, inputs.device
-        depth1 = (tree.parents == 0).to(dev)[:, None]
+        _, t_par, _, t_dep = tree.host_numpy()            # the tree's host arrays as NumPy views (no operator)
+        depth1 = torch.from_numpy((t_par == 0)[:, None]).to(dev)
         root_hidden, out = self.commit_tree_forward(commit[0], commit[1], tree.tokens[1:], inputs[1:],
-                                                    tree.parents[1:] - 1)          # node i at slot i-1
+                                                    torch.from_numpy(t_par[1:] - 1))   # node i at slot i-1
         inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)
         if levels < 2 or max_new <= 0:
             self.drop_tree()
@@ -742,7 +920,7 @@ class BeamTreeDrafter:
         cum = early.cum
         b = _Beam(cap, np.empty(cap, dtype=np.promote_types(cum.dtype, np.float32)), np.empty(cap, dtype=np.int64),
                   [early.tok[rest]], [early.frontier, np.arange(n0, n, dtype=np.int64)],
-                  [tree.depths[torch.from_numpy(early.frontier)].numpy(), tree.depths[n0:].numpy()],
+                  [t_dep[early.frontier], t_dep[n0:]],
                   [early.f_out, out[n0 - 1:].to(inputs.dtype)], np.arange(n0 - 1, n - 1, dtype=np.int64),
                   cum[early.best][:, None], n_cand=rest.size, n_rows=nf)
         b.c_score[:rest.size] = cum[rest]

@@ -202,6 +202,7 @@ class CountingContinuous(ContinuousMode):
         self.fused = 0          # verified steps whose commit and expansion ran as one call (tree.fuse_commit)
         self.prefetched = 0     # ... of them, started from a prefetched first level (tree.prefetch_level)
         self.early_sent = 0     # verified steps that sent that first level before the commit (tree.early_level)
+        self.whole_sent = 0     # ... that sent the whole expansion so (tree.early_whole)
 
     def grow(self, engine, tree, root_hidden, verified):
         out = super().grow(engine, tree, root_hidden, verified)
@@ -210,8 +211,12 @@ class CountingContinuous(ContinuousMode):
         return out
 
     def send_early(self, engine, state):
+        n = len(state.tree)
         sent = super().send_early(engine, state)
+        if sent and engine.comm.live():        # expansion nodes too (appended before the send: tree.early_*)
+            self.appended += len(state.tree) - n
         self.early_sent += int(sent and engine.comm.live())
+        self.whole_sent += int(sent and self.whole and engine.comm.live())
         return sent
 
     def commit_and_grow(self, engine, tree, tokens, feats):
@@ -402,9 +407,12 @@ EXACT_CASES = [
     ("continuous", 3, 1.0, 1.0, 0, "target", 3,   # commit + re-feed fused (issue 41: commit_extend_tree)
      {"tree.fuse_commit": True}, ("CONTINUE", "EMPTY", "expand", "fused")),
     ("continuous", 4, 2.0, 0.9, 0, "random", 3,   # + the next first level drafted after the send (prefetched)
-     {"tree.prefetch_level": True}, ("CONTINUE", "expand", "fused", "prefetched")),
+     {"tree.prefetch_level": True, "tree.early_level": False, "tree.early_whole": 0},
+     ("CONTINUE", "expand", "fused", "prefetched")),
     ("continuous", 4, 2.0, 0.9, 0, "random", 3,   # + that level sent before the commit (issue 41: early_level)
-     {"tree.early_level": True}, ("CONTINUE", "expand", "fused", "prefetched", "early")),
+     {"tree.early_level": True, "tree.early_whole": 0}, ("CONTINUE", "expand", "fused", "prefetched", "early")),
+    ("continuous", 4, 2.0, 0.9, 0, "random", 3,   # + the whole expansion sent so (issue 41: early_whole)
+     {"tree.early_level": True, "tree.early_whole": 8}, ("CONTINUE", "expand", "fused", "early", "whole")),
     ("continuous", 3, 1.0, 1.0, 0, "target", 3,   # a new round's root sent before the commit (tree.root_first)
      {"tree.root_first": True, "tree.early_level": True}, ("CONTINUE", "TRUNCATE", "expand", "early")),
     ("pruned", 3, 1.0, 0.9, 0, "random", 3, {"tree.root_first": True}, ("CONTINUE", "TRUNCATE")),
@@ -437,6 +445,7 @@ def test_exact_law_every_mode(mode, world, temp, top_p, top_k, draft, horizon, o
         seen["fused"] = run.cont.fused
         seen["prefetched"] = run.cont.prefetched
         seen["early"] = run.cont.early_sent
+        seen["whole"] = run.cont.whole_sent
     for e in events:
         if e == "EMPTY" and not early:
             continue   # without early pruning a stale result still carries its (dead) rows

@@ -24,6 +24,14 @@ commit and the rest of the expansion (``pipeline.modes.flowspec.ContinuousMode.s
   step comes before any draft-head forward of that step, and without the key it does not;
 * greedy output equals HF with the key on in every mode (stories260K); the exact law is in tests/test_sampling.py
   (EXACT_CASES' ``tree.early_level`` case, which must see early levels).
+
+``tree.early_whole`` (both on by default since docs/results.md "41: The whole expansion in the early send"): the
+prefetch drafts the next expansion's second level too, below the likeliest new roots' beams
+(``draft.drafter.level2_seeds``), and a covered step sends its whole expansion in one segment
+(``BeamTreeDrafter.prefetch_expansion``, ``append_prefetched_expansion``): the rule against a plain-Python
+reference; the whole expansion equal to the early level's finished tree on a context-free drafter, with three planted
+bugs that fail it; its op counts; the decode loop; greedy output equal to HF on stories260K. Tests of the older keys
+turn the new ones off explicitly.
 """
 from __future__ import annotations
 
@@ -158,7 +166,8 @@ def _first_send_before_forward(key: str | None):
     from pipeline.verify import Sampler
     from tests.test_sampling import MarkovDrafter, make_runner, make_world
     tables = make_world(11, "target", 1.5)
-    over = {"tree.expand_total_token": 9, "tree.expand_topk": 2, "tree.expand_levels": 2}
+    over = {"tree.expand_total_token": 9, "tree.expand_topk": 2, "tree.expand_levels": 2,
+            "tree.early_level": False, "tree.early_whole": 0}          # the keys off (both are on by default)
     if key:
         over[key] = True
     drafter = MarkovDrafter(tables[1])
@@ -236,7 +245,10 @@ def test_a_new_rounds_root_is_sent_before_the_commit():
 
 @pytest.mark.skipif(not __import__("tests.helpers", fromlist=["STORIES"]).STORIES.is_dir(),
                     reason="../shared is not available")
-@pytest.mark.parametrize("keys", [["tree.early_level=true"], ["tree.root_first=true", "tree.early_level=true"]])
+@pytest.mark.parametrize("keys", [["tree.early_level=true", "tree.early_whole=0"],
+                                  ["tree.root_first=true", "tree.early_level=true", "tree.early_whole=0"],
+                                  ["tree.early_level=false", "tree.early_whole=40"],
+                                  ["tree.early_level=true", "tree.early_whole=80"]])   # the defaults, explicitly
 def test_stories260k_all_modes_equal_hf_off_chain(tmp_path, keys):
     """Every mode with the keys equals HF generate (greedy), stories260K on 5 ranks in one process, the untrained
     EAGLE head with prompt lookup (the default sources), prompts from the six datasets."""
@@ -254,3 +266,230 @@ def test_stories260k_all_modes_equal_hf_off_chain(tmp_path, keys):
         assert len(rows) == len(prompts), mode
         for p, r in zip(prompts, rows):
             assert r.output_ids == hf_greedy(STORIES, p, 32, {2}, torch.float32), f"{mode} differs from HF"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tree.early_whole: both levels of the next expansion prefetched, sent in one segment right after the re-root
+# ---------------------------------------------------------------------------------------------------------------
+
+def _beam_of(parents, leaf, scores, cand, top_k, r) -> set[int]:
+    """Reference (plain Python): the first-level beam of the subtree of ``r``, as flat candidate indices."""
+    n, kk = cand.shape
+    inside = []
+    for i in range(n):
+        j = i
+        while j >= 0 and j != r:
+            j = int(parents[j])
+        if j == r and leaf[i]:
+            inside.append(i)
+    fr = sorted(inside, key=lambda i: (-scores[i], i))[:top_k]
+    cands = sorted(((scores[i] + cand[i, c], fi * kk + c, i * kk + c) for fi, i in enumerate(fr) for c in range(kk)),
+                   key=lambda x: (-x[0], x[1]))[:top_k]
+    return {flat for _, _, flat in cands}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_level2_seeds_covers_the_likeliest_new_roots_beams_within_the_width(seed):
+    """The rule, against a plain-Python reference on random trees: every index a leaf's candidate, distinct, at most
+    ``width``; the covered outcomes are the best-scored new roots in order, each one's whole beam in the set; a
+    smaller width gives a prefix of a larger one's set."""
+    from draft.drafter import level2_seeds
+    rng = np.random.default_rng(seed)
+    n, kk, top_k = int(rng.integers(2, 14)), 3, 3
+    parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)])
+    scores = np.zeros(n)
+    for i in range(1, n):
+        scores[i] = scores[parents[i]] + np.log(rng.uniform(0.05, 1.0))
+    leaf = np.ones(n, dtype=bool)
+    leaf[parents[1:]] = False
+    cand = np.log(np.sort(rng.uniform(0.01, 1.0, (n, kk)), axis=1)[:, ::-1])
+    prev = None
+    for width in (0, 3, 5, 9, 20, 1000):
+        got = level2_seeds(parents, leaf, scores, cand, top_k, width)
+        assert got.size <= width and np.unique(got).size == got.size
+        assert leaf[got // kk].all() and (got % kk < top_k).all()
+        covered, union = 0, set()
+        for r in sorted(range(1, n), key=lambda i: (-scores[i], i)) if n > 1 else [0]:
+            beam = _beam_of(parents, leaf, scores, cand, top_k, r)
+            if len(union | beam) > width:
+                break
+            union |= beam
+            covered += 1
+        assert set(got.tolist()) == union, (width, covered)
+        if prev is not None:
+            assert got[:prev.size].tolist() == prev.tolist()
+        prev = got
+    assert prev.size == len(set().union(*[_beam_of(parents, leaf, scores, cand, top_k, r) for r in range(1, n)]))
+
+
+def _whole(max_new: int, width: int = 100, plant=None):
+    """The Markov drafter's tree of :func:`_grown`: the whole expansion chosen from :meth:`prefetch_expansion`'s
+    candidates (``plant`` edits them first), and the early level's finished tree with its inputs."""
+    from tests.test_sampling import enc
+    d = _markov()
+    root = enc(4)
+    tree, inputs = d.grow_tree_with_inputs(4, root, 9, 2, 3)
+    pre, pre2, _, _ = d.prefetch_expansion(tree, inputs, root, 3, width)
+    if plant is not None:
+        pre2 = plant(pre2)
+    got = d.append_prefetched_expansion(tree, inputs, pre, pre2, 3, max_new)
+    tokens, feats = torch.tensor([2, 4]), torch.zeros(2, 1, dtype=torch.float64)
+    level, lin, rec = d.append_prefetched_level(tree, inputs, d.prefetch_leaves(tree, inputs, root, 3), 3, max_new)
+    early, e_in, _ = d.commit_extend_tree(tokens, feats, level, lin, 2, 3, max_new - (len(level) - len(tree)), rec)
+    return tree, got, early, e_in
+
+
+@pytest.mark.parametrize("max_new", [2, 3, 6, 9, 12])
+def test_the_whole_expansion_is_the_early_levels_finished_tree(max_new):
+    """On a drafter whose outputs do not depend on the context, the two prefetched levels chosen before the send are
+    node for node (tokens, parents, scores, depths, and the new nodes' inputs) the tree the early level's path
+    finishes after the commit: the same rule, with no model call on the chain. The prefetch's first level is
+    :meth:`prefetch_leaves`'s."""
+    tree, got, early, e_in = _whole(max_new)
+    assert got is not None
+    grown, g_in = got
+    n = len(tree)
+    assert grown.tokens.tolist() == early.tokens.tolist() and grown.parents.tolist() == early.parents.tolist()
+    assert grown.depths.tolist() == early.depths.tolist()
+    torch.testing.assert_close(grown.scores, early.scores)
+    torch.testing.assert_close(g_in[n:], e_in[n:])
+    assert (grown.depths[n:] - grown.depths[grown.parents[n:]] == 1).all()
+    assert (grown.parents[1:] < torch.arange(1, len(grown))).all()
+    if max_new >= 6:
+        assert int(grown.depths[n:].max()) - int(tree.depths.max()) >= 1 and (grown.parents[n:] >= n).any()
+
+
+def test_prefetched_first_level_is_prefetch_leaves():
+    from tests.test_sampling import enc
+    d = _markov()
+    root = enc(4)
+    tree, inputs = d.grow_tree_with_inputs(4, root, 9, 2, 3)
+    pre, pre2, _, _ = d.prefetch_expansion(tree, inputs, root, 3, 100)
+    for a, b in zip(pre, d.prefetch_leaves(tree, inputs, root, 3)):
+        assert torch.equal(a, b)
+    assert pre2 is not None and (pre2[0] >= 0).sum() == pre2[1].shape[0]
+
+
+@pytest.mark.parametrize("bug", ["children_of_another_node", "outputs_off_by_one", "uncovered_beam_sent"])
+def test_planted_whole_expansion_bugs_fail(bug):
+    """Planted: (a) each beam node reads another candidate's prefetched children; (b) the children's inputs read
+    one row off; (c) a beam member whose children were not prefetched is treated as covered (rows -1 wrap to
+    the last row). Each gives a tree or inputs other than the early level's finished ones."""
+    def roll_rows(p):
+        seed = p[0].copy()
+        seed[seed >= 0] = np.roll(seed[seed >= 0], 1)
+        return (seed, *p[1:])
+    plants = {"children_of_another_node": roll_rows,
+              "outputs_off_by_one": lambda p: (p[0], p[1].roll(1, 0), *p[2:])}
+    if bug == "uncovered_beam_sent":
+        tree, got, early, e_in = _whole(9, width=3,
+                                        plant=lambda p: (np.where(p[0] < 0, p[0].max(), p[0]), *p[1:]))
+        assert got is not None
+    else:
+        tree, got, early, e_in = _whole(9, plant=plants[bug])
+    grown, g_in = got
+    n = len(tree)
+    same = grown.tokens.tolist() == early.tokens.tolist() and grown.parents.tolist() == early.parents.tolist() \
+        and torch.allclose(grown.scores, early.scores) and torch.allclose(g_in[n:], e_in[n:])
+    assert not same
+
+
+def test_an_uncovered_beam_falls_back_to_the_first_level():
+    """With room for one beam's children only (width 3: the best new root's), the tree kept whole (no re-root here)
+    has another beam: not covered, so no whole expansion (None) and the caller sends the early level alone; with
+    room for every beam (width 100) it is covered."""
+    assert _whole(9, width=3)[1] is None
+    assert _whole(9, width=100)[1] is not None
+
+
+def test_whole_expansion_calls_no_model_and_the_commit_with_the_prefetch_two_forwards_two_log_probs():
+    """Counted on an EAGLE + lookup drafter: choosing both levels costs 0 head forwards and 0 log-prob calls (the
+    chain); the commit with the next prefetch (off the chain) 2 and 2, the prefetched step's count: the commit, the
+    re-fed tree and the first level's log-probs as before, plus the second level's rows in one forward and one
+    log-prob call."""
+    from draft.protocol import install_meter
+    d, g = _eagle_lookup()
+    tokens, feats = torch.tensor([5, 7, 11]), torch.randn(3, 16, generator=g, dtype=torch.float64)
+    root = d.commit(tokens[:1], feats[:1])
+    tree, inputs = d.grow_tree_with_inputs(11, root, 9, 2, 3)
+    pre, pre2, _, _ = d.prefetch_expansion(tree, inputs, root, 3, 100)
+    meter = _OpCount()
+    install_meter(d, meter)
+    got = d.append_prefetched_expansion(tree, inputs, pre, pre2, 3, 6)
+    chain = dict(meter.ops)
+    meter.ops.clear()
+    assert got is not None
+    grown, g_in = got
+    d.prefetch_expansion(grown, g_in, None, 3, 100, (tokens[1:], feats[1:]))
+    after = dict(meter.ops)
+    assert chain.get("draft_forward", 0) == 0 and chain.get("lm_head", 0) == 0, chain
+    assert after.get("draft_forward", 0) == 2 and after.get("lm_head", 0) == 2, after
+    assert len(grown) > len(tree)
+
+
+def test_a_whole_step_sends_before_any_forward_and_grows_nothing_after_the_send():
+    """The real ContinuousMode loop (greedy): with ``tree.early_whole`` verified steps send the whole expansion before
+    any draft-head forward, and the commit after the send appends nothing (nodes appended after the send per early
+    step: below the early level's, which appends the second level there). The greedy output is the same."""
+    whole, out_whole, cont_whole = _step_events({"tree.early_level": True, "tree.early_whole": 16})
+    level, out_level, cont_level = _step_events({"tree.early_level": True})
+    assert out_whole == out_level
+    assert whole and whole.count("send") == len(whole), whole
+    assert cont_whole.whole_sent > 0 and cont_level.whole_sent == 0
+    assert cont_whole.grown_after / cont_whole.early_sent < cont_level.grown_after / cont_level.early_sent, \
+        (cont_whole.grown_after, cont_level.grown_after)
+
+
+def test_early_whole_alone_sends_whole_expansions_or_nothing_early():
+    """``tree.early_whole`` without ``early_level``: every early send is a whole expansion (an uncovered beam takes
+    the plain prefetched path, no level-only send), with a tiny width some steps are uncovered, and the greedy
+    output is the plain run's."""
+    _, out_alone, cont = _step_events({"tree.early_whole": 16})
+    _, out_tiny, tiny = _step_events({"tree.early_whole": 1})
+    _, out_plain, plain = _step_events({})
+    assert out_alone == out_plain == out_tiny
+    assert cont.whole_sent > 0 and cont.early_sent == cont.whole_sent
+    assert tiny.early_sent == tiny.whole_sent < cont.whole_sent
+    assert plain.early_sent == 0
+
+
+def _step_events(over: dict):
+    """Per verified step of the real ContinuousMode (greedy): which came first after the re-root, a ring send or a
+    draft-head forward; the output and the mode (its counters)."""
+    from pipeline.verify import Sampler
+    from tests.test_sampling import MarkovDrafter, make_runner, make_world
+    tables = make_world(11, "target", 1.5)
+    drafter = MarkovDrafter(tables[1])
+    run = make_runner("continuous", 3, tables, Sampler(), 12,
+                      {"tree.expand_total_token": 9, "tree.expand_topk": 2, "tree.expand_levels": 2,
+                       "tree.early_level": False, "tree.early_whole": 0, **over},   # off unless ``over`` says
+                      drafter=drafter)
+    events = []
+    ring = run.ring
+    send, fwd = ring.send_next, drafter.tree_forward
+
+    def rec_send(*a, **k):
+        events.append("send")
+        return send(*a, **k)
+
+    def rec_fwd(*a, **k):
+        events.append("forward")
+        return fwd(*a, **k)
+    ring.send_next, drafter.tree_forward = rec_send, rec_fwd
+    cont = run.cont
+    real = type(cont).send_early
+
+    def mark(self, engine, state):
+        events.append("step")
+        return real(self, engine, state)
+    cont.send_early = mark.__get__(cont)
+    grow = type(cont).commit_and_grow
+    cont.grown_after = 0
+
+    def after(self, engine, tree, tokens, feats):              # nodes the commit after the send appends
+        got = grow(self, engine, tree, tokens, feats)
+        self.grown_after += 0 if got is None else len(got[0]) - len(tree)
+        return got
+    cont.commit_and_grow = after.__get__(cont)
+    out = run()
+    return _firsts_after(events, "step", ("send", "forward")), out, cont

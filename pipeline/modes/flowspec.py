@@ -287,6 +287,8 @@ class ContinuousMode(StreamingMode):
         self.acceptance: AcceptanceStats | None = None   # per-level acceptance, measured with tree.lookahead_*
         self.pre: tuple | None = None             # tree.prefetch_level: the next expansion's first level, per node
         self.early: tuple[int, int] | None = None  # tree.early_level: (levels, room) of the expansion under way
+        self.pre2: tuple | None = None            # tree.early_whole: the next expansion's second level (prefetched)
+        self.whole = False                        # tree.early_whole: this step's whole expansion was sent early
 
     @staticmethod
     def incremental(engine: Engine) -> bool:
@@ -306,7 +308,8 @@ class ContinuousMode(StreamingMode):
             return super().first_tree(engine, root, root_hidden)
         quick = 0 < t.first_levels <= t.init_depth
         self.quick_fill = quick
-        self.pre = self.early = None
+        self.pre = self.early = self.pre2 = None
+        self.whole = False
         total = min(t.init_total_token, t.subseq_token + 1) if quick else t.init_total_token
         depth = t.first_levels - 1 if quick else t.init_depth
         with engine.tracer.span("draft"):
@@ -350,6 +353,8 @@ class ContinuousMode(StreamingMode):
         if self.pre is not None:                  # per-node rows follow their nodes; a kept leaf stays a leaf
             kept = keep[accepted_len:]
             self.pre = tuple(x[kept.to(x.device)] for x in self.pre)
+            if self.pre2 is not None:             # tree.early_whole: each candidate's row of prefetched children
+                self.pre2 = (self.pre2[0][kept.numpy()], *self.pre2[1:])
 
     def after_send(self, engine: Engine, state: RankTree, root_hidden: torch.Tensor) -> None:
         """``tree.prefetch_level`` (issue 41): draft the next expansion's first level for every leaf now
@@ -363,12 +368,29 @@ class ContinuousMode(StreamingMode):
         tree entries then): a different draft, the same exactness. Invariant: ``self.pre`` has one row per node
         of the current tree (re-rooted with it, :meth:`on_reroot`); any growth drops it (set to None)."""
         t = engine.cfg.tree
-        self.pre = None
+        if self.whole:                            # tree.early_whole: commit_and_grow prefetched this very tree
+            self.whole = False
+            if self.pre is not None and self.pre[0].numel() == len(state.tree):
+                return
+        self.pre = self.pre2 = None
         if not t.prefetch_level or self.inputs is None or t.expand_total_token == 0 \
                 or not hasattr(engine.drafter, "prefetch_leaves"):
             return
         with engine.tracer.span("expand"):
-            self.pre = engine.drafter.prefetch_leaves(state.tree, self.inputs, root_hidden, t.expand_topk)
+            if self.whole_ok(engine):
+                self.pre, self.pre2, _, _ = engine.drafter.prefetch_expansion(
+                    state.tree, self.inputs, root_hidden, t.expand_topk, t.early_whole)
+            else:
+                self.pre = engine.drafter.prefetch_leaves(state.tree, self.inputs, root_hidden, t.expand_topk)
+
+    @staticmethod
+    def whole_ok(engine: Engine) -> bool:
+        """``tree.early_whole`` applies: on, with ``prefetch_level``, an expansion of exactly two levels (the two it
+        prefetches; the measured lookahead varies them: off there) and a drafter that has the calls (a wrapper such
+        as :class:`draft.osd.OnlineDrafter` has not)."""
+        t = engine.cfg.tree
+        return t.early_whole > 0 and t.prefetch_level and t.expand_levels == 2 and t.lookahead_min_prob == 0 \
+            and hasattr(engine.drafter, "prefetch_expansion")
 
     def send_early(self, engine: Engine, state: RankTree) -> bool:
         """``tree.early_level`` (issue 41): after a verified step's re-root, append the next expansion's first level,
@@ -385,13 +407,26 @@ class ContinuousMode(StreamingMode):
         first-level beam; a different order, sent in two segments. Trees change, the output never does. Measured
         (docs/results.md §59): the turnaround falls by about a third on both profiles, but the level's nodes then
         leave a stage step ahead of their children, which reach the stages a stage step later than in one segment;
-        off by default. (Holding the second segment for the next step's early send, or sending early only after
+        alone it was off by default; with ``tree.early_whole`` (covered steps send one segment) both are the
+        default. (Holding the second segment for the next step's early send, or sending early only after
         root-alone steps, measured no better there and was removed.)
+        ``tree.early_whole`` (issue 41): the prefetch also drafted the second level below the likeliest beams
+        (:meth:`draft.drafter.BeamTreeDrafter.prefetch_expansion`), so when this step's beam is among them the WHOLE
+        expansion is chosen here (:meth:`draft.drafter.BeamTreeDrafter.append_prefetched_expansion`: the same rule
+        as the early level then its finishing, no model call) and leaves as ONE segment; :meth:`commit_and_grow` then
+        only commits, fused with the next prefetch. Why: the early level's second segment costs a launch-bound stage
+        a whole step and sends the level's children a step late (§59: -1.6% on the what-if); this keeps one
+        segment per step and the early level's short turnaround. A beam outside the prefetched ones falls back to
+        the early level alone with ``tree.early_level``, else to the plain prefetched expansion after the commit
+        (one segment per step always).
         Invariant: ``self.early`` is ``(levels, room left)`` exactly while ``self.pre`` is the appended level's
-        :class:`draft.drafter.EarlyLevel` (set here, consumed by :meth:`commit_and_grow`)."""
+        :class:`draft.drafter.EarlyLevel` (set here, consumed by :meth:`commit_and_grow`); ``self.whole`` is True from
+        a whole send to the next :meth:`after_send`, and ``self.pre2`` (the second level's rows) is None whenever
+        ``self.pre`` does not cover the current tree."""
         t = engine.cfg.tree
         self.early = None
-        if not (t.early_level and t.prefetch_level) or self.pre is None or self.inputs is None \
+        whole = self.whole_ok(engine)
+        if not ((t.early_level or whole) and t.prefetch_level) or self.pre is None or self.inputs is None \
                 or t.expand_total_token == 0 or not hasattr(engine.drafter, "append_prefetched_level"):
             return False
         levels = self.expand_levels(engine, state.tree)
@@ -400,6 +435,18 @@ class ContinuousMode(StreamingMode):
         room = self.expand_room(engine, state.tree)
         if self.pre[0].numel() != len(state.tree):
             raise AssertionError("prefetched rows do not match the tree")      # on_reroot keeps them in step
+        if self.pre2 is not None and whole:       # tree.early_whole: both levels, one segment
+            with engine.tracer.span("expand"):
+                got = engine.drafter.append_prefetched_expansion(state.tree, self.inputs, self.pre, self.pre2,
+                                                                 t.expand_topk, room)
+            if got is not None:
+                tree, self.inputs = got
+                self.pre = self.pre2 = None
+                self.whole = True
+                state.set_tree(tree)
+                return True
+        if not t.early_level:                     # early_whole alone: an uncovered beam takes the plain path
+            return False
         with engine.tracer.span("expand"):
             got = engine.drafter.append_prefetched_level(state.tree, self.inputs, self.pre, t.expand_topk, room)
         if got is None:
@@ -469,7 +516,14 @@ class ContinuousMode(StreamingMode):
         the key is off, there is no incremental expansion, expansion is off, nothing is grown this step, or the
         drafter has no fused call (a wrapper such as :class:`draft.osd.OnlineDrafter`)."""
         t = engine.cfg.tree
+        if self.whole:                            # tree.early_whole: the expansion is sent; commit + next prefetch
+            with engine.tracer.span("expand"):
+                self.pre, self.pre2, root_hidden, self.inputs = engine.drafter.prefetch_expansion(
+                    tree, self.inputs, None, t.expand_topk, t.early_whole,
+                    (torch.tensor(tokens, device=HOST), torch.cat(feats)))
+            return tree, root_hidden
         pre, self.pre = self.pre, None
+        self.pre2 = None
         early, self.early = self.early, None
         if early is not None:                     # tree.early_level: finish the expansion whose level was sent
             levels, room = early
@@ -538,7 +592,7 @@ class ContinuousMode(StreamingMode):
         keep = n + worth
         tree = tree.prefix(keep)
         self.inputs = inputs[:keep]
-        self.pre = None                           # new leaves: the prefetched level no longer covers the tree
+        self.pre = self.pre2 = None               # new leaves: the prefetched level no longer covers the tree
         state.set_tree(tree)
         return True
 

@@ -99,6 +99,17 @@ class ReplayDrafter:
     def append_prefetched_level(self, tree: DraftTree, inputs: Tensor, pre: tuple, top_k: int, max_new: int):
         return self.inner.append_prefetched_level(tree, inputs, pre, top_k, max_new)
 
+    def prefetch_expansion(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor | None, top_k: int, width: int,
+                           commit: tuple[Tensor, Tensor] | None = None) -> tuple:
+        """``tree.early_whole``: with ``commit`` a commit, so its rows become the target's features first."""
+        if commit is not None:
+            commit = (commit[0], self._features(commit[1]))
+        return self.inner.prefetch_expansion(tree, inputs, root_hidden, top_k, width, commit)
+
+    def append_prefetched_expansion(self, tree: DraftTree, inputs: Tensor, pre: tuple, pre2: tuple, top_k: int,
+                                    max_new: int):
+        return self.inner.append_prefetched_expansion(tree, inputs, pre, pre2, top_k, max_new)
+
 
 class LogMeter:
     """An :class:`model.meter.OpMeter` that logs each op as a modeled rank-0 op of the current log (``lm_head`` as
