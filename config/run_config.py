@@ -137,7 +137,7 @@ class TreeConfig(Checked):
                                  # expansion's first level (chosen from the prefetched candidates, no model call)
                                  # before the commit and the rest of the expansion (issue 41; the turnaround holds
                                  # no head forward; changes the trees, not the output; default with early_whole
-                                 # since docs/results.md "41: The whole expansion in the early send")
+                                 # since docs/results.md §63)
     early_whole: int = 80        # continuous, with prefetch_level and expand_levels=2: while the stages compute,
                                  # also prefetch the children of N first-level candidates (the likeliest beams), so
                                  # that a verified step whose beam is covered sends its WHOLE expansion (both levels)

@@ -449,9 +449,9 @@ class LookupDrafter(TokenHistory):
         TokenHistory.__init__(self)
 
     # Rows from which tree_forward takes the vectorised pass (level_matches); fewer go through the per-node rule
-    # (NgramIndex.next_tokens + state_row's counting): measured on this CPU (docs/results.md, "41: A draft level's
-    # Python time"), the vectorised pass's fixed cost (about 40 NumPy calls) loses to the per-node Python below a few
-    # dozen rows and wins above (a re-fed tree). Both give the same states (tests/test_lookup_level.py runs both).
+    # (NgramIndex.next_tokens + state_row's counting): measured on this CPU (docs/results.md §61), the vectorised
+    # pass's fixed cost (about 40 NumPy calls) loses to the per-node Python below a few dozen rows and wins above
+    # (a re-fed tree). Both give the same states (tests/test_lookup_level.py runs both).
     vector_rows: int = 48
 
     @property

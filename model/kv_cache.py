@@ -122,7 +122,7 @@ class KVCache:
         Up to ``CAUSAL_ROWS`` rows (a commit of accepted tokens, an ``ar`` step) both are **views** of tables
         shared by every cache of this ``max_len`` and dtype (:func:`_causal_tables`): read them, never write into
         them (nothing in the project does: a forward only reads its mask and positions). Why (issue 41, the
-        commit's host time; docs/results.md "The commit's and the round start's Python time"): no allocation and
+        commit's host time; docs/results.md §62): no allocation and
         no NumPy per commit, 3 slicing operators; the commit with its head forward measured 30-60 us faster than
         with the per-call NumPy mask and positions (where inside torch the gain arises is not isolated). Longer
         chunks (a prompt) build fresh tensors as before."""

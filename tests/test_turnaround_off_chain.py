@@ -25,7 +25,7 @@ commit and the rest of the expansion (``pipeline.modes.flowspec.ContinuousMode.s
 * greedy output equals HF with the key on in every mode (stories260K); the exact law is in tests/test_sampling.py
   (EXACT_CASES' ``tree.early_level`` case, which must see early levels).
 
-``tree.early_whole`` (both on by default since docs/results.md "41: The whole expansion in the early send"): the
+``tree.early_whole`` (both on by default since docs/results.md §63): the
 prefetch drafts the next expansion's second level too, below the likeliest new roots' beams
 (``draft.drafter.level2_seeds``), and a covered step sends its whole expansion in one segment
 (``BeamTreeDrafter.prefetch_expansion``, ``append_prefetched_expansion``): the rule against a plain-Python

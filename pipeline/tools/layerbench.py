@@ -433,7 +433,7 @@ def count(calls, blocks, device) -> list[dict]:
 # NumPy; the fused head 39 -> 35): head forward 43 (35 model), first tree 182 (106, 1 sync: the merged inputs'
 # boolean-mask gather is gone), finish 300 (115, 5: 60.0 per level), expand 129 (55, 2: the re-fed tree staged by
 # NumPy pointer jumping), commit 44 (9, 0: its causal mask in NumPy), verified step 45 (45, 0).
-# The round start's final selection (docs/results.md "The commit's and the round start's Python time": the EAGLE-2
+# The round start's final selection (docs/results.md §62: the EAGLE-2
 # search's candidates in one packed copy, select_top_nodes' NumPy core shared with lookup's trie, the deterministic
 # merge, lookup's slice of the merged inputs in one feed and one gather): first tree 153 (77, 1); commit 44 (9, 0:
 # its mask and positions views of shared tables).
