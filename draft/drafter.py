@@ -587,24 +587,14 @@ class BeamTreeDrafter:
         prefix of them is sendable. On a drafter whose outputs do not depend on the context the result is exactly
         the early level's finished tree (tested); otherwise the children were ranked with the previous step's
         context: a different draft, the same exactness."""
-        leaf, p_out, p_s, p_t = pre
+        beam = self._prefetched_beam(tree, pre, top_k, max_new)
+        if beam is None:
+            return None
+        fr, ct, cum, best, kk, t_dep = beam
+        p_out = pre[1]
         seed, out2, s2, t2 = pre2
         n = len(tree)
         dev = inputs.device
-        _, _, t_score, t_dep = tree.host_numpy()
-        leaves = np.flatnonzero(leaf.numpy())
-        k = min(top_k, leaves.size)
-        if k == 0 or max_new <= 0:
-            return None
-        fr = leaves[best_first(t_score[leaves], k)]
-        cs, ct = p_s.numpy()[fr], p_t.numpy()[fr]
-        nf, kk = cs.shape
-        if kk == 0:
-            return None
-        cum = (t_score[fr][:, None] + cs).reshape(-1)
-        best = self._frontier_np(cum, cum, max_new + 1, top_k)[:max_new]
-        if best.size == 0:
-            return None
         rows = seed[fr].reshape(-1)[best]                      # each beam node's prefetched children (row of pre2)
         if (rows < 0).any():
             return None
@@ -622,12 +612,12 @@ class BeamTreeDrafter:
         grown, (tok, parents, score, depth) = tree.append_slots_numpy(m)
         f1 = fr[best // kk]
         parents[:best.size] = f1
-        tok[:best.size] = ct.reshape(-1)[best]
+        tok[:best.size] = ct[best]
         score[:best.size] = cum[best]
         depth[:best.size] = t_dep[f1] + 1
         fc = fr[c1 // kk]
         parents[best.size:] = np.where(lv, fc, n + b2)
-        tok[best.size:] = np.where(lv, ct.reshape(-1)[c1], t2[rows[b2], c2 % kk2] if kk2 else 0)
+        tok[best.size:] = np.where(lv, ct[c1], t2[rows[b2], c2 % kk2] if kk2 else 0)
         score[best.size:] = c_score[chosen]
         depth[best.size:] = np.where(lv, t_dep[fc] + 1, t_dep[f1[b2]] + 2)
         # inputs: a first-level node takes its leaf's output, a child its beam parent's prefetched output
@@ -850,6 +840,31 @@ class BeamTreeDrafter:
                                      b.n_cand, max_new), root_hidden)
 
     @torch.no_grad()
+    def _prefetched_beam(self, tree: DraftTree, pre: tuple, top_k: int, max_new: int) -> tuple | None:
+        """The next expansion's first-level beam, read from the prefetched leaf candidates ``pre``
+        (:meth:`prefetch_leaves`) with no model call: ``(frontier, cand_tokens, cum, best, kk, tree_depths)`` --
+        the best ``top_k`` leaves by cumulative score (best first), their candidates' tokens and cumulative scores
+        flattened ``[len(frontier) * kk]``, the beam's candidates ``best`` (``_frontier``'s choice, at most
+        ``max_new``), and the tree's depths (a NumPy view); None when there is nothing to append (no leaf, no
+        candidate, ``max_new <= 0``). The one home of the beam rule of :meth:`append_prefetched_level` and
+        :meth:`append_prefetched_expansion` (they must agree: the early level is the whole expansion's first)."""
+        leaf, _, p_s, p_t = pre
+        _, _, t_score, t_dep = tree.host_numpy()          # the tree's host arrays as NumPy views (no operator)
+        leaves = np.flatnonzero(leaf.numpy())
+        k = min(top_k, leaves.size)
+        if k == 0 or max_new <= 0:
+            return None
+        fr = leaves[best_first(t_score[leaves], k)]
+        cs, ct = p_s.numpy()[fr], p_t.numpy()[fr]
+        kk = cs.shape[1]
+        if kk == 0:
+            return None
+        cum = (t_score[fr][:, None] + cs).reshape(-1)                           # [len(fr) * kk]
+        best = self._frontier_np(cum, cum, max_new + 1, top_k)[:max_new]
+        if best.size == 0:
+            return None
+        return fr, ct.reshape(-1), cum, best, kk, t_dep
+
     def append_prefetched_level(self, tree: DraftTree, inputs: Tensor, pre: tuple, top_k: int,
                                 max_new: int) -> tuple[DraftTree, Tensor, EarlyLevel] | None:
         """``tree.early_level`` (issue 41): append the next expansion's first level, chosen from the prefetched
@@ -868,32 +883,21 @@ class BeamTreeDrafter:
         part of the level), in another order (the level first). Every new node is a child of an existing leaf:
         the tree stays ancestors-first and the sent nodes a prefix. None: nothing to append (no leaf, no
         candidate, ``max_new <= 0``)."""
-        leaf, p_out, p_s, p_t = pre
+        beam = self._prefetched_beam(tree, pre, top_k, max_new)
+        if beam is None:
+            return None
+        frontier, ct, cum, best, kk, t_dep = beam
         n = len(tree)
         dev = inputs.device
-        _, _, t_score, t_dep = tree.host_numpy()          # the tree's host arrays as NumPy views (no operator)
-        leaves = np.flatnonzero(leaf.numpy())
-        k = min(top_k, leaves.size)
-        if k == 0 or max_new <= 0:
-            return None
-        frontier = leaves[best_first(t_score[leaves], k)]
-        cs, ct = p_s.numpy()[frontier], p_t.numpy()[frontier]
-        nf, kk = cs.shape
-        if kk == 0:
-            return None
-        f_out = p_out[torch.from_numpy(frontier).to(dev)].to(inputs.dtype)
-        cum = (t_score[frontier][:, None] + cs).reshape(-1)                     # [nf * kk]
-        best = self._frontier_np(cum, cum, max_new + 1, top_k)[:max_new]
-        if best.size == 0:
-            return None
+        f_out = pre[1][torch.from_numpy(frontier).to(dev)].to(inputs.dtype)
         row = best // kk
         par = frontier[row]
         grown, (tok, parents, score, depth) = tree.append_slots_numpy(best.size)
         parents[:] = par
-        tok[:] = ct.reshape(-1)[best]
+        tok[:] = ct[best]
         score[:] = cum[best]
         depth[:] = t_dep[par] + 1
-        early = EarlyLevel(n, frontier, f_out, cum, ct.reshape(-1), best, kk)
+        early = EarlyLevel(n, frontier, f_out, cum, ct, best, kk)
         return grown, torch.cat([inputs, f_out[torch.from_numpy(row).to(dev)]]), early
 
     def _extend_early(self, tree: DraftTree, inputs: Tensor, levels: int, top_k: int, max_new: int,

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from draft.token_history import TokenHistory
-from draft.tree import DraftTree, best_first, top_nodes_tree
+from draft.tree import DraftTree, below_mask, best_first, top_nodes_tree
 from model.devices import HOST
 from model.meter import NULL_METER, OpMeter
 
@@ -315,7 +315,7 @@ def pack_states(nxt: np.ndarray, logt: np.ndarray) -> np.ndarray:
     rows, slots = nxt.shape
     used = nxt >= 0
     same = nxt[:, :, None] == nxt[:, None, :]
-    first = used & ~(same & _earlier(slots)).any(-1)                       # no earlier copy in its row
+    first = used & ~(same & below_mask(slots)).any(-1)                       # no earlier copy in its row
     r, c = np.nonzero(first)
     at = np.cumsum(first, axis=1)[r, c] - 1                               # its slot: firsts before it in the row
     out = np.empty((rows, 2 * slots), dtype=np.float32)
@@ -323,14 +323,6 @@ def pack_states(nxt: np.ndarray, logt: np.ndarray) -> np.ndarray:
     out[:, slots:] = FLOOR
     out[r, at] = nxt[r, c]
     out[r, at + slots] = logt[same[r, c].sum(-1), used.sum(1)[r]]       # float64 -> float32: torch.tensor's rounding
-    return out
-
-
-@functools.lru_cache(maxsize=16)
-def _earlier(n: int) -> np.ndarray:
-    """``[n, n]`` mask (cached, read only): ``[i, j]`` true iff ``j < i``."""
-    out = np.tri(n, n, -1, dtype=bool)
-    out.flags.writeable = False
     return out
 
 

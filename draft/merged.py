@@ -36,7 +36,7 @@ import torch
 from config.run_config import SourceError, parse_sources
 from draft.drafter import BeamTreeDrafter
 from draft.protocol import top_tokens
-from draft.tree import DraftTree, merge_sources
+from draft.tree import DraftTree, below_mask, merge_sources
 from model.devices import HOST
 
 Tensor = torch.Tensor
@@ -341,7 +341,7 @@ def union_top_np(both: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarr
     r = _rows(s.shape[0])                    # row-wise gathers by fancy indexing (take_along_axis: twice slower)
     order = np.argsort(-s, axis=-1, kind="stable")                           # best first, ties in union order
     s, t = s[r, order], t[r, order]
-    bad = ((t[:, :, None] == t[:, None, :]) & _below(t.shape[1])).any(-1)   # a better copy comes earlier
+    bad = ((t[:, :, None] == t[:, None, :]) & below_mask(t.shape[1])).any(-1)   # a better copy comes earlier
     bad |= (s == -np.inf) | (t < 0)                   # a token out of reach, or an empty slot (its token is -1;
     #                                                   lookup's raw slots keep their FLOOR score: union_candidates)
     kk = min(k, bad.shape[-1] - int(bad.sum(-1).max())) if bad.size else 0
@@ -353,14 +353,6 @@ def union_top_np(both: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarr
 def _rows(n: int) -> np.ndarray:
     """``[[0], [1], ..., [n-1]]`` (cached, read only): the row index of a row-wise fancy-index gather."""
     out = np.arange(n)[:, None]
-    out.flags.writeable = False
-    return out
-
-
-@functools.lru_cache(maxsize=64)
-def _below(m: int) -> np.ndarray:
-    """``[m, m]`` strictly-lower-triangular mask (cached, read only): ``[i, j]`` true iff ``j < i``."""
-    out = np.tri(m, m, -1, dtype=bool)
     out.flags.writeable = False
     return out
 

@@ -27,6 +27,7 @@ buffers (a tree and the trees grown from it), and the store's invariant keeps ea
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -295,6 +296,15 @@ def beam_frontier(scores: Tensor, width: int) -> Tensor:
     sorting ``-scores`` in float64, as the EAGLE-2 beam did, for any non-NaN scores). The per-level choice of a
     beam's next frontier (:meth:`draft.drafter.BeamTreeDrafter.extend_tree`): two operators, whatever the width."""
     return torch.sort(scores, descending=True, stable=True).indices[:width]
+
+
+@functools.lru_cache(maxsize=64)
+def below_mask(n: int) -> np.ndarray:
+    """``[n, n]`` strictly-lower-triangular mask (cached, read only): ``[i, j]`` true iff ``j < i`` (an earlier
+    slot of the same row: the "a copy came earlier" test of prompt lookup's states and the merged union)."""
+    out = np.tri(n, n, -1, dtype=bool)
+    out.flags.writeable = False
+    return out
 
 
 def best_first(scores: np.ndarray, width: int) -> np.ndarray:

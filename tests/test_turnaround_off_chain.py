@@ -160,44 +160,9 @@ def _firsts_after(events: list[str], mark: str, kinds: tuple[str, str]) -> list[
     return firsts
 
 
-def _first_send_before_forward(key: str | None):
-    """Run the real ContinuousMode once (tests/test_sampling.py's ring and Markov drafter) and record, per verified
-    step, whether the step's first ring send came before its first draft-head (tree) forward."""
-    from pipeline.verify import Sampler
-    from tests.test_sampling import MarkovDrafter, make_runner, make_world
-    tables = make_world(11, "target", 1.5)
-    over = {"tree.expand_total_token": 9, "tree.expand_topk": 2, "tree.expand_levels": 2,
-            "tree.early_level": False, "tree.early_whole": 0}          # the keys off (both are on by default)
-    if key:
-        over[key] = True
-    drafter = MarkovDrafter(tables[1])
-    run = make_runner("continuous", 3, tables, Sampler(), 12, over, drafter=drafter)      # greedy
-    events = []
-    ring = run.ring
-    send, fwd = ring.send_next, drafter.tree_forward
-
-    def rec_send(*a, **k):
-        events.append("send")
-        return send(*a, **k)
-
-    def rec_fwd(*a, **k):
-        events.append("forward")
-        return fwd(*a, **k)
-    ring.send_next, drafter.tree_forward = rec_send, rec_fwd
-    cont = run.cont
-    real = type(cont).send_early
-
-    def mark(self, engine, state):
-        events.append("step")
-        return real(self, engine, state)
-    cont.send_early = mark.__get__(cont)
-    out = run()
-    return _firsts_after(events, "step", ("send", "forward")), out
-
-
 def test_the_first_send_of_a_step_precedes_its_forwards():
-    early, out_early = _first_send_before_forward("tree.early_level")
-    plain, out_plain = _first_send_before_forward(None)
+    early, out_early, _ = _step_events({"tree.early_level": True})
+    plain, out_plain, _ = _step_events({})
     assert out_early == out_plain                              # the same greedy output
     assert early and plain
     assert early.count("send") > early.count("forward"), early
