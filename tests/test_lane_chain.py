@@ -252,8 +252,11 @@ def test_concurrent_greedy_with_chains_equals_alone(ring4, mode):
     from tests.helpers import run_concurrent
     from tests.test_lanes import Pad
     full, stages, refs = ring4
+    # continuous: the early sends off (tree.early_level, tree.early_whole: defaults since results §63), so that a
+    # verified step sends the several segments whose chaining this test is about (a whole early expansion is one)
+    keys = ["tree.early_level=false", "tree.early_whole=0"] if mode == "continuous" else []
     res, pool = run_concurrent(stages, [(p, mode, GenSettings(NEW)) for p in E2E_PROMPTS],
-                               [*COMMON, "serve.ring_share=3"], {2}, f"oracle:{full}", lanes=3,
+                               [*COMMON, "serve.ring_share=3", *keys], {2}, f"oracle:{full}", lanes=3,
                                stage_meter=lambda r: Pad())
     assert [r.output_ids for r in res] == refs
     assert _chained(pool) > 0, "no stage step carried a lane's consecutive segments"
