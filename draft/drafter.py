@@ -499,20 +499,9 @@ class BeamTreeDrafter:
         device->host copy). Returns ``(leaf mask [n], outputs [n, H], scores [n, kk], tokens [n, kk])`` with rows
         of non-leaves unused. Called after a ring send, while the stages compute: the next verified step's
         expansion (:meth:`commit_extend_tree` with ``pre``) then starts from these candidates instead of a re-feed
-        and a log-prob call, so its turnaround holds one head forward and one log-prob call fewer."""
-        n = len(tree)
-        dev = inputs.device
-        depth1 = (tree.parents == 0).to(dev)[:, None]
-        inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)
-        outs = root_hidden[None].to(inputs.dtype)
-        if n > 1:
-            out = self.tree_forward(tree.tokens[1:], inputs[1:], tree.parents[1:] - 1)
-            outs = torch.cat([outs, out.to(inputs.dtype)])
-            self.drop_tree()
-        leaf = torch.ones(n, dtype=torch.bool, device=HOST)
-        leaf[tree.parents[1:]] = False
-        cs, ct = self.host_top_tokens(outs, top_k)
-        return leaf, outs, cs, ct
+        and a log-prob call, so its turnaround holds one head forward and one log-prob call fewer.
+        (:meth:`prefetch_expansion` with no second level: one home of the re-feed and the leaves' top-k.)"""
+        return self.prefetch_expansion(tree, inputs, root_hidden, top_k, 0)[0]
 
     @torch.no_grad()
     def prefetch_expansion(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor | None, top_k: int,
