@@ -38,6 +38,7 @@ update could not refresh), for a layer :func:`fusable` refuses, and with ``model
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -94,7 +95,9 @@ class _Layer:
         self.hq = a.q_proj.out_features // self.d
         self.hkv = a.k_proj.out_features // self.d
         self.scale = a.scaling
-        self.act = m.act_fn
+        self.act = _direct_act(m.act_fn)
+        self.eps = self.post_norm.variance_epsilon
+        self.groups = self.hq // self.hkv
         self.inter = m.gate_proj.out_features
         self.qkv_sizes, self.gu_sizes = [self.hq, self.hkv, self.hkv], [self.inter, self.inter]
         self.qkv_t = torch.cat([a.q_proj.weight.detach(), a.k_proj.weight.detach(), a.v_proj.weight.detach()]).t()
@@ -123,6 +126,16 @@ def _fused_bias(lins: list[nn.Linear]) -> Tensor | None:
     return torch.cat([lin.bias.detach() if lin.bias is not None else w.new_zeros(lin.out_features) for lin in lins])
 
 
+def _direct_act(act):
+    """The activation module's own C function where it is SiLU (transformers' ``SiLUActivation`` and a non-inplace
+    ``nn.SiLU`` both return ``F.silu(x)``, i.e. ``torch._C._nn.silu(x)``: bitwise the same), without the module call
+    and ``F.silu``'s wrapper per forward (issue 41: host time around the operators); any other activation as it is."""
+    if (type(act).__name__ == "SiLUActivation" and type(act).forward.__module__.startswith("transformers")) or \
+            (type(act) is nn.SiLU and not act.inplace):
+        return torch._C._nn.silu
+    return act
+
+
 def _rms(norm: nn.Module, x: Tensor) -> Tensor:
     """transformers' ``LlamaRMSNorm`` (the lean layer's ``_rms_norm``): statistics in float32, the weight after the
     cast back (bitwise the same operations)."""
@@ -132,7 +145,7 @@ def _rms(norm: nn.Module, x: Tensor) -> Tensor:
     return norm.weight * h.to(dtype)
 
 
-def _rms_unweighted(norm: nn.Module, x: Tensor) -> Tensor:
+def _rms_unweighted(norm: nn.Module, x: Tensor, eps: float | None = None) -> Tensor:
     """:func:`_rms` without the weight's multiply (folded into the next matmul's weights: ``(w * y) @ W = y @ (w[:,
     None] * W)``, equal up to float rounding): one operator fewer.
 
@@ -141,12 +154,13 @@ def _rms_unweighted(norm: nn.Module, x: Tensor) -> Tensor:
     (issue 41, the commit's host time). Elsewhere the explicit form (CUDA may run a fused kernel with another
     reduction order: the drafted trees would change)."""
     dtype = x.dtype
+    eps = norm.variance_epsilon if eps is None else eps
     f32 = dtype == torch.float32                          # (no .to call when it would return its input: host time)
     h = x if f32 else x.to(torch.float32)
-    if h.device.type == "cpu":
-        y = F.rms_norm(h, (h.shape[-1],), None, norm.variance_epsilon)
+    if h.device.type == "cpu":                            # (torch.rms_norm: F.rms_norm's body without its wrapper)
+        y = torch.rms_norm(h, (h.shape[-1],), None, eps)
     else:
-        y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+        y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return y if f32 else y.to(dtype)
 
 
@@ -168,6 +182,14 @@ def _repeat_kv(x: Tensor, groups: int) -> Tensor:
     """``[b, kv, s, d]`` -> ``[b, kv * groups, s, d]``: kv head ``j`` serves query heads ``j * groups ..``."""
     b, kv, s, d = x.shape
     return x[:, :, None].expand(b, kv, groups, s, d).reshape(b, kv * groups, s, d)
+
+
+def _attention(groups: int, native: bool, scale: float, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """One layer's attention: grouped-query in the kernel where ``native`` (:data:`NATIVE_GQA_DEVICES`), else the
+    key/value heads repeated first."""
+    if groups > 1 and not native:
+        k, v = _repeat_kv(k, groups), _repeat_kv(v, groups)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=native)
 
 
 def _capacity(cache) -> int | None:
@@ -262,30 +284,26 @@ class FusedHead:
             mask = mask.to(device=dev, dtype=dtype)
             length = cache.length
             kv = self._kv(cache)
+        native_dev = dev.type in NATIVE_GQA_DEVICES
         for i, ly in enumerate(self._layers):
-            d, hq, hkv = ly.d, ly.hq, ly.hkv
+            d, hq, hkv, groups = ly.d, ly.hq, ly.hkv, ly.groups
             x = h if ly.in_norm is None else _rms(ly.in_norm, h)
             qkv = torch.mm(x, ly.qkv_t) if ly.qkv_b is None else torch.addmm(ly.qkv_b, x, ly.qkv_t)
             qkv = qkv.view(1, n, hq + 2 * hkv, d)
             qk = qkv[:, :, :hq + hkv]
             torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin, out=qk)          # rotary on q and k at once, in place
             q, k, v = qkv.transpose(1, 2).split_with_sizes(ly.qkv_sizes, dim=1)   # (not Tensor.split's wrapper)
-            groups = hq // hkv
-            native = groups > 1 and dev.type in NATIVE_GQA_DEVICES
-
-            def attention(q_, k_, v_, m):
-                if groups > 1 and not native:
-                    k_, v_ = _repeat_kv(k_, groups), _repeat_kv(v_, groups)
-                return F.scaled_dot_product_attention(q_, k_, v_, attn_mask=m, scale=ly.scale, enable_gqa=native)
+            native = groups > 1 and native_dev
             if lanes:
-                o = cache.attend(q, k, v, i, attention)
+                o = cache.attend(q, k, v, i, functools.partial(_attention, groups, native, ly.scale))
             else:
                 kl, vl = kv[i]
-                kl[:, :, length:length + n] = k
-                vl[:, :, length:length + n] = v
-                o = attention(q, kl[:, :, :length + n], vl[:, :, :length + n], mask)
+                end = length + n
+                kl[:, :, length:end] = k
+                vl[:, :, length:end] = v
+                o = _attention(groups, native, ly.scale, q, kl[:, :, :end], vl[:, :, :end], mask)
             h = _linear_res(o.transpose(1, 2).reshape(n, hq * d), ly.o_t, ly.o_b, h)
-            x = _rms_unweighted(ly.post_norm, h)                                 # its weight is in gu_t
+            x = _rms_unweighted(ly.post_norm, h, ly.eps)                         # its weight is in gu_t
             gu = torch.mm(x, ly.gu_t) if ly.gu_b is None else torch.addmm(ly.gu_b, x, ly.gu_t)
             g, u = gu.split_with_sizes(ly.gu_sizes, dim=1)
             h = _linear_res(ly.act(g) * u, ly.down_t, ly.down_b, h)
