@@ -28,6 +28,7 @@ from draft.shape import EAGLE2, TreeShape, pick_frontier
 from draft.static_head import level_step
 from draft.tree import DraftTree, beam_frontier, best_first, top_nodes_tree
 from model.devices import HOST
+from model.grad import no_grad
 from model.meter import NULL_METER, OpMeter, hidden_rows, run_rows
 
 Tensor = torch.Tensor
@@ -255,7 +256,7 @@ class BeamTreeDrafter:
         log-prob call for all rows."""
         return torch.softmax(self.logprobs(hidden).double().to(HOST) / self.temperature, dim=-1)
 
-    @torch.no_grad()
+    @no_grad
     def sampled_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int,
                      width: int) -> DraftTree:
         """A sampled tree: ``width`` chains of draws from the drafter's own law q.
@@ -359,7 +360,7 @@ class BeamTreeDrafter:
         """The first level of a tree (the root's children): :meth:`top_tokens` unless a subclass widens it."""
         return self.top_tokens(hidden, k)
 
-    @torch.no_grad()
+    @no_grad
     def grow_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int) -> DraftTree:
         """EAGLE-2 dynamic tree rooted at ``root_token``.
 
@@ -377,14 +378,14 @@ class BeamTreeDrafter:
             return self.sampled_tree(root_token, root_hidden, total_token, depth, self.sample_chains or top_k)
         return self.grow_tree_with_inputs(root_token, root_hidden, total_token, depth, top_k)[0]
 
-    @torch.no_grad()
+    @no_grad
     def grow_tree_with_inputs(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int,
                               top_k: int) -> tuple[DraftTree, Tensor]:
         """:meth:`grow_tree`, plus each node's draft *input* feature (its parent's draft output; row 0, the
         root's, is ``root_hidden``), on the head's device: what :meth:`extend_tree` re-feeds later."""
         return self.grow_tree_with_outputs(root_token, root_hidden, total_token, depth, top_k)[:2]
 
-    @torch.no_grad()
+    @no_grad
     def grow_tree_with_outputs(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int,
                                top_k: int) -> tuple[DraftTree, Tensor, Tensor, Tensor]:
         """:meth:`grow_tree_with_inputs`, plus each node's own draft *output* where the search computed it:
@@ -490,7 +491,7 @@ class BeamTreeDrafter:
         root = self.commit(tokens, features)
         return root, self.tree_forward(tree_tokens, tree_inputs, parents)
 
-    @torch.no_grad()
+    @no_grad
     def prefetch_leaves(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor,
                         top_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The first level of the NEXT expansion, drafted ahead for every leaf (``tree.prefetch_level``, issue 41):
@@ -503,7 +504,7 @@ class BeamTreeDrafter:
         (:meth:`prefetch_expansion` with no second level: one home of the re-feed and the leaves' top-k.)"""
         return self.prefetch_expansion(tree, inputs, root_hidden, top_k, 0)[0]
 
-    @torch.no_grad()
+    @no_grad
     def prefetch_expansion(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor | None, top_k: int,
                            width: int, commit: tuple[Tensor, Tensor] | None = None) -> tuple:
         """``tree.early_whole`` (issue 41): :meth:`prefetch_leaves`, and the SECOND level of the next expansion too:
@@ -559,7 +560,7 @@ class BeamTreeDrafter:
         self.drop_tree()
         return (torch.from_numpy(leaf), outs, cs, ct), pre2, root_hidden, inputs
 
-    @torch.no_grad()
+    @no_grad
     def append_prefetched_expansion(self, tree: DraftTree, inputs: Tensor, pre: tuple, pre2: tuple, top_k: int,
                                     max_new: int) -> tuple[DraftTree, Tensor] | None:
         """``tree.early_whole`` (issue 41): the next expansion's two levels, chosen from the prefetched candidates
@@ -613,7 +614,7 @@ class BeamTreeDrafter:
         src = np.concatenate([np.arange(n), n + f1, np.where(lv, n + fc, 2 * n + rows[b2])])
         return grown, torch.cat([inputs, p_out.to(inputs.dtype), out2])[torch.from_numpy(src).to(dev)]
 
-    @torch.no_grad()
+    @no_grad
     def commit_extend_tree(self, tokens: Tensor, features: Tensor, tree: DraftTree, inputs: Tensor, levels: int,
                            top_k: int, max_new: int, pre: tuple | None = None) -> tuple[DraftTree, Tensor, Tensor]:
         """Commit the accepted tokens and expand the re-rooted tree with ONE draft forward fewer than
@@ -637,7 +638,7 @@ class BeamTreeDrafter:
         same exactness."""
         return self._extend(tree, inputs, None, levels, top_k, max_new, (tokens, features), pre)
 
-    @torch.no_grad()
+    @no_grad
     def extend_tree(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor, levels: int, top_k: int,
                     max_new: int) -> tuple[DraftTree, Tensor]:
         """Incremental expansion: grow ``levels`` beam levels below the tree's best leaves, keep the best
@@ -828,7 +829,7 @@ class BeamTreeDrafter:
         return (*self._append_chosen(tree, inputs, b.c_score, b.c_row, b.c_tok, b.rows_par, b.rows_dep, b.rows_out,
                                      b.n_cand, max_new), root_hidden)
 
-    @torch.no_grad()
+    @no_grad
     def _prefetched_beam(self, tree: DraftTree, pre: tuple, top_k: int, max_new: int) -> tuple | None:
         """The next expansion's first-level beam, read from the prefetched leaf candidates ``pre``
         (:meth:`prefetch_leaves`) with no model call: ``(frontier, cand_tokens, cum, best, kk, tree_depths)`` --
@@ -1007,7 +1008,7 @@ class Drafter(BeamTreeDrafter):
             self.dvocab.begin(list(prompt_ids) + [int(first_token)])
         return self.commit(torch.tensor(prompt_ids[1:] + [first_token], device=HOST), features)
 
-    @torch.no_grad()
+    @no_grad
     def draft_logprobs(self, hidden: Tensor) -> Tensor:
         """Log-probs over the *draft* vocabulary (the target's, except for a reduced vocabulary); one metered
         ``lm_head`` op over :attr:`draft_vocab_rows` rows of the vocabulary. Through the target's own ``lm_head``
@@ -1026,7 +1027,7 @@ class Drafter(BeamTreeDrafter):
         """Log-probs over the whole target vocabulary through the shared ``lm_head`` (unmetered: callers meter)."""
         return torch.log_softmax(self.lm_head(hidden.to(self.lm_head.weight.dtype)).float(), dim=-1)
 
-    @torch.no_grad()
+    @no_grad
     def logprobs(self, hidden: Tensor) -> Tensor:
         """Log-probs over the target vocabulary (-inf outside a reduced draft vocabulary)."""
         lp = self.draft_logprobs(hidden)
@@ -1037,7 +1038,7 @@ class Drafter(BeamTreeDrafter):
         full[..., self.vocab_map.to(lp.device)] = lp
         return full
 
-    @torch.no_grad()
+    @no_grad
     def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
         """Append context entries ``(tokens[i], features[i])``; returns the last entry's output feature.
 
@@ -1055,7 +1056,7 @@ class Drafter(BeamTreeDrafter):
         cache.commit_forward(n, as_context=True)
         return out[0, -1]
 
-    @torch.no_grad()
+    @no_grad
     def commit_tree_forward(self, tokens: Tensor, features: Tensor, tree_tokens: Tensor, tree_inputs: Tensor,
                             parents: Tensor) -> tuple[Tensor, Tensor]:
         """:meth:`BeamTreeDrafter.commit_tree_forward` as ONE head forward over ``n`` commit rows then ``t`` tree
@@ -1091,7 +1092,7 @@ class Drafter(BeamTreeDrafter):
         cache.commit_forward(t, as_context=False)                            # the staged tree rows
         return out[0, n - 1], out[0, n:]
 
-    @torch.no_grad()
+    @no_grad
     def level(self, tokens: Tensor, features: Tensor, parents: Tensor, scores: Tensor,
               k: int) -> tuple[Tensor, Tensor, Tensor]:
         """:meth:`BeamTreeDrafter.level`; with a static head (``model.graphs``) and the target's whole vocabulary,
@@ -1111,7 +1112,7 @@ class Drafter(BeamTreeDrafter):
         cache.commit_forward(n, as_context=False)
         return out[0], cum[0], tok[0]
 
-    @torch.no_grad()
+    @no_grad
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
         """Feed tree entries (kept in the cache until :meth:`drop_tree`); returns their output features."""
         cache = self.cache

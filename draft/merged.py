@@ -38,6 +38,7 @@ from draft.drafter import BeamTreeDrafter
 from draft.protocol import top_tokens
 from draft.tree import DraftTree, below_mask, merge_sources
 from model.devices import HOST
+from model.grad import no_grad
 
 Tensor = torch.Tensor
 
@@ -108,7 +109,7 @@ class MergedDrafter(BeamTreeDrafter):
                  for s, h in zip(self.sources, self._split(root_hidden))]
         return merge_sources([scale_scores(t, c) for t, c in zip(trees, self.score_scales)], total_token)
 
-    @torch.no_grad()
+    @no_grad
     def grow_tree_with_inputs(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int,
                               top_k: int) -> tuple[DraftTree, Tensor]:
         """:meth:`grow_tree` (no source samples here: ``supports_extend``), plus each node's input state
@@ -127,7 +128,7 @@ class MergedDrafter(BeamTreeDrafter):
         tree = merge_sources([scale_scores(t, c) for t, c in zip(trees, self.score_scales)], total_token)
         return tree, self.tree_inputs(tree, root_hidden, searched)
 
-    @torch.no_grad()
+    @no_grad
     def tree_inputs(self, tree: DraftTree, root_hidden: Tensor, searched: list | None = None) -> Tensor:
         """Each node's input state: its parent's merged state (row 0 and the root's children: ``root_hidden``).
 

@@ -178,7 +178,7 @@ class KVCache:
             mask[:, c:].masked_fill_(~torch.from_numpy(rows), torch.finfo(dtype).min)
             return pos, mask.view(1, 1, n, c + m + n)
         mask = np.zeros((1, 1, n, c + m + n), dtype=npd)                       # the context: visible to all
-        np.copyto(mask[0, 0, :, c:], np.finfo(npd).min, where=~rows)           # torch.finfo(dtype).min, bitwise
+        np.copyto(mask[0, 0, :, c:], _NUMPY_MIN[npd], where=~rows)             # torch.finfo(dtype).min, bitwise
         return pos, torch.from_numpy(mask)
 
     def _stage_rows(self, par: np.ndarray, m: int) -> None:
@@ -190,7 +190,11 @@ class KVCache:
         n = par.size
         self._reserve(m + n)
         anc, dep = self._anc_np, self._dep_np
-        lo, hi = (int(par.min()), int(par.max())) if n else (0, -1)
+        if n > SMALL_TREE:
+            lo, hi = int(par.min()), int(par.max())
+        else:                                             # a level: two Python reductions beat two NumPy ones
+            pl = par.tolist()
+            lo, hi = (min(pl), max(pl)) if n else (0, -1)
         if n and ((0 <= lo and hi < m) or lo == hi == -1):
             if lo >= 0:
                 anc[m:m + n] = anc[par]                   # the parents' whole rows: zero beyond their own column
@@ -201,7 +205,7 @@ class KVCache:
             new = np.arange(m, m + n)
             anc[new, new] = True                          # each new node is its own
         elif n <= SMALL_TREE:                             # a few linked nodes (a stage's segment): one list pass
-            _stage_rows_loop(par.tolist(), m, anc, dep)
+            _stage_rows_loop(pl, m, anc, dep)
         else:                                             # many linked nodes (a re-fed tree): pointer jumping
             _stage_rows_jump(par, m, anc, dep)
 
@@ -356,6 +360,8 @@ def _causal_tables(max_len: int, dtype: torch.dtype) -> tuple[Tensor, list[Tenso
 
 # torch dtype -> NumPy dtype of the additive masks staged_tree_inputs builds in NumPy (finfo(min) equal bitwise)
 _NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
+# each NumPy twin's lowest value (torch.finfo(dtype).min, bitwise), looked up once: np.finfo is a Python-level call
+_NUMPY_MIN = {npd: npd(np.finfo(npd).min) for npd in _NUMPY_DTYPES.values()}
 
 SMALL_TREE = 32   # up to this many linked new nodes a per-row Python loop beats pointer jumping on a CPU (measured)
 
