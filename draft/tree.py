@@ -562,68 +562,45 @@ def merge_sources(trees: list[DraftTree], total_token: int) -> DraftTree:
             scores = t.scores.clone()
             scores[0] = 0.0
             return DraftTree(t.tokens, t.parents, scores, t.depths)
-    if all(t.proposals is None for t in trees):
-        tokens, parents, order = _merge_deterministic(trees, root, total_token)
-        return _merged_tree(tokens, parents, order, None)
-    index: dict[tuple[int, int], int] = {}
-    tokens, parents = [root], [-1]
-    best = [0.0]                  # best score over all sources
-    best_det = [0.0]              # best score over deterministic proposals (-inf: none)
-    sampled = [False]
-    props: list[list] = [[]]      # per union node: (child, q, source) in source order
-    n_sampled = 0
-    for src, tree in enumerate(trees):
-        lists = proposal_lists(tree)
-        mapped = {0: 0}
-        tp, tt, ts = tree.parents.tolist(), tree.tokens.tolist(), tree.scores.tolist()
-        for j in range(1, len(tree)):
-            key = (mapped[tp[j]], tt[j])
-            u = index.get(key)
-            if u is None:
-                u = index[key] = len(tokens)
-                tokens.append(tt[j])
-                parents.append(key[0])
-                best.append(ts[j])
-                best_det.append(float("-inf"))
-                sampled.append(False)
-                props.append([])
-            else:
-                best[u] = max(best[u], ts[j])
-            mapped[j] = u
-        for j, lst in enumerate(lists):
-            for c, q in lst:
-                u = mapped[c]
-                props[mapped[j]].append((u, q))
-                if q is None:
-                    best_det[u] = max(best_det[u], ts[c])
-                else:
-                    sampled[u] = True
-                    n_sampled += 1
-    n = len(tokens)
+    nodes, parents, best_det, sampled, maps, n_sampled = _union(trees, root)
+    n = len(nodes)
     budget = max(0, total_token - 1 - n_sampled)
-    det_order = sorted((u for u in range(1, n) if best_det[u] > float("-inf")), key=lambda u: (-best_det[u], u))
+    ninf = float("-inf")
+    det_order = sorted((u for u in range(1, n) if best_det[u] > ninf), key=lambda u: (-best_det[u], u))
+    if all(t.proposals is None for t in trees):
+        # every non-root node is exactly one deterministic proposal of its parent: a node's best deterministic score
+        # IS its best score (the same max over the same values), nothing is sampled, and the kept nodes sorted by
+        # (-best, index) are det_order's first ``budget`` already (the general tail below would sort them again)
+        return _merged_tree(nodes, parents, [0] + det_order[:budget], None)
     det_kept = set(det_order[:budget])
     kept = [u for u in range(1, n) if sampled[u] or u in det_kept]
-    order = [0] + sorted(kept, key=lambda u: (-best[u], u))
+    order = [0] + sorted(kept, key=lambda u: (-nodes[u][1], u))
     out_props = None
     if n_sampled:
+        props: list[list] = [[] for _ in range(n)]   # per union node: (child, q), sources in order, each's order kept
+        for tree, mapped in zip(trees, maps):
+            for j, lst in enumerate(proposal_lists(tree)):
+                props[mapped[j]] += [(mapped[c], q) for c, q in lst]
         new = {u: i for i, u in enumerate(order)}
         out_props = [[(new[c], q) for c, q in props[u]
                       if c in new and (q is not None or c in det_kept)] for u in order]
-    return _merged_tree([(tokens[u], best[u]) for u in range(n)], parents, order, out_props)
+    return _merged_tree(nodes, parents, order, out_props)
 
 
-def _merge_deterministic(trees: list[DraftTree], root: int, total_token: int) -> tuple[list, list, list]:
-    """:func:`merge_sources` when no tree carries sampled proposals (every drafter of a ``continuous`` round start):
-    the union nodes ``(token, best score)`` and their union parents, and the kept ones in output order. The same
-    selection as the general rule, in one pass per tree and one sort (issue 41, the round start's host time): in a
-    deterministic tree every non-root node is exactly one deterministic proposal of its parent, so a node's best
-    deterministic score IS its best score over the sources (the same ``max`` over the same values in the same
-    order), nothing is sampled, the budget is ``total_token - 1`` and the kept nodes (score above ``-inf``) sorted
-    by ``(-best, index)`` are already the output order. ``tests/test_tree.py`` checks it against the general rule."""
+def _union(trees: list[DraftTree], root: int) -> tuple[list, list, list, list, list, int]:
+    """:func:`merge_sources`' union of the trees by token path, in one pass per tree (issue 41: the round start's host
+    time; one implementation for deterministic and sampled trees): the union nodes ``(token, best score over all
+    sources)``, their union parents, each node's best *deterministic* score (``-inf``: none), whether it carries a
+    sampled proposal, each tree's node -> union node map, and the number of sampled proposals. In a tree without
+    proposal lists every non-root node is one deterministic proposal of its parent (:func:`proposal_lists`), so its
+    score enters the node's best deterministic score in the same pass; a tree with lists contributes through them.
+    ``max`` keeps the first of equal scores (the same value either way)."""
+    ninf = float("-inf")
     index: dict[tuple[int, int], int] = {}
-    nodes, parents = [(root, 0.0)], [-1]
+    nodes, parents, best_det, sampled = [(root, 0.0)], [-1], [0.0], [False]
+    maps, n_sampled = [], 0
     for tree in trees:
+        det = tree.proposals is None
         tp, tt, ts = tree.parents.tolist(), tree.tokens.tolist(), tree.scores.tolist()
         mapped = [0] * len(tt)
         for j in range(1, len(tt)):
@@ -633,12 +610,26 @@ def _merge_deterministic(trees: list[DraftTree], root: int, total_token: int) ->
                 u = index[key] = len(nodes)
                 nodes.append((tt[j], ts[j]))
                 parents.append(key[0])
-            elif ts[j] > nodes[u][1]:                       # max(best, score): the first of equal ones stays
-                nodes[u] = (tt[j], ts[j])
+                best_det.append(ts[j] if det else ninf)
+                sampled.append(False)
+            else:
+                if ts[j] > nodes[u][1]:
+                    nodes[u] = (tt[j], ts[j])
+                if det and ts[j] > best_det[u]:
+                    best_det[u] = ts[j]
             mapped[j] = u
-    ninf = float("-inf")
-    det = sorted((u for u in range(1, len(nodes)) if nodes[u][1] > ninf), key=lambda u: (-nodes[u][1], u))
-    return nodes, parents, [0] + det[:max(0, total_token - 1)]
+        maps.append(mapped)
+        if not det:
+            for lst in tree.proposals:
+                for c, q in lst:
+                    u = mapped[c]
+                    if q is None:
+                        if ts[c] > best_det[u]:
+                            best_det[u] = ts[c]
+                    else:
+                        sampled[u] = True
+                        n_sampled += 1
+    return nodes, parents, best_det, sampled, maps, n_sampled
 
 
 def _merged_tree(nodes: list, parents: list, order: list, proposals: list | None) -> DraftTree:

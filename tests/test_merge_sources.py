@@ -122,8 +122,8 @@ def _random_tree(rng, root: int, n: int, vocab: int):
 
 @pytest.mark.parametrize("seed", range(30))
 def test_deterministic_merge_is_the_general_rule(seed):
-    """merge_sources' deterministic path (issue 41, the round start: one pass per tree, one sort) gives exactly the
-    tree of the general rule, which it takes when the same trees carry their proposal lists (q None: the same
+    """merge_sources on trees without proposal lists (the union's inline deterministic update, one sort) gives exactly
+    the tree of the rule through proposal lists, which it takes when the same trees carry their proposal lists (q None: the same
     deterministic proposals): tokens, parents, scores (bitwise) and depths, for random trees with shared paths,
     equal scores and -inf nodes, under budgets that cut and that do not (at least two trees proposing: one alone
     takes merge_sources' as-is path); a planted bug fails it (below)."""
@@ -144,19 +144,21 @@ def test_deterministic_merge_is_the_general_rule(seed):
 
 
 def test_deterministic_merge_planted_bug_fails(monkeypatch):
-    """The comparison above can fail: a planted variant of the deterministic path that keeps ``-inf`` nodes (the
-    general rule drops them: no deterministic score) differs from the general rule on some random trees."""
+    """The comparison above can fail: a planted variant of the union's deterministic update (a tree without proposal
+    lists) that keeps ``-inf`` nodes (the rule drops them: no deterministic score) differs from the rule through the
+    proposal lists on some random trees."""
     import random
     from dataclasses import replace
     import draft.tree as T
-    real = T._merge_deterministic
+    real = T._union
 
-    def planted(trees, root, total):
-        nodes, parents, _ = real(trees, root, total)
-        det = sorted(range(1, len(nodes)), key=lambda u: (-nodes[u][1], u))
-        return nodes, parents, [0] + det[:max(0, total - 1)]
+    def planted(trees, root):
+        nodes, parents, best_det, sampled, maps, n_sampled = real(trees, root)
+        if all(t.proposals is None for t in trees):
+            best_det = [-1e300 if b == float("-inf") else b for b in best_det]
+        return nodes, parents, best_det, sampled, maps, n_sampled
     differs = 0
-    monkeypatch.setattr(T, "_merge_deterministic", planted)
+    monkeypatch.setattr(T, "_union", planted)
     for seed in range(30):
         rng = random.Random(seed)
         trees = [_random_tree(rng, 5, rng.randrange(2, 25), 6) for _ in range(3)]
