@@ -499,9 +499,14 @@ class LookupDrafter(TokenHistory):
         ng.sync(self.context)
         m, logt = self.max_matches, self._logt_rows
         rows_out = []
+        paths = self._tree_paths(first)
+        toks = self.tree_tokens
         for i in range(first, first + rows):
             counts: dict[int, int] = {}
-            nxt = ng.next_tokens(self._path(i), m)
+            p = par[i - first]
+            path = (paths[p] if p >= 0 else []) + [toks[i]]      # its parent's path (an earlier entry) + its token
+            paths.append(path)
+            nxt = ng.next_tokens(path, m)
             for t in nxt:
                 counts[t] = counts.get(t, 0) + 1
             ids, lt = list(counts), logt[len(nxt)]                   # state_row's rule, its scores precomputed
@@ -509,6 +514,19 @@ class LookupDrafter(TokenHistory):
             rows_out.append(ids + [-1] * pad + [lt[c] for c in counts.values()] + [FLOOR] * pad)
         # one NumPy conversion of the rows (Python floats -> float32 rounds as torch.tensor does; ids are exact)
         return torch.from_numpy(np.array(rows_out, dtype=np.float32).reshape(rows, 2 * m))
+
+    def _tree_paths(self, upto: int) -> list:
+        """Each tree entry's path below the context (``_path``), kept for the entries fed since the last
+        ``drop_tree``/``reset`` (which replace ``tree_tokens`` with a new list: the key) and grown by the per-node rule
+        (a node's path is its parent's plus its token: no walk up per node). Entries fed otherwise (the vectorised
+        pass, ``add_tree_paths``) are filled in by ``_path``. Returns the list, exactly ``upto`` long (entries ``< upto``)."""
+        if getattr(self, "_paths_of", None) is not self.tree_tokens:
+            self._paths_of, self._paths = self.tree_tokens, []
+        paths = self._paths
+        del paths[upto:]
+        for i in range(len(paths), upto):
+            paths.append(self._path(i))
+        return paths
 
     def logprobs(self, hidden: Tensor) -> Tensor:
         """The states spread over the vocabulary: ``[..., V]`` float64, ``FLOOR`` where no occurrence supports a

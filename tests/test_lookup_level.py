@@ -72,6 +72,38 @@ def test_tree_forward_equals_per_node_rule(seed, vector_rows, monkeypatch):
         assert h.tolist() == torch.tensor(_reference(ctx + extra, lo, hi, m, lp), dtype=torch.float32).tolist()
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_tree_forward_across_trees_and_mixed_paths(seed, monkeypatch):
+    """The per-node rule's kept paths (``LookupDrafter._tree_paths``) never go stale: one drafter feeds several trees
+    (``drop_tree`` between them, a commit now and then), each in random chunks that take either path (a threshold of
+    3 rows: the vectorised pass's entries get their paths filled in later); every state equals the rule's. A planted
+    bug (the paths kept across ``drop_tree``) fails it."""
+    monkeypatch.setattr(LookupDrafter, "vector_rows", 3)
+    rng = random.Random(100 + seed)
+    lp = math.log(0.6)
+    for _ in range(40):
+        ctx, lo, hi, m, _, _ = _random_case(rng)
+        d = LookupDrafter(64, hi, lo, m, lp)
+        d.start(ctx[:-1], ctx[-1], None)
+        for _ in range(4):
+            _, _, _, _, parents, tokens = _random_case(rng)
+            tokens = [t % 5 for t in tokens]
+            got, at = [], 0
+            while at < len(tokens):
+                step = rng.randint(1, min(5, len(tokens) - at))
+                got += d.tree_forward(torch.tensor(tokens[at:at + step]), torch.zeros(step, 1),
+                                      torch.tensor(parents[at:at + step])).tolist()
+                at += step
+            want = torch.tensor([_reference(ctx + _path(parents, tokens, i), lo, hi, m, lp)
+                                 for i in range(len(tokens))], dtype=torch.float32).tolist()
+            assert got == want
+            d.drop_tree()
+            if rng.random() < 0.3:
+                extra = [rng.randrange(5) for _ in range(rng.randint(1, 3))]
+                d.commit(torch.tensor(extra), None)
+                ctx = ctx + extra
+
+
 def test_continuations_equal_find_continuations():
     """The drafter's ``continuations`` (what its own trie is built from) equal the plain scan, any length, path
     given or not."""
