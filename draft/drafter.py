@@ -397,10 +397,10 @@ class BeamTreeDrafter:
 
     def _search(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int,
                 with_rows: bool) -> tuple:
-        """The EAGLE-2 search of :meth:`grow_tree_with_outputs`; ``with_rows`` False: the tree alone, ``(tree,)``, without
-        the inputs' and outputs' gathers (:meth:`grow_tree`: issue 41, a round start drafted as a tree only and its
-        inputs taken after the send, :meth:`pipeline.modes.flowspec.ContinuousMode.first_tree`). The same tree
-        either way."""
+        """The EAGLE-2 search of :meth:`grow_tree_with_outputs`; ``with_rows`` False: the tree alone, ``(tree,)``,
+        without the inputs' and outputs' gathers (:meth:`grow_tree`: issue 41, a round start drafted as a tree only
+        and its inputs taken after the send, :meth:`pipeline.modes.flowspec.ContinuousMode.first_tree`). The same
+        tree either way."""
         if total_token <= 1:
             if not with_rows:
                 return (DraftTree.single(root_token),)
