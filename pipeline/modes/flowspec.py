@@ -335,15 +335,21 @@ class ContinuousMode(StreamingMode):
             return tree
         with engine.tracer.span("draft"):
             tree, self.inputs = engine.drafter.grow_tree_with_inputs(root, root_hidden, total, depth, t.init_topk)
+        if quick:                                 # sent first: its buffers at capacity after the send (take_lazy)
+            self.lazy = (None, depth, total)
+            return tree
         return tree.with_capacity(self.capacity(t))
 
     # issue 41, the round start: ``(root_hidden, depth, total)`` of a quick first tree of one level drafted by
-    # ``grow_tree`` (no inputs), until :meth:`take_lazy` gives it its inputs and capacity after the first send.
+    # ``grow_tree`` (no inputs), until :meth:`take_lazy` gives it its inputs and capacity after the first send;
+    # ``(None, depth, total)``: a quick tree of more levels, drafted with its inputs, whose buffers wait likewise.
     lazy: tuple | None = None
 
     def take_lazy(self, engine: Engine, tree: DraftTree) -> DraftTree:
         """A one-level quick first tree's inputs and buffers (:meth:`first_tree`), after its send: the tree on buffers
-        at the round's capacity and ``self.inputs``, exactly what ``grow_tree_with_inputs`` gives with the tree.
+        at the round's capacity and ``self.inputs``, exactly what ``grow_tree_with_inputs`` gives with the tree (a
+        quick tree of more levels has its inputs already: its buffers only). The buffers' copy
+        (:meth:`draft.tree.DraftTree.with_capacity`) is a size hint for the appends that follow, none for the send.
 
         Why: on rank 0's turnaround at a round start (a truncation's result in hand -> the new tree's send) nothing
         of the inputs is needed; the send needs the tree alone. A node's input is its parent's draft output, so in a
@@ -354,6 +360,8 @@ class ContinuousMode(StreamingMode):
         root_hidden, depth, total = self.lazy
         self.lazy = None
         t = engine.cfg.tree
+        if root_hidden is None:                   # a quick tree of more levels: drafted with its inputs
+            return tree.with_capacity(self.capacity(t))
         self.inputs = root_children_inputs(tree.host_numpy()[1], root_hidden)
         if self.inputs is None:                   # a node below a root's child: the general inputs
             with engine.tracer.span("draft"):
@@ -385,7 +393,7 @@ class ContinuousMode(StreamingMode):
         (:meth:`draft.drafter.Drafter.extend_tree` below its best leaves; appended nodes keep the tree
         ancestors-first, so the segments already sent stay a prefix)."""
         t = engine.cfg.tree
-        if self.lazy is not None:                 # a one-level quick tree, sent: now its inputs and buffers
+        if self.lazy is not None:                 # a quick tree, sent: now its buffers (one level: its inputs too)
             tree = self.take_lazy(engine, tree)
         if self.inputs is None or not 0 < t.first_levels <= t.init_depth:
             return tree
