@@ -376,7 +376,7 @@ class BeamTreeDrafter:
         """
         if self.samples:
             return self.sampled_tree(root_token, root_hidden, total_token, depth, self.sample_chains or top_k)
-        return self.grow_tree_with_inputs(root_token, root_hidden, total_token, depth, top_k)[0]
+        return self._search(root_token, root_hidden, total_token, depth, top_k, False)[0]
 
     @no_grad
     def grow_tree_with_inputs(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int,
@@ -394,7 +394,17 @@ class BeamTreeDrafter:
         ranked from). Rows of ``outputs`` with ``known`` false are zeros. A merged drafter reads these to give a
         node proposed by another source the input this source would have fed it, without a forward
         (:meth:`draft.merged.MergedDrafter.tree_inputs`)."""
+        return self._search(root_token, root_hidden, total_token, depth, top_k, True)
+
+    def _search(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int,
+                with_rows: bool) -> tuple:
+        """The EAGLE-2 search of :meth:`grow_tree_with_outputs`; ``with_rows`` False: the tree alone, ``(tree,)``,
+        without the inputs' and outputs' gathers (:meth:`grow_tree`: issue 41, a round start drafted as a tree only
+        and its inputs taken after the send, :meth:`pipeline.modes.flowspec.ContinuousMode.first_tree`). The same
+        tree either way."""
         if total_token <= 1:
+            if not with_rows:
+                return (DraftTree.single(root_token),)
             return DraftTree.single(root_token), root_hidden[None], root_hidden[None], torch.ones(1, dtype=torch.bool)
         s, t = self._root_topk(root_hidden, top_k)
         dev = s.device
@@ -404,16 +414,18 @@ class BeamTreeDrafter:
         tshape = self.tree_shape                          # draft.tree_shape: which candidates a level expands
         rows_left = tshape.row_budget(depth, top_k)
         cand_scores, cand_tokens, shape = [s], [t], [(1, k)]
-        if tshape.shaped:                                 # which of the root's children to expand
-            first = self._frontier(tshape, s, cand_scores, total_token, k, rows_left)
-            frontier_tok, frontier_score = t[first], s[first][:, None]
-        else:                                             # EAGLE-2: all k (top-k's order is already the beam's)
-            first, frontier_tok, frontier_score = torch.arange(k, device=dev), t, s[:, None]
-        expanded, outs = [first], []                                    # candidate ids fed, level by level
-        frontier_feat = root_hidden.expand(first.numel(), -1)
-        frontier_cache_parent = torch.full((first.numel(),), -1, device=HOST)  # parent slot in the draft cache tree
         n_cand = k
         last = tshape.levels(depth) - 2                                   # EAGLE-2: depth levels below the root's
+        expanded, outs = [], []                                           # candidate ids fed, level by level
+        if last >= 0:                                     # a level below the root's (none: the frontier is unused)
+            if tshape.shaped:                             # which of the root's children to expand
+                first = self._frontier(tshape, s, cand_scores, total_token, k, rows_left)
+                frontier_tok, frontier_score = t[first], s[first][:, None]
+            else:                                         # EAGLE-2: all k (top-k's order is already the beam's)
+                first, frontier_tok, frontier_score = torch.arange(k, device=dev), t, s[:, None]
+            expanded.append(first)
+            frontier_feat = root_hidden.expand(first.numel(), -1)
+            frontier_cache_parent = torch.full((first.numel(),), -1, device=HOST)  # parent slot in the draft cache
         for level in range(last + 1):
             if frontier_tok.numel() == 0:                 # a shaped search found nothing worth expanding
                 break
@@ -441,6 +453,8 @@ class BeamTreeDrafter:
         parent_row, levels = _beam_layout_host(tuple(shape))
         order = best_first(scores, max(0, min(total_token - 1, n_cand)))   # the kept ones
         tree = top_nodes_tree(root_token, cand_tok, fed_np[parent_row], scores, order, levels)
+        if not with_rows:
+            return (tree,)
         # the row gathers' indices in NumPy (issue 41): rows = [zeros, root's output, each fed level's outputs]
         rowof = np.full(n_cand, -1, dtype=np.int64)                        # candidate -> its output row (-1: none)
         rowof[fed_np[:-1]] = np.arange(1, fed_np.size)

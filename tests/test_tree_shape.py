@@ -172,14 +172,14 @@ def test_exact_law_with_shaped_trees(mode, world, temp, top_p, overrides, with_s
     drafter = _shaped_drafter(det, with_suffix)
     eagle = drafter if not with_suffix else drafter.sources[0]
     differs = Counter()
-    real_grow = eagle.grow_tree_with_outputs
+    real_grow = eagle._search                  # the search behind grow_tree and grow_tree_with_outputs
 
-    def grow(root, h, total, depth, k):        # record that the shape changed the tree somewhere
-        out = real_grow(root, h, total, depth, k)
+    def grow(root, h, total, depth, k, with_rows):   # record that the shape changed the tree somewhere
+        out = real_grow(root, h, total, depth, k, with_rows)
         ref = markov_like(eagle).grow_tree_with_outputs(root, h, total, depth, k)[0]
         differs[not same(out[0], ref)] += 1
         return out
-    eagle.grow_tree_with_outputs = grow
+    eagle._search = grow
     real_extend = drafter.extend_tree
 
     def extend(*a):                            # ... or an incremental expansion (continuous)

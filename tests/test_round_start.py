@@ -1,0 +1,183 @@
+"""The round start (issue 41): a quick first tree of ONE level (``tree.first_levels=1``; measured in docs/results.md
+§65: faster on the edge profile, not on the what-if, so not the default) is drafted as a tree alone and sent before
+its inputs and buffers exist; a quick tree of more levels (the default, 2) gets its buffers after the send too.
+
+At a truncation rank 0 commits the accepted tokens (a head forward: the new root's draft output) and drafts the
+next round's first tree; with ``first_levels=1`` that tree is the root and its best children (one log-prob call, no
+further forward), and ``ContinuousMode.first_tree`` asks the drafter for the tree only (``grow_tree``: the search
+without its row gathers, a merged drafter without ``tree_inputs``); ``finish_first_tree`` then, after the send,
+gives it its inputs (``pipeline.modes.flowspec.root_children_inputs``: every row is the root's output) and its
+buffers at the round's capacity (``ContinuousMode.take_lazy``).
+
+* the tree-only search drafts exactly the tree of ``grow_tree_with_inputs`` (EAGLE, EAGLE + lookup; depths 0-2);
+* the rule: its inputs equal ``grow_tree_with_inputs``' bitwise for one-level trees, and it declines deeper ones;
+  planted bugs (no depth check, the root's row left out) fail that check;
+* counted: the tree-only call dispatches fewer operators than the tree with its inputs and buffers;
+* in the decode loop the one-level first tree is sent before its inputs are taken, and the greedy output is the
+  two-level start's (``first_levels=2``); stories260K through every mode equals HF with ``first_levels`` 1 and 2.
+  The exact law with ``first_levels=1`` is in tests/test_sampling.py (its ``EXACT_CASES`` entry with the key).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.modes.flowspec import ContinuousMode, root_children_inputs
+from tests.test_fuse_commit import _committed, _eagle_lookup
+
+
+def _drafters():
+    return {"eagle": _committed, "eagle+lookup": _eagle_lookup}
+
+
+def _same_tree(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in ((a.tokens, b.tokens), (a.parents, b.parents),
+                                                                  (a.scores, b.scores), (a.depths, b.depths)))
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle+lookup"])
+@pytest.mark.parametrize("depth,total", [(0, 17), (0, 5), (1, 17), (2, 9)])
+def test_the_tree_only_search_drafts_the_same_tree(name, depth, total):
+    d, g = _drafters()[name]()
+    root = d.commit(torch.tensor([5, 7]), torch.randn(2, 16, generator=g, dtype=torch.float64))
+    eager, _ = d.grow_tree_with_inputs(11, root, total, depth, 3)
+    assert _same_tree(d.grow_tree(11, root, total, depth, 3), eager)
+
+
+def _rule_ok(rule, name: str, depth: int) -> bool:
+    """``rule(parents, root_hidden)`` against the eager inputs: equal (bitwise) where it answers, and it answers
+    exactly for the trees of one level."""
+    d, g = _drafters()[name]()
+    root = d.commit(torch.tensor([5, 7, 9]), torch.randn(3, 16, generator=g, dtype=torch.float64))
+    tree, inputs = d.grow_tree_with_inputs(11, root, 9, depth, 3)
+    got = rule(tree.host_numpy()[1], root)
+    one_level = bool((tree.depths <= 1).all())
+    if got is None:
+        return not one_level
+    return one_level and got.dtype == inputs.dtype and torch.equal(got, inputs)
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle+lookup"])
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_root_children_inputs_are_the_eager_inputs(name, depth):
+    assert _rule_ok(root_children_inputs, name, depth)
+
+
+def test_root_children_inputs_rule_on_random_parent_arrays():
+    """The rule's answer on its own: rows for exactly the parent arrays of one level, each row the root's, on memory
+    of its own (writing a row leaves ``root_hidden`` as it was)."""
+    rng = np.random.default_rng(0)
+    h = torch.randn(6, dtype=torch.float64)
+    for _ in range(200):
+        n = int(rng.integers(1, 12))
+        par = np.array([-1] + [int(rng.integers(0, i)) if rng.random() < 0.3 else 0 for i in range(1, n)])
+        got = root_children_inputs(par, h)
+        if (par[1:] > 0).any():
+            assert got is None
+        else:
+            assert got.shape == (n, 6) and torch.equal(got, h.expand(n, -1))
+            got[0, 0] += 1.0
+            assert float(h[0]) != float(got[0, 0])
+
+
+def _no_depth_check(parents, root_hidden):
+    return root_hidden[None].expand(parents.size, -1).clone()
+
+
+def _root_row_left_out(parents, root_hidden):
+    got = root_children_inputs(parents, root_hidden)
+    if got is not None:
+        got[0] = 0
+    return got
+
+
+@pytest.mark.parametrize("bug", [_no_depth_check, _root_row_left_out])
+def test_planted_rule_bugs_fail(bug):
+    assert not all(_rule_ok(bug, name, depth) for name in ("eagle", "eagle+lookup") for depth in (0, 1))
+
+
+def test_the_tree_only_call_dispatches_fewer_operators():
+    """Counted (aten operators, pipeline.tools.opcount): the one-level first tree alone against the tree with its
+    inputs on buffers at the round's capacity (what the turnaround held before)."""
+    from config.run_config import DEFAULT
+    from pipeline.tools.opcount import count_call
+    cap = ContinuousMode.capacity(DEFAULT.tree)
+    counts = {}
+    for lazy in (True, False):
+        d, g = _eagle_lookup()
+        root = d.commit(torch.tensor([5, 7]), torch.randn(2, 16, generator=g, dtype=torch.float64))
+        d.grow_tree(11, root, 17, 0, 3)                                        # warm
+        if lazy:
+            counts[lazy] = count_call(lambda: d.grow_tree(11, root, 17, 0, 3)).ops
+        else:
+            counts[lazy] = count_call(lambda: d.grow_tree_with_inputs(11, root, 17, 0, 3)[0].with_capacity(cap)).ops
+    assert counts[True] + 10 <= counts[False], counts
+
+
+def _round_start_events(first_levels: int):
+    """The real ContinuousMode (greedy, a world whose rounds truncate): after each TRUNCATE decision, which comes
+    first, the next ring send or the first tree's inputs (``take_lazy``, or the eager ``grow_tree_with_inputs``)."""
+    from pipeline.messages import Status
+    from pipeline.verify import Sampler
+    from tests.test_sampling import MarkovDrafter, make_runner, make_world
+    from tests.test_turnaround_off_chain import _firsts_after
+    tables = make_world(11, "random", 1.5)
+    drafter = MarkovDrafter(tables[1])
+    run = make_runner("continuous", 3, tables, Sampler(), 12, {"tree.first_levels": first_levels}, drafter=drafter)
+    events = []
+    ring = run.ring
+    send, direct, eager = ring.send_next, ring.send_direct, drafter.grow_tree_with_inputs
+
+    def rec_send(*a, **k):
+        events.append("send")
+        return send(*a, **k)
+
+    def rec_direct(dec):
+        if dec.status == Status.TRUNCATE and not dec.finished:
+            events.append("truncate")
+        return direct(dec)
+
+    def rec_eager(*a, **k):
+        events.append("inputs")
+        return eager(*a, **k)
+    cont = run.cont
+    take = type(cont).take_lazy
+
+    def rec_take(self, engine, tree):
+        events.append("inputs")
+        return take(self, engine, tree)
+    ring.send_next, ring.send_direct, drafter.grow_tree_with_inputs = rec_send, rec_direct, rec_eager
+    cont.take_lazy = rec_take.__get__(cont)
+    out = run()
+    return _firsts_after(events, "truncate", ("send", "inputs")), out
+
+
+def test_a_one_level_first_tree_is_sent_before_its_inputs():
+    one, out_one = _round_start_events(1)
+    two, out_two = _round_start_events(2)
+    assert out_one == out_two
+    assert one and set(one) == {"send"}, one
+    assert set(two) == {"inputs"}, two
+
+
+@pytest.mark.skipif(not __import__("tests.helpers", fromlist=["STORIES"]).STORIES.is_dir(),
+                    reason="../shared is not available")
+@pytest.mark.parametrize("keys", [["tree.first_levels=1"], []])
+def test_stories260k_all_modes_equal_hf_round_start(tmp_path, keys):
+    """Every mode with the one-level start and with the default two-level one equals HF generate (greedy),
+    stories260K on 5 ranks in one process, the untrained EAGLE head with prompt lookup, prompts from the datasets."""
+    from transformers import AutoTokenizer
+
+    from model.split import split_checkpoint
+    from pipeline.inprocess import run_threaded
+    from tests.helpers import STORIES, hf_greedy
+    from tests.test_e2e import ALL_MODES, _dataset_prompts
+    stages = split_checkpoint(STORIES, tmp_path / "stages", [0, 1, 1, 1, 2], progress=False)
+    prompts = _dataset_prompts(AutoTokenizer.from_pretrained(STORIES), 40)[:3]
+    res = run_threaded(stages, prompts, ALL_MODES.split(","), ["max_new_tokens=32", "dtype=float32", *keys], {2},
+                       dtype=torch.float32)
+    for mode, rows in res.items():
+        assert len(rows) == len(prompts), mode
+        for p, r in zip(prompts, rows):
+            assert r.output_ids == hf_greedy(STORIES, p, 32, {2}, torch.float32), f"{mode} differs from HF"
