@@ -561,11 +561,12 @@ class BeamTreeDrafter:
 
     @torch.no_grad()
     def append_prefetched_expansion(self, tree: DraftTree, inputs: Tensor, pre: tuple, pre2: tuple, top_k: int,
-                                    max_new: int) -> tuple[DraftTree, Tensor] | None:
+                                    max_new: int, cover: float = 1.0) -> tuple[DraftTree, Tensor] | None:
         """``tree.early_whole`` (issue 41): the next expansion's two levels, chosen from the prefetched candidates
         (:meth:`prefetch_expansion` of this tree, re-rooted with it) with no model call, appended to ``tree``;
-        ``(grown tree, its per-node inputs)``, or None when a beam member's children were not prefetched (the
-        caller then sends the first level alone, :meth:`append_prefetched_level`, or the plain expansion).
+        ``(grown tree, its per-node inputs)``, or None when fewer than ``cover`` of the beam's members had their
+        children prefetched (``cover = 1``: every one; the caller then sends the first level alone,
+        :meth:`append_prefetched_level`, or the plain expansion).
 
         The rule (which nodes, how many), that of :meth:`append_prefetched_level` followed by
         :meth:`commit_extend_tree` with its record: the first level is the beam (the best ``top_k`` leaves' best
@@ -575,7 +576,14 @@ class BeamTreeDrafter:
         appended best first. A child never outranks its parent, so the appended nodes are ancestors-first and every
         prefix of them is sendable. On a drafter whose outputs do not depend on the context the result is exactly
         the early level's finished tree (tested); otherwise the children were ranked with the previous step's
-        context: a different draft, the same exactness."""
+        context: a different draft, the same exactness.
+
+        ``cover < 1`` (``tree.early_cover``, issue 41, docs/results.md §64): a beam partly prefetched is sent whole
+        too, its uncovered members' children simply absent (the room goes to the next-best candidates: the
+        level's others and the covered members' children). Why: the fallback for an uncovered beam is a second
+        segment (the early level's rest after the commit) or a plain expansion whose turnaround holds the head
+        forward; a missing child only waits for the next step's expansion (its parent is a leaf then). With every
+        member covered the result is the ``cover = 1`` one (the same code path)."""
         beam = self._prefetched_beam(tree, pre, top_k, max_new)
         if beam is None:
             return None
@@ -585,18 +593,19 @@ class BeamTreeDrafter:
         n = len(tree)
         dev = inputs.device
         rows = seed[fr].reshape(-1)[best]                      # each beam node's prefetched children (row of pre2)
-        if (rows < 0).any():
+        cb = np.flatnonzero(rows >= 0)                         # the covered beam members (all of them: cover = 1)
+        if cb.size < best.size and (cover >= 1 or cb.size < cover * best.size):
             return None
         kk2 = s2.shape[1]
         rest = np.ones(cum.size, dtype=bool)
         rest[best] = False
         rest = np.flatnonzero(rest)                            # the level's other candidates
-        c_score = np.concatenate([cum[rest], (cum[best][:, None] + s2[rows]).reshape(-1)])
+        c_score = np.concatenate([cum[rest], (cum[best[cb]][:, None] + s2[rows[cb]]).reshape(-1)])
         chosen = best_first(c_score, max(0, min(max_new - best.size, c_score.size)))
         lv = chosen < rest.size                                # a first-level candidate, else a beam node's child
         c1 = np.append(rest, 0)[np.where(lv, chosen, rest.size)]    # (a child's entries here are unused)
         c2 = np.where(lv, 0, chosen - rest.size)
-        b2 = c2 // max(kk2, 1)
+        b2 = np.append(cb, 0)[c2 // max(kk2, 1)]               # the child's beam member (a level's entry: unused)
         m = best.size + chosen.size
         grown, (tok, parents, score, depth) = tree.append_slots_numpy(m)
         f1 = fr[best // kk]

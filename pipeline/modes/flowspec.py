@@ -438,7 +438,7 @@ class ContinuousMode(StreamingMode):
         if self.pre2 is not None and whole:       # tree.early_whole: both levels, one segment
             with engine.tracer.span("expand"):
                 got = engine.drafter.append_prefetched_expansion(state.tree, self.inputs, self.pre, self.pre2,
-                                                                 t.expand_topk, room)
+                                                                 t.expand_topk, room, t.early_cover)
             if got is not None:
                 tree, self.inputs = got
                 self.pre = self.pre2 = None
