@@ -802,35 +802,35 @@ class BeamTreeDrafter:
         leaf, p_out, p_s, p_t = pre
         n = len(tree)
         dev = inputs.device
-        leaves = leaf.nonzero().flatten()
-        k = min(top_k, leaves.numel())
-        frontier = leaves[beam_frontier(tree.scores[leaves], k)]
-        cs, ct = p_s[frontier], p_t[frontier]
+        _, t_par, t_score, t_dep = tree.host_numpy()      # the tree's host arrays as NumPy views (no operator)
+        depth1 = torch.from_numpy((t_par == 0)[:, None]).to(dev)
+        leaves = np.flatnonzero(leaf.numpy())
+        frontier = leaves[best_first(t_score[leaves], min(top_k, leaves.size))]
+        cs, ct = p_s.numpy()[frontier], p_t.numpy()[frontier]
         nf, kk = cs.shape
         if kk == 0:
             root_hidden = self.commit(*commit)
-            return tree, torch.where((tree.parents == 0).to(dev)[:, None], root_hidden.to(inputs.dtype), inputs), \
-                root_hidden
-        f_out = p_out[frontier.to(dev)].to(inputs.dtype)
-        cum = tree.scores[frontier][:, None] + cs                                 # [nf, kk]
-        best = self._frontier(self.tree_shape, cum.reshape(-1), [cum.reshape(-1)], max_new + 1, top_k)
+            return tree, torch.where(depth1, root_hidden.to(inputs.dtype), inputs), root_hidden
+        f_out = p_out[torch.from_numpy(frontier).to(dev)].to(inputs.dtype)
+        cum = (t_score[frontier][:, None] + cs).reshape(-1)                   # [nf * kk], as torch.add's dtype
+        best = self._frontier_np(cum, cum, max_new + 1, top_k)
         row = best // kk
-        l1_tok = ct.reshape(-1)[best]
+        ct = ct.reshape(-1)
         root_hidden, out = self.commit_tree_forward(
-            commit[0], commit[1], torch.cat([tree.tokens[1:], l1_tok]), torch.cat([inputs[1:], f_out[row.to(dev)]]),
-            torch.cat([tree.parents[1:] - 1, frontier[row] - 1]))
-        inputs = torch.where((tree.parents == 0).to(dev)[:, None], root_hidden.to(inputs.dtype), inputs)
+            commit[0], commit[1], torch.cat([tree.tokens[1:], torch.from_numpy(ct[best])]),
+            torch.cat([inputs[1:], f_out[torch.from_numpy(row).to(dev)]]),
+            torch.from_numpy(np.concatenate([t_par[1:], frontier[row]]) - 1))
+        inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)
         l1_out = out[n - 1:].to(inputs.dtype)
         start = n - 1                                                             # the level's cache slots
         # the remaining levels: one beam below the level-1 nodes; candidates of level 0 compete with them
         cap = levels * top_k * top_k
-        cum_np, best_np = cum.reshape(-1).numpy(), best.numpy()
-        b = _Beam(cap, np.empty(cap, dtype=np.promote_types(cum_np.dtype, np.float32)), np.empty(cap, dtype=np.int64),
-                  [ct.reshape(-1).numpy()], [frontier.numpy(), best_np + n], [tree.depths[frontier].numpy()],
-                  [f_out, l1_out], np.arange(start, start + best_np.size, dtype=np.int64), cum_np[best_np][:, None],
+        b = _Beam(cap, np.empty(cap, dtype=np.promote_types(cum.dtype, np.float32)), np.empty(cap, dtype=np.int64),
+                  [ct], [frontier, best + n], [t_dep[frontier]],
+                  [f_out, l1_out], np.arange(start, start + best.size, dtype=np.int64), cum[best][:, None],
                   n_cand=nf * kk, n_rows=nf)
-        b.rows_dep.append(b.rows_dep[-1][best_np // kk] + 1)
-        b.c_score[:nf * kk] = cum_np
+        b.rows_dep.append(b.rows_dep[-1][best // kk] + 1)
+        b.c_score[:nf * kk] = cum
         b.c_row[:nf * kk] = _row_pattern_np(nf, kk)
         self._beam_levels(b, 1, levels, top_k, max_new, n, dev, inputs.dtype)
         self.drop_tree()
