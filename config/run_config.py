@@ -150,6 +150,9 @@ class TreeConfig(Checked):
                                  # less falls back as early_whole says (1 = every member; below 1 the uncovered
                                  # members' children are left out, their room going to the next-best candidates;
                                  # issue 41, docs/results.md §64; changes the trees, not the output)
+    early_split: bool = False    # continuous, with early_whole: a whole early send leaves as two segments at once
+                                 # (its first-level run, then the rest) when two links are free (issue 41, §64;
+                                 # a schedule only)
     root_first: bool = False     # pruned/continuous: after a truncation, send the next round's root alone at once,
                                  # then commit the accepted tokens and draft its first tree (issue 41: a round
                                  # start's turnaround holds no draft call; changes the schedule, not the output)

@@ -213,7 +213,8 @@ def test_a_new_rounds_root_is_sent_before_the_commit():
 @pytest.mark.parametrize("keys", [["tree.early_level=true", "tree.early_whole=0"],
                                   ["tree.root_first=true", "tree.early_level=true", "tree.early_whole=0"],
                                   ["tree.early_level=false", "tree.early_whole=40"],
-                                  ["tree.early_level=true", "tree.early_whole=80"]])   # the defaults, explicitly
+                                  ["tree.early_level=true", "tree.early_whole=80"],    # the defaults, explicitly
+                                  ["tree.early_level=true", "tree.early_whole=16", "tree.early_cover=0"]])
 def test_stories260k_all_modes_equal_hf_off_chain(tmp_path, keys):
     """Every mode with the keys equals HF generate (greedy), stories260K on 5 ranks in one process, the untrained
     EAGLE head with prompt lookup (the default sources), prompts from the six datasets."""
@@ -470,6 +471,60 @@ def test_early_cover_zero_sends_every_step_whole(monkeypatch):
     assert zero.whole_sent == zero.early_sent > 0
 
 
+def _sends_before_forward(events: list[str]) -> list[int]:
+    """Per verified step: the ring sends between its mark and its first draft-head forward (or the next step)."""
+    out = []
+    for i, e in enumerate(events):
+        if e == "step":
+            k = 0
+            for x in events[i + 1:]:
+                if x != "send":
+                    break
+                k += 1
+            out.append(k)
+    return out
+
+
+class _Box:
+    """An outbox stand-in for ``ContinuousMode.top_up``: ``busy`` live segments already in flight, sends recorded."""
+
+    def __init__(self, busy: int) -> None:
+        self.busy, self.sizes, self.next_gid = busy, [], 0
+
+    def live_inflight(self, alive) -> int:
+        return self.busy + len(self.sizes)
+
+    def send(self, tokens, parent_gids, tag: int = 0):
+        self.sizes.append(int(tokens.numel()))
+        self.next_gid += int(tokens.numel())
+
+
+@pytest.mark.parametrize("busy,split,want", [(0, 3, [3, 5]), (2, 3, [3, 5]), (3, 3, [8]), (0, 0, [8]),
+                                             (0, 8, [8])])
+def test_early_split_sends_two_segments_when_two_links_are_free(busy, split, want):
+    """``tree.early_split`` (``ContinuousMode.top_up``): with a split recorded by the whole send (``split`` waiting
+    nodes first) and at least two of the 4 links free, the waiting nodes leave as two segments at once (the
+    split's prefix, then the rest); one link free, no split, or a split covering every waiting node: one segment
+    as without the key. The split is consumed (the next top-up is plain)."""
+    from types import SimpleNamespace
+
+    from config.run_config import TreeConfig
+    from draft.tree import DraftTree
+    from pipeline.modes.flowspec import ContinuousMode
+    from pipeline.outbox import RankTree
+    engine = SimpleNamespace(cfg=SimpleNamespace(tree=TreeConfig()), comm=SimpleNamespace(world=4))
+    tree = DraftTree(torch.arange(9), torch.tensor([-1, 0, 0, 1, 1, 2, 3, 3, 4]), torch.zeros(9),
+                     torch.tensor([0, 1, 1, 2, 2, 2, 3, 3, 3]))
+    state = RankTree(tree)
+    box = _Box(busy)
+    state.send(box, 1)                                  # the root, sent before
+    box.sizes.clear()
+    mode = ContinuousMode()
+    mode.split = split
+    mode.top_up(engine, box, state)
+    assert box.sizes == want and mode.split == 0 and state.waiting == 0
+
+
 def test_whole_expansion_calls_no_model_and_the_commit_with_the_prefetch_two_forwards_two_log_probs():
     """Counted on an EAGLE + lookup drafter: choosing both levels costs 0 head forwards and 0 log-prob calls (the
     chain); the commit with the next prefetch (off the chain) 2 and 2, the prefetched step's count: the commit, the
@@ -559,5 +614,6 @@ def _step_events(over: dict):
         self.grown_after += 0 if got is None else len(got[0]) - len(tree)
         return got
     cont.commit_and_grow = after.__get__(cont)
+    cont.events = events
     out = run()
     return _firsts_after(events, "step", ("send", "forward")), out, cont
