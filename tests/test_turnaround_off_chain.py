@@ -214,7 +214,8 @@ def test_a_new_rounds_root_is_sent_before_the_commit():
                                   ["tree.root_first=true", "tree.early_level=true", "tree.early_whole=0"],
                                   ["tree.early_level=false", "tree.early_whole=40"],
                                   ["tree.early_level=true", "tree.early_whole=80"],    # the defaults, explicitly
-                                  ["tree.early_level=true", "tree.early_whole=16", "tree.early_cover=0"]])
+                                  ["tree.early_level=true", "tree.early_whole=16", "tree.early_cover=0"],
+                                  ["tree.early_split=true"]])
 def test_stories260k_all_modes_equal_hf_off_chain(tmp_path, keys):
     """Every mode with the keys equals HF generate (greedy), stories260K on 5 ranks in one process, the untrained
     EAGLE head with prompt lookup (the default sources), prompts from the six datasets."""
@@ -617,3 +618,12 @@ def _step_events(over: dict):
     cont.events = events
     out = run()
     return _firsts_after(events, "step", ("send", "forward")), out, cont
+
+
+@pytest.mark.parametrize("bad", ["tree.early_cover=1.5", "tree.early_cover=-0.1"])
+def test_bad_early_cover_is_a_one_line_error(bad):
+    from config.errors import UserError
+    from config.run_config import DEFAULT, ConfigError, apply_overrides
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(DEFAULT, [bad])
+    assert issubclass(ConfigError, UserError) and "\n" not in str(e.value) and bad.split("=")[0] in str(e.value)
