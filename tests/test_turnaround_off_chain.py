@@ -215,7 +215,7 @@ def test_a_new_rounds_root_is_sent_before_the_commit():
                                   ["tree.early_level=false", "tree.early_whole=40"],
                                   ["tree.early_level=true", "tree.early_whole=80"],    # the defaults, explicitly
                                   ["tree.early_level=true", "tree.early_whole=16", "tree.early_cover=0"],
-                                  ["tree.early_split=true"]])
+                                  ["tree.early_split=2"]])
 def test_stories260k_all_modes_equal_hf_off_chain(tmp_path, keys):
     """Every mode with the keys equals HF generate (greedy), stories260K on 5 ranks in one process, the untrained
     EAGLE head with prompt lookup (the default sources), prompts from the six datasets."""
@@ -500,11 +500,11 @@ class _Box:
         self.next_gid += int(tokens.numel())
 
 
-@pytest.mark.parametrize("busy,split,want", [(0, 3, [3, 5]), (2, 3, [3, 5]), (3, 3, [8]), (0, 0, [8]),
-                                             (0, 8, [8])])
-def test_early_split_sends_two_segments_when_two_links_are_free(busy, split, want):
+@pytest.mark.parametrize("free,busy,split,want", [(2, 0, 3, [3, 5]), (2, 2, 3, [3, 5]), (2, 3, 3, [8]), (2, 0, 0, [8]),
+                                                  (2, 0, 8, [8]), (3, 1, 3, [3, 5]), (3, 2, 3, [8])])
+def test_early_split_sends_two_segments_when_two_links_are_free(free, busy, split, want):
     """``tree.early_split`` (``ContinuousMode.top_up``): with a split recorded by the whole send (``split`` waiting
-    nodes first) and at least two of the 4 links free, the waiting nodes leave as two segments at once (the
+    nodes first) and at least ``tree.early_split`` of the 4 links free, the waiting nodes leave as two segments at once (the
     split's prefix, then the rest); one link free, no split, or a split covering every waiting node: one segment
     as without the key. The split is consumed (the next top-up is plain)."""
     from types import SimpleNamespace
@@ -513,7 +513,7 @@ def test_early_split_sends_two_segments_when_two_links_are_free(busy, split, wan
     from draft.tree import DraftTree
     from pipeline.modes.flowspec import ContinuousMode
     from pipeline.outbox import RankTree
-    engine = SimpleNamespace(cfg=SimpleNamespace(tree=TreeConfig()), comm=SimpleNamespace(world=4))
+    engine = SimpleNamespace(cfg=SimpleNamespace(tree=TreeConfig(early_split=free)), comm=SimpleNamespace(world=4))
     tree = DraftTree(torch.arange(9), torch.tensor([-1, 0, 0, 1, 1, 2, 3, 3, 4]), torch.zeros(9),
                      torch.tensor([0, 1, 1, 2, 2, 2, 3, 3, 3]))
     state = RankTree(tree)
@@ -620,8 +620,9 @@ def _step_events(over: dict):
     return _firsts_after(events, "step", ("send", "forward")), out, cont
 
 
-@pytest.mark.parametrize("bad", ["tree.early_cover=1.5", "tree.early_cover=-0.1"])
-def test_bad_early_cover_is_a_one_line_error(bad):
+@pytest.mark.parametrize("bad", ["tree.early_cover=1.5", "tree.early_cover=-0.1", "tree.early_split=1",
+                                 "tree.early_split=-2"])
+def test_bad_early_keys_are_one_line_errors(bad):
     from config.errors import UserError
     from config.run_config import DEFAULT, ConfigError, apply_overrides
     with pytest.raises(ConfigError) as e:
