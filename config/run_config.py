@@ -149,10 +149,12 @@ class TreeConfig(Checked):
                                  # children must have been prefetched for the whole early send; a beam covered
                                  # less falls back as early_whole says (1 = every member; below 1 the uncovered
                                  # members' children are left out, their room going to the next-best candidates;
-                                 # issue 41, docs/results.md §64; changes the trees, not the output)
+                                 # issue 41, results "Whole early sends and tau": lost on both profiles; changes
+                                 # the trees, not the output)
     early_split: int = 0         # continuous, with early_whole: a whole early send leaves as two segments at once
                                  # (its first-level run, then the rest) when at least this many links are free
-                                 # (0 = off; at least 2; issue 41, docs/results.md §64; a schedule only)
+                                 # (0 = off; at least 2; issue 41, results "Whole early sends and tau": edge up,
+                                 # what-if down; a schedule only)
     root_first: bool = False     # pruned/continuous: after a truncation, send the next round's root alone at once,
                                  # then commit the accepted tokens and draft its first tree (issue 41: a round
                                  # start's turnaround holds no draft call; changes the schedule, not the output)

@@ -504,7 +504,8 @@ class _Box:
                                                   (2, 0, 8, [8]), (3, 1, 3, [3, 5]), (3, 2, 3, [8])])
 def test_early_split_sends_two_segments_when_two_links_are_free(free, busy, split, want):
     """``tree.early_split`` (``ContinuousMode.top_up``): with a split recorded by the whole send (``split`` waiting
-    nodes first) and at least ``tree.early_split`` of the 4 links free, the waiting nodes leave as two segments at once (the
+    nodes first) and at least ``tree.early_split`` of the 4 links free, the waiting nodes leave as two segments at
+    once (the
     split's prefix, then the rest); one link free, no split, or a split covering every waiting node: one segment
     as without the key. The split is consumed (the next top-up is plain)."""
     from types import SimpleNamespace

@@ -462,12 +462,13 @@ class ContinuousMode(StreamingMode):
         return True
 
     def top_up(self, engine: Engine, box: Outbox, state: RankTree, root_hidden: torch.Tensor | None = None) -> None:
-        """``tree.early_split`` (issue 41, docs/results.md §64): a whole early send goes out as TWO segments at once
-        when at least ``early_split`` links are free (0: off; the split is only recorded with it on) -- the first-level run (with any nodes already waiting), then the rest --
-        else as usual. Why: the measured stages were less busy with one large segment per step than with the early
-        level's two (§63); two segments in flight at once keep two links busy while the children still leave before
-        the commit. Only a schedule (any prefix of the ancestors-first nodes is sendable): the output never
-        changes."""
+        """``tree.early_split`` (issue 41, docs/results.md "Whole early sends and tau"): a whole early send goes out
+        as TWO segments at once when at least ``early_split`` links are free (0: off; only then is a split
+        recorded) -- the first-level run (with any nodes already waiting), then the rest -- else as usual. Why: the
+        stages were less busy with one large segment per step than with the early level's two (§63); two segments
+        in flight at once keep two links busy and the children still leave before the commit. Measured: ξ up on
+        the edge, down on the launch-bound what-if (each segment costs a stage step there), so off by default.
+        Only a schedule (any prefix of the ancestors-first nodes is sendable): the output never changes."""
         k, self.split = self.split, 0
         if 0 < k < state.waiting \
                 and live_segments(engine) - box.live_inflight(state.alive_gids()) >= engine.cfg.tree.early_split:
