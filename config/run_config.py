@@ -145,6 +145,16 @@ class TreeConfig(Checked):
                                  # the early level (with early_level) or the plain prefetched expansion (issue 41;
                                  # 0 = off; changes the trees, not the output; 20 answers: xi +5.6% edge, +1.7%
                                  # what-if with early_level, against neither)
+    early_cover: float = 1.0     # continuous, with early_whole: the share of a step's first-level beam whose
+                                 # children must have been prefetched for the whole early send; a beam covered
+                                 # less falls back as early_whole says (1 = every member; below 1 the uncovered
+                                 # members' children are left out, their room going to the next-best candidates;
+                                 # issue 41, results §66: lost on both profiles; changes
+                                 # the trees, not the output)
+    early_split: int = 0         # continuous, with early_whole: a whole early send leaves as two segments at once
+                                 # (its first-level run, then the rest) when at least this many links are free
+                                 # (0 = off; at least 2; issue 41, results §66: edge up,
+                                 # what-if down; a schedule only)
     root_first: bool = False     # pruned/continuous: after a truncation, send the next round's root alone at once,
                                  # then commit the accepted tokens and draft its first tree (issue 41: a round
                                  # start's turnaround holds no draft call; changes the schedule, not the output)
@@ -340,6 +350,10 @@ class RunConfig(Checked):
                   "early_whole"):
             if getattr(self.tree, k) < 0:
                 raise ConfigError(f"{k}={getattr(self.tree, k)} must be >= 0")
+        if self.tree.early_split not in (0,) and self.tree.early_split < 2:
+            raise ConfigError(f"tree.early_split={self.tree.early_split} must be 0 (off) or >= 2 (free links)")
+        if not 0 <= self.tree.early_cover <= 1:
+            raise ConfigError(f"tree.early_cover={self.tree.early_cover} must be in [0, 1]")
         if not 0 <= self.serve.max_active <= 64:
             raise ConfigError(f"serve.max_active={self.serve.max_active} must be in [0, 64] (0 = auto)")
         if not 0 < self.serve.ring_share <= 64:

@@ -576,11 +576,12 @@ class BeamTreeDrafter:
 
     @no_grad
     def append_prefetched_expansion(self, tree: DraftTree, inputs: Tensor, pre: tuple, pre2: tuple, top_k: int,
-                                    max_new: int) -> tuple[DraftTree, Tensor] | None:
+                                    max_new: int, cover: float = 1.0) -> tuple[DraftTree, Tensor] | None:
         """``tree.early_whole`` (issue 41): the next expansion's two levels, chosen from the prefetched candidates
         (:meth:`prefetch_expansion` of this tree, re-rooted with it) with no model call, appended to ``tree``;
-        ``(grown tree, its per-node inputs)``, or None when a beam member's children were not prefetched (the
-        caller then sends the first level alone, :meth:`append_prefetched_level`, or the plain expansion).
+        ``(grown tree, its per-node inputs)``, or None when fewer than ``cover`` of the beam's members had their
+        children prefetched (``cover = 1``: every one; the caller then sends the first level alone,
+        :meth:`append_prefetched_level`, or the plain expansion).
 
         The rule (which nodes, how many), that of :meth:`append_prefetched_level` followed by
         :meth:`commit_extend_tree` with its record: the first level is the beam (the best ``top_k`` leaves' best
@@ -590,7 +591,15 @@ class BeamTreeDrafter:
         appended best first. A child never outranks its parent, so the appended nodes are ancestors-first and every
         prefix of them is sendable. On a drafter whose outputs do not depend on the context the result is exactly
         the early level's finished tree (tested); otherwise the children were ranked with the previous step's
-        context: a different draft, the same exactness."""
+        context: a different draft, the same exactness.
+
+        ``cover < 1`` (``tree.early_cover``, issue 41, docs/results.md §66): a beam partly
+        prefetched is sent whole too, its uncovered members' children simply absent (the room goes to the next-best
+        candidates: the level's others and the covered members' children). Why: the fallback for an uncovered beam
+        is a second segment (the early level's rest after the commit) or a plain expansion whose turnaround holds
+        the head forward; a missing child only waits for the next step's expansion (its parent is a leaf then).
+        Measured: τ up (1.86 -> 1.94 at 20 answers) but ξ down on both profiles (the stages less busy), so the
+        default stays 1. With every member covered the result is the ``cover = 1`` one (the same code path)."""
         beam = self._prefetched_beam(tree, pre, top_k, max_new)
         if beam is None:
             return None
@@ -600,18 +609,19 @@ class BeamTreeDrafter:
         n = len(tree)
         dev = inputs.device
         rows = seed[fr].reshape(-1)[best]                      # each beam node's prefetched children (row of pre2)
-        if (rows < 0).any():
+        cb = np.flatnonzero(rows >= 0)                         # the covered beam members (all of them: cover = 1)
+        if cb.size < best.size and (cover >= 1 or cb.size < cover * best.size):
             return None
         kk2 = s2.shape[1]
         rest = np.ones(cum.size, dtype=bool)
         rest[best] = False
         rest = np.flatnonzero(rest)                            # the level's other candidates
-        c_score = np.concatenate([cum[rest], (cum[best][:, None] + s2[rows]).reshape(-1)])
+        c_score = np.concatenate([cum[rest], (cum[best[cb]][:, None] + s2[rows[cb]]).reshape(-1)])
         chosen = best_first(c_score, max(0, min(max_new - best.size, c_score.size)))
         lv = chosen < rest.size                                # a first-level candidate, else a beam node's child
         c1 = np.append(rest, 0)[np.where(lv, chosen, rest.size)]    # (a child's entries here are unused)
         c2 = np.where(lv, 0, chosen - rest.size)
-        b2 = c2 // max(kk2, 1)
+        b2 = np.append(cb, 0)[c2 // max(kk2, 1)]               # the child's beam member (a level's entry: unused)
         m = best.size + chosen.size
         grown, (tok, parents, score, depth) = tree.append_slots_numpy(m)
         f1 = fr[best // kk]
@@ -808,35 +818,35 @@ class BeamTreeDrafter:
         leaf, p_out, p_s, p_t = pre
         n = len(tree)
         dev = inputs.device
-        leaves = leaf.nonzero().flatten()
-        k = min(top_k, leaves.numel())
-        frontier = leaves[beam_frontier(tree.scores[leaves], k)]
-        cs, ct = p_s[frontier], p_t[frontier]
+        _, t_par, t_score, t_dep = tree.host_numpy()      # the tree's host arrays as NumPy views (no operator)
+        depth1 = torch.from_numpy((t_par == 0)[:, None]).to(dev)
+        leaves = np.flatnonzero(leaf.numpy())
+        frontier = leaves[best_first(t_score[leaves], min(top_k, leaves.size))]
+        cs, ct = p_s.numpy()[frontier], p_t.numpy()[frontier]
         nf, kk = cs.shape
         if kk == 0:
             root_hidden = self.commit(*commit)
-            return tree, torch.where((tree.parents == 0).to(dev)[:, None], root_hidden.to(inputs.dtype), inputs), \
-                root_hidden
-        f_out = p_out[frontier.to(dev)].to(inputs.dtype)
-        cum = tree.scores[frontier][:, None] + cs                                 # [nf, kk]
-        best = self._frontier(self.tree_shape, cum.reshape(-1), [cum.reshape(-1)], max_new + 1, top_k)
+            return tree, torch.where(depth1, root_hidden.to(inputs.dtype), inputs), root_hidden
+        f_out = p_out[torch.from_numpy(frontier).to(dev)].to(inputs.dtype)
+        cum = (t_score[frontier][:, None] + cs).reshape(-1)                   # [nf * kk], as torch.add's dtype
+        best = self._frontier_np(cum, cum, max_new + 1, top_k)
         row = best // kk
-        l1_tok = ct.reshape(-1)[best]
+        ct = ct.reshape(-1)
         root_hidden, out = self.commit_tree_forward(
-            commit[0], commit[1], torch.cat([tree.tokens[1:], l1_tok]), torch.cat([inputs[1:], f_out[row.to(dev)]]),
-            torch.cat([tree.parents[1:] - 1, frontier[row] - 1]))
-        inputs = torch.where((tree.parents == 0).to(dev)[:, None], root_hidden.to(inputs.dtype), inputs)
+            commit[0], commit[1], torch.cat([tree.tokens[1:], torch.from_numpy(ct[best])]),
+            torch.cat([inputs[1:], f_out[torch.from_numpy(row).to(dev)]]),
+            torch.from_numpy(np.concatenate([t_par[1:], frontier[row]]) - 1))
+        inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)
         l1_out = out[n - 1:].to(inputs.dtype)
         start = n - 1                                                             # the level's cache slots
         # the remaining levels: one beam below the level-1 nodes; candidates of level 0 compete with them
         cap = levels * top_k * top_k
-        cum_np, best_np = cum.reshape(-1).numpy(), best.numpy()
-        b = _Beam(cap, np.empty(cap, dtype=np.promote_types(cum_np.dtype, np.float32)), np.empty(cap, dtype=np.int64),
-                  [ct.reshape(-1).numpy()], [frontier.numpy(), best_np + n], [tree.depths[frontier].numpy()],
-                  [f_out, l1_out], np.arange(start, start + best_np.size, dtype=np.int64), cum_np[best_np][:, None],
+        b = _Beam(cap, np.empty(cap, dtype=np.promote_types(cum.dtype, np.float32)), np.empty(cap, dtype=np.int64),
+                  [ct], [frontier, best + n], [t_dep[frontier]],
+                  [f_out, l1_out], np.arange(start, start + best.size, dtype=np.int64), cum[best][:, None],
                   n_cand=nf * kk, n_rows=nf)
-        b.rows_dep.append(b.rows_dep[-1][best_np // kk] + 1)
-        b.c_score[:nf * kk] = cum_np
+        b.rows_dep.append(b.rows_dep[-1][best // kk] + 1)
+        b.c_score[:nf * kk] = cum
         b.c_row[:nf * kk] = _row_pattern_np(nf, kk)
         self._beam_levels(b, 1, levels, top_k, max_new, n, dev, inputs.dtype)
         self.drop_tree()

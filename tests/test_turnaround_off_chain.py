@@ -213,7 +213,9 @@ def test_a_new_rounds_root_is_sent_before_the_commit():
 @pytest.mark.parametrize("keys", [["tree.early_level=true", "tree.early_whole=0"],
                                   ["tree.root_first=true", "tree.early_level=true", "tree.early_whole=0"],
                                   ["tree.early_level=false", "tree.early_whole=40"],
-                                  ["tree.early_level=true", "tree.early_whole=80"]])   # the defaults, explicitly
+                                  ["tree.early_level=true", "tree.early_whole=80"],    # the defaults, explicitly
+                                  ["tree.early_level=true", "tree.early_whole=16", "tree.early_cover=0"],
+                                  ["tree.early_split=2"]])
 def test_stories260k_all_modes_equal_hf_off_chain(tmp_path, keys):
     """Every mode with the keys equals HF generate (greedy), stories260K on 5 ranks in one process, the untrained
     EAGLE head with prompt lookup (the default sources), prompts from the six datasets."""
@@ -367,6 +369,164 @@ def test_an_uncovered_beam_falls_back_to_the_first_level():
     assert _whole(9, width=100)[1] is not None
 
 
+def _path_of(tree, i: int) -> tuple[int, ...]:
+    out = []
+    while i >= 0:
+        out.append(int(tree.tokens[i]))
+        i = int(tree.parents[i])
+    return tuple(reversed(out))
+
+
+def _partly_covered(max_new: int, cover: float, plant=None):
+    """The Markov drafter's tree of :func:`_whole`, every candidate's children prefetched (width 100), then the
+    beam's best member made uncovered (its seed row -1; the others stay covered, so the children's rows shift);
+    ``append_prefetched_expansion`` with ``cover``, and with room for every candidate (the universe the reference
+    chooses from); ``plant`` edits the partly covered rows first."""
+    from tests.test_sampling import enc
+    d = _markov()
+    root = enc(4)
+    tree, inputs = d.grow_tree_with_inputs(4, root, 9, 2, 3)
+    pre, pre2, _, _ = d.prefetch_expansion(tree, inputs, root, 3, 100)
+    leaves = np.flatnonzero(pre[0].numpy())
+    cum = tree.scores.numpy()[leaves][:, None] + pre[2].numpy()[leaves]
+    li, j = np.unravel_index(int(np.argmax(cum)), cum.shape)
+    lf = int(leaves[li])
+    seed = pre2[0].copy()
+    seed[lf, j] = -1                                   # the beam's best member: its children left out
+    part = (seed, *pre2[1:])
+    if plant is not None:
+        part = plant(part)
+    got = d.append_prefetched_expansion(tree, inputs, pre, part, 3, max_new, cover)
+    full = d.append_prefetched_expansion(tree, inputs, pre, pre2, 3, 1000)
+    return tree, (lf, int(pre[3][lf, j])), got, full
+
+
+def _partial_reference(tree, gone_node: tuple[int, int], full, max_new: int) -> list:
+    """Plain Python: the beam (the universe's first ``min(3, max_new)`` new nodes), then the best ``max_new - beam``
+    of the universe's other new nodes by score, leaving out the children of the beam member ``gone_node`` (its
+    leaf, its token)."""
+    grown, _ = full
+    n = len(tree)
+    nb = min(3, max_new)
+    beam = list(range(n, n + nb))
+    gone = {i for i in beam if (int(grown.parents[i]), int(grown.tokens[i])) == gone_node}
+    assert len(gone) == 1
+    others = [i for i in range(n + nb, len(grown)) if int(grown.parents[i]) not in gone]
+    others.sort(key=lambda i: -float(grown.scores[i]))
+    return sorted((_path_of(grown, i), round(float(grown.scores[i]), 6)) for i in beam + others[:max_new - nb])
+
+
+@pytest.mark.parametrize("max_new", [3, 6, 9, 12])
+def test_a_partly_covered_beam_is_sent_whole_without_the_uncovered_childrens(max_new):
+    """``tree.early_cover`` below 1: a beam some of whose members had no children prefetched is sent whole anyway:
+    the beam first, then the best of the level's other candidates and the COVERED members' children (against a
+    plain-Python reference on the universe of every prefetched candidate); each new node's input is the one it
+    has in the fully covered expansion (its leaf's output, or its beam parent's prefetched output); the tree stays
+    ancestors-first. With ``cover`` 1 (the default) the same rows give None (the fallback)."""
+    tree, gone, got, full = _partly_covered(max_new, 0.0)
+    assert _partly_covered(max_new, 1.0)[2] is None
+    assert got is not None
+    grown, g_in = got
+    n = len(tree)
+    assert len(grown) - n == max_new
+    assert _paths(grown, n) == _partial_reference(tree, gone, full, max_new)
+    f_in = {_path_of(full[0], i): full[1][i] for i in range(n, len(full[0]))}
+    for i in range(n, len(grown)):
+        torch.testing.assert_close(g_in[i], f_in[_path_of(grown, i)])
+    assert (grown.parents[1:] < torch.arange(1, len(grown))).all()
+    assert (grown.depths[n:] - grown.depths[grown.parents[n:]] == 1).all()
+    if max_new >= 9:                                   # the covered members' children do get in
+        assert (grown.parents[n:] >= n).any()
+
+
+@pytest.mark.parametrize("bug", ["children_of_another_node", "outputs_off_by_one"])
+def test_planted_partial_expansion_bugs_fail(bug):
+    """Planted: the covered members read another candidate's children rows, or their outputs one row off: the
+    partly covered expansion then differs from the reference (nodes) or from the covered inputs."""
+    def roll_rows(p):
+        seed = p[0].copy()
+        seed[seed >= 0] = np.roll(seed[seed >= 0], 1)
+        return (seed, *p[1:])
+    plant = roll_rows if bug == "children_of_another_node" else (lambda p: (p[0], p[1].roll(1, 0), *p[2:]))
+    tree, gone, got, full = _partly_covered(9, 0.0, plant)
+    grown, g_in = got
+    n = len(tree)
+    f_in = {_path_of(full[0], i): full[1][i] for i in range(n, len(full[0]))}
+    same = _paths(grown, n) == _partial_reference(tree, gone, full, 9) and all(
+        torch.allclose(g_in[i], f_in.get(_path_of(grown, i), g_in[i] + 1)) for i in range(n, len(grown)))
+    assert not same
+
+
+def test_early_cover_zero_sends_every_step_whole(monkeypatch):
+    """In the real ContinuousMode loop with every prefetch's seed set missing its best candidate (so no beam is
+    covered whole: ``draft.drafter.level2_seeds`` patched), the default ``tree.early_cover=1`` sends no whole
+    expansion (level-only early sends), ``tree.early_cover=0`` makes every early send a whole one; the greedy
+    output is the same."""
+    import draft.drafter as dd
+    real = dd.level2_seeds
+    monkeypatch.setattr(dd, "level2_seeds", lambda *a: real(*a)[1:])
+    _, out_one, one = _step_events({"tree.early_level": True, "tree.early_whole": 16})
+    _, out_zero, zero = _step_events({"tree.early_level": True, "tree.early_whole": 16, "tree.early_cover": 0.0})
+    assert out_one == out_zero
+    assert one.early_sent > 0 and one.whole_sent == 0
+    assert zero.whole_sent == zero.early_sent > 0
+
+
+def _sends_before_forward(events: list[str]) -> list[int]:
+    """Per verified step: the ring sends between its mark and its first draft-head forward (or the next step)."""
+    out = []
+    for i, e in enumerate(events):
+        if e == "step":
+            k = 0
+            for x in events[i + 1:]:
+                if x != "send":
+                    break
+                k += 1
+            out.append(k)
+    return out
+
+
+class _Box:
+    """An outbox stand-in for ``ContinuousMode.top_up``: ``busy`` live segments already in flight, sends recorded."""
+
+    def __init__(self, busy: int) -> None:
+        self.busy, self.sizes, self.next_gid = busy, [], 0
+
+    def live_inflight(self, alive) -> int:
+        return self.busy + len(self.sizes)
+
+    def send(self, tokens, parent_gids, tag: int = 0):
+        self.sizes.append(int(tokens.numel()))
+        self.next_gid += int(tokens.numel())
+
+
+@pytest.mark.parametrize("free,busy,split,want", [(2, 0, 3, [3, 5]), (2, 2, 3, [3, 5]), (2, 3, 3, [8]), (2, 0, 0, [8]),
+                                                  (2, 0, 8, [8]), (3, 1, 3, [3, 5]), (3, 2, 3, [8])])
+def test_early_split_sends_two_segments_when_two_links_are_free(free, busy, split, want):
+    """``tree.early_split`` (``ContinuousMode.top_up``): with a split recorded by the whole send (``split`` waiting
+    nodes first) and at least ``tree.early_split`` of the 4 links free, the waiting nodes leave as two segments at
+    once (the
+    split's prefix, then the rest); one link free, no split, or a split covering every waiting node: one segment
+    as without the key. The split is consumed (the next top-up is plain)."""
+    from types import SimpleNamespace
+
+    from config.run_config import TreeConfig
+    from draft.tree import DraftTree
+    from pipeline.modes.flowspec import ContinuousMode
+    from pipeline.outbox import RankTree
+    engine = SimpleNamespace(cfg=SimpleNamespace(tree=TreeConfig(early_split=free)), comm=SimpleNamespace(world=4))
+    tree = DraftTree(torch.arange(9), torch.tensor([-1, 0, 0, 1, 1, 2, 3, 3, 4]), torch.zeros(9),
+                     torch.tensor([0, 1, 1, 2, 2, 2, 3, 3, 3]))
+    state = RankTree(tree)
+    box = _Box(busy)
+    state.send(box, 1)                                  # the root, sent before
+    box.sizes.clear()
+    mode = ContinuousMode()
+    mode.split = split
+    mode.top_up(engine, box, state)
+    assert box.sizes == want and mode.split == 0 and state.waiting == 0
+
+
 def test_whole_expansion_calls_no_model_and_the_commit_with_the_prefetch_two_forwards_two_log_probs():
     """Counted on an EAGLE + lookup drafter: choosing both levels costs 0 head forwards and 0 log-prob calls (the
     chain); the commit with the next prefetch (off the chain) 2 and 2, the prefetched step's count: the commit, the
@@ -456,5 +616,16 @@ def _step_events(over: dict):
         self.grown_after += 0 if got is None else len(got[0]) - len(tree)
         return got
     cont.commit_and_grow = after.__get__(cont)
+    cont.events = events
     out = run()
     return _firsts_after(events, "step", ("send", "forward")), out, cont
+
+
+@pytest.mark.parametrize("bad", ["tree.early_cover=1.5", "tree.early_cover=-0.1", "tree.early_split=1",
+                                 "tree.early_split=-2"])
+def test_bad_early_keys_are_one_line_errors(bad):
+    from config.errors import UserError
+    from config.run_config import DEFAULT, ConfigError, apply_overrides
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(DEFAULT, [bad])
+    assert issubclass(ConfigError, UserError) and "\n" not in str(e.value) and bad.split("=")[0] in str(e.value)

@@ -303,6 +303,7 @@ class ContinuousMode(StreamingMode):
         self.early: tuple[int, int] | None = None  # tree.early_level: (levels, room) of the expansion under way
         self.pre2: tuple | None = None            # tree.early_whole: the next expansion's second level (prefetched)
         self.whole = False                        # tree.early_whole: this step's whole expansion was sent early
+        self.split = 0                            # tree.early_split: the first of a whole send's two segments
 
     @staticmethod
     def incremental(engine: Engine) -> bool:
@@ -496,11 +497,15 @@ class ContinuousMode(StreamingMode):
         if self.pre2 is not None and whole:       # tree.early_whole: both levels, one segment
             with engine.tracer.span("expand"):
                 got = engine.drafter.append_prefetched_expansion(state.tree, self.inputs, self.pre, self.pre2,
-                                                                 t.expand_topk, room)
+                                                                 t.expand_topk, room, t.early_cover)
             if got is not None:
                 tree, self.inputs = got
                 self.pre = self.pre2 = None
                 self.whole = True
+                if t.early_split:                 # the waiting nodes and the leading first-level run
+                    n = len(state.tree)
+                    run = (tree.host_numpy()[1][n:] >= n).nonzero()[0]
+                    self.split = state.waiting + (int(run[0]) if run.size else len(tree) - n)
                 state.set_tree(tree)
                 return True
         if not t.early_level:                     # early_whole alone: an uncovered beam takes the plain path
@@ -513,6 +518,20 @@ class ContinuousMode(StreamingMode):
         self.early = (levels, room - (len(tree) - len(state.tree)))
         state.set_tree(tree)
         return True
+
+    def top_up(self, engine: Engine, box: Outbox, state: RankTree, root_hidden: torch.Tensor | None = None) -> None:
+        """``tree.early_split`` (issue 41, docs/results.md §66): a whole early send goes out
+        as TWO segments at once when at least ``early_split`` links are free (0: off; only then is a split
+        recorded) -- the first-level run (with any nodes already waiting), then the rest -- else as usual. Why: the
+        stages were less busy with one large segment per step than with the early level's two (§63); two segments
+        in flight at once keep two links busy and the children still leave before the commit. Measured: ξ up on
+        the edge, down on the launch-bound what-if (each segment costs a stage step there), so off by default.
+        Only a schedule (any prefix of the ancestors-first nodes is sendable): the output never changes."""
+        k, self.split = self.split, 0
+        if 0 < k < state.waiting \
+                and live_segments(engine) - box.live_inflight(state.alive_gids()) >= engine.cfg.tree.early_split:
+            state.send(box, k)
+        super().top_up(engine, box, state, root_hidden)
 
     def decode(self, engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
                out: OutputBuffer) -> DecodeResult:

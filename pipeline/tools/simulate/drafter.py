@@ -107,8 +107,8 @@ class ReplayDrafter:
         return self.inner.prefetch_expansion(tree, inputs, root_hidden, top_k, width, commit)
 
     def append_prefetched_expansion(self, tree: DraftTree, inputs: Tensor, pre: tuple, pre2: tuple, top_k: int,
-                                    max_new: int):
-        return self.inner.append_prefetched_expansion(tree, inputs, pre, pre2, top_k, max_new)
+                                    max_new: int, cover: float = 1.0):
+        return self.inner.append_prefetched_expansion(tree, inputs, pre, pre2, top_k, max_new, cover)
 
 
 class LogMeter:
