@@ -118,39 +118,13 @@ def test_the_tree_only_call_dispatches_fewer_operators():
 def _round_start_events(first_levels: int):
     """The real ContinuousMode (greedy, a world whose rounds truncate): after each TRUNCATE decision, which comes
     first, the next ring send or the first tree's inputs (``take_lazy``, or the eager ``grow_tree_with_inputs``)."""
-    from pipeline.messages import Status
-    from pipeline.verify import Sampler
-    from tests.test_sampling import MarkovDrafter, make_runner, make_world
-    from tests.test_turnaround_off_chain import _firsts_after
-    tables = make_world(11, "random", 1.5)
-    drafter = MarkovDrafter(tables[1])
-    run = make_runner("continuous", 3, tables, Sampler(), 12, {"tree.first_levels": first_levels}, drafter=drafter)
-    events = []
-    ring = run.ring
-    send, direct, eager = ring.send_next, ring.send_direct, drafter.grow_tree_with_inputs
+    from tests.test_turnaround_off_chain import _events_after_truncate, wrap
 
-    def rec_send(*a, **k):
-        events.append("send")
-        return send(*a, **k)
-
-    def rec_direct(dec):
-        if dec.status == Status.TRUNCATE and not dec.finished:
-            events.append("truncate")
-        return direct(dec)
-
-    def rec_eager(*a, **k):
-        events.append("inputs")
-        return eager(*a, **k)
-    cont = run.cont
-    take = type(cont).take_lazy
-
-    def rec_take(self, engine, tree):
-        events.append("inputs")
-        return take(self, engine, tree)
-    ring.send_next, ring.send_direct, drafter.grow_tree_with_inputs = rec_send, rec_direct, rec_eager
-    cont.take_lazy = rec_take.__get__(cont)
-    out = run()
-    return _firsts_after(events, "truncate", ("send", "inputs")), out
+    def watch(run, drafter, record):
+        wrap(drafter, "grow_tree_with_inputs", record, "inputs")
+        wrap(run.cont, "take_lazy", record, "inputs")
+        return ("inputs",)
+    return _events_after_truncate({"tree.first_levels": first_levels}, watch)
 
 
 def test_a_one_level_first_tree_is_sent_before_its_inputs():

@@ -169,19 +169,19 @@ def test_the_first_send_of_a_step_precedes_its_forwards():
     assert plain.count("send") < early.count("send"), (plain, early)
 
 
-def _root_sends_before_commit(key: str | None):
-    """Run the real ContinuousMode once (greedy, a world whose rounds truncate) and record, after each TRUNCATE
-    decision, whether the next ring send or the next commit comes first."""
+def _events_after_truncate(over: dict, watch) -> tuple[list[str], list]:
+    """Run the real ContinuousMode once (greedy, a world whose rounds truncate, run keys ``over``) and record, after
+    each TRUNCATE decision, which comes first: the next ring send or a call ``watch`` wraps. ``watch(run, drafter,
+    record)`` wraps that call so that it runs ``record(name)`` first and returns the names it records."""
     from pipeline.messages import Status
     from pipeline.verify import Sampler
     from tests.test_sampling import MarkovDrafter, make_runner, make_world
     tables = make_world(11, "random", 1.5)
-    over = {key: True} if key else {}
     drafter = MarkovDrafter(tables[1])
     run = make_runner("continuous", 3, tables, Sampler(), 12, over, drafter=drafter)
     events = []
     ring = run.ring
-    send, direct, commit = ring.send_next, ring.send_direct, drafter.commit
+    send, direct = ring.send_next, ring.send_direct
 
     def rec_send(*a, **k):
         events.append("send")
@@ -191,13 +191,28 @@ def _root_sends_before_commit(key: str | None):
         if d.status == Status.TRUNCATE and not d.finished:
             events.append("truncate")
         return direct(d)
-
-    def rec_commit(*a, **k):
-        events.append("commit")
-        return commit(*a, **k)
-    ring.send_next, ring.send_direct, drafter.commit = rec_send, rec_direct, rec_commit
+    ring.send_next, ring.send_direct = rec_send, rec_direct
+    names = watch(run, drafter, events.append)
     out = run()
-    return _firsts_after(events, "truncate", ("send", "commit")), out
+    return _firsts_after(events, "truncate", ("send", *names)), out
+
+
+def wrap(obj, attr: str, record, name: str) -> None:
+    """Replace ``obj.attr`` (a bound method) by one that records ``name`` first."""
+    call = getattr(obj, attr)
+
+    def recorded(*a, **k):
+        record(name)
+        return call(*a, **k)
+    setattr(obj, attr, recorded)
+
+
+def _root_sends_before_commit(key: str | None):
+    """After each TRUNCATE decision, whether the next ring send or the next commit comes first."""
+    def watch(run, drafter, record):
+        wrap(drafter, "commit", record, "commit")
+        return ("commit",)
+    return _events_after_truncate({key: True} if key else {}, watch)
 
 
 def test_a_new_rounds_root_is_sent_before_the_commit():
