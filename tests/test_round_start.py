@@ -133,25 +133,3 @@ def test_a_one_level_first_tree_is_sent_before_its_inputs():
     assert out_one == out_two
     assert one and set(one) == {"send"}, one
     assert set(two) == {"inputs"}, two
-
-
-@pytest.mark.skipif(not __import__("tests.helpers", fromlist=["STORIES"]).STORIES.is_dir(),
-                    reason="../shared is not available")
-@pytest.mark.parametrize("keys", [["tree.first_levels=1"], []])
-def test_stories260k_all_modes_equal_hf_round_start(tmp_path, keys):
-    """Every mode with the one-level start and with the default two-level one equals HF generate (greedy),
-    stories260K on 5 ranks in one process, the untrained EAGLE head with prompt lookup, prompts from the datasets."""
-    from transformers import AutoTokenizer
-
-    from model.split import split_checkpoint
-    from pipeline.inprocess import run_threaded
-    from tests.helpers import STORIES, hf_greedy
-    from tests.test_e2e import ALL_MODES, _dataset_prompts
-    stages = split_checkpoint(STORIES, tmp_path / "stages", [0, 1, 1, 1, 2], progress=False)
-    prompts = _dataset_prompts(AutoTokenizer.from_pretrained(STORIES), 40)[:3]
-    res = run_threaded(stages, prompts, ALL_MODES.split(","), ["max_new_tokens=32", "dtype=float32", *keys], {2},
-                       dtype=torch.float32)
-    for mode, rows in res.items():
-        assert len(rows) == len(prompts), mode
-        for p, r in zip(prompts, rows):
-            assert r.output_ids == hf_greedy(STORIES, p, 32, {2}, torch.float32), f"{mode} differs from HF"

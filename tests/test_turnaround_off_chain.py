@@ -230,7 +230,8 @@ def test_a_new_rounds_root_is_sent_before_the_commit():
                                   ["tree.early_level=false", "tree.early_whole=40"],
                                   ["tree.early_level=true", "tree.early_whole=80"],    # the defaults, explicitly
                                   ["tree.early_level=true", "tree.early_whole=16", "tree.early_cover=0"],
-                                  ["tree.early_split=2"]])
+                                  ["tree.early_split=2"],
+                                  ["tree.first_levels=1"]])                            # tests/test_round_start.py
 def test_stories260k_all_modes_equal_hf_off_chain(tmp_path, keys):
     """Every mode with the keys equals HF generate (greedy), stories260K on 5 ranks in one process, the untrained
     EAGLE head with prompt lookup (the default sources), prompts from the six datasets."""
