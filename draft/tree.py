@@ -202,6 +202,14 @@ class DraftTree:
             out.tokens, out.parents, out.scores, out.depths = views
         return out
 
+    @staticmethod
+    def of_arrays(arrays: tuple, proposals: list | None = None) -> "DraftTree":
+        """The tree on ``arrays`` = (tokens, parents, scores, depths): flat host tensors already in the tree's dtypes
+        (int64, int64, float32, int64), used as its buffers with no copy, cast or depth recomputation (issue 41: the
+        host-built trees of :func:`top_nodes_tree` and :func:`merge_sources`); the caller hands them over."""
+        n = arrays[0].numel()
+        return DraftTree._on_store(_Store(*arrays, n), n, proposals, views=arrays)
+
     def prefix(self, k: int) -> "DraftTree":
         """The tree of the first ``k`` nodes (ancestors-first, so a tree), on the same buffers: views, no copy
         (slots ``[0, k)`` never change; growing it later copies unless it is the store's longest tree)."""
@@ -287,8 +295,7 @@ def top_nodes_tree(root_token: int, tokens: np.ndarray, parents: np.ndarray, sco
     if depths is None:
         return DraftTree(torch.from_numpy(tok), torch.from_numpy(par), torch.from_numpy(sc))
     dep[1:] = depths[order]
-    arrays = tuple(torch.from_numpy(x) for x in (tok, par, sc, dep))   # already flat, in the tree's dtypes: a tree
-    return DraftTree._on_store(_Store(*arrays, k + 1), k + 1, views=arrays)   # on them as DraftTree(...) makes it
+    return DraftTree.of_arrays(tuple(torch.from_numpy(x) for x in (tok, par, sc, dep)))
 
 
 def beam_frontier(scores: Tensor, width: int) -> Tensor:
@@ -642,9 +649,7 @@ def _merged_tree(nodes: list, parents: list, order: list, proposals: list | None
     out_depths = [0] * len(order)                                # ancestors first: one pass (no recomputation)
     for i in range(1, len(order)):
         out_depths[i] = out_depths[out_parents[i]] + 1
-    # NumPy arrays in the tree's dtypes (a Python float rounds to float32 as torch.tensor's default dtype does), the
-    # tree on them as DraftTree(...) makes it (no cast, no recomputation)
-    arrays = tuple(torch.from_numpy(np.array(x, dtype=d)) for x, d in (
+    # NumPy arrays in the tree's dtypes (a Python float rounds to float32 as torch.tensor's default dtype does)
+    return DraftTree.of_arrays(tuple(torch.from_numpy(np.array(x, dtype=d)) for x, d in (
         ([nodes[u][0] for u in order], np.int64), (out_parents, np.int64), ([nodes[u][1] for u in order], np.float32),
-        (out_depths, np.int64)))
-    return DraftTree._on_store(_Store(*arrays, len(order)), len(order), proposals, views=arrays)
+        (out_depths, np.int64))), proposals)
