@@ -16,7 +16,7 @@ State ("hidden") for the tree interface (PipeDec, the merged drafter's ``logprob
 expansion): the lookup next-token scores after a sequence, the first level of its trie: a token that followed
 ``c`` of the ``N`` matching occurrences scores ``log(c / N) + token_logp``, every other token ``FLOOR`` (a very
 small log-score; everywhere when nothing matches). It is kept **compact**: ``2 * max_matches`` numbers, the
-supported token ids then their scores (:func:`pack_state`; unused slots hold id ``-1``), so a merged state
+supported token ids then their scores (:func:`state_row`; unused slots hold id ``-1``), so a merged state
 (EAGLE's feature beside it) stays small; :meth:`LookupDrafter.logprobs` spreads it over the vocabulary.
 
 Speed (issue 41 item 2): ``tree_forward`` computes many rows' states in ONE vectorised pass, no Python per node: the
@@ -326,15 +326,11 @@ def pack_states(nxt: np.ndarray, logt: np.ndarray) -> np.ndarray:
     return out
 
 
-def pack_state(conts: list[list[int]], width: int, token_logp: float) -> Tensor:
-    """The compact state (module docstring) of the next tokens of ``conts``: ``width // 2`` id slots then as many
-    score slots, ids in order of first appearance, unused slots id ``-1`` and score ``FLOOR``. float32: ids up to
-    2**24 are exact (:class:`LookupDrafter` checks its vocabulary), and widening it beside a feature is exact."""
-    return torch.tensor(state_row(conts, width, token_logp), dtype=torch.float32, device=HOST)
-
-
 def state_row(conts: list[list[int]], width: int, token_logp: float) -> list[float]:
-    """:func:`pack_state` as a Python list (many rows become one tensor at once: :meth:`LookupDrafter.tree_forward`)."""
+    """The compact state (module docstring) of the next tokens of ``conts`` as a Python list: ``width // 2`` id slots
+    then as many score slots, ids in order of first appearance, unused slots id ``-1`` and score ``FLOOR`` (the rule's
+    plain statement: :meth:`LookupDrafter.state` and ``tree_forward`` run it with precomputed scores, and as float32
+    ids up to 2**24 are exact: :class:`LookupDrafter` checks its vocabulary)."""
     slots = width // 2
     counts: dict[int, int] = {}
     for c in conts:
@@ -347,7 +343,7 @@ def state_row(conts: list[list[int]], width: int, token_logp: float) -> list[flo
 
 
 def unpack_state(hidden: Tensor, slots: int, what: str) -> tuple[Tensor, Tensor]:
-    """A compact state (:func:`pack_state`; also :mod:`draft.suffix`'s) as ``(ids, scores)``: ``slots`` token ids
+    """A compact state (:func:`state_row`; also :mod:`draft.suffix`'s) as ``(ids, scores)``: ``slots`` token ids
     (-1 = unused) then their scores. Ids ride in a float tensor, so only float32/float64 keep them exact."""
     if hidden.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"a {what} state holds token ids: float32 or float64 only, got {hidden.dtype}")
@@ -463,8 +459,22 @@ class LookupDrafter(TokenHistory):
         return self.ngrams.continuations(path, self.max_matches, length)
 
     def state(self, path: list[int]) -> Tensor:
-        """The compact lookup state (module docstring) after the committed context followed by ``path``."""
-        return pack_state(self.continuations(path, 1), self.state_width, self.token_logp)
+        """The compact lookup state (module docstring) after the committed context followed by ``path``: the per-node
+        rule of :meth:`tree_forward` for one row."""
+        self.ngrams.sync(self.context)
+        return torch.tensor(self._state_row(self.ngrams.next_tokens(path, self.max_matches)), dtype=torch.float32,
+                            device=HOST)
+
+    def _state_row(self, nxt: list[int]) -> list[float]:
+        """:func:`state_row`'s rule for one row's next tokens ``nxt`` (:meth:`NgramIndex.next_tokens`), its scores
+        looked up in ``logt`` (precomputed with :func:`math.log`: the very floats ``state_row`` computes): ids in order
+        of first appearance, then their scores, unused slots id -1 and score ``FLOOR``."""
+        counts: dict[int, int] = {}
+        for t in nxt:
+            counts[t] = counts.get(t, 0) + 1
+        ids, lt = list(counts), self._logt_rows[len(nxt)]
+        pad = self.max_matches - len(ids)
+        return ids + [-1] * pad + [lt[c] for c in counts.values()] + [FLOOR] * pad
 
     def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
         self.reset()
@@ -497,21 +507,15 @@ class LookupDrafter(TokenHistory):
             return torch.from_numpy(pack_states(self._matches(paths, depth), self.logt))
         ng = self.ngrams
         ng.sync(self.context)
-        m, logt = self.max_matches, self._logt_rows
+        m = self.max_matches
         rows_out = []
         paths = self._tree_paths(first)
         toks = self.tree_tokens
         for i in range(first, first + rows):
-            counts: dict[int, int] = {}
             p = par[i - first]
             path = (paths[p] if p >= 0 else []) + [toks[i]]      # its parent's path (an earlier entry) + its token
             paths.append(path)
-            nxt = ng.next_tokens(path, m)
-            for t in nxt:
-                counts[t] = counts.get(t, 0) + 1
-            ids, lt = list(counts), logt[len(nxt)]                   # state_row's rule, its scores precomputed
-            pad = m - len(ids)
-            rows_out.append(ids + [-1] * pad + [lt[c] for c in counts.values()] + [FLOOR] * pad)
+            rows_out.append(self._state_row(ng.next_tokens(path, m)))
         # one NumPy conversion of the rows (Python floats -> float32 rounds as torch.tensor does; ids are exact)
         return torch.from_numpy(np.array(rows_out, dtype=np.float32).reshape(rows, 2 * m))
 
