@@ -318,7 +318,7 @@ class ContinuousMode(StreamingMode):
         ``first_levels`` draft steps instead of ``init_depth + 1``; :meth:`finish_first_tree` grows the rest
         while it travels, and the rest fills the other links."""
         t = engine.cfg.tree
-        self.lazy = None
+        self.lazy = False
         if not self.incremental(engine):
             self.inputs = None
             return super().first_tree(engine, root, root_hidden)
@@ -326,52 +326,48 @@ class ContinuousMode(StreamingMode):
         self.quick_fill = quick
         self.pre = self.early = self.pre2 = None
         self.whole = False
-        total = min(t.init_total_token, t.subseq_token + 1) if quick else t.init_total_token
+        total = self.quick_total(t) if quick else t.init_total_token
         depth = t.first_levels - 1 if quick else t.init_depth
         if quick and depth == 0 and engine.cfg.draft.tree_shape == "eagle2":   # the root's children alone:
-            # their inputs and buffers wait for the send (take_lazy; a confidence shape drafts 2 levels at depth 0)
+            # their inputs wait for the send (take_lazy; a confidence shape drafts 2 levels at depth 0)
             with engine.tracer.span("draft"):
                 tree = engine.drafter.grow_tree(root, root_hidden, total, depth, t.init_topk)
-            self.inputs, self.lazy = None, (root_hidden, depth, total)
+            self.inputs, self.lazy = None, True
             return tree
         with engine.tracer.span("draft"):
             tree, self.inputs = engine.drafter.grow_tree_with_inputs(root, root_hidden, total, depth, t.init_topk)
-        if quick:                                 # sent first: its buffers at capacity after the send (take_lazy)
-            self.lazy = (None, depth, total)
-            return tree
-        return tree.with_capacity(self.capacity(t))
+        # a quick tree is sent first: its buffers at the round's capacity after the send (finish_first_tree)
+        return tree if quick else tree.with_capacity(self.capacity(t))
 
-    # issue 41, the round start: ``(root_hidden, depth, total)`` of a quick first tree of one level drafted by
-    # ``grow_tree`` (no inputs), until :meth:`take_lazy` gives it its inputs and capacity after the first send;
-    # ``(None, depth, total)``: a quick tree of more levels, drafted with its inputs, whose buffers wait likewise.
-    lazy: tuple | None = None
+    @staticmethod
+    def quick_total(t) -> int:
+        """Nodes of a quick-started first tree (``t``: the ``tree`` run keys): one segment's worth and the root."""
+        return min(t.init_total_token, t.subseq_token + 1)
 
-    def take_lazy(self, engine: Engine, tree: DraftTree) -> DraftTree:
-        """A one-level quick first tree's inputs and buffers (:meth:`first_tree`), after its send: the tree on buffers
-        at the round's capacity and ``self.inputs``, exactly what ``grow_tree_with_inputs`` gives with the tree (a
-        quick tree of more levels has its inputs already: its buffers only). The buffers' copy
-        (:meth:`draft.tree.DraftTree.with_capacity`) is a size hint for the appends that follow, none for the send.
+    # issue 41, the round start: true while a quick first tree of one level, drafted by ``grow_tree`` (no inputs),
+    # waits for :meth:`take_lazy` to give it its inputs after the first send
+    lazy: bool = False
+
+    def take_lazy(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor) -> None:
+        """A one-level quick first tree's inputs (:meth:`first_tree`), after its send: ``self.inputs``, exactly what
+        ``grow_tree_with_inputs`` gives with the tree.
 
         Why: on rank 0's turnaround at a round start (a truncation's result in hand -> the new tree's send) nothing
         of the inputs is needed; the send needs the tree alone. A node's input is its parent's draft output, so in a
         tree whose every node but the root is the root's child every row is ``root_hidden`` (the root's own row too),
-        for any drafter (a merged drafter's joined state per row); a drafter whose tree came out deeper
-        (no source here does at depth 0) is asked again with ``grow_tree_with_inputs``, which must draft the same
-        tree (deterministic drafts: ``incremental``)."""
-        root_hidden, depth, total = self.lazy
-        self.lazy = None
-        t = engine.cfg.tree
-        if root_hidden is None:                   # a quick tree of more levels: drafted with its inputs
-            return tree.with_capacity(self.capacity(t))
+        for any drafter (a merged drafter's joined state per row); a drafter whose tree came out deeper than one level
+        (none of the project's sources does at depth 0; a guard, not a path) is asked again with ``grow_tree_with_inputs``, which must
+        draft the same tree (deterministic drafts: ``incremental``)."""
+        self.lazy = False
         self.inputs = root_children_inputs(tree.host_numpy()[1], root_hidden)
         if self.inputs is None:                   # a node below a root's child: the general inputs
+            t = engine.cfg.tree
             with engine.tracer.span("draft"):
-                again, self.inputs = engine.drafter.grow_tree_with_inputs(int(tree.tokens[0]), root_hidden, total,
-                                                                          depth, t.init_topk)
+                again, self.inputs = engine.drafter.grow_tree_with_inputs(int(tree.tokens[0]), root_hidden,
+                                                                          self.quick_total(t), 0, t.init_topk)
             if len(again) != len(tree) or not torch.equal(again.tokens, tree.tokens) \
                     or not torch.equal(again.parents, tree.parents):
                 raise AssertionError("a deterministic drafter drafted another tree for the same root")
-        return tree.with_capacity(self.capacity(t))
 
     @staticmethod
     def capacity(t) -> int:
@@ -394,10 +390,11 @@ class ContinuousMode(StreamingMode):
         (:meth:`draft.drafter.Drafter.extend_tree` below its best leaves; appended nodes keep the tree
         ancestors-first, so the segments already sent stay a prefix)."""
         t = engine.cfg.tree
-        if self.lazy is not None:                 # a quick tree, sent: now its buffers (one level: its inputs too)
-            tree = self.take_lazy(engine, tree)
+        if self.lazy:                             # a one-level quick tree, sent: now its inputs
+            self.take_lazy(engine, tree, root_hidden)
         if self.inputs is None or not 0 < t.first_levels <= t.init_depth:
             return tree
+        tree = tree.with_capacity(self.capacity(t))   # a quick tree, sent: now its buffers at the round's capacity
         room = t.init_total_token - len(tree)
         if room <= 0:
             return tree
