@@ -815,23 +815,18 @@ class BeamTreeDrafter:
         leaves; its chosen nodes are fed in ONE forward with the commit rows and the re-fed tree
         (:meth:`commit_tree_forward`); later levels as in :meth:`_extend`, the final choice
         :meth:`_append_chosen`."""
-        leaf, p_out, p_s, p_t = pre
         n = len(tree)
         dev = inputs.device
-        _, t_par, t_score, t_dep = tree.host_numpy()      # the tree's host arrays as NumPy views (no operator)
+        _, t_par, _, _ = tree.host_numpy()                # the tree's host arrays as NumPy views (no operator)
         depth1 = torch.from_numpy((t_par == 0)[:, None]).to(dev)
-        leaves = np.flatnonzero(leaf.numpy())
-        frontier = leaves[best_first(t_score[leaves], min(top_k, leaves.size))]
-        cs, ct = p_s.numpy()[frontier], p_t.numpy()[frontier]
-        nf, kk = cs.shape
-        if kk == 0:
+        beam = self._prefetched_beam(tree, pre, top_k, max_new, cut=False)
+        if beam is None:               # no candidate (a re-rooted tree of n > 1 nodes always has a leaf)
             root_hidden = self.commit(*commit)
             return tree, torch.where(depth1, root_hidden.to(inputs.dtype), inputs), root_hidden
-        f_out = p_out[torch.from_numpy(frontier).to(dev)].to(inputs.dtype)
-        cum = (t_score[frontier][:, None] + cs).reshape(-1)                   # [nf * kk], as torch.add's dtype
-        best = self._frontier_np(cum, cum, max_new + 1, top_k)
+        frontier, ct, cum, best, kk, t_dep = beam
+        nf = frontier.size
+        f_out = pre[1][torch.from_numpy(frontier).to(dev)].to(inputs.dtype)
         row = best // kk
-        ct = ct.reshape(-1)
         root_hidden, out = self.commit_tree_forward(
             commit[0], commit[1], torch.cat([tree.tokens[1:], torch.from_numpy(ct[best])]),
             torch.cat([inputs[1:], f_out[torch.from_numpy(row).to(dev)]]),
@@ -854,30 +849,32 @@ class BeamTreeDrafter:
                                      b.n_cand, max_new), root_hidden)
 
     @no_grad
-    def _prefetched_beam(self, tree: DraftTree, pre: tuple, top_k: int, max_new: int) -> tuple | None:
+    def _prefetched_beam(self, tree: DraftTree, pre: tuple, top_k: int, max_new: int,
+                         cut: bool = True) -> tuple | None:
         """The next expansion's first-level beam, read from the prefetched leaf candidates ``pre``
         (:meth:`prefetch_leaves`) with no model call: ``(frontier, cand_tokens, cum, best, kk, tree_depths)`` --
         the best ``top_k`` leaves by cumulative score (best first), their candidates' tokens and cumulative scores
         flattened ``[len(frontier) * kk]``, the beam's candidates ``best`` (``_frontier``'s choice, at most
         ``max_new``), and the tree's depths (a NumPy view); None when there is nothing to append (no leaf, no
-        candidate, ``max_new <= 0``). The one home of the beam rule of :meth:`append_prefetched_level` and
-        :meth:`append_prefetched_expansion` (they must agree: the early level is the whole expansion's first)."""
+        candidate, ``max_new <= 0``). The one home of the beam rule of :meth:`append_prefetched_level`,
+        :meth:`append_prefetched_expansion` and :meth:`_extend_prefetched` (they must agree: the early level is
+        the whole expansion's first). ``cut=False`` (:meth:`_extend_prefetched`): ``best`` is not cut to
+        ``max_new`` and may be empty (the beam's nodes compete with the later levels' for the slots there)."""
         leaf, _, p_s, p_t = pre
         _, _, t_score, t_dep = tree.host_numpy()          # the tree's host arrays as NumPy views (no operator)
         leaves = np.flatnonzero(leaf.numpy())
         k = min(top_k, leaves.size)
-        if k == 0 or max_new <= 0:
+        if k == 0 or max_new <= 0 or p_s.shape[1] == 0:
             return None
         fr = leaves[best_first(t_score[leaves], k)]
         cs, ct = p_s.numpy()[fr], p_t.numpy()[fr]
         kk = cs.shape[1]
-        if kk == 0:
-            return None
-        cum = (t_score[fr][:, None] + cs).reshape(-1)                           # [len(fr) * kk]
-        best = self._frontier_np(cum, cum, max_new + 1, top_k)[:max_new]
-        if best.size == 0:
-            return None
-        return fr, ct.reshape(-1), cum, best, kk, t_dep
+        cum = (t_score[fr][:, None] + cs).reshape(-1)                           # [len(fr) * kk], as torch.add's dtype
+        best = self._frontier_np(cum, cum, max_new + 1, top_k)
+        if not cut:
+            return fr, ct.reshape(-1), cum, best, kk, t_dep
+        best = best[:max_new]
+        return (fr, ct.reshape(-1), cum, best, kk, t_dep) if best.size else None
 
     def append_prefetched_level(self, tree: DraftTree, inputs: Tensor, pre: tuple, top_k: int,
                                 max_new: int) -> tuple[DraftTree, Tensor, EarlyLevel] | None:
