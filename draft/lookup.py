@@ -16,7 +16,7 @@ State ("hidden") for the tree interface (PipeDec, the merged drafter's ``logprob
 expansion): the lookup next-token scores after a sequence, the first level of its trie: a token that followed
 ``c`` of the ``N`` matching occurrences scores ``log(c / N) + token_logp``, every other token ``FLOOR`` (a very
 small log-score; everywhere when nothing matches). It is kept **compact**: ``2 * max_matches`` numbers, the
-supported token ids then their scores (:func:`state_row`; unused slots hold id ``-1``), so a merged state
+supported token ids then their scores (``LookupDrafter._state_row``; unused slots hold id ``-1``), so a merged state
 (EAGLE's feature beside it) stays small; :meth:`LookupDrafter.logprobs` spreads it over the vocabulary.
 
 Speed (issue 41 item 2): ``tree_forward`` computes many rows' states in ONE vectorised pass, no Python per node: the
@@ -28,7 +28,7 @@ That pass has a fixed cost of about 40 NumPy calls, which on this CPU loses to t
 :attr:`LookupDrafter.vector_rows` rows take the per-node rule (the context indexed by its n-grams as it grows,
 :class:`NgramIndex`; :meth:`NgramIndex.next_tokens`: a query costs the occurrences it returns plus one pass over the
 positions of the tree path, each compared once for its match length). Both equal :func:`find_continuations` then
-:func:`state_row` per row (``tests/test_lookup_level.py``).
+the plain rule ``state_row`` per row (``tests/helpers.py``, checked by ``tests/test_lookup_level.py``).
 """
 from __future__ import annotations
 
@@ -308,10 +308,10 @@ def _layout(rows: int, width: int, mg: int) -> tuple[np.ndarray, ...]:
 
 
 def pack_states(nxt: np.ndarray, logt: np.ndarray) -> np.ndarray:
-    """The compact states (:func:`state_row`) of rows of next tokens ``nxt`` (``[rows, slots]``, -1 unused, the used
+    """The compact states (``_state_row``) of rows of next tokens ``nxt`` (``[rows, slots]``, -1 unused, the used
     ones first: :func:`level_matches`), as one ``[rows, 2 * slots]`` float32 array: ids in order of first appearance,
     then ``logt[count, n]`` (``log(count / n) + token_logp``, precomputed with :func:`math.log`: the very floats
-    :func:`state_row` computes), unused slots id -1 and score ``FLOOR``. NumPy, a fixed sequence of calls."""
+    ``_state_row`` computes), unused slots id -1 and score ``FLOOR``. NumPy, a fixed sequence of calls."""
     rows, slots = nxt.shape
     used = nxt >= 0
     same = nxt[:, :, None] == nxt[:, None, :]
@@ -326,24 +326,8 @@ def pack_states(nxt: np.ndarray, logt: np.ndarray) -> np.ndarray:
     return out
 
 
-def state_row(conts: list[list[int]], width: int, token_logp: float) -> list[float]:
-    """The compact state (module docstring) of the next tokens of ``conts`` as a Python list: ``width // 2`` id slots
-    then as many score slots, ids in order of first appearance, unused slots id ``-1`` and score ``FLOOR`` (the rule's
-    plain statement: :meth:`LookupDrafter.state` and ``tree_forward`` run it with precomputed scores, and as float32
-    ids up to 2**24 are exact: :class:`LookupDrafter` checks its vocabulary)."""
-    slots = width // 2
-    counts: dict[int, int] = {}
-    for c in conts:
-        if c:
-            counts[c[0]] = counts.get(c[0], 0) + 1
-    n = sum(counts.values())
-    ids = list(counts)[:slots]
-    return ids + [-1] * (slots - len(ids)) + [math.log(counts[t] / n) + token_logp for t in ids] + \
-        [FLOOR] * (slots - len(ids))
-
-
 def unpack_state(hidden: Tensor, slots: int, what: str) -> tuple[Tensor, Tensor]:
-    """A compact state (:func:`state_row`; also :mod:`draft.suffix`'s) as ``(ids, scores)``: ``slots`` token ids
+    """A compact state (``_state_row``; also :mod:`draft.suffix`'s) as ``(ids, scores)``: ``slots`` token ids
     (-1 = unused) then their scores. Ids ride in a float tensor, so only float32/float64 keep them exact."""
     if hidden.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"a {what} state holds token ids: float32 or float64 only, got {hidden.dtype}")
@@ -369,10 +353,10 @@ def best_supported(ids: Tensor, scores: Tensor, vocab_size: int, k: int) -> tupl
 
 
 def lookup_supported(state: Tensor, slots: int, k: int) -> tuple[Tensor, Tensor]:
-    """:func:`best_supported` of lookup's own states (:func:`state_row`), in 5 operators instead of 10 (issue 41): the
+    """:func:`best_supported` of lookup's own states (``_state_row``), in 5 operators instead of 10 (issue 41): the
     state split once, ``topk`` of its scores as they are, the ``FLOOR`` of an unused slot turned into ``-inf``, the
     ids gathered. Equal to ``best_supported(state[..., :slots], state[..., slots:], vocab_size, k)`` because a
-    lookup state keeps two invariants (``state_row``): an unused slot holds id -1 and score ``FLOOR``, a used one an
+    lookup state keeps two invariants (``_state_row``): an unused slot holds id -1 and score ``FLOOR``, a used one an
     id of the context (a real token, ``0 <= id < vocab_size``) and a score above ``FLOOR`` (``log(count / n) +
     token_logp`` with ``n <= max_matches``: :class:`LookupDrafter` takes this path only where ``token_logp -
     log(max_matches) > FLOOR``, i.e. for every sane ``token_logp``). So nothing needs masking by id, and ``topk`` sees
@@ -428,7 +412,7 @@ class LookupDrafter(TokenHistory):
         self._raw_ok = token_logp - math.log(max_matches) > FLOOR    # every used slot above FLOOR (lookup_supported)
         self.index = ContextIndex(max_ngram)
         self.ngrams = NgramIndex(min_ngram, max_ngram)           # the per-node path's index (vector_rows)
-        # logt[c, n] = log(c / n) + token_logp (math.log, as state_row): a state's score of a token c of n matches had
+        # logt[c, n] = log(c / n) + token_logp (math.log, as the rule): a state's score of a token c of n matches had
         self.logt = np.full((max_matches + 1, max_matches + 1), FLOOR)
         for n in range(1, max_matches + 1):
             for c in range(1, n + 1):
@@ -437,7 +421,7 @@ class LookupDrafter(TokenHistory):
         TokenHistory.__init__(self)
 
     # Rows from which tree_forward takes the vectorised pass (level_matches); fewer go through the per-node rule
-    # (NgramIndex.next_tokens + state_row's counting): measured on this CPU (docs/results.md §61), the vectorised
+    # (NgramIndex.next_tokens + the rule's counting): measured on this CPU (docs/results.md §61), the vectorised
     # pass's fixed cost (about 40 NumPy calls) loses to the per-node Python below a few dozen rows and wins above
     # (a re-fed tree). Both give the same states (tests/test_lookup_level.py runs both).
     vector_rows: int = 48
@@ -466,9 +450,10 @@ class LookupDrafter(TokenHistory):
                             device=HOST)
 
     def _state_row(self, nxt: list[int]) -> list[float]:
-        """:func:`state_row`'s rule for one row's next tokens ``nxt`` (:meth:`NgramIndex.next_tokens`), its scores
-        looked up in ``logt`` (precomputed with :func:`math.log`: the very floats ``state_row`` computes): ids in order
-        of first appearance, then their scores, unused slots id -1 and score ``FLOOR``."""
+        """The state rule (module docstring; its plain statement: ``tests/helpers.py``'s ``state_row``) for one
+        row's next tokens ``nxt`` (:meth:`NgramIndex.next_tokens`), its scores looked up in ``logt`` (precomputed with
+        :func:`math.log`): ids in order of first appearance, then their scores, unused slots id -1 and score
+        ``FLOOR``."""
         counts: dict[int, int] = {}
         for t in nxt:
             counts[t] = counts.get(t, 0) + 1
@@ -493,7 +478,7 @@ class LookupDrafter(TokenHistory):
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
         """Every node's state (equal to stacking :meth:`state` per node): from :attr:`vector_rows` rows in one
         vectorised pass (:func:`tree_paths`, :func:`level_matches`, :func:`pack_states`), fewer per node
-        (:meth:`NgramIndex.next_tokens`, then :func:`state_row`'s rule), whichever is cheaper on this CPU."""
+        (:meth:`NgramIndex.next_tokens`, then :meth:`_state_row`), whichever is cheaper on this CPU."""
         first = len(self.tree_tokens)
         par = (parents if parents.dim() == 1 else parents.reshape(-1)).tolist()
         if any(not -1 <= p < first + i for i, p in enumerate(par)):
@@ -546,7 +531,7 @@ class LookupDrafter(TokenHistory):
         if hidden.dtype not in (torch.float32, torch.float64):
             raise TypeError(f"a lookup state holds token ids: float32 or float64 only, got {hidden.dtype}")
         # the state's own slices, not unpack_state's rounded int64 ids and float64 scores: ids are exact integers in
-        # the float state (state_row writes them), a float32 -> float64 widening is exact and keeps every
+        # the float state (_state_row writes them), a float32 -> float64 widening is exact and keeps every
         # comparison (so topk's order), and the merged drafter's one concatenation widens both to float64 anyway:
         # the same candidates in 3 fewer operators per level (issue 41). Tokens come back as floats holding ids.
         m = self.max_matches

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 
 from config.paths import DATASETS  # noqa: F401  (re-exported for the tests)
+from draft.lookup import FLOOR
 from pipeline.tools.ranks import free_port  # noqa: F401  (re-exported for the tests)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -330,3 +332,19 @@ def run_concurrent(stage_root: Path, jobs: list[tuple[list[int], str, object]], 
         raise failures[0]
     return results, pool
 
+
+
+def state_row(conts: list[list[int]], width: int, token_logp: float) -> list[float]:
+    """Prompt lookup's compact state (``draft/lookup.py``'s docstring) of the next tokens of ``conts``, the rule's
+    plain statement that the tests check :meth:`draft.lookup.LookupDrafter._state_row` and the vectorised level
+    against: ``width // 2`` id slots then as many score slots, ids in order of first appearance, unused slots id
+    ``-1`` and score ``FLOOR``, a token that followed ``c`` of ``n`` continuations ``log(c / n) + token_logp``."""
+    slots = width // 2
+    counts: dict[int, int] = {}
+    for c in conts:
+        if c:
+            counts[c[0]] = counts.get(c[0], 0) + 1
+    n = sum(counts.values())
+    ids = list(counts)[:slots]
+    return ids + [-1] * (slots - len(ids)) + [math.log(counts[t] / n) + token_logp for t in ids] + \
+        [FLOOR] * (slots - len(ids))

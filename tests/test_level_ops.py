@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from draft.lookup import best_supported, lookup_supported, lookup_supported_raw, state_row
+from draft.lookup import best_supported, lookup_supported, lookup_supported_raw
+from tests.helpers import state_row
 from draft.merged import union_top_np
 from draft.tree import DraftTree
 from model.kv_cache import KVCache
