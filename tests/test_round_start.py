@@ -97,6 +97,35 @@ def test_planted_rule_bugs_fail(bug):
     assert not all(_rule_ok(bug, name, depth) for name in ("eagle", "eagle+lookup") for depth in (0, 1))
 
 
+def test_take_lazy_asks_again_for_a_deeper_tree():
+    """``take_lazy``'s second path, reached: EAGLE merged with suffix retrieval whose ``suffix_max_depth`` lets a
+    long match copy past the head's depth drafts a tree deeper than one level at depth 0, so the rule declines and
+    the inputs come from ``grow_tree_with_inputs`` (the same tree: checked there), bitwise the eager ones."""
+    import contextlib
+    from types import SimpleNamespace
+    from draft.merged import MergedDrafter
+    from draft.suffix import SuffixDrafter
+    from tests.test_fuse_commit import V_TINY
+
+    def make():
+        d, g = _committed()
+        suf = SuffixDrafter(V_TINY, max_depth=4)
+        suf.start([1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2], 3, None)
+        m = MergedDrafter([d, suf], ["eagle", "suffix"])
+        m.widths = [16, int(suf.state([]).shape[-1])]
+        return m, m.commit(torch.tensor([5, 7]), torch.randn(2, 16, generator=g, dtype=torch.float64))
+    m, root = make()
+    tree = m.grow_tree(3, root, 9, 0, 3)
+    assert int(tree.depths.max()) > 1 and root_children_inputs(tree.host_numpy()[1], root) is None
+    mode = ContinuousMode()
+    engine = SimpleNamespace(drafter=m, tracer=SimpleNamespace(span=lambda name: contextlib.nullcontext()),
+                             cfg=SimpleNamespace(tree=SimpleNamespace(init_total_token=9, subseq_token=8, init_topk=3)))
+    mode.take_lazy(engine, tree, root)
+    m2, root2 = make()
+    eager_tree, eager = m2.grow_tree_with_inputs(3, root2, 9, 0, 3)
+    assert _same_tree(tree, eager_tree) and mode.inputs.dtype == eager.dtype and torch.equal(mode.inputs, eager)
+
+
 def test_the_tree_only_call_dispatches_fewer_operators():
     """Counted (aten operators, pipeline.tools.opcount): the one-level first tree alone against the tree with its
     inputs on buffers at the round's capacity (what the turnaround held before)."""

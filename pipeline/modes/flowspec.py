@@ -355,9 +355,10 @@ class ContinuousMode(StreamingMode):
         Why: on rank 0's turnaround at a round start (a truncation's result in hand -> the new tree's send) nothing
         of the inputs is needed; the send needs the tree alone. A node's input is its parent's draft output, so in a
         tree whose every node but the root is the root's child every row is ``root_hidden`` (the root's own row too),
-        for any drafter (a merged drafter's joined state per row); a drafter whose tree came out deeper than one level
-        (none of the project's sources does at depth 0; a guard, not a path) is asked again with ``grow_tree_with_inputs``, which must
-        draft the same tree (deterministic drafts: ``incremental``)."""
+        for any drafter (a merged drafter's joined state per row); a tree that came out deeper than one level (a
+        merged drafter whose suffix source has ``draft.suffix_max_depth`` set copies long matches past depth 0:
+        tests/test_round_start.py) is asked for again with ``grow_tree_with_inputs``, which must draft the same tree
+        (deterministic drafts: ``incremental``)."""
         self.lazy = False
         self.inputs = root_children_inputs(tree.host_numpy()[1], root_hidden)
         if self.inputs is None:                   # a node below a root's child: the general inputs
