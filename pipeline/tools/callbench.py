@@ -19,6 +19,20 @@ def parse_rows(p, text: str) -> list[int]:
         p.error(f"--rows takes comma-separated integers, got {text!r}")
 
 
+def add_call_args(p, stage_help: str, overrides_help: str) -> None:
+    """The options both call benches take (checked by :func:`check_args`)."""
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16", "float64"))
+    p.add_argument("--stage", type=int, default=2, help=stage_help)
+    p.add_argument("--rows", default="1,16", help="comma-separated segment sizes for the stage step")
+    p.add_argument("--ctx", type=int, default=256, help="context tokens cached before every timed call")
+    p.add_argument("--repeat", type=int, default=20, help="timed calls per block")
+    p.add_argument("--blocks", type=int, default=3, help="alternating blocks per setting")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
+    p.add_argument("--json", help="also write the table as JSON here")
+    p.add_argument("overrides", nargs="*", help=overrides_help)
+
+
 def check_args(p, args) -> None:
     """The checks both benches' parsers make after parsing (``p.error`` on the first that fails): ``--repeat``,
     ``--blocks`` and ``--ctx`` at least 1, ``--rows`` comma-separated integers at least 1 (turned into a list),
@@ -48,6 +62,46 @@ def run_setup(args, error: type[Exception]):
         raise error(f"--device {args.device}: no CUDA device here")
     torch.set_num_threads(args.threads)
     return cfg, resolve_stage_root(cfg.model.stage_dir)
+
+
+def load_stage(args, cfg, stage_root: Path, error: type[Exception], room: int):
+    """``(stage, rank0, drafter, cache, g, dtype, dev)``: the timed stage ``--stage`` (raises ``error`` when the
+    root has no such stage), rank 0 and its drafter, and the stage's KV cache (``--ctx + room`` entries) holding a
+    committed ``--ctx``-token context of random rows (generator ``g``, seeded 0, which the caller goes on drawing
+    from)."""
+    import torch
+
+    from model.stage_format import read_manifest
+    from pipeline.build import load_rank_stage, make_drafter
+    world = len(read_manifest(stage_root)["split"])
+    if args.stage >= world:
+        raise error(f"--stage {args.stage}: {stage_root} has stages 1..{world - 1}")
+    dtype, dev = getattr(torch, args.dtype), torch.device(args.device)
+    stage = load_rank_stage(cfg, stage_root, args.stage, world, dtype, args.device)
+    rank0 = load_rank_stage(cfg, stage_root, 0, world, dtype, args.device)
+    drafter = make_drafter(cfg, stage_root, rank0, dtype, args.device)
+    g = torch.Generator().manual_seed(0)
+    cache = stage.block.new_cache(args.ctx + room, dtype, dev)
+    pos, mask = cache.context_inputs(args.ctx, dtype)
+    with torch.no_grad():
+        stage(torch.randn(1, args.ctx, rank0.config.hidden_size, generator=g).to(dev, dtype), pos, mask, cache)
+    cache.commit_forward(args.ctx, as_context=True)
+    return stage, rank0, drafter, cache, g, dtype, dev
+
+
+def stage_step(cache, forward, w: int, hidden: int, g, dtype, dev):
+    """One verification stage step on a ``w``-row chain segment (random rows drawn from ``g`` now) after the
+    cached context, as a call that leaves the cache as it found it; ``forward()`` gives the stage callable."""
+    import torch
+    x = torch.randn(1, w, hidden, generator=g).to(dev, dtype)
+    parents = torch.arange(-1, w - 1)
+
+    def call():
+        p, m, anc, depth = cache.tree_inputs(parents, dtype)
+        with torch.no_grad():
+            forward()(x, p, m, cache)
+        cache.truncate_tree()
+    return call
 
 
 def where(args) -> str:

@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 
 from config.invocation import prog
-from pipeline.tools.callbench import check_args, md_table, run_setup, where, write_json
+from pipeline.tools.callbench import add_call_args, check_args, load_stage, md_table, run_setup, stage_step, where, write_json
 
 
 class GraphBenchError(ValueError):
@@ -46,19 +46,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         prog=prog("pipeline.tools.graphbench"), description=__doc__.split("\n\n")[0], formatter_class=DefaultsOnce,
         epilog="Example: python -m pipeline.tools.graphbench --device cpu --repeat 10 --blocks 2 "
                "model.stage_dir=/path/to/stages")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16", "float64"))
     p.add_argument("--executor", choices=("eager", "replay", "cuda"), help="static executor (default: cuda on a "
                    "GPU, eager on a CPU)")
-    p.add_argument("--stage", type=int, default=2, help="verification stage whose layers are timed (rank >= 2)")
-    p.add_argument("--rows", default="1,16", help="comma-separated segment sizes for the stage step")
-    p.add_argument("--ctx", type=int, default=256, help="context tokens cached before every timed call")
-    p.add_argument("--repeat", type=int, default=20, help="timed calls per block")
-    p.add_argument("--blocks", type=int, default=3, help="alternating blocks per setting")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
+    add_call_args(p, "verification stage whose layers are timed (rank >= 2)",
+                  "key=value run overrides (model.stage_dir, model.head_dir, tree.*)")
     p.add_argument("--no-count", action="store_true", help="skip the operator counts")
-    p.add_argument("--json", help="also write the table as JSON here")
-    p.add_argument("overrides", nargs="*", help="key=value run overrides (model.stage_dir, model.head_dir, tree.*)")
     args = p.parse_args(argv)
     check_args(p, args)
     return args
@@ -72,51 +64,26 @@ def _setup(args, cfg, stage_root: Path):
     from config.run_config import apply_overrides, parse_graph_buckets
     from draft.static_head import head_buckets, static_head
     from model.graphs import StaticStage, make_executor, resolve_executor
-    from model.stage_format import read_manifest
-    from pipeline.build import load_rank_stage, make_drafter
-    world = len(read_manifest(stage_root)["split"])
-    if args.stage >= world:
-        raise GraphBenchError(f"--stage {args.stage}: {stage_root} has stages 1..{world - 1}")
+    cfg = apply_overrides(cfg, ["model.graphs=off", "draft.sources=eagle"])     # the paths are toggled here
+    buckets = parse_graph_buckets(cfg.model.graph_buckets)
     kind = args.executor or resolve_executor("on", args.device)
     if kind == "cuda" and not args.device.startswith("cuda"):
         raise GraphBenchError("--executor cuda needs --device cuda")
-    dtype, dev = getattr(torch, args.dtype), torch.device(args.device)
-    cfg = apply_overrides(cfg, ["model.graphs=off", "draft.sources=eagle"])     # the paths are toggled here
-    stage = load_rank_stage(cfg, stage_root, args.stage, world, dtype, args.device)
-    rank0 = load_rank_stage(cfg, stage_root, 0, world, dtype, args.device)
-    drafter = make_drafter(cfg, stage_root, rank0, dtype, args.device)
+    stage, rank0, drafter, cache, g, dtype, dev = load_stage(args, cfg, stage_root, GraphBenchError,
+                                                             max(max(args.rows), max(buckets)) + 8)
     if not hasattr(drafter, "static_head") or not hasattr(getattr(drafter, "head", None), "block"):
         raise GraphBenchError("the drafter has no EAGLE-1/2 head (model.head_dir): nothing to put on static shapes")
-    buckets = parse_graph_buckets(cfg.model.graph_buckets)
     t = cfg.tree
-    sh = static_head(drafter.head, kind, head_buckets((t.top_k, t.init_topk, t.expand_topk), buckets))
+    hb = head_buckets((t.top_k, t.init_topk, t.expand_topk), buckets)
+    sh = static_head(drafter.head, kind, hb)
     if sh is None:
         raise GraphBenchError("the head does not run lean layers (model.lean_layers=false?): no static path")
     ss = StaticStage(stage, make_executor(kind), buckets)
-    hb = head_buckets((t.top_k, t.init_topk, t.expand_topk), buckets)
     graph_head, graph_stage = (sh, ss) if kind == "cuda" else (
         static_head(drafter.head, "replay", hb), StaticStage(stage, make_executor("replay"), buckets))
     hidden = rank0.config.hidden_size
-    g = torch.Generator().manual_seed(0)
-    cache = stage.block.new_cache(args.ctx + max(max(args.rows), max(buckets)) + 8, dtype, dev)
-    pos, mask = cache.context_inputs(args.ctx, dtype)
-    with torch.no_grad():
-        stage(torch.randn(1, args.ctx, hidden, generator=g).to(dev, dtype), pos, mask, cache)
-    cache.commit_forward(args.ctx, as_context=True)
     state = {"mode": "dynamic"}
     paths = {"dynamic": (None, stage), "static": (sh, ss), "graph": (graph_head, graph_stage)}
-
-    def stage_step(w: int):
-        x = torch.randn(1, w, hidden, generator=g).to(dev, dtype)
-        parents = torch.arange(-1, w - 1)
-
-        def call():
-            p, m, anc, depth = cache.tree_inputs(parents, dtype)
-            with torch.no_grad():
-                paths[state["mode"]][1](x, p, m, cache)
-            cache.truncate_tree()
-        return call
-
     prompt = [int(v) for v in torch.randint(3, rank0.config.vocab_size, (args.ctx,), generator=g)]
     root_hidden = drafter.start(prompt, 5, torch.randn(args.ctx, hidden, generator=g).to(dev, dtype))
     k = t.top_k
@@ -160,8 +127,8 @@ def _setup(args, cfg, stage_root: Path):
 
     calls = [(f"head forward, {k} rows", head_forward, 0), (f"draft tree, per level ({t.depth} levels)", tree,
                                                             t.depth)]
-    calls += [(f"stage step, {w} row{'s' if w > 1 else ''} ({stage.num_layers} layers)", stage_step(w), 0)
-              for w in args.rows]
+    calls += [(f"stage step, {w} row{'s' if w > 1 else ''} ({stage.num_layers} layers)",
+               stage_step(cache, lambda: paths[state["mode"]][1], w, hidden, g, dtype, dev), 0) for w in args.rows]
     device = [stage, rank0, cache.keys, cache.values, root_hidden, rows, drafter.head, drafter.cache.keys,
               drafter.cache.values]
     return calls, toggle, check, kind, (device, [stage, drafter.head, drafter.lm_head], uncounted_replays)

@@ -44,7 +44,7 @@ import sys
 from pathlib import Path
 
 from config.invocation import prog
-from pipeline.tools.callbench import check_args, md_table, run_setup, where, write_json
+from pipeline.tools.callbench import add_call_args, check_args, load_stage, md_table, run_setup, stage_step, where, write_json
 
 
 class LayerBenchError(ValueError):
@@ -58,16 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=DefaultsOnce,
         epilog="Example: python -m pipeline.tools.layerbench --device cpu --blocks 3 --repeat 20 "
                "model.stage_dir=/path/to/stages")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16", "float64"))
-    p.add_argument("--stage", type=int, default=2, help="verification stage whose layers are timed (rank >= 2: "
-                   "it takes hidden rows)")
-    p.add_argument("--rows", default="1,16", help="comma-separated segment sizes for the stage step")
-    p.add_argument("--ctx", type=int, default=256, help="context tokens cached before every timed call")
-    p.add_argument("--repeat", type=int, default=20, help="timed calls per block")
-    p.add_argument("--blocks", type=int, default=3, help="alternating blocks per setting")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
-    p.add_argument("--json", help="also write the table as JSON here")
+    add_call_args(p, "verification stage whose layers are timed (rank >= 2: it takes hidden rows)",
+                  "key=value run overrides (model.stage_dir, model.head_dir, draft.sources, tree.*)")
     p.add_argument("--count", action="store_true", help="also count each call's aten operators and would-be "
                    "host<->device synchronisations (pipeline.tools.opcount; one extra untimed run per call)")
     p.add_argument("--count-only", action="store_true", help="only the counts (deterministic, no timing)")
@@ -78,8 +70,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "lean layers")
     p.add_argument("--graphs", help="comma-separated model.graphs values (e.g. off,compile) to compare side by side "
                    "instead of transformers vs lean layers (lean layers on; compile time reported apart)")
-    p.add_argument("overrides", nargs="*", help="key=value run overrides (model.stage_dir, model.head_dir, "
-                   "draft.sources, tree.*)")
     args = p.parse_args(argv)
     check_args(p, args)
     if args.graphs is not None:
@@ -96,36 +86,11 @@ def _calls(args, cfg, stage_root: Path):
     (a commit appends to every source's context), preceded by an untimed ``setup`` that restores them."""
     import torch
 
-    from model.stage_format import read_manifest
-    from pipeline.build import load_rank_stage, make_drafter, make_static_stage
-    world = len(read_manifest(stage_root)["split"])
-    if args.stage >= world:
-        raise LayerBenchError(f"--stage {args.stage}: {stage_root} has stages 1..{world - 1}")
-    dtype = getattr(torch, args.dtype)
-    dev = torch.device(args.device)
-    stage = load_rank_stage(cfg, stage_root, args.stage, world, dtype, args.device)
-    rank0 = load_rank_stage(cfg, stage_root, 0, world, dtype, args.device)
-    drafter = make_drafter(cfg, stage_root, rank0, dtype, args.device)
+    from pipeline.build import make_static_stage
+    stage, rank0, drafter, cache, g, dtype, dev = load_stage(args, cfg, stage_root, LayerBenchError, max(args.rows) + 8)
     hidden = rank0.config.hidden_size
-    g = torch.Generator().manual_seed(0)
-    cache = stage.block.new_cache(args.ctx + max(args.rows) + 8, dtype, dev)
-    pos, mask = cache.context_inputs(args.ctx, dtype)
-    with torch.no_grad():
-        stage(torch.randn(1, args.ctx, hidden, generator=g).to(dev, dtype), pos, mask, cache)
-    cache.commit_forward(args.ctx, as_context=True)
     static = make_static_stage(cfg, stage, args.device)       # model.graphs (None: dynamic shapes)
     forward = stage if static is None else static
-
-    def stage_step(w: int):
-        x = torch.randn(1, w, hidden, generator=g).to(dev, dtype)
-        parents = torch.arange(-1, w - 1)
-
-        def call():
-            p, m, anc, depth = cache.tree_inputs(parents, dtype)
-            with torch.no_grad():
-                forward(x, p, m, cache)
-            cache.truncate_tree()
-        return call
 
     prompt = [int(t) for t in torch.randint(3, rank0.config.vocab_size, (args.ctx,), generator=g)]
     feats0 = torch.randn(args.ctx, hidden, generator=g).to(dev, dtype)
@@ -175,8 +140,8 @@ def _calls(args, cfg, stage_root: Path):
         drafter.commit(torch.tensor([7, 8, 9]), feats3)
 
     step, step_setup = bookkeeping_call(big, big_inputs, root_hidden, rank0.config.vocab_size, t.subseq_token)
-    calls = [(f"stage step, {w} row{'s' if w > 1 else ''} ({stage.num_layers} layers)", stage_step(w), None, 0)
-             for w in args.rows]
+    calls = [(f"stage step, {w} row{'s' if w > 1 else ''} ({stage.num_layers} layers)",
+              stage_step(cache, lambda: forward, w, hidden, g, dtype, dev), None, 0) for w in args.rows]
     heads = [s.head for s in getattr(drafter, "sources", [drafter]) if hasattr(getattr(s, "head", None), "block")]
     if head_drafter is not None and hasattr(head_drafter.head, "block"):
         calls.append(("draft head forward, 10 rows", head_forward, None, 0))
