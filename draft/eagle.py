@@ -11,16 +11,14 @@ target's ``lm_head`` (held by rank 0) turns predicted features into logits.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from draft.fused_head import FusedHead
 from draft.head_io import (HeadError, assign_weights, head_config_from_target, init_head_weights, is_eagle3_config,
-                           read_head_config, read_head_weights)
+                           read_head_config, read_head_weights, write_head)
 from model.layers import LayerBlock
 from model.light import embedding, read_config
 from model.meter import NULL_METER, OpMeter, cache_length, run_joint
@@ -102,20 +100,9 @@ def init_untrained_head(target_config, seed: int = 0, bias: bool = True) -> Eagl
 
 def save_eagle_head(head: EagleHead, out_dir: str | Path, extra_config: dict | None = None,
                     dtype: torch.dtype | None = None) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = head.config.to_dict()
     cfg.update(num_hidden_layers=1, bias=head.fc.bias is not None, architectures=["LlamaForCausalLM"])
-    if dtype is not None:
-        cfg["torch_dtype"] = str(dtype).replace("torch.", "")
-    cfg.update(extra_config or {})
-    cfg.pop("_attn_implementation_autoset", None)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
-    state = head.eagle_state_dict()
-    if dtype is not None:
-        state = {k: v.to(dtype) for k, v in state.items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    return write_head(out_dir, cfg, head.eagle_state_dict(), extra_config, dtype)
 
 
 def load_eagle_head(head_dir: str | Path, target_config, target_embed: torch.Tensor | None = None,

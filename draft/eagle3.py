@@ -31,15 +31,13 @@ accepts those wide rows, the fused ``[n, 3 * Ht]`` features, or its own ``[n, H]
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from draft.head_io import (HeadError, assign_weights, head_config_from_target, init_head_weights, is_eagle3_config,
-                           read_head_config, read_head_weights)
+                           read_head_config, read_head_weights, write_head)
 from model.hf_compat import cache_arg
 from model.kv_cache import KVCache
 from model.layers import family_classes
@@ -219,22 +217,11 @@ def init_eagle3_head(target_config, seed: int = 0, aux_layers: list[int] | None 
 
 def save_eagle3_head(head: Eagle3Head, out_dir: str | Path, extra_config: dict | None = None,
                      dtype: torch.dtype | None = None) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = head.config.to_dict()
     cfg.update(num_hidden_layers=1, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=head.draft_vocab,
                target_hidden_size=head.target_hidden,
                eagle_config={"eagle_aux_hidden_state_layer_ids": head.aux_layers})
-    if dtype is not None:
-        cfg["torch_dtype"] = str(dtype).replace("torch.", "")
-    cfg.update(extra_config or {})
-    cfg.pop("_attn_implementation_autoset", None)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
-    state = head.eagle3_state_dict()
-    if dtype is not None:
-        state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    return write_head(out_dir, cfg, head.eagle3_state_dict(), extra_config, dtype)
 
 
 def load_eagle3_head(head_dir: str | Path, target_config, target_embed: Tensor | None = None,

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from config.errors import UserError
@@ -42,6 +42,23 @@ def init_head_weights(head: nn.Module, std: float, g: torch.Generator) -> nn.Mod
             else:
                 p.normal_(0.0, std, generator=g)
     return head
+
+
+def write_head(out_dir: str | Path, cfg: dict, state: dict[str, torch.Tensor], extra_config: dict | None,
+               dtype: torch.dtype | None) -> Path:
+    """A head directory: ``config.json`` (``cfg``, its ``torch_dtype`` set when ``dtype`` is given, then
+    ``extra_config``) and ``model.safetensors`` (``state``, its floating tensors cast to ``dtype`` when given)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if dtype is not None:
+        cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+    cfg.update(extra_config or {})
+    cfg.pop("_attn_implementation_autoset", None)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+    if dtype is not None:
+        state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 def read_head_weights(head_dir: Path) -> dict[str, torch.Tensor]:

@@ -7,17 +7,14 @@ import torch
 
 from draft.eagle import EagleHead, load_eagle_head
 from draft.eagle3 import Eagle3Head, load_eagle3_head
-from draft.head_io import HeadError, is_eagle3_config, read_head_config
+from draft.head_io import is_eagle3_config, read_head_config
 
 
 def load_draft_head(head_dir: str | Path, target_config, target_embed: torch.Tensor | None = None,
                     dtype: torch.dtype = torch.float32, device: str = "cpu") -> EagleHead | Eagle3Head:
     """The head in ``head_dir``, checked against the target; an EAGLE-3 config (``draft_vocab_size`` /
     ``eagle_config``) gives an :class:`Eagle3Head`, anything else an :class:`EagleHead`. Any mismatch or
-    unreadable file is one :class:`HeadError`."""
-    head_dir = Path(head_dir)
-    if not (head_dir / "config.json").is_file():
-        raise HeadError(f"draft head directory {head_dir} has no config.json")
+    unreadable file is one :class:`HeadError` (a missing ``config.json``: :func:`draft.eagle.load_eagle_head`'s)."""
     if is_eagle3_config(read_head_config(head_dir)):
         return load_eagle3_head(head_dir, target_config, target_embed, dtype, device)
     return load_eagle_head(head_dir, target_config, target_embed, dtype, device)
