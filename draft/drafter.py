@@ -50,40 +50,27 @@ def to_host(*xs: Tensor) -> tuple[Tensor, ...]:
 
 
 @functools.lru_cache(maxsize=256)
-def _row_pattern(rows: int, width: int) -> Tensor:
-    """``[0]*width + [1]*width + ... + [rows-1]*width`` (host, cached; read only): the frontier row of each of a
-    level's ``rows * width`` candidates."""
-    return torch.arange(rows, device=HOST).repeat_interleave(width)
-
-
-@functools.lru_cache(maxsize=256)
 def _row_pattern_np(rows: int, width: int) -> np.ndarray:
-    """:func:`_row_pattern` as a NumPy array (cached; read only): the beam's host bookkeeping (:class:`_Beam`)."""
+    """``[0]*width + [1]*width + ... + [rows-1]*width`` (cached; read only): the frontier row of each of a level's
+    ``rows * width`` candidates (the beam's host bookkeeping, :class:`_Beam`)."""
     out = np.repeat(np.arange(rows, dtype=np.int64), width)
     out.flags.writeable = False
     return out
 
 
 @functools.lru_cache(maxsize=64)
-def _beam_layout(shape: tuple[tuple[int, int], ...]) -> tuple[Tensor, Tensor]:
-    """Host patterns (cached; read only) of a beam whose level ``L`` (0: the root's children) has ``rows`` frontier
-    rows of ``width`` candidates each, ``shape[L] = (rows, width)`` (level 0: ``(1, k)``), candidates numbered level
-    by level: each candidate's parent as a row of the expanded frontiers, concatenated in order (-1 for the root's
-    children: it reads the trailing -1 of those ids), and its depth below the root (1 for the root's children)."""
+def _beam_layout(shape: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Host patterns (NumPy, cached; read only) of a beam whose level ``L`` (0: the root's children) has ``rows``
+    frontier rows of ``width`` candidates each, ``shape[L] = (rows, width)`` (level 0: ``(1, k)``), candidates
+    numbered level by level: each candidate's parent as a row of the expanded frontiers, concatenated in order (-1
+    for the root's children: it reads the trailing -1 of those ids), and its depth below the root (1 for the root's
+    children). The round start's final selection reads both on the host."""
     parent, depth, off = [], [], -1
     for level, (rows, width) in enumerate(shape):
-        parent.append(_row_pattern(rows, width) + off)
-        depth.append(torch.full((rows * width,), level + 1, device=HOST))
+        parent.append(_row_pattern_np(rows, width) + off)
+        depth.append(np.full(rows * width, level + 1, dtype=np.int64))
         off += rows if level else 1
-    return torch.cat(parent), torch.cat(depth)
-
-
-
-@functools.lru_cache(maxsize=64)
-def _beam_layout_host(shape: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_beam_layout`'s parent rows and depths as NumPy arrays (cached; read only): the round start's final
-    selection reads both on the host (no tensor view per call)."""
-    par, dep = (x.numpy().copy() for x in _beam_layout(shape))
+    par, dep = np.concatenate(parent), np.concatenate(depth)
     par.flags.writeable = dep.flags.writeable = False
     return par, dep
 
@@ -450,7 +437,7 @@ class BeamTreeDrafter:
             frontier_cache_parent = start + parent_row.to(HOST)            # the one transfer of this level
         self.drop_tree()
         scores, cand_tok, fed_np = self._host_candidates(cand_scores, cand_tokens, expanded[:len(outs)], dev)
-        parent_row, levels = _beam_layout_host(tuple(shape))
+        parent_row, levels = _beam_layout(tuple(shape))
         order = best_first(scores, max(0, min(total_token - 1, n_cand)))   # the kept ones
         tree = top_nodes_tree(root_token, cand_tok, fed_np[parent_row], scores, order, levels)
         if not with_rows:
@@ -728,8 +715,7 @@ class BeamTreeDrafter:
         self.drop_tree()
         if not b.n_cand:
             return tree, inputs, root_hidden
-        return (*self._append_chosen(tree, inputs, b.c_score, b.c_row, b.c_tok, b.rows_par, b.rows_dep, b.rows_out,
-                                     b.n_cand, max_new), root_hidden)
+        return (*self._append_chosen(tree, inputs, b, max_new), root_hidden)
 
     def _beam_levels(self, b: "_Beam", first: int, levels: int, top_k: int, max_new: int, n: int, dev,
                      dtype: torch.dtype) -> None:
@@ -783,17 +769,15 @@ class BeamTreeDrafter:
                               total_token, width).numpy()
 
     @staticmethod
-    def _append_chosen(tree: DraftTree, inputs: Tensor, c_score: np.ndarray, c_row: np.ndarray, c_tok: list,
-                       rows_par: list, rows_dep: list, rows_out: list[Tensor], n_cand: int,
-                       max_new: int) -> tuple[DraftTree, Tensor]:
-        """The end of an expansion: the best ``max_new`` of ``n_cand`` candidates appended to ``tree`` (its
+    def _append_chosen(tree: DraftTree, inputs: Tensor, b: "_Beam", max_new: int) -> tuple[DraftTree, Tensor]:
+        """The end of an expansion: the best ``max_new`` of ``b``'s candidates appended to ``tree`` (its
         buffers, in place where it owns them), and the grown tree's per-node inputs (a candidate's input: its
         frontier row's output). The beam's arrays are NumPy (:class:`_Beam`: why); the tree's new slots are
         written through NumPy views of its buffers (one view per array; the values and their casts as torch's)."""
-        n, dev = len(tree), inputs.device
-        chosen = best_first(c_score[:n_cand], max(0, min(max_new, n_cand)))  # the best max_new, stable
-        row = c_row[chosen]
-        par = np.concatenate(rows_par)[row]                               # a tree node, or n + a candidate
+        n, dev, n_cand = len(tree), inputs.device, b.n_cand
+        chosen = best_first(b.c_score[:n_cand], max(0, min(max_new, n_cand)))  # the best max_new, stable
+        row = b.c_row[chosen]
+        par = np.concatenate(b.rows_par)[row]                             # a tree node, or n + a candidate
         inv = np.full(n_cand, -1, dtype=np.int64)                         # candidate -> new tree index
         inv[chosen] = np.arange(n, n + chosen.size)
         # the chosen nodes are written straight into the tree's buffers (draft.tree: capacity-sized trees)
@@ -802,12 +786,12 @@ class BeamTreeDrafter:
         if (par < 0).any():
             raise AssertionError("chosen candidates are not ancestor-closed")        # impossible by construction
         parents[:] = par
-        tok[:] = np.concatenate(c_tok)[chosen]
-        score[:] = c_score[chosen]
-        depth[:] = np.concatenate(rows_dep)[row] + 1
+        tok[:] = np.concatenate(b.c_tok)[chosen]
+        score[:] = b.c_score[chosen]
+        depth[:] = np.concatenate(b.rows_dep)[row] + 1
         # the grown tree's inputs: the old rows, then each chosen candidate's frontier row's output (one gather)
         pick = np.concatenate([np.arange(n), row + n])
-        return grown, torch.cat([inputs, *rows_out])[torch.from_numpy(pick).to(dev)]
+        return grown, torch.cat([inputs, *b.rows_out])[torch.from_numpy(pick).to(dev)]
 
     def _extend_prefetched(self, tree: DraftTree, inputs: Tensor, levels: int, top_k: int, max_new: int,
                            commit: tuple[Tensor, Tensor], pre: tuple) -> tuple[DraftTree, Tensor, Tensor]:
@@ -845,8 +829,7 @@ class BeamTreeDrafter:
         b.c_row[:nf * kk] = _row_pattern_np(nf, kk)
         self._beam_levels(b, 1, levels, top_k, max_new, n, dev, inputs.dtype)
         self.drop_tree()
-        return (*self._append_chosen(tree, inputs, b.c_score, b.c_row, b.c_tok, b.rows_par, b.rows_dep, b.rows_out,
-                                     b.n_cand, max_new), root_hidden)
+        return (*self._append_chosen(tree, inputs, b, max_new), root_hidden)
 
     @no_grad
     def _prefetched_beam(self, tree: DraftTree, pre: tuple, top_k: int, max_new: int,
@@ -942,8 +925,7 @@ class BeamTreeDrafter:
         b.c_row[:rest.size] = _row_pattern_np(nf, early.kk)[rest]
         self._beam_levels(b, 1, levels, top_k, max_new, n, dev, inputs.dtype)
         self.drop_tree()
-        return (*self._append_chosen(tree, inputs, b.c_score, b.c_row, b.c_tok, b.rows_par, b.rows_dep, b.rows_out,
-                                     b.n_cand, max_new), root_hidden)
+        return (*self._append_chosen(tree, inputs, b, max_new), root_hidden)
 
     def host_top_tokens(self, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """:meth:`top_tokens` of a frontier, moved to the host in one copy (:func:`to_host`): what a beam level

@@ -74,7 +74,6 @@ class OracleDrafter(TokenHistory, BeamTreeDrafter):
 
     @torch.no_grad()
     def _dist(self, sequences: list[list[int]]) -> Tensor:
-        out = []
         by_len: dict[int, list[int]] = {}
         for i, s in enumerate(sequences):
             by_len.setdefault(len(s), []).append(i)
@@ -88,8 +87,7 @@ class OracleDrafter(TokenHistory, BeamTreeDrafter):
             lp = torch.log_softmax(-logits if self.adversarial else logits, dim=-1)
             for j, i in enumerate(idx):
                 res[i] = lp[j]
-        out = [res[i] for i in range(len(sequences))]
-        return torch.stack(out)
+        return torch.stack([res[i] for i in range(len(sequences))])
 
     def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
         with self.meter.op("draft_forward", int(tokens.numel()), len(self.context)):

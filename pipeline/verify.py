@@ -142,13 +142,9 @@ def walk_tree(tree: DraftTree, n_verified: int, logits: Tensor, sampler: Sampler
     best = logits[:n_verified].argmax(-1).tolist() if sampler.greedy else None
     while True:
         children = kids.get(cur, [])
-        if sampler.greedy:
-            x = best[cur]
-            child = next((c for c in children if tokens[c] == x), None)
-        else:
-            # one draw per resolved node, then the child that carries it (module docstring, "Draw first")
-            x = sampler.pick(sampler.probs(logits[cur]))
-            child = next((c for c in children if tokens[c] == x), None)
+        # greedy: the argmax; else one draw per resolved node (module docstring, "Draw first"); then its child
+        x = best[cur] if sampler.greedy else sampler.pick(sampler.probs(logits[cur]))
+        child = next((c for c in children if tokens[c] == x), None)
         if child is None:
             return path, x, None
         if child >= n_verified:
