@@ -27,8 +27,8 @@ That pass has a fixed cost of about 40 NumPy calls, which on this CPU loses to t
 10 rows and wins from a few dozen rows (a re-fed tree of 64 rows: 285 us against 352); so fewer than
 :attr:`LookupDrafter.vector_rows` rows take the per-node rule (the context indexed by its n-grams as it grows,
 :class:`NgramIndex`; :meth:`NgramIndex.next_tokens`: a query costs the occurrences it returns plus one pass over the
-positions of the tree path, each compared once for its match length). Both equal :func:`find_continuations` then
-the plain rule ``state_row`` per row (``tests/helpers.py``, checked by ``tests/test_lookup_level.py``).
+positions of the tree path, each compared once for its match length). Both equal the rule in plain Python,
+``find_continuations`` then ``state_row`` per row (``tests/helpers.py``, checked by ``tests/test_lookup_level.py``).
 """
 from __future__ import annotations
 
@@ -46,25 +46,6 @@ from model.meter import NULL_METER, OpMeter
 
 Tensor = torch.Tensor
 FLOOR = -1e4   # log-score of a token no occurrence supports (finite: top-k still ranks cleanly)
-
-
-def find_continuations(seq: list[int], max_ngram: int, min_ngram: int, max_matches: int,
-                       length: int) -> list[list[int]]:
-    """Continuations (each up to ``length`` tokens) of the most recent earlier occurrences of the longest
-    suffix n-gram of ``seq`` (``min_ngram <= n <= max_ngram``) that occurs earlier; most recent first.
-    An occurrence counts when at least one token follows it inside ``seq`` (so never the suffix itself)."""
-    L = len(seq)
-    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
-        suffix = seq[L - n:]
-        out = []
-        for i in range(L - n - 1, -1, -1):      # start of an earlier occurrence, most recent first
-            if seq[i:i + n] == suffix:
-                out.append(seq[i + n:i + n + length])
-                if len(out) >= max_matches:
-                    break
-        if out:
-            return out
-    return []
 
 
 def continuation_trie(root_token: int, conts: list[list[int]], token_logp: float, total_token: int) -> DraftTree:
@@ -126,7 +107,7 @@ class NgramIndex:
         self.length = len(seq)
 
     def continuations(self, path: list[int], max_matches: int, length: int) -> list[list[int]]:
-        """:func:`find_continuations` of ``seq + path`` (``seq``: the synced list), without building it: occurrences
+        """``find_continuations`` of ``seq + path`` (``seq``: the synced list), without building it: occurrences
         inside ``seq`` come from the index, the few that overlap ``path`` from a scan of those positions only."""
         seq, lc = self.seq or [], self.length
         total = lc + len(path)
@@ -242,13 +223,13 @@ class ContextIndex:
 
 def level_matches(padded: np.ndarray, keys: np.ndarray, lc: int, paths: np.ndarray, depth: np.ndarray,
                   max_ngram: int, min_ngram: int, max_matches: int) -> np.ndarray:
-    """:func:`find_continuations` (continuations of one token) for many rows at once, as one fixed sequence of NumPy
+    """``find_continuations`` (continuations of one token) for many rows at once, as one fixed sequence of NumPy
     calls (issue 41 item 2: no Python per row). Row ``r``'s sequence is the context (``lc`` tokens; ``padded`` and
     ``keys`` as :class:`ContextIndex` keeps them, with ``pad = max_ngram``) followed by its path, ``paths[r,
     :depth[r]]`` (``paths``: ``[rows, D]``, ``D >= 1``, left-aligned). Returns ``[rows, max_matches]`` int64: per row
     the next tokens of the chosen occurrences, most recent first, -1 in unused slots.
 
-    The rule, restated (equal to :func:`find_continuations`'s loop over ``n``): an earlier occurrence whose last token
+    The rule, restated (equal to ``find_continuations``'s loop over ``n``): an earlier occurrence whose last token
     is at ``p`` (its next token at ``p + 1 < len``) matches the sequence's suffix for ``l(p)`` tokens, the number of
     leading equal tokens of ``seq[p], seq[p-1], ...`` and ``seq[-1], seq[-2], ...`` (at most ``max_ngram``, at most
     ``p + 1``: an occurrence starts at 0 or later, which also keeps the suffix inside the sequence). The longest
@@ -430,15 +411,8 @@ class LookupDrafter(TokenHistory):
     def state_width(self) -> int:
         return 2 * self.max_matches
 
-    def _matches(self, paths: np.ndarray, depth: np.ndarray) -> np.ndarray:
-        """:func:`level_matches` of rows (``paths``, ``depth``: its layout) after the committed context."""
-        ix = self.index
-        ix.sync(self.context)
-        return level_matches(ix.padded, ix.keys, ix.length, paths, depth, self.max_ngram, self.min_ngram,
-                             self.max_matches)
-
     def continuations(self, path: list[int], length: int) -> list[list[int]]:
-        """:func:`find_continuations` of the committed context followed by ``path`` (through the n-gram index)."""
+        """``find_continuations`` of the committed context followed by ``path`` (through the n-gram index)."""
         self.ngrams.sync(self.context)
         return self.ngrams.continuations(path, self.max_matches, length)
 
@@ -489,7 +463,11 @@ class LookupDrafter(TokenHistory):
         if rows >= self.vector_rows:
             paths, depth = tree_paths(np.array(self.tree_parents, dtype=np.int64),
                                       np.array(self.tree_tokens, dtype=np.int64), first)
-            return torch.from_numpy(pack_states(self._matches(paths, depth), self.logt))
+            ix = self.index
+            ix.sync(self.context)
+            nxt = level_matches(ix.padded, ix.keys, ix.length, paths, depth, self.max_ngram, self.min_ngram,
+                                self.max_matches)
+            return torch.from_numpy(pack_states(nxt, self.logt))
         ng = self.ngrams
         ng.sync(self.context)
         m = self.max_matches

@@ -348,3 +348,24 @@ def state_row(conts: list[list[int]], width: int, token_logp: float) -> list[flo
     ids = list(counts)[:slots]
     return ids + [-1] * (slots - len(ids)) + [math.log(counts[t] / n) + token_logp for t in ids] + \
         [FLOOR] * (slots - len(ids))
+
+
+def find_continuations(seq: list[int], max_ngram: int, min_ngram: int, max_matches: int,
+                       length: int) -> list[list[int]]:
+    """Prompt lookup's matching rule in plain Python (``draft/lookup.py``'s docstring), which the tests check
+    :class:`draft.lookup.NgramIndex` and the vectorised level against: the continuations (each up to ``length``
+    tokens) of the most recent earlier occurrences of the longest suffix n-gram of ``seq`` (``min_ngram <= n <=
+    max_ngram``) that occurs earlier; most recent first. An occurrence counts when at least one token follows it
+    inside ``seq`` (so never the suffix itself)."""
+    L = len(seq)
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        suffix = seq[L - n:]
+        out = []
+        for i in range(L - n - 1, -1, -1):      # start of an earlier occurrence, most recent first
+            if seq[i:i + n] == suffix:
+                out.append(seq[i + n:i + n + length])
+                if len(out) >= max_matches:
+                    break
+        if out:
+            return out
+    return []

@@ -12,7 +12,8 @@ import torch
 
 from config.run_config import ConfigError, DEFAULT, apply_overrides
 from draft.drafter import BeamTreeDrafter
-from draft.lookup import FLOOR, LookupDrafter, NgramIndex, continuation_trie, find_continuations
+from draft.lookup import FLOOR, LookupDrafter, NgramIndex, continuation_trie
+from tests.helpers import find_continuations
 from draft.merged import MergedDrafter, SourceError, parse_sources
 from draft.protocol import TreeDrafter, can_extend, top_tokens
 from draft.ssm import SmallLMDrafter

@@ -1,5 +1,5 @@
 """Prompt lookup's vectorised level (issue 41 item 2: ``draft/lookup.py`` ``level_matches``, ``pack_states``, the
-drafter's path table): the same states as the per-node rule (:func:`draft.lookup.find_continuations` then
+drafter's path table): the same states as the per-node rule (``tests.helpers.find_continuations`` then
 ``tests.helpers.state_row``) on random contexts and trees, and a planted bug in the rule that these tests catch."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from draft import lookup as L
-from draft.lookup import LookupDrafter, find_continuations
-from tests.helpers import state_row
+from draft.lookup import LookupDrafter
+from tests.helpers import find_continuations, state_row
 
 
 def _reference(seq: list[int], lo: int, hi: int, m: int, lp: float) -> list[float]:
