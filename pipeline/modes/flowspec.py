@@ -602,23 +602,20 @@ class ContinuousMode(StreamingMode):
         early, self.early = self.early, None
         if early is not None:                     # tree.early_level: finish the expansion whose level was sent
             levels, room = early
-            with engine.tracer.span("expand"):
-                tree, self.inputs, root_hidden = engine.drafter.commit_extend_tree(
-                    torch.tensor(tokens, device=HOST), torch.cat(feats), tree, self.inputs, levels, t.expand_topk,
-                    room, pre)
-            return tree, root_hidden
-        if not (t.fuse_commit or t.prefetch_level) or self.inputs is None or t.expand_total_token == 0 \
-                or not hasattr(engine.drafter, "commit_extend_tree"):
-            return None
-        levels = self.expand_levels(engine, tree)
-        if levels <= 0:
-            return None
-        if pre is not None and (pre[0].numel() != len(tree) or not t.prefetch_level):
-            raise AssertionError("prefetched rows do not match the tree")      # on_reroot keeps them in step
+        else:
+            if not (t.fuse_commit or t.prefetch_level) or self.inputs is None or t.expand_total_token == 0 \
+                    or not hasattr(engine.drafter, "commit_extend_tree"):
+                return None
+            levels = self.expand_levels(engine, tree)
+            if levels <= 0:
+                return None
+            if pre is not None and (pre[0].numel() != len(tree) or not t.prefetch_level):
+                raise AssertionError("prefetched rows do not match the tree")      # on_reroot keeps them in step
+            room = self.expand_room(engine, tree)
         with engine.tracer.span("expand"):
             tree, self.inputs, root_hidden = engine.drafter.commit_extend_tree(
                 torch.tensor(tokens, device=HOST), torch.cat(feats), tree, self.inputs, levels, t.expand_topk,
-                self.expand_room(engine, tree), pre)
+                room, pre)
         return tree, root_hidden
 
     def grow(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor, verified: bool) -> DraftTree:
