@@ -104,6 +104,32 @@ def stage_step(cache, forward, w: int, hidden: int, g, dtype, dev):
     return call
 
 
+def alternate(args, settings: list, pick, warm: int = 2, clock=None) -> dict:
+    """``{setting: [seconds]}``: ``args.blocks`` blocks of ``args.repeat`` timed calls per setting, the settings'
+    order reversed every other block (load drift hits all alike), each warmed first with ``warm`` untimed calls.
+    ``pick(setting)`` puts the setting in place and returns its ``(fn, setup)``: ``setup`` (or None) runs untimed
+    before each call (:func:`pipeline.tools.profile.timed_call`: CUDA synchronised around it; ``clock``: its clock)."""
+    import time
+
+    from pipeline.tools.profile import timed_call
+    cuda, clock = args.device.startswith("cuda"), clock or time.perf_counter
+
+    def once(fn, setup) -> float:
+        if setup is not None:
+            setup()
+        return timed_call(fn, cuda, clock)
+    times = {s: [] for s in settings}
+    for s in settings:
+        fn, setup = pick(s)
+        for _ in range(warm):
+            once(fn, setup)
+    for i in range(args.blocks):
+        for s in (settings if i % 2 == 0 else settings[::-1]):
+            fn, setup = pick(s)
+            times[s] += [once(fn, setup) for _ in range(args.repeat)]
+    return times
+
+
 def where(args) -> str:
     """The device a bench ran on, for its header and JSON: the GPU's name, or the CPU and its thread count."""
     import torch

@@ -33,7 +33,8 @@ import sys
 from pathlib import Path
 
 from config.invocation import prog
-from pipeline.tools.callbench import add_call_args, check_args, load_stage, md_table, run_setup, stage_step, where, write_json
+from pipeline.tools.callbench import (add_call_args, alternate, check_args, load_stage, md_table, run_setup, stage_step,
+                                      where, write_json)
 
 
 class GraphBenchError(ValueError):
@@ -136,19 +137,9 @@ def _setup(args, cfg, stage_root: Path):
 
 def measure(args, calls, toggle, counted) -> list[dict]:
     from pipeline.tools.opcount import count_call
-    from pipeline.tools.profile import timed_call
-    cuda = args.device.startswith("cuda")
     out = []
-    for name, fn, levels in calls:
-        times = {False: [], True: []}
-        for static in (False, True):                     # warm both (the static path records its graphs here)
-            toggle(static)
-            for _ in range(3):
-                timed_call(fn, cuda)
-        for i in range(args.blocks):
-            for static in ((False, True) if i % 2 == 0 else (True, False)):
-                toggle(static)
-                times[static] += [timed_call(fn, cuda) for _ in range(args.repeat)]
+    for name, fn, levels in calls:      # warm both (the static path records its graphs there)
+        times = alternate(args, [False, True], lambda static: (toggle(static), (fn, None))[1], warm=3)
         per = max(levels, 1)
         dyn, sta = (statistics.median(times[s]) * 1e3 / per for s in (False, True))
         row = {"call": name, "dynamic_ms": round(dyn, 4), "static_ms": round(sta, 4),

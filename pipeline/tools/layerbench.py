@@ -44,7 +44,8 @@ import sys
 from pathlib import Path
 
 from config.invocation import prog
-from pipeline.tools.callbench import add_call_args, check_args, load_stage, md_table, run_setup, stage_step, where, write_json
+from pipeline.tools.callbench import (add_call_args, alternate, check_args, load_stage, md_table, run_setup, stage_step,
+                                      where, write_json)
 
 
 class LayerBenchError(ValueError):
@@ -237,16 +238,7 @@ def measure(args, calls, blocks, heads=()) -> list[dict]:
     which)."""
     from model.layers import set_lean
     import time
-
-    from pipeline.tools.profile import timed_call
-    cuda = args.device.startswith("cuda")
     clock = time.thread_time if getattr(args, "clock", "wall") == "thread" else time.perf_counter
-
-    def once(fn, setup=None) -> float:
-        if setup is not None:
-            setup()
-        return timed_call(fn, cuda, clock)
-
     fused = getattr(args, "fused_head", False)
 
     def setting(on: bool) -> None:
@@ -256,15 +248,7 @@ def measure(args, calls, blocks, heads=()) -> list[dict]:
             h.fused = on or not fused
     rows = []
     for name, fn, setup, _ in calls:
-        times = {False: [], True: []}
-        for lean in (False, True):          # warm both paths
-            setting(lean)
-            for _ in range(2):
-                once(fn, setup)
-        for i in range(args.blocks):
-            for lean in ((False, True) if i % 2 == 0 else (True, False)):   # alternate which goes first
-                setting(lean)
-                times[lean] += [once(fn, setup) for _ in range(args.repeat)]
+        times = alternate(args, [False, True], lambda lean: (setting(lean), (fn, setup))[1], clock=clock)
         ref, lean = statistics.median(times[False]) * 1e3, statistics.median(times[True]) * 1e3
         rows.append({"call": name, "transformers_ms": round(ref, 3), "lean_ms": round(lean, 3),
                      "lean_vs_transformers": round(lean / ref, 3) if ref else None})
@@ -279,29 +263,14 @@ def measure_graphs(args, sets: dict) -> dict:
     import time
 
     from model.layers import set_lean
-    from pipeline.tools.profile import timed_call
-    cuda = args.device.startswith("cuda")
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
-
-    def once(fn, setup=None) -> float:
-        if setup is not None:
-            setup()
-        return timed_call(fn, cuda, clock)
     for calls, blocks, _ in sets.values():
         for b in blocks:
             set_lean(b, True)
     names = list(sets)
     out = {g: [] for g in names}
     for j in range(len(next(iter(sets.values()))[0])):
-        times = {g: [] for g in names}
-        for g in names:
-            _, fn, setup, _ = sets[g][0][j]
-            for _ in range(2):
-                once(fn, setup)
-        for i in range(args.blocks):
-            for g in (names if i % 2 == 0 else names[::-1]):
-                _, fn, setup, _ = sets[g][0][j]
-                times[g] += [once(fn, setup) for _ in range(args.repeat)]
+        times = alternate(args, names, lambda g: sets[g][0][j][1:3], clock=clock)
         for g in names:
             out[g].append(round(statistics.median(times[g]) * 1e3, 3))
     return out
