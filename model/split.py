@@ -35,10 +35,6 @@ CORE_LAYER_TENSORS = ("input_layernorm.weight", "post_attention_layernorm.weight
                       "mlp.down_proj.weight")
 
 
-def _warn(msg: str) -> None:
-    print(f"warning: {msg}", file=sys.stderr, flush=True)
-
-
 def torch_dtype(name: str | None):
     import torch
 
@@ -207,8 +203,8 @@ def _plan(keys: list[str], config: dict, split: list[int]) -> dict[int, list[tup
         else:
             ignored.append(key)
     if ignored:
-        _warn(f"ignoring {len(ignored)} unknown tensor(s): {', '.join(ignored[:5])}"
-              f"{' ...' if len(ignored) > 5 else ''}")
+        print(f"warning: ignoring {len(ignored)} unknown tensor(s): {', '.join(ignored[:5])}"
+              f"{' ...' if len(ignored) > 5 else ''}", file=sys.stderr, flush=True)
 
     missing = [k for k in ("model.embed_tokens.weight", "model.norm.weight") if k not in have]
     if "lm_head.weight" not in have:

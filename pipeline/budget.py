@@ -109,12 +109,6 @@ class StepCosts:
             raise ValueError("rank0_overhead_s must be >= 0")
 
     # -- derived times ----------------------------------------------------------------------------------
-    def in_flight_default(self) -> int:
-        return self.n_stages + 1
-
-    def busy_link(self, w: int) -> float:
-        return (self.link_busy or self.hop_time)(w)
-
     def loop_time(self, w: int, ctx: int | None = None) -> float:
         """``round_trip(w)``: stages and hops (``ring_time``) plus rank 0 from receiving to sending."""
         c = self.ctx if ctx is None else ctx
@@ -126,13 +120,13 @@ class StepCosts:
         """Step time that everything but rank 0's busy time imposes (see the module docstring). Memoised per
         ``(w, in_flight, ctx)``: the cost callables must not change once a ``StepCosts`` is built."""
         c = self.ctx if ctx is None else ctx
-        k = in_flight or self.in_flight_default()
+        k = in_flight or self.n_stages + 1
         key = ("ring", w, k, c)
         t = self._memo.get(key)
         if t is None:
             if len(self._memo) > 8192:        # a caller passing a growing ctx: keep the memo bounded
                 self._memo.clear()
-            t = self._memo[key] = max(self.stage_time(w, c), self.busy_link(w), self.loop_time(w, c) / k)
+            t = self._memo[key] = max(self.stage_time(w, c), (self.link_busy or self.hop_time)(w), self.loop_time(w, c) / k)
         return t
 
     def rank0_time(self, w: int, draft_s: float = 0.0) -> float:
