@@ -289,7 +289,7 @@ def graphs_table(names: list[str], per: dict, header: str) -> str:
     for g in names:
         cols += ([f"{g}: ms"] if timed else []) + [f"{g}: ops", f"{g}: syncs", f"{g}: ops / level",
                                                     f"{g}: syncs / level"]
-    out = [header, "", "| call | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    rows = []
     for j, r0 in enumerate(per[names[0]]):
         cells = []
         for g in names:
@@ -297,8 +297,8 @@ def graphs_table(names: list[str], per: dict, header: str) -> str:
             cells += ([f"{r['ms']:.3f}"] if timed else []) + [str(r["ops"]), str(r["syncs"]),
                                                               str(r.get("ops_per_level", "")),
                                                               str(r.get("syncs_per_level", ""))]
-        out.append(f"| {r0['call']} | " + " | ".join(cells) + " |")
-    return "\n".join(out)
+        rows.append((r0["call"], cells))
+    return md_table(header, cols, rows)
 
 
 def run_graphs(args, base_cfg, stage_root: Path) -> tuple[str, dict]:
