@@ -8,6 +8,8 @@ clauses keep working.
 """
 from __future__ import annotations
 
+import sys
+
 
 class UserError(Exception):
     exit_code = 2      # bad input
@@ -15,3 +17,13 @@ class UserError(Exception):
     def fault_report(self) -> tuple[int, str, int | None]:
         """(exit code, reason recorded for the peers, lost rank or None) when this error ends a rank."""
         return self.exit_code, str(self), None
+
+
+def exit_status(fn, *errors: type[BaseException]) -> int:
+    """An entry point's ``fn()`` (its exit status), or 2 with the error as one line on stderr (``error:
+    <message>``, no traceback) when it raises one of ``errors`` (default: :class:`UserError`)."""
+    try:
+        return fn()
+    except (errors or (UserError,)) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from config.errors import exit_status
 from config.invocation import prog
 from draft.eagle import HeadError
 from draft.train.dataset import cmd_data
@@ -170,11 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (HeadError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return exit_status(lambda: args.func(args), HeadError, ValueError, FileNotFoundError)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from config.errors import UserError
+from config.errors import UserError, exit_status
 from config.invocation import prog
 from config.modes import COMPARED_MODES, label
 from config.paths import DATA, DATASET_LABELS, DATASETS, OUTPUTS
@@ -454,11 +454,7 @@ def plot(rows: list[dict], datasets: list[str], modes: list[str], temps: list[fl
 def main(argv=None) -> int:
     args = parse_args(argv)
     log = (lambda s: print(s, file=sys.stderr, flush=True))
-    try:
-        return _main(args, log)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return exit_status(lambda: _main(args, log))
 
 
 def _main(args, log) -> int:

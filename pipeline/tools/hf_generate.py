@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from config.errors import UserError
+from config.errors import UserError, exit_status
 from config.invocation import prog
 
 MODE = "hf_generate"
@@ -96,11 +96,7 @@ def timed_hf_generation(model, prompt_ids: list[int], gen, stop_ids: set[int], d
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        return _main(args)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return exit_status(lambda: _main(args))
 
 
 def _main(args) -> int:

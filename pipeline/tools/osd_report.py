@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from config.errors import UserError
+from config.errors import UserError, exit_status
 from config.invocation import prog
 
 EPILOG = """Examples:
@@ -346,11 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         p.print_help()
         return 2
-    try:
-        return args.func(args)
-    except UserError as e:       # ReportError, ConfigError, SetupError, StageDirError: one line
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return exit_status(lambda: args.func(args))   # ReportError, ConfigError, SetupError, StageDirError: one line
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Callable
 
 from config.modes import TP_MODES
-from config.errors import UserError
+from config.errors import UserError, exit_status
 from config.profiles import EmulationError, GroupCost, Profile, load_profile, shard_cost
 
 
@@ -184,11 +184,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        return _main(args)
-    except (EmulationError, OSError, ValueError, UserError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return exit_status(lambda: _main(args), EmulationError, OSError, ValueError, UserError)
 
 
 def _main(args) -> int:

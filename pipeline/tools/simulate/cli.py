@@ -19,7 +19,7 @@ import torch
 
 from config.invocation import prog
 from config.paths import OUTPUTS
-from config.errors import UserError
+from config.errors import UserError, exit_status
 from config.profiles import EmulationError, Profile, load_profile
 from pipeline.tools.simulate.predict import calibrate, prediction, timed_passes, with_link
 from pipeline.tools.simulate.pricing import resolve as resolve_pricing
@@ -131,11 +131,7 @@ def ints(text: str) -> list[int]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        return run(args)
-    except (EmulationError, OSError, UnicodeDecodeError, ValueError, UserError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return exit_status(lambda: run(args), EmulationError, OSError, UnicodeDecodeError, ValueError, UserError)
 
 
 def run(args) -> int:
