@@ -1,6 +1,7 @@
 """What the per-call benches (:mod:`pipeline.tools.graphbench`, :mod:`pipeline.tools.layerbench`) share, one copy:
-their argument checks, the run configuration and stage root they time on, where they ran, their Markdown table and
-their JSON file (:mod:`pipeline.tools.ringbench` shares the ``--rows`` parser).
+their options and argument checks, the run configuration and stage root they time on, the stage they time with its
+cached context and its step call, the alternating-block timing loop, where they ran, their Markdown table and their
+JSON file (:mod:`pipeline.tools.ringbench` shares the ``--rows`` parser).
 
 Both take ``--device``, ``--threads``, ``--json`` and ``key=value`` run overrides; a bad override or a CUDA device
 that is absent raises the bench's own error class (a :class:`ValueError`), which its ``main`` prints as one line.
