@@ -211,6 +211,7 @@ def test_eagle3_all_modes_equal_hf(tiny, world, vocab, overrides):
 
 def test_reduced_vocab_drafts_only_its_vocabulary(tiny):
     _, cfg, _, heads = tiny
+    torch.manual_seed(0)   # the inputs below: the same whatever ran before in this process
     head = load_draft_head(heads["reduced"], cfg, torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=torch.float64),
                            torch.float64)
     lm = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False).double()
@@ -219,7 +220,8 @@ def test_reduced_vocab_drafts_only_its_vocabulary(tiny):
     root = d.start([1, 5, 9, 13, 22], 7, feats)
     lp = d.logprobs(root)
     assert torch.isinf(lp[1::2]).all() and torch.isfinite(lp[0::2]).all()
-    assert abs(float(lp.exp().sum()) - 1.0) < 1e-9
+    # draft log-probs are float32 by design (Drafter.draft_logprobs): a distribution to float32 rounding
+    assert abs(float(lp.double().exp().sum()) - 1.0) < 1e-6
     tree, inputs = d.grow_tree_with_inputs(7, root, 40, 4, 6)
     assert all(int(t) % 2 == 0 for t in tree.tokens[1:])
     grown, _ = d.extend_tree(tree, inputs, root, 2, 6, 10)
