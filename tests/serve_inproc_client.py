@@ -40,4 +40,5 @@ def client(manager) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(serve.entry(sys.argv[2:], client=client))
+    from pipeline.run import exit_now
+    exit_now(serve.entry(sys.argv[2:], client=client))   # as every launched rank: no finalization race (exit_now)
