@@ -223,6 +223,12 @@ def test_bounded_store_call_returns_when_the_server_is_frozen(tmp_path):
         store.set("k", "v")
         assert store.get("k") == b"v" and store.check(["k"]) and store.port == port
         os.kill(p.pid, signal.SIGSTOP)
+        # kill() returns before the signal is delivered: on a loaded machine the server could still answer the next
+        # call (seen once in CI: "DID NOT RAISE"), so wait until the kernel reports it stopped ("T" in /proc/PID/stat)
+        deadline = time.monotonic() + 10
+        while open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T" \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
         other = TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=1), wait_for_workers=False) \
             if False else None   # (a new client could not even connect: the frozen server accepts nothing)
 
