@@ -1,6 +1,6 @@
 """Token recycling (Luo et al. 2024, "Turning Trash into Treasure"): a training-free draft source built from the
 target's own top-k next tokens observed at earlier positions. Pure rule functions only (the source plugging into
-``draft.sources`` and the verification hook feeding it are not built yet: docs/results.md section 45).
+``draft.sources`` and the verification hook feeding it are not built yet: docs/results.md §71).
 
 The table ``M``: for every token ``t`` seen as a verified node, the target's top-``k`` next tokens there, best
 first. **Merge rule: newest observation wins** (a row is replaced whole by the latest observation of ``t``; the
