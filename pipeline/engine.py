@@ -412,9 +412,16 @@ def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn: Decoder,
     prefill_fields = engine.start_decode_window()  # untimed: busy counters restart, prefill counters
     t1b = time.perf_counter()
     engine.tracer.mark("decode_begin")
+    observe = target_observer(getattr(engine, "drafter", None))
+    if observe is not None:                    # the feed is drafting work: rank 0's busy time counts it
+        hook = observe
+
+        def observe(tokens, logits):
+            with engine.tracer.span("draft"):
+                hook(tokens, logits)
     out = OutputBuffer(engine.stop_ids, settings.max_new_tokens, settings.on_commit, settings.cancel,
                        settings.stop_text, settings.new_sampler(), settings.logprobs,
-                       target_observer(getattr(engine, "drafter", None)), prompt_ids[-1] if prompt_ids else None)
+                       observe, prompt_ids[-1] if prompt_ids else None)
     rounds, accepts, steps = decode_fn(engine, logits, features, prompt_ids, out)   # a DecodeResult
     t2 = time.perf_counter()
     engine.tracer.mark("gen_end", new_tokens=len(out.ids))
