@@ -55,7 +55,8 @@ def main(argv=None) -> int:
     MergedDrafter.grow_tree = grow
     try:
         sets = expand_sets(a.sets.split(","))
-    except ValueError as e:
+        prompts = {name: load_prompts(Path(a.data), name, a.begin, a.end, tok) for name in sets}
+    except (OSError, ValueError) as e:           # an unknown set or a missing question file: one line
         print(f"recycle_share: error: {e}", file=sys.stderr)
         return 2
     print("set\trounds\tnodes: recycle only / both / others only\taccepted: recycle only / both / others only")
@@ -76,8 +77,7 @@ def main(argv=None) -> int:
             acc = tuple(toks[i] for i in path[1:])
             for j in range(1, len(acc) + 1):
                 count["a_" + kind(acc[:j])] += 1
-        prompts = load_prompts(Path(a.data), name, a.begin, a.end, tok)
-        run_threaded(DEFAULT_STAGE_DIR, prompts, ["naive"], [f"max_new_tokens={a.max_new_tokens}", "dtype=float32",
+        run_threaded(DEFAULT_STAGE_DIR, prompts[name], ["naive"], [f"max_new_tokens={a.max_new_tokens}", "dtype=float32",
                                                              "draft.sources=eagle,lookup,recycle"],
                      stops, str(DEFAULT_HEAD_DIR), dtype=torch.float32, step_observers=[observe])
         c = count
