@@ -242,6 +242,11 @@ class DraftConfig(Checked):
                                  # match copy past the head's depth within the same node budget
     suffix_history_tokens: int = 32768  # earlier requests of the process kept for retrieval (0 = none)
     suffix_corpus: str = ""      # static corpus to retrieve from: .txt (a text a line) or .jsonl (text/turns/token_ids)
+    recycle_k: int = 8           # token recycling (draft/recycle_source.py): the target's top-k kept per token (row width)
+    recycle_log_p0: float = -1.4   # score of a row's best entry (<= 0): log of its hit rate on records < 30 (-1.36,
+                                 # scripts/recycle_calibrate.py; docs/results.md, "45: Token recycling as a draft source")
+    recycle_log_step: float = -0.6  # score change per rank (<= 0): rank r scores log_p0 + r * log_step (fit: -0.59)
+    recycle_persist: bool = True  # the table outlives a request (serving drafts from earlier requests' rows)
     tree_shape: str = "eagle2"   # how the head's tree search spends its rows: eagle2 (fixed beam: top_k rows per level,
                                  # depth levels) or confidence (draft/shape.py: only nodes that can still enter the
                                  # tree, as few per level as cover shape_cover of its mass, deeper where sure)
@@ -407,6 +412,8 @@ class RunConfig(Checked):
             raise ConfigError("draft.lookup_min_ngram and lookup_max_ngram need 1 <= min <= max")
         if self.draft.lookup_max_matches < 1 or not 0 < self.draft.lookup_token_prob <= 1:
             raise ConfigError("draft.lookup_max_matches must be >= 1 and lookup_token_prob in (0, 1]")
+        if self.draft.recycle_k < 1 or self.draft.recycle_log_p0 > 0 or self.draft.recycle_log_step > 0:
+            raise ConfigError("draft.recycle_k must be >= 1 and recycle_log_p0, recycle_log_step <= 0")
         if self.draft.ssm_score_scale <= 0 and self.draft.ssm_score_scale != -1:
             raise ConfigError(f"draft.ssm_score_scale={self.draft.ssm_score_scale} must be > 0 "
                               "(or -1: the student's own merge_score_scale)")
@@ -608,8 +615,9 @@ def parse_sources(text: str) -> list[tuple[str, str]]:
     out = []
     for word in [w.strip() for w in text.split(",") if w.strip()]:
         kind, _, arg = word.partition(":")
-        if kind not in ("eagle", "lookup", "suffix", "ssm"):
-            raise SourceError(f"draft.sources: unknown source {word!r}; use eagle, lookup, suffix or ssm:<model dir>")
+        if kind not in ("eagle", "lookup", "suffix", "recycle", "ssm"):
+            raise SourceError(f"draft.sources: unknown source {word!r}; use eagle, lookup, suffix, recycle or "
+                              "ssm:<model dir>")
         if kind == "ssm" and not arg:
             raise SourceError("draft.sources: ssm needs a model directory, e.g. ssm:checkpoints/ssm_2l")
         if kind != "ssm" and arg:

@@ -23,7 +23,9 @@ trees unchanged:
 
 Sources are built by :func:`build_sources` from the ``draft.sources`` list: ``eagle`` (the drafter that
 ``model.head_dir`` selects: the EAGLE head, or the oracle/adversary test drafters), ``lookup`` (prompt
-lookup, :mod:`draft.lookup`) and ``ssm:<dir>`` (a small causal LM, :mod:`draft.ssm`).
+lookup, :mod:`draft.lookup`), ``suffix`` (suffix retrieval, :mod:`draft.suffix`), ``recycle`` (token recycling,
+:mod:`draft.recycle_source`, fed through :meth:`MergedDrafter.observe_target`) and ``ssm:<dir>`` (a small causal LM,
+:mod:`draft.ssm`).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ import torch
 
 from config.run_config import SourceError, parse_sources
 from draft.drafter import BeamTreeDrafter
-from draft.protocol import top_tokens
+from draft.protocol import target_observer, top_tokens
 from draft.tree import DraftTree, below_mask, merge_sources
 from model.devices import HOST
 from model.grad import no_grad
@@ -65,6 +67,14 @@ class MergedDrafter(BeamTreeDrafter):
                             for s in self.sources]
         self._scaled = any(c != 1.0 for c in self.score_scales)
         self._last_parts = None           # (tree_forward's output, its version, the sources' outputs): _split_known
+        # the feed seam (draft.protocol.target_observer): the sources that watch the target's committed logits
+        self._observers = [h for h in (target_observer(s) for s in self.sources) if h is not None]
+        self.observes_target = bool(self._observers)
+
+    def observe_target(self, tokens: list[int], logits: Tensor) -> None:
+        """The feed seam (:func:`draft.protocol.target_observer`), forwarded to every source that defines it."""
+        for hook in self._observers:
+            hook(tokens, logits)
 
     @staticmethod
     def _cat(states: list[Tensor]) -> Tensor:
@@ -413,6 +423,9 @@ def build_sources(cfg, vocab_size: int, eagle_factory, dtype, device, sampling: 
         elif kind == "suffix":
             from draft.suffix import build_suffix_source
             sources.append(build_suffix_source(cfg, vocab_size))
+        elif kind == "recycle":
+            from draft.recycle_source import build_recycle_source
+            sources.append(build_recycle_source(cfg, vocab_size))
         else:
             if not (Path(arg) / "config.json").is_file():
                 raise SourceError(f"draft.sources: ssm:{arg}: no config.json there (a Hugging Face causal LM "

@@ -126,6 +126,31 @@ def top_tokens(drafter: object, hidden: Tensor, k: int) -> tuple[Tensor, Tensor]
     return torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
 
 
+def target_observer(drafter: object):
+    """The feed seam (issue 45): the callable ``observe(tokens, logits)`` through which ``drafter`` watches the
+    target's logits of committed positions, or None when nothing of it watches (then the seam costs nothing).
+
+    The rule: :class:`pipeline.engine.OutputBuffer` (every mode's one commit path, :meth:`OutputBuffer.extend`)
+    calls it once per commit with the tokens each committed token follows and the logits rows those committed
+    tokens were chosen from: ``logits[i]`` is the target's distribution after ``tokens[i]`` (a committed token: the
+    prompt's last token, then every committed token but the newest), rows the verifier already computed, never an
+    extra ``lm_head``. Only committed positions: what is observed is a function of the committed prefix (the
+    target's own distributions there), so a draft built from it changes neither greedy output nor the sampling law.
+    A hook must not change the logits and should cost what it needs (one ``topk`` for :mod:`draft.recycle_source`).
+
+    Found as the drafter's optional ``observe_target`` method; a drafter may say it has nothing to watch with a
+    false ``observes_target`` (:class:`draft.merged.MergedDrafter` forwards to the sources that define the hook and
+    says so when none does); a wrapper's (``inner``: :class:`draft.osd.OnlineDrafter`, the simulator's) is its inner
+    drafter's."""
+    if drafter is None:
+        return None
+    hook = getattr(drafter, "observe_target", None)
+    if hook is None:
+        inner = getattr(drafter, "inner", None)
+        return target_observer(inner) if inner is not None else None
+    return hook if getattr(drafter, "observes_target", True) else None
+
+
 def can_extend(drafter: object) -> bool:
     """True when ``drafter`` supports incremental expansion (:class:`ExtendableTreeDrafter`)."""
     return isinstance(drafter, ExtendableTreeDrafter) and bool(drafter.supports_extend)

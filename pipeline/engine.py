@@ -8,7 +8,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 
-from draft.protocol import TreeDrafter
+from draft.protocol import TreeDrafter, target_observer
 from model.devices import HOST
 from model.meter import OpMeter, SpanMeter, counter_fields, run_rows, take_counters
 from model.stage_model import StageModel
@@ -195,11 +195,19 @@ class OutputBuffer:
     produced the tokens (no copy: a reference and row indices), and only a buffer asked for them computes
     :func:`token_logprobs` of the tokens it took, into ``logprobs`` (one entry per id of ``ids``).
     ``drafted``: draft tokens the mode sent to the target for verification (set by the tree modes' loops).
+
+    The drafter's feed (issue 45; the seam's rule: :func:`draft.protocol.target_observer`): ``observe_target(tokens,
+    logits)``, optional, is called in :meth:`extend` with the rows the taken tokens were chosen from and, per row,
+    the committed token it follows (``prompt_last``, the prompt's last token, before the first one). Every mode
+    commits through :meth:`extend` with its logits, so a drafter watches committed positions with no mode knowing.
     """
 
     def __init__(self, stop_ids: set[int], max_new_tokens: int, on_commit=None, cancel=None,
-                 stop_text=None, sampler: Sampler | None = None, logprobs: int | None = None) -> None:
+                 stop_text=None, sampler: Sampler | None = None, logprobs: int | None = None,
+                 observe_target=None, prompt_last: int | None = None) -> None:
         self.ids: list[int] = []
+        self.observe_target = observe_target
+        self.prompt_last = prompt_last
         self.sampler = sampler if sampler is not None else Sampler()
         self.stop_ids = stop_ids
         self.max_new = max_new_tokens
@@ -217,6 +225,7 @@ class OutputBuffer:
         None: ``logits[i]``) are the target's logits ``tokens[i]`` was chosen from; read only with
         ``logprobs`` set, and then required (a mode that cannot give them fails loudly rather than misalign)."""
         taken = 0
+        before = self.ids[-1] if self.ids else self.prompt_last     # the committed token the first row follows
         for t in tokens:
             if self.finished:
                 break
@@ -226,6 +235,9 @@ class OutputBuffer:
                 self.finished = True
             elif self.stop_text is not None and self.stop_text(self.ids):
                 self.finished = True
+        if taken and self.observe_target is not None and logits is not None and before is not None:
+            picked = logits[list(rows[:taken]) if rows is not None else slice(0, taken)]
+            self.observe_target([before] + self.ids[len(self.ids) - taken:-1], picked)
         if taken and self.top_logprobs is not None:
             if logits is None:
                 raise RuntimeError("logprobs were asked for but this mode's commit gave no logits")
@@ -400,8 +412,16 @@ def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn: Decoder,
     prefill_fields = engine.start_decode_window()  # untimed: busy counters restart, prefill counters
     t1b = time.perf_counter()
     engine.tracer.mark("decode_begin")
+    observe = target_observer(getattr(engine, "drafter", None))
+    if observe is not None:                    # the feed is drafting work: rank 0's busy time counts it
+        hook = observe
+
+        def observe(tokens, logits):
+            with engine.tracer.span("draft"):
+                hook(tokens, logits)
     out = OutputBuffer(engine.stop_ids, settings.max_new_tokens, settings.on_commit, settings.cancel,
-                       settings.stop_text, settings.new_sampler(), settings.logprobs)
+                       settings.stop_text, settings.new_sampler(), settings.logprobs,
+                       observe, prompt_ids[-1] if prompt_ids else None)
     rounds, accepts, steps = decode_fn(engine, logits, features, prompt_ids, out)   # a DecodeResult
     t2 = time.perf_counter()
     engine.tracer.mark("gen_end", new_tokens=len(out.ids))

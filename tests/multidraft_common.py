@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from config.run_config import DEFAULT, apply_overrides
+from draft.protocol import target_observer
 from draft.ssm import SmallLMDrafter
 from draft.tree import DraftTree
 from pipeline.engine import OutputBuffer
@@ -110,7 +111,8 @@ def make_merged_runner(mode, world, target, drafter, sampler, horizon, overrides
 
     def run():
         ring.reset()
-        out = OutputBuffer(set(), horizon + 1, sampler=sampler)
+        out = OutputBuffer(set(), horizon + 1, sampler=sampler, observe_target=target_observer(drafter),
+                           prompt_last=ROOT)          # the feed seam, as pipeline.engine.timed_generation wires it
         decode(engine, first, None, [ROOT], out)
         assert out.finished and out.ids[0] == ROOT and not ring.inflight
         return tuple(out.ids[1:])
