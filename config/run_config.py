@@ -244,7 +244,7 @@ class DraftConfig(Checked):
     suffix_corpus: str = ""      # static corpus to retrieve from: .txt (a text a line) or .jsonl (text/turns/token_ids)
     recycle_k: int = 8           # token recycling (draft/recycle_source.py): the target's top-k kept per token (row width)
     recycle_log_p0: float = -1.4   # score of a row's best entry (<= 0): log of its hit rate on records < 30 (-1.36,
-                                 # scripts/recycle_calibrate.py; docs/results.md, "45: Token recycling as a draft source")
+                                 # scripts/recycle_calibrate.py; docs/results.md §72)
     recycle_log_step: float = -0.6  # score change per rank (<= 0): rank r scores log_p0 + r * log_step (fit: -0.59)
     recycle_persist: bool = True  # the table outlives a request (serving drafts from earlier requests' rows)
     tree_shape: str = "eagle2"   # how the head's tree search spends its rows: eagle2 (fixed beam: top_k rows per level,

@@ -2,7 +2,7 @@
 target's own top-k next tokens observed at earlier positions. Pure rule functions only: the plain statement of the
 rule. The source built on it is :mod:`draft.recycle_source` (``draft.sources=...,recycle``; its array table is tested
 against :class:`RecycleTable` and :func:`recycle_tree`), fed through the seam :func:`draft.protocol.target_observer`
-(docs/results.md, "45: Token recycling as a draft source").
+(docs/results.md §72).
 
 The table ``M``: for every token ``t`` seen as a verified node, the target's top-``k`` next tokens there, best
 first. **Merge rule: newest observation wins** (a row is replaced whole by the latest observation of ``t``; the

@@ -1,5 +1,5 @@
-"""Where the ``recycle`` source's nodes go in the merged tree (a diagnostic of docs/results.md, "45: Token recycling
-as a draft source"): ``naive`` 60/5/10 with ``draft.sources=eagle,lookup,recycle`` through the in-process ring, and
+"""Where the ``recycle`` source's nodes go in the merged tree (a diagnostic of docs/results.md §72): ``naive`` 60/5/10
+with ``draft.sources=eagle,lookup,recycle`` through the in-process ring, and
 per round each source's own tree recorded (``MergedDrafter.grow_tree``), so every merged node and every accepted
 draft token is attributed to the sources whose own trees hold its token path: recycle alone, recycle and another,
 the others only. Prints, per set, the merged nodes and the accepted draft tokens by attribution.

@@ -1,4 +1,4 @@
-"""Rank 0's per-call host cost of the ``recycle`` source (docs/results.md, "45: Token recycling as a draft source"):
+"""Rank 0's per-call host cost of the ``recycle`` source (docs/results.md §72):
 one thread, thread clock, a fully filled table over SmolLM2's 49152-token vocabulary (the worst case for the walk);
 min and median of 5 blocks, in microseconds.
 
