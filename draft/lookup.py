@@ -435,11 +435,6 @@ class LookupDrafter(TokenHistory):
         pad = self.max_matches - len(ids)
         return ids + [-1] * pad + [lt[c] for c in counts.values()] + [FLOOR] * pad
 
-    def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
-        self.reset()
-        self.context = list(prompt_ids)
-        return self.commit(torch.tensor([first_token], device=HOST), features)
-
     def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
         self.append_context(tokens)
         return self.state([])

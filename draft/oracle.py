@@ -26,7 +26,6 @@ import torch
 
 from draft.drafter import BeamTreeDrafter
 from draft.token_history import TokenHistory
-from model.devices import HOST
 from model.meter import hidden_rows
 
 Tensor = torch.Tensor
@@ -66,11 +65,9 @@ class OracleDrafter(TokenHistory, BeamTreeDrafter):
         self.noise = float(noise)
         TokenHistory.__init__(self)
 
-    def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
-        self.reset()
+    def begin(self, prompt_ids: list[int]) -> None:
         self.reseed()
-        self.context = list(prompt_ids)
-        return self.commit(torch.tensor([first_token], device=HOST), features)
+        self.context = prompt_ids
 
     @torch.no_grad()
     def _dist(self, sequences: list[list[int]]) -> Tensor:

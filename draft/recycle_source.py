@@ -156,11 +156,6 @@ class RecycleDrafter(TokenHistory):
     def _root_state(self) -> Tensor:
         return torch.from_numpy(self.states([self.context[-1]])[0])
 
-    def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
-        self.reset()
-        self.context = list(prompt_ids)
-        return self.commit(torch.tensor([first_token], device=HOST), features)
-
     def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
         self.append_context(tokens)
         return self._root_state()

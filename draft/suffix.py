@@ -425,11 +425,9 @@ class SuffixDrafter(TokenHistory):
         return [ln if st > 0 else 0 for _, st, ln in self._roots(*self._path_matches(list(path)))]
 
     # -- protocol --------------------------------------------------------------------------------------------
-    def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
-        self.reset()
+    def begin(self, prompt_ids: list[int]) -> None:
         self.context = []
-        self._append(list(prompt_ids))
-        return self.commit(torch.tensor([first_token], device=HOST), features)
+        self._append(prompt_ids)
 
     def _append(self, tokens: list[int]) -> None:
         self.context += tokens

@@ -4,7 +4,10 @@ fed since the last ``drop_tree`` (parents ``-1`` = below the context, else an ea
 """
 from __future__ import annotations
 
+import torch
 from torch import Tensor
+
+from model.devices import HOST
 
 
 class TokenHistory:
@@ -15,6 +18,17 @@ class TokenHistory:
         self.context: list[int] = []
         self.tree_tokens: list[int] = []
         self.tree_parents: list[int] = []
+
+    def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
+        """A new request: state reset, the context restarted as the prompt (:meth:`begin`), then ``first_token``
+        committed through the drafter's own ``commit`` (so its state after the first token is what it returns)."""
+        self.reset()
+        self.begin(list(prompt_ids))
+        return self.commit(torch.tensor([first_token], device=HOST), features)
+
+    def begin(self, prompt_ids: list[int]) -> None:
+        """The context of a new request: the prompt (a drafter indexing its context as it grows overrides this)."""
+        self.context = prompt_ids
 
     def append_context(self, tokens: Tensor) -> list[int]:
         """Drop the tree entries, append committed ``tokens``; returns the context."""
