@@ -55,20 +55,23 @@ def rank_logprob(rank: int, log_p0: float, log_step: float) -> float:
 
 def recycle_tree(table: RecycleTable, root: int, total: int, depth: int, log_p0: float,
                  log_step: float) -> tuple[list[int], list[int], list[float]]:
-    """The best-first walk of ``table`` from ``root``: ``(tokens, parents, scores)``, ancestors first, root at
+    """The best-first walk of ``table`` (anything with ``row(token)``: a :class:`RecycleTable`, or the source's array
+    table, ``draft.recycle_source.ArrayRows``) from ``root``: ``(tokens, parents, scores)``, ancestors first, root at
     index 0 (parent -1, score 0). Each popped node expands its whole row; nodes are popped by score (ties: earlier
     pushed first), so the kept set is the ``total`` best nodes of the (depth-bounded) walk and ancestor-closed."""
     tokens, parents, scores, levels = [int(root)], [-1], [0.0], [0]
     heap: list[tuple[float, int, int, int, int]] = []   # (-score, order, token, parent, level)
     order = 0
+    rank_scores: list[float] = []                        # rank_logprob(r), computed once per rank
 
     def push_children(node: int) -> None:
         nonlocal order
         if levels[node] >= depth:
             return
         for r, x in enumerate(table.row(tokens[node])):
-            heapq.heappush(heap, (-(scores[node] + rank_logprob(r, log_p0, log_step)), order, x, node,
-                                  levels[node] + 1))
+            while len(rank_scores) <= r:
+                rank_scores.append(rank_logprob(len(rank_scores), log_p0, log_step))
+            heapq.heappush(heap, (-(scores[node] + rank_scores[r]), order, x, node, levels[node] + 1))
             order += 1
 
     push_children(0)

@@ -34,14 +34,12 @@ scores, unused slots id ``-1`` and score ``FLOOR`` (lookup's layout, :func:`draf
 """
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 import torch
 
 from config.run_config import SourceError
 from draft.lookup import FLOOR, best_supported, spread_state, unpack_state
-from draft.recycle import rank_logprob
+from draft.recycle import rank_logprob, recycle_tree
 from draft.token_history import TokenHistory
 from draft.tree import DraftTree
 from model.devices import HOST
@@ -57,33 +55,16 @@ def pack_rows(ids: np.ndarray, rank_scores: np.ndarray) -> np.ndarray:
                            np.where(ids >= 0, rank_scores[None, :], np.float32(FLOOR)).astype(np.float32)], axis=1)
 
 
-def walk(ids: np.ndarray, root: int, total: int, depth: int, rank_scores: list[float]
-         ) -> tuple[list[int], list[int], list[float]]:
-    """:func:`draft.recycle.recycle_tree` over the array table (``rank_scores[r]`` = ``rank_logprob(r)``): the same
-    nodes in the same order (pushes and pops in the same sequence, ties by push order), with the row read once per
-    popped node from the array instead of a dict."""
-    tokens, parents, scores, levels = [int(root)], [-1], [0.0], [0]
-    heap: list[tuple[float, int, int, int, int]] = []
-    order = 0
-    stack = [0]
-    while True:
-        for node in stack:                                   # push_children(node), as the rule
-            if levels[node] >= depth:
-                continue
-            s, lv = scores[node], levels[node] + 1
-            for r, x in enumerate(ids[tokens[node]].tolist()):
-                if x < 0:
-                    break
-                heapq.heappush(heap, (-(s + rank_scores[r]), order, x, node, lv))
-                order += 1
-        if not heap or len(tokens) >= total:
-            return tokens, parents, scores
-        neg, _, x, parent, level = heapq.heappop(heap)
-        tokens.append(x)
-        parents.append(parent)
-        scores.append(-neg)
-        levels.append(level)
-        stack = [len(tokens) - 1]
+class ArrayRows:
+    """The array table read as :class:`draft.recycle.RecycleTable` is read (``row(t)``: the observed ids, best first;
+    rows are whole, so the first ``-1`` ends one), so that :func:`draft.recycle.recycle_tree` walks it."""
+
+    def __init__(self, ids: np.ndarray) -> None:
+        self.ids = ids
+
+    def row(self, token: int) -> list[int]:
+        r = self.ids[token].tolist()
+        return r[:r.index(-1)] if -1 in r else r
 
 
 class RecycleDrafter(TokenHistory):
@@ -101,8 +82,7 @@ class RecycleDrafter(TokenHistory):
         if log_p0 > 0 or log_step > 0:
             raise SourceError("draft.recycle_log_p0 and draft.recycle_log_step must be <= 0")
         self.vocab_size, self.k, self.log_p0, self.log_step, self.persist = vocab_size, k, log_p0, log_step, persist
-        self.rank_list = [rank_logprob(r, log_p0, log_step) for r in range(k)]
-        self.rank_scores = np.array(self.rank_list, dtype=np.float32)
+        self.rank_scores = np.array([rank_logprob(r, log_p0, log_step) for r in range(k)], dtype=np.float32)
         self.ids = np.full((vocab_size, k), -1, dtype=np.int64)
         self.observed = 0              # rows the feed handed over (all requests; one per committed token)
         self._last_feed: tuple | None = None   # the latest feed call's (tokens, top ids): reset keeps it
@@ -161,11 +141,12 @@ class RecycleDrafter(TokenHistory):
         return self._root_state()
 
     def grow_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int) -> DraftTree:
-        """The best-first walk of the table from ``root_token`` (:func:`walk`), at most ``depth + 1`` levels below
+        """The best-first walk of the table from ``root_token`` (:func:`draft.recycle.recycle_tree`), at most ``depth + 1`` levels below
         the root (as lookup's); ``top_k`` is not used (a row's ``k`` decides the width)."""
         if total_token <= 1:
             return DraftTree.single(root_token)
-        toks, pars, scores = walk(self.ids, root_token, total_token, depth + 1, self.rank_list)
+        toks, pars, scores = recycle_tree(ArrayRows(self.ids), root_token, total_token, depth + 1, self.log_p0,
+                                          self.log_step)
         if len(toks) == 1:
             return DraftTree.single(root_token)
         return DraftTree(torch.tensor(toks, device=HOST), torch.tensor(pars, device=HOST),
@@ -192,11 +173,6 @@ class RecycleDrafter(TokenHistory):
 
     def _unpack(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         return unpack_state(hidden, self.k, "recycle")
-
-    def table_rows(self) -> dict[int, tuple[int, ...]]:
-        """The table as :class:`draft.recycle.RecycleTable` keeps it (observed tokens only): for tests and reports."""
-        seen = np.flatnonzero(self.ids[:, 0] >= 0)
-        return {int(t): tuple(int(x) for x in self.ids[t] if x >= 0) for t in seen}
 
 
 def build_recycle_source(cfg, vocab_size: int) -> RecycleDrafter:
