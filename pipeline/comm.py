@@ -13,6 +13,9 @@ detection. No collective runs in the decode loop.
   gave up after it. When rank 0 hosts the rendezvous store (plain env launch, not torchrun's agent store)
   it waits (a few seconds at most) until the others have read the record; when that store vanishes,
   rank 0 is the lost rank. Fatal exits go through :func:`pipeline.faults.fatal` (one line, ``os._exit``).
+* Rank 0 loads more than a stage (tokenizer, draft head, warm-up), for longer than ``timeout_s`` on a slow disk:
+  a stage waits for rank 0's first message in :meth:`Comm.wait_for_rank0` (the store, watched by the
+  heartbeats), not in a receive bounded by ``timeout_s``.
 * ``dist.init_process_group`` is bounded by ``timeout_s`` (a backstop thread): a rank that never shows up
   or a foreign program on ``MASTER_PORT`` ends in a one-line :class:`RendezvousError`, never a hang.
 """
@@ -38,6 +41,7 @@ from pipeline.trace import Tracer
 HB_PREFIX = "flowspec/hb/"
 FAIL_PREFIX = "flowspec/fail/"
 DONE_PREFIX = "flowspec/done/"
+READY_KEY = "flowspec/ready/0"   # rank 0 posted its first message (Comm.wait_for_rank0)
 STOP_KEY = "flowspec/launch/stop"   # written by pipeline.tools.launch before it passes an operator's signal on
 RECORD_CHARS = 200                  # a record's text is shown at most this long (see record_text)
 MAX_PENDING = 64   # sends per destination kept in flight before the oldest is waited for (see Comm.send)
@@ -280,6 +284,7 @@ class Comm:
         self.store = BoundedStore(raw, timeout_s)   # a frozen store host cannot hang a watchdog (BoundedStore)
         self._hb_count = 0
         self._seen: dict[int, tuple[str, float]] = {}
+        self._announced = self.rank != 0   # rank 0: READY_KEY not written yet (post)
         self.store.set(HB_PREFIX + str(self.rank), "0")
         faults.arm(self.rank)
         faults.set_peer_hook(self._going_down, self._reported_loss)
@@ -317,6 +322,9 @@ class Comm:
         """
         if faults._armed:
             self._fault_point("send", msg)
+        if not self._announced:
+            self._announced = True
+            self.store.set(READY_KEY, "1")
         tracer = self.tracer
         if tracer.enabled:
             with tracer.span("send", dst=dst):
@@ -559,6 +567,21 @@ class Comm:
         for dst, q in self._pending.items():
             while q:
                 self._retire(dst, q)
+
+    def wait_for_rank0(self) -> None:
+        """Return once rank 0 has posted its first message (its first :meth:`post` writes ``READY_KEY``).
+
+        Why a stage calls this before its first receive: a gloo receive gives up after ``timeout_s``, and rank 0
+        loads more than a stage does (tokenizer, draft head or oracle, warm-up: a 7B head from a slow disk takes
+        longer than the default 30 s), so a stage that went straight into its receive exited with "lost rank 0"
+        while rank 0 was alive and loading (CI's ``test_killed_stage_rank...`` at load 4, ``comm.timeout_s=5``).
+        Liveness during the wait is the watchdog's: a rank that dies or stops while loading stops its
+        heartbeats and every other rank exits within ``timeout_s``, naming it."""
+        try:
+            while not self.store.check([READY_KEY]):
+                time.sleep(min(0.05, self.heartbeat_s / 4))
+        except Exception as e:   # the store went away with its host (rank 0 killed while loading)
+            raise self._store_lost(e) from None
 
     def barrier(self) -> None:
         self._guard(lambda: dist.barrier(), None)

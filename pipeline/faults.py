@@ -9,7 +9,8 @@ Fatal exits
 
 Fault injection (tests only)
     ``FLOWSPEC_FAULT="rank=R,at=POINT[,count=N][,sig=KILL]"`` makes rank ``R`` send itself ``SIGKILL``
-    (or ``sig=INT`` / ``TERM`` / ``STOP``...) the ``N``-th time (default 1) it reaches ``POINT``:
+    (or ``sig=INT`` / ``TERM`` / ``STOP``...) the ``N``-th time (default 1) it reaches ``POINT``;
+    ``delay=S`` instead of ``sig`` makes it sleep ``S`` seconds there (a slow rank, alive):
 
     ``send`` / ``recv``  any ring message sent / received (:mod:`pipeline.comm`)
     ``prefill``          a prompt chunk (``Context``) sent or received
@@ -100,21 +101,23 @@ class FaultSpecError(UserError, ValueError):
 
 
 def parse(spec: str, rank: int) -> dict[str, list]:
-    """``{point: [count_left, signal]}`` of the faults in ``spec`` that target ``rank``."""
+    """``{point: [count_left, signal or delay seconds]}`` of the faults in ``spec`` that target ``rank``."""
     out: dict[str, list] = {}
     for part in filter(None, (p.strip() for p in spec.split(";"))):
         try:
             kv = dict(item.split("=", 1) for item in part.split(","))
             target, point = int(kv.pop("rank")), kv.pop("at")
             count = int(kv.pop("count", "1"))
+            delay = float(kv.pop("delay")) if "delay" in kv and "sig" not in kv else None
             sig = getattr(signal, "SIG" + kv.pop("sig", "KILL").upper().removeprefix("SIG"))
         except (ValueError, KeyError, AttributeError):
-            raise FaultSpecError(f"bad FLOWSPEC_FAULT {part!r}: expected rank=R,at=POINT[,count=N][,sig=KILL]") from None
+            raise FaultSpecError(f"bad FLOWSPEC_FAULT {part!r}: expected "
+                                 "rank=R,at=POINT[,count=N][,sig=KILL|,delay=S]") from None
         if kv or point not in POINTS or count < 1:
             raise FaultSpecError(f"bad FLOWSPEC_FAULT {part!r}: unknown key(s) {sorted(kv)} or point "
                                  f"{point!r} (one of {', '.join(POINTS)}) or count < 1")
         if target == rank:
-            out[point] = [count, sig]
+            out[point] = [count, sig if delay is None else delay]
     return out
 
 
@@ -132,7 +135,9 @@ def hit(point: str) -> None:
     if f is None:
         return
     f[0] -= 1
-    if f[0] == 0:
+    if f[0] == 0 and isinstance(f[1], float):   # delay=S: slow, not dead
+        time.sleep(f[1])
+    elif f[0] == 0:
         sys.stdout.flush()
         sys.stderr.flush()
         os.kill(os.getpid(), f[1])

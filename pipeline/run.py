@@ -225,7 +225,9 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
         code = (rank0 or run_rank0)(args, cfg, modes, comm, model, stage_root, dtype, device)
     else:
         from pipeline.build import make_stage_worker
-        make_stage_worker(cfg, comm, model, dtype, device).run()
+        worker = make_stage_worker(cfg, comm, model, dtype, device)
+        comm.wait_for_rank0()   # rank 0 may load for longer than timeout_s (its docstring)
+        worker.run()
         code = 0
     tracer.dump(cfg.comm.trace_dir)
     comm.close()

@@ -23,7 +23,7 @@ from pipeline.coalesce import Call, CoalescingMeter, OpBatcher, split_rows, take
 from pipeline.engine import GenSettings
 from pipeline.inprocess import run_threaded
 from tests.helpers import run_concurrent
-from tests.test_lanes import COMMON, NEW, PROMPTS, Pad, tiny  # noqa: F401 - tiny: the module's fixture
+from tests.test_lanes import COMMON, NEW, PROMPTS, Pad, run_batched, tiny  # noqa: F401 - tiny: the module's fixture
 
 
 # -- the grouping rule (pure) ------------------------------------------------------------------------------------
@@ -255,6 +255,12 @@ def _rank0_pad():
     return Pad(0.01)
 
 
+def _coalesced(*kinds):
+    """Coverage of the end-to-end tests: an op of each of ``kinds`` served several lanes' calls (timing: whether
+    the lanes' calls meet at the device; ``run_batched`` retries, checking the outputs of every run)."""
+    return lambda pool: all(pool.lock.counts["coalesced_ops", k] > 0 for k in kinds)
+
+
 @pytest.mark.parametrize("mode,drafter", [("continuous", "default"), ("naive", "default"), ("continuous", "oracle"),
                                           ("ar", "oracle")])
 def test_coalesced_lanes_greedy_equals_alone(tiny, mode, drafter):   # noqa: F811 - the fixture
@@ -263,12 +269,13 @@ def test_coalesced_lanes_greedy_equals_alone(tiny, mode, drafter):   # noqa: F81
     is still HF's greedy answer."""
     full, stages, refs = tiny
     d = f"oracle:{full}" if drafter == "oracle" else None
-    res, pool = run_concurrent(stages, [(p, mode, GenSettings(NEW)) for p in PROMPTS], COMMON, {2}, d, lanes=3,
-                               stage_meter=lambda r: Pad(), rank0_meter=_rank0_pad)
-    assert [r.output_ids for r in res] == refs
-    assert pool.lock.counts["coalesced_ops", "lm_head"] > 0, pool.lock.summary()
-    if drafter == "default" and mode == "continuous":   # the EAGLE head's forwards of several lanes in one op too
-        assert pool.lock.counts["coalesced_ops", "draft_forward"] > 0, pool.lock.summary()
+    kinds = ["lm_head", "draft_forward"] if drafter == "default" and mode == "continuous" else ["lm_head"]
+
+    def check(res):
+        assert [r.output_ids for r in res] == refs
+    run_batched(check, stages, [(p, mode, GenSettings(NEW)) for p in PROMPTS], COMMON, {2}, d, lanes=3,
+                stage_meter=lambda r: Pad(), rank0_meter=_rank0_pad, covered=_coalesced(*kinds),
+                what=f"{' and '.join(kinds)} calls of several lanes coalesced")
 
 
 @pytest.mark.parametrize("mode", ["continuous", "naive"])
@@ -280,10 +287,10 @@ def test_coalesced_lanes_sampling_equals_alone(tiny, mode):   # noqa: F811
     alone = [run_threaded(stages, [p], [mode], [*COMMON, "temperature=1.0", f"seed={s}"], {2}, f"oracle:{full}")
              [mode][0].output_ids for p, s in zip(PROMPTS, seeds)]
     jobs = [(p, mode, GenSettings(NEW, temperature=1.0, seed=s)) for p, s in zip(PROMPTS, seeds)]
-    res, pool = run_concurrent(stages, jobs, COMMON, {2}, f"oracle:{full}", lanes=3, stage_meter=lambda r: Pad(),
-                               rank0_meter=_rank0_pad)
-    assert [r.output_ids for r in res] == alone
-    assert pool.lock.counts["coalesced_ops", "lm_head"] > 0, pool.lock.summary()
+    def check(res):
+        assert [r.output_ids for r in res] == alone
+    run_batched(check, stages, jobs, COMMON, {2}, f"oracle:{full}", lanes=3, stage_meter=lambda r: Pad(),
+                rank0_meter=_rank0_pad, covered=_coalesced("lm_head"), what="lm_head calls of several lanes coalesced")
 
 
 def test_planted_crossed_slices_fail_end_to_end(tiny, monkeypatch):   # noqa: F811

@@ -160,7 +160,9 @@ DECODE = ["max_new_tokens=120", "--modes", "continuous", "--prompt-ids", "1,5,9,
     (0, "segment", 7, DECODE),
     (2, "decision", 4, DECODE),      # a stage taking rank 0's direct decisions
     (0, "decision", 4, DECODE),      # rank 0 about to send one
-], ids=["stage-prefill", "rank0-prefill", "stage-decode", "rank0-decode", "stage-decision", "rank0-decision"])
+    (0, "load", 1, DECODE),          # rank 0 while loading: the stages wait in Comm.wait_for_rank0, not a receive
+], ids=["stage-prefill", "rank0-prefill", "stage-decode", "rank0-decode", "stage-decision", "rank0-decision",
+        "rank0-load"])
 def test_killed_rank(zygote, roots, tmp_path, victim, point, count, args):
     job = Job(tmp_path, 3, [f"model.stage_dir={roots[3]}", *FAST, *args],
               env={"FLOWSPEC_FAULT": f"rank={victim},at={point},count={count}"}, zygote=zygote)
@@ -174,6 +176,17 @@ def test_killed_rank(zygote, roots, tmp_path, victim, point, count, args):
         assert rr.t_exit - res[victim].t_exit <= TIMEOUT_S + SLACK_S, info
         assert f"lost rank {victim}" in rr.err, info
     assert_clean_failure([rr for r, rr in enumerate(res) if r != victim])
+
+
+def test_rank0_loading_past_timeout_is_no_lost_rank(zygote, roots, tmp_path):
+    """Rank 0 loads for 3x ``comm.timeout_s`` (``delay=``: slow, alive, as a 7B head from a slow disk): the stages
+    wait for its first message (``Comm.wait_for_rank0``) and the job ends well. Without that wait a stage's first
+    receive gave up after ``comm.timeout_s`` with "lost rank 0" (this test failed so with the wait removed)."""
+    args = [f"model.stage_dir={roots[3]}", "comm.timeout_s=2", "comm.heartbeat_s=0.2", "--quiet",
+            "max_new_tokens=4", "--modes", "continuous", "--prompt-ids", "1,5,9"]
+    env = {"FLOWSPEC_FAULT": "rank=0,at=load,delay=6"}
+    res = Job(tmp_path, 3, args, env=env, zygote=zygote).wait(120)
+    assert all(r.code == 0 for r in res), _dump(res)
 
 
 def _sigint_blocked(pid: int) -> bool:

@@ -66,16 +66,19 @@ def batched(pool) -> int:
     return sum(w.batched_forwards for w in pool.stage_workers)
 
 
-def run_batched(check, *args, attempts: int = 3, **kw):
-    """``run_concurrent(*args, **kw)`` until a stage step carried several lanes, ``check``-ing the outputs of EVERY
-    run. Why: whether the lanes' segments meet at a stage is timing (the ``Pad`` meter makes it likely, a host at
-    load 20 can still serialise the threads); the claim tested is the outputs', the batching only its coverage."""
+def run_batched(check, *args, attempts: int = 3, covered=None, what: str = "a stage step carried several lanes",
+                **kw):
+    """``run_concurrent(*args, **kw)`` until ``covered(pool)`` (default: a stage step carried several lanes),
+    ``check``-ing the outputs of EVERY run. Why: whether the lanes' segments meet at a stage (or their rank-0 calls
+    at the device) is timing (the ``Pad`` meters make it likely, a host at load 20 can still serialise the threads);
+    the claim tested is the outputs', the meeting only its coverage."""
+    covered = covered or (lambda pool: batched(pool) > 0)
     for _ in range(attempts):
         res, pool = run_concurrent(*args, **kw)
         check(res)
-        if batched(pool) > 0:
+        if covered(pool):
             return res, pool
-    pytest.fail(f"no stage step carried several lanes in {attempts} runs")
+    pytest.fail(f"not once in {attempts} runs: {what} ({pool.lock.summary()})")
 
 
 @pytest.mark.parametrize("mode", ["continuous", "naive", "pipedec", "ar", "pruned"])
