@@ -224,7 +224,7 @@ class MergedDrafter(BeamTreeDrafter):
         :func:`draft.protocol.top_tokens`. A token proposed twice keeps its best score. Fewer than ``k`` only where
         fewer distinct tokens were proposed in some row. Returned on the host: the sources' candidates cross in one
         copy (one concatenation of every source's scores and ids, as :func:`draft.drafter.to_host` packs them), and
-        the dedup, whose width is read, runs there in NumPy (:func:`union_top`)."""
+        the dedup, whose width is read, runs there in NumPy (:func:`union_top_np`)."""
         parts = [f(h, k) for f, h in zip(self._candidates, self._split_known(hidden))]
         dev = parts[0][0].device
         scores = [p[0] for p in parts]
@@ -236,7 +236,7 @@ class MergedDrafter(BeamTreeDrafter):
         m = sum(x.shape[-1] for x in scores)
         # ONE concatenation into a float64 buffer kept per shape (float32 / float64 scores and int64 / float ids
         # widen exactly: ids below 2**53) and the level's one device->host copy; the dedup then runs in NumPy on
-        # the host (union_top: why). The buffer is only read into fresh arrays (union_top_np), never kept.
+        # the host (union_top_np: why). The buffer is only read into fresh arrays (union_top_np), never kept.
         key = (xs[0].shape[:-1], 2 * m, dev)
         buf = self._pack_buffers.get(key)
         if buf is None:
@@ -324,30 +324,22 @@ def _path_states(src, tree: DraftTree, h: Tensor, inner: np.ndarray, par_np: np.
     return torch.cat([h, out.to(dev, h.dtype)])[torch.from_numpy(row[np.maximum(par_np, 0)]).to(dev)]
 
 
-def union_top(scores: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The best ``k`` distinct tokens per row of a union of host candidates ``(scores, tokens)`` ``[rows, m]``
-    (tokens may ride in a float64 tensor: exact ids): each token at its best score, best first, ties by position in
-    the union (a stable sort). An empty slot is ``(-inf, -1)`` (a source's
+def union_top_np(both: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The best ``k`` distinct tokens per row of a union of host candidates ``both = [scores | tokens]`` (float64,
+    ``[rows, 2m]``, ``m`` score columns; the tokens ride as float64: exact ids), what
+    :meth:`MergedDrafter.top_numpy` hands over from its one device->host copy: each token at its best score, best
+    first, ties by position in the union (a stable sort). An empty slot is ``(-inf, -1)`` (a source's
     :meth:`draft.lookup.LookupDrafter.supported_tokens`), and no candidate with score -inf is returned. Returns
     float64 scores and int64 tokens, ``kk = min(k, the fewest valid distinct tokens of any row)`` columns.
 
-    Runs in NumPy on the host tensors' memory (``Tensor.numpy()`` / ``torch.from_numpy`` share it: no copy, no
-    operator dispatched). Why: this is a few dozen host numbers per level, after the level's one device->host copy;
-    as torch ops it was 19 dispatched operators per level (sort, gathers, an outer comparison, a read of the width):
-    70 us of host time for 10 rows of 18 candidates, 35 us here (one thread, thread clock; ``np.take_along_axis``
+    Runs in NumPy on the host. Why: this is a few dozen host numbers per level, after the level's one device->host
+    copy; as torch ops it was 19 dispatched operators per level (sort, gathers, an outer comparison, a read of the
+    width): 70 us of host time for 10 rows of 18 candidates, 35 us here (one thread, thread clock; ``np.take_along_axis``
     instead of the fancy-index gathers would cost as much as the torch ops). The dispatched-operator count
     (``pipeline.tools.opcount``, the simulator's ``--rank0-cost ops``) does not see NumPy calls: they are host
     time, which layerbench's timings and the simulator's ``--rank0-cost measured`` do see (docs/results.md,
     §52 ("Fewer operators on the chain")). A fixed sequence of about ten NumPy calls, whatever the rows (no per-row
     Python)."""
-    s, t = union_top_np(np.concatenate([scores.numpy().astype(np.float64), tokens.numpy().astype(np.float64)], -1),
-                        scores.shape[-1], k)
-    return torch.from_numpy(s), torch.from_numpy(t)
-
-
-def union_top_np(both: np.ndarray, m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`union_top` of ``both = [scores | tokens]`` (float64, ``m`` score columns), in and out NumPy: what
-    :meth:`MergedDrafter.top_numpy` hands over from its one device->host copy."""
     s, t = both[:, :m], both[:, m:].astype(np.int64)
     r = _rows(s.shape[0])                    # row-wise gathers by fancy indexing (take_along_axis: twice slower)
     order = np.argsort(-s, axis=-1, kind="stable")                           # best first, ties in union order
@@ -368,14 +360,9 @@ def _rows(n: int) -> np.ndarray:
     return out
 
 
-def _match_nodes(tree: DraftTree, key: dict[tuple[int, int], int]) -> Tensor:
-    """For each node of ``tree`` (ancestors first), the index of the node with the same token path in the tree
-    whose ``(parent, token) -> index`` map is ``key``, or -1 where that tree lacks the path."""
-    return torch.from_numpy(_match_nodes_np(tree, key))
-
-
 def _match_nodes_np(tree: DraftTree, key: dict[tuple[int, int], int]) -> np.ndarray:
-    """:func:`_match_nodes` as a NumPy int64 array."""
+    """For each node of ``tree`` (ancestors first), the index of the node with the same token path in the tree
+    whose ``(parent, token) -> index`` map is ``key``, or -1 where that tree lacks the path (NumPy int64)."""
     at = [0]
     for p, t in zip(tree.parents.tolist()[1:], tree.tokens.tolist()[1:]):
         at.append(key.get((at[p], t), -1) if at[p] >= 0 else -1)

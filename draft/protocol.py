@@ -9,7 +9,7 @@ test drafters (:mod:`draft.oracle`), the small causal LM (:mod:`draft.ssm`), pro
 What a drafter returns: ``grow_tree`` returns a :class:`draft.tree.DraftTree` rooted at the last committed
 token (the root is *not* a guess: the target already chose it):
   * ``tokens[i]`` and ``parents[i]`` (``-1`` for the root, else an earlier node: ancestors first);
-    sibling tokens are distinct (``check_tree``); at most ``total_token`` nodes, root included;
+    sibling tokens are distinct (``tests.helpers.check_tree``); at most ``total_token`` nodes, root included;
   * ``scores[i]``: the node's cumulative draft score relative to the root (a log-probability for model
     drafters, lookup's match score for prompt lookup); along a path scores never increase, which is what
     ``select_top_nodes``/``merge_sources`` rely on to keep budgets ancestor-closed;

@@ -3,7 +3,7 @@
 A tree is four aligned 1-D arrays: ``tokens``, ``parents`` (``-1`` for the root), ``scores``
 (cumulative draft log-prob relative to the root) and derived ``depths``.
 
-Invariants (checked by :func:`check_tree`):
+Invariants (checked by ``tests.helpers.check_tree``):
   * node 0 is the root and is the only node with parent ``-1``;
   * ``parents[i] < i`` for every non-root node ("ancestors first"), so every prefix
     ``[0, k)`` of the node list is a connected subtree containing the root;
@@ -238,21 +238,6 @@ def _flat(x: Tensor) -> Tensor:
     return x if x.dim() == 1 else x.reshape(-1)
 
 
-def check_tree(tree: DraftTree) -> None:
-    """Raise ``ValueError`` unless ``tree`` satisfies the module invariants."""
-    n = len(tree)
-    if n == 0 or int(tree.parents[0]) != -1:
-        raise ValueError("node 0 must be the root (parent -1)")
-    idx = torch.arange(n, device=HOST)
-    if n > 1 and not bool(((tree.parents[1:] >= 0) & (tree.parents[1:] < idx[1:])).all()):
-        raise ValueError("every non-root node needs an earlier parent")
-    pairs = set()
-    for p, t in zip(tree.parents.tolist(), tree.tokens.tolist()):
-        if (p, t) in pairs:
-            raise ValueError(f"duplicate sibling token {t} under node {p}")
-        pairs.add((p, t))
-
-
 def select_top_nodes(root_token: int, cand_tokens: Tensor, cand_parents: Tensor, cand_scores: Tensor,
                      total_token: int, cand_depths: Tensor | None = None) -> DraftTree:
     """EAGLE-2 re-ranking: keep the best ``total_token - 1`` candidates plus the root.
@@ -344,7 +329,7 @@ def keep_indices_for(tree: DraftTree, accepted: list[int], new_root: int | None)
     accepted node) continues the tree, its whole subtree is kept after the path; otherwise only
     the path is kept (truncate).
 
-    Vectorised (issue 41): the subtree is :func:`subtree_nodes` (pointer jumping, a few host tensor ops), and
+    Vectorised (issue 41): the subtree is :func:`subtree_nodes` (pointer jumping in NumPy), and
     strictness is checked on the path list (``accepted`` increasing, ``new_root`` after its last node: then the
     subtree, whose nodes all follow ``new_root``, continues it in order).
     """
@@ -353,24 +338,19 @@ def keep_indices_for(tree: DraftTree, accepted: list[int], new_root: int | None)
         raise AssertionError("keep-list must be strictly increasing")
     keep = np.asarray(acc, dtype=np.int64)
     if new_root is not None:
-        keep = np.concatenate([keep, _subtree_np(tree.parents.numpy(), new_root)])
+        keep = np.concatenate([keep, subtree_nodes(tree.parents.numpy(), new_root)])
     return torch.from_numpy(keep)
 
 
-def subtree_nodes(parents: Tensor, root: int) -> Tensor:
-    """The nodes of ``root``'s subtree (``root`` first), increasing, in an ancestors-first tree (``parents[i] < i``).
+def subtree_nodes(parents: np.ndarray, root: int) -> np.ndarray:
+    """The nodes of ``root``'s subtree (``root`` first), increasing, in an ancestors-first tree (``parents[i] < i``;
+    a NumPy array: int64 node ids, increasing).
 
     Pointer jumping with the nodes up to ``root`` as fixed points: ``up[i]`` starts as ``parents[i]`` for
     ``i > root`` and ``i`` otherwise; ``up = up[up]`` doubles every jump, so after ``bit_length(n - root)`` rounds
     (a chain from ``i`` down to ``root`` has fewer than ``n - root`` links) ``up[i]`` is the first node ``<= root``
-    on ``i``'s path, and ``i`` is in the subtree iff that is ``root``. In NumPy on the host tree's memory
-    (:func:`_subtree_np`; issue 41: the same ``log2(n) + 5`` steps were as many dispatched operators on the
-    verified step's chain): two operators (the view and the answer's tensor)."""
-    return torch.from_numpy(_subtree_np(parents.numpy(), root))
-
-
-def _subtree_np(parents: np.ndarray, root: int) -> np.ndarray:
-    """:func:`subtree_nodes` on a NumPy array of parents (int64 node ids, increasing)."""
+    on ``i``'s path, and ``i`` is in the subtree iff that is ``root``. In NumPy on the host tree's memory (issue 41:
+    the same ``log2(n) + 5`` steps were as many dispatched operators on the verified step's chain)."""
     n = parents.size
     idx = np.arange(n, dtype=np.int64)
     up = np.where(idx > root, parents, idx).astype(np.int64, copy=False)

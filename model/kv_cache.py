@@ -133,8 +133,8 @@ class KVCache:
         if n <= CAUSAL_ROWS:                              # a commit / an ar step: views of shared tables
             pos, rows = _causal_tables(self.max_len, dtype)
             return pos[:, c:c + n], rows[n][..., self.max_len - c:self.max_len + n]
-        # row i sees slots j <= length + i: 0 there, the dtype's lowest above (what _additive of the tril'd
-        # allowed matrix gives, bitwise; issue 41: 5 operators instead of 9 per commit, 2 in NumPy)
+        # row i sees slots j <= length + i: 0 there, the dtype's lowest above (the additive form of the tril'd
+        # allowed matrix, bitwise; issue 41: 5 operators instead of 9 per commit, 2 in NumPy)
         pos = torch.from_numpy(np.arange(c, c + n, dtype=np.int64).reshape(1, n))
         npd = _NUMPY_DTYPES.get(dtype)
         if npd is None:                                   # no NumPy twin of the dtype (bfloat16): torch ops
@@ -476,9 +476,3 @@ def _stage_rows_jump(par: np.ndarray, m: int, anc: np.ndarray, dep: np.ndarray) 
     anc[m:m + n] = False
     anc[m:m + n, :m + n] = rows
     dep[m:m + n] = val
-
-
-def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=HOST)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]

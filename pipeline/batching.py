@@ -110,7 +110,7 @@ def chain_mask(masks: list[torch.Tensor]) -> torch.Tensor:
     """One additive mask ``[1, 1, N, L + N]`` for a lane's pieces in one forward (``N`` their rows, ``L`` the
     lane's cache length before the first): piece ``k``'s mask ``[1, 1, n_k, L_k + n_k]`` (``L_k = L + n_0 + ... +
     n_{k-1}``: it was made with the earlier pieces staged) fills its rows' first ``L_k + n_k`` columns, and the
-    columns of later pieces are masked out (the lowest value of the dtype, as :func:`model.kv_cache._additive`).
+    columns of later pieces are masked out (the lowest value of the dtype, as in every additive mask).
     One piece: its own mask. Pure."""
     if len(masks) == 1:
         return masks[0]

@@ -36,7 +36,7 @@ Exactness under pipelining (pruned / continuous / pipedec), i.e. why that provis
     growth (below the deepest surviving layer) only attach nodes to that unresolved tree, i.e. below
     unresolved nodes; appended children get larger indices, so index order is stable and is the order
     fixed at the moment the node is walked;
-  * siblings are distinct tokens (``check_tree``; ``merge_trees`` dedups by (parent, token)).
+  * siblings are distinct tokens (``tests.helpers.check_tree``; ``merge_trees`` dedups by (parent, token)).
 ``tests/test_sampling.py`` checks the resulting law exactly (by enumerating every random branch of the real
 modes) and statistically (chi-square with the real generator).
 

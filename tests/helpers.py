@@ -369,3 +369,20 @@ def find_continuations(seq: list[int], max_ngram: int, min_ngram: int, max_match
         if out:
             return out
     return []
+
+
+def check_tree(tree: "DraftTree") -> None:
+    """Raise ``ValueError`` unless ``tree`` satisfies :mod:`draft.tree`'s invariants: node 0 is the root (parent
+    -1), every other node's parent is earlier, siblings carry distinct tokens."""
+    from model.devices import HOST
+    n = len(tree)
+    if n == 0 or int(tree.parents[0]) != -1:
+        raise ValueError("node 0 must be the root (parent -1)")
+    idx = torch.arange(n, device=HOST)
+    if n > 1 and not bool(((tree.parents[1:] >= 0) & (tree.parents[1:] < idx[1:])).all()):
+        raise ValueError("every non-root node needs an earlier parent")
+    pairs = set()
+    for p, t in zip(tree.parents.tolist(), tree.tokens.tolist()):
+        if (p, t) in pairs:
+            raise ValueError(f"duplicate sibling token {t} under node {p}")
+        pairs.add((p, t))

@@ -13,11 +13,11 @@ import torch
 from config.run_config import ConfigError, DEFAULT, apply_overrides
 from draft.drafter import BeamTreeDrafter
 from draft.lookup import FLOOR, LookupDrafter, NgramIndex, continuation_trie
-from tests.helpers import find_continuations
+from tests.helpers import check_tree, find_continuations
 from draft.merged import MergedDrafter, SourceError, parse_sources
 from draft.protocol import TreeDrafter, can_extend, top_tokens
 from draft.ssm import SmallLMDrafter
-from draft.tree import DraftTree, check_tree
+from draft.tree import DraftTree
 from tests.multidraft_common import T, path_to, tree
 
 
@@ -240,7 +240,7 @@ def test_extend_tree_stops_where_no_source_proposes_a_token(empty_from_level):
     keeps ``min`` valid entries over rows). Incremental expansion then stops at that level instead of feeding
     the head zero rows (a reshape error seen in the simulator under load); what was found before stays."""
     from draft.drafter import BeamTreeDrafter
-    from draft.tree import DraftTree, check_tree
+    from draft.tree import DraftTree
 
     class Stub(BeamTreeDrafter):
         def __init__(self):

@@ -301,7 +301,10 @@ def test_context_mask_in_fewer_ops_is_bitwise_the_old_one(dtype):
     """``KVCache.context_inputs`` builds the commit's causal mask as ``full(min).triu_(length + 1)`` (5 operators
     instead of 9): bitwise the additive form of the ``tril``'d allowed matrix it replaced; a planted off-by-one
     (``triu_(length)``: a row that cannot see itself) differs."""
-    from model.kv_cache import KVCache, _additive
+    from model.kv_cache import KVCache
+
+    def _additive(allowed, dtype):            # the old form: 0 where allowed, the dtype's lowest elsewhere
+        return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
     for length, n in ((0, 1), (0, 5), (7, 1), (7, 3), (30, 12)):
         cache = KVCache(1, 1, 4, 64, dtype)
         cache.length = cache.context_len = length

@@ -9,7 +9,8 @@ import torch
 from config.run_config import ConfigError, DEFAULT, apply_overrides
 from draft.lookup import LookupDrafter
 from draft.merged import MergedDrafter, SourceError
-from draft.tree import DraftTree, check_tree, keep_indices_for, merge_sources, merge_trees, proposal_lists, reroot
+from draft.tree import DraftTree, keep_indices_for, merge_sources, merge_trees, proposal_lists, reroot
+from tests.helpers import check_tree
 from tests.multidraft_common import path_to, tree
 
 

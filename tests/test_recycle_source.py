@@ -28,8 +28,7 @@ from draft.merged import MergedDrafter, build_sources
 from draft.protocol import TreeDrafter, target_observer
 from draft.recycle import RecycleTable, rank_logprob, recycle_tree
 from draft.recycle_source import RecycleDrafter
-from draft.tree import check_tree
-from tests.helpers import DATA, DATASETS, STORIES
+from tests.helpers import DATA, DATASETS, STORIES, check_tree
 
 
 def table_rows(d: RecycleDrafter) -> dict[int, tuple[int, ...]]:

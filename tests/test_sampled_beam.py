@@ -11,7 +11,7 @@ import torch
 from draft.drafter import BeamTreeDrafter
 from draft.merged import MergedDrafter
 from draft.protocol import can_extend
-from draft.tree import check_tree
+from tests.helpers import check_tree
 from tests.test_sampling import (BranchingSampler, MarkovDrafter, ROOT, V, exact_law, make_world, target_law,
                                  total_variation)
 from tests.multidraft_common import assert_merged_law, draft_draws, make_merged_runner, sparse_draft

@@ -10,8 +10,8 @@ import torch
 
 import draft.shape as shape
 from draft.shape import budget_cut, frontier_width, next_frontier
-from draft.tree import check_tree, select_top_nodes
-from tests.helpers import expected_accepted, shaped_tree
+from draft.tree import select_top_nodes
+from tests.helpers import check_tree, expected_accepted, shaped_tree
 
 V = 12
 

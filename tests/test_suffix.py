@@ -18,7 +18,7 @@ from draft.protocol import TreeDrafter, can_extend
 from tests.multidraft_common import path_to
 from draft.suffix import (FLOOR, SuffixAutomaton, SuffixDrafter, SuffixStore, advance, corpus_automaton,
                           read_corpus, with_continuation)
-from draft.tree import check_tree
+from tests.helpers import check_tree
 
 
 def match_text(sam: SuffixAutomaton, tokens) -> tuple[int, int]:

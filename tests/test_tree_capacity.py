@@ -8,6 +8,7 @@ import torch
 import draft.tree as dt
 from draft.tree import DraftTree, depths_from_parents, keep_indices_for, merge_trees, reroot
 from pipeline.outbox import RankTree
+from tests.helpers import check_tree
 
 
 def as_lists(t: DraftTree) -> tuple:
@@ -22,7 +23,7 @@ def check_live(t: DraftTree, ref: tuple) -> None:
     got = as_lists(t)
     assert (got[0], got[1], got[3]) == (ref[0], ref[1], ref[3])
     assert all(abs(a - b) < 1e-4 for a, b in zip(got[2], ref[2]))           # float32 scores against Python's
-    dt.check_tree(t)
+    check_tree(t)
     assert t.depths.tolist() == depths_from_parents(t.parents).tolist()
 
 

@@ -15,8 +15,8 @@ from config.run_config import DEFAULT, ConfigError, apply_overrides
 from config.errors import UserError
 from draft.merged import MergedDrafter
 from draft.shape import EAGLE2, TreeShape, install_shape
-from draft.tree import beam_frontier, check_tree
-from tests.helpers import STORIES, shaped_tree
+from draft.tree import beam_frontier
+from tests.helpers import STORIES, check_tree, shaped_tree
 from tests.test_sampling import V, MarkovDrafter, make_world
 
 
