@@ -359,7 +359,7 @@ class BeamTreeDrafter:
 
         Placement (``model/devices.py``): the beam's candidates stay on the draft head's device; per level
         only the ``top_k`` chosen parent rows go to the host (the draft cache's tree bookkeeping), and the
-        candidates cross once at the end, where :func:`select_top_nodes` re-ranks them on the host.
+        candidates cross once at the end, where :func:`draft.tree.top_nodes_tree` re-ranks them on the host.
         """
         if self.samples:
             return self.sampled_tree(root_token, root_hidden, total_token, depth, self.sample_chains or top_k)

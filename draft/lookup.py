@@ -50,7 +50,7 @@ FLOOR = -1e4   # log-score of a token no occurrence supports (finite: top-k stil
 
 def continuation_trie(root_token: int, conts: list[list[int]], token_logp: float, total_token: int) -> DraftTree:
     """The trie of ``conts`` below ``root_token``, scored as in the module docstring, cut to the best
-    ``total_token`` nodes (root included; :func:`select_top_nodes`, so ancestor-closed, best first)."""
+    ``total_token`` nodes (root included; :func:`draft.tree.top_nodes_tree`, so ancestor-closed, best first)."""
     if not conts or total_token <= 1:
         return DraftTree.single(root_token)
     n = len(conts)
@@ -70,7 +70,7 @@ def continuation_trie(root_token: int, conts: list[list[int]], token_logp: float
             counts[node] += 1
             parent = node
     scores = np.array([math.log(c / n) + d * token_logp for c, d in zip(counts, depths)], dtype=np.float64)
-    # select_top_nodes on the NumPy candidates (issue 41, the round start: no tensor built per list and viewed back)
+    # EAGLE-2's re-ranking on the NumPy candidates (issue 41, the round start: no tensor built per list and viewed back)
     order = best_first(scores, max(0, min(total_token - 1, scores.size)))
     return top_nodes_tree(root_token, np.array(toks, dtype=np.int64), np.array(pars, dtype=np.int64), scores, order,
                           np.array(depths, dtype=np.int64))           # depths known here: no recomputation

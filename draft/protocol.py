@@ -12,7 +12,7 @@ token (the root is *not* a guess: the target already chose it):
     sibling tokens are distinct (``tests.helpers.check_tree``); at most ``total_token`` nodes, root included;
   * ``scores[i]``: the node's cumulative draft score relative to the root (a log-probability for model
     drafters, lookup's match score for prompt lookup); along a path scores never increase, which is what
-    ``select_top_nodes``/``merge_sources`` rely on to keep budgets ancestor-closed;
+    ``top_nodes_tree``/``merge_sources`` rely on to keep budgets ancestor-closed;
   * for sampling, per node how its children were proposed (``DraftTree.proposals``): ``None`` means the
     tree is **deterministic** (top-k/beam or lookup: each child is a fixed guess, q = point mass, verified
     by ``pipeline.verify.walk_tree``); otherwise each node lists ``(child, q)`` in try order, where ``q`` is

@@ -7,7 +7,7 @@ drafter asks :func:`pick_frontier` per level which candidates to expand next; ``
 fixed beam.
 
 Why this shape of rule: choosing the ``total_token - 1`` nodes of largest path probability among the candidates
-(EAGLE-2's re-ranking, :func:`draft.tree.select_top_nodes`) is already the best ancestor-closed set for the
+(EAGLE-2's re-ranking, :func:`draft.tree.top_nodes_tree`) is already the best ancestor-closed set for the
 expected accepted length under the draft's own law, and a candidate costs nothing (it is one of the top-k of a
 distribution already computed). What costs is **expanding** a node (a draft forward row), and EAGLE-2 spends that
 as a fixed beam: ``top_k`` rows per level for ``depth`` levels, whatever the draft's confidence. Here the rows
@@ -20,7 +20,7 @@ follow the confidence instead, per level of the search:
      at most ``width``): one row where the draft is sure (a chain), up to ``width`` where it hesitates.
   3. **Depth follows confidence**: levels continue while expansion rows remain (``rows``) and up to ``max_depth``,
      so the rows a confident stretch does not need go deeper than EAGLE-2's fixed depth.
-  4. **The tree**: the ``total_token - 1`` best candidates by cumulative score (:func:`draft.tree.select_top_nodes`).
+  4. **The tree**: the ``total_token - 1`` best candidates by cumulative score (:func:`draft.tree.top_nodes_tree`).
 Invariant (tested): with ``cover >= 1``, ``width = top_k``, ``max_depth`` = EAGLE-2's levels and rows unbounded the
 tree is exactly EAGLE-2's (the cut prunes only candidates that cannot be selected). The sources' agreement enters
 through the probabilities given (a merged drafter's level scores are the maximum over its sources).

@@ -10,7 +10,7 @@ Invariants (checked by ``tests.helpers.check_tree``):
   * siblings carry distinct tokens (a node is identified by its token path).
 
 Nothing here ships dense masks between ranks: every rank derives attention masks and
-positions from ``parents`` (see :func:`ancestor_matrix`, :func:`depths_from_parents`).
+positions from ``parents`` (see :func:`model.kv_cache.extend_ancestry`, :func:`depths_from_parents`).
 
 Capacity (issue 41): a tree's four arrays are the first ``len(tree)`` slots of buffers preallocated at its
 ``capacity`` (its node budget) and filled in place; ``len(tree)`` is the number of live nodes and every array
@@ -49,17 +49,6 @@ def depths_from_parents(parents: Tensor, base_depths: Tensor | None = None) -> T
     if base_depths is None:
         return extend_ancestry(parents)[1]
     return extend_ancestry(parents, None, base_depths.to(torch.long))[1][len(base_depths):]
-
-
-def ancestor_matrix(parents: Tensor, base: Tensor | None = None) -> Tensor:
-    """Boolean matrix ``A[i, j] = j is an ancestor of i or j == i``.
-
-    With ``base`` (the matrix of ``m`` existing nodes), ``parents`` describes ``n`` new nodes with
-    indices ``m..m+n-1`` whose parents may be existing or new; returns the ``[m+n, m+n]`` matrix.
-    Vectorised (pointer jumping, :func:`model.kv_cache.extend_ancestry`); raises ``ValueError`` for a
-    parent that is not an earlier node.
-    """
-    return extend_ancestry(parents, base)[0]
 
 
 class _Store:
@@ -238,33 +227,16 @@ def _flat(x: Tensor) -> Tensor:
     return x if x.dim() == 1 else x.reshape(-1)
 
 
-def select_top_nodes(root_token: int, cand_tokens: Tensor, cand_parents: Tensor, cand_scores: Tensor,
-                     total_token: int, cand_depths: Tensor | None = None) -> DraftTree:
-    """EAGLE-2 re-ranking: keep the best ``total_token - 1`` candidates plus the root.
-
-    Candidates are listed in generation order; ``cand_parents[i]`` is ``-1`` (child of the root)
-    or the index of an *earlier* candidate. Order = descending score, ties broken by candidate
-    index (stable). Because a child's score never exceeds its parent's and a parent always has
-    the smaller index, every selected node's parent is selected too, even on ties (ancestor-closed),
-    and the output is ordered ancestors-first. ``cand_depths`` (optional): each candidate's depth below the
-    root (1 for a child of the root), when the caller knows them (a beam knows its levels): the tree's depths
-    are then gathered instead of recomputed from the parents.
-    """
-    # In NumPy on the host candidates (issue 41: the same steps as torch ops were about 18 dispatched operators per
-    # call; here a view per input and a tensor per output array). Values and dtypes as the torch steps had them.
-    sc = cand_scores.to(HOST).numpy()
-    order = best_first(sc, max(0, min(total_token - 1, sc.size)))              # the kept candidates
-    return top_nodes_tree(root_token, cand_tokens.to(HOST).numpy(), cand_parents.to(HOST).numpy(), sc, order,
-                          None if cand_depths is None else cand_depths.to(HOST).numpy())
-
-
 def top_nodes_tree(root_token: int, tokens: np.ndarray, parents: np.ndarray, scores: np.ndarray, order: np.ndarray,
                    depths: np.ndarray | None = None) -> DraftTree:
-    """:func:`select_top_nodes` on host NumPy candidates whose kept ones, best first, are ``order`` (its
-    ``best_first`` of ``scores``): the root, then candidate ``order[i]`` as node ``i + 1``, its parent mapped to
-    its node (every kept candidate's parent is kept and earlier: ``order`` is ancestor-closed, raises otherwise),
-    scores as float32, depths gathered when given (else recomputed from the parents). For a caller that already
-    holds the order (issue 41: the EAGLE-2 search reads it for its row gathers too, one sort instead of two)."""
+    """EAGLE-2 re-ranking on host NumPy candidates: the root, then the kept candidates best first, candidate
+    ``order[i]`` as node ``i + 1`` (``order``: :func:`best_first` of ``scores``, cut to the node budget less the
+    root; a caller that reads the order for its own gathers too sorts once, issue 41). Candidates are listed in
+    generation order; ``parents[i]`` is ``-1`` (a child of the root) or an *earlier* candidate. Because a child's
+    score never exceeds its parent's and a parent always has the smaller index, every kept node's parent is kept and
+    earlier, even on ties (ancestor-closed; raises otherwise), and the tree is ancestors-first. Scores as float32;
+    ``depths`` (each candidate's depth below the root, 1 for a child of the root, when the caller knows them: a beam
+    knows its levels) are gathered, else recomputed from the parents."""
     k = order.size
     inv = np.full(scores.size + 1, -1, dtype=np.int64)        # candidate -> tree index (-1: cut); a parent -1 (the
     inv[-1] = 0                                               # root) reads the last slot: node 0
@@ -303,7 +275,7 @@ def best_first(scores: np.ndarray, width: int) -> np.ndarray:
     """:func:`beam_frontier` in NumPy, for the host bookkeeping (issue 41): indices of the best ``width`` of
     ``scores`` (1-D), descending, ties by index (a stable sort of the negated scores: negation is exact, so the
     order is the torch one's). The one NumPy home of the rule (the beam's frontier and kept candidates,
-    :func:`select_top_nodes`)."""
+    :func:`top_nodes_tree`)."""
     return np.argsort(-scores, kind="stable")[:width]
 
 
@@ -543,7 +515,7 @@ def merge_sources(trees: list[DraftTree], total_token: int) -> DraftTree:
     live = [t for t in trees if len(t) > 1]
     if len(live) <= 1 and all(t.proposals is None for t in trees):
         # One source proposed anything (say lookup found no match): the rule below keeps that tree as it is
-        # when it fits the budget and its scores never rise with the index (a select_top_nodes tree).
+        # when it fits the budget and its scores never rise with the index (a top_nodes_tree tree).
         t = live[0] if live else trees[0]
         if len(t) <= total_token and (len(t) < 3 or bool((t.scores[2:] <= t.scores[1:-1]).all())):
             scores = t.scores.clone()

@@ -12,7 +12,7 @@ Placement rule (every rank, every mode)
     * **Transfers**: one host->device copy per forward input (ids or hidden rows, positions, mask), one
       device->host copy per ``lm_head`` application (``Engine.logits``), one per draft-beam level (the
       chosen parent rows) and one per drafted tree (its candidates). Never one per node: per-node loops
-      (``walk_tree``, ``select_top_nodes``, ``merge_trees``) only touch host tensors.
+      (``walk_tree``, ``top_nodes_tree``, ``merge_trees``) only touch host tensors.
 
 Every factory call (``torch.tensor``, ``zeros``, ``arange``...) on a rank's decode path names its device
 explicitly: :data:`HOST` for bookkeeping, the model's device for model inputs. The CPU-only guard

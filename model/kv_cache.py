@@ -209,14 +209,6 @@ class KVCache:
         else:                                             # many linked nodes (a re-fed tree): pointer jumping
             _stage_rows_jump(par, m, anc, dep)
 
-    def extend_tree(self, parents: Tensor) -> tuple[Tensor, Tensor]:
-        """The cached tree's ancestor matrix and depths extended by new nodes ``m..m+n-1`` with ``parents``
-        (tree indices; ``-1`` = a child of the context; a parent must be an earlier node). Equal to
-        ``ancestor_matrix(parents, tree_anc)`` and ``cat(tree_depth, depths_from_parents(parents, tree_depth))``
-        (:mod:`draft.tree`, which calls :func:`extend_ancestry`)."""
-        return extend_ancestry(parents, self.tree_anc if self.num_tree else None,
-                               self.tree_depth if self.num_tree else None)
-
     def commit_forward(self, n: int, as_context: bool, anc: Tensor | None = None,
                        depth: Tensor | None = None) -> None:
         """Advance after the layers wrote ``n`` rows. Tree rows: ``anc``/``depth`` as :meth:`tree_inputs` returned them

@@ -165,7 +165,7 @@ def shaped_tree(root_token: int, expand, total_token: int, max_depth: int, top_k
     level at most; ``rows`` (default unbounded) nodes expanded in all at most, the root included (EAGLE-2 spends
     ``1 + (depth - 1) * top_k``)."""
     from draft.shape import pick_frontier
-    from draft.tree import DraftTree, select_top_nodes
+    from draft.tree import DraftTree
     from model.devices import HOST
     width = top_k if width is None else width
     rows_left = float("inf") if rows is None else rows
@@ -386,3 +386,33 @@ def check_tree(tree: "DraftTree") -> None:
         if (p, t) in pairs:
             raise ValueError(f"duplicate sibling token {t} under node {p}")
         pairs.add((p, t))
+
+
+def select_top_nodes(root_token: int, cand_tokens: torch.Tensor, cand_parents: torch.Tensor,
+                     cand_scores: torch.Tensor, total_token: int,
+                     cand_depths: torch.Tensor | None = None) -> "DraftTree":
+    """EAGLE-2 re-ranking on tensors: keep the best ``total_token - 1`` candidates plus the root (the rule as the
+    tests state it; the drafters call its NumPy core, ``draft.tree.top_nodes_tree`` of ``best_first``).
+
+    Candidates are listed in generation order; ``cand_parents[i]`` is ``-1`` (child of the root)
+    or the index of an *earlier* candidate. Order = descending score, ties broken by candidate
+    index (stable). Because a child's score never exceeds its parent's and a parent always has
+    the smaller index, every selected node's parent is selected too, even on ties (ancestor-closed),
+    and the output is ordered ancestors-first. ``cand_depths`` (optional): each candidate's depth below the
+    root (1 for a child of the root), when the caller knows them (a beam knows its levels): the tree's depths
+    are then gathered instead of recomputed from the parents.
+    """
+    from draft.tree import best_first, top_nodes_tree
+    from model.devices import HOST
+    sc = cand_scores.to(HOST).numpy()
+    order = best_first(sc, max(0, min(total_token - 1, sc.size)))              # the kept candidates
+    return top_nodes_tree(root_token, cand_tokens.to(HOST).numpy(), cand_parents.to(HOST).numpy(), sc, order,
+                          None if cand_depths is None else cand_depths.to(HOST).numpy())
+
+
+def ancestor_matrix(parents: torch.Tensor, base: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean matrix ``A[i, j] = j is an ancestor of i or j == i`` (``model.kv_cache.extend_ancestry``'s first
+    half). With ``base`` (the matrix of ``m`` existing nodes), ``parents`` describes ``n`` new nodes ``m..m+n-1``;
+    returns the ``[m+n, m+n]`` matrix. Raises ``ValueError`` for a parent that is not an earlier node."""
+    from model.kv_cache import extend_ancestry
+    return extend_ancestry(parents, base)[0]

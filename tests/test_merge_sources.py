@@ -10,7 +10,7 @@ from config.run_config import ConfigError, DEFAULT, apply_overrides
 from draft.lookup import LookupDrafter
 from draft.merged import MergedDrafter, SourceError
 from draft.tree import DraftTree, keep_indices_for, merge_sources, merge_trees, proposal_lists, reroot
-from tests.helpers import check_tree
+from tests.helpers import check_tree, select_top_nodes
 from tests.multidraft_common import path_to, tree
 
 
@@ -103,7 +103,6 @@ def test_merge_trees_and_reroot_carry_proposals():
 def _random_tree(rng, root: int, n: int, vocab: int):
     """A random deterministic tree (ancestors first, distinct siblings, scores never rising along a path, many
     equal scores, some -inf), best first as select_top_nodes orders it."""
-    from draft.tree import select_top_nodes
     toks, pars, scores, seen = [], [], [], set()
     for _ in range(n):
         p = rng.randrange(-1, len(toks))

@@ -2,7 +2,7 @@
 
 The world: a tiny vocabulary with a Markov target and a Markov draft (the next-token law depends on the last
 token only), so the joint law of the first K committed tokens is a product of known per-token laws and can be
-enumerated. Trees come from the real EAGLE-2 builder (``Drafter.grow_tree`` -> ``select_top_nodes``) fed by a
+enumerated. Trees come from the real EAGLE-2 builder (``Drafter.grow_tree`` -> ``top_nodes_tree``) fed by a
 Markov "draft head"; decoding runs each mode's real rank-0 code (``ar_decode``, ``naive_decode``,
 ``PrunedMode``, ``ContinuousMode``, ``PipeDecMode``) against an in-process fake ring (:class:`FakeRing`) that
 prunes the in-flight segments with the stage's real decision code (``pipeline.worker.StageTree``), so step-wise

@@ -10,8 +10,7 @@ import torch
 
 import draft.shape as shape
 from draft.shape import budget_cut, frontier_width, next_frontier
-from draft.tree import select_top_nodes
-from tests.helpers import check_tree, expected_accepted, shaped_tree
+from tests.helpers import check_tree, expected_accepted, select_top_nodes, shaped_tree
 
 V = 12
 

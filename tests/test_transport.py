@@ -14,11 +14,11 @@ import random
 import pytest
 import torch
 
-from draft.tree import ancestor_matrix, depths_from_parents
+from draft.tree import depths_from_parents
 from model.kv_cache import KVCache
 from pipeline.comm import FRAME_BYTES, HEADER_BYTES, MAX_PENDING, wire_sizes
 from pipeline.trace import Tracer
-from tests.helpers import free_port
+from tests.helpers import ancestor_matrix, free_port
 
 
 def test_wire_sizes_rule():
@@ -163,20 +163,19 @@ def test_spans_free_when_off_and_busy_still_counted():
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_extend_tree_equals_reference(seed):
+def test_tree_inputs_extend_the_ancestry_as_the_reference(seed):
     rng = random.Random(seed)
     cache = KVCache(1, 1, 2, 512, torch.float32)
     cache.length = cache.context_len = 7
     for _ in range(4):                                  # grow the cached tree segment by segment
         m, n = cache.num_tree, rng.randint(0, 9)
         parents = torch.tensor([rng.randint(-1, m + i - 1) for i in range(n)], dtype=torch.long)
-        anc, depth = cache.extend_tree(parents)
         ref_anc = ancestor_matrix(parents, cache.tree_anc)
         ref_depth = torch.cat([cache.tree_depth, depths_from_parents(parents, cache.tree_depth)])
+        pos, mask, anc, depth = cache.tree_inputs(parents, torch.float32)
         assert torch.equal(anc, ref_anc) and torch.equal(depth, ref_depth)
-        pos, mask, anc2, _ = cache.tree_inputs(parents, torch.float32)
-        assert torch.equal(anc2, ref_anc) and pos.tolist() == [(7 + ref_depth[m:]).tolist()]
+        assert pos.tolist() == [(7 + ref_depth[m:]).tolist()]
         assert mask.shape == (1, 1, n, cache.length + n)
         cache.commit_forward(n, as_context=False, anc=anc, depth=depth)
     with pytest.raises(ValueError, match="not an earlier node"):
-        cache.extend_tree(torch.tensor([cache.num_tree]))
+        cache.tree_inputs(torch.tensor([cache.num_tree]), torch.float32)

@@ -2,9 +2,9 @@
 import torch
 import pytest
 
-from draft.tree import (DraftTree, ancestor_matrix, depths_from_parents, keep_indices_for,
-                        merge_trees, reroot, select_top_nodes, split_sizes)
-from tests.helpers import check_tree, remap_parents
+from draft.tree import (DraftTree, depths_from_parents, keep_indices_for,
+                        merge_trees, reroot, split_sizes)
+from tests.helpers import ancestor_matrix, check_tree, remap_parents, select_top_nodes
 
 
 def tree_of(parents, tokens=None, scores=None):

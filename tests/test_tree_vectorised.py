@@ -3,9 +3,9 @@ random trees, including extensions of an existing tree; a planted bug in the ref
 import pytest
 import torch
 
-from draft.tree import DraftTree, ancestor_matrix, depths_from_parents, keep_indices_for, select_top_nodes
+from draft.tree import DraftTree, depths_from_parents, keep_indices_for
 from model.kv_cache import extend_ancestry
-from tests.helpers import remap_parents
+from tests.helpers import ancestor_matrix, remap_parents, select_top_nodes
 
 
 def ref_depths(parents, base=None):
@@ -398,7 +398,6 @@ def test_in_place_beam_equals_the_per_level_reference(seed):
 def ref_grow_with_outputs(d, root_token, root_hidden, total_token, depth, top_k):
     """EAGLE-2's first tree as it was before issue 41 (per-level repeat_interleave of ids and features)."""
     from draft.drafter import to_host
-    from draft.tree import select_top_nodes
     s, t = d.top_tokens(root_hidden, top_k)
     k = s.numel()
     ct_l, cp_l, cs_l, ci_l = [t], [torch.full((k,), -1)], [s], [root_hidden.expand(k, -1)]

@@ -53,7 +53,7 @@ def verify_step(engine: Engine, state: RankTree, msg: Segment, sampler: Sampler)
     """Score-ordered step-wise verification: verify what one returned segment completes (None: nothing).
 
     Why a single segment can be verified on its own: rank 0 sends the tree's nodes in index order, which is
-    the draft's score order with every ancestor before its descendants (:func:`draft.tree.select_top_nodes`,
+    the draft's score order with every ancestor before its descendants (:func:`draft.tree.top_nodes_tree`,
     ``extend_tree``), and expansion only appends; so the sent nodes are always a prefix of the tree and the
     rows of a returned segment that are still alive are exactly the next unverified prefix ``[0, k)``
     (:meth:`pipeline.outbox.RankTree.alive_rows` checks it). Every node in ``[0, k)`` has its target logits
