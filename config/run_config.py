@@ -578,10 +578,10 @@ def _split(word: str) -> tuple[str, str]:
     return k.strip(), v
 
 
-def format_config(cfg: RunConfig, base: RunConfig | None = None) -> str:
-    """``section.key = value`` lines of every field, ``# default: X`` after the ones that differ from
-    ``base`` (default: a fresh :class:`RunConfig`)."""
-    base = base if base is not None else RunConfig()
+def format_config(cfg: RunConfig) -> str:
+    """``section.key = value`` lines of every field, ``# default: X`` after the ones that differ from a fresh
+    :class:`RunConfig`."""
+    base = RunConfig()
     lines = []
     for sec in fields(cfg):
         cur, ref = getattr(cfg, sec.name), getattr(base, sec.name)

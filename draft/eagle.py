@@ -80,12 +80,12 @@ class EagleHead(nn.Module):
         return fh
 
     # -- checkpoint I/O (EAGLE layout) -----------------------------------------------------------
-    def eagle_state_dict(self, with_embeddings: bool = False) -> dict[str, torch.Tensor]:
+    def eagle_state_dict(self) -> dict[str, torch.Tensor]:
+        """The head's weights as a published checkpoint holds them (no rotary buffers, no embeddings: a head reads
+        the target's)."""
         out = {}
         for k, v in self.state_dict().items():
-            if k.startswith("block.rotary_emb"):
-                continue
-            if k.startswith("embed_tokens") and not with_embeddings:
+            if k.startswith(("block.rotary_emb", "embed_tokens")):
                 continue
             out[k[len("block."):] if k.startswith("block.") else k] = v.detach().contiguous()
         return out

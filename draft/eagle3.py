@@ -162,9 +162,9 @@ class Eagle3Head(nn.Module):
         return self.lm_head(self.norm(hidden))
 
     # -- checkpoint I/O (EAGLE-3 layout) -------------------------------------------------------------
-    def eagle3_state_dict(self, with_embeddings: bool = False) -> dict[str, Tensor]:
+    def eagle3_state_dict(self) -> dict[str, Tensor]:
         out = {k: v.detach().contiguous() for k, v in self.state_dict().items()
-               if not k.startswith("rotary_emb") and (with_embeddings or not k.startswith("embed_tokens"))}
+               if not k.startswith(("rotary_emb", "embed_tokens"))}
         vm = self.vocab_map if self.vocab_map is not None else torch.arange(self.draft_vocab)
         vm = vm.cpu().long()
         out["d2t"] = vm - torch.arange(self.draft_vocab)

@@ -407,10 +407,6 @@ class LookupDrafter(TokenHistory):
     # (a re-fed tree). Both give the same states (tests/test_lookup_level.py runs both).
     vector_rows: int = 48
 
-    @property
-    def state_width(self) -> int:
-        return 2 * self.max_matches
-
     def continuations(self, path: list[int], length: int) -> list[list[int]]:
         """``find_continuations`` of the committed context followed by ``path`` (through the n-gram index)."""
         self.ngrams.sync(self.context)

@@ -88,10 +88,6 @@ class RecycleDrafter(TokenHistory):
         self._last_feed: tuple | None = None   # the latest feed call's (tokens, top ids): reset keeps it
         TokenHistory.__init__(self)
 
-    @property
-    def state_width(self) -> int:
-        return 2 * self.k
-
     def clear_table(self) -> None:
         self.ids.fill(-1)
 
