@@ -207,25 +207,15 @@ def test_a_fused_step_costs_one_head_forward_fewer():
 
 @pytest.mark.skipif(not __import__("tests.helpers", fromlist=["STORIES"]).STORIES.is_dir(),
                     reason="../shared is not available")
-@pytest.mark.parametrize("key", ["tree.fuse_commit=true", "tree.prefetch_level=true"])
-def test_stories260k_all_modes_equal_hf_fused(tmp_path, key):
-    """Every mode with ``tree.fuse_commit=true`` / ``tree.prefetch_level=true`` equals HF generate (greedy),
-    stories260K on 5 ranks (in one process: pipeline.inprocess), the untrained EAGLE head with prompt lookup (the
-    default sources: the fused forward and the merged fallback both run), prompts from the six datasets."""
-    from transformers import AutoTokenizer
-
-    from model.split import split_checkpoint
-    from pipeline.inprocess import run_threaded
-    from tests.helpers import STORIES, hf_greedy
-    from tests.test_e2e import ALL_MODES, _dataset_prompts
-    stages = split_checkpoint(STORIES, tmp_path / "stages", [0, 1, 1, 1, 2], progress=False)
-    prompts = _dataset_prompts(AutoTokenizer.from_pretrained(STORIES), 40)[:3]
-    res = run_threaded(stages, prompts, ALL_MODES.split(","), ["max_new_tokens=32", "dtype=float32", key], {2},
-                       dtype=torch.float32)
-    for mode, rows in res.items():
-        assert len(rows) == len(prompts), mode
-        for p, r in zip(prompts, rows):
-            assert r.output_ids == hf_greedy(STORIES, p, 32, {2}, torch.float32), f"{mode} differs from HF"
+@pytest.mark.parametrize("keys", [["tree.prefetch_level=false"],                              # the plain commit
+                                  ["tree.prefetch_level=false", "tree.fuse_commit=true"]])    # fused, no prefetch
+def test_stories260k_continuous_equals_hf_fused(tmp_path, keys):
+    """``continuous`` with the commit neither fused nor prefetched, and fused without the prefetch, equals HF
+    generate (greedy), stories260K on 5 ranks in one process, the untrained EAGLE head with prompt lookup (the
+    fused forward and the merged fallback both run). The default (prefetched, hence fused) is test_e2e's run of
+    every mode; no other mode reads these keys (tests/test_turnaround_off_chain.py's guard)."""
+    from tests.test_turnaround_off_chain import streaming_modes_equal_hf
+    streaming_modes_equal_hf(tmp_path, keys)
 
 
 def _markov(seed: int = 3, vocab: int = 12):

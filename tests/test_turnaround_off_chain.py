@@ -223,32 +223,53 @@ def test_a_new_rounds_root_is_sent_before_the_commit():
     assert set(plain) == {"commit"}, plain
 
 
-@pytest.mark.skipif(not __import__("tests.helpers", fromlist=["STORIES"]).STORIES.is_dir(),
-                    reason="../shared is not available")
-@pytest.mark.parametrize("keys", [["tree.early_level=true", "tree.early_whole=0"],
-                                  ["tree.root_first=true", "tree.early_level=true", "tree.early_whole=0"],
-                                  ["tree.early_level=false", "tree.early_whole=40"],
-                                  ["tree.early_level=true", "tree.early_whole=80"],    # the defaults, explicitly
-                                  ["tree.early_level=true", "tree.early_whole=16", "tree.early_cover=0"],
-                                  ["tree.early_split=2"],
-                                  ["tree.first_levels=1"]])                            # tests/test_round_start.py
-def test_stories260k_all_modes_equal_hf_off_chain(tmp_path, keys):
-    """Every mode with the keys equals HF generate (greedy), stories260K on 5 ranks in one process, the untrained
-    EAGLE head with prompt lookup (the default sources), prompts from the six datasets."""
+# The turnaround keys change what the streaming modes (pruned, continuous: pipeline/modes/flowspec.py) send and
+# when, never what the others do; the end-to-end checks below run those modes only (test_e2e runs every mode on
+# the defaults), and this guard keeps that choice honest.
+TURNAROUND_KEYS = ("root_first", "early_level", "early_whole", "early_cover", "early_split", "first_levels",
+                   "prefetch_level", "fuse_commit")
+
+
+def test_turnaround_keys_are_read_by_the_streaming_modes_only():
+    from tests.helpers import REPO
+    others = [REPO / "pipeline" / "modes" / f"{m}.py" for m in ("ar", "naive", "pipedec", "sps", "tp")]
+    others += [REPO / "pipeline" / f for f in ("engine.py", "worker.py", "verify.py", "outbox.py")]
+    for path in others:
+        text = path.read_text()
+        assert not [k for k in TURNAROUND_KEYS if k in text], f"{path.name} reads a turnaround key"
+
+
+def streaming_modes_equal_hf(tmp_path, keys: list[str], modes: str = "continuous") -> None:
+    """``modes`` with ``keys`` equal HF generate (greedy): stories260K on 5 ranks in one process, the untrained
+    EAGLE head with prompt lookup (the default sources), prompts from three of the six datasets."""
     from transformers import AutoTokenizer
 
     from model.split import split_checkpoint
     from pipeline.inprocess import run_threaded
     from tests.helpers import STORIES, hf_greedy
-    from tests.test_e2e import ALL_MODES, _dataset_prompts
+    from tests.test_e2e import _dataset_prompts
     stages = split_checkpoint(STORIES, tmp_path / "stages", [0, 1, 1, 1, 2], progress=False)
     prompts = _dataset_prompts(AutoTokenizer.from_pretrained(STORIES), 40)[:3]
-    res = run_threaded(stages, prompts, ALL_MODES.split(","), ["max_new_tokens=32", "dtype=float32", *keys], {2},
+    res = run_threaded(stages, prompts, modes.split(","), ["max_new_tokens=32", "dtype=float32", *keys], {2},
                        dtype=torch.float32)
+    assert sorted(res) == sorted(modes.split(","))
     for mode, rows in res.items():
         assert len(rows) == len(prompts), mode
         for p, r in zip(prompts, rows):
             assert r.output_ids == hf_greedy(STORIES, p, 32, {2}, torch.float32), f"{mode} differs from HF"
+
+
+@pytest.mark.skipif(not __import__("tests.helpers", fromlist=["STORIES"]).STORIES.is_dir(),
+                    reason="../shared is not available")
+@pytest.mark.parametrize("keys,modes", [
+    (["tree.early_level=true", "tree.early_whole=0"], "continuous"),
+    (["tree.root_first=true", "tree.early_level=true", "tree.early_whole=0"], "pruned,continuous"),
+    (["tree.early_level=false", "tree.early_whole=40"], "continuous"),
+    (["tree.early_level=true", "tree.early_whole=16", "tree.early_cover=0"], "continuous"),
+    (["tree.early_split=2"], "continuous"),
+    (["tree.first_levels=1"], "continuous")])   # tests/test_round_start.py; the defaults: test_e2e, every mode
+def test_stories260k_streaming_modes_equal_hf_off_chain(tmp_path, keys, modes):
+    streaming_modes_equal_hf(tmp_path, keys, modes)
 
 
 # ---------------------------------------------------------------------------------------------------------------
