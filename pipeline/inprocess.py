@@ -59,7 +59,7 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
     engine = make_engine(cfg, comm0, models[0], stage_root, modes, stop_ids, dtype, "cpu", drafter=d)
     engine.step_observers = list(step_observers)
     results: dict[str, list] = {}
-    with stage_threads(world, stage) as errors:
+    with stage_threads(world, stage, ring) as errors:
         try:
             with guard():
                 for mode in modes:

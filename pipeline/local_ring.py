@@ -17,7 +17,7 @@ import queue
 import threading
 from contextlib import contextmanager
 
-from pipeline.messages import Message, decode, encode
+from pipeline.messages import Message, Shutdown, decode, encode
 from pipeline.trace import Tracer
 
 TIMEOUT_S = 60.0
@@ -95,12 +95,14 @@ class LocalComm:
 
 
 @contextmanager
-def stage_threads(world: int, run_stage):
+def stage_threads(world: int, run_stage, ring: LocalRing | None = None):
     """Run ``run_stage(r)`` for ranks 1..world-1 in daemon threads for the duration of the block.
 
     Yields the list that collects the threads' exceptions; the block must end the stages (``Shutdown``) unless
-    one failed. On exit the threads are joined and the first stage error, if any, is raised.
-    """
+    one failed. On exit the threads are joined and the first stage error, if any, is raised. With ``ring``, a stage
+    still waiting a second after the block (the block failed, or lost a message: a planted bug, a lane's
+    timeout) is handed a ``Shutdown`` on every link instead of being waited for until its receive times out
+    (FIFO links: behind whatever is still queued, so an orderly end is unchanged)."""
     errors: list[BaseException] = []
 
     def guarded(r: int) -> None:
@@ -116,6 +118,11 @@ def stage_threads(world: int, run_stage):
         yield errors
     finally:
         for t in threads:
-            t.join(timeout=30)
+            t.join(timeout=30 if ring is None else 1)
+        if ring is not None and any(t.is_alive() for t in threads):
+            for link in ring.links:
+                link.put(Shutdown())
+            for t in threads:
+                t.join(timeout=30)
     if errors:
         raise errors[0]

@@ -301,7 +301,7 @@ def run_concurrent(stage_root: Path, jobs: list[tuple[list[int], str, object]], 
         workers.append(worker)
         worker.run()
 
-    with stage_threads(world, stage) as errors:
+    with stage_threads(world, stage, ring) as errors:
         for prompt, mode in warmup or []:
             timed_generation(engine, prompt, new_decoder(mode))
         if after_warmup is not None:

@@ -197,7 +197,7 @@ def test_planted_lane_routing_bugs_fail(tiny, monkeypatch, bug):
     for _ in range(3):
         try:
             res, pool = run_concurrent(stages, [(p, "continuous", _greedy()) for p in PROMPTS], COMMON, {2},
-                                       f"oracle:{full}", lanes=3, lane_timeout_s=8, stage_meter=lambda r: Pad())
+                                       f"oracle:{full}", lanes=3, lane_timeout_s=3, stage_meter=lambda r: Pad())
         except Exception:   # noqa: BLE001 - the protocol's own checks, a stage error or a lane's timeout
             return
         if not needs_batch or batched(pool) > 0:
