@@ -28,5 +28,9 @@ done
 (( paths )) || args+=(tests)
 if [[ -n "${RUN_TESTS_DRY_RUN:-}" ]]; then printf '%s\n' "${args[@]}"; exit 0; fi   # tests/test_cli.py: the arguments
 PY="$(bash scripts/bootstrap.sh)"
+# One intra-op thread per process unless told otherwise: the tests run tiny models, several ranks at once (threads or
+# processes) on a few cores, where torch's own thread pool only oversubscribes them (tests/test_protocol.py on 2 cores:
+# 137 s wall with 2 threads, 124 s with 1; docs/results.md, issue 43's suite section)
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 "$PY" -m model.default_model >/dev/null
 exec "$PY" -m pytest -q -ra "${args[@]}"
