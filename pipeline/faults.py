@@ -101,7 +101,8 @@ class FaultSpecError(UserError, ValueError):
 
 
 def parse(spec: str, rank: int) -> dict[str, list]:
-    """``{point: [count_left, signal or delay seconds]}`` of the faults in ``spec`` that target ``rank``."""
+    """``{point: [count_left, action]}`` of the faults in ``spec`` that target ``rank`` (``action()``: what the
+    rank does the ``count``-th time it reaches ``point``: signal itself, or sleep ``delay`` seconds)."""
     out: dict[str, list] = {}
     for part in filter(None, (p.strip() for p in spec.split(";"))):
         try:
@@ -117,7 +118,7 @@ def parse(spec: str, rank: int) -> dict[str, list]:
             raise FaultSpecError(f"bad FLOWSPEC_FAULT {part!r}: unknown key(s) {sorted(kv)} or point "
                                  f"{point!r} (one of {', '.join(POINTS)}) or count < 1")
         if target == rank:
-            out[point] = [count, sig if delay is None else delay]
+            out[point] = [count, _sleeper(delay) if delay is not None else _signaller(sig)]
     return out
 
 
@@ -135,9 +136,17 @@ def hit(point: str) -> None:
     if f is None:
         return
     f[0] -= 1
-    if f[0] == 0 and isinstance(f[1], float):   # delay=S: slow, not dead
-        time.sleep(f[1])
-    elif f[0] == 0:
+    if f[0] == 0:
+        f[1]()
+
+
+def _signaller(sig) -> Callable[[], None]:
+    def send() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
-        os.kill(os.getpid(), f[1])
+        os.kill(os.getpid(), sig)
+    return send
+
+
+def _sleeper(delay: float) -> Callable[[], None]:
+    return lambda: time.sleep(delay)   # slow, not dead
