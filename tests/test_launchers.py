@@ -176,10 +176,13 @@ def test_frozen_host0_every_other_process_exits_naming_it(case, work):
     codes, out, gone = _frozen_host0(work / f"frozen-{case}", fault,
                                      "rank0-stopped" if fault else "decoding")
     print(f"\nhost 0 frozen ({case}): hosts 1 and 2 gone {gone} s after the freeze, exit codes {codes}")
-    assert gone is not None and gone <= FROZEN_TIMEOUT_S + SLACK_S, (gone, out[-4000:])
     # the launcher alone may freeze after the answer (then the ranks finish cleanly and only the launchers,
-    # which can no longer tell host 0 they are done, name it); otherwise every rank names rank 0 too
+    # which can no longer tell host 0 they are done, name it); otherwise every rank names rank 0 too.
+    # Finished, two bounded store calls run one after the other: each rank's done record (Comm.close), then
+    # its launcher's (19.7 s measured at bce964b and after, against the single bound's 20 s: 1 run in ~4 failed)
     finished = case == "launcher-only" and codes == [0, 0]
+    bound = (2 if finished else 1) * FROZEN_TIMEOUT_S + SLACK_S
+    assert gone is not None and gone <= bound, (gone, out[-4000:])
     assert codes == [3, 3] or finished, (codes, out[-4000:])
     assert "Traceback" not in out, out[-4000:]
     lines = [l for l in out.splitlines() if l.strip() and "loading" not in l and "WARNING" not in l]
