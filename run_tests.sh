@@ -33,4 +33,19 @@ PY="$(bash scripts/bootstrap.sh)"
 # 137 s wall with 2 threads, 124 s with 1; docs/results.md, issue 43's suite section)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 "$PY" -m model.default_model >/dev/null
-exec "$PY" -m pytest -q -ra "${args[@]}"
+# A run with at most 3 failed tests runs those once more, alone: one that fails again fails the run; one that passes
+# is named FLAKY on stderr and the run passes (tests/failed_list.py says why; FLOWSPEC_NO_RERUN=1 turns it off)
+failed="$(mktemp)"
+trap 'rm -f "$failed"' EXIT
+rc=0
+FLOWSPEC_FAILED_OUT="$failed" "$PY" -m pytest -q -ra -p tests.failed_list "${args[@]}" || rc=$?
+mapfile -t again < "$failed"
+if (( rc == 1 && ${#again[@]} > 0 && ${#again[@]} <= 3 )) && [[ -z "${FLOWSPEC_NO_RERUN:-}" ]]; then
+  echo "[tests] ${#again[@]} failed; running them once more, alone, to tell a timing flake from a defect" >&2
+  rc=0
+  "$PY" -m pytest -q -ra "${again[@]}" || rc=$?
+  if (( rc == 0 )); then
+    printf '[tests] FLAKY (failed in the full run, passed alone): %s\n' "${again[@]}" >&2
+  fi
+fi
+exit "$rc"

@@ -471,10 +471,22 @@ def exit_on_signals(graceful=None, grace_s: float = 0.0) -> None:
     threading.Thread(target=wait, daemon=True, name="flowspec-signals").start()
 
 
+def whole_lines(streams=None) -> None:
+    """Make each printed line one ``write`` on the file descriptor, so that the ranks sharing a terminal or a pipe
+    interleave by lines, never inside one. Under ``python -u`` / ``PYTHONUNBUFFERED`` (set by many CI images and
+    containers) a text stream writes through, and ``print(a, b)`` is one ``write`` per argument and separator: two
+    ranks printing together gave "rankrank  01  argsargs" on CI. Line buffering keeps a line whole (a pipe write
+    under ``PIPE_BUF`` is atomic) and still shows it at once; an explicit ``flush`` (streamed tokens) flushes."""
+    for stream in (sys.stdout, sys.stderr) if streams is None else streams:
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def entry(argv: list[str] | None = None) -> int:
     """What ``python -m pipeline.run`` runs (tests fork ranks through it too)."""
     if not debug():
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d's C++ warnings carry stack dumps
+    whole_lines()
     exit_on_signals()
     return main(argv)
 

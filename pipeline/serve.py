@@ -1359,6 +1359,7 @@ def entry(argv: list[str] | None = None, client=None) -> int:
         grace = parse_args(argv, one_line=True).stop_grace_s
     except UsageError:
         grace = STOP_GRACE_S   # main() prints the usage
+    run.whole_lines()
     run.exit_on_signals(lambda: _graceful_stop, grace)
     return main(argv, client)
 

@@ -272,3 +272,32 @@ def test_gpu_head_recipe_help_and_errors(tmp_path):
         if "no " in r.stderr and "question.jsonl" in r.stderr:
             pytest.skip("the six evaluation sets are not beside the checkout (../shared/data)")
         assert r.returncode == 2 and what in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_run_tests_sh_reruns_a_few_failures_once_and_names_them(tmp_path):
+    """A test that fails in the full run and passes alone is named FLAKY and the run passes; one that fails again
+    fails the run (planted: a test that always fails), and so does a flake with the rerun off."""
+    import os
+    probe = tmp_path / "test_probe.py"
+    probe.write_text("import pathlib\n"
+                     f"MARK = pathlib.Path({str(tmp_path / 'ran')!r})\n"
+                     "def test_flaky():\n"
+                     "    first = not MARK.exists(); MARK.touch()\n"
+                     "    assert not first, 'a first run fails'\n"
+                     "def test_fine():\n"
+                     "    pass\n"
+                     "def test_broken():\n"
+                     "    assert False, 'every run fails'\n")
+
+    def run(select, **env):
+        (tmp_path / "ran").unlink(missing_ok=True)
+        return subprocess.run([str(REPO / "run_tests.sh"), f"{probe}::{select}" if select else str(probe),
+                               "-p", "no:cacheprovider"], capture_output=True, text=True, timeout=300, cwd=REPO,
+                              env=dict(os.environ, **env))
+    r = run("test_flaky")
+    assert r.returncode == 0 and "[tests] FLAKY (failed in the full run, passed alone): " in r.stderr, r.stderr
+    assert "test_probe.py::test_flaky" in r.stderr.splitlines()[-1]
+    r = run("")     # the broken test fails again alone: the run fails, and it is not called flaky
+    assert r.returncode == 1 and "running them once more" in r.stderr and "FLAKY" not in r.stderr, r.stderr
+    r = run("test_flaky", FLOWSPEC_NO_RERUN="1")
+    assert r.returncode == 1 and "once more" not in r.stderr, r.stderr

@@ -332,12 +332,15 @@ def test_script_path_and_loopback_store_through_the_launcher(tmp_path):
                       "    s = socket.socket(); s.settimeout(3)\n"
                       "    try:\n        s.connect((a, port)); return False\n"
                       "    except OSError:\n        return True\n"
-                      "print('rank', os.environ['RANK'], 'args', sys.argv[1:], 'addr', os.environ['MASTER_ADDR'],\n"
-                      "      'loopback-open', not refused('127.0.0.1'), 'lan-refused', refused(sys.argv[1]) if sys.argv[1] else 'n/a')\n")
+                      "line = ' '.join(map(str, ['rank', os.environ['RANK'], 'args', sys.argv[1:], 'addr',\n"
+                      "    os.environ['MASTER_ADDR'], 'loopback-open', not refused('127.0.0.1'), 'lan-refused',\n"
+                      "    refused(sys.argv[1]) if sys.argv[1] else 'n/a']))\n"
+                      # one file per rank: two ranks printing to one pipe interleave (CI saw "rankrank  01 ...")
+                      f"open(os.path.join({str(tmp_path)!r}, 'rank' + os.environ['RANK']), 'w').write(line)\n")
     res = subprocess.run([sys.executable, "-m", "pipeline.tools.launch", "--standalone", "--nproc-per-node=2",
                           str(script), addr, "x=1"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
-    lines = sorted(l for l in res.stdout.splitlines() if l.startswith("rank "))
+    lines = [(tmp_path / f"rank{r}").read_text() if (tmp_path / f"rank{r}").exists() else "" for r in (0, 1)]
     want = "True" if addr else "n/a"
     assert lines == [f"rank {r} args {[addr, 'x=1']!r} addr 127.0.0.1 loopback-open True lan-refused {want}"
                      for r in (0, 1)], res.stdout + res.stderr
@@ -423,3 +426,34 @@ def test_sigterm_to_the_launcher_is_a_stop_never_a_lost_rank(rep, work):
     assert code == 143, (code, out[-3000:])
     assert "lost rank" not in out and "Traceback" not in out, out[-3000:]
     assert "[launch] stopped by SIGTERM" in out, out[-3000:]
+
+
+def test_whole_lines_makes_a_printed_line_one_write():
+    """Under ``PYTHONUNBUFFERED`` a text stream writes through: ``print(a, b)`` is one write per piece, and two ranks
+    on one pipe interleaved inside a line on CI. :func:`pipeline.run.whole_lines` makes each line one write (planted:
+    without it the same print is several writes)."""
+    import io
+    from pipeline.run import whole_lines
+
+    class Raw(io.RawIOBase):
+        def __init__(self):
+            self.writes = []
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            self.writes.append(bytes(b))
+            return len(b)
+
+    def writes(fix: bool) -> list[bytes]:
+        raw = Raw()
+        stream = io.TextIOWrapper(raw, write_through=True)  # what python -u gives a pipe
+        if fix:
+            whole_lines([stream])
+        print("rank", 0, "args", ["x"], file=stream)
+        print("rank", 1, "done", file=stream, flush=True)
+        return raw.writes
+
+    assert len(writes(False)) > 2  # the planted case: pieces
+    assert writes(True) == [b"rank 0 args ['x']\n", b"rank 1 done\n"]
