@@ -209,7 +209,11 @@ def _store_server(tmp_path):
 
 def test_bounded_store_call_returns_when_the_server_is_frozen(tmp_path):
     """A live but frozen store server (SIGSTOP) never answers: a raw TCPStore call hangs past its own timeout;
-    through BoundedStore it raises StoreUnresponsive within the deadline, and every later call at once."""
+    through BoundedStore it raises StoreUnresponsive within the deadline, and every later call at once.
+
+    The bounded call is one that awaits a reply (``check``): torch's ``set`` only sends, and returns while the
+    socket buffer takes it. The raw call has its own client: sharing one, the raw ``check`` held the client's lock
+    and the bounded ``set`` timed out on that lock, or took it first and returned (CI: "DID NOT RAISE")."""
     import datetime
     import signal
     import threading
@@ -221,38 +225,37 @@ def test_bounded_store_call_returns_when_the_server_is_frozen(tmp_path):
     p, port = _store_server(tmp_path)
     hung = threading.Event()
     try:
-        raw = TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=1), wait_for_workers=False)
+        def client():
+            return TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=1), wait_for_workers=False)
+        raw, other = client(), client()   # both connected before the freeze (a frozen server accepts nothing)
         store = BoundedStore(raw, 1.0)
         store.set("k", "v")
         assert store.get("k") == b"v" and store.check(["k"]) and store.port == port
         os.kill(p.pid, signal.SIGSTOP)
         # kill() returns before the signal is delivered: on a loaded machine the server could still answer the next
-        # call (seen once in CI: "DID NOT RAISE"), so wait until the kernel reports it stopped ("T" in /proc/PID/stat)
+        # call, so wait until the kernel reports it stopped ("T" in /proc/PID/stat)
         deadline = time.monotonic() + 10
         while open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T" \
                 and time.monotonic() < deadline:
             time.sleep(0.01)
-        other = TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=1), wait_for_workers=False) \
-            if False else None   # (a new client could not even connect: the frozen server accepts nothing)
 
         def raw_call():   # the old code's call: no deadline of its own for a frozen server
             try:
-                raw.check(["k"])
+                other.check(["k"])
             except Exception:
                 pass
             hung.set()
         threading.Thread(target=raw_call, daemon=True).start()
         t0 = time.monotonic()
         with pytest.raises(StoreUnresponsive):
-            store.set("k", "w")
+            store.check(["k"])
         took = time.monotonic() - t0
         assert 0.9 <= took < 2.5, took
         t0 = time.monotonic()
         with pytest.raises(StoreUnresponsive):
-            store.check(["k"])
+            store.set("k", "w")
         assert time.monotonic() - t0 < 0.1 and store.dead
         assert not hung.wait(2.0), "a raw TCPStore call returned from a frozen server: the premise changed"
-        del other
     finally:
         os.kill(p.pid, signal.SIGCONT)
         p.kill()
