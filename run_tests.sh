@@ -4,6 +4,7 @@
 #   ./run_tests.sh --fast          # the fast tier: pure rules, laws, architecture, CLI checks (tests/conftest.py)
 #   ./run_tests.sh tests/test_sampling.py tests/test_tree.py::test_reroot   # just those paths
 #   ./run_tests.sh -k tree -x      # any pytest arguments (with no path: the whole tests/ folder)
+#   FLOWSPEC_TEST_WORKERS=1 ./run_tests.sh ...   # one test process (default: two, pytest-xdist)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
@@ -33,6 +34,14 @@ PY="$(bash scripts/bootstrap.sh)"
 # 137 s wall with 2 threads, 124 s with 1; docs/results.md, issue 43's suite section)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 "$PY" -m model.default_model >/dev/null
+# Two test processes by default (pytest-xdist): a test mostly keeps one core busy (its rings run as threads in one
+# process, or as ranks that take turns), so on 2 cores two of them at once halve the wall time (docs/results.md,
+# issue 43). FLOWSPEC_TEST_WORKERS=1 runs in this process (what --pdb or -s want); a Python without pytest-xdist
+# (a Jetson's own venv) runs in one too.
+workers="${FLOWSPEC_TEST_WORKERS:-2}"
+if [[ "$workers" != 1 ]] && "$PY" -c "import xdist" 2>/dev/null; then
+  args=(-n "$workers" "${args[@]}")
+fi
 # A run with at most 3 failed tests runs those once more, alone: one that fails again fails the run; one that passes
 # is named FLAKY on stderr and the run passes (tests/failed_list.py says why; FLOWSPEC_NO_RERUN=1 turns it off)
 failed="$(mktemp)"

@@ -24,7 +24,7 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     """Node ids are relative to pytest's rootdir; written relative to the working directory, the rerun finds them
     wherever the rootdir was."""
     out = os.environ.get("FLOWSPEC_FAILED_OUT")
-    if out:
+    if out and not hasattr(session.config, "workerinput"):   # pytest-xdist: the controller sees every report
         root = Path(session.config.rootpath)
         ids = [os.path.relpath(root / path) + sep + rest for path, sep, rest in (n.partition("::") for n in _failed)]
         Path(out).write_text("".join(f"{n}\n" for n in ids))
