@@ -23,7 +23,8 @@ from pipeline.coalesce import Call, CoalescingMeter, OpBatcher, split_rows, take
 from pipeline.engine import GenSettings
 from pipeline.inprocess import run_threaded
 from tests.helpers import run_concurrent
-from tests.test_lanes import COMMON, NEW, PROMPTS, Pad, run_batched, tiny  # noqa: F401 - tiny: the module's fixture
+from tests.helpers import Pad, run_batched
+from tests.test_lanes import COMMON, NEW, PROMPTS, tiny  # noqa: F401 - tiny: the module's fixture
 
 
 # -- the grouping rule (pure) ------------------------------------------------------------------------------------

@@ -250,7 +250,7 @@ def test_concurrent_greedy_with_chains_equals_alone(ring4, mode):
     answer is its single-request answer."""
     from pipeline.engine import GenSettings
     from tests.helpers import run_concurrent
-    from tests.test_lanes import Pad
+    from tests.helpers import Pad
     full, stages, refs = ring4
     # continuous: the early sends off (tree.early_level, tree.early_whole: defaults since results §63), so that a
     # verified step sends the several segments whose chaining this test is about (a whole early expansion is one)
@@ -269,7 +269,7 @@ def test_one_request_chained_alone_equals_hf(ring4, monkeypatch, mode):
     drafter; ``continuous`` chains in the three-request test above.)"""
     from pipeline.engine import GenSettings
     from tests.helpers import run_concurrent
-    from tests.test_lanes import Pad
+    from tests.helpers import Pad
     full, stages, refs = ring4
     monkeypatch.setenv("FLOWSPEC_STAGE_CHAIN", "alone")
     res, pool = run_concurrent(stages, [(E2E_PROMPTS[0], mode, GenSettings(NEW))], COMMON, {2}, f"oracle:{full}",

@@ -9,8 +9,6 @@ steps carry several lanes' segments in one forward (pipeline/batching.py) in the
 and the transformers layers, and planted batching bugs fail too.
 """
 import threading
-import time
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ from pipeline.engine import GenSettings
 from pipeline.inprocess import run_threaded
 from pipeline.messages import (MAX_LANES, Context, Decision, Segment, Shutdown, Stats, Status, decode, decode_at,
                                encode, pack_log, split_kind_word)
-from tests.helpers import hf_greedy, run_concurrent, tiny_llama
+from tests.helpers import Pad, batched, hf_greedy, run_batched, run_concurrent, tiny_llama
 
 PROMPTS = [[1, 5, 9, 13, 22, 7], [1, 40, 41, 42, 43], [1, 7, 7, 8, 9, 10, 11]]
 NEW = 12
@@ -42,43 +40,6 @@ def tiny(tmp_path_factory):
 
 def _greedy(n=NEW):
     return GenSettings(n)
-
-
-class Pad:
-    """A stage meter that makes every stage forward last ``s`` seconds at least (as the emulated testbed pads
-    them): the lanes' segments then queue up at the stages, so stage steps carry several lanes
-    (pipeline/batching.py) in every run, not only when the threads happen to interleave so."""
-
-    counter_names = ()
-
-    def __init__(self, s: float = 0.004) -> None:
-        self.s = s
-
-    @contextmanager
-    def op(self, kind, rows, ctx=0):
-        t0 = time.perf_counter()
-        yield
-        time.sleep(max(0.0, self.s - (time.perf_counter() - t0)))
-
-
-def batched(pool) -> int:
-    """Stage forwards that carried more than one lane, all stages."""
-    return sum(w.batched_forwards for w in pool.stage_workers)
-
-
-def run_batched(check, *args, attempts: int = 3, covered=None, what: str = "a stage step carried several lanes",
-                **kw):
-    """``run_concurrent(*args, **kw)`` until ``covered(pool)`` (default: a stage step carried several lanes),
-    ``check``-ing the outputs of EVERY run. Why: whether the lanes' segments meet at a stage (or their rank-0 calls
-    at the device) is timing (the ``Pad`` meters make it likely, a host at load 20 can still serialise the threads);
-    the claim tested is the outputs', the meeting only its coverage."""
-    covered = covered or (lambda pool: batched(pool) > 0)
-    for _ in range(attempts):
-        res, pool = run_concurrent(*args, **kw)
-        check(res)
-        if covered(pool):
-            return res, pool
-    pytest.fail(f"not once in {attempts} runs: {what} ({pool.lock.summary()})")
 
 
 @pytest.mark.parametrize("mode", ["continuous", "naive", "pipedec", "ar", "pruned"])
