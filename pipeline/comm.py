@@ -322,9 +322,7 @@ class Comm:
         """
         if faults._armed:
             self._fault_point("send", msg)
-        if not self._announced:
-            self._announced = True
-            self.store.set(READY_KEY, "1")
+        self._announce()
         tracer = self.tracer
         if tracer.enabled:
             with tracer.span("send", dst=dst):
@@ -489,6 +487,7 @@ class Comm:
             faults.hit("decision")
         with self.tracer.span("broadcast"):
             if self.rank == 0:
+                self._announce()
                 for t in self._device_parts(decision):
                     self._guard(lambda: dist.broadcast(t, 0), None)
                 return decision
@@ -568,8 +567,14 @@ class Comm:
             while q:
                 self._retire(dst, q)
 
+    def _announce(self) -> None:
+        """Rank 0's first message (a ``post`` on the ring, a ``broadcast`` to a TP group) writes ``READY_KEY``."""
+        if not self._announced:
+            self._announced = True
+            self.store.set(READY_KEY, "1")
+
     def wait_for_rank0(self) -> None:
-        """Return once rank 0 has posted its first message (its first :meth:`post` writes ``READY_KEY``).
+        """Return once rank 0 has sent its first message (:meth:`_announce`; a TP shard calls this too).
 
         Why a stage calls this before its first receive: a gloo receive gives up after ``timeout_s``, and rank 0
         loads more than a stage does (tokenizer, draft head or oracle, warm-up: a 7B head from a slow disk takes

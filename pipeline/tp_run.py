@@ -135,6 +135,8 @@ def run_tp_rank(args, cfg, modes, comm, stage_root, dtype, device, run_rank0) ->
     group = dist.new_group(list(range(1, comm.world)))   # every rank takes part in creating it
     what = "embeddings + lm_head + draft head" if comm.rank == 0 else f"TP shard {comm.rank - 1} of {n}"
     print(f"[rank {comm.rank}] loading {what} ...", file=sys.stderr, flush=True)
+    from pipeline import faults
+    faults.hit("load")  # test-only fault injection point (FLOWSPEC_FAULT=rank=R,at=load)
     try:
         if comm.rank == 0:
             model = load_stage(stage_root, 0, comm.world, dtype, device, cfg.model.verify_checksums)
@@ -149,5 +151,6 @@ def run_tp_rank(args, cfg, modes, comm, stage_root, dtype, device, run_rank0) ->
     if comm.link is not None:   # the emulated testbed (pipeline.emulation.install): pad the group's forwards
         real_bytes = model.config.hidden_size * torch.finfo(dtype).bits // 8
         comm.link.emu.install_tp_worker(worker, n, cfg.emu.tp_layers, cfg.emu.tp_profile_stages, real_bytes)
+    comm.wait_for_rank0()   # rank 0 may load for longer than comm.timeout_s (Comm.wait_for_rank0)
     worker.run()
     return 0

@@ -217,6 +217,17 @@ def test_tiny_tp_and_galaxy_equal_hf(tiny, tmp_path, n, drafter):
         assert max(r["tau"] for r in rows) > 2.0
 
 
+def test_rank0_loading_past_timeout_is_no_lost_rank_tp(tiny, tmp_path):
+    """Rank 0 loads for 3x ``comm.timeout_s`` (slow, alive): the TP shards wait for its first broadcast
+    (``Comm.wait_for_rank0``, as a ring stage does) and the job ends well; without that wait a shard's first
+    broadcast receive gave up after ``comm.timeout_s`` with "lost rank 0" (this test failed so with it removed)."""
+    full, roots = tiny
+    args = [f"model.stage_dir={roots[2]}", "dtype=float64", "max_new_tokens=4", "comm.timeout_s=2",
+            "comm.heartbeat_s=0.2", "--modes", "tp", "--quiet", "--prompt-ids", "1,5,9"]
+    res = launch(3, args, timeout=120, env={"FLOWSPEC_FAULT": "rank=0,at=load,delay=6"}, check=False)
+    assert res.returncode == 0 and "lost rank" not in res.stderr, res.stderr[-2000:]
+
+
 def test_modes_and_split_kinds_must_match(tiny, tmp_path, capsys):
     """pipeline.tools.launch's one pre-check of every rank's arguments (pipeline.run.check_args) refuses mismatches."""
     from pipeline.run import check_args
