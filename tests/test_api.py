@@ -69,11 +69,12 @@ def test_generation_settings_are_arguments_not_mutations(fs):
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(fs):
+    # seed 3 runs twice with other seeds between (was three times: one repeat proves reproducibility; issue 43)
     a = fs.generate(PROMPTS[1], temperature=1.0, seed=3, max_new_tokens=20)
     b = fs.generate(PROMPTS[1], temperature=1.0, seed=3, max_new_tokens=20, mode="naive")
-    outs = {tuple(fs.generate(PROMPTS[1], temperature=1.0, seed=s, max_new_tokens=20).ids) for s in range(4)}
-    assert a.ids == fs.generate(PROMPTS[1], temperature=1.0, seed=3, max_new_tokens=20).ids
-    assert len(b.ids) >= 1 and len(outs) > 1
+    outs = {s: tuple(fs.generate(PROMPTS[1], temperature=1.0, seed=s, max_new_tokens=20).ids) for s in range(4)}
+    assert tuple(a.ids) == outs[3]
+    assert len(b.ids) >= 1 and len(set(outs.values())) > 1
 
 
 def test_stop_strings_cut_the_text(fs):

@@ -394,11 +394,11 @@ def test_operator_stop_is_not_a_lost_rank():
     assert isinstance(got, PeerLost) and got.lost == 1 and "a record in the store" in str(got)
 
 
-@pytest.mark.parametrize("rep", range(2))
-def test_sigterm_to_the_launcher_is_a_stop_never_a_lost_rank(rep, work):
+def test_sigterm_to_the_launcher_is_a_stop_never_a_lost_rank(work):
     """SIGTERM to run_pipe.sh's launcher mid-decode: every rank says it was interrupted or stopped, the launcher
     exits 143, and no line blames a rank (was: 1 run in 6, rank 0 exited 3 "lost rank 1"; the race itself is
-    pinned by test_operator_stop_is_not_a_lost_rank)."""
+    pinned by test_operator_stop_is_not_a_lost_rank, deterministically). One run, not two (issue 43): a second
+    launch only sampled the same 1-in-6 race again, which the pinned test covers every time."""
     import signal
     import time
 
@@ -406,7 +406,7 @@ def test_sigterm_to_the_launcher_is_a_stop_never_a_lost_rank(rep, work):
     stages = make_stages(work, 3)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("FLOWSPEC_FAULT", None)
-    log = work / f"sigterm{rep}.log"
+    log = work / "sigterm.log"
     with open(log, "w") as f:
         p = subprocess.Popen(["./run_pipe.sh", f"model.stage_dir={stages}", "max_new_tokens=400", "mode=continuous",
                               "--prompt-ids", "1,5,9,13,22,7", *FAST], cwd=REPO, env=env, stdout=f,

@@ -178,15 +178,16 @@ def test_openai_client_and_httpx_every_mode_equal_hf(server):
 
 
 def test_sixteen_concurrent_clients_fifo_once_each(server):
-    """16 clients x 4 requests: each answered once, served in arrival order, answers equal sequential ones."""
+    """16 clients x 4 requests: each answered once, served in arrival order, answers equal sequential ones.
+
+    The sequential answer of a prompt in every mode is HF's greedy answer (test_openai_client_and_httpx_every_mode_
+    equal_hf proves a request alone equals HF in every mode), so each concurrent answer is compared with HF's text
+    directly: the 20 sequential requests this test sent first are gone (issue 43), the check is the same or tighter."""
     prompts = ["Once upon a time", "The little dog", "Lily and Tom went to", "One day, a bird"]
     body = lambda i, k: {"prompt": prompts[(i + k) % 4], "max_tokens": 8, "mode": MODES[(i + k) % 5]}
-    sequential = {}
-    for p in range(4):
-        for m in range(5):
-            r = post(server, "/v1/completions", {"prompt": prompts[p], "max_tokens": 8, "mode": MODES[m]}).json()
-            sequential[(p, m)] = r["choices"][0]["text"]
-    assert len({sequential[(p, m)] for p in range(4) for m in range(5)}) == 4  # every mode agrees
+    alone = [text_of(reference(tokenizer()(p)["input_ids"], 8)) for p in prompts]
+    sequential = {(p, m): alone[p] for p in range(4) for m in range(5)}
+    assert len(set(alone)) == 4
     results, errors = [], []
 
     def client(i: int) -> None:
