@@ -42,14 +42,14 @@ workers="${FLOWSPEC_TEST_WORKERS:-2}"
 if [[ "$workers" != 1 ]] && "$PY" -c "import xdist" 2>/dev/null; then
   args=(-n "$workers" "${args[@]}")
 fi
-# A run with at most 3 failed tests runs those once more, alone: one that fails again fails the run; one that passes
+# A run with at most 5 failed tests runs those once more, alone: one that fails again fails the run; one that passes
 # is named FLAKY on stderr and the run passes (tests/failed_list.py says why; FLOWSPEC_NO_RERUN=1 turns it off)
 failed="$(mktemp)"
 trap 'rm -f "$failed"' EXIT
 rc=0
 FLOWSPEC_FAILED_OUT="$failed" "$PY" -m pytest -q -ra -p tests.failed_list "${args[@]}" || rc=$?
 mapfile -t again < "$failed"
-if (( rc == 1 && ${#again[@]} > 0 && ${#again[@]} <= 3 )) && [[ -z "${FLOWSPEC_NO_RERUN:-}" ]]; then
+if (( rc == 1 && ${#again[@]} > 0 && ${#again[@]} <= 5 )) && [[ -z "${FLOWSPEC_NO_RERUN:-}" ]]; then
   echo "[tests] ${#again[@]} failed; running them once more, alone, to tell a timing flake from a defect" >&2
   rc=0
   "$PY" -m pytest -q -ra "${again[@]}" || rc=$?

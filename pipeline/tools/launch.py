@@ -378,6 +378,10 @@ class Launcher:
     def run(self) -> int:
         for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(s, self._on_signal)
+        # torch first: its import takes seconds on a loaded host (5-6 s at load 4 here), and counted inside the
+        # rendezvous window it left a client 0.5 s to connect ("node(s) 1, 2 never joined within 5s", CI under two
+        # test processes): comm.timeout_s bounds the wait for the other hosts, not this launcher's own start
+        import torch.distributed  # noqa: F401
         start = time.monotonic()
         deadline = start + self.timeout_s
         self.store = open_store(self.o, self.timeout_s, deadline, self.tag)
