@@ -9,20 +9,22 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$ROOT"
 args=()
+opts=()   # the arguments that are no path: the rerun of failed tests keeps them (-x, -k, -p, --durations, ...)
 paths=0
 value=0   # the previous word was an option that takes a value (-k EXPR, -m MARK, ...): this one is no path
 for a in "$@"; do
   if (( value )); then
-    args+=("$a"); value=0
+    args+=("$a"); opts+=("$a"); value=0
   elif [[ "$a" == --fast ]]; then
-    args+=(-m "not slow")
+    args+=(-m "not slow"); opts+=(-m "not slow")
   else
     args+=("$a")
     case "$a" in
-      -k|-m|-p|-o|-c|--deselect|--ignore|--ignore-glob|--durations|--maxfail|--basetemp|--rootdir|--junitxml) value=1 ;;
-      -*) ;;
+      -k|-m|-p|-o|-c|--deselect|--ignore|--ignore-glob|--durations|--maxfail|--basetemp|--rootdir|--junitxml)
+        value=1; opts+=("$a") ;;
+      -*) opts+=("$a") ;;
       # a test file, a folder of them or file::test: run only those (today's whole tests/ otherwise)
-      *) [[ -e "${a%%::*}" && ( "$a" == tests* || "$a" == *.py* ) ]] && paths=1 ;;
+      *) if [[ -e "${a%%::*}" && ( "$a" == tests* || "$a" == *.py* ) ]]; then paths=1; else opts+=("$a"); fi ;;
     esac
   fi
 done
@@ -42,7 +44,7 @@ workers="${FLOWSPEC_TEST_WORKERS:-2}"
 if [[ "$workers" != 1 ]] && "$PY" -c "import xdist" 2>/dev/null; then
   args=(-n "$workers" "${args[@]}")
 fi
-# A run with at most 5 failed tests runs those once more, alone: one that fails again fails the run; one that passes
+# A run with at most 5 failed tests runs those once more, alone (with the options given, not the paths): one that fails again fails the run; one that passes
 # is named FLAKY on stderr and the run passes (tests/failed_list.py says why; FLOWSPEC_NO_RERUN=1 turns it off)
 failed="$(mktemp)"
 trap 'rm -f "$failed"' EXIT
@@ -52,7 +54,7 @@ mapfile -t again < "$failed"
 if (( rc == 1 && ${#again[@]} > 0 && ${#again[@]} <= 5 )) && [[ -z "${FLOWSPEC_NO_RERUN:-}" ]]; then
   echo "[tests] ${#again[@]} failed; running them once more, alone, to tell a timing flake from a defect" >&2
   rc=0
-  "$PY" -m pytest -q -ra "${again[@]}" || rc=$?
+  "$PY" -m pytest -q -ra "${opts[@]}" "${again[@]}" || rc=$?
   if (( rc == 0 )); then
     printf '[tests] FLAKY (failed in the full run, passed alone): %s\n' "${again[@]}" >&2
   fi

@@ -276,14 +276,16 @@ def test_gpu_head_recipe_help_and_errors(tmp_path):
 
 def test_run_tests_sh_reruns_a_few_failures_once_and_names_them(tmp_path):
     """A test that fails in the full run and passes alone is named FLAKY and the run passes; one that fails again
-    fails the run (planted: a test that always fails), and so does a flake with the rerun off."""
+    fails the run (planted: a test that always fails), and so does a flake with the rerun off. The rerun keeps the
+    options given (here ``-k``, which the flaky test reads: a rerun that dropped it would fail again)."""
     import os
     probe = tmp_path / "test_probe.py"
     probe.write_text("import pathlib\n"
                      f"MARK = pathlib.Path({str(tmp_path / 'ran')!r})\n"
-                     "def test_flaky():\n"
+                     "def test_flaky(pytestconfig):\n"
                      "    first = not MARK.exists(); MARK.touch()\n"
                      "    assert not first, 'a first run fails'\n"
+                     "    assert 'flaky' in pytestconfig.getoption('keyword'), 'the rerun lost -k'\n"
                      "def test_fine():\n"
                      "    pass\n"
                      "def test_broken():\n"
@@ -292,7 +294,8 @@ def test_run_tests_sh_reruns_a_few_failures_once_and_names_them(tmp_path):
     def run(select, **env):
         (tmp_path / "ran").unlink(missing_ok=True)
         return subprocess.run([str(REPO / "run_tests.sh"), f"{probe}::{select}" if select else str(probe),
-                               "-p", "no:cacheprovider"], capture_output=True, text=True, timeout=300, cwd=REPO,
+                               "-p", "no:cacheprovider", "-k", "flaky or fine or broken"], capture_output=True,
+                              text=True, timeout=300, cwd=REPO,
                               env=dict(os.environ, **env))
     r = run("test_flaky")
     assert r.returncode == 0 and "[tests] FLAKY (failed in the full run, passed alone): " in r.stderr, r.stderr
