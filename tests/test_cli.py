@@ -296,7 +296,8 @@ def test_run_tests_sh_reruns_a_few_failures_once_and_names_them(tmp_path):
         return subprocess.run([str(REPO / "run_tests.sh"), f"{probe}::{select}" if select else str(probe),
                                "-p", "no:cacheprovider", "-k", "flaky or fine or broken"], capture_output=True,
                               text=True, timeout=300, cwd=REPO,
-                              env=dict(os.environ, **env))
+                              env={**{k: v for k, v in os.environ.items()     # not the outer run's settings
+                                      if k not in ("FLOWSPEC_NO_RERUN", "FLOWSPEC_TEST_WORKERS")}, **env})
     r = run("test_flaky")
     assert r.returncode == 0 and "[tests] FLAKY (failed in the full run, passed alone): " in r.stderr, r.stderr
     assert "test_probe.py::test_flaky" in r.stderr.splitlines()[-1]

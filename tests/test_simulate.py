@@ -157,8 +157,12 @@ MODES = ["naive", "pruned", "pipedec", "continuous"]
 
 @pytest.mark.skipif(not STAGES_5.is_dir(), reason="default model not converted (run_tests.sh converts it)")
 def test_replay_equals_real_runs_on_other_stage_counts(tmp_path):
-    """Record one answer, then replay it on 2 and 4 layer stages: every mode's accepted tokens per step equal
-    those of real (threaded) runs with that many stages, with the trained head (partial acceptance)."""
+    """Replay one recorded answer on 4 layer stages: every mode's accepted tokens per step equal those of a real
+    (threaded) run with 4 stages, with the trained head (partial acceptance). The row says it was recorded on 2
+    stages (``world_size`` 3): a replay that took its stage count from the row instead of its argument would not
+    reproduce the 4-stage run's pipeline steps. (A second real run on 2 stages was dropped in issue 43's suite cut,
+    docs/results.md: it compared the same replay code at a shallower pipeline, for about 40% of this test's time;
+    4 stages keeps the deepest schedule, with the most segments in flight.)"""
     from transformers import AutoTokenizer
 
     from config.run_config import DEFAULT, apply_overrides
@@ -171,19 +175,17 @@ def test_replay_equals_real_runs_on_other_stage_counts(tmp_path):
 
     tok = AutoTokenizer.from_pretrained(STAGES_5 / "stage_model_0")
     prompt = chat_prompt_ids(tok, ["List three uses of copper."], [])
-    stages_3 = Path(split_checkpoint(DEFAULT_ROOT, tmp_path / "s3", [0, 15, 15], progress=False))
     over = ["max_new_tokens=20", "dtype=float32"]
-    real = {4: run_threaded(STAGES_5, [prompt], MODES, over, set(), str(HEAD), torch.float32),
-            2: run_threaded(stages_3, [prompt], MODES, over, set(), str(HEAD), torch.float32)}
+    real = {4: run_threaded(STAGES_5, [prompt], MODES, over, set(), str(HEAD), torch.float32)}
     output = real[4]["naive"][0].output_ids
-    row = {"prompt_ids": prompt, "output_ids": output, "mode": "naive", "world_size": 5}
+    row = {"prompt_ids": prompt, "output_ids": output, "mode": "naive", "world_size": 3}
 
     cfg = apply_overrides(DEFAULT, over)
     model0 = load_stage(STAGES_5, 0, 5)
     drafter = make_drafter(cfg, STAGES_5, model0, torch.float32, "cpu")
     feats = TargetFeatures(STAGES_5)
     pruned_rows = 0
-    for stages in (4, 2):
+    for stages in (4,):
         for mode in MODES:
             got = real[stages][mode][0]
             assert got.output_ids == output
