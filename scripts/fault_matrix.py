@@ -141,7 +141,8 @@ class Result:
     case: Case
     codes: list[int]
     out: str
-    t_fault: float | None         # seconds after start when the fault was seen (a rank vanished/stopped)
+    t_fault: float | None         # seconds after start when the fault was seen (a rank vanished/stopped; with a
+                                  # taken port, node 0's launcher exited)
     t_gone: float | None          # seconds after start when every process was gone
     leftovers: int
     named: bool
@@ -212,6 +213,11 @@ def run_case(case: Case, work: Path, timeout_s: float = TIMEOUT_S) -> Result:
         ranks = {p for p in cur if is_rank(p)}
         if t_fault is None and case.lost is not None and case.missing_node is None and (
                 any(p not in ranks for p in seen_ranks) or any(stopped(p) for p in ranks)):
+            t_fault = now
+        if t_fault is None and case.taken_port and procs[0].poll() is not None:
+            # the fault is node 0 giving up on its taken port, after its own start-up (importing torch: seconds on
+            # a loaded host); the other launchers' rendezvous windows open after theirs, so their bound counts
+            # from here, not from the launch (docs/failures.md)
             t_fault = now
         seen_ranks |= ranks
         if case.kill_launcher_after is not None and not killed_launcher and now >= case.kill_launcher_after:
