@@ -44,8 +44,9 @@ workers="${FLOWSPEC_TEST_WORKERS:-2}"
 if [[ "$workers" != 1 ]] && "$PY" -c "import xdist" 2>/dev/null; then
   args=(-n "$workers" "${args[@]}")
 fi
-# A run with at most 5 failed tests runs those once more, alone (with the options given, not the paths): one that fails again fails the run; one that passes
-# is named FLAKY on stderr and the run passes (tests/failed_list.py says why; FLOWSPEC_NO_RERUN=1 turns it off)
+# A run with at most 5 failed tests runs those once more, alone, with the options given (not the paths): one that
+# fails again fails the run; one that passes is named FLAKY on stderr and the run passes (tests/failed_list.py says
+# why; FLOWSPEC_NO_RERUN=1 turns it off)
 failed="$(mktemp)"
 trap 'rm -f "$failed"' EXIT
 rc=0
