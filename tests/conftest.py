@@ -8,7 +8,15 @@ there); a test that launches ranks, trains, or enumerates a whole mode's law thr
 """
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# One inductor compile worker for the torch.compile tests (tests/test_graphs.py): on a 2-core host with two test
+# processes, the default worker pool's processes (each importing torch) cost more CPU than they save. Cold cache,
+# the three compile tests alone: 200 CPU-s with the pool, 178 with one worker, wall within 3% (docs/results.md §80).
+# Set before torch._inductor reads it; a user's own setting wins.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 FAST_FILES = {
     "test_architecture.py", "test_budget.py", "test_cli.py", "test_device_guard.py", "test_drafter_bench.py",
