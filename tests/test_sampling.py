@@ -792,15 +792,18 @@ def test_ar_sampling_equals_hf_generate_e2e(e2e):
 
 def test_threaded_ring_agrees_and_other_seed_differs(e2e):
     """The in-process ring (pipeline/inprocess.py) reproduces the launched seed-7 outputs exactly; seed 8
-    changes some output."""
+    changes some output. The seed-8 run takes the first prompt only (issue 43's suite cut): the claim is that the
+    seed reaches the draws at all, which one prompt of every mode shows as well as two (before: the two prompts'
+    outputs compared as one dict, so "some output differs" was never a per-prompt claim either)."""
     from pipeline.inprocess import run_threaded
     common = ["temperature=1.0", f"max_new_tokens={E2E_NEW}", "dtype=float64"]
     modes = ALL_MODES.split(",")
     launched = _outputs(e2e.runs[0])
-    for seed, same in ((7, True), (8, False)):
-        res = run_threaded(e2e.stages, E2E_PROMPTS, modes, [*common, f"seed={seed}"], {2}, f"oracle:{e2e.full}")
+    for seed, same, prompts in ((7, True, E2E_PROMPTS), (8, False, E2E_PROMPTS[:1])):
+        res = run_threaded(e2e.stages, prompts, modes, [*common, f"seed={seed}"], {2}, f"oracle:{e2e.full}")
         got = {(m, i): json.dumps(r.output_ids).encode() for m, rows in res.items() for i, r in enumerate(rows)}
-        assert (got == launched) == same, f"seed {seed}"
+        want = {k: v for k, v in launched.items() if k[1] < len(prompts)}
+        assert len(got) == len(want) == 5 * len(prompts) and (got == want) == same, f"seed {seed}"
 
 
 def test_ar_processed_sampling_equals_hf_generate(e2e):
