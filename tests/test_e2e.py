@@ -120,7 +120,9 @@ def test_smollm2_default_all_modes_equal_hf(tmp_path, smollm2):
     every prompt was three minutes of CPU): ``naive`` and ``pruned`` answer the first three, ``continuous`` and
     ``pipedec`` the last three, ``ar`` all six. Each half holds prompts longer than ``prefill_chunk`` (64: chunked
     prefill); every mode on the six datasets' prompts is tests/test_stories260k_all_modes_equal_hf's (its two cases
-    together)."""
+    together). 12 new tokens each (20 until issue 43: the tree modes' rounds are the cost): with the shipped head's
+    partial acceptance (continuous τ 2.2 here) that is still several verification rounds per prompt, each with
+    accepted paths and rejections, so a round after a re-rooting is checked against HF as before."""
     if not DATA.is_dir():
         pytest.skip("../shared/data is not available")
     full, stages, chat, stop = smollm2
@@ -132,8 +134,8 @@ def test_smollm2_default_all_modes_equal_hf(tmp_path, smollm2):
     assert all(max(map(len, half)) > 64 for half, _ in halves)
     seen = set()
     for i, (half, modes) in enumerate(halves):
-        rows = _run(5, stages, tmp_path / f"out{i}.jsonl", half, 20, (), modes=modes, dtype="float32")
-        _check_against_hf(rows, full, 20, stop, torch.float32, 3 * len(half))
+        rows = _run(5, stages, tmp_path / f"out{i}.jsonl", half, 12, (), modes=modes, dtype="float32")
+        _check_against_hf(rows, full, 12, stop, torch.float32, 3 * len(half))
         seen |= {r["mode"] for r in rows}
     assert seen == set(ALL_MODES.split(","))
 
