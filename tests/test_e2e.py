@@ -83,19 +83,21 @@ def _dataset_prompts(tokenizer, n_tokens, datasets=DATASETS):
 @pytest.mark.parametrize("world,split,drafter,half", [(3, [0, 3, 2], "oracle", 0), (5, [0, 1, 1, 1, 2], "untrained", 1)])
 def test_stories260k_all_modes_equal_hf(tmp_path, world, split, drafter, half):
     """stories260K, every mode equals HF greedy on 3 ranks with the oracle drafter and on 5 ranks with an untrained
-    head; the two cases share the six datasets' prompts (40 tokens each, 32 new): the first three datasets' on 3
+    head; the two cases share the six datasets' prompts (40 tokens each, 24 new): the first three datasets' on 3
     ranks, the last three on 5, so every mode answers a prompt from each of the six datasets. (Each case ran all six
     until issue 43: a generation's cost is per prompt, and what a prompt's dataset varies, its tokens, does not
     depend on the world size or the drafter; every mode on 2, 3 and 5 ranks with both drafters is also
-    test_tiny_all_modes_equal_hf's, on a short and a chunked-prefill prompt.)"""
+    test_tiny_all_modes_equal_hf's, on a short and a chunked-prefill prompt.) 24 new tokens since issue 43 (32
+    before): the oracle case still accepts long paths over several rounds (naive τ 4.6-5.75 in 4-5 rounds, pruned
+    τ 2.6-3.3), so re-rooting after a long accepted path is still checked against HF."""
     from transformers import AutoTokenizer
     stages = split_checkpoint(STORIES, tmp_path / "stages", split, progress=False)
     tok = AutoTokenizer.from_pretrained(STORIES)
     prompts = _dataset_prompts(tok, 40, DATASETS[3 * half:3 * half + 3])
     assert len(prompts) == 3
     head = () if drafter == "untrained" else (f"head_dir={drafter}:{STORIES}",)
-    rows = _run(world, stages, tmp_path / "out.jsonl", prompts, 32, head, dtype="float32")
-    _check_against_hf(rows, STORIES, 32, {2}, torch.float32, 5 * len(prompts))
+    rows = _run(world, stages, tmp_path / "out.jsonl", prompts, 24, head, dtype="float32")
+    _check_against_hf(rows, STORIES, 24, {2}, torch.float32, 5 * len(prompts))
 
 
 @pytest.fixture(scope="module")
