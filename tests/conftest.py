@@ -14,7 +14,7 @@ import pytest
 
 # One inductor compile worker for the torch.compile tests (tests/test_graphs.py): on a 2-core host with two test
 # processes, the default worker pool's processes (each importing torch) cost more CPU than they save. Cold cache,
-# the three compile tests alone: 200 CPU-s with the pool, 178 with one worker, wall within 3% (docs/results.md §80).
+# the three compile tests alone: 200 CPU-s with the pool, 178 with one worker, wall within 3% (docs/results.md §81).
 # Set before torch._inductor reads it; a user's own setting wins.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
