@@ -10,7 +10,8 @@ This script measures both factors of that bound on recorded answers, in one what
 (``pipeline.tools.simulate``, rank 0 priced per operator):
 
 * **the hit rate**: at every truncation of the replay, whether the target's token was among the prefetched
-  candidates of ``v`` (a step observer around :meth:`pipeline.engine.Engine.observe_step`);
+  candidates of ``v`` (a step observer and a decoder factory handed to the simulator as
+  :class:`pipeline.tools.simulate.replayer.Hooks`: nothing of the replayed code is patched);
 * **the modeled gain of a perfect precompute**: rank 0's op log timed twice, as replayed and with a share ``H`` of
   the round starts' model calls removed (:func:`free_round_starts`: the commit's and the levels' head forwards and
   the draft ``lm_head`` calls; the verification's ``lm_head`` and the decisions stay), ``H`` = the measured hit
@@ -115,49 +116,37 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    import pipeline.tools.simulate.predict as predict
-    from pipeline.engine import Engine
-    from pipeline.modes import flowspec
+    from pipeline.modes import new_decoder
     from pipeline.tools.simulate.cli import main as simulate
-    from pipeline.tools.simulate.timing import decode_times
+    from pipeline.tools.simulate.replayer import Hooks
+    from pipeline.tools.simulate.timing import decode_times, simulate_timing as timing
 
     hits = {"truncations": 0, "hits": 0, "unprefetched": 0}
-    mode_of: dict[str, object] = {}
-    after_send, observe_step, timing = flowspec.ContinuousMode.after_send, Engine.observe_step, predict.simulate_timing
+    current: dict[str, object] = {}
 
-    def remember(self, engine, state, root_hidden):      # the mode whose `pre` the next truncation reads
-        mode_of["continuous"] = self
-        return after_send(self, engine, state, root_hidden)
+    def decoder(mode: str):                               # the mode whose `pre` the next truncation reads
+        d = new_decoder(mode)
+        current["mode"] = getattr(d, "__self__", d)       # a registry decoder is a mode instance's bound `decode`
+        return d
 
-    def observe(self, tree, path, token, finished):
-        observe_step(self, tree, path, token, finished)
+    def observe(tree, path, token, finished):            # a step observer, untimed (the replay's Hooks)
         if token is None or finished:
             return
-        tokens, parents = tree.host_numpy()[:2]           # NumPy only: no operator counted on rank 0
+        tokens, parents = tree.host_numpy()[:2]
         v = path[-1]
         if token in tokens[np.nonzero(parents == v)[0]].tolist():
             return                                        # a verified step, not a truncation
         hits["truncations"] += 1
-        pre = getattr(mode_of.get("continuous"), "pre", None)
+        pre = getattr(current.get("mode"), "pre", None)
         if pre is None or pre[3].shape[0] != len(tree):
             hits["unprefetched"] += 1
         elif token in pre[3][v].tolist():
             hits["hits"] += 1
 
     logs: list[tuple] = []             # (every rank's op log, its TimingConfig) of each timed session
-
-    def timed(op_logs, tc, timeline=None, direct=None):
-        if timeline is not None:                          # the final pass of a (mode, link): keep its logs
-            logs.append((op_logs, tc))
-        return timing(op_logs, tc, timeline, direct)
-
-    flowspec.ContinuousMode.after_send, Engine.observe_step, predict.simulate_timing = remember, observe, timed
-    try:
-        rc = simulate([args.rows, "--modes", "continuous", "--rank0-cost", "ops", "--gantt", "0", "--no-plots",
-                       "--quiet", *rest])
-    finally:
-        flowspec.ContinuousMode.after_send, Engine.observe_step, predict.simulate_timing = \
-            after_send, observe_step, timing
+    hooks = Hooks(observers=(observe,), decoder=decoder, on_timed=lambda session, tc: logs.append((session.ops(), tc)))
+    rc = simulate([args.rows, "--modes", "continuous", "--rank0-cost", "ops", "--no-plots",
+                   "--quiet", *rest], hooks)
     if rc != 0:
         return rc
     seen = hits["truncations"] - hits["unprefetched"]

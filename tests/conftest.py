@@ -40,6 +40,7 @@ SLOW_IN_FAST_FILES = {
     ("test_outputs.py", "test_answer_file_is_fastchat"),
     ("test_outputs.py", "test_chrome_trace_export"),
     ("test_outputs.py", "test_one_definition_of_busy"),
+    ("test_round_start_bound.py", "test_the_script_counts"),          # 5-14 s (a counted replay)
     ("test_sampling.py", "test_exact_law_every_mode"),                 # 4-8 s each, 60 cases
     ("test_sampling.py", "test_expansion_off_appends_nothing"),        # 19-37 s each
     ("test_sampling.py", "test_chi_square_real_generator"),            # 7-9 s each

@@ -66,3 +66,37 @@ def test_bad_rates_are_one_line(capsys):
     assert B.main(["rows.jsonl", "--rates", "half"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(e.startswith("error: --rates") for e in err)
+
+
+def test_the_script_counts_truncations_and_prints_every_rate(tmp_path, capsys):
+    """End to end on a tiny 2-stage model with the oracle drafter (the target drafts itself, its greedy answer
+    recorded): the script's step observer and decoder factory (the simulator's Hooks) see every truncation and
+    the prefetched candidates, and the table has one row per rate. With the oracle every truncated node's
+    prefetched top-k holds the target's token (its top 1), so the hit rate is exactly 1: a script that read no
+    candidates, or the wrong node's, would count fewer."""
+    import json
+    import re
+
+    import torch
+
+    from model.split import split_checkpoint
+    from tests.helpers import hf_greedy, tiny_llama
+    full = tiny_llama(tmp_path / "full", layers=2, vocab=96, dtype=torch.float64)
+    stages = split_checkpoint(full, tmp_path / "stages", [0, 1, 1], progress=False)
+    prompt = [1, 5, 9, 13]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"mode": "continuous", "temperature": 0.0, "prompt_ids": prompt, "world_size": 3,
+                                "output_ids": hf_greedy(full, prompt, 16, {2}, torch.float64)}) + "\n")
+    assert B.main([str(rows), "--rates", "measured,0.5,1", "--profile", "edge_orin_7b", "--stages", "2",
+                   "--direct-passes", "0", f"model.stage_dir={stages}", f"model.head_dir=oracle:{full}",
+                   "dtype=float64", "max_new_tokens=16", "tree.init_total_token=24", "tree.expand_total_token=16",
+                   "tree.init_topk=4", "tree.expand_topk=4", "tree.subseq_token=8",   # small trees: a counted replay
+                   "--out-dir", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"truncations (\d+) \(every replay pass\), prefetched (\d+), .*: (\d+) = hit rate ([\d.]+)", out)
+    assert m, out
+    trunc, seen, hit = map(int, m.groups()[:3])
+    assert 0 < seen <= trunc and hit == seen and float(m.group(4)) == 1.0, m.group(0)
+    table = [line for line in out.splitlines() if line.startswith("| ") and "%" in line]
+    assert [line.split(" | ")[0] for line in table] == ["| measured hit rate", "| model calls", "| model calls",
+                                                        "| whole round start (host work too)"]

@@ -334,3 +334,40 @@ def test_sampled_drafts_are_replayed_deterministic_at_t_above_0(tmp_path, capsys
     err = capsys.readouterr().err
     assert "replayed with deterministic drafts" in err and "Traceback" not in err
     assert len(read_jsonl(tmp_path / "o" / "predictions.jsonl")) == 2
+
+
+def _tiny_rows(tmp_path, n_out=16, temperature=0.0, vocab=96):
+    """A 2-stage tiny model and one recorded answer (random tokens: the stand-in target emits what was recorded)."""
+    full = tiny_llama(tmp_path / "full", layers=2, vocab=vocab, dtype=torch.float64)
+    stages = Path(split_checkpoint(full, tmp_path / "stages", [0, 1, 1], progress=False))
+    rows = tmp_path / "rows.jsonl"
+    g = torch.Generator().manual_seed(0)
+    out_ids = torch.randint(3, vocab, (n_out,), generator=g).tolist()
+    rows.write_text(json.dumps({"mode": "naive", "temperature": temperature, "prompt_ids": [1, 5, 9],
+                                "output_ids": out_ids, "world_size": 3}) + "\n")
+    return rows, stages
+
+
+def test_hooks_see_every_pass_and_every_timed_session(tmp_path):
+    """A Python caller's :class:`Hooks` (what scripts/round_start_bound.py uses instead of patching the replayed
+    code): the observers see every verified step of every replay pass, the decoder factory builds every
+    generation's decoder, and ``on_timed`` gets each (mode, stages, link)'s final session."""
+    from pipeline.modes import new_decoder
+    from pipeline.tools.simulate.replayer import Hooks
+    rows, stages = _tiny_rows(tmp_path)
+    steps, built, timed = [], [], []
+    hooks = Hooks(observers=(lambda tree, path, token, finished: steps.append((len(path), finished)),),
+                  decoder=lambda mode: built.append(mode) or new_decoder(mode),
+                  on_timed=lambda session, tc: timed.append((session.mode, session.stages, len(session.ops()))))
+    out = tmp_path / "o"
+    assert main([str(rows), "--modes", "naive,continuous", "--stages", "2", "--bandwidth-mbps", "150,1000",
+                 "--no-plots", "--quiet", f"model.stage_dir={stages}", "dtype=float64", "max_new_tokens=16",
+                 "--out-dir", str(out)], hooks) == 0
+    preds = read_jsonl(out / "predictions.jsonl")
+    assert sorted(timed) == sorted([(m, 2, 3) for m in ("naive", "continuous") for _ in range(2)])
+    # every pass replays the generation again: the first pass and one direct-decision pass per link (continuous)
+    passes = {m: built.count(m) for m in ("naive", "continuous")}
+    assert passes["naive"] >= 1 and passes["continuous"] >= 1 and len(built) == sum(passes.values())
+    per_pass = {m: len(next(p for p in preds if p["mode"] == m)["accept_lengths"]) for m in passes}
+    assert len(steps) == sum(per_pass[m] * passes[m] for m in passes), (len(steps), per_pass, passes)
+    assert sum(f for _, f in steps) == len(built)        # each generation's last step finishes it

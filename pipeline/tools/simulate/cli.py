@@ -24,7 +24,7 @@ from config.profiles import EmulationError, Profile, load_profile
 from pipeline.tools.simulate.predict import calibrate, prediction, timed_passes, with_link
 from pipeline.tools.simulate.pricing import resolve as resolve_pricing
 from pipeline.tools.simulate.recorded import load_rows, load_target
-from pipeline.tools.simulate.replayer import replay
+from pipeline.tools.simulate.replayer import Hooks, replay
 from pipeline.tools.simulate.report import (draw_gantt, rank0_turnaround, stage_utilization, summarize, to_timeline,
                                             turnaround_calls,
                                             write_paper_tables, write_summary)
@@ -129,12 +129,13 @@ def ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
 
-def main(argv=None) -> int:
+def main(argv=None, hooks: Hooks | None = None) -> int:
+    """The command line; ``hooks``: what a Python caller adds to every replay (:class:`.replayer.Hooks`)."""
     args = parse_args(argv)
-    return exit_status(lambda: run(args), EmulationError, OSError, UnicodeDecodeError, ValueError, UserError)
+    return exit_status(lambda: run(args, hooks), EmulationError, OSError, UnicodeDecodeError, ValueError, UserError)
 
 
-def run(args) -> int:
+def run(args, hooks: Hooks | None = None) -> int:
     """The simulation ``args`` ask for (see the module docstring); returns the exit code."""
     from tqdm import tqdm
 
@@ -193,7 +194,7 @@ def run(args) -> int:
 
     def replay_rows(grows: list[dict], mode: str, n: int, upto=None, stats=None):
         return replay(grows, mode, n, cfg, drafter, target.vocab_size, target.features, bar, upto, stats,
-                      count_ops=counting)
+                      count_ops=counting, hooks=hooks)
 
     # the first replay of every (mode, stages) also collects its tree statistics (rank 0 replays the same steps
     # in every later pass, so once is all of them)
@@ -228,6 +229,8 @@ def run(args) -> int:
             tc = timing(base.stages, prof, overhead)
             session, windows, events, late = timed_passes(
                 base, tc, passes, lambda upto: replay_rows(grows, base.mode, base.stages, upto))
+            if hooks is not None and hooks.on_timed is not None:
+                hooks.on_timed(session, tc)
             tl = to_timeline(events, session.stages + 1)
             util = stage_utilization(tl, windows)
             turns = rank0_turnaround(events, windows, session.stages + 1)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -36,6 +37,20 @@ from pipeline.tools.simulate.oplog import MarkTracer, OpLog, Recorder
 from pipeline.tools.simulate.recorded import Committed, TargetFeatures
 from pipeline.tools.simulate.transport import ScheduledDirect, SimComm
 from pipeline.tree_stats import TreeStats
+
+
+@dataclass
+class Hooks:
+    """What a caller of the simulator adds to a replay from outside, without patching the code it replays (e.g.
+    ``scripts/round_start_bound.py``). ``observers``: extra step observers (:class:`pipeline.engine.StepObserver`)
+    fed every verified step of every replay pass, their CPU time left out of rank 0's host work like the tree
+    statistics'; ``decoder(mode)``: builds each generation's decoder (default :func:`pipeline.modes.new_decoder`;
+    a caller that wraps it sees the decoder's state, e.g. ``ContinuousMode.pre``); ``on_timed(session, tc)``:
+    called with every (mode, stages, link)'s final timed session and its :class:`.timing.TimingConfig`."""
+
+    observers: tuple = ()
+    decoder: Callable | None = None
+    on_timed: Callable | None = None
 
 
 @dataclass
@@ -69,13 +84,14 @@ class Session:
 
 def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: int,
            features: TargetFeatures, progress=None, direct_upto: list[list[int]] | None = None,
-           tree_stats: dict | None = None, count_ops: bool = False) -> Session:
+           tree_stats: dict | None = None, count_ops: bool = False, hooks: Hooks | None = None) -> Session:
     """Replay ``rows`` (recorded generations) through ``mode`` on ``stages`` layer stages; returns the op logs.
     ``direct_upto``: the direct-decision schedule of a later pass (:class:`ScheduledDirect`); ``None``:
     decisions reach the stages on the ring only (pass 0). ``tree_stats``: a dict that receives one
     :class:`pipeline.tree_stats.TreeStats` per row temperature (``"T=0"``, ``"T=1"``...), fed every verified
     step as a step observer whose CPU time is left out of rank 0's host work. ``count_ops``: rank 0's host ops
-    carry operator and sync counts (see the module docstring)."""
+    carry operator and sync counts (see the module docstring). ``hooks``: a caller's :class:`Hooks` (observers,
+    decoder factory)."""
     from pipeline.engine import GenSettings, timed_generation
     from pipeline.local_ring import LocalRing, stage_threads
     from model.stage_format import even_split, tap_row_factors
@@ -105,6 +121,9 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
     # the recorded temperature's plain law (no top-p / top-k), seeded as the run's; per answer only its length
     settings = GenSettings.from_config(cfg.gen, temperature=float(cfg.gen.temperature), top_p=1.0, top_k=0)
     engine.vocab_size, engine.committed, engine.log = vocab_size, committed, log0
+    hooks = hooks or Hooks()
+    extra = [untimed_observer(o, log0) for o in hooks.observers]
+    engine.step_observers = list(extra)
     counter = nullcontext()
     if count_ops:
         from pipeline.tools.opcount import OpCounter
@@ -124,8 +143,8 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
                 # the recorded answer ends where it ended: exactly len(output) tokens, no stop token needed
                 if tree_stats is not None:
                     stats = tree_stats.setdefault(f"T={float(row.get('temperature', 0.0)):g}", TreeStats())
-                    engine.step_observers = [untimed_observer(stats, log0)]
-                res = timed_generation(engine, prompt, new_decoder(mode),
+                    engine.step_observers = [untimed_observer(stats, log0), *extra]
+                res = timed_generation(engine, prompt, (hooks.decoder or new_decoder)(mode),
                                        settings.replace(max_new_tokens=len(output)))
                 if res.output_ids != output:
                     raise AssertionError(f"replay of question {row.get('question_id')} diverged from its "
