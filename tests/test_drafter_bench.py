@@ -86,14 +86,17 @@ def test_bench_on_stories260k_is_exact_and_resumable(tmp_path, capsys):
     """Two configurations (one with its own overrides) x three sets (one a held-out kind), one record each: every
     output equals the first configuration's (no **NO** in the table), a second call resumes with nothing
     generated twice, and a missing data folder is one error line and exit 2. One record per set suffices for
-    these claims (issue 43: two records per set only doubled the decoding, 48.6 s -> 36.0 s)."""
+    these claims (issue 43: two records per set only doubled the decoding, 48.6 s -> 36.0 s). The untrained head,
+    not the oracle (issue 43 again: the oracle's uncached full-model forwards were 17 of the 30 s): the lookup
+    configuration still accepts beyond the root (asserted), so the identity check still compares runs that
+    accept differently."""
     from model.split import split_checkpoint
     from pipeline.tools.drafter_bench import main
     stages = split_checkpoint(STORIES, tmp_path / "stages", [0, 3, 2], progress=False)
     args = ["--sources", "eagle", "--sources", "eagle,lookup draft.lookup_token_prob=0.9", "--sets", "gsm8k,mt_bench,rag",
             "--begin", "30",
             "--end", "31",
-            "--max-new-tokens", "12", "--stage-dir", str(stages), "--head-dir", f"oracle:{STORIES}",
+            "--max-new-tokens", "12", "--stage-dir", str(stages), "--head-dir", "untrained",
             "--out", str(tmp_path / "out")]
     assert main(args) == 0
     table = capsys.readouterr().out
@@ -101,6 +104,7 @@ def test_bench_on_stories260k_is_exact_and_resumable(tmp_path, capsys):
     rows = [json.loads(l) for l in (tmp_path / "out" / "rows.jsonl").read_text().splitlines()]
     assert len(rows) == 6 and {r["dataset"] for r in rows} == {"gsm8k", "mt_bench", "rag"}   # a held-out kind
     assert all(r["output_ids"] and r["prompt_ids"] and r["world_size"] == 3 for r in rows)
+    assert any(max(r["accept_lengths"]) > 1 for r in rows if "lookup" in r["sources"])   # drafts were accepted
     assert main(args) == 0                                   # resumed: nothing is generated twice
     assert len((tmp_path / "out" / "rows.jsonl").read_text().splitlines()) == 6
     assert main([*args[:-1], str(tmp_path / "o2"), "--data", str(tmp_path / "nope")]) == 2

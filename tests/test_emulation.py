@@ -48,12 +48,15 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("emu")
     full = tiny_llama(root / "full", layers=4, vocab=320, dtype=torch.float64)
     stages = split_checkpoint(full, root / "stages", [0, 2, 2], progress=False)
+    # two ranks for the eval driver's launches (issue 43): its claims (resume, torn rows, exact rows) name no world
+    # size, and each launch then starts one rank process fewer
+    stages2 = split_checkpoint(full, root / "stages2", [0, 4], progress=False)
     make_tokenizer(root / "tok")
-    for d in sorted(Path(stages).glob("stage_model_*")):
+    for d in [*sorted(Path(stages).glob("stage_model_*")), *sorted(Path(stages2).glob("stage_model_*"))]:
         for f in (root / "tok").iterdir():
             shutil.copy(f, d / f.name)
     (root / "t20.json").write_text(json.dumps(T20))
-    return SimpleNamespace(root=root, full=full, stages=Path(stages), t20=root / "t20.json")
+    return SimpleNamespace(root=root, full=full, stages=Path(stages), stages2=Path(stages2), t20=root / "t20.json")
 
 
 # -- profile math ----------------------------------------------------------------------------------------
@@ -413,7 +416,7 @@ def _tiny_dataset(root: Path) -> Path:
 def _eval(tiny, data, out, capsys, *extra):
     from pipeline.tools.eval import main
     code = main(["--data-dir", str(data), "--datasets", "tiny", "--modes", "ar,naive", "--temperatures", "0",
-                 "--begin", "0", "--end", "2", "--stage-dir", str(tiny.stages), "--profile", "zero",
+                 "--begin", "0", "--end", "2", "--stage-dir", str(tiny.stages2), "--profile", "zero",
                  "--max-new-tokens", "6", "--out-dir", str(out), "--no-plots", "--quiet", "dtype=float64",
                  "comm.timeout_s=60", *extra])
     cap = capsys.readouterr()

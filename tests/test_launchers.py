@@ -91,7 +91,7 @@ def _jetson(work, stages, port: int, k: int, env: dict, args: list[str]):
                             stderr=subprocess.STDOUT, start_new_session=True), log
 
 
-FROZEN_TIMEOUT_S = 10.0   # the issue's setting; 5 s let a loaded box miss the launchers' own rendezvous
+FROZEN_TIMEOUT_S = TIMEOUT_S   # the cases' 5 s (was 10: before the rendezvous window opened after torch's import)
 
 
 def _frozen_host0(work, fault: str, stop_launcher_when: str):
