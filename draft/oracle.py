@@ -3,7 +3,9 @@ acceptance is 100%) and ``adversary`` (the target's *least* likely tokens, so ac
 
 They implement the :class:`~draft.drafter.BeamTreeDrafter` hooks (``start``, ``commit``, ``tree_forward``,
 ``drop_tree``, ``logprobs``) with a full unsplit model on rank 0, so the EAGLE-2 beam and every mode run
-unchanged. Their "hidden states" are the target's log-probabilities at each entry. Slow; for small models.
+unchanged. Their "hidden states" are the target's log-probabilities at each entry. The committed context's KV cache
+is kept, so a tree entry costs a forward over its path only (:meth:`OracleDrafter._path_logits`). Slow all the
+same (one full-model forward per level); for small models.
 Select with ``head_dir=oracle:<full checkpoint dir>`` or ``head_dir=adversary:<dir>``.
 
 ``head_dir=oracle@<noise>:<dir>`` is the *noisy oracle*, a what-if draft of tunable acceptance: its log-probs
@@ -20,6 +22,7 @@ head, with this acceptance".
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -63,6 +66,12 @@ class OracleDrafter(TokenHistory, BeamTreeDrafter):
         self.device = torch.device(device)
         self.adversarial = adversarial
         self.noise = float(noise)
+        self._kv, self._kv_tokens = None, []
+        # the KV cache's keyword: ``cache`` in newer transformers (``past_key_values`` deprecated from 5.24, to be
+        # removed in 5.40), ``past_key_values`` at the floor of requirements.txt's range
+        import inspect
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         TokenHistory.__init__(self)
 
     def begin(self, prompt_ids: list[int]) -> None:
@@ -70,29 +79,58 @@ class OracleDrafter(TokenHistory, BeamTreeDrafter):
         self.context = prompt_ids
 
     @torch.no_grad()
-    def _dist(self, sequences: list[list[int]]) -> Tensor:
+    def _context_logits(self) -> Tensor:
+        """The target's logits after the whole committed context, row ``[1, vocab]``. The context's KV cache
+        (``self._kv``, of the tokens ``self._kv_tokens``) grows by the tokens committed since: a tree entry then costs
+        its path's tokens, not the whole context again (the tests' oracle runs were mostly this recompute). A
+        context that does not extend the cached one (a new request) starts a fresh cache."""
+        from transformers import DynamicCache
+        n = len(self._kv_tokens)
+        if self._kv is None or n >= len(self.context) or self.context[:n] != self._kv_tokens:
+            self._kv, self._kv_tokens, n = DynamicCache(), [], 0
+        new = torch.tensor([self.context[n:]], device=self.device)
+        logits = self.model(new, use_cache=True, **{self._cache_kw: self._kv}).logits[:, -1]
+        self._kv_tokens = list(self.context)
+        return logits
+
+    @torch.no_grad()
+    def _path_logits(self, paths: list[list[int]]) -> Tensor:
+        """The target's logits after ``context + path`` for each (non-empty) tree path, ``[len(paths), vocab]``: one
+        batched forward per path length over a copy of the context's cache (tree entries are temporary: the
+        context's own cache is never extended by them). Equal to a forward over the whole sequence up to float
+        rounding, which never decides an output: verification does (the oracle decides only what is proposed)."""
         by_len: dict[int, list[int]] = {}
-        for i, s in enumerate(sequences):
-            by_len.setdefault(len(s), []).append(i)
-        res: dict[int, Tensor] = {}
+        for i, path in enumerate(paths):
+            by_len.setdefault(len(path), []).append(i)
+        out: list[Tensor | None] = [None] * len(paths)
         for _, idx in by_len.items():
-            batch = torch.tensor([sequences[i] for i in idx], device=self.device)
-            logits = self.model(batch).logits[:, -1].double()
-            if self.noise > 0:
-                logits = logits + self.noise * torch.stack([context_gumbel(sequences[i], logits.shape[-1])
-                                                            for i in idx]).to(logits.device)
-            lp = torch.log_softmax(-logits if self.adversarial else logits, dim=-1)
+            kv = copy.deepcopy(self._kv)
+            kv.batch_repeat_interleave(len(idx))
+            batch = torch.tensor([paths[i] for i in idx], device=self.device)
+            logits = self.model(batch, use_cache=True, **{self._cache_kw: kv}).logits[:, -1]
             for j, i in enumerate(idx):
-                res[i] = lp[j]
-        return torch.stack([res[i] for i in range(len(sequences))])
+                out[i] = logits[j]
+        return torch.stack(out)
+
+    def _log_probs(self, logits: Tensor, sequences: list[list[int]]) -> Tensor:
+        logits = logits.double()
+        if self.noise > 0:
+            logits = logits + self.noise * torch.stack([context_gumbel(s, logits.shape[-1])
+                                                        for s in sequences]).to(logits.device)
+        return torch.log_softmax(-logits if self.adversarial else logits, dim=-1)
 
     def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
         with self.meter.op("draft_forward", int(tokens.numel()), len(self.context)):
-            return self._dist([self.append_context(tokens)])[0]
+            context = self.append_context(tokens)
+            return self._log_probs(self._context_logits(), [context])[0]
 
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
         with self.meter.op("draft_forward", int(tokens.numel()), len(self.context)):
-            return self._dist(self.add_tree_entries(tokens, parents))
+            paths = self.add_tree_paths(tokens, parents)
+            if len(self._kv_tokens) != len(self.context):       # the cache is of the committed context
+                self._context_logits()
+            return self._log_probs(self._path_logits(paths), [self.context + p for p in paths] if self.noise > 0
+                                   else paths)
 
     def logprobs(self, hidden: Tensor) -> Tensor:
         with self.meter.op("lm_head", hidden_rows(hidden)):

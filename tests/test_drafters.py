@@ -291,3 +291,56 @@ def test_path_states_are_the_general_loop(seed, total, depth, top_k, monkeypatch
         return real(src, tree_, h_, short, par_np)
     monkeypatch.setattr(merged_mod, "_path_states", planted)
     assert not torch.equal(merged.tree_inputs(tree, h), general)
+
+
+@pytest.mark.parametrize("noise", [0.0, 1.0])
+def test_oracle_cache_equals_whole_sequence_forwards(tmp_path, noise):
+    """The oracle drafter keeps its committed context's KV cache and runs only a tree entry's path (issue 43: the
+    suite's oracle runs were mostly recomputing the context): every log-prob row equals the plain forward of the
+    whole sequence (context + path), with noise too (seeded by that whole sequence), across commits, a second
+    tree level, a dropped tree, and two more requests (one a different prompt, one extending the last context).
+    A cache that kept the previous request's tokens fails the third request (planted below)."""
+    from transformers import AutoModelForCausalLM
+    from draft.oracle import OracleDrafter, context_gumbel
+    from tests.helpers import tiny_llama
+    path = tiny_llama(tmp_path / "m", seed=3, layers=2, dtype=torch.float64)
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    d = OracleDrafter(str(path), dtype=torch.float64, noise=noise)
+
+    def plain(seq):
+        with torch.no_grad():
+            logits = ref(T([seq])).logits[0, -1].double()
+        if noise:
+            logits = logits + noise * context_gumbel(seq, logits.shape[-1])
+        return torch.log_softmax(logits, -1)
+
+    def check(prompt, first):
+        ctx = prompt + [first]
+        assert torch.allclose(d.start(prompt, first, None), plain(ctx), atol=1e-9)
+        assert torch.allclose(d.commit(T([7, 8]), None), plain(ctx + [7, 8]), atol=1e-9)
+        ctx += [7, 8]
+        out = d.tree_forward(T([3, 4]), None, T([-1, -1]))
+        out2 = d.tree_forward(T([6, 9, 2]), None, T([0, 0, 1]))                # a second level, below 3 and 4
+        for row, p in zip([*out, *out2], ([3], [4], [3, 6], [3, 9], [4, 2])):
+            assert torch.allclose(row, plain(ctx + p), atol=1e-9), p
+        d.drop_tree()
+        assert torch.allclose(d.commit(T([2]), None), plain(ctx + [2]), atol=1e-9)
+        return ctx + [2]
+    last = check([1, 5, 9, 13], 11)
+    check([1, 40, 41], 12)                       # a new request: a different prompt
+    check(last, 5)                               # a new request whose prompt extends the first one's context
+
+
+def test_oracle_planted_stale_cache_fails(tmp_path, monkeypatch):
+    """The cache-reuse rule is what the test above checks: an oracle that keeps its cache across requests
+    whatever their prompt (here: never rebuilt) must fail it."""
+    from draft.oracle import OracleDrafter
+    real = OracleDrafter._context_logits
+
+    def stale(self):
+        if self._kv is not None:
+            self._kv_tokens = list(self.context[:len(self._kv_tokens)])      # claims the cache is of this context
+        return real(self)
+    monkeypatch.setattr(OracleDrafter, "_context_logits", stale)
+    with pytest.raises(AssertionError):
+        test_oracle_cache_equals_whole_sequence_forwards(tmp_path, 0.0)
