@@ -75,16 +75,25 @@ def stories_stages(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(stories_stages, tmp_path_factory):
-    """The shared stories260K server (3 ranks). It is launched through tests/serve_inproc_client.py, whose rank-0
-    client exercises the in-process API first (see test_in_process_request_api) and then leaves HTTP serving."""
+def server(stories_server):
+    """The shared stories260K server (3 ranks, --queue-size 16): tests/conftest.py's session fixture, shared with
+    tests/test_serve_fields.py (issue 43: one launch for both modules in a test process). It is launched through
+    tests/serve_inproc_client.py, whose rank-0 client exercises the in-process API first (see
+    test_in_process_request_api) and then leaves HTTP serving."""
+    return stories_server
+
+
+def launch_stories_server(tmp_path_factory):
+    """Launch the shared server (see ``server``); a generator for tests/conftest.py's ``stories_server``: at the
+    session's end the in-process client calls ``manager.stop()``, and every rank must exit 0."""
     tmp = tmp_path_factory.mktemp("serve_log")
+    stages = split_checkpoint(STORIES, tmp / "stages", [0, 3, 2], progress=False)
     inproc = tmp / "inproc.json"
-    s = Server([str(inproc), f"model.stage_dir={stories_stages}", f"head_dir=oracle:{STORIES}", "max_new_tokens=24",
+    s = Server([str(inproc), f"model.stage_dir={stages}", f"head_dir=oracle:{STORIES}", "max_new_tokens=24",
                 "comm.timeout_s=20", "--queue-size", "16"], tmp / "server.log",
                cmd=[sys.executable, "-m", "pipeline.tools.launch", "--standalone", "--nproc_per_node=3", "-m",
                     "tests.serve_inproc_client"])
-    s.inproc = inproc
+    s.inproc, s.stages = inproc, stages
     deadline = time.monotonic() + 120
     while not inproc.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
