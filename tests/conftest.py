@@ -77,3 +77,13 @@ def pytest_ignore_collect(collection_path, config):
     if config.option.markexpr.strip() == "not slow" and name.startswith("test_") and name.endswith(".py"):
         return True if name not in FAST_FILES else None
     return None
+
+
+@pytest.fixture(scope="session")
+def stories_server(tmp_path_factory):
+    """The stories260K HTTP server (3 launched ranks, oracle drafter, in-process client, --queue-size 16) that
+    tests/test_serve.py and tests/test_serve_fields.py share: one launch per test process instead of one per module
+    (issue 43). Their tests only send requests to a healthy server and compare each answer with HF or with a
+    repeat of itself, so none needs a fresh one; tests that kill or signal a server launch their own."""
+    from tests.test_serve import launch_stories_server
+    yield from launch_stories_server(tmp_path_factory)

@@ -69,10 +69,11 @@ def test_generation_settings_are_arguments_not_mutations(fs):
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent(fs):
-    # seed 3 runs twice with other seeds between (was three times: one repeat proves reproducibility; issue 43)
+    # seed 3 runs twice with other generations between (was three times: one repeat proves reproducibility; issue
+    # 43); seed dependence needs one other seed (was seeds 0, 1 and 2: two generations fewer, issue 43)
     a = fs.generate(PROMPTS[1], temperature=1.0, seed=3, max_new_tokens=20)
     b = fs.generate(PROMPTS[1], temperature=1.0, seed=3, max_new_tokens=20, mode="naive")
-    outs = {s: tuple(fs.generate(PROMPTS[1], temperature=1.0, seed=s, max_new_tokens=20).ids) for s in range(4)}
+    outs = {s: tuple(fs.generate(PROMPTS[1], temperature=1.0, seed=s, max_new_tokens=20).ids) for s in (1, 3)}
     assert tuple(a.ids) == outs[3]
     assert len(b.ids) >= 1 and len(set(outs.values())) > 1
 

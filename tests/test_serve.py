@@ -1,7 +1,8 @@
 """The HTTP server (pipeline/serve.py) through real processes and real HTTP: no mocks.
 
 One stories260K server (3 ranks, oracle drafter: long accepted paths) is shared by most tests; separate jobs
-cover a killed stage rank (503, every rank exits) and the SmolLM2 default through ./run_serve.sh (with Ctrl-C).
+cover SIGTERM (two launches), several hosts and the SmolLM2 default through ./run_serve.sh (with Ctrl-C). A killed
+stage rank (503, every rank exits): tests/test_lanes_serve.py::test_killed_stage_fails_every_request_in_flight.
 Greedy answers are compared with HF ``generate`` on the unsplit model (the reference pipeline.run is tested
 against in test_e2e.py), token for token.
 """
@@ -74,16 +75,25 @@ def stories_stages(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(stories_stages, tmp_path_factory):
-    """The shared stories260K server (3 ranks). It is launched through tests/serve_inproc_client.py, whose rank-0
-    client exercises the in-process API first (see test_in_process_request_api) and then leaves HTTP serving."""
+def server(stories_server):
+    """The shared stories260K server (3 ranks, --queue-size 16): tests/conftest.py's session fixture, shared with
+    tests/test_serve_fields.py (issue 43: one launch for both modules in a test process). It is launched through
+    tests/serve_inproc_client.py, whose rank-0 client exercises the in-process API first (see
+    test_in_process_request_api) and then leaves HTTP serving."""
+    return stories_server
+
+
+def launch_stories_server(tmp_path_factory):
+    """Launch the shared server (see ``server``); a generator for tests/conftest.py's ``stories_server``: at the
+    session's end the in-process client calls ``manager.stop()``, and every rank must exit 0."""
     tmp = tmp_path_factory.mktemp("serve_log")
+    stages = split_checkpoint(STORIES, tmp / "stages", [0, 3, 2], progress=False)
     inproc = tmp / "inproc.json"
-    s = Server([str(inproc), f"model.stage_dir={stories_stages}", f"head_dir=oracle:{STORIES}", "max_new_tokens=24",
+    s = Server([str(inproc), f"model.stage_dir={stages}", f"head_dir=oracle:{STORIES}", "max_new_tokens=24",
                 "comm.timeout_s=20", "--queue-size", "16"], tmp / "server.log",
                cmd=[sys.executable, "-m", "pipeline.tools.launch", "--standalone", "--nproc_per_node=3", "-m",
                     "tests.serve_inproc_client"])
-    s.inproc = inproc
+    s.inproc, s.stages = inproc, stages
     deadline = time.monotonic() + 120
     while not inproc.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -132,11 +142,16 @@ def text_of(ids: list[int]) -> str:
 
 
 def test_openai_client_and_httpx_every_mode_equal_hf(server):
-    """Both clients, chat and completions, streamed and not, every mode: greedy ids equal HF's."""
+    """Both clients, chat and completions, streamed and not, every mode: greedy ids equal HF's.
+
+    The chat carries a short system message (issue 43): it replaces the Vicuna template's 100-token default system
+    prompt (stories260K has no chat template of its own), which made continuous mode's 12 tokens take ~15 s here,
+    because the oracle drafter re-reads the whole context for every row of its trees. The template's formatting is
+    the same path (its default system prompt: tests/test_serve_fields.py's chat requests)."""
     from openai import OpenAI
     client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     name = model_id(server)
-    messages = [{"role": "user", "content": "Tell me a story about a cat."}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story about a cat."}]
     for mode in MODES:
         r = client.chat.completions.create(model=name, messages=messages, max_tokens=12, temperature=0,
                                            extra_body={"mode": mode, "return_token_ids": True})
@@ -178,11 +193,14 @@ def test_openai_client_and_httpx_every_mode_equal_hf(server):
 
 
 def test_sixteen_concurrent_clients_fifo_once_each(server):
-    """16 clients x 4 requests: each answered once, served in arrival order, answers equal sequential ones.
+    """16 clients x 2 requests: each answered once, served in arrival order, answers equal sequential ones.
 
     The sequential answer of a prompt in every mode is HF's greedy answer (test_openai_client_and_httpx_every_mode_
     equal_hf proves a request alone equals HF in every mode), so each concurrent answer is compared with HF's text
-    directly: the 20 sequential requests this test sent first are gone (issue 43), the check is the same or tighter."""
+    directly: the 20 sequential requests this test sent first are gone (issue 43), the check is the same or tighter.
+    Two requests per client (was four, issue 43): 16 at once still fill the 4 lanes and 12 places of the queue
+    (--queue-size 16), each client's second request reuses its connection, and the 32 requests still cover every
+    prompt and every mode (17 of the 20 prompt x mode pairs; four requests covered 19)."""
     prompts = ["Once upon a time", "The little dog", "Lily and Tom went to", "One day, a bird"]
     body = lambda i, k: {"prompt": prompts[(i + k) % 4], "max_tokens": 8, "mode": MODES[(i + k) % 5]}
     alone = [text_of(reference(tokenizer()(p)["input_ids"], 8)) for p in prompts]
@@ -191,7 +209,7 @@ def test_sixteen_concurrent_clients_fifo_once_each(server):
 
     def client(i: int) -> None:
         with httpx.Client(timeout=300) as c:
-            for k in range(4):
+            for k in range(2):
                 try:
                     r = c.post(server.url + "/v1/completions", json=body(i, k))
                     assert r.status_code == 200, r.text
@@ -207,7 +225,8 @@ def test_sixteen_concurrent_clients_fifo_once_each(server):
     for t in threads:
         t.join(600)
     assert not errors, errors[:3]
-    assert len(results) == 64 and len({r[2] for r in results}) == 64 and len({r[3] for r in results}) == 64
+    assert len(results) == 32 and len({r[2] for r in results}) == 32 and len({r[3] for r in results}) == 32
+    assert {r[0] for r in results} == set(range(4)) and {r[1] for r in results} == set(range(5))
     by_arrival = sorted(results, key=lambda r: r[3])
     assert [r[4] for r in by_arrival] == sorted(r[4] for r in results), "not served in arrival order"
     for p, m, _, _, _, text in results:
@@ -255,7 +274,10 @@ def test_queue_overflow_429_then_disconnects_cancel(server):
 
 
 def test_disconnect_mid_stream_then_correct_answer(server):
-    body = {"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 300, "stream": True}
+    """A client leaving mid-stream cancels its generation (naive and continuous); the next answer equals HF's.
+    Short system messages (issue 43): see test_openai_client_and_httpx_every_mode_equal_hf."""
+    brief = {"role": "system", "content": "Be brief."}
+    body = {"messages": [brief, {"role": "user", "content": "Tell a long story."}], "max_tokens": 300, "stream": True}
     for mode in ("naive", "continuous"):
         before = metric(httpx.get(server.url + "/metrics").text, 'flowspec_generated_tokens_total')
         with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "mode": mode}, timeout=60) as r:
@@ -265,7 +287,7 @@ def test_disconnect_mid_stream_then_correct_answer(server):
                     got += 1
                     if got == 2:
                         break   # leave mid-stream
-        j = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Sing a song."}],
+        j = post(server, "/v1/chat/completions", {"messages": [brief, {"role": "user", "content": "Sing a song."}],
                                                   "max_tokens": 20, "mode": mode, "return_token_ids": True}).json()
         assert j["speculative"]["output_ids"] == reference(j["speculative"]["prompt_ids"], 20), mode
         generated = metric(httpx.get(server.url + "/metrics").text, 'flowspec_generated_tokens_total') - before
@@ -392,19 +414,21 @@ def page_when_done(chromium: str, url: str, profile: Path, shot: Path, deadline_
 
 
 def test_page_in_headless_chromium(server, tmp_path):
-    """The page (no internet asset) streams an answer and shows τ and tokens/s; screenshot kept."""
+    """The page (no internet asset) streams an answer and shows τ and tokens/s; screenshot kept. Naive mode (was
+    continuous, issue 43): the page's chat carries the Vicuna template's 100-token system prompt, on which the
+    oracle drafter's continuous-mode trees cost ~1 s a step here; the page does not depend on the mode."""
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:
         pytest.skip("chromium not found (Debian: apt-get install chromium)")
     page = httpx.get(server.url + "/").text
     assert "http://" not in page and "https://" not in page, "the page must not load internet assets"
     shot = tmp_path / "serve_page.png"
-    url = server.url + "/?prompt=Tell%20a%20story&autostart=1&max_tokens=24&mode=continuous"
+    url = server.url + "/?prompt=Tell%20a%20story&autostart=1&max_tokens=24&mode=naive"
     dom = page_when_done(chromium, url, tmp_path / "profile", shot, deadline_s=110)
     answer = re.search(r'id="answer">([^<]*)<', dom)
     assert answer and 'data-done="1"' in dom, dom[-2000:]
     ref = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a story"}],
-                                                "max_tokens": 24, "mode": "continuous"}).json()
+                                                "max_tokens": 24, "mode": "naive"}).json()
     import html
     assert html.unescape(answer.group(1)) == ref["choices"][0]["message"]["content"]
     tau = re.search(r'id="tau">([\d.]+)<', dom)
@@ -414,27 +438,6 @@ def test_page_in_headless_chromium(server, tmp_path):
     assert len(re.findall(r'id="bar\d"', dom)) == 3
     assert shot.is_file() and shot.stat().st_size > 5000
     print(f"\npage screenshot: {shot}")
-
-
-def test_killed_stage_rank_answers_503_and_every_rank_exits(stories_stages, tmp_path):
-    """SIGKILL rank 2 mid-request: the request gets 503, the job exits non-zero within comm.timeout_s."""
-    s = Server([f"model.stage_dir={stories_stages}", f"head_dir=oracle:{STORIES}", "comm.timeout_s=5",
-                "comm.heartbeat_s=0.2"], tmp_path / "server.log",
-               env={"FLOWSPEC_FAULT": "rank=2,at=segment,count=3"})
-    try:
-        t0 = time.monotonic()
-        r = post(s, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}],
-                                            "max_tokens": 24, "mode": "naive"}, timeout=60)
-        assert r.status_code == 503, r.text
-        err = r.json()["error"]
-        assert err["code"] == "unavailable" and "pipeline failed" in err["message"], err
-        s.proc.wait(5 + 10)
-        elapsed = time.monotonic() - t0
-    finally:
-        code = s.stop(timeout=5)
-    log = s.log.read_text()
-    assert code != 0 and elapsed < 15, (code, elapsed, log[-2000:])
-    assert "rank 2" in log, log[-2000:]
 
 
 def test_smollm2_default_through_run_serve_sh(tmp_path):
@@ -458,9 +461,10 @@ def test_smollm2_default_through_run_serve_sh(tmp_path):
         assert spec["prompt_ids"] == ids
         ref = hf_greedy(full, ids, 12, stop, torch.float32)
         assert spec["output_ids"] == ref
+        # streamed, another mode: its first 6 tokens (was 12, issue 43: naive mode costs ~0.6 s a token here)
         parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model=name, messages=messages, max_tokens=12, stream=True, extra_body={"mode": "naive"}) if c.choices]
-        assert "".join(parts) == r.choices[0].message.content
+            model=name, messages=messages, max_tokens=6, stream=True, extra_body={"mode": "naive"}) if c.choices]
+        assert "".join(parts) == tok.decode([t for t in ref[:6] if t not in stop], skip_special_tokens=True)
     finally:
         t0 = time.monotonic()
         code = s.stop(signal.SIGINT, timeout=30)
@@ -632,19 +636,33 @@ def _stream_in_thread(url: str, body: dict, out: dict) -> threading.Thread:
     return t
 
 
-@pytest.mark.parametrize("grace", [60, 0])
-def test_sigterm_finishes_or_truncates_the_request_in_flight(stories_stages, tmp_path, grace):
-    """SIGTERM to the launcher (was: the request in flight aborted with a 503): new requests get 503 while the one
-    in flight finishes (grace 60 s) or ends at its next commit with finish_reason "cancelled" (grace 0); then
-    every rank exits and the launcher says it was stopped (143), within the grace + a few seconds."""
-    s = Server([f"model.stage_dir={stories_stages}", f"head_dir=oracle:{STORIES}", "comm.timeout_s=10",
-                "--stop-grace-s", str(grace)], tmp_path / "server.log")
+def _sigterm_server(stories_stages, tmp_path, grace: int) -> Server:
+    return Server([f"model.stage_dir={stories_stages}", f"head_dir=oracle:{STORIES}", "comm.timeout_s=10",
+                   "--stop-grace-s", str(grace)], tmp_path / "server.log")
+
+
+def _final(out: dict) -> tuple[str, int]:
+    """The stream's last finish_reason and its new_tokens."""
+    return ([e["choices"][0]["finish_reason"] for e in out["events"] if e.get("choices")][-1],
+            out["events"][-1]["speculative"]["new_tokens"])
+
+
+def test_sigterm_finishes_the_request_in_flight_then_a_second_sigterm_stops_at_once(stories_stages, tmp_path):
+    """SIGTERM to the launcher (was: the request in flight aborted with a 503), grace 60 s: new requests get 503
+    while the requests in flight go on; a short one finishes whole ("length"/"stop"). The graceful stop is bounded
+    by the operator too: a second SIGTERM while a long one is still in flight ends every rank at once (that request
+    gets an error event or a cut stream), far sooner than --stop-grace-s; the launcher exits 143.
+
+    One launch answers both claims (issue 43: was two, test_sigterm_..._in_flight[60] and test_second_sigterm_stops_
+    at_once): the short and the long request run at once in two lanes (serve.max_active's default, 4), so the long
+    one (400 tokens in naive mode: tens of seconds here) is still in flight when the short one (40) has finished."""
+    s = _sigterm_server(stories_stages, tmp_path, 60)
     try:
-        out: dict = {}
-        max_tokens = 40 if grace else 400   # naive mode: several seconds on a loaded 2-core box
-        t = _stream_in_thread(s.url, {"prompt": "Once upon a time", "max_tokens": max_tokens, "mode": "naive"}, out)
-        assert out["first"].wait(120) and out["error"] is None, (out, s.log.read_text()[-2000:])
-        t0 = time.monotonic()
+        short, long = {}, {}
+        tl = _stream_in_thread(s.url, {"prompt": "Once upon a time", "max_tokens": 400, "mode": "naive"}, long)
+        ts = _stream_in_thread(s.url, {"prompt": "The little dog", "max_tokens": 40, "mode": "naive"}, short)
+        for out in (long, short):
+            assert out["first"].wait(120) and out["error"] is None, (out, s.log.read_text()[-2000:])
         os.kill(s.proc.pid, signal.SIGTERM)   # the launcher (run_serve.sh exec'ed it)
         time.sleep(0.5)
         try:
@@ -652,22 +670,50 @@ def test_sigterm_finishes_or_truncates_the_request_in_flight(stories_stages, tmp
             late_code = late.status_code
         except httpx.HTTPError:
             late_code = None   # the server had already finished and closed
+        ts.join(120)
+        assert not ts.is_alive() and s.proc.poll() is None and not long["done"], \
+            ("the long request should still be in flight", _final(long) if long["events"] else None)
+        t0 = time.monotonic()
+        os.kill(s.proc.pid, signal.SIGTERM)   # the second one
+        code = s.proc.wait(60)
+        took = time.monotonic() - t0
+        tl.join(30)
+    finally:
+        s.stop(signal.SIGKILL)
+    log = s.log.read_text()
+    assert short["done"] and short["error"] is None and short.get("status") == 200, (short, log[-2000:])
+    assert not any("error" in e for e in short["events"]), (short["events"][-2:], log[-2000:])
+    assert _final(short)[0] in ("length", "stop"), (_final(short), log[-2000:])
+    assert late_code in (503, None), late_code
+    assert code == 143 and took < 20, (code, took, log[-2000:])   # grace 60: the second SIGTERM did not wait
+    assert "Traceback" not in log and "lost rank" not in log, log[-2000:]
+    assert "[launch] stopped by SIGTERM" in log, log[-2000:]
+    last = long["events"][-1] if long["events"] else {}
+    assert "error" in last or long["error"] is not None or not long["done"], (last, log[-2000:])
+
+
+def test_sigterm_with_grace_0_truncates_the_request_in_flight(stories_stages, tmp_path):
+    """SIGTERM with --stop-grace-s 0: the request in flight ends at its next commit with finish_reason "cancelled";
+    then every rank exits and the launcher says it was stopped (143) within a few seconds."""
+    s = _sigterm_server(stories_stages, tmp_path, 0)
+    try:
+        out: dict = {}
+        max_tokens = 400   # naive mode: tens of seconds on a loaded 2-core box
+        t = _stream_in_thread(s.url, {"prompt": "Once upon a time", "max_tokens": max_tokens, "mode": "naive"}, out)
+        assert out["first"].wait(120) and out["error"] is None, (out, s.log.read_text()[-2000:])
+        t0 = time.monotonic()
+        os.kill(s.proc.pid, signal.SIGTERM)
         t.join(120)
-        code = s.proc.wait(grace + 30)
+        code = s.proc.wait(30)
         took = time.monotonic() - t0
     finally:
         s.stop(signal.SIGKILL)
     log = s.log.read_text()
     assert out["done"] and out["error"] is None and out.get("status") == 200, (out, log[-2000:])
     assert not any("error" in e for e in out["events"]), (out["events"][-2:], log[-2000:])
-    final = [e["choices"][0]["finish_reason"] for e in out["events"] if e.get("choices")][-1]
-    n = out["events"][-1]["speculative"]["new_tokens"]
-    if grace:
-        assert final in ("length", "stop"), (final, log[-2000:])
-        assert late_code in (503, None), late_code
-    else:
-        assert final == "cancelled" and n < max_tokens, (final, n, log[-2000:])
-    assert code == 143 and took < grace + 20, (code, took, log[-2000:])
+    final, n = _final(out)
+    assert final == "cancelled" and n < max_tokens, (final, n, log[-2000:])
+    assert code == 143 and took < 20, (code, took, log[-2000:])
     assert "Traceback" not in log and "lost rank" not in log, log[-2000:]
     assert "[launch] stopped by SIGTERM" in log, log[-2000:]
 
@@ -683,31 +729,6 @@ def test_bad_server_flag_is_one_line_once(stories_stages):
         assert res.returncode == 2 and len(lines) == 1, res.stderr
         assert lines[0].startswith("[launch] error:") and needle in lines[0], res.stderr
         assert "usage:" not in res.stderr + res.stdout
-
-
-def test_second_sigterm_stops_at_once(stories_stages, tmp_path):
-    """The graceful stop is bounded by the operator too: a second SIGTERM ends every rank at once (the request in
-    flight gets a 503 error event), far sooner than --stop-grace-s."""
-    s = Server([f"model.stage_dir={stories_stages}", f"head_dir=oracle:{STORIES}", "comm.timeout_s=10",
-                "--stop-grace-s", "120"], tmp_path / "server.log")
-    try:
-        out: dict = {}
-        t = _stream_in_thread(s.url, {"prompt": "Once upon a time", "max_tokens": 400, "mode": "naive"}, out)
-        assert out["first"].wait(120) and out["error"] is None, (out, s.log.read_text()[-2000:])
-        t0 = time.monotonic()
-        os.kill(s.proc.pid, signal.SIGTERM)
-        time.sleep(1.0)
-        os.kill(s.proc.pid, signal.SIGTERM)
-        code = s.proc.wait(60)
-        took = time.monotonic() - t0
-        t.join(30)
-    finally:
-        s.stop(signal.SIGKILL)
-    log = s.log.read_text()
-    assert code == 143 and took < 20, (code, took, log[-2000:])
-    assert "Traceback" not in log and "lost rank" not in log, log[-2000:]
-    last = out["events"][-1] if out["events"] else {}
-    assert "error" in last or out["error"] is not None or not out["done"], (last, log[-2000:])
 
 
 class _Choice:
