@@ -146,7 +146,8 @@ def test_openai_client_and_httpx_every_mode_equal_hf(server):
 
     The chat carries a short system message (issue 43): it replaces the Vicuna template's 100-token default system
     prompt (stories260K has no chat template of its own), which made continuous mode's 12 tokens take ~15 s here,
-    because the oracle drafter re-reads the whole context for every row of its trees. The template's formatting is
+    because the oracle drafter then re-read the whole context for every row of its trees (it keeps the context's KV
+    cache since docs/results.md §86; the short chat stays the cheaper one). The template's formatting is
     the same path (its default system prompt: tests/test_serve_fields.py's chat requests)."""
     from openai import OpenAI
     client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)

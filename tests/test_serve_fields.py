@@ -131,8 +131,9 @@ def hf_logprobs(ids: list[int]) -> torch.Tensor:
 def test_greedy_logprobs_equal_hf_forward(fserver, mode):
     """The logprobs of greedy output are HF's full-forward log_softmax at those positions, the chosen token is
     the argmax (rank 1 of top_logprobs), through the official client (chat, top_logprobs=3). A short system
-    message (issue 43) replaces the Vicuna template's 100-token default, which the oracle drafter re-reads for every
-    row of its trees (continuous: 8 s here); the default's path: test_n2_logprobs_usage_chunk_and_stats_..."""
+    message (issue 43) replaces the Vicuna template's 100-token default, which the oracle drafter then re-read for
+    every row of its trees (continuous: 8 s here; it keeps a KV cache since docs/results.md §86); the default's
+    path: test_n2_logprobs_usage_chunk_and_stats_..."""
     c = client(fserver)
     r = c.chat.completions.create(model=c.models.list().data[0].id, max_tokens=16,
                                   messages=[{"role": "system", "content": "Be brief."},
