@@ -82,13 +82,22 @@ class OracleDrafter(TokenHistory, BeamTreeDrafter):
     def _context_logits(self) -> Tensor:
         """The target's logits after the whole committed context, row ``[1, vocab]``. The context's KV cache
         (``self._kv``, of the tokens ``self._kv_tokens``) grows by the tokens committed since: a tree entry then costs
-        its path's tokens, not the whole context again (the tests' oracle runs were mostly this recompute). A
-        context that does not extend the cached one (a new request) starts a fresh cache."""
+        its path's tokens, not the whole context again (the tests' oracle runs were mostly this recompute). A new
+        request keeps what its context shares with the cached tokens and recomputes the rest."""
         from transformers import DynamicCache
-        n = len(self._kv_tokens)
-        if self._kv is None or n >= len(self.context) or self.context[:n] != self._kv_tokens:
-            self._kv, self._kv_tokens, n = DynamicCache(), [], 0
-        new = torch.tensor([self.context[n:]], device=self.device)
+        # keep the longest prefix the cache shares with the context, short of its last token (whose logits are
+        # wanted): a request that repeats or extends an earlier one's prompt (every mode of one prompt) reuses it
+        keep = 0
+        if self._kv is not None:
+            for a, b in zip(self._kv_tokens, self.context[:-1]):
+                if a != b:
+                    break
+                keep += 1
+        if keep == 0:
+            self._kv = DynamicCache()
+        elif keep < len(self._kv_tokens):
+            self._kv.crop(keep - len(self._kv_tokens))   # negative: drop that many (what every version takes)
+        new = torch.tensor([self.context[keep:]], device=self.device)
         logits = self.model(new, use_cache=True, **{self._cache_kw: self._kv}).logits[:, -1]
         self._kv_tokens = list(self.context)
         return logits

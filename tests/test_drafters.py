@@ -298,8 +298,9 @@ def test_oracle_cache_equals_whole_sequence_forwards(tmp_path, noise):
     """The oracle drafter keeps its committed context's KV cache and runs only a tree entry's path (issue 43: the
     suite's oracle runs were mostly recomputing the context): every log-prob row equals the plain forward of the
     whole sequence (context + path), with noise too (seeded by that whole sequence), across commits, a second
-    tree level, a dropped tree, and two more requests (one a different prompt, one extending the last context).
-    A cache that kept the previous request's tokens fails the third request (planted below)."""
+    tree level, a dropped tree, and more requests (a different prompt, one extending the last context, one
+    repeating the first, one leaving the cached tokens part way). A cache that kept the previous request's tokens
+    fails (planted below)."""
     from transformers import AutoModelForCausalLM
     from draft.oracle import OracleDrafter, context_gumbel
     from tests.helpers import tiny_llama
@@ -329,6 +330,8 @@ def test_oracle_cache_equals_whole_sequence_forwards(tmp_path, noise):
     last = check([1, 5, 9, 13], 11)
     check([1, 40, 41], 12)                       # a new request: a different prompt
     check(last, 5)                               # a new request whose prompt extends the first one's context
+    check([1, 5, 9, 13], 11)                     # the first request again: a prefix of the cached tokens
+    check([1, 5, 9, 13, 11, 7], 4)               # a prompt that leaves the cached tokens part way
 
 
 def test_oracle_planted_stale_cache_fails(tmp_path, monkeypatch):
