@@ -3,6 +3,7 @@ agreement with a real emulated multi-process run."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -217,6 +218,14 @@ SIM_PROFILE = {
     "link": {"latency_s": 0.0005, "bandwidth_mbps": 150, "hidden_bytes_per_token": 8192, "header_bytes": 384}}
 
 
+# The emulated run is dilated 2x (emu.time_scale, and the simulator's --time-scale to match): the profile's sleeps
+# then outweigh this host's per-event overhead (gloo, wake-ups), which grows with the suite's load and is what the
+# ar-fitted calibration cannot follow mode by mode. Measured at load ~7 (3 benches beside it), largest |error|:
+# scale 1 raw 0.189, calibrated 0.059; scale 2 raw 0.089, calibrated 0.032 (+16 s of test time); pipedec reached
+# -0.103 calibrated at scale 1 in a full-suite run. The 10% bound is unchanged.
+SIM_TIME_SCALE = float(os.environ.get("SIM_TIME_SCALE", "2"))
+
+
 def test_simulator_reproduces_an_emulated_run(tmp_path):
     """Real 3-rank emulated run (processes, gloo, sleeping to the profile) vs the simulator's prediction of the
     same rows: total decode time of every mode within 10%."""
@@ -228,7 +237,7 @@ def test_simulator_reproduces_an_emulated_run(tmp_path):
     modes = ["ar", "naive", "pruned", "pipedec", "continuous"]
     common = [f"model.stage_dir={stages}", "dtype=float64", "max_new_tokens=20", "tree.total_token=24",
               "tree.init_total_token=24", "tree.expand_total_token=16"]
-    args = [*common, "comm.timeout_s=60", f"emu.profile={prof}", "--modes", ",".join(modes),
+    args = [*common, "comm.timeout_s=60", f"emu.profile={prof}", f"emu.time_scale={SIM_TIME_SCALE}", "--modes", ",".join(modes),
             "--output", str(rows_path), "--quiet"]
     for p in ([1, 5, 9, 13, 22, 7], [1, 40, 41, 42]):
         args += ["--prompt-ids", ",".join(map(str, p))]
@@ -240,7 +249,7 @@ def test_simulator_reproduces_an_emulated_run(tmp_path):
     # raw: ideal transport (what a host fast enough for the profile would measure); calibrated: one per-event
     # overhead of this host's testbed fitted on the ar rows, validated on the four other modes
     out = tmp_path / "sim"
-    assert main([str(rows_path), *common, "--profile", str(prof), "--out-dir", str(out), "--quiet"]) == 0
+    assert main([str(rows_path), *common, "--profile", str(prof), "--time-scale", str(SIM_TIME_SCALE), "--out-dir", str(out), "--quiet"]) == 0
     assert len(read_jsonl(out / "predictions.jsonl")) == len(rows)
     raw = {r["mode"]: r for r in _csv(out / "summary.csv")}
     assert set(raw) == set(modes)
@@ -248,7 +257,7 @@ def test_simulator_reproduces_an_emulated_run(tmp_path):
     assert {r["label"] for r in _csv(out / "tree_stats.csv")} == {f"{m}, 2 stages, T=0" for m in modes if m != "ar"}
     assert "coverage" in (out / "tree_stats.md").read_text()
     out_c = tmp_path / "sim_cal"
-    assert main([str(rows_path), *common, "--profile", str(prof), "--calibrate", "ar", "--out-dir", str(out_c),
+    assert main([str(rows_path), *common, "--profile", str(prof), "--time-scale", str(SIM_TIME_SCALE), "--calibrate", "ar", "--out-dir", str(out_c),
                  "--quiet"]) == 0
     cal = {r["mode"]: r for r in _csv(out_c / "summary.csv")}
     overhead = read_jsonl(out_c / "predictions.jsonl")[0]["overhead_s"]
