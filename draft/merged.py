@@ -99,6 +99,12 @@ class MergedDrafter(BeamTreeDrafter):
         for s in self.sources:
             s.reset()
 
+    def forget_requests(self) -> None:
+        """:func:`draft.protocol.forget_requests` for every source."""
+        from draft.protocol import forget_requests
+        for s in self.sources:
+            forget_requests(s)
+
     def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
         return self._join([s.start(prompt_ids, first_token, features) for s in self.sources])
 

@@ -151,6 +151,32 @@ def target_observer(drafter: object):
     return hook if getattr(drafter, "observes_target", True) else None
 
 
+def forget_requests(drafter: object) -> None:
+    """A fresh measurement: ``drafter`` forgets what earlier requests of this process taught it (the suffix
+    source's store of earlier texts, token recycling's table), so that decoding the same prompts once more drafts
+    what the first decode drafted.
+
+    Why: a drafter that remembers earlier requests (issue 45) proposes an earlier *answer* when the same prompt
+    comes back. In serving that is the point; in a run that decodes the same prompts again -- every mode of
+    ``pipeline.run --modes`` (also ``bench`` and ``eval``), the warm-up before them, every replay and pass of the
+    simulator -- the later decodes would copy the earlier ones' answers and report a speed no single-mode run
+    gets (docs/results.md §89: the what-if's `continuous` τ 1.86 -> 2.46 with the suffix source, before this rule).
+    So those loops call this before each mode or replay, and each one sees as earlier requests only its own.
+
+    Found as the drafter's optional ``forget_requests`` method; a merged drafter forwards to its sources, a
+    wrapper (``inner``) to its inner drafter; a drafter without such memory needs nothing. Never called by the
+    decode loop or the server."""
+    if drafter is None:
+        return
+    own = getattr(drafter, "forget_requests", None)
+    if own is not None:
+        own()
+        return
+    inner = getattr(drafter, "inner", None)
+    if inner is not None:
+        forget_requests(inner)
+
+
 def can_extend(drafter: object) -> bool:
     """True when ``drafter`` supports incremental expansion (:class:`ExtendableTreeDrafter`)."""
     return isinstance(drafter, ExtendableTreeDrafter) and bool(drafter.supports_extend)

@@ -91,6 +91,13 @@ class RecycleDrafter(TokenHistory):
     def clear_table(self) -> None:
         self.ids.fill(-1)
 
+    def forget_requests(self) -> None:
+        """:func:`draft.protocol.forget_requests`: the table and the latest feed go (called between generations,
+        before the next one's first commit feeds its own rows)."""
+        self.clear_table()
+        self._last_feed = None
+        TokenHistory.reset(self)
+
     def reset(self) -> None:
         """A new request (``start``): the committed context and tree entries go; the table stays when ``persist``.
         Else the table is emptied but for the rows of the latest feed call, which belong to the new request: every

@@ -287,6 +287,13 @@ class SuffixStore:
             self.sam.add_document(doc)
         self.version += 1
 
+    def clear(self) -> None:
+        """Every earlier text goes (:func:`draft.protocol.forget_requests`)."""
+        self.docs.clear()
+        self.tokens = 0
+        self.sam = SuffixAutomaton()
+        self.version += 1
+
 
 _STORES: dict[tuple, SuffixStore] = {}
 _CORPORA: dict[tuple, SuffixAutomaton] = {}
@@ -394,6 +401,15 @@ class SuffixDrafter(TokenHistory):
                                               if s is not None]
         self.matches: list[tuple[int, int]] = [(0, 0)] * len(self.others)   # committed context vs the others
         self.tree_matches: list[tuple] = []  # per tree entry: (own match, matches in the others)
+
+    def forget_requests(self) -> None:
+        """:func:`draft.protocol.forget_requests`: the store of earlier requests is emptied (the process-wide one of
+        this configuration: every drafter sharing it forgets) and the request that ended does not join it; the
+        static corpus stays (it is configuration, not memory)."""
+        self.context = []
+        if self.store is not None:
+            self.store.clear()
+        self.reset()
 
     # -- matches ---------------------------------------------------------------------------------------------
     def _own_root(self) -> tuple[int, int]:

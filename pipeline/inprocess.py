@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from config.run_config import DEFAULT, apply_overrides
+from draft.protocol import forget_requests
 from pipeline.engine import timed_generation
 from pipeline.local_ring import TIMEOUT_S, LocalComm, LocalRing, stage_threads
 from pipeline.build import load_rank_stage, make_drafter, make_engine, make_static_stage
@@ -63,6 +64,7 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
         try:
             with guard():
                 for mode in modes:
+                    forget_requests(d)     # each mode drafts as a run of it alone would (draft/protocol.py)
                     results[mode] = [timed_generation(engine, p, new_decoder(mode)) for p in prompts]
         finally:
             if not errors:

@@ -281,6 +281,7 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
         print(f"[rank 0] mode={','.join(modes)} ({why})", file=sys.stderr, flush=True)
     engine = make_engine(cfg, comm, model, stage_root, modes, stop_ids, dtype, device)
     drafter = engine.drafter
+    from draft.protocol import forget_requests
     stop_text = None
     if cfg.gen.stop_strings():
         if tokenizer is None:
@@ -316,6 +317,7 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
             for _ in range(args.warmup if records else 0):  # warm-up: excluded from results, not streamed
                 timed_generation(engine, prompt_ids(records[0]["turns"][:1], []), new_decoder(mode),
                                  settings.replace(max_new_tokens=min(32, cfg.gen.max_new_tokens), on_commit=None))
+            forget_requests(drafter)   # each mode drafts as a run of it alone would (not from the answers above)
             for rec in records:
                 answers: list[str] = []
                 for ti, _ in enumerate(rec["turns"][:turns_limit]):

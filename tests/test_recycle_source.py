@@ -126,6 +126,10 @@ def test_persist_and_reset():
     fresh.observe_target([2], T([[0, 1, 5, 2, 3, 4]], torch.float32))   # the new request's first commit
     fresh.start([1, 2], 3, None)
     assert table_rows(fresh) == {2: (2, 5)}              # only the latest feed call's rows survive the start
+    from draft.protocol import forget_requests
+    forget_requests(d)                                   # a fresh measurement (draft/protocol.py): nothing kept
+    d.start([1, 2], 3, None)
+    assert table_rows(d) == {}
 
 
 def test_config_keys_and_build_sources():

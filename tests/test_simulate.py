@@ -222,7 +222,7 @@ SIM_PROFILE = {
 # then outweigh this host's per-event overhead (gloo, wake-ups), which grows with the suite's load and is what the
 # ar-fitted calibration cannot follow mode by mode. Measured at load ~7 (3 benches beside it), largest |error|:
 # scale 1 raw 0.189, calibrated 0.059; scale 2 raw 0.089, calibrated 0.032 (+16 s of test time); pipedec reached
-# -0.103 calibrated at scale 1 in a full-suite run. The 10% bound is unchanged.
+# -0.103 calibrated at scale 1 in a full-suite run (docs/results.md §88). The 10% bound is unchanged.
 SIM_TIME_SCALE = float(os.environ.get("SIM_TIME_SCALE", "2"))
 
 
@@ -380,3 +380,24 @@ def test_hooks_see_every_pass_and_every_timed_session(tmp_path):
     per_pass = {m: len(next(p for p in preds if p["mode"] == m)["accept_lengths"]) for m in passes}
     assert len(steps) == sum(per_pass[m] * passes[m] for m in passes), (len(steps), per_pass, passes)
     assert sum(f for _, f in steps) == len(built)        # each generation's last step finishes it
+
+
+def test_each_replay_drafts_as_the_first(tmp_path, monkeypatch):
+    """The simulator replays the same answers once per mode and pass; a drafter with memory of earlier requests
+    (the suffix source's store) would copy the earlier replays' answers into the later ones (docs/results.md §89:
+    the what-if's `continuous` τ 1.86 -> 2.46). Each replay forgets them (draft.protocol.forget_requests): `naive`
+    replayed after `pruned` accepts exactly what it accepts alone; with the forgetting removed (planted) it accepts
+    more per step."""
+    import pipeline.tools.simulate.replayer as replayer
+    rows, stages = _tiny_rows(tmp_path)
+    common = ["--stages", "2", "--no-plots", "--quiet", "--gantt", "0", f"model.stage_dir={stages}", "dtype=float64",
+              "max_new_tokens=16", "draft.sources=suffix", "draft.suffix_threshold=1"]
+
+    def naive_accepts(modes: str, out: str) -> list:
+        assert main([str(rows), "--modes", modes, *common, "--out-dir", str(tmp_path / out)]) == 0
+        return [p["accept_lengths"] for p in read_jsonl(tmp_path / out / "predictions.jsonl") if p["mode"] == "naive"]
+    alone = naive_accepts("naive", "alone")
+    assert naive_accepts("pruned,naive", "after") == alone
+    monkeypatch.setattr(replayer, "forget_requests", lambda d: None)
+    leaked = naive_accepts("pruned,naive", "leaked")
+    assert len(leaked[0]) < len(alone[0]), (leaked, alone)

@@ -364,3 +364,62 @@ def test_every_mode_with_the_suffix_source_equals_hf(tiny, sources, head, extra)
     for mode, rows in res.items():
         for p, r in zip(PROMPTS + PROMPTS[:1], rows):
             assert r.output_ids == hf_greedy(tiny.full, p, 16, {2}, torch.float64), (sources, mode)
+
+
+def _forgetting_run(d: SuffixDrafter):
+    """Request A, then ``forget_requests``, then A again: the tree drafted at A's second start."""
+    from draft.protocol import forget_requests
+    d.start([1, 2, 3, 4, 5, 6, 7, 8], 9, None)
+    d.commit(T([10, 11]), None)
+    forget_requests(d)
+    h = d.start([20, 21, 5, 6, 7], 8, None)
+    return d.match_lengths(), d.grow_tree(8, h, 10, 4, 4).tokens.tolist()
+
+
+def test_forget_requests_drafts_as_a_fresh_process():
+    """After ``draft.protocol.forget_requests`` a drafter drafts what one that never saw the earlier request drafts
+    (the store emptied, the ended request not joining it at the next start); a merged drafter and a wrapper
+    forward it. Without it the store proposes the earlier text (the case above); a planted forget that empties the
+    store but keeps the ended request's context fails (it rejoins the store at the next start)."""
+    from draft.protocol import forget_requests
+    fresh = SuffixDrafter(50, store=SuffixStore(capacity=64), threshold=3, long_token_prob=0.9)
+    h = fresh.start([20, 21, 5, 6, 7], 8, None)
+    want = (fresh.match_lengths(), fresh.grow_tree(8, h, 10, 4, 4).tokens.tolist())
+    assert want[0] == [0, 0]
+    store = SuffixStore(capacity=64)
+    assert _forgetting_run(SuffixDrafter(50, store=store, threshold=3, long_token_prob=0.9)) == want
+    assert not store.docs and store.tokens == 0
+
+    class KeepsContext(SuffixDrafter):
+        def forget_requests(self):                      # planted: the store goes, the ended request stays
+            self.store.clear()
+            self.reset()
+    assert _forgetting_run(KeepsContext(50, store=SuffixStore(capacity=64), threshold=3, long_token_prob=0.9)) != want
+    # the seam reaches sources of a merged drafter and a wrapper's inner drafter
+    inner = SuffixDrafter(50, store=SuffixStore(capacity=64))
+    inner.start([1, 2, 3], 4, None)
+    inner.start([5, 6], 7, None)                        # the first request joins the store
+    merged = MergedDrafter.__new__(MergedDrafter)
+    merged.sources = [inner]
+    forget_requests(SimpleNamespace(inner=merged))
+    assert not inner.store.docs and inner.context == []
+    forget_requests(None)
+    forget_requests(SimpleNamespace())                  # no memory: nothing to do
+
+
+def test_each_mode_of_a_run_drafts_as_if_alone(tiny, monkeypatch):
+    """``run_threaded`` (as ``pipeline.run --modes``) decodes the same prompts in every mode; with the suffix
+    source's store, a later mode would copy an earlier mode's answers. Each mode now drafts as a run of it alone:
+    ``naive`` after ``pruned`` accepts exactly what ``naive`` alone accepts; with the forgetting removed (planted)
+    it accepts more."""
+    import pipeline.inprocess as inproc
+    over = ["max_new_tokens=16", "dtype=float64", "draft.sources=suffix", "draft.suffix_threshold=2"]
+
+    def naive_accepts(modes):
+        res = inproc.run_threaded(tiny.stages, PROMPTS, modes, over, {2}, None)
+        return [r.accept_lengths for r in res["naive"]]
+    alone = naive_accepts(["naive"])
+    assert naive_accepts(["pruned", "naive"]) == alone
+    monkeypatch.setattr(inproc, "forget_requests", lambda d: None)
+    leaked = naive_accepts(["pruned", "naive"])
+    assert sum(map(len, leaked)) < sum(map(len, alone)), (leaked, alone)   # fewer steps: it copied pruned's answers

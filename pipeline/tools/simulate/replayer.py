@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from draft.protocol import forget_requests
 from pipeline.tools.simulate.drafter import ReplayDrafter, record_drafter
 from pipeline.tools.simulate.oplog import MarkTracer, OpLog, Recorder
 from pipeline.tools.simulate.recorded import Committed, TargetFeatures
@@ -115,6 +116,7 @@ def replay(rows: list[dict], mode: str, stages: int, cfg, drafter, vocab_size: i
     comm0 = SimComm(ring, 0, rec, direct, tracer=MarkTracer(log0))
     rdrafter = None
     if drafter is not None:
+        forget_requests(drafter)    # every replay (mode, stages, pass) drafts as the first did (draft/protocol.py)
         rdrafter = ReplayDrafter(drafter, committed, log0)
         record_drafter(drafter, log0, vocab_size)
     engine = ReplayEngine(torch.nn.Linear(1, 1), comm0, rdrafter, set(), cfg)
