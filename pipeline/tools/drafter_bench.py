@@ -10,7 +10,9 @@ depth 5, top-k 10) through the in-process ring (:mod:`pipeline.inprocess`: the r
 modes in one process), on the first turn of records ``[--begin, --end)`` of each set: the six evaluation sets
 (``config.paths.DATASETS``) and the held-out prompt kinds written here (``translation``, ``rag``, ``extraction``,
 ``roleplay``: ``--sets heldout`` names all four; five prompts each, records 30..34; a range starting below 30
-takes their first ``end - begin`` prompts). Rows go to
+takes their first ``end - begin`` prompts). A drafter that remembers earlier requests (the suffix store, recycle's
+table) starts each set with none (:func:`draft.protocol.forget_requests`): a set's earlier requests are its own
+earlier prompts, whatever ran before it. Rows go to
 ``OUT/rows.jsonl`` as each set finishes (one per generation, with ``prompt_ids``/``output_ids``, so
 ``python -m pipeline.tools.simulate OUT/rows.jsonl --modes naive draft.sources=...`` replays them under an
 emulation profile); a rerun skips the (configuration, set) pairs already there. ``OUT/summary.csv`` and the
