@@ -269,6 +269,14 @@ class FlowSpec:
             e = self._errors[0]
             raise RuntimeError(f"a stage thread failed: {type(e).__name__}: {e}") from e
 
+    def forget_requests(self) -> None:
+        """Forget what earlier generations taught the drafter (the suffix source's store, recycle's table:
+        :func:`draft.protocol.forget_requests`). Like a server, a :class:`FlowSpec` keeps that memory across calls;
+        call this before comparing modes or settings on the same prompts, or the later calls copy the earlier
+        answers (docs/results.md §89)."""
+        from draft.protocol import forget_requests
+        forget_requests(self.engine.drafter)
+
     def close(self) -> None:
         """End the stage threads (idempotent)."""
         with self._lock:

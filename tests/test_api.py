@@ -106,6 +106,20 @@ def test_chat_messages_and_text(stages):
         assert f.prompt_ids("Hi") == chat_prompt_ids(tok, ["Hi"], [])
 
 
+def test_forget_requests_makes_the_next_call_draft_as_the_first(stages):
+    """A FlowSpec keeps what earlier calls taught the drafter (the suffix store: a repeated prompt copies its
+    earlier answer, fewer steps); after ``forget_requests`` the same prompt drafts as the first call did."""
+    from pipeline.api import FlowSpec
+    with FlowSpec.load(stages, "draft.sources=suffix", "mode=naive", "max_new_tokens=24", template="raw") as f:
+        first = f.generate(PROMPTS[1])
+        again = f.generate(PROMPTS[1])
+        f.forget_requests()
+        fresh = f.generate(PROMPTS[1])
+    assert first.ids == again.ids == fresh.ids == hf_greedy(STORIES, PROMPTS[1], 24, STOP, torch.float32)
+    assert len(again.stats.accept_lengths) < len(first.stats.accept_lengths)     # the store copied the answer
+    assert fresh.stats.accept_lengths == first.stats.accept_lengths
+
+
 def test_accepts_the_run_config_the_command_line_builds(stages):
     from config.run_config import DEFAULT, apply_overrides
     from pipeline.api import FlowSpec
