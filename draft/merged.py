@@ -37,7 +37,7 @@ import torch
 
 from config.run_config import SourceError, parse_sources
 from draft.drafter import BeamTreeDrafter
-from draft.protocol import target_observer, top_tokens
+from draft.protocol import forget_requests, target_observer, top_tokens
 from draft.tree import DraftTree, below_mask, merge_sources
 from model.devices import HOST
 from model.grad import no_grad
@@ -101,7 +101,6 @@ class MergedDrafter(BeamTreeDrafter):
 
     def forget_requests(self) -> None:
         """:func:`draft.protocol.forget_requests` for every source."""
-        from draft.protocol import forget_requests
         for s in self.sources:
             forget_requests(s)
 

@@ -142,13 +142,16 @@ def target_observer(drafter: object):
     false ``observes_target`` (:class:`draft.merged.MergedDrafter` forwards to the sources that define the hook and
     says so when none does); a wrapper's (``inner``: :class:`draft.osd.OnlineDrafter`, the simulator's) is its inner
     drafter's."""
-    if drafter is None:
-        return None
-    hook = getattr(drafter, "observe_target", None)
-    if hook is None:
-        inner = getattr(drafter, "inner", None)
-        return target_observer(inner) if inner is not None else None
-    return hook if getattr(drafter, "observes_target", True) else None
+    owner = hook_owner(drafter, "observe_target")
+    return owner.observe_target if owner is not None and getattr(owner, "observes_target", True) else None
+
+
+def hook_owner(drafter: object, name: str):
+    """The drafter that answers an optional hook ``name``: ``drafter`` itself when it defines it, else a wrapper's
+    (``inner``) inner drafter, recursively; None when none does (or ``drafter`` is None)."""
+    while drafter is not None and getattr(drafter, name, None) is None:
+        drafter = getattr(drafter, "inner", None)
+    return drafter
 
 
 def forget_requests(drafter: object) -> None:
@@ -166,15 +169,9 @@ def forget_requests(drafter: object) -> None:
     Found as the drafter's optional ``forget_requests`` method; a merged drafter forwards to its sources, a
     wrapper (``inner``) to its inner drafter; a drafter without such memory needs nothing. Never called by the
     decode loop or the server."""
-    if drafter is None:
-        return
-    own = getattr(drafter, "forget_requests", None)
-    if own is not None:
-        own()
-        return
-    inner = getattr(drafter, "inner", None)
-    if inner is not None:
-        forget_requests(inner)
+    owner = hook_owner(drafter, "forget_requests")
+    if owner is not None:
+        owner.forget_requests()
 
 
 def can_extend(drafter: object) -> bool:

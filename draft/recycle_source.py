@@ -96,7 +96,6 @@ class RecycleDrafter(TokenHistory):
         before the next one's first commit feeds its own rows)."""
         self.clear_table()
         self._last_feed = None
-        TokenHistory.reset(self)
 
     def reset(self) -> None:
         """A new request (``start``): the committed context and tree entries go; the table stays when ``persist``.

@@ -259,6 +259,7 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
     else:
         stop_ids = eos_ids(gen_cfg, getattr(model.config, "eos_token_id", None))
 
+    from draft.protocol import forget_requests
     from pipeline.outputs import AnswerFile, OutputFileError, drafter_fields, head_identity, provenance, resume_rows
     needs_head = any(m != "ar" for m in modes)
     prov = provenance(cfg, stage_root, head_identity(cfg.model.head_dir, head_choice(cfg, stage_root), needs_head),
@@ -281,7 +282,6 @@ def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) ->
         print(f"[rank 0] mode={','.join(modes)} ({why})", file=sys.stderr, flush=True)
     engine = make_engine(cfg, comm, model, stage_root, modes, stop_ids, dtype, device)
     drafter = engine.drafter
-    from draft.protocol import forget_requests
     stop_text = None
     if cfg.gen.stop_strings():
         if tokenizer is None:

@@ -237,8 +237,8 @@ def test_simulator_reproduces_an_emulated_run(tmp_path):
     modes = ["ar", "naive", "pruned", "pipedec", "continuous"]
     common = [f"model.stage_dir={stages}", "dtype=float64", "max_new_tokens=20", "tree.total_token=24",
               "tree.init_total_token=24", "tree.expand_total_token=16"]
-    args = [*common, "comm.timeout_s=60", f"emu.profile={prof}", f"emu.time_scale={SIM_TIME_SCALE}", "--modes", ",".join(modes),
-            "--output", str(rows_path), "--quiet"]
+    args = [*common, "comm.timeout_s=60", f"emu.profile={prof}", f"emu.time_scale={SIM_TIME_SCALE}",
+            "--modes", ",".join(modes), "--output", str(rows_path), "--quiet"]
     for p in ([1, 5, 9, 13, 22, 7], [1, 40, 41, 42]):
         args += ["--prompt-ids", ",".join(map(str, p))]
     launch(3, args, timeout=400)
@@ -249,7 +249,8 @@ def test_simulator_reproduces_an_emulated_run(tmp_path):
     # raw: ideal transport (what a host fast enough for the profile would measure); calibrated: one per-event
     # overhead of this host's testbed fitted on the ar rows, validated on the four other modes
     out = tmp_path / "sim"
-    assert main([str(rows_path), *common, "--profile", str(prof), "--time-scale", str(SIM_TIME_SCALE), "--out-dir", str(out), "--quiet"]) == 0
+    dilated = ["--profile", str(prof), "--time-scale", str(SIM_TIME_SCALE)]
+    assert main([str(rows_path), *common, *dilated, "--out-dir", str(out), "--quiet"]) == 0
     assert len(read_jsonl(out / "predictions.jsonl")) == len(rows)
     raw = {r["mode"]: r for r in _csv(out / "summary.csv")}
     assert set(raw) == set(modes)
@@ -257,7 +258,7 @@ def test_simulator_reproduces_an_emulated_run(tmp_path):
     assert {r["label"] for r in _csv(out / "tree_stats.csv")} == {f"{m}, 2 stages, T=0" for m in modes if m != "ar"}
     assert "coverage" in (out / "tree_stats.md").read_text()
     out_c = tmp_path / "sim_cal"
-    assert main([str(rows_path), *common, "--profile", str(prof), "--time-scale", str(SIM_TIME_SCALE), "--calibrate", "ar", "--out-dir", str(out_c),
+    assert main([str(rows_path), *common, *dilated, "--calibrate", "ar", "--out-dir", str(out_c),
                  "--quiet"]) == 0
     cal = {r["mode"]: r for r in _csv(out_c / "summary.csv")}
     overhead = read_jsonl(out_c / "predictions.jsonl")[0]["overhead_s"]
