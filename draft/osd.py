@@ -79,7 +79,7 @@ import torch
 import torch.nn.functional as F
 
 from config.run_config import OsdConfig
-from draft.protocol import top_tokens
+from draft.protocol import forget_requests, top_tokens
 
 Tensor = torch.Tensor
 
@@ -696,6 +696,13 @@ class OnlineDrafter:
         self.inner, self.s = inner, settings
         self.lm_head = lm_head
         self.slots = {sl.name: sl for sl in learnable_slots(inner)}
+        self._learn = learn
+        self._fresh()
+
+    def _fresh(self) -> None:
+        """What online learning accumulates, as when built: version 0 = the slots' weights now, an empty replay
+        buffer, no statistics, fresh learners (their threads started unless ``osd.sync``)."""
+        settings, lm_head = self.s, self.lm_head
         self.buffer = ReplayBuffer(settings.buffer_tokens)
         self.lock = threading.Lock()
         self.version = 0                       # the live weights' version
@@ -713,7 +720,7 @@ class OnlineDrafter:
         self._gen_versions: list[int] = []
         self.learners: dict[str, Learner] = {}
         self.states[0] = {name: head_state(sl.module) for name, sl in self.slots.items()}
-        if learn:
+        if self._learn:
             for name, sl in self.slots.items():
                 kind = SmallLMLearner if sl.kind == "ssm" else Learner
                 self.learners[name] = kind(sl.module, lm_head, self.buffer, settings,
@@ -721,6 +728,23 @@ class OnlineDrafter:
             if not settings.sync:
                 for L in self.learners.values():
                     L.start_thread()
+
+    def forget_requests(self) -> None:
+        """:func:`draft.protocol.forget_requests`: back to version 0 (the weights this wrapper was built with), an
+        empty replay buffer, fresh learners and counters; then the inner drafter forgets its own memory.
+
+        Why: online learning is a memory of earlier requests too, held in weights. A run that decodes the same
+        prompts in several modes (``pipeline.run --modes``, ``bench``, ``eval``, ``run_threaded``) would otherwise
+        start each later mode with a head distilled on the earlier modes' answers to those very prompts, and
+        report a τ that no run of that mode alone gets (docs/results.md §89's leak, here in learned weights). The
+        request in progress, if any, is dropped, not filed."""
+        self._rec, self._gen_versions = None, []
+        for L in self.learners.values():
+            L.stop()
+        for name, sl in self.slots.items():
+            load_head_state(sl.module, self.states[0][name])
+        self._fresh()
+        forget_requests(self.inner)
 
     @property
     def learner(self) -> Learner | None:

@@ -156,8 +156,8 @@ def hook_owner(drafter: object, name: str):
 
 def forget_requests(drafter: object) -> None:
     """A fresh measurement: ``drafter`` forgets what earlier requests of this process taught it (the suffix
-    source's store of earlier texts, token recycling's table), so that decoding the same prompts once more drafts
-    what the first decode drafted.
+    source's store of earlier texts, token recycling's table, online learning's distilled weights), so that decoding
+    the same prompts once more drafts what the first decode drafted.
 
     Why: a drafter that remembers earlier requests (issue 45) proposes an earlier *answer* when the same prompt
     comes back. In serving that is the point; in a run that decodes the same prompts again -- every mode of
@@ -167,7 +167,8 @@ def forget_requests(drafter: object) -> None:
     So those loops call this before each mode or replay, and each one sees as earlier requests only its own.
 
     Found as the drafter's optional ``forget_requests`` method; a merged drafter forwards to its sources, a
-    wrapper (``inner``) to its inner drafter; a drafter without such memory needs nothing. Never called by the
+    wrapper (``inner``) to its inner drafter (:class:`draft.osd.OnlineDrafter` forgets its learning, then forwards);
+    a drafter without such memory needs nothing. Never called by the
     decode loop or the server."""
     owner = hook_owner(drafter, "forget_requests")
     if owner is not None:

@@ -166,9 +166,9 @@ def test_rollout_mask_reproduces_the_draft_cache(tiny):
 
 # -- the wrapper: double buffer, swap points, rollback, learner, save ----------------------------------------------
 
-def _online(cfg, lm_head, learn: bool = True, scale=20.0, **kw) -> OnlineDrafter:
+def _online(cfg, lm_head, learn: bool = True, scale=20.0, cls=OnlineDrafter, **kw) -> OnlineDrafter:
     s = OsdSettings(**{"sync": True, "update_interval": 1, "teacher_topk": 8, "batch_tokens": 64, **kw})
-    return OnlineDrafter(Drafter(_head(cfg, scale=scale), lm_head, 256), lm_head, s, learn=learn)
+    return cls(Drafter(_head(cfg, scale=scale), lm_head, 256), lm_head, s, learn=learn)
 
 
 def _fake_request(od: OnlineDrafter, cfg, seed: int, n_prompt=6, commits=(2, 3, 1, 2)):
@@ -296,6 +296,52 @@ def test_sync_learner_publishes_and_saved_head_loads(tiny, tmp_path):
     od.close()
 
 
+def _learning_run(od, cfg) -> tuple:
+    """What a stream of requests teaches ``od``: the version that drafts the next request, the learner's losses and
+    decisions, and the live weights."""
+    _bigram_requests(od, cfg, 6, seed=4)
+    od.start([1, 2, 3], 4, torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(1), dtype=D))
+    return od.version, [(e["loss"], e["reason"]) for e in od.learner.log], head_state(od.head)
+
+
+def test_forget_requests_learns_as_a_fresh_wrapper(tiny):
+    """``draft.protocol.forget_requests`` on an OnlineDrafter (what every mode of a run calls first): version 0's
+    weights back, an empty buffer, fresh learners and counters, so the same requests teach exactly what they teach
+    a wrapper that never saw the earlier ones. Planted forgets fail: one that only reloads the weights (the buffer
+    and the learner's optimizer carry on), and none at all."""
+    from draft.protocol import forget_requests
+    _, cfg, lm_head = tiny
+    kw = dict(scale=1.0, lr=2e-2, steps=5, update_interval=20, batch_tokens=200)
+    version, log, weights = _learning_run(_online(cfg, lm_head, **kw), cfg)
+    assert version >= 1 and log
+
+    def same(got) -> bool:
+        return got[0] == version and got[1] == log and all(torch.equal(got[2][k], weights[k]) for k in weights)
+    od = _online(cfg, lm_head, **kw)
+    w0 = head_state(od.head)
+    assert same(_learning_run(od, cfg))
+    forget_requests(SimpleNamespace(inner=od))                          # found through a wrapper too
+    assert od.version == 0 and all(torch.equal(head_state(od.head)[k], w0[k]) for k in w0)
+    osd = od.row_fields()["osd"]
+    assert od.buffer.entries == 0 and osd["updates"] == 0 and osd["swaps"] == 0 and osd["requests_seen"] == 0
+    assert same(_learning_run(od, cfg))
+    od.close()
+
+    class WeightsOnly(OnlineDrafter):
+        def forget_requests(self):                     # planted: the weights go back, the learning state stays
+            from draft.osd import load_head_state
+            for name, sl in self.slots.items():
+                load_head_state(sl.module, self.states[0][name])
+            self.version = 0
+    for planted in (WeightsOnly, None):
+        od = _online(cfg, lm_head, cls=planted or OnlineDrafter, **kw)
+        _learning_run(od, cfg)
+        if planted is not None:
+            forget_requests(od)
+        assert not same(_learning_run(od, cfg)), planted
+        od.close()
+
+
 def test_osd_config_keys_are_validated():
     cfg = apply_overrides(DEFAULT, ["osd.enabled=true", "loss=jsd", "sample_source=mix_request", "osd.lr=1e-3"])
     assert cfg.osd.enabled and cfg.osd.loss == "jsd" and cfg.osd.lr == 1e-3
@@ -359,6 +405,8 @@ def test_greedy_output_equals_hf_while_the_head_changes(tiny, tmp_path, monkeypa
         ChaosPublisher(od, 0)
         return od
     monkeypatch.setattr(tr, "make_drafter", make)
+    swaps = []                                   # each mode learns afresh (forget_requests): count every mode's swaps
+    monkeypatch.setattr(tr, "forget_requests", lambda d: (swaps.append(d.swaps), d.forget_requests()))
     prompts = [[1, 5, 9, 13, 22, 7], [1, 30, 31, 32, 33, 34, 35, 36], [1, 5, 9, 13, 22, 8]]
     over = ["max_new_tokens=12", "dtype=float64", "draft.sources=eagle", "osd.enabled=true", "osd.sync=true",
             f"osd.swap_at={swap_at}",
@@ -366,11 +414,38 @@ def test_greedy_output_equals_hf_while_the_head_changes(tiny, tmp_path, monkeypa
             "tree.total_token=12", "tree.init_total_token=12", "tree.expand_total_token=8"]
     res = tr.run_threaded(stages, prompts, ["naive", "continuous"], over, {2})
     od = made[0]
-    assert od.swaps >= (10 if swap_at == "commit" else 2), od.swaps
+    assert len(swaps) == 2 and sum(swaps) + od.swaps >= (10 if swap_at == "commit" else 2), (swaps, od.swaps)
     for mode, gens in res.items():
         for p, g in zip(prompts, gens):
             assert g.output_ids == hf_greedy(full, p, 12, {2}, D), (mode, p)
     od.close()
+
+
+def test_each_mode_of_a_run_learns_as_if_alone(tiny, tmp_path, monkeypatch):
+    """``run_threaded`` (as ``pipeline.run --modes``) decodes the same prompts in every mode: ``naive`` after
+    ``pruned`` learns exactly what ``naive`` alone learns (the inline learner's losses and decisions); with the
+    forgetting removed (planted) its learner trains on ``pruned``'s answers too, and learns something else."""
+    from model.split import split_checkpoint
+    import pipeline.inprocess as tr
+    from pipeline.build import make_drafter as real_make
+    full, _, _ = tiny
+    stages = split_checkpoint(full, tmp_path / "stages", [0, 1, 1], progress=False)
+    made = []
+    monkeypatch.setattr(tr, "make_drafter", lambda *a: made.append(real_make(*a)) or made[-1])
+    prompts = [[1, 5, 9, 13, 22, 7], [1, 30, 31, 32, 33, 34, 35, 36], [1, 5, 9, 13, 22, 8]]
+    over = ["max_new_tokens=12", "dtype=float64", "draft.sources=eagle", "osd.enabled=true", "osd.sync=true",
+            "osd.update_interval=4", "osd.steps=1", "osd.teacher_topk=8", "osd.holdout=1", "tree.total_token=12"]
+
+    def naive_learns(modes) -> list:
+        tr.run_threaded(stages, prompts, modes, over, {2})
+        od = made[-1]
+        od.close()
+        return [(e["loss"], e["reason"]) for e in od.learner.log]
+    alone = naive_learns(["naive"])
+    assert alone
+    assert naive_learns(["pruned", "naive"]) == alone
+    monkeypatch.setattr(tr, "forget_requests", lambda d: None)
+    assert naive_learns(["pruned", "naive"]) != alone
 
 
 def test_osd_report_writes_png_csv_and_rejects_bad_input(tmp_path, capsys):
