@@ -131,6 +131,13 @@ class MergedDrafter(BeamTreeDrafter):
         (:meth:`tree_inputs`) for :meth:`extend_tree`. A source with ``grow_tree_with_outputs`` (the EAGLE-2
         search) also hands over the draft outputs its search computed, so its slice of the inputs costs no
         forward wherever its own tree reached."""
+        tree, inputs = self.grow_tree_deferred(root_token, root_hidden, total_token, depth, top_k)
+        return tree, inputs()
+
+    @no_grad
+    def grow_tree_deferred(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int):
+        """:func:`draft.protocol.grow_tree_deferred`: the merged tree now, :meth:`tree_inputs` when asked (the
+        sources' states that no search computed cost a forward per level: after the first send)."""
         trees, searched = [], []
         for s, h in zip(self.sources, self._split(root_hidden)):
             if hasattr(s, "grow_tree_with_outputs"):
@@ -141,7 +148,7 @@ class MergedDrafter(BeamTreeDrafter):
                 searched.append(None)
             trees.append(t)
         tree = merge_sources([scale_scores(t, c) for t, c in zip(trees, self.score_scales)], total_token)
-        return tree, self.tree_inputs(tree, root_hidden, searched)
+        return tree, no_grad(functools.partial(self.tree_inputs, tree, root_hidden, searched))
 
     @no_grad
     def tree_inputs(self, tree: DraftTree, root_hidden: Tensor, searched: list | None = None) -> Tensor:

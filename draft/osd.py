@@ -79,7 +79,7 @@ import torch
 import torch.nn.functional as F
 
 from config.run_config import OsdConfig
-from draft.protocol import forget_requests, top_tokens
+from draft.protocol import forget_requests, grow_tree_deferred, top_tokens
 
 Tensor = torch.Tensor
 
@@ -782,6 +782,9 @@ class OnlineDrafter:
 
     def grow_tree_with_inputs(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int):
         return self.inner.grow_tree_with_inputs(root_token, root_hidden, total_token, depth, top_k)
+
+    def grow_tree_deferred(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int):
+        return grow_tree_deferred(self.inner, root_token, root_hidden, total_token, depth, top_k)
 
     def extend_tree(self, tree, inputs: Tensor, root_hidden: Tensor, levels: int, top_k: int, max_new: int):
         return self.inner.extend_tree(tree, inputs, root_hidden, levels, top_k, max_new)

@@ -88,6 +88,25 @@ class ExtendableTreeDrafter(TreeDrafter, Protocol):
         existing indices unchanged); returns the tree and its per-node input features."""
 
 
+def grow_tree_deferred(drafter: object, root_token: int, root_hidden: Tensor, total_token: int, depth: int,
+                       top_k: int):
+    """``grow_tree_with_inputs`` in two halves: ``(tree, inputs)`` where ``inputs()`` gives the per-node input
+    features that ``grow_tree_with_inputs`` would have returned with the same tree, bitwise.
+
+    Why (issue 41, rank 0's turnaround): a round's first segment needs the tree alone, and the inputs can cost
+    model calls of their own. A merged drafter computes, for a node that only another source proposed, the states
+    a source lacks, one head forward per tree level (:meth:`draft.merged.MergedDrafter.tree_inputs`); a suffix
+    chain copied 12 deep costs 11 forwards there. :meth:`pipeline.modes.flowspec.ContinuousMode.first_tree` sends
+    the tree first and asks for its inputs after the send. The drafter's own ``grow_tree_deferred`` where it has
+    one (a wrapper's forwards to its inner drafter), else both halves at once. Between the halves the caller
+    makes no other call on the drafter: the second half feeds the sources on top of the state the first left."""
+    own = getattr(drafter, "grow_tree_deferred", None)
+    if own is not None:
+        return own(root_token, root_hidden, total_token, depth, top_k)
+    tree, inputs = drafter.grow_tree_with_inputs(root_token, root_hidden, total_token, depth, top_k)
+    return tree, lambda: inputs
+
+
 def meter_sites(drafter: object) -> list:
     """Every object of ``drafter`` whose ``meter`` attribute meters model work (:class:`model.meter.OpMeter`): the
     drafter itself (its ``logprobs`` as ``lm_head`` ops, a small LM's ``ssm_forward`` ops) and its draft head when it

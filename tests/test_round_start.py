@@ -14,7 +14,11 @@ buffers at the round's capacity (``ContinuousMode.take_lazy``).
   planted bugs (no depth check, the root's row left out) fail that check;
 * counted: the tree-only call dispatches fewer operators than the tree with its inputs and buffers;
 * in the decode loop the one-level first tree is sent before its inputs are taken, and the greedy output is the
-  two-level start's (``first_levels=2``); stories260K through every mode equals HF with ``first_levels`` 1 and 2.
+  two-level start's (``first_levels=2``); stories260K through every mode equals HF with ``first_levels`` 1 and 2;
+* a quick tree of two levels is sent before its inputs too where the drafter defers them
+  (``draft.protocol.grow_tree_deferred``): a merged drafter gives the same tree and, when asked after the send,
+  the same inputs bitwise, and the head forwards that feed the states no source's search computed (a suffix
+  chain below the head's depth: one per level) run only then.
   The exact law with ``first_levels=1`` is in tests/test_sampling.py (its ``EXACT_CASES`` entry with the key).
 """
 from __future__ import annotations
@@ -144,7 +148,7 @@ def test_the_tree_only_call_dispatches_fewer_operators():
     assert counts[True] + 10 <= counts[False], counts
 
 
-def _round_start_events(first_levels: int):
+def _round_start_events(first_levels: int, drafter_cls=None):
     """The real ContinuousMode (greedy, a world whose rounds truncate): after each TRUNCATE decision, which comes
     first, the next ring send or the first tree's inputs (``take_lazy``, or the eager ``grow_tree_with_inputs``)."""
     from tests.test_turnaround_off_chain import _events_after_truncate, wrap
@@ -153,12 +157,61 @@ def _round_start_events(first_levels: int):
         wrap(drafter, "grow_tree_with_inputs", record, "inputs")
         wrap(run.cont, "take_lazy", record, "inputs")
         return ("inputs",)
-    return _events_after_truncate({"tree.first_levels": first_levels}, watch)
+    return _events_after_truncate({"tree.first_levels": first_levels}, watch, drafter_cls)
 
 
-def test_a_one_level_first_tree_is_sent_before_its_inputs():
+def _deferring():
+    """``tests.test_sampling.MarkovDrafter`` with ``grow_tree_deferred``: the tree now, its inputs (through the
+    recorded ``grow_tree_with_inputs``) when asked."""
+    from tests.test_sampling import MarkovDrafter
+
+    class Deferring(MarkovDrafter):
+        def grow_tree_deferred(self, root_token, root_hidden, total_token, depth, top_k):
+            tree = self.grow_tree(root_token, root_hidden, total_token, depth, top_k)
+            return tree, lambda: self.grow_tree_with_inputs(root_token, root_hidden, total_token, depth, top_k)[1]
+    return Deferring
+
+
+def test_a_quick_first_tree_is_sent_before_its_inputs():
+    """One level: always (``take_lazy``). Two levels (the default): where the drafter defers its inputs
+    (``draft.protocol.grow_tree_deferred``: a merged drafter does), else both halves at once, before the send (a
+    drafter without the method: the seam's fallback); the same output every way."""
     one, out_one = _round_start_events(1)
     two, out_two = _round_start_events(2)
-    assert out_one == out_two
+    deferred, out_deferred = _round_start_events(2, _deferring())
+    assert out_one == out_two == out_deferred
     assert one and set(one) == {"send"}, one
     assert set(two) == {"inputs"}, two
+    assert deferred and set(deferred) == {"send"}, deferred
+
+
+def _chain_merged():
+    """EAGLE merged with suffix retrieval that copies past the head's depth (the quick tree holds nodes the head
+    never proposed, below other such nodes: their EAGLE states need a forward per level)."""
+    from draft.merged import MergedDrafter
+    from draft.suffix import SuffixDrafter
+    from tests.test_fuse_commit import V_TINY
+    d, g = _committed()
+    suf = SuffixDrafter(V_TINY, max_depth=4)
+    suf.start([1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2], 3, None)
+    m = MergedDrafter([d, suf], ["eagle", "suffix"])
+    m.widths = [16, int(suf.state([]).shape[-1])]
+    return m, d, m.commit(torch.tensor([5, 7]), torch.randn(2, 16, generator=g, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_a_merged_drafter_defers_its_inputs_forwards(depth):
+    """``MergedDrafter.grow_tree_deferred``: the same tree as ``grow_tree_with_inputs`` and, when asked, the same
+    inputs bitwise; the head forwards that feed the states no search computed run in the second half only."""
+    from draft.protocol import grow_tree_deferred
+    m, eagle, root = _chain_merged()
+    eager_tree, eager = m.grow_tree_with_inputs(3, root, 9, depth, 3)
+    m, eagle, root = _chain_merged()
+    calls = []
+    forward = eagle.tree_forward
+    eagle.tree_forward = lambda *a: calls.append(a[0].numel()) or forward(*a)
+    tree, inputs = grow_tree_deferred(m, 3, root, 9, depth, 3)
+    searched = len(calls)
+    got = inputs()
+    assert _same_tree(tree, eager_tree) and got.dtype == eager.dtype and torch.equal(got, eager)
+    assert int(tree.depths.max()) > depth + 1 and len(calls) > searched, (calls, searched)   # fed: after

@@ -169,15 +169,16 @@ def test_the_first_send_of_a_step_precedes_its_forwards():
     assert plain.count("send") < early.count("send"), (plain, early)
 
 
-def _events_after_truncate(over: dict, watch) -> tuple[list[str], list]:
+def _events_after_truncate(over: dict, watch, drafter_cls=None) -> tuple[list[str], list]:
     """Run the real ContinuousMode once (greedy, a world whose rounds truncate, run keys ``over``) and record, after
     each TRUNCATE decision, which comes first: the next ring send or a call ``watch`` wraps. ``watch(run, drafter,
-    record)`` wraps that call so that it runs ``record(name)`` first and returns the names it records."""
+    record)`` wraps that call so that it runs ``record(name)`` first and returns the names it records. The drafter:
+    ``drafter_cls`` (default ``tests.test_sampling.MarkovDrafter``) on the world's draft table."""
     from pipeline.messages import Status
     from pipeline.verify import Sampler
     from tests.test_sampling import MarkovDrafter, make_runner, make_world
     tables = make_world(11, "random", 1.5)
-    drafter = MarkovDrafter(tables[1])
+    drafter = (drafter_cls or MarkovDrafter)(tables[1])
     run = make_runner("continuous", 3, tables, Sampler(), 12, over, drafter=drafter)
     events = []
     ring = run.ring

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from config.profiles import load_profile
-from draft.protocol import can_extend
+from draft.protocol import can_extend, grow_tree_deferred
 from draft.tree import DraftTree, keep_indices_for, merge_trees, split_sizes
 from model.devices import HOST
 from pipeline.budget import (AcceptanceStats, StepCosts, affordable_levels, choose_segment_size, lookahead_levels,
@@ -318,7 +318,7 @@ class ContinuousMode(StreamingMode):
         ``first_levels`` draft steps instead of ``init_depth + 1``; :meth:`finish_first_tree` grows the rest
         while it travels, and the rest fills the other links."""
         t = engine.cfg.tree
-        self.lazy = False
+        self.lazy, self.pending = False, None
         if not self.incremental(engine):
             self.inputs = None
             return super().first_tree(engine, root, root_hidden)
@@ -334,23 +334,30 @@ class ContinuousMode(StreamingMode):
                 tree = engine.drafter.grow_tree(root, root_hidden, total, depth, t.init_topk)
             self.inputs, self.lazy = None, True
             return tree
+        if quick:         # sent first: its inputs (take_lazy) and its buffers at the round's capacity after the send
+            with engine.tracer.span("draft"):
+                tree, self.pending = grow_tree_deferred(engine.drafter, root, root_hidden, total, depth, t.init_topk)
+            self.inputs, self.lazy = None, True
+            return tree
         with engine.tracer.span("draft"):
             tree, self.inputs = engine.drafter.grow_tree_with_inputs(root, root_hidden, total, depth, t.init_topk)
-        # a quick tree is sent first: its buffers at the round's capacity after the send (finish_first_tree)
-        return tree if quick else tree.with_capacity(self.capacity(t))
+        return tree.with_capacity(self.capacity(t))
 
     @staticmethod
     def quick_total(t) -> int:
         """Nodes of a quick-started first tree (``t``: the ``tree`` run keys): one segment's worth and the root."""
         return min(t.init_total_token, t.subseq_token + 1)
 
-    # issue 41, the round start: true while a quick first tree of one level, drafted by ``grow_tree`` (no inputs),
-    # waits for :meth:`take_lazy` to give it its inputs after the first send
+    # issue 41, the round start: true while a quick first tree, drafted without its inputs (one level: by
+    # ``grow_tree``; more: by ``grow_tree_deferred``), waits for :meth:`take_lazy` to give them after the first send
     lazy: bool = False
+    # a deeper quick tree's inputs, asked for after the send (draft.protocol.grow_tree_deferred)
+    pending = None
 
     def take_lazy(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor) -> None:
-        """A one-level quick first tree's inputs (:meth:`first_tree`), after its send: ``self.inputs``, exactly what
-        ``grow_tree_with_inputs`` gives with the tree.
+        """A quick first tree's inputs (:meth:`first_tree`), after its send: ``self.inputs``, exactly what
+        ``grow_tree_with_inputs`` gives with the tree. A tree of two levels or more calls the second half that
+        :func:`draft.protocol.grow_tree_deferred` left (``self.pending``); a one-level tree's inputs are below.
 
         Why: on rank 0's turnaround at a round start (a truncation's result in hand -> the new tree's send) nothing
         of the inputs is needed; the send needs the tree alone. A node's input is its parent's draft output, so in a
@@ -360,6 +367,11 @@ class ContinuousMode(StreamingMode):
         tests/test_round_start.py) is asked for again with ``grow_tree_with_inputs``, which must draft the same tree
         (deterministic drafts: ``incremental``)."""
         self.lazy = False
+        if self.pending is not None:              # a quick tree of two levels or more: its deferred inputs
+            pending, self.pending = self.pending, None
+            with engine.tracer.span("draft"):
+                self.inputs = pending()
+            return
         self.inputs = root_children_inputs(tree.host_numpy()[1], root_hidden)
         if self.inputs is None:                   # a node below a root's child: the general inputs
             t = engine.cfg.tree

@@ -10,7 +10,9 @@ own stage root, head and drafter (``key=value`` overrides as for ``pipeline.run`
 * ``draft head forward``: one EAGLE head forward over a 10-row tree level;
 * ``first tree``, ``finish first tree``, ``expand``, ``commit``: what ``continuous`` runs at a round start (the
   quick first ``tree.first_levels`` levels, then the rest of the ``tree.init_depth`` levels), after each verified
-  step (``tree.expand_levels`` levels) and per commit of 3 accepted tokens.
+  step (``tree.expand_levels`` levels) and per commit of 3 accepted tokens. ``first tree before its inputs``: the
+  part of the first tree that a round start runs before its send (``draft.protocol.grow_tree_deferred``'s first
+  half; the inputs follow the send).
 
 Each call runs ``--repeat`` times per block with the lean layers off, then on (``model.lean_layers``,
 :mod:`model.lean_layer`), for ``--blocks`` alternating blocks (load drift hits both alike); the table gives the
@@ -102,6 +104,9 @@ def _calls(args, cfg, stage_root: Path):
     t = cfg.tree
     first = (lambda: drafter.grow_tree_with_inputs(5, root_hidden, min(t.init_total_token, t.subseq_token + 1),
                                                    max(t.first_levels - 1, 0), t.init_topk))
+    from draft.protocol import grow_tree_deferred
+    sent = (lambda: grow_tree_deferred(drafter, 5, root_hidden, min(t.init_total_token, t.subseq_token + 1),
+                                       max(t.first_levels - 1, 0), t.init_topk)[0])   # what a round start sends
     from draft.tree import DraftTree
     from pipeline.modes.flowspec import ContinuousMode
     cap = ContinuousMode.capacity(t)     # the round's tree buffers, as continuous preallocates them
@@ -148,6 +153,7 @@ def _calls(args, cfg, stage_root: Path):
         calls.append(("draft head forward, 10 rows", head_forward, None, 0))
     rest = t.init_depth + 1 - max(t.first_levels, 1)
     calls += [(f"first tree ({t.first_levels} levels)", first, None, t.first_levels),
+              (f"first tree before its inputs ({t.first_levels} levels)", sent, None, t.first_levels),
               (f"finish first tree ({rest} levels)", finish, own_buffers, rest),
               (f"expand ({t.expand_levels} levels)", expand, own_buffers, t.expand_levels),
               ("commit 3 tokens", commit, restart, 0),

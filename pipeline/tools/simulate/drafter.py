@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from draft.protocol import top_tokens
+from draft.protocol import grow_tree_deferred, top_tokens
 from draft.tree import DraftTree
 from model.meter import vocab_share
 from pipeline.tools.simulate.oplog import OpLog
@@ -81,6 +81,9 @@ class ReplayDrafter:
     def grow_tree_with_inputs(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int,
                               top_k: int) -> tuple[DraftTree, Tensor]:
         return self.inner.grow_tree_with_inputs(root_token, root_hidden, total_token, depth, top_k)
+
+    def grow_tree_deferred(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int):
+        return grow_tree_deferred(self.inner, root_token, root_hidden, total_token, depth, top_k)
 
     def extend_tree(self, tree: DraftTree, inputs: Tensor, root_hidden: Tensor, levels: int, top_k: int,
                     max_new: int) -> tuple[DraftTree, Tensor]:
