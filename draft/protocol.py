@@ -187,8 +187,7 @@ def forget_requests(drafter: object) -> None:
 
     Found as the drafter's optional ``forget_requests`` method; a merged drafter forwards to its sources, a
     wrapper (``inner``) to its inner drafter (:class:`draft.osd.OnlineDrafter` forgets its learning, then forwards);
-    a drafter without such memory needs nothing. Never called by the
-    decode loop or the server."""
+    a drafter without such memory needs nothing. Never called by the decode loop or the server."""
     owner = hook_owner(drafter, "forget_requests")
     if owner is not None:
         owner.forget_requests()
