@@ -33,8 +33,11 @@ pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason="needs ../shared/mo
 # search's candidates in one packed copy, select_top_nodes' NumPy core shared with lookup's trie, the deterministic
 # merge, lookup's slice of the merged inputs in one feed and one gather): first tree 153 (77, 1); commit 44 (9, 0:
 # its mask and positions views of shared tables).
+# The round start's inputs after its send (docs/results.md §91: draft.protocol.grow_tree_deferred): what the round
+# start runs before the send, "first tree before its inputs", 81 (40, 1).
 OP_BOUNDS = {"draft head forward": {"ops": 44, "model_ops": 36, "syncs": 0},
              "first tree": {"ops": 158, "bookkeeping_ops": 80, "syncs": 1},
+             "first tree before its inputs": {"ops": 84, "bookkeeping_ops": 42, "syncs": 1},
              "finish first tree": {"ops": 309, "bookkeeping_ops": 118, "syncs": 5},
              "expand": {"ops": 133, "bookkeeping_ops": 57, "syncs": 2},
              "commit": {"ops": 45, "bookkeeping_ops": 9, "syncs": 0},
@@ -174,3 +177,22 @@ def test_layerbench_compares_graph_executors_side_by_side(tmp_path, capsys):
     assert head["eager"]["ops"] > head["off"]["ops"] and head["eager"]["syncs"] == head["off"]["syncs"] == 0
     with pytest.raises(SystemExit):
         lb.parse_args(["--graphs", "off,off"])
+
+
+def test_inputs_before_the_send_break_the_round_starts_bound(bench, monkeypatch):
+    """The bound of what a round start runs before its send holds only with the merged drafter's inputs deferred
+    past the send (docs/results.md §91): computing them in the first half (a regression to
+    ``grow_tree_with_inputs``' order) breaks it."""
+    from draft.merged import MergedDrafter
+    lb, calls, blocks, device = bench
+    real = MergedDrafter.grow_tree_deferred
+
+    def eager(self, *a):
+        tree, inputs = real(self, *a)
+        got = inputs()
+        return tree, lambda: got
+    call = [c for c in calls if c[0].startswith("first tree before its inputs")]
+    assert call and over_bounds(lb.count(call, blocks, device)) == []
+    monkeypatch.setattr(MergedDrafter, "grow_tree_deferred", eager)
+    bad = over_bounds(lb.count(call, blocks, device))
+    assert any(b.startswith("first tree before its inputs") and "ops" in b for b in bad), bad
