@@ -148,7 +148,7 @@ class MergedDrafter(BeamTreeDrafter):
                 searched.append(None)
             trees.append(t)
         tree = merge_sources([scale_scores(t, c) for t, c in zip(trees, self.score_scales)], total_token)
-        return tree, no_grad(functools.partial(self.tree_inputs, tree, root_hidden, searched))
+        return tree, functools.partial(self.tree_inputs, tree, root_hidden, searched)     # (itself no_grad)
 
     @no_grad
     def tree_inputs(self, tree: DraftTree, root_hidden: Tensor, searched: list | None = None) -> Tensor:

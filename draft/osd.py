@@ -737,8 +737,7 @@ class OnlineDrafter:
         prompts in several modes (``pipeline.run --modes``, ``bench``, ``eval``, ``run_threaded``) would otherwise
         start each later mode with a head distilled on the earlier modes' answers to those very prompts, and
         report a τ that no run of that mode alone gets (docs/results.md §89's leak, here in learned weights). The
-        request in progress, if any, is dropped, not filed."""
-        self._rec, self._gen_versions = None, []
+        request in progress, if any, is dropped, not filed (``_fresh`` clears it)."""
         for L in self.learners.values():
             L.stop()
         for name, sl in self.slots.items():

@@ -270,8 +270,8 @@ class FlowSpec:
             raise RuntimeError(f"a stage thread failed: {type(e).__name__}: {e}") from e
 
     def forget_requests(self) -> None:
-        """Forget what earlier generations taught the drafter (the suffix source's store, recycle's table:
-        :func:`draft.protocol.forget_requests`). Like a server, a :class:`FlowSpec` keeps that memory across calls;
+        """Forget what earlier generations taught the drafter (the suffix source's store, recycle's table, online
+        learning's weights: :func:`draft.protocol.forget_requests`). Like a server, a :class:`FlowSpec` keeps that memory across calls;
         call this before comparing modes or settings on the same prompts, or the later calls copy the earlier
         answers (docs/results.md §89)."""
         from draft.protocol import forget_requests

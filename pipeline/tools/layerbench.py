@@ -89,6 +89,7 @@ def _calls(args, cfg, stage_root: Path):
     (a commit appends to every source's context), preceded by an untimed ``setup`` that restores them."""
     import torch
 
+    from draft.protocol import grow_tree_deferred
     from pipeline.build import make_static_stage
     stage, rank0, drafter, cache, g, dtype, dev = load_stage(args, cfg, stage_root, LayerBenchError, max(args.rows) + 8)
     hidden = rank0.config.hidden_size
@@ -104,7 +105,6 @@ def _calls(args, cfg, stage_root: Path):
     t = cfg.tree
     first = (lambda: drafter.grow_tree_with_inputs(5, root_hidden, min(t.init_total_token, t.subseq_token + 1),
                                                    max(t.first_levels - 1, 0), t.init_topk))
-    from draft.protocol import grow_tree_deferred
     sent = (lambda: grow_tree_deferred(drafter, 5, root_hidden, min(t.init_total_token, t.subseq_token + 1),
                                        max(t.first_levels - 1, 0), t.init_topk)[0])   # what a round start sends
     from draft.tree import DraftTree
