@@ -81,17 +81,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 _check_only: str = ""  # set by check_args (the launcher's tag): _main stops before torch and the process group
 
 
-def check_args(argv: list[str], world: int, tag: str = "[launch]") -> int:
+def check_args(argv: list[str], world: int, tag: str = "[launch]", prompts_file: bool = True) -> int:
     """Every rank's shared checks (arguments, config values, modes, prompts, stage root against ``world``),
     run once by :mod:`pipeline.tools.launch` before any rank starts, so the reason cannot be lost in a race
-    between ranks: prints one ``<tag> error: ...`` line and returns 2, or returns 0. No torch import."""
-    global _check_only
+    between ranks: prints one ``<tag> error: ...`` line and returns 2, or returns 0. No torch import.
+    ``prompts_file``: also read ``--prompts-file`` (:func:`read_records`); a launcher of another node than rank 0's
+    passes False (rank 0 alone reads it, and that node may not have the file)."""
+    global _check_only, _check_prompts
     os.environ["WORLD_SIZE"] = str(world)
-    _check_only = tag
+    _check_only, _check_prompts = tag, prompts_file
     try:
         return _main(list(argv))
     finally:
-        _check_only = ""
+        _check_only, _check_prompts = "", True
+
+
+_check_prompts = True
+
+
+def read_records(args) -> list[dict]:
+    """The records this run asks (:func:`model.prompts.prompt_records`), each with at least one non-empty turn; a
+    missing or malformed prompts file, an empty range or an empty turn is a :class:`model.prompts.PromptError`.
+    Read by rank 0, and once before any rank starts (:func:`check_args`): a bad file is one line, not a rank's
+    error relayed by every peer."""
+    from model.prompts import PromptError, prompt_records
+    records = prompt_records(args.prompt_ids, args.prompts_file, args.begin, args.end,
+                             args.prompt or ["Explain in two sentences why the sky is blue."])
+    if not records:
+        raise PromptError(f"no prompts: {args.prompts_file} has no records in [{args.begin}, {args.end})")
+    for rec in records:
+        for t in rec["turns"]:
+            if not t or (isinstance(t, str) and not t.strip()):
+                raise PromptError(f"prompt {rec.get('question_id')} has an empty turn")
+    return records
 
 
 def main(argv: list[str] | None = None, rank0=None) -> int:
@@ -181,6 +203,12 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
     if (tp_error := check_tp_modes(manifest, modes, cfg)) is not None:
         return fail(tp_error)
     if _check_only:  # pipeline.tools.launch checking the arguments once, before any rank starts
+        if _check_prompts and args.prompts_file:
+            from model.prompts import PromptError
+            try:
+                read_records(args)
+            except PromptError as e:
+                return fail(str(e))
         return 0
 
     import torch
@@ -235,21 +263,14 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
 
 
 def run_rank0(args, cfg, modes, comm, model, stage_root: Path, dtype, device) -> int:
-    from model.prompts import PromptError, chat_prompt_ids, eos_ids, prompt_records, stop_token_ids
+    from model.prompts import PromptError, chat_prompt_ids, eos_ids, stop_token_ids
     from pipeline.engine import GenSettings, prompt_fit_error, timed_generation
     from pipeline.modes import new_decoder
 
     try:  # prompts first: a bad prompt fails before tokenizer and draft head load
-        records = prompt_records(args.prompt_ids, args.prompts_file, args.begin, args.end,
-                                 args.prompt or ["Explain in two sentences why the sky is blue."])
+        records = read_records(args)
     except PromptError as e:
         raise SetupError(str(e)) from None
-    if not records:
-        raise SetupError(f"no prompts: {args.prompts_file} has no records in [{args.begin}, {args.end})")
-    for rec in records:
-        for t in rec["turns"]:
-            if not t or (isinstance(t, str) and not t.strip()):
-                raise SetupError(f"prompt {rec.get('question_id')} has an empty turn")
 
     gen_cfg = generation_config(stage_root)
     tokenizer = None

@@ -56,11 +56,15 @@ def test_fault_through_launcher(name, work):
     (["comm.timeout_s=nan"], {}, "comm.timeout_s=nan must be a finite number"),
     (["comm.heartbeat_s=0"], {}, "heartbeat_s=0.0 must be > 0"),
     (["--prompt-ids", "1,2"], {"NPROC": "4"}, "the world size is 4"),
+    (["--prompts-file", "/no/such/q.jsonl"], {}, "prompts file /no/such/q.jsonl does not exist"),
+    (["--prompts-file", "PROMPTS", "--begin", "5"], {}, "has no records in [5, None)"),
 ])
 def test_bad_input_one_line_before_any_rank(args, env, needle, tmp_path):
     """Shared argument errors: one line from the launcher, exit 2, no rank started (nothing can race it)."""
     from scripts.fault_matrix import make_stages
     stages = make_stages(tmp_path, 3)
+    (tmp_path / "q.jsonl").write_text('{"question_id": 1, "turns": ["hi"]}\n')
+    args = [str(tmp_path / "q.jsonl") if a == "PROMPTS" else a for a in args]
     res = subprocess.run(["./run_pipe.sh", f"model.stage_dir={stages}", *args], cwd=REPO, capture_output=True,
                          text=True, timeout=120, env=dict(os.environ, **env))
     lines = [l for l in res.stderr.splitlines() if l.strip() and "Requirement already" not in l]

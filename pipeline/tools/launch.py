@@ -535,7 +535,8 @@ class Launcher:
         return code
 
 
-def read_timeouts(module: str, args: list[str], world: int, tag: str) -> tuple[float, float, float]:
+def read_timeouts(module: str, args: list[str], world: int, tag: str,
+                  node_rank: int = 0) -> tuple[float, float, float]:
     """``(comm.timeout_s, comm.heartbeat_s, stop grace s)`` of a ``pipeline.run`` or ``pipeline.serve`` command
     line, whose arguments are checked here, once, before any rank starts (:func:`pipeline.run.check_args`
     prints the reason; a bad server flag is one line, never each rank's usage text). The stop grace is the
@@ -552,7 +553,7 @@ def read_timeouts(module: str, args: list[str], world: int, tag: str) -> tuple[f
     if module != "pipeline.run":
         return 30.0, 0.5, 0.0
     from pipeline.run import check_args, parse_args
-    code = check_args(args, world, tag)
+    code = check_args(args, world, tag, prompts_file=node_rank == 0)   # rank 0's node reads the prompts
     if code:
         raise LaunchError("", code)
     from config.run_config import DEFAULT, apply_overrides
@@ -582,7 +583,8 @@ def main(argv: list[str] | None = None) -> int:
         tag = "[launch]" if o["nnodes"] == 1 else f"[launch node {o['node_rank']}]"
         if {"-h", "--help", "--print-config"} & set(args):  # nothing to launch: the module answers itself
             os.execv(sys.executable, [sys.executable, *([module] if is_script(module) else ["-m", module]), *args])
-        timeout_s, heartbeat_s, stop_grace = read_timeouts(module, args, o["nnodes"] * o["nproc_per_node"], tag)
+        timeout_s, heartbeat_s, stop_grace = read_timeouts(module, args, o["nnodes"] * o["nproc_per_node"], tag,
+                                                           o["node_rank"])
         launcher = Launcher(o, module, args, timeout_s, heartbeat_s, stop_grace)
         return launcher.run()
     except LaunchError as e:
