@@ -36,12 +36,8 @@ class TokenHistory:
         self.context += (tokens if tokens.dim() == 1 else tokens.reshape(-1)).tolist()   # one read, not one per token
         return self.context
 
-    def add_tree_entries(self, tokens: Tensor, parents: Tensor) -> list[list[int]]:
-        """Append tree entries; returns, per new entry, the whole sequence it ends (context + its tree path)."""
-        return [self.context + path for path in self.add_tree_paths(tokens, parents)]
-
     def add_tree_paths(self, tokens: Tensor, parents: Tensor) -> list[list[int]]:
-        """:meth:`add_tree_entries`, returning only each new entry's tree path (what follows the context)."""
+        """Append tree entries; returns, per new entry, its tree path (what follows the context)."""
         first = len(self.tree_tokens)
         self.tree_tokens += (tokens if tokens.dim() == 1 else tokens.reshape(-1)).tolist()
         self.tree_parents += (parents if parents.dim() == 1 else parents.reshape(-1)).tolist()
