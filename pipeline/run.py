@@ -79,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 _check_only: str = ""  # set by check_args (the launcher's tag): _main stops before torch and the process group
+_check_prompts = True  # ... and whether that check reads --prompts-file (the launcher of rank 0's node)
 
 
 def check_args(argv: list[str], world: int, tag: str = "[launch]", prompts_file: bool = True) -> int:
@@ -95,8 +96,6 @@ def check_args(argv: list[str], world: int, tag: str = "[launch]", prompts_file:
     finally:
         _check_only, _check_prompts = "", True
 
-
-_check_prompts = True
 
 
 def read_records(args) -> list[dict]:

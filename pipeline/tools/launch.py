@@ -541,7 +541,8 @@ def read_timeouts(module: str, args: list[str], world: int, tag: str,
     line, whose arguments are checked here, once, before any rank starts (:func:`pipeline.run.check_args`
     prints the reason; a bad server flag is one line, never each rank's usage text). The stop grace is the
     server's ``--stop-grace-s`` (0 for a run): how long a SIGTERM leaves its ranks to finish the request in
-    flight before the launcher kills them."""
+    flight before the launcher kills them. ``node_rank``: this launcher's node; only node 0's (rank 0's) reads
+    ``--prompts-file`` in the check."""
     stop_grace = 0.0
     if module == "pipeline.serve":
         from pipeline.serve import UsageError, parse_args as serve_args, run_argv
