@@ -318,7 +318,7 @@ class ContinuousMode(StreamingMode):
         ``first_levels`` draft steps instead of ``init_depth + 1``; :meth:`finish_first_tree` grows the rest
         while it travels, and the rest fills the other links."""
         t = engine.cfg.tree
-        self.lazy, self.pending = False, None
+        self.pending = None
         if not self.incremental(engine):
             self.inputs = None
             return super().first_tree(engine, root, root_hidden)
@@ -332,12 +332,12 @@ class ContinuousMode(StreamingMode):
             # their inputs wait for the send (take_lazy; a confidence shape drafts 2 levels at depth 0)
             with engine.tracer.span("draft"):
                 tree = engine.drafter.grow_tree(root, root_hidden, total, depth, t.init_topk)
-            self.inputs, self.lazy = None, True
+            self.inputs = None
             return tree
         if quick:         # sent first: its inputs (take_lazy) and its buffers at the round's capacity after the send
             with engine.tracer.span("draft"):
                 tree, self.pending = grow_tree_deferred(engine.drafter, root, root_hidden, total, depth, t.init_topk)
-            self.inputs, self.lazy = None, True
+            self.inputs = None
             return tree
         with engine.tracer.span("draft"):
             tree, self.inputs = engine.drafter.grow_tree_with_inputs(root, root_hidden, total, depth, t.init_topk)
@@ -348,10 +348,9 @@ class ContinuousMode(StreamingMode):
         """Nodes of a quick-started first tree (``t``: the ``tree`` run keys): one segment's worth and the root."""
         return min(t.init_total_token, t.subseq_token + 1)
 
-    # issue 41, the round start: true while a quick first tree, drafted without its inputs (one level: by
-    # ``grow_tree``; more: by ``grow_tree_deferred``), waits for :meth:`take_lazy` to give them after the first send
-    lazy: bool = False
-    # a deeper quick tree's inputs, asked for after the send (draft.protocol.grow_tree_deferred)
+    # issue 41, the round start: a quick first tree is drafted without its inputs (one level: by ``grow_tree``;
+    # more: by ``grow_tree_deferred``, whose second half waits here) and :meth:`take_lazy` gives them after the first
+    # send; until then ``self.inputs`` is None (what :meth:`finish_first_tree` reads)
     pending = None
 
     def take_lazy(self, engine: Engine, tree: DraftTree, root_hidden: torch.Tensor) -> None:
@@ -366,9 +365,8 @@ class ContinuousMode(StreamingMode):
         merged drafter whose suffix source has ``draft.suffix_max_depth`` set copies long matches past depth 0:
         tests/test_round_start.py) is asked for again with ``grow_tree_with_inputs``, which must draft the same tree
         (deterministic drafts: ``incremental``)."""
-        self.lazy = False
-        if self.pending is not None:              # a quick tree of two levels or more: its deferred inputs
-            pending, self.pending = self.pending, None
+        pending, self.pending = self.pending, None
+        if pending is not None:                   # a quick tree of two levels or more: its deferred inputs
             with engine.tracer.span("draft"):
                 self.inputs = pending()
             return
@@ -403,9 +401,10 @@ class ContinuousMode(StreamingMode):
         (:meth:`draft.drafter.Drafter.extend_tree` below its best leaves; appended nodes keep the tree
         ancestors-first, so the segments already sent stay a prefix)."""
         t = engine.cfg.tree
-        if self.lazy:                             # a one-level quick tree, sent: now its inputs
+        quick = 0 < t.first_levels <= t.init_depth
+        if self.inputs is None and quick and self.incremental(engine):   # a quick tree, sent: now its inputs
             self.take_lazy(engine, tree, root_hidden)
-        if self.inputs is None or not 0 < t.first_levels <= t.init_depth:
+        if self.inputs is None or not quick:
             return tree
         tree = tree.with_capacity(self.capacity(t))   # a quick tree, sent: now its buffers at the round's capacity
         room = t.init_total_token - len(tree)
