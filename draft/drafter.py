@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from draft.eagle import EagleHead
+from draft.protocol import commit_tree_outputs, tree_outputs
 from draft.shape import EAGLE2, TreeShape, pick_frontier
 from draft.static_head import level_step
 from draft.tree import DraftTree, beam_frontier, best_first, top_nodes_tree
@@ -76,6 +77,16 @@ def _beam_layout(shape: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.nda
 
 
 _NUMPY_SCORES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}   # host_top_numpy
+
+
+def _host_rows(n: int, rows: np.ndarray, x: Tensor, fill: float) -> Tensor:
+    """An ``[n, w]`` host tensor with ``x``'s rows at ``rows`` and ``fill`` elsewhere: in NumPy (no dispatched
+    operator) where NumPy has ``x``'s dtype, else two torch operators."""
+    if x.dtype in _NUMPY_SCORES or x.dtype == torch.int64:
+        a = np.full((n, x.shape[1]), fill, dtype=x.numpy().dtype)
+        a[rows] = x.numpy()
+        return torch.from_numpy(a)
+    return torch.full((n, x.shape[1]), fill, dtype=x.dtype).index_copy_(0, torch.from_numpy(rows), x)
 
 
 def float_log_softmax(logits: Tensor) -> Tensor:
@@ -530,22 +541,29 @@ class BeamTreeDrafter:
         _, t_par, t_score, _ = tree.host_numpy()
         depth1 = torch.from_numpy((t_par == 0)[:, None]).to(dev)
         slots = torch.from_numpy(t_par[1:] - 1)                                   # node i at slot i-1
+        leaf = np.ones(n, dtype=bool)
+        leaf[t_par[1:]] = False
+        lv = np.flatnonzero(leaf)          # only the leaves' outputs are read (every node enters the cache)
+        want = torch.from_numpy(lv - 1)    # (n > 1: the root is no leaf)
         if commit is not None:
             if n > 1:
-                root_hidden, out = self.commit_tree_forward(commit[0], commit[1], tree.tokens[1:], inputs[1:], slots)
+                root_hidden, out = commit_tree_outputs(self, commit[0], commit[1], tree.tokens[1:], inputs[1:], slots,
+                                                       want)
             else:
                 root_hidden = self.commit(*commit)
             inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)
         else:
             inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)
             if n > 1:
-                out = self.tree_forward(tree.tokens[1:], inputs[1:], slots)
-        outs = root_hidden[None].to(inputs.dtype)
-        if n > 1:
-            outs = torch.cat([outs, out.to(inputs.dtype)])
-        leaf = np.ones(n, dtype=bool)
-        leaf[t_par[1:]] = False
-        cs, ct = self.host_top_tokens(outs, top_k)
+                out = tree_outputs(self, tree.tokens[1:], inputs[1:], slots, want)
+        if n > 1:   # the leaves' rows of [n, ...] arrays; a non-leaf's row is never read (zeros, no candidate)
+            out = out.to(inputs.dtype)
+            outs = out.new_zeros(n, out.shape[-1]).index_copy_(0, torch.from_numpy(lv).to(dev), out)
+            ls, lt = self.host_top_tokens(out, top_k)
+            cs, ct = _host_rows(n, lv, ls, float("-inf")), _host_rows(n, lv, lt, 0)
+        else:
+            outs = root_hidden[None].to(inputs.dtype)
+            cs, ct = self.host_top_tokens(outs, top_k)
         seed = np.full(tuple(cs.shape), -1, dtype=np.int64)
         pick = level2_seeds(t_par, leaf, t_score, cs.numpy(), top_k, width)
         pre2 = None
@@ -693,21 +711,24 @@ class BeamTreeDrafter:
             commit = None
         if levels <= 0 or max_new <= 0:
             return tree, inputs, root_hidden
-        if commit is None:
-            inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)  # a fresh copy: root's children
-            if n > 1:
-                out = self.tree_forward(tree.tokens[1:], inputs[1:], torch.from_numpy(t_par[1:] - 1))  # i at slot i-1
-        else:   # the root's children as drafted (remembered inputs): commit rows and tree rows in one forward
-            root_hidden, out = self.commit_tree_forward(commit[0], commit[1], tree.tokens[1:], inputs[1:],
-                                                        torch.from_numpy(t_par[1:] - 1))
-            inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)  # later re-feeds: the fresh output
         # the frontier: the best top_k leaves (host NumPy on the tree's views: beam_frontier's stable order)
         has_child = np.zeros(n, dtype=bool)
         has_child[t_par[1:]] = True
         leaves = np.flatnonzero(~has_child)
         fr = leaves[best_first(t_score[leaves], min(top_k, leaves.size))]         # tree node ids
-        # a leaf's output: row i-1 of the re-feed (the root is a leaf only of a one-node tree: root_hidden)
-        f_out = out[torch.from_numpy(fr - 1).to(dev)] if n > 1 else root_hidden[None]
+        # the re-feed: every node enters the cache (node i at slot i-1), only the frontier's outputs are computed
+        # (tree_outputs: why); the root is a leaf only of a one-node tree, whose frontier's output is root_hidden
+        want = torch.from_numpy(fr - 1)
+        if commit is None:
+            inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)  # a fresh copy: root's children
+            if n > 1:
+                f_out = tree_outputs(self, tree.tokens[1:], inputs[1:], torch.from_numpy(t_par[1:] - 1), want)
+        else:   # the root's children as drafted (remembered inputs): commit rows and tree rows in one forward
+            root_hidden, f_out = commit_tree_outputs(self, commit[0], commit[1], tree.tokens[1:], inputs[1:],
+                                                     torch.from_numpy(t_par[1:] - 1), want)
+            inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)  # later re-feeds: the fresh output
+        if n == 1:
+            f_out = root_hidden[None]
         # frontier rows of every level, in order: parent code (a tree node < n, or n + candidate), depth, output
         b = _Beam(levels * top_k * top_k, None, None, [], [fr], [t_dep[fr]],
                   [f_out.to(inputs.dtype)], fr - 1, t_score[fr][:, None])  # node i's slot: i-1
@@ -811,12 +832,13 @@ class BeamTreeDrafter:
         nf = frontier.size
         f_out = pre[1][torch.from_numpy(frontier).to(dev)].to(inputs.dtype)
         row = best // kk
-        root_hidden, out = self.commit_tree_forward(
-            commit[0], commit[1], torch.cat([tree.tokens[1:], torch.from_numpy(ct[best])]),
+        root_hidden, out = commit_tree_outputs(                                 # the level's outputs only
+            self, commit[0], commit[1], torch.cat([tree.tokens[1:], torch.from_numpy(ct[best])]),
             torch.cat([inputs[1:], f_out[torch.from_numpy(row).to(dev)]]),
-            torch.from_numpy(np.concatenate([t_par[1:], frontier[row]]) - 1))
+            torch.from_numpy(np.concatenate([t_par[1:], frontier[row]]) - 1),
+            torch.from_numpy(np.arange(n - 1, n - 1 + best.size)))
         inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)
-        l1_out = out[n - 1:].to(inputs.dtype)
+        l1_out = out.to(inputs.dtype)
         start = n - 1                                                             # the level's cache slots
         # the remaining levels: one beam below the level-1 nodes; candidates of level 0 compete with them
         cap = levels * top_k * top_k
@@ -904,8 +926,9 @@ class BeamTreeDrafter:
         n, n0, dev = len(tree), early.n0, inputs.device
         _, t_par, _, t_dep = tree.host_numpy()            # the tree's host arrays as NumPy views (no operator)
         depth1 = torch.from_numpy((t_par == 0)[:, None]).to(dev)
-        root_hidden, out = self.commit_tree_forward(commit[0], commit[1], tree.tokens[1:], inputs[1:],
-                                                    torch.from_numpy(t_par[1:] - 1))   # node i at slot i-1
+        root_hidden, out = commit_tree_outputs(self, commit[0], commit[1], tree.tokens[1:], inputs[1:],
+                                               torch.from_numpy(t_par[1:] - 1),     # node i at slot i-1
+                                               torch.from_numpy(np.arange(n0 - 1, n - 1)))  # the level's outputs only
         inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)
         if levels < 2 or max_new <= 0:
             self.drop_tree()
@@ -919,7 +942,7 @@ class BeamTreeDrafter:
         b = _Beam(cap, np.empty(cap, dtype=np.promote_types(cum.dtype, np.float32)), np.empty(cap, dtype=np.int64),
                   [early.tok[rest]], [early.frontier, np.arange(n0, n, dtype=np.int64)],
                   [t_dep[early.frontier], t_dep[n0:]],
-                  [early.f_out, out[n0 - 1:].to(inputs.dtype)], np.arange(n0 - 1, n - 1, dtype=np.int64),
+                  [early.f_out, out.to(inputs.dtype)], np.arange(n0 - 1, n - 1, dtype=np.int64),
                   cum[early.best][:, None], n_cand=rest.size, n_rows=nf)
         b.c_score[:rest.size] = cum[rest]
         b.c_row[:rest.size] = _row_pattern_np(nf, early.kk)[rest]
@@ -955,6 +978,7 @@ class BeamTreeDrafter:
 class Drafter(BeamTreeDrafter):
     """The EAGLE drafter: an EAGLE-1/2 or EAGLE-3 head with its own KV cache (see the module docstring)."""
 
+    out_rows = True      # tree_forward / commit_tree_forward take rows= (draft.protocol.tree_outputs)
     static_head = None   # draft.static_head.StaticHead: tree forwards on static shapes / CUDA graphs (model.graphs)
 
     def __init__(self, head: EagleHead, lm_head: torch.nn.Linear, max_len: int,
@@ -1061,8 +1085,9 @@ class Drafter(BeamTreeDrafter):
 
     @no_grad
     def commit_tree_forward(self, tokens: Tensor, features: Tensor, tree_tokens: Tensor, tree_inputs: Tensor,
-                            parents: Tensor) -> tuple[Tensor, Tensor]:
-        """:meth:`BeamTreeDrafter.commit_tree_forward` as ONE head forward over ``n`` commit rows then ``t`` tree
+                            parents: Tensor, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """:meth:`BeamTreeDrafter.commit_tree_forward` (``rows``: only those tree rows' outputs,
+        :func:`draft.protocol.tree_outputs`) as ONE head forward over ``n`` commit rows then ``t`` tree
         rows: the commit rows see the context and each other causally (:meth:`model.kv_cache.KVCache.context_inputs`),
         the tree rows the whole context including the commit rows plus their tree ancestors
         (:meth:`~model.kv_cache.KVCache.staged_tree_inputs`, staged as if the commit were done); afterwards the cache
@@ -1071,7 +1096,8 @@ class Drafter(BeamTreeDrafter):
         widths (an EAGLE-3 head: wide target features, narrow tree inputs) or no tree rows: the two calls."""
         t = tree_tokens.numel()
         if t == 0 or features.shape[-1] != tree_inputs.shape[-1]:
-            return super().commit_tree_forward(tokens, features, tree_tokens, tree_inputs, parents)
+            root, out = super().commit_tree_forward(tokens, features, tree_tokens, tree_inputs, parents)
+            return root, out if rows is None else out[rows.to(out.device)]
         cache = self.cache
         if cache.num_tree:
             cache.truncate_tree()
@@ -1087,13 +1113,15 @@ class Drafter(BeamTreeDrafter):
         mask = torch.full((1, 1, n + t, c + n + t), torch.finfo(self.dtype).min, dtype=self.dtype, device=HOST)
         mask[..., :n, :c + n] = mask_c
         mask[..., n:, :] = mask_t
-        rows = (torch.cat([tokens.view(-1).to(self.device), tree_tokens.view(-1).to(self.device)]).view(1, -1),
-                torch.cat([features.view(n, -1).to(self.device, self.dtype),
-                           tree_inputs.view(t, -1).to(self.device, self.dtype)]).view(1, n + t, -1))
-        out = self.head(*rows, torch.cat([pos_c, pos_t], dim=-1), mask, cache)
+        fed = (torch.cat([tokens.view(-1).to(self.device), tree_tokens.view(-1).to(self.device)]).view(1, -1),
+               torch.cat([features.view(n, -1).to(self.device, self.dtype),
+                          tree_inputs.view(t, -1).to(self.device, self.dtype)]).view(1, n + t, -1))
+        want = None if rows is None else \
+            torch.from_numpy(np.concatenate([np.array([n - 1]), rows.numpy() + n]))   # the commit's last row first
+        out = self._head_rows(fed, torch.cat([pos_c, pos_t], dim=-1), mask, cache, want)
         cache.commit_forward(n, as_context=True)
         cache.commit_forward(t, as_context=False)                            # the staged tree rows
-        return out[0, n - 1], out[0, n:]
+        return (out[0, n - 1], out[0, n:]) if rows is None else (out[0, 0], out[0, 1:])
 
     @no_grad
     def level(self, tokens: Tensor, features: Tensor, parents: Tensor, scores: Tensor,
@@ -1116,17 +1144,29 @@ class Drafter(BeamTreeDrafter):
         return out[0], cum[0], tok[0]
 
     @no_grad
-    def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
-        """Feed tree entries (kept in the cache until :meth:`drop_tree`); returns their output features."""
+    def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor, rows: Tensor | None = None) -> Tensor:
+        """Feed tree entries (kept in the cache until :meth:`drop_tree`); returns their output features, or only
+        those of ``rows`` (:func:`draft.protocol.tree_outputs`: why)."""
         cache = self.cache
         pos, mask = cache.staged_tree_inputs(parents, self.dtype)       # tree rows staged in the cache's buffers
         n = tokens.numel()
-        rows = (tokens.view(1, -1).to(self.device), features.view(1, n, -1).to(self.device, self.dtype))
-        out = self.static_head(*rows, pos, mask, cache) if self.static_head is not None else None
+        fed = (tokens.view(1, -1).to(self.device), features.view(1, n, -1).to(self.device, self.dtype))
+        out = self.static_head(*fed, pos, mask, cache) if self.static_head is not None else None
         if out is None:                   # dynamic shapes (model.graphs=off, or no bucket fits: draft/static_head.py)
-            out = self.head(*rows, pos, mask, cache)
+            out = self._head_rows(fed, pos, mask, cache, rows)
+        elif rows is not None:
+            out = out[:, rows.to(out.device)]
         cache.commit_forward(n, as_context=False)
         return out[0]
+
+    def _head_rows(self, fed: tuple[Tensor, Tensor], pos: Tensor, mask: Tensor, cache, rows: Tensor | None) -> Tensor:
+        """The head's forward of ``fed`` rows, only the outputs of ``rows`` where given: computed for those rows
+        alone by an EAGLE-1/2 head (:meth:`draft.eagle.EagleHead.compute`), taken from every row's otherwise."""
+        if rows is None:
+            return self.head(*fed, pos, mask, cache)
+        if isinstance(self.head, EagleHead):
+            return self.head(*fed, pos, mask, cache, rows.to(self.device))
+        return self.head(*fed, pos, mask, cache)[:, rows.to(self.device)]
 
     def drop_tree(self) -> None:
         self.cache.truncate_tree()

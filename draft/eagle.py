@@ -39,10 +39,11 @@ class EagleHead(nn.Module):
         self.block = LayerBlock(config, 1, skip_first_input_norm=True)
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor, cache) -> torch.Tensor:
-        """``tokens [1, n]`` paired with the feature of the *previous* position ``features [1, n, H]``. Metered as
-        a ``draft_forward`` op over the cache's entries (:mod:`model.meter`)."""
-        return run_joint(self.meter, "draft_forward", (tokens, features, positions, mask, cache),
+                mask: torch.Tensor, cache, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``tokens [1, n]`` paired with the feature of the *previous* position ``features [1, n, H]``; the output
+        ``[1, n, H]``, or with ``rows`` (row indices) only those rows' outputs ``[1, len(rows), H]`` (:meth:`compute`).
+        Metered as a ``draft_forward`` op of ``n`` rows over the cache's entries (:mod:`model.meter`)."""
+        return run_joint(self.meter, "draft_forward", (tokens, features, positions, mask, cache, rows),
                          int(tokens.shape[-1]), cache_length(cache), lambda a: self.compute(*a), self.compute_lanes,
                          key=self if cache is not None else None)
 
@@ -57,18 +58,22 @@ class EagleHead(nn.Module):
         out = self.compute(torch.cat([c[0] for c in calls], dim=-1), torch.cat([c[1] for c in calls], dim=1),
                            torch.cat([c[2] for c in calls], dim=-1), None,
                            LaneBatch([c[4] for c in calls], [c[3] for c in calls]))
-        return list(out.split(sizes, dim=1))
+        return [o if len(c) < 6 or c[5] is None else o[:, c[5]] for o, c in zip(out.split(sizes, dim=1), calls)]
 
     def compute(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor, cache) -> torch.Tensor:
+                mask: torch.Tensor, cache, rows: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`forward` unmetered (what a recorded static forward replays: ``draft/static_head.py`` meters
-        around it)."""
+        around it). ``rows``: return only these rows' outputs, in that order; every row still enters the cache.
+        Why: a re-fed tree (an expansion, a prefetch) needs the outputs of its frontier or its leaves only, and the
+        fused forward then skips the other rows' last attention, output projection and MLP (draft/fused_head.py);
+        the other paths run every row and take the wanted ones."""
         if self.fused and self.block.lean:      # the fused forward where it applies (draft/fused_head.py)
-            out = self.fused_head(tokens, features, positions, mask, cache)
+            out = self.fused_head(tokens, features, positions, mask, cache, rows)
             if out is not None:
                 return out
         x = self.fc(torch.cat([self.embed_tokens(tokens).to(features.dtype), features], dim=-1))
-        return self.block(x, positions, mask, cache)
+        out = self.block(x, positions, mask, cache)
+        return out if rows is None else out[:, rows]
 
     @property
     def fused_head(self) -> FusedHead:

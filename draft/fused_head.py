@@ -201,6 +201,12 @@ def _capacity(cache) -> int | None:
     return None
 
 
+def rows_from_layer(layers: int) -> int:
+    """The layer from which a forward given ``rows`` runs those rows alone (:meth:`FusedHead.__call__`): the last.
+    Every earlier layer's output rows are the next layer's keys and values, which every row needs."""
+    return layers - 1
+
+
 class FusedHead:
     """The fused forward of one :class:`draft.eagle.EagleHead` (``head.fused_head``): ``fused(tokens, features,
     positions, mask, cache)`` -> what ``head.compute`` returns on the lean path, or None where this path does not
@@ -263,7 +269,12 @@ class FusedHead:
         return got[1]
 
     def __call__(self, tokens: Tensor, features: Tensor, positions: Tensor, mask: Tensor | None,
-                 cache) -> Tensor | None:
+                 cache, rows: Tensor | None = None) -> Tensor | None:
+        """``rows`` (a long tensor of row indices, or None for all): the rows whose outputs are returned, in that
+        order (:meth:`draft.eagle.EagleHead.compute`'s ``rows``); every row still writes its keys and values. In the
+        last layer only these rows' queries attend and only they run the output projection and the MLP: a row's
+        keys and values depend on its own input alone, and every later operator is row-wise, so the kept rows'
+        outputs are those of the whole forward (up to float reassociation of the smaller matmuls)."""
         head = self._head()
         cap = _capacity(cache)
         if head is None or cap is None or torch.is_grad_enabled() or torch.compiler.is_compiling() \
@@ -285,6 +296,7 @@ class FusedHead:
             length = cache.length
             kv = self._kv(cache)
         native_dev = dev.type in NATIVE_GQA_DEVICES
+        last = rows_from_layer(len(self._layers))
         for i, ly in enumerate(self._layers):
             d, hq, hkv, groups = ly.d, ly.hq, ly.hkv, ly.groups
             x = h if ly.in_norm is None else _rms(ly.in_norm, h)
@@ -294,6 +306,7 @@ class FusedHead:
             torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin, out=qk)          # rotary on q and k at once, in place
             q, k, v = qkv.transpose(1, 2).split_with_sizes(ly.qkv_sizes, dim=1)   # (not Tensor.split's wrapper)
             native = groups > 1 and native_dev
+            m = n
             if lanes:
                 o = cache.attend(q, k, v, i, functools.partial(_attention, groups, native, ly.scale))
             else:
@@ -301,10 +314,14 @@ class FusedHead:
                 end = length + n
                 kl[:, :, length:end] = k
                 vl[:, :, length:end] = v
+                if rows is not None and i == last:       # only the wanted rows from here on (docstring: why)
+                    q, mask, h, m = q[:, :, rows], mask[:, :, rows], h[rows], rows.numel()
                 o = _attention(groups, native, ly.scale, q, kl[:, :, :end], vl[:, :, :end], mask)
-            h = _linear_res(o.transpose(1, 2).reshape(n, hq * d), ly.o_t, ly.o_b, h)
+            h = _linear_res(o.transpose(1, 2).reshape(m, hq * d), ly.o_t, ly.o_b, h)
             x = _rms_unweighted(ly.post_norm, h, ly.eps)                         # its weight is in gu_t
             gu = torch.mm(x, ly.gu_t) if ly.gu_b is None else torch.addmm(ly.gu_b, x, ly.gu_t)
             g, u = gu.split_with_sizes(ly.gu_sizes, dim=1)
             h = _linear_res(ly.act(g) * u, ly.down_t, ly.down_b, h)
-        return h.view(1, n, -1)
+        if rows is not None and lanes:                   # (several lanes' rows: all rows ran)
+            h = h[rows]
+        return h.view(1, h.shape[0], -1)

@@ -37,7 +37,7 @@ import torch
 
 from config.run_config import SourceError, parse_sources
 from draft.drafter import BeamTreeDrafter
-from draft.protocol import forget_requests, target_observer, top_tokens
+from draft.protocol import commit_tree_outputs, forget_requests, target_observer, top_tokens, tree_outputs
 from draft.tree import DraftTree, below_mask, merge_sources
 from model.devices import HOST
 from model.grad import no_grad
@@ -49,6 +49,8 @@ class MergedDrafter(BeamTreeDrafter):
     """See the module docstring. Instrumentation meters the sources, not the merge
     (:func:`draft.protocol.install_meter` reaches every source's model ops). Of :class:`BeamTreeDrafter` it uses
     ``extend_tree`` only (over :meth:`top_tokens`); its trees come from :func:`merge_sources`."""
+
+    out_rows = True      # tree_forward / commit_tree_forward take rows= (draft.protocol.tree_outputs)
 
     def __init__(self, sources: list, names: list[str] | None = None,
                  score_scales: list[float] | None = None) -> None:
@@ -259,8 +261,11 @@ class MergedDrafter(BeamTreeDrafter):
         """:meth:`top_tokens`, which answers on the host already (one copy per level)."""
         return self.top_tokens(hidden, k)
 
-    def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
-        outs = [s.tree_forward(tokens, f, parents) for s, f in zip(self.sources, self._split(features))]
+    def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor, rows: Tensor | None = None) -> Tensor:
+        """Each source's :meth:`tree_forward` of its own slice of ``features``, the states joined; with ``rows``
+        only those rows' (:func:`draft.protocol.tree_outputs`, asked of each source)."""
+        outs = [s.tree_forward(tokens, f, parents) if rows is None else tree_outputs(s, tokens, f, parents, rows)
+                for s, f in zip(self.sources, self._split(features))]
         out = self._cat(outs)
         # the parts of this output as the sources returned them, where they already had its dtype and device: a beam
         # level ranks exactly this output next (top_numpy), which then needs no split (issue 41: one operator per
@@ -278,16 +283,19 @@ class MergedDrafter(BeamTreeDrafter):
         return self._split(state)
 
     def commit_tree_forward(self, tokens: Tensor, features: Tensor, tree_tokens: Tensor, tree_inputs: Tensor,
-                            parents: Tensor) -> tuple[Tensor, Tensor]:
+                            parents: Tensor, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Every source commits the same target ``features`` and feeds its own slice of ``tree_inputs``, in one
-        forward where it can (:meth:`draft.drafter.Drafter.commit_tree_forward`), else commit then tree_forward."""
+        forward where it can (:meth:`draft.drafter.Drafter.commit_tree_forward`), else commit then tree_forward;
+        with ``rows`` only those tree rows' outputs (:func:`draft.protocol.commit_tree_outputs`)."""
         roots, outs = [], []
         for s, f in zip(self.sources, self._split(tree_inputs)):
             if hasattr(s, "commit_tree_forward"):
-                r, o = s.commit_tree_forward(tokens, features, tree_tokens, f, parents)
+                r, o = s.commit_tree_forward(tokens, features, tree_tokens, f, parents) if rows is None else \
+                    commit_tree_outputs(s, tokens, features, tree_tokens, f, parents, rows)
             else:
                 r = s.commit(tokens, features)
-                o = s.tree_forward(tree_tokens, f, parents)
+                o = s.tree_forward(tree_tokens, f, parents) if rows is None else \
+                    tree_outputs(s, tree_tokens, f, parents, rows)
             roots.append(r)
             outs.append(o)
         return self._join(roots), self._cat(outs)

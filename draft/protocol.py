@@ -196,3 +196,29 @@ def forget_requests(drafter: object) -> None:
 def can_extend(drafter: object) -> bool:
     """True when ``drafter`` supports incremental expansion (:class:`ExtendableTreeDrafter`)."""
     return isinstance(drafter, ExtendableTreeDrafter) and bool(drafter.supports_extend)
+
+
+def tree_outputs(drafter: object, tokens: Tensor, features: Tensor, parents: Tensor, rows: Tensor) -> Tensor:
+    """``drafter.tree_forward(tokens, features, parents)[rows]``: every row fed (a tree entry until ``drop_tree``),
+    only the outputs of ``rows`` (indices of fed rows, a host long tensor) returned, in that order.
+
+    Why: a re-fed tree (an expansion, a prefetch: :mod:`draft.drafter`) needs the outputs of its frontier or its
+    leaves only, and every row must still enter the cache (a later row attends to its ancestors). A drafter whose
+    ``tree_forward`` takes ``rows`` (``out_rows = True``: :class:`draft.drafter.Drafter`,
+    :class:`draft.merged.MergedDrafter`) skips the other rows' work: an EAGLE head's keys and values depend on each
+    row's own input, so its last layer runs attention, output projection and MLP for the wanted rows alone
+    (:class:`draft.fused_head.FusedHead`). Any other drafter runs every row and the wanted ones are taken."""
+    if getattr(drafter, "out_rows", False):
+        return drafter.tree_forward(tokens, features, parents, rows=rows)
+    out = drafter.tree_forward(tokens, features, parents)
+    return out[rows.to(out.device)]
+
+
+def commit_tree_outputs(drafter: object, tokens: Tensor, features: Tensor, tree_tokens: Tensor, tree_inputs: Tensor,
+                        parents: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """``drafter.commit_tree_forward(...)`` (the commit's last output, the tree rows' outputs) with only the tree
+    rows ``rows``' outputs, as :func:`tree_outputs`."""
+    if getattr(drafter, "out_rows", False):
+        return drafter.commit_tree_forward(tokens, features, tree_tokens, tree_inputs, parents, rows=rows)
+    root, out = drafter.commit_tree_forward(tokens, features, tree_tokens, tree_inputs, parents)
+    return root, out[rows.to(out.device)]

@@ -4,7 +4,8 @@ A round start is rank 0's turnaround after a truncation (the target's token at t
 is none of ``v``'s drafted children): it commits the accepted tokens (a head forward) and drafts the new root's
 first two levels (another forward, two draft ``lm_head`` calls) before the new tree's first send. A precompute
 would draft those levels while the stages compute, for the likeliest truncations: a hit needs the target's token
-among ``v``'s prefetched candidates (``ContinuousMode.pre``: every node's top-k, computed after each send).
+among ``v``'s prefetched candidates (``ContinuousMode.pre``: every leaf's top-k, computed after each send; a
+truncation at an inner node has none, since the prefetch ranks the leaves only, and is counted apart).
 
 This script measures both factors of that bound on recorded answers, in one what-if replay of ``continuous``
 (``pipeline.tools.simulate``, rank 0 priced per operator):
@@ -138,8 +139,8 @@ def main(argv=None) -> int:
             return                                        # a verified step, not a truncation
         hits["truncations"] += 1
         pre = getattr(current.get("mode"), "pre", None)
-        if pre is None or pre[3].shape[0] != len(tree):
-            hits["unprefetched"] += 1
+        if pre is None or pre[3].shape[0] != len(tree) or not bool(pre[0][v]):
+            hits["unprefetched"] += 1                     # none prefetched, or v is an inner node (leaves only)
         elif token in pre[3][v].tolist():
             hits["hits"] += 1
 

@@ -71,9 +71,9 @@ def test_bad_rates_are_one_line(capsys):
 def test_the_script_counts_truncations_and_prints_every_rate(tmp_path, capsys):
     """End to end on a tiny 2-stage model with the oracle drafter (the target drafts itself, its greedy answer
     recorded): the script's step observer and decoder factory (the simulator's Hooks) see every truncation and
-    the prefetched candidates, and the table has one row per rate. With the oracle every truncated node's
+    the prefetched candidates, and the table has one row per rate. With the oracle every truncated leaf's
     prefetched top-k holds the target's token (its top 1), so the hit rate is exactly 1: a script that read no
-    candidates, or the wrong node's, would count fewer."""
+    candidates, the wrong node's or an inner node's (the prefetch ranks the leaves only) would count fewer."""
     import json
     import re
 
