@@ -1161,12 +1161,18 @@ class Drafter(BeamTreeDrafter):
 
     def _head_rows(self, fed: tuple[Tensor, Tensor], pos: Tensor, mask: Tensor, cache, rows: Tensor | None) -> Tensor:
         """The head's forward of ``fed`` rows, only the outputs of ``rows`` where given: computed for those rows
-        alone by an EAGLE-1/2 head (:meth:`draft.eagle.EagleHead.compute`), taken from every row's otherwise."""
+        alone by an EAGLE-1/2 head (:meth:`draft.eagle.EagleHead.compute`) when they are at most half the rows
+        fed, taken from every row's output otherwise. Why half: the cut itself costs four operators (three row
+        gathers and a copy; kernel launches on a GPU) against the one gather of the whole output, so it is taken
+        where the skipped rows' attention, output projection and MLP clearly outweigh that (an expansion's 79-row
+        re-feed for its 10 frontier rows: -23% host time for the call, docs/results.md §95), not for a few rows
+        (a round start's 16-row re-feed for 10)."""
         if rows is None:
             return self.head(*fed, pos, mask, cache)
-        if isinstance(self.head, EagleHead):
-            return self.head(*fed, pos, mask, cache, rows.to(self.device))
-        return self.head(*fed, pos, mask, cache)[:, rows.to(self.device)]
+        rows = rows.to(self.device)
+        if isinstance(self.head, EagleHead) and 2 * rows.numel() <= fed[0].shape[-1]:
+            return self.head(*fed, pos, mask, cache, rows)
+        return self.head(*fed, pos, mask, cache)[:, rows]
 
     def drop_tree(self) -> None:
         self.cache.truncate_tree()

@@ -141,12 +141,15 @@ class _NoRows:
         return self.inner.commit_tree_forward(tokens, features, tree_tokens, tree_inputs, parents)
 
 
+@pytest.mark.parametrize("rows", [[4, 1], [4, 1, 3]], ids=["cut", "gathered"])
 @pytest.mark.parametrize("kind", ["eagle", "eagle-lean", "eagle+lookup", "no-rows"])
-def test_drafter_calls_equal_the_whole_forward_at_those_rows(kind):
+def test_drafter_calls_equal_the_whole_forward_at_those_rows(kind, rows):
     """``tree_outputs`` / ``commit_tree_outputs`` against the whole ``tree_forward`` / ``commit_tree_forward``: the
-    same rows, the same commit output, and the same next forward over the fed tree (the cache alike)."""
+    same rows, the same commit output, and the same next forward over the fed tree (the cache alike). Two of five
+    rows: the head runs them alone (``Drafter._head_rows``: at most half the rows fed); three: the whole forward,
+    gathered."""
     tokens, parents = torch.tensor([22, 30, 7, 5, 9]), torch.tensor([-1, -1, 0, 0, 2])
-    rows = torch.tensor([4, 1, 3])
+    rows = torch.tensor(rows)
 
     def make():
         d, h = _drafter(kind == "eagle+lookup", fused=kind != "eagle-lean")
