@@ -541,28 +541,26 @@ class BeamTreeDrafter:
         _, t_par, t_score, _ = tree.host_numpy()
         depth1 = torch.from_numpy((t_par == 0)[:, None]).to(dev)
         slots = torch.from_numpy(t_par[1:] - 1)                                   # node i at slot i-1
-        leaf = np.ones(n, dtype=bool)
-        leaf[t_par[1:]] = False
-        lv = np.flatnonzero(leaf)          # only the leaves' outputs are read (every node enters the cache)
-        want = torch.from_numpy(lv - 1)    # (n > 1: the root is no leaf)
         if commit is not None:
             if n > 1:
-                root_hidden, out = commit_tree_outputs(self, commit[0], commit[1], tree.tokens[1:], inputs[1:], slots,
-                                                       want)
+                root_hidden, out = self.commit_tree_forward(commit[0], commit[1], tree.tokens[1:], inputs[1:], slots)
             else:
                 root_hidden = self.commit(*commit)
             inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)
         else:
             inputs = torch.where(depth1, root_hidden.to(inputs.dtype), inputs)
             if n > 1:
-                out = tree_outputs(self, tree.tokens[1:], inputs[1:], slots, want)
-        if n > 1:   # the leaves' rows of [n, ...] arrays; a non-leaf's row is never read (zeros, no candidate)
-            out = out.to(inputs.dtype)
-            outs = out.new_zeros(n, out.shape[-1]).index_copy_(0, torch.from_numpy(lv).to(dev), out)
-            ls, lt = self.host_top_tokens(out, top_k)
+                out = self.tree_forward(tree.tokens[1:], inputs[1:], slots)
+        outs = root_hidden[None].to(inputs.dtype)
+        if n > 1:
+            outs = torch.cat([outs, out.to(inputs.dtype)])
+        leaf = np.ones(n, dtype=bool)
+        leaf[t_par[1:]] = False
+        if n > 1:   # only the leaves are ranked: nothing reads an inner node's candidates (its row: none, -inf)
+            lv = np.flatnonzero(leaf)
+            ls, lt = self.host_top_tokens(outs[torch.from_numpy(lv).to(dev)], top_k)
             cs, ct = _host_rows(n, lv, ls, float("-inf")), _host_rows(n, lv, lt, 0)
         else:
-            outs = root_hidden[None].to(inputs.dtype)
             cs, ct = self.host_top_tokens(outs, top_k)
         seed = np.full(tuple(cs.shape), -1, dtype=np.int64)
         pick = level2_seeds(t_par, leaf, t_score, cs.numpy(), top_k, width)
