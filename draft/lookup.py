@@ -380,6 +380,7 @@ class LookupDrafter(TokenHistory):
     """Prompt lookup (n-gram copying) with the :class:`draft.protocol.TreeDrafter` methods."""
 
     meter: OpMeter = NULL_METER   # no model op to meter: its scores are table look-ups (model.meter)
+    out_rows = True               # tree_forward takes rows= (draft.protocol.tree_outputs): only their states
     features_free = True          # tree_forward reads the token paths only (draft.merged.MergedDrafter.tree_inputs)
 
     def __init__(self, vocab_size: int, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 8,
@@ -440,9 +441,10 @@ class LookupDrafter(TokenHistory):
         path = [] if self.context and self.context[-1] == root_token else [root_token]
         return continuation_trie(root_token, self.continuations(path, depth + 1), self.token_logp, total_token)
 
-    def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
-        """Every node's state (equal to stacking :meth:`state` per node): from :attr:`vector_rows` rows in one
-        vectorised pass (:func:`tree_paths`, :func:`level_matches`, :func:`pack_states`), fewer per node
+    def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor, rows: Tensor | None = None) -> Tensor:
+        """Every node's state (equal to stacking :meth:`state` per node), or with ``rows`` only those rows' states
+        (:func:`draft.protocol.tree_outputs`; every node still becomes a tree entry): from :attr:`vector_rows` rows
+        in one vectorised pass (:func:`tree_paths`, :func:`level_matches`, :func:`pack_states`), fewer per node
         (:meth:`NgramIndex.next_tokens`, then :meth:`_state_row`), whichever is cheaper on this CPU."""
         first = len(self.tree_tokens)
         par = (parents if parents.dim() == 1 else parents.reshape(-1)).tolist()
@@ -450,10 +452,13 @@ class LookupDrafter(TokenHistory):
             raise ValueError("lookup tree entries: a parent must be -1 or an earlier entry")
         self.tree_tokens += (tokens if tokens.dim() == 1 else tokens.reshape(-1)).tolist()
         self.tree_parents += par
-        rows = len(par)
-        if rows >= self.vector_rows:
+        fed = len(par)
+        want = range(fed) if rows is None else rows.tolist()
+        if len(want) >= self.vector_rows:
             paths, depth = tree_paths(np.array(self.tree_parents, dtype=np.int64),
                                       np.array(self.tree_tokens, dtype=np.int64), first)
+            if rows is not None:
+                paths, depth = paths[want], depth[want]
             ix = self.index
             ix.sync(self.context)
             nxt = level_matches(ix.padded, ix.keys, ix.length, paths, depth, self.max_ngram, self.min_ngram,
@@ -462,16 +467,14 @@ class LookupDrafter(TokenHistory):
         ng = self.ngrams
         ng.sync(self.context)
         m = self.max_matches
-        rows_out = []
         paths = self._tree_paths(first)
         toks = self.tree_tokens
-        for i in range(first, first + rows):
+        for i in range(first, first + fed):
             p = par[i - first]
-            path = (paths[p] if p >= 0 else []) + [toks[i]]      # its parent's path (an earlier entry) + its token
-            paths.append(path)
-            rows_out.append(self._state_row(ng.next_tokens(path, m)))
+            paths.append((paths[p] if p >= 0 else []) + [toks[i]])   # its parent's path (an earlier entry) + its token
+        rows_out = [self._state_row(ng.next_tokens(paths[first + i], m)) for i in want]
         # one NumPy conversion of the rows (Python floats -> float32 rounds as torch.tensor does; ids are exact)
-        return torch.from_numpy(np.array(rows_out, dtype=np.float32).reshape(rows, 2 * m))
+        return torch.from_numpy(np.array(rows_out, dtype=np.float32).reshape(len(want), 2 * m))
 
     def _tree_paths(self, upto: int) -> list:
         """Each tree entry's path below the context (``_path``), kept for the entries fed since the last

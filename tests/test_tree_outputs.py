@@ -170,3 +170,25 @@ def test_drafter_calls_equal_the_whole_forward_at_those_rows(kind, rows):
         nxt = (torch.tensor([11]), whole[4:5], torch.tensor([4]))
         inner = [x.inner if kind == "no-rows" else x for x in (a, b)]
         torch.testing.assert_close(inner[1].tree_forward(*nxt), inner[0].tree_forward(*nxt), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("vector_rows", [1, 1000], ids=["vectorised", "per-node"])
+def test_lookup_states_of_rows_are_the_whole_forwards(vector_rows):
+    """Prompt lookup's states of the wanted rows only, in both of its passes: the whole forward's rows, and a later
+    level below the fed rows (their paths kept) sees the same states."""
+    from draft.lookup import LookupDrafter
+
+    def make():
+        d = LookupDrafter(40, max_matches=4)
+        d.vector_rows = vector_rows
+        d.start([1, 5, 9, 13, 22, 7, 5, 9, 13, 30, 5, 9, 13, 22], 7, None)
+        return d
+    a, b = make(), make()
+    tokens, parents = torch.tensor([5, 9, 13, 22, 30, 9]), torch.tensor([-1, 0, 1, 2, 0, -1])
+    rows = torch.tensor([3, 5, 1])
+    whole = a.tree_forward(tokens, None, parents)
+    got = tree_outputs(b, tokens, None, parents, rows)
+    assert torch.equal(got, whole[rows])
+    nxt = (torch.tensor([7, 5]), None, torch.tensor([3, 4]))
+    assert torch.equal(b.tree_forward(*nxt), a.tree_forward(*nxt))
+    assert (whole[:, :4] >= 0).any()                   # some row has a match (the check is not of empty states)
