@@ -12,7 +12,10 @@ own stage root, head and drafter (``key=value`` overrides as for ``pipeline.run`
   quick first ``tree.first_levels`` levels, then the rest of the ``tree.init_depth`` levels), after each verified
   step (``tree.expand_levels`` levels) and per commit of 3 accepted tokens. ``first tree before its inputs``: the
   part of the first tree that a round start runs before its send (``draft.protocol.grow_tree_deferred``'s first
-  half; the inputs follow the send).
+  half; the inputs follow the send). ``prefetch``: what ``continuous`` runs after each send while the stages
+  compute (``tree.prefetch_level`` with ``tree.early_whole``: the re-fed tree's leaves ranked and the next
+  expansion's second level drafted, :meth:`draft.drafter.BeamTreeDrafter.prefetch_expansion`), on the finished
+  first tree.
 
 Each call runs ``--repeat`` times per block with the lean layers off, then on (``model.lean_layers``,
 :mod:`model.lean_layer`), for ``--blocks`` alternating blocks (load drift hits both alike); the table gives the
@@ -145,6 +148,11 @@ def _calls(args, cfg, stage_root: Path):
     def commit():
         drafter.commit(torch.tensor([7, 8, 9]), feats3)
 
+    prefetch = getattr(drafter, "prefetch_expansion", None)
+
+    def prefetch_call():
+        prefetch(big, big_inputs, root_hidden, t.expand_topk, t.early_whole)
+
     step, step_setup = bookkeeping_call(big, big_inputs, root_hidden, rank0.config.vocab_size, t.subseq_token)
     calls = [(f"stage step, {w} row{'s' if w > 1 else ''} ({stage.num_layers} layers)",
               stage_step(cache, lambda: forward, w, hidden, g, dtype, dev), None, 0) for w in args.rows]
@@ -156,6 +164,7 @@ def _calls(args, cfg, stage_root: Path):
               (f"first tree before its inputs ({t.first_levels} levels)", sent, None, t.first_levels),
               (f"finish first tree ({rest} levels)", finish, own_buffers, rest),
               (f"expand ({t.expand_levels} levels)", expand, own_buffers, t.expand_levels),
+              *([(f"prefetch ({len(big)}-node tree)", prefetch_call, None, 0)] if prefetch is not None else []),
               ("commit 3 tokens", commit, restart, 0),
               ("verified step bookkeeping", step, step_setup, 0)]
     blocks = [stage.block] + [h.block for h in heads]
