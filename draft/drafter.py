@@ -1163,8 +1163,8 @@ class Drafter(BeamTreeDrafter):
         fed, taken from every row's output otherwise. Why half: the cut itself costs four operators (three row
         gathers and a copy; kernel launches on a GPU) against the one gather of the whole output, so it is taken
         where the skipped rows' attention, output projection and MLP clearly outweigh that (an expansion's 79-row
-        re-feed for its 10 frontier rows: -23% host time for the call, docs/results.md §95), not for a few rows
-        (a round start's 16-row re-feed for 10)."""
+        re-feed for its 10 frontier rows, docs/results.md §95), not for a few rows (a round start's 16-row re-feed
+        for 10, a prefetch's re-feed for its leaves)."""
         if rows is None:
             return self.head(*fed, pos, mask, cache)
         rows = rows.to(self.device)
