@@ -366,6 +366,7 @@ class SuffixDrafter(TokenHistory):
     """Suffix retrieval with the :class:`draft.protocol.TreeDrafter` methods (module docstring)."""
 
     meter: OpMeter = NULL_METER   # no model op to meter
+    out_rows = True               # tree_forward takes rows= (draft.protocol.tree_outputs): only their states
     features_free = True          # tree_forward reads the token paths only (draft.merged.MergedDrafter.tree_inputs)
 
     def __init__(self, vocab_size: int, store: SuffixStore | None = None, corpus: SuffixAutomaton | None = None,
@@ -473,20 +474,21 @@ class SuffixDrafter(TokenHistory):
         return continuation_tree(root_token, self._roots(*self._path_matches(path)), self.prior, total_token,
                                  self.max_depth or depth + 1, self.max_children)
 
-    def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor) -> Tensor:
+    def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor, rows: Tensor | None = None) -> Tensor:
         """Every entry's state, each one :func:`advance` per automaton from its parent's match (parents: ``-1`` =
-        below the committed context, else an earlier tree entry)."""
+        below the committed context, else an earlier tree entry); with ``rows`` only those entries' states
+        (:func:`draft.protocol.tree_outputs`: every entry still advances its matches, which later entries read)."""
         toks, pars = tokens.reshape(-1).tolist(), parents.reshape(-1).tolist()
+        first = len(self.tree_matches)
         self.tree_tokens += toks
         self.tree_parents += pars
-        rows = []
         base = (self._own_root(), list(self.matches))
         for t, p in zip(toks, pars):
             own, others = base if p < 0 else self.tree_matches[p]
-            own, others = self._advance(own, others, int(t))
-            self.tree_matches.append((own, others))
-            rows.append(first_level(self._roots(own, others), self.prior, self.max_children))
-        return torch.tensor(rows, dtype=torch.float32, device=HOST).reshape(len(rows), self.state_width)
+            self.tree_matches.append(self._advance(own, others, int(t)))
+        want = range(len(toks)) if rows is None else rows.tolist()
+        out = [first_level(self._roots(*self.tree_matches[first + i]), self.prior, self.max_children) for i in want]
+        return torch.tensor(out, dtype=torch.float32, device=HOST).reshape(len(out), self.state_width)
 
     def drop_tree(self) -> None:
         TokenHistory.drop_tree(self)

@@ -172,15 +172,19 @@ def test_drafter_calls_equal_the_whole_forward_at_those_rows(kind, rows):
         torch.testing.assert_close(inner[1].tree_forward(*nxt), inner[0].tree_forward(*nxt), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("vector_rows", [1, 1000], ids=["vectorised", "per-node"])
-def test_lookup_states_of_rows_are_the_whole_forwards(vector_rows):
-    """Prompt lookup's states of the wanted rows only, in both of its passes: the whole forward's rows, and a later
-    level below the fed rows (their paths kept) sees the same states."""
+@pytest.mark.parametrize("source", ["lookup-vectorised", "lookup-per-node", "suffix"])
+def test_retrieval_states_of_rows_are_the_whole_forwards(source):
+    """Prompt lookup's (in both of its passes) and the suffix source's states of the wanted rows only: the whole
+    forward's rows, and a later level below the fed rows (their paths and matches kept) sees the same states."""
     from draft.lookup import LookupDrafter
+    from draft.suffix import SuffixDrafter
 
     def make():
-        d = LookupDrafter(40, max_matches=4)
-        d.vector_rows = vector_rows
+        if source == "suffix":
+            d = SuffixDrafter(40, threshold=2, max_children=4)
+        else:
+            d = LookupDrafter(40, max_matches=4)
+            d.vector_rows = 1 if source == "lookup-vectorised" else 1000
         d.start([1, 5, 9, 13, 22, 7, 5, 9, 13, 30, 5, 9, 13, 22], 7, None)
         return d
     a, b = make(), make()
