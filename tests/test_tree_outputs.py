@@ -23,19 +23,19 @@ from tests.test_fused_head import H, V, make_head
 ROWS = torch.tensor([5, 0, 3])           # out of order on purpose: the outputs come back in this order
 
 
-def fed_cache(head, dtype=torch.float64, seed=2):
+def fed_cache(head, dtype=torch.float64, seed=2, device="cpu"):
     """A draft cache holding 9 context rows and 2 tree rows, and the next tree level to feed (6 rows below them)."""
-    cache = head.block.new_cache(64, dtype, "cpu")
+    cache = head.block.new_cache(64, dtype, device)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, parents in ((9, None), (2, [-1, -1])):
             pos, mask = cache.context_inputs(n, dtype) if parents is None else \
                 cache.staged_tree_inputs(torch.tensor(parents), dtype)
-            head(torch.randint(0, V, (1, n), generator=g), torch.randn(1, n, H, generator=g, dtype=dtype), pos, mask,
-                 cache)
+            head(torch.randint(0, V, (1, n), generator=g).to(device),
+                 torch.randn(1, n, H, generator=g, dtype=dtype).to(device), pos, mask, cache)
             cache.commit_forward(n, as_context=parents is None)
-    level = (torch.randint(0, V, (1, 6), generator=g), torch.randn(1, 6, H, generator=g, dtype=dtype),
-             torch.tensor([0, 0, 1, 1, 0, 1]))
+    level = (torch.randint(0, V, (1, 6), generator=g).to(device),
+             torch.randn(1, 6, H, generator=g, dtype=dtype).to(device), torch.tensor([0, 0, 1, 1, 0, 1]))
     return cache, level
 
 
@@ -45,22 +45,25 @@ def feed(head, cache, level, rows=None):
     tok, feat, parents = level
     with torch.no_grad():
         pos, mask = cache.staged_tree_inputs(parents, feat.dtype)
-        out = head(tok, feat, pos, mask, cache, rows)
+        out = head(tok, feat, pos, mask, cache, None if rows is None else rows.to(feat.device))
         cache.commit_forward(tok.shape[-1], as_context=False)
         pos, mask = cache.staged_tree_inputs(torch.tensor([cache.num_tree - 1]), feat.dtype)
-        after = head(torch.tensor([[7]]), torch.randn(1, 1, H, generator=torch.Generator().manual_seed(9),
-                                                          dtype=feat.dtype), pos, mask, cache)
+        after = head(torch.tensor([[7]], device=feat.device),
+                     torch.randn(1, 1, H, generator=torch.Generator().manual_seed(9), dtype=feat.dtype).to(feat.device),
+                     pos, mask, cache)
     return out, after
 
 
-def compare(head, tol, dtype=torch.float64):
-    cache, level = fed_cache(head, dtype)
+def compare(head, tol, dtype=torch.float64, device="cpu"):
+    """``feed`` with and without ``ROWS`` on twin caches (``head`` on ``device``): the same rows, the same next
+    forward, the same keys and values (``tests/gpu/test_cuda.py`` runs it on CUDA)."""
+    cache, level = fed_cache(head, dtype, device=device)
     twin = copy.deepcopy(cache)
     whole, after = feed(head, cache, level)
     got, got_after = feed(head, twin, level, ROWS)
     n = cache.length + cache.num_tree
     assert got.shape == (1, ROWS.numel(), H)
-    torch.testing.assert_close(got[0], whole[0, ROWS], rtol=tol, atol=tol)
+    torch.testing.assert_close(got[0], whole[0, ROWS.to(whole.device)], rtol=tol, atol=tol)
     torch.testing.assert_close(got_after, after, rtol=tol, atol=tol)
     for a, b in ((cache.keys, twin.keys), (cache.values, twin.values)):
         torch.testing.assert_close(b[..., :n, :], a[..., :n, :], rtol=tol, atol=tol)

@@ -249,3 +249,15 @@ def test_lean_layers_agree_with_transformers_on_cuda(dtype, tol):
         with torch.no_grad():
             outs.append(blk(x, pos, mask, cache).float().cpu())
     torch.testing.assert_close(outs[1], outs[0], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "lean"])
+def test_tree_outputs_rows_on_cuda(fused):
+    """A forward given the wanted rows (draft.protocol.tree_outputs: the fused head's last layer over those rows
+    alone, the key/value heads repeated on CUDA) equals the whole forward at those rows, with the same cache
+    (tests/test_tree_outputs.py checks float64 on the CPU to 1e-12)."""
+    from tests.test_fused_head import make_head
+    from tests.test_tree_outputs import compare
+    head = make_head("llama", 2, torch.float32).cuda()
+    head.fused = fused
+    compare(head, 1e-5, torch.float32, device="cuda")
