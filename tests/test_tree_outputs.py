@@ -6,7 +6,8 @@ those rows, leaves the cache exactly as the whole forward leaves it (so every la
 EAGLE-1/2 head really runs the last layer's attention, output projection and MLP over those rows alone. Checked for
 every head layout of ``tests/test_fused_head.py``, a two-layer block (rows only from the last layer: a planted
 first-layer cut fails), the lean path (which takes the rows afterwards), the drafter's commit-and-feed forward, a
-merged drafter (EAGLE + prompt lookup) and a drafter without the keyword (the protocol takes the rows itself).
+merged drafter (EAGLE + prompt lookup), a drafter without the keyword (the protocol takes the rows itself), and
+prompt lookup (both of its passes) and the suffix source alone.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def fed_cache(head, dtype=torch.float64, seed=2, device="cpu"):
 
 def feed(head, cache, level, rows=None):
     """The level fed (its rows' outputs, or those of ``rows``), then one more row below its last node: its output
-    reads every key and value the level wrote."""
+    reads the keys and values the level wrote for its ancestors (the caller compares the rest directly)."""
     tok, feat, parents = level
     with torch.no_grad():
         pos, mask = cache.staged_tree_inputs(parents, feat.dtype)
