@@ -1031,7 +1031,7 @@ class Drafter(BeamTreeDrafter):
         self.reseed()
         if self.dvocab is not None:
             self.dvocab.begin(list(prompt_ids) + [int(first_token)])
-        return self.commit(torch.tensor(prompt_ids[1:] + [first_token], device=HOST), features)
+        return self._commit(torch.tensor(prompt_ids[1:] + [first_token], device=HOST), features, last_only=True)
 
     @no_grad
     def draft_logprobs(self, hidden: Tensor) -> Tensor:
@@ -1069,6 +1069,15 @@ class Drafter(BeamTreeDrafter):
 
         The caller pairs each token with the target feature of the position *before* it.
         """
+        return self._commit(tokens, features)
+
+    @no_grad
+    def _commit(self, tokens: Tensor, features: Tensor, last_only: bool = False) -> Tensor:
+        """:meth:`commit`; ``last_only`` (a generation's :meth:`start`): the head's last layer runs the last row
+        alone (:meth:`_head_rows`, :func:`draft.protocol.tree_outputs`: why it is exact). Why only there: a start
+        feeds the whole prompt, hundreds of rows of which only the last output is read (most of the draft's
+        prefill, on a CPU); a commit of a few accepted tokens keeps the whole forward, where the cut's four
+        operators would cost more than the rows they skip."""
         cache = self.cache
         if cache.num_tree:
             cache.truncate_tree()
@@ -1076,8 +1085,8 @@ class Drafter(BeamTreeDrafter):
             self.dvocab.add(tokens)
         n = tokens.numel()
         pos, mask = cache.context_inputs(n, self.dtype)
-        out = self.head(tokens.view(1, -1).to(self.device), features.view(1, n, -1).to(self.device, self.dtype),
-                        pos, mask, cache)
+        fed = (tokens.view(1, -1).to(self.device), features.view(1, n, -1).to(self.device, self.dtype))
+        out = self._head_rows(fed, pos, mask, cache, torch.from_numpy(np.array([n - 1])) if last_only else None)
         cache.commit_forward(n, as_context=True)
         return out[0, -1]
 

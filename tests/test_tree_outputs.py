@@ -200,3 +200,27 @@ def test_retrieval_states_of_rows_are_the_whole_forwards(source):
     nxt = (torch.tensor([7, 5]), None, torch.tensor([3, 4]))
     assert torch.equal(b.tree_forward(*nxt), a.tree_forward(*nxt))
     assert (whole[:, :4] >= 0).any()                   # some row has a match (the check is not of empty states)
+
+
+def test_start_runs_the_last_prompt_row_alone_and_equals_the_whole_commit(monkeypatch):
+    """A generation's start reads only the last prompt row's output (``Drafter._commit(last_only=True)``): the same
+    root state and the same cache as committing the whole prompt, with the last layer's MLP over one row."""
+    from tests.test_graphs import _random_drafter
+    seen = []
+    real = fh._linear_res
+    monkeypatch.setattr(fh, "_linear_res", lambda x, w, b, res: (seen.append(x.shape[0]), real(x, w, b, res))[1])
+    prompt = [1, 5, 9, 13, 22, 7, 5, 9, 13, 30, 5, 9]
+    feats = torch.randn(len(prompt), 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    a, b = _random_drafter(0), _random_drafter(0)
+    h_start = a.start(prompt, 13, feats)
+    assert seen == [1, 1], seen                                   # o_proj and down_proj of the start: one row
+    b.reset()
+    h_whole = b.commit(torch.tensor(prompt[1:] + [13]), feats)
+    assert seen[2:] == [len(prompt)] * 2                          # a commit keeps the whole forward
+    torch.testing.assert_close(h_start, h_whole, rtol=1e-12, atol=1e-12)
+    n = a.cache.length
+    assert n == b.cache.length == len(prompt)
+    torch.testing.assert_close(a.cache.keys[..., :n, :], b.cache.keys[..., :n, :], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(a.cache.values[..., :n, :], b.cache.values[..., :n, :], rtol=1e-12, atol=1e-12)
+    nxt = (torch.tensor([4, 6]), torch.randn(2, 16, generator=torch.Generator().manual_seed(2), dtype=torch.float64))
+    torch.testing.assert_close(a.commit(*nxt), b.commit(*nxt), rtol=1e-12, atol=1e-12)

@@ -15,7 +15,8 @@ own stage root, head and drafter (``key=value`` overrides as for ``pipeline.run`
   half; the inputs follow the send). ``prefetch``: what ``continuous`` runs after each send while the stages
   compute (``tree.prefetch_level`` with ``tree.early_whole``: the re-fed tree's leaves ranked and the next
   expansion's second level drafted, :meth:`draft.drafter.BeamTreeDrafter.prefetch_expansion`), on the finished
-  first tree.
+  first tree. ``start``: a generation's start on a ``--ctx``-token prompt (the draft's prefill; it leaves the
+  drafter on the context every other call was drafted on).
 
 Each call runs ``--repeat`` times per block with the lean layers off, then on (``model.lean_layers``,
 :mod:`model.lean_layer`), for ``--blocks`` alternating blocks (load drift hits both alike); the table gives the
@@ -166,7 +167,8 @@ def _calls(args, cfg, stage_root: Path):
               (f"expand ({t.expand_levels} levels)", expand, own_buffers, t.expand_levels),
               *([(f"prefetch ({len(big)}-node tree)", prefetch_call, None, 0)] if prefetch is not None else []),
               ("commit 3 tokens", commit, restart, 0),
-              ("verified step bookkeeping", step, step_setup, 0)]
+              ("verified step bookkeeping", step, step_setup, 0),
+              (f"start ({args.ctx}-token prompt)", same_start, None, 0)]   # back to the trees' context
     blocks = [stage.block] + [h.block for h in heads]
     device = [stage, rank0, cache.keys, cache.values, root_hidden, start_feats, feats3, rows10, big_inputs, inputs]
     for s in getattr(drafter, "sources", [drafter]):
