@@ -48,10 +48,10 @@ class EagleHead(nn.Module):
                          key=self if cache is not None else None)
 
     def compute_lanes(self, calls: list[tuple]) -> list[torch.Tensor]:
-        """Several callers' :meth:`compute` arguments ``(tokens, features, positions, mask, cache)`` (several
+        """Several callers' :meth:`compute` arguments ``(tokens, features, positions, mask, cache[, rows])`` (several
         lanes' drafters sharing this head, each with its own cache) in ONE forward: the rows concatenated, each
         caller's attention over its own cache with its own mask (:class:`model.lane_batch.LaneBatch`); returns
-        each caller's output. Equal to each caller's own :meth:`compute` up to float reassociation of the
+        each caller's output (only its ``rows``, where given: every row runs here, then each caller's are taken). Equal to each caller's own :meth:`compute` up to float reassociation of the
         row-batched matmuls (``tests/test_coalesce.py``)."""
         from model.lane_batch import LaneBatch
         sizes = [int(c[0].shape[-1]) for c in calls]

@@ -97,7 +97,6 @@ def check_args(argv: list[str], world: int, tag: str = "[launch]", prompts_file:
         _check_only, _check_prompts = "", True
 
 
-
 def read_records(args) -> list[dict]:
     """The records this run asks (:func:`model.prompts.prompt_records`), each with at least one non-empty turn; a
     missing or malformed prompts file, an empty range or an empty turn is a :class:`model.prompts.PromptError`.
@@ -173,7 +172,7 @@ def _main(argv: list[str] | None = None, rank0=None) -> int:
     except ConfigError as e:
         return fail(str(e))
     if args.print_config:  # standalone (no torchrun, no torch): the configuration every rank would use
-        if rank == 0 and not globals().get("_check_only"):  # not from pipeline.tools.launch's pre-check
+        if rank == 0 and not _check_only:  # not from pipeline.tools.launch's pre-check
             from config.run_config import format_config
             print(f"# effective configuration ('# default: X' marks overrides); modes: {','.join(modes)}")
             print(format_config(cfg))

@@ -322,7 +322,7 @@ class ContinuousMode(StreamingMode):
         if not self.incremental(engine):
             self.inputs = None
             return super().first_tree(engine, root, root_hidden)
-        quick = 0 < t.first_levels <= t.init_depth
+        quick = self.quick_start(t)
         self.quick_fill = quick
         self.pre = self.early = self.pre2 = None
         self.whole = False
@@ -342,6 +342,12 @@ class ContinuousMode(StreamingMode):
         with engine.tracer.span("draft"):
             tree, self.inputs = engine.drafter.grow_tree_with_inputs(root, root_hidden, total, depth, t.init_topk)
         return tree.with_capacity(self.capacity(t))
+
+    @staticmethod
+    def quick_start(t) -> bool:
+        """Whether a round's first tree starts quick (``t``: the ``tree`` run keys): ``tree.first_levels`` levels sent
+        first, the rest grown while they travel (:meth:`finish_first_tree`); on an incremental drafter only."""
+        return 0 < t.first_levels <= t.init_depth
 
     @staticmethod
     def quick_total(t) -> int:
@@ -401,7 +407,7 @@ class ContinuousMode(StreamingMode):
         (:meth:`draft.drafter.Drafter.extend_tree` below its best leaves; appended nodes keep the tree
         ancestors-first, so the segments already sent stay a prefix)."""
         t = engine.cfg.tree
-        quick = 0 < t.first_levels <= t.init_depth
+        quick = self.quick_start(t)
         if self.inputs is None and quick and self.incremental(engine):   # a quick tree, sent: now its inputs
             self.take_lazy(engine, tree, root_hidden)
         if self.inputs is None or not quick:
