@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--broad", type=int, default=0, metavar="N",
                    help="add N prompts of broader kinds (translation, summarisation, RAG with quotes, extraction, "
                         "math, code, multi-turn, role-play; draft/train/broad_prompts.py), passages written by the target")
+    d.add_argument("--translate", type=int, default=0, metavar="N",
+                   help="add N translation prompts made from the answers of --translate-from (English sentences "
+                        "-> French/Spanish/German/Italian/Portuguese; answers to those -> back into English; "
+                        "draft/train/translation_prompts.py)")
+    d.add_argument("--translate-from", default=None, metavar="DATA.jsonl",
+                   help="a file this subcommand wrote (its DATA.prompts.jsonl beside it), the source of --translate")
     d.add_argument("--exclude", action="append", default=[], metavar="FILE:BEGIN:END",
                    help="drop prompts equal to the turns of these FastChat records (repeatable; e.g. an eval split)")
     d.add_argument("--max-turns", type=int, default=2, help="user turns kept per source conversation")

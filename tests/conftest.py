@@ -24,6 +24,7 @@ FAST_FILES = {
     "test_launchers.py", "test_merge_sources.py", "test_outputs.py", "test_prompt_lists.py", "test_sampling.py",
     "test_timeline.py", "test_tool_rows.py", "test_transport.py", "test_tree.py", "test_tree_stats.py",
     "test_tree_vectorised.py", "test_docs_links.py", "test_round_start_bound.py", "test_tree_outputs.py",
+    "test_translation_prompts.py",
 }
 # (file, test name prefix): the slow tests of those files (seconds: one loaded 2-core run of the file, --durations)
 SLOW_IN_FAST_FILES = {

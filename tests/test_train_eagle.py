@@ -155,6 +155,35 @@ def test_data_cli_self_prompts_resume_and_exclude(target_dir, tmp_path):
     assert again[:2] == recs[:2]
 
 
+def test_data_cli_translate_from_an_earlier_data_file(target_dir, tok, tmp_path):
+    """``--translate N --translate-from DATA``: English sentences of DATA's answers become English -> X prompts, and
+    the answers to those (run again on its own output) become X -> English prompts."""
+    from draft.train.translation_prompts import BACK_TEMPLATES, first_sentence, target_language
+    src = tmp_path / "src.jsonl"
+    answer = "The old bridge was rebuilt in the spring of last year. It is now open to walkers and cyclists every day."
+    ids = tok.encode(answer, add_special_tokens=False)
+    src.write_text(json.dumps({"pid": 0, "input_ids": [1, 2] + ids, "loss_mask": [0, 0] + [1] * len(ids)}) + "\n")
+    (tmp_path / "src.jsonl.prompts.jsonl").write_text(json.dumps({"pid": 0, "turns": ["Tell me about bridges."]}))
+    out = tmp_path / "t.jsonl"
+    base = ["data", "--target", str(target_dir), "--max-new-tokens", "4", "--batch-size", "4", "--device", "cpu",
+            "--no-progress", "--translate", "5"]
+    assert te.main(base + ["--translate-from", str(src), "--out", str(out)]) == 0
+    prompts = read_jsonl(out.with_name(out.name + ".prompts.jsonl"))
+    assert len(prompts) == len(read_jsonl(out)) == 2 and all(target_language(p["turns"][0]) for p in prompts)
+    # back into English: the tiny target's answers are its own tokens; hand it a French one to read back
+    recs = read_jsonl(out)
+    fr = tok.encode("Le pont a ete reconstruit au printemps dernier.", add_special_tokens=False)
+    recs[0]["input_ids"], recs[0]["loss_mask"] = [1, 2] + fr, [0, 0] + [1] * len(fr)
+    out.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    back = tmp_path / "b.jsonl"
+    assert te.main(base + ["--translate-from", str(out), "--out", str(back)]) == 0
+    lang = target_language(prompts[[p["pid"] for p in prompts].index(recs[0]["pid"])]["turns"][0])
+    said = first_sentence(tok.decode(fr, skip_special_tokens=True))      # (the tiny tokenizer drops a few letters)
+    got = [p["turns"][0] for p in read_jsonl(back.with_name(back.name + ".prompts.jsonl"))]
+    assert said and got and set(got) <= {t.format(L=lang, s=said) for t in BACK_TEMPLATES}, (got, said, lang)
+    assert te.main(base + ["--out", str(tmp_path / "x.jsonl")]) == 2           # no source: one clear error
+
+
 # -- features -----------------------------------------------------------------------------------------
 
 def test_features_equal_last_hidden_state_and_shards(target, target_dir, tmp_path):

@@ -24,12 +24,19 @@ from draft.train.prompt_files import is_excluded, load_excluded, load_prompt_fil
 from draft.train.prompt_lists import TOPICS
 from draft.train.records import read_jsonl
 from draft.train.self_prompts import add_followups, self_prompts
+from draft.train.translation_prompts import translation_prompts
 from draft.train.target import default_target, load_target, load_tokenizer, resolve_device
 
 
+def prompts_path(out: Path) -> Path:
+    """Where the prompt set of the data file ``out`` is kept."""
+    return out.with_name(out.name + ".prompts.jsonl")
+
+
 def new_prompt_set(args, tok, target_model) -> list[dict]:
-    """The prompt set of a fresh run: prompt files, then self prompts, then broad prompts; minus the excluded ones;
-    follow-up turns added; ``pid`` = position. ``target_model()`` loads the target (once) when a source needs it."""
+    """The prompt set of a fresh run: prompt files, then self prompts, broad prompts and translation prompts; minus
+    the excluded ones; follow-up turns added; ``pid`` = position. ``target_model()`` loads the target (once) when a
+    source needs it."""
     excluded = load_excluded(args.exclude)
     convs = []
     for f in args.prompts or []:
@@ -43,6 +50,10 @@ def new_prompt_set(args, tok, target_model) -> list[dict]:
         convs += broad_prompts(target_model(), tok, args.broad, TOPICS, seed=args.seed, batch_size=args.batch_size,
                                max_new_tokens=args.prompt_max_new_tokens, system=args.system,
                                template=args.template, progress=not args.no_progress)
+    if args.translate:
+        src = Path(args.translate_from)
+        convs += translation_prompts(read_jsonl(src), {p["pid"]: p for p in read_jsonl(prompts_path(src))},
+                                     lambda ids: tok.decode(ids, skip_special_tokens=True), args.translate, args.seed)
     n0 = len(convs)
     convs = [c for c in convs if not is_excluded(c["turns"], excluded)]
     if n0 != len(convs):
@@ -86,7 +97,13 @@ def cmd_data(args) -> int:
     target = Path(args.target) if args.target else default_target()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    prompts_file = out.with_name(out.name + ".prompts.jsonl")
+    prompts_file = prompts_path(out)
+    if args.translate:
+        src = Path(args.translate_from) if args.translate_from else None
+        if src is None or not src.is_file() or not prompts_path(src).is_file():
+            print(f"error: --translate needs --translate-from DATA.jsonl, a file this subcommand wrote with its "
+                  f"prompts beside it (got {args.translate_from!r})", file=sys.stderr)
+            return 2
     tok = load_tokenizer(target)
     loaded = []
 
@@ -106,7 +123,7 @@ def cmd_data(args) -> int:
         if out.exists():
             out.unlink()
     if not convs:
-        print("error: no prompts (give --prompts FILE, --self-prompts N and/or --broad N)", file=sys.stderr)
+        print("error: no prompts (give --prompts FILE, --self-prompts N, --broad N and/or --translate N)", file=sys.stderr)
         return 2
     done = {r["pid"] for r in read_jsonl(out)} if out.is_file() else set()
     todo = [c for c in convs if c["pid"] not in done]
