@@ -79,6 +79,11 @@ def test_cli_needs_an_output_folder_and_key_value_overrides(capsys):
             main(argv)
         assert e.value.code == 2
     assert "--out is required" in capsys.readouterr().err
+    # the head is an argument of the bench (run_threaded is handed it): an override naming one would be outvoted
+    for argv in (["--out", "o", "model.head_dir=/h"], ["--out", "o", "--sources", "eagle,lookup head_dir=/h"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and "--head-dir DIR" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not STORIES.is_dir() or not DATA.is_dir(), reason="../shared is not available")
