@@ -4,7 +4,8 @@
 #
 #   bash scripts/gpu_head_recipe.sh data  OUT   # self-distilled data: the default head's kinds + broad kinds,
 #                                               # half greedy, half sampled (float32 target, as at inference);
-#                                               # the six sets' records [30, 50) excluded
+#                                               # the six sets' records [30, 50) excluded; then translations of
+#                                               # its answers' sentences and back (data --translate)
 #   bash scripts/gpu_head_recipe.sh train OUT   # EAGLE-1/2 head with the training-time test (--unroll-steps 5),
 #                                               # from the shipped head, saved in bf16 to OUT/head
 #   bash scripts/gpu_head_recipe.sh eval  OUT   # tau per category (held-out kinds + six sets), T = 0 and T = 1,
@@ -48,18 +49,35 @@ for set in "${sets[@]}"; do
 done
 
 do_data() {
+  T0=$(date +%s)   # one budget for the whole step
   log "data: $(n 6000) self prompts + $(n 4000) broad prompts on $DEVICE, budget ${BUDGET_S}s"
-  "$PY" -m draft.train_eagle data --out "$OUT/data.jsonl" --self-prompts "$(n 6000)" --broad "$(n 4000)" \
-      --followup-frac 0.2 --temperature 0.8 --sample-frac 0.5 --max-new-tokens 256 --batch-size "$BATCH" \
-      --device "$DEVICE" --dtype float32 --time-budget "$BUDGET_S" --resume --no-progress "${exclude[@]}"
-  log "data: $(cat "$OUT/data.jsonl" 2>/dev/null | wc -l) conversations in $OUT/data.jsonl"
+  run_data data --self-prompts "$(n 6000)" --broad "$(n 4000)" --followup-frac 0.2 --temperature 0.8 \
+      --sample-frac 0.5 --max-new-tokens 256 "${exclude[@]}" || return 0
+  # translation made from the target's own answers (English sentences -> five languages, then those answers back
+  # into English); each source must be complete first, so that a resumed run draws the same prompts
+  run_data translate_to --translate "$(n 2000)" --translate-from "$OUT/data.jsonl" --temperature 0.8 \
+      --sample-frac 0.3 --max-new-tokens 96 --seed 1 || return 0
+  run_data translate_back --translate "$(n 1000)" --translate-from "$OUT/translate_to.jsonl" --temperature 0.8 \
+      --sample-frac 0.3 --max-new-tokens 96 --seed 2 || return 0
+}
+
+run_data() {   # run_data NAME ARGS...: OUT/NAME.jsonl, resumed; fails while prompts are left (the budget cut it)
+  local name="$1" left=$((BUDGET_S - ($(date +%s) - T0))); shift
+  (( left > 30 )) || { log "data: the budget is spent before $name: run the data step again"; return 1; }
+  "$PY" -m draft.train_eagle data --out "$OUT/$name.jsonl" --batch-size "$BATCH" --device "$DEVICE" --dtype float32 \
+      --time-budget "$left" --resume --no-progress "$@" 2> "$OUT/$name.log" || { cat "$OUT/$name.log" >&2; exit 2; }
+  cat "$OUT/$name.log" >&2
+  log "data: $(wc -l < "$OUT/$name.jsonl") conversations in $OUT/$name.jsonl"
+  tail -n 1 "$OUT/$name.log" | grep -q '"complete": true' || { log "data: $name is not complete: run the data step again"; return 1; }
 }
 
 do_train() {
   [[ -s "$OUT/data.jsonl" ]] || { echo "gpu_head_recipe: run the data step first ($OUT/data.jsonl is missing)" >&2; exit 2; }
   local amp=none; [[ "$DEVICE" == cuda* ]] && amp=bf16
   log "train: --unroll-steps 5 from $SHIPPED on $DEVICE, budget ${BUDGET_S}s"
-  "$PY" -m draft.train_eagle train --data "$OUT/data.jsonl" --out "$OUT/head" --init-from "$SHIPPED" \
+  local data=(--data "$OUT/data.jsonl") f
+  for f in translate_to translate_back; do [[ -s "$OUT/$f.jsonl" ]] && data+=(--data "$OUT/$f.jsonl"); done
+  "$PY" -m draft.train_eagle train "${data[@]}" --out "$OUT/head" --init-from "$SHIPPED" \
       --unroll-steps 5 --batch-size "$TRAIN_BATCH" --max-len 1024 --lr "$LR" --epochs 3 --cache-features cpu --amp "$amp" \
       --val-count "$(n 40)" --val-every 200 --time-budget "$BUDGET_S" --save-dtype bfloat16 --device "$DEVICE" \
       --resume --no-progress

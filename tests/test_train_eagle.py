@@ -130,7 +130,7 @@ def test_data_builder_loss_mask(target, tok):
     assert one[0]["input_ids"] == recs[0]["input_ids"]
 
 
-def test_data_cli_self_prompts_resume_and_exclude(target_dir, tmp_path):
+def test_data_cli_self_prompts_resume_and_exclude(target_dir, tmp_path, capsys):
     out = tmp_path / "d.jsonl"
     q = tmp_path / "q.jsonl"
     q.write_text("\n".join(json.dumps({"turns": [t]}) for t in ["keep me", "drop me", "also keep"]))
@@ -153,6 +153,14 @@ def test_data_cli_self_prompts_resume_and_exclude(target_dir, tmp_path):
     again = read_jsonl(out)
     assert sorted(r["pid"] for r in again) == sorted(r["pid"] for r in recs)
     assert again[:2] == recs[:2]
+    # the summary says whether every prompt was tried (scripts/gpu_head_recipe.sh resumes until it is): a budget
+    # spent before the first chunk leaves the file as it was and says so
+    out.write_text("\n".join(lines[:2]) + "\n")
+    capsys.readouterr()
+    assert te.main(argv + ["--resume", "--time-budget", "1e-9"]) == 0
+    assert '"complete": false' in capsys.readouterr().err and len(read_jsonl(out)) == 2
+    assert te.main(argv + ["--resume"]) == 0
+    assert '"complete": true' in capsys.readouterr().err
 
 
 def test_data_cli_translate_from_an_earlier_data_file(target_dir, tok, tmp_path):

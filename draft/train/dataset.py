@@ -64,9 +64,10 @@ def new_prompt_set(args, tok, target_model) -> list[dict]:
     return convs
 
 
-def answer_prompts(args, model, tok, todo: list[dict], n_total: int, n_done: int, out: Path, t0: float) -> None:
+def answer_prompts(args, model, tok, todo: list[dict], n_total: int, n_done: int, out: Path, t0: float) -> bool:
     """Append the answered conversations of the prompts ``todo`` to ``out``, chunk by chunk, until done or out of
-    ``--time-budget`` (``n_total`` / ``n_done``: the prompt set's size and the conversations already in ``out``)."""
+    ``--time-budget`` (``n_total`` / ``n_done``: the prompt set's size and the conversations already in ``out``).
+    Returns whether every prompt was tried (a prompt over ``--max-prompt-tokens`` is tried and gives no record)."""
     from tqdm import tqdm
     chunk = max(1, args.batch_size * args.chunk_batches)
     bar = tqdm(total=n_total, initial=n_done, desc="conversations", disable=args.no_progress)
@@ -75,7 +76,8 @@ def answer_prompts(args, model, tok, todo: list[dict], n_total: int, n_done: int
         if args.time_budget and time.time() - t0 > args.time_budget:
             print(f"[data] time budget reached; {n_done + n_written}/{n_total} conversations written "
                   f"(rerun with --resume to continue)", file=sys.stderr)
-            break
+            bar.close()
+            return False
         part = todo[s:s + chunk]
         recs = build_conversations(model, tok, part, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                                    temperature=args.temperature, top_p=args.top_p, sample_frac=args.sample_frac,
@@ -88,6 +90,7 @@ def answer_prompts(args, model, tok, todo: list[dict], n_total: int, n_done: int
         n_written += len(recs)
         bar.update(len(part))
     bar.close()
+    return True
 
 
 def cmd_data(args) -> int:
@@ -128,11 +131,11 @@ def cmd_data(args) -> int:
     done = {r["pid"] for r in read_jsonl(out)} if out.is_file() else set()
     todo = [c for c in convs if c["pid"] not in done]
     model = target_model() if todo or loaded else None
-    answer_prompts(args, model, tok, todo, len(convs), len(done), out, t0)
+    complete = answer_prompts(args, model, tok, todo, len(convs), len(done), out, t0)
     recs = read_jsonl(out) if out.is_file() else []
     ntok = sum(len(r["input_ids"]) for r in recs)
     nans = sum(sum(r["loss_mask"]) for r in recs)
     info = {"conversations": len(recs), "tokens": ntok, "assistant_tokens": nans, "target": str(target),
-            "seconds": round(time.time() - t0, 1)}
+            "seconds": round(time.time() - t0, 1), "complete": complete}
     print(json.dumps(info), file=sys.stderr)
     return 0
