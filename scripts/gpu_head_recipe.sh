@@ -67,8 +67,9 @@ run_data() {   # run_data NAME ARGS...: OUT/NAME.jsonl, resumed; fails while pro
   "$PY" -m draft.train_eagle data --out "$OUT/$name.jsonl" --batch-size "$BATCH" --device "$DEVICE" --dtype float32 \
       --time-budget "$left" --resume --no-progress "$@" 2> "$OUT/$name.log" || { cat "$OUT/$name.log" >&2; exit 2; }
   cat "$OUT/$name.log" >&2
-  log "data: $(wc -l < "$OUT/$name.jsonl") conversations in $OUT/$name.jsonl"
-  tail -n 1 "$OUT/$name.log" | grep -q '"complete": true' || { log "data: $name is not complete: run the data step again"; return 1; }
+  log "data: $(cat "$OUT/$name.jsonl" 2>/dev/null | wc -l) conversations in $OUT/$name.jsonl"
+  tail -n 1 "$OUT/$name.log" | grep -q '"complete": true' ||
+    { log "data: $name is not complete: run the data step again"; return 1; }
 }
 
 do_train() {

@@ -24,8 +24,8 @@ from draft.train.prompt_files import is_excluded, load_excluded, load_prompt_fil
 from draft.train.prompt_lists import TOPICS
 from draft.train.records import read_jsonl
 from draft.train.self_prompts import add_followups, self_prompts
-from draft.train.translation_prompts import translation_prompts
 from draft.train.target import default_target, load_target, load_tokenizer, resolve_device
+from draft.train.translation_prompts import translation_prompts
 
 
 def prompts_path(out: Path) -> Path:
@@ -126,7 +126,8 @@ def cmd_data(args) -> int:
         if out.exists():
             out.unlink()
     if not convs:
-        print("error: no prompts (give --prompts FILE, --self-prompts N, --broad N and/or --translate N)", file=sys.stderr)
+        print("error: no prompts (give --prompts FILE, --self-prompts N, --broad N and/or --translate N)",
+              file=sys.stderr)
         return 2
     done = {r["pid"] for r in read_jsonl(out)} if out.is_file() else set()
     todo = [c for c in convs if c["pid"] not in done]
