@@ -9,6 +9,7 @@ parses arguments and dispatches here:
     generate       generation with the target: batched answers, whole conversations with loss masks
     self_prompts   ``--self-prompts N``: prompts the target writes itself plus templated ones; follow-up turns
     broad_prompts  ``--broad N``: translation, summaries, RAG, extraction, math, code, multi-turn, role-play
+    translation_prompts  ``--translate N``: translation prompts from the target's own answers, and back
     dataset        the ``data`` subcommand (prompts -> conversations JSONL, resumable)
     features       the ``features`` subcommand (target features in safetensors shards) and their reader
     records        training records: reading, filtering, the held-out split
