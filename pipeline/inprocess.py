@@ -29,6 +29,14 @@ def _wait_s(cfg) -> float:
     return max(TIMEOUT_S, float(cfg.comm.timeout_s))
 
 
+def head_conflict(overrides: list[str], drafter: str | None) -> str | None:
+    """The head an override names (``model.head_dir=`` or its alias) when it is not ``drafter``, the head
+    :func:`run_threaded` is handed and uses: such an override would lose silently, so callers refuse it (a tool
+    can ask before loading anything). None where there is no conflict."""
+    named = apply_overrides(DEFAULT, overrides).model.head_dir
+    return named if drafter is not None and named not in ("", DEFAULT.model.head_dir, drafter) else None
+
+
 def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], overrides: list[str],
                  stop_ids: set[int], drafter: str | None = None, dtype=torch.float64,
                  guard=nullcontext, step_observers=()) -> dict[str, list]:
@@ -40,6 +48,9 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
     passes ``lambda: torch.device("meta")``). ``step_observers``: rank 0's step observers
     (e.g. a :class:`pipeline.tree_stats.TreeStats`).
     """
+    conflict = head_conflict(overrides, drafter)
+    if conflict is not None:
+        raise ValueError(f"an override names the head {conflict!r}, but the head given is {drafter!r}")
     from model.stage_format import read_manifest
     world = len(read_manifest(stage_root)["split"])
     cfg = apply_overrides(DEFAULT, overrides)

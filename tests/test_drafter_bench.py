@@ -3,6 +3,7 @@ ring, identity check, resume."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -84,6 +85,14 @@ def test_cli_needs_an_output_folder_and_key_value_overrides(capsys):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2 and "--head-dir DIR" in capsys.readouterr().err
+    assert main(["--out", "o", "bogus.key=1"]) == 2 and "unknown config key" in capsys.readouterr().err
+    # the rule is the in-process ring's own: it refuses before loading anything (no stages here), and takes an
+    # override that names the head it is given, or none
+    from pipeline.inprocess import head_conflict, run_threaded
+    with pytest.raises(ValueError, match="names the head '/h'"):
+        run_threaded(Path("/nonexistent"), [[1]], ["naive"], ["head_dir=/h"], set(), "/other")
+    assert head_conflict(["model.head_dir=/h"], "/h") is None and head_conflict(["seed=1"], "/h") is None
+    assert head_conflict(["model.head_dir=/h"], None) is None
 
 
 @pytest.mark.skipif(not STORIES.is_dir() or not DATA.is_dir(), reason="../shared is not available")

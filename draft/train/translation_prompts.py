@@ -46,7 +46,9 @@ def english_sentences(text: str) -> Iterator[str]:
 
 def first_sentence(text: str) -> str | None:
     """The first sentence of a translation the target wrote (its first line, without quotes around it), when it
-    has 4-30 words and does not open with a label (``French: ...``); else None."""
+    has 4-30 words and does not open with a label (``French: ...``); else None. (Not
+    :func:`draft.train.broad_prompts._first_sentence`: that one reads the target's English passages, keeps a closing
+    quote in the sentence, and its seeded prompts are the broad head's recipe, which a shared rule would change.)"""
     line = text.strip().split("\n")[0].strip().strip('"')
     m = re.match(r"(.+?[.!?])[\"”]?(\s|$)", line)
     s = m.group(1) if m else line

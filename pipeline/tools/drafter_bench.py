@@ -422,10 +422,18 @@ def main(argv: list[str] | None = None) -> int:
     bad = [kv for kv in args.overrides if "=" not in kv or kv.startswith("=")]
     if bad and not args.report:
         ap.error(f"overrides take KEY=VALUE, got {bad[0]!r}")
-    heads = [kv for c in [" ".join(args.overrides), *(args.sources or [])] for kv in c.split()
-             if kv.split("=", 1)[0] in ("model.head_dir", "head_dir")]
-    if heads:      # run_threaded is handed the head; an override would be silently outvoted
-        ap.error(f"give the head as --head-dir DIR (or --head DIR, repeatable), not as an override ({heads[0]!r})")
+    from config.run_config import ConfigError
+    if not args.report:       # run_threaded refuses a head named by an override; say so before loading anything
+        from config.paths import DEFAULT_HEAD_DIR
+        from pipeline.inprocess import head_conflict
+        for _, head, own in configurations(args):
+            try:
+                named = head_conflict([*args.overrides, *own], head or args.head_dir or str(DEFAULT_HEAD_DIR))
+            except ConfigError as e:
+                print(f"[drafter_bench] error: {e}", file=sys.stderr)
+                return 2
+            if named is not None:
+                ap.error(f"give the head as --head-dir DIR (or --head DIR, repeatable), not as an override ({named!r})")
     try:
         return report(args) if args.report else run(args)
     except FileNotFoundError as e:
