@@ -41,6 +41,12 @@ def cmd_train(args) -> int:
         args.eval_steps = args.unroll_steps if args.unroll_steps > 1 else 0
     if args.eval_steps < 0:
         raise ValueError(f"--eval-steps must be >= 0, got {args.eval_steps}")
+    if args.anchor_decay < 0:
+        raise ValueError(f"--anchor-decay must be >= 0, got {args.anchor_decay}")
+    if args.anchor_decay and not args.init_from:
+        raise ValueError("--anchor-decay pulls toward the starting head: give it with --init-from HEAD")
+    if args.anchor_decay and args.arch == "eagle3":
+        raise ValueError("--anchor-decay is for --arch eagle")
     if args.arch == "eagle3" and args.unroll_steps != 1:
         raise ValueError("--unroll-steps is for --arch eagle; EAGLE-3 heads unroll with --ttt-steps")
     if getattr(args, "arch", "eagle") == "eagle3":
@@ -142,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--min-lr-ratio", type=float, default=0.0)
     t.add_argument("--warmup", type=int, default=None, help="warmup steps (default 3%% of the steps)")
     t.add_argument("--weight-decay", type=float, default=0.0)
+    t.add_argument("--anchor-decay", type=float, default=0.0, metavar="S",
+                   help="with --init-from: after every step pull the weights toward the starting head by lr x S of "
+                        "their distance (L2-SP as a decoupled decay: against forgetting on a small replay set)")
     t.add_argument("--grad-clip", type=float, default=0.5)
     t.add_argument("--p-weight", type=float, default=0.1, help="weight of the token cross-entropy")
     t.add_argument("--v-weight", type=float, default=1.0, help="weight of the feature SmoothL1")

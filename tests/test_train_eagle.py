@@ -12,7 +12,7 @@ from draft import train_eagle as te
 from draft.train.batches import ConversationBatches, epoch_batches
 from draft.train.features import FeatureStore, target_features
 from draft.train.generate import build_conversations
-from draft.train.objective import (eagle_loss, evaluate, head_forward, sequence_batch, train_step,
+from draft.train.objective import (decay_toward, eagle_loss, evaluate, head_forward, sequence_batch, train_step,
                                    unrolled_forward, unrolled_loss)
 from draft.train.prompt_files import is_excluded, load_excluded, load_prompt_file
 from draft.train.prompt_lists import META_STYLES, TEMPLATE_STYLES, TOPICS
@@ -356,6 +356,52 @@ def test_train_step_runs_and_loss_decreases(target):
     assert 0 <= v["top1"] <= v["top5"] <= 1 and v["top1_step2"] is not None and v["tokens"] > 0
 
 
+def test_decay_toward_pulls_to_the_anchor_not_to_zero():
+    """L2-SP as a decoupled step: the distance to the anchor shrinks by ``rate``, clipped to [0, 1]. Planted bugs:
+    AdamW's decay (toward 0) and an unclipped rate (overshoots the anchor) both fail."""
+    a = [torch.tensor([1.0, -2.0, 3.0]), torch.tensor([[0.5]])]
+    p = [x + torch.tensor(0.25) for x in a]
+    decay_toward(p, a, 0.2)
+    for x, y in zip(p, a):
+        assert torch.allclose(x, y + 0.2, atol=1e-7)        # 0.25 * (1 - 0.2); toward 0 would shrink y too
+    decay_toward(p, a, 5.0)                                  # clipped to 1: exactly back on the anchor
+    assert all(torch.equal(x, y) for x, y in zip(p, a))
+    q = [x + 1.0 for x in a]
+    decay_toward(q, a, -1.0)                                 # clipped to 0: no step
+    assert all(torch.equal(x, y + 1.0) for x, y in zip(q, a))
+
+    def planted(params, anchors, rate):                      # AdamW's weight decay: toward zero
+        for x in params:
+            x.mul_(1 - rate)
+    r = [x + torch.tensor(0.25) for x in a]
+    planted(r, a, 0.2)
+    assert not all(torch.allclose(x, y + 0.2, atol=1e-7) for x, y in zip(r, a))
+
+
+def test_train_step_anchor_holds_the_head_at_its_start(target):
+    """With the rate at 1 every step ends on the anchor (the update undone); at 0 the head moves; between, the
+    head stays nearer its start than without an anchor (same batches, same seed)."""
+    batch = _fixture_batch(target)
+
+    def trained(strength):
+        head = _fresh_head(target, seed=2)
+        start = [p.detach().clone() for p in head.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(5):
+            train_step(head, batch, opt, target.lm_head, generator=gen,
+                       anchor=None if strength is None else ([x.clone() for x in start], strength))
+        now = [p.detach() for p in head.parameters() if p.requires_grad]
+        return sum(float((x - y).pow(2).sum()) for x, y in zip(now, start)), now, start
+
+    free, _, _ = trained(None)
+    held, now, start = trained(100.0)                        # lr x 100 = 1: back on the start
+    assert all(torch.equal(x, y) for x, y in zip(now, start))
+    assert held == 0.0 < free
+    half, _, _ = trained(20.0)                               # lr x 20 = 0.2 per step
+    assert 0.0 < half < free
+
+
 def test_saved_head_round_trips_bit_exactly(target, tmp_path):
     head = _fresh_head(target, seed=5)
     with torch.no_grad():
@@ -435,6 +481,27 @@ def test_train_cli_end_to_end_with_resume(target, target_dir, tmp_path):
     assert te.main(base + ["--out", str(tmp_path / "h4"), "--max-steps", "1", "--batch-size", "9"]) == 2
     assert te.main(base + ["--out", str(tmp_path / "h4"), "--max-steps", "1", "--arch", "eagle3",
                            "--unroll-steps", "2"]) == 2
+    # --anchor-decay: toward --init-from's head, so it needs one; not negative; not for EAGLE-3
+    assert te.main(base + ["--out", str(tmp_path / "h4"), "--max-steps", "1", "--anchor-decay", "10"]) == 2
+    assert te.main(base + ["--out", str(tmp_path / "h4"), "--max-steps", "1", "--anchor-decay", "-1",
+                           "--init-from", str(out)]) == 2
+    # the anchor is --init-from's head, also after --resume (not the checkpoint's): two steps at rate 0.5 leave the
+    # head off its start; resumed at rate 1 (constant lr 1e-2 x 100), the third step ends on it (float32: exactly)
+    out5 = tmp_path / "anchored"
+    anchored = base[:base.index("--save-dtype")] + ["--out", str(out5), "--init-from", str(out), "--lr", "1e-2",
+                                                    "--warmup", "1", "--min-lr-ratio", "1"]
+    assert te.main(anchored + ["--anchor-decay", "50", "--max-steps", "2"]) == 0
+
+    def off_start():
+        h0 = load_eagle_head(out, target.config, target_embed=target.model.embed_tokens.weight.data).state_dict()
+        h5 = load_eagle_head(out5, target.config, target_embed=target.model.embed_tokens.weight.data).state_dict()
+        return [k for k in h0 if not k.startswith("embed_tokens") and not torch.equal(h0[k].float(), h5[k])]
+    assert off_start()
+    st5 = torch.load(out5 / "train_state" / "checkpoint.pt", weights_only=True)
+    st5["total"] = 3
+    torch.save(st5, out5 / "train_state" / "checkpoint.pt")
+    assert te.main(anchored + ["--anchor-decay", "100", "--resume"]) == 0
+    assert off_start() == []
     # a head for another model is refused as the starting point
     from transformers import LlamaConfig
     other = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -64,6 +64,7 @@ class TrainRun:
     elapsed_before: float = 0.0   # training seconds of earlier (resumed) sessions
     t_loop: float = 0.0
     gen: torch.Generator | None = None
+    anchor: tuple[list[Tensor], float] | None = None   # (--init-from's weights, --anchor-decay): decay_toward
     val_batches_idx: list[list[int]] = field(default_factory=list)
 
 
@@ -156,6 +157,8 @@ def prepare_run(args) -> TrainRun | None:
     steps_per_epoch = max(1, len(train_idx) // args.batch_size)
     planned = args.max_steps or max(1, int(steps_per_epoch * args.epochs))
     params = [p for p in head.parameters() if p.requires_grad]
+    # the starting head's weights, before --resume replaces them (they are what --init-from loaded, every session)
+    anchor = ([p.detach().clone() for p in params], args.anchor_decay) if args.anchor_decay else None
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     schedule = {"total": planned}
     warm = args.warmup if args.warmup is not None else max(1, int(0.03 * planned))
@@ -163,7 +166,8 @@ def prepare_run(args) -> TrainRun | None:
     return TrainRun(args=args, t_start=t_start, dev=dev, amp=amp, target_dir=target_dir, tcfg=tcfg, out=out,
                     ckpt_path=ckpt_dir / "checkpoint.pt", metrics_path=out / "metrics.jsonl", train_idx=train_idx,
                     val_idx=val_idx, lengths=lengths, head=head, lm_head=lm_head, emb_w=emb_w, data=data, opt=opt,
-                    sched=sched, schedule=schedule, planned=planned, steps_per_epoch=steps_per_epoch)
+                    sched=sched, schedule=schedule, planned=planned, steps_per_epoch=steps_per_epoch,
+                    anchor=anchor)
 
 
 def resume_or_start(run: TrainRun) -> None:
@@ -326,7 +330,8 @@ def train_loop(run: TrainRun) -> None:
         batch = run.data.make(epoch_cache[epoch][k])
         m = train_step(run.head, batch, run.opt, run.lm_head, p_weight=args.p_weight, v_weight=args.v_weight,
                        noise_std=args.noise_std, grad_clip=args.grad_clip, scheduler=run.sched, amp_dtype=run.amp,
-                       generator=run.gen, unroll_steps=args.unroll_steps, unroll_decay=args.unroll_decay)
+                       generator=run.gen, unroll_steps=args.unroll_steps, unroll_decay=args.unroll_decay,
+                       anchor=run.anchor)
         run.step += 1
         clock.record(run.step, time.time() - t_step)
         bar.update(1)

@@ -204,7 +204,8 @@ def unrolled_loss(head: EagleHead, lm_head: nn.Module, batch: dict, steps: int, 
 def train_step(head: EagleHead, batch: dict, optimizer: torch.optim.Optimizer, lm_head: nn.Module, *,
                p_weight: float = 0.1, v_weight: float = 1.0, noise_std: float = 0.2, grad_clip: float = 0.5,
                scheduler=None, amp_dtype: torch.dtype | None = None,
-               generator: torch.Generator | None = None, unroll_steps: int = 1, unroll_decay: float = 0.8) -> dict:
+               generator: torch.Generator | None = None, unroll_steps: int = 1, unroll_decay: float = 0.8,
+               anchor: tuple[list[Tensor], float] | None = None) -> dict:
     """One optimizer update of the head on one batch; returns float metrics.
 
     ``batch`` holds *entries* (the rows the head consumes), all on the head's device:
@@ -227,6 +228,10 @@ def train_step(head: EagleHead, batch: dict, optimizer: torch.optim.Optimizer, l
 
     ``unroll_steps > 1`` (sequence batches only) trains with the training-time test of :func:`unrolled_loss`
     and adds ``step_top1`` (top-1 agreement per unrolled step) to the metrics.
+
+    ``anchor = (weights, strength)``: after the optimizer's update, :func:`decay_toward` pulls the trainable
+    parameters (in :meth:`head.parameters` order) toward ``weights`` at the rate ``lr x strength``, with the
+    learning rate this step used.
     """
     head.train()
     dev = batch["tokens"].device
@@ -242,6 +247,8 @@ def train_step(head: EagleHead, batch: dict, optimizer: torch.optim.Optimizer, l
     params = [p for p in head.parameters() if p.requires_grad]
     gnorm = torch.nn.utils.clip_grad_norm_(params, grad_clip) if grad_clip and grad_clip > 0 else torch.zeros(())
     optimizer.step()
+    if anchor is not None:
+        decay_toward(params, anchor[0], optimizer.param_groups[0]["lr"] * anchor[1])
     if scheduler is not None:
         scheduler.step()
     m = {"loss": float(out["loss"].detach()), "vloss": float(out["vloss"]), "ploss": float(out["ploss"]),
@@ -249,6 +256,23 @@ def train_step(head: EagleHead, batch: dict, optimizer: torch.optim.Optimizer, l
     if "step_top1" in out:
         m["step_top1"] = out["step_top1"]
     return m
+
+
+@torch.no_grad()
+def decay_toward(params: list[Tensor], anchors: list[Tensor], rate: float) -> None:
+    """``p <- p - rate * (p - a)`` for each parameter ``p`` and its anchor ``a``, in place; ``rate`` clipped to
+    ``[0, 1]`` (1 puts every weight back on its anchor; more would overshoot it).
+
+    Why: a head fine-tuned on a new kind of data (``train --init-from HEAD --anchor-decay S``) forgets what it was
+    good at when the replay of its old kinds is small (docs/results.md §96: translation data won, the six sets
+    lost). This is L2-SP's penalty ``S/2 * ||p - a||^2`` toward the starting weights, applied as a decoupled step
+    like AdamW's weight decay (which pulls toward 0 instead): a direction the new data keeps pushing stays moved, a
+    drift it does not sustain shrinks by ``lr x S`` per step."""
+    rate = min(max(rate, 0.0), 1.0)
+    if rate == 0.0:
+        return
+    for p, a in zip(params, anchors, strict=True):
+        p.lerp_(a, rate)                  # (torch's lerp is exact at both ends: rate 1 gives ``a`` bitwise)
 
 
 @torch.no_grad()
