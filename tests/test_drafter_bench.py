@@ -54,6 +54,27 @@ def test_per_category_table_pools_the_broad_kinds_and_the_six_sets(tmp_path, cap
     assert main(["--report", str(tmp_path / "none"), "--out", str(tmp_path / "x")]) == 2
 
 
+def test_report_tells_heads_apart(tmp_path, capsys):
+    """Two runs with the same sources and different --head-dir: --report labels each configuration with its head
+    (it pooled them into one configuration before rows named their head); a label one head carries stays as it
+    is; a row without a head counts as head '?'. Planted: without the relabelling, one configuration."""
+    from pipeline.tools.drafter_bench import label_heads, main
+    row = lambda c, h, acc: {"sources": c, "head": h, "dataset": "gsm8k", "record": 0, "output_ids": [1],
+                             "accept_lengths": acc, "rounds": len(acc), "rank0_busy_s": 0.1, "temperature": 0.0}
+    rows = [row("eagle,lookup", "/heads/A", [2, 2]), row("eagle,lookup", "/heads/B", [4]), row("eagle", "/heads/A", [1])]
+    got = [r["sources"] for r in label_heads(rows)]
+    assert got == ["eagle,lookup head=/heads/A", "eagle,lookup head=/heads/B", "eagle"]
+    legacy = dict(rows[0])
+    del legacy["head"]
+    assert label_heads([legacy, rows[1]])[0]["sources"] == "eagle,lookup head=?"
+    for name, r in (("a", rows[0]), ("b", rows[1])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "rows.jsonl").write_text(json.dumps(r) + "\n")
+    assert main(["--report", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "ab")]) == 0
+    summary = (tmp_path / "ab" / "summary.csv").read_text().splitlines()
+    assert len(summary) == 3 and "head=/heads/B" in summary[2] and ",4.0," in summary[2]
+
+
 def test_configurations_cross_sources_heads_and_vocabularies():
     """One CLI for draft.sources combinations, heads and reduced vocabularies (the old eagle3_bench): every
     combination is one configuration, labelled by what varies; 'heldout' names the four held-out prompt kinds."""
@@ -119,7 +140,21 @@ def test_bench_on_stories260k_is_exact_and_resumable(tmp_path, capsys):
     assert len(rows) == 6 and {r["dataset"] for r in rows} == {"gsm8k", "mt_bench", "rag"}   # a held-out kind
     assert all(r["output_ids"] and r["prompt_ids"] and r["world_size"] == 3 for r in rows)
     assert any(max(r["accept_lengths"]) > 1 for r in rows if "lookup" in r["sources"])   # drafts were accepted
+    assert all(r["head"] == "untrained" for r in rows)       # each row names its head
     assert main(args) == 0                                   # resumed: nothing is generated twice
     assert len((tmp_path / "out" / "rows.jsonl").read_text().splitlines()) == 6
+    # a pair done with another head is not done for this one: one row rewritten as another head's is run again
+    # (one prompt), and the tables are of this run's head alone
+    rows[0]["head"] = "another"
+    (tmp_path / "out" / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    assert main(args) == 0
+    again = [json.loads(l) for l in (tmp_path / "out" / "rows.jsonl").read_text().splitlines()]
+    assert len(again) == 7 and again[-1]["head"] == "untrained"
+    assert (again[-1]["sources"], again[-1]["dataset"]) == (rows[0]["sources"], rows[0]["dataset"])
+    import csv
+    with (tmp_path / "out" / "summary.csv").open() as f:
+        summary = list(csv.DictReader(f))
+    assert [int(r["generations"]) for r in summary] == [3, 3]   # not 4: the other head's row is left out
     assert main([*args[:-1], str(tmp_path / "o2"), "--data", str(tmp_path / "nope")]) == 2
     assert "no such file" in capsys.readouterr().err

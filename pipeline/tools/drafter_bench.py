@@ -15,7 +15,7 @@ table) starts each set with none (:func:`draft.protocol.forget_requests`): a set
 earlier prompts, whatever ran before it. Rows go to
 ``OUT/rows.jsonl`` as each set finishes (one per generation, with ``prompt_ids``/``output_ids``, so
 ``python -m pipeline.tools.simulate OUT/rows.jsonl --modes naive draft.sources=...`` replays them under an
-emulation profile); a rerun skips the (configuration, set) pairs already there. ``OUT/summary.csv`` and the
+emulation profile; each row names its ``head``); a rerun skips the (configuration, head, set) triples already there. ``OUT/summary.csv`` and the
 markdown table printed at the end hold the per-set τ and the ratio to the first configuration.
 
 Examples::
@@ -226,8 +226,8 @@ def write_reports(out: Path, rows: list[dict], configs: list[str], sets: list[st
 
 def report(args) -> int:
     """``--report ROWS...``: the tables of rows already written (several runs' ``rows.jsonl``, e.g. one process per
-    configuration), configurations in order of first appearance (the first is the reference), sets as ``--sets``
-    (those present when not given)."""
+    configuration or per ``--head-dir``: :func:`label_heads` tells the heads apart), configurations in order of
+    first appearance (the first is the reference), sets as ``--sets`` (those present when not given)."""
     from pipeline.outputs import read_rows
     rows = []
     for p in args.report:
@@ -237,6 +237,7 @@ def report(args) -> int:
         rows += read_rows(path)
     if not rows:
         raise FileNotFoundError("no rows in " + ", ".join(args.report))
+    rows = label_heads(rows)
     configs = list(dict.fromkeys(r["sources"] for r in rows))
     present = list(dict.fromkeys(r["dataset"] for r in rows))
     sets = [d for d in expand_sets(args.sets) if d in present] if args.sets_given else present
@@ -292,12 +293,15 @@ def run(args) -> int:
     rows_path = out / "rows.jsonl"
     from pipeline.outputs import read_rows
     rows = read_rows(rows_path) if rows_path.is_file() else []
-    done = {(r["sources"], r["dataset"]) for r in rows}
+    # a row is done for its configuration AND head (a rerun in the same --out with another --head-dir runs anew;
+    # rows written before rows named their head count for none)
+    done = {(r["sources"], r.get("head"), r["dataset"]) for r in rows}
+    mine = {(c, head or default_head) for c, head, _ in configs}
     data = Path(args.data)
     prompts = {d: load_prompts(data, d, args.begin, args.end, tok) for d in sets}
     for c, head, own in configs:
         for d in sets:
-            if (c, d) in done:
+            if (c, head or default_head, d) in done:
                 continue
             t0 = time.time()
             over = [f"max_new_tokens={args.max_new_tokens}", "dtype=float32", f"temperature={args.temperature}",
@@ -306,7 +310,8 @@ def run(args) -> int:
                                dtype=torch.float32)[args.mode]
             with rows_path.open("a") as f:
                 for i, (p, r) in enumerate(zip(prompts[d], res)):
-                    row = {"sources": c, "dataset": d, "record": args.begin + i, "mode": args.mode,
+                    row = {"sources": c, "head": head or default_head, "dataset": d, "record": args.begin + i,
+                           "mode": args.mode,
                            "prompt_ids": p, "output_ids": r.output_ids, "accept_lengths": r.accept_lengths,
                            "rounds": r.rounds, "decode_s": r.decode_s,
                            "rank0_busy_s": (r.busy_fraction[0] if r.busy_fraction else 0.0) * r.decode_s,
@@ -316,8 +321,20 @@ def run(args) -> int:
             taus = [r.tau for r in res]
             print(f"[drafter_bench] {c} {d}: tau {sum(taus) / max(1, len(taus)):.2f} ({len(res)} prompts, "
                   f"{time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+    rows = [r for r in rows if (r["sources"], r.get("head")) in mine]   # this run's configurations only
     ok = write_reports(out, rows, [c for c, _, _ in configs], sets, check_identity=args.temperature == 0)
     return 0 if ok else 1
+
+
+def label_heads(rows: list[dict]) -> list[dict]:
+    """``rows`` with `` head=H`` added to the configuration label (``sources``) of every row whose label other rows
+    carry with another head (``--report`` over runs with different ``--head-dir``: each run's label names its
+    sources only); other rows as they are. A row written before rows named their head counts as head ``?``."""
+    heads: dict[str, set] = {}
+    for r in rows:
+        heads.setdefault(r["sources"], set()).add(r.get("head"))
+    return [dict(r, sources=f"{r['sources']} head={r.get('head') or '?'}") if len(heads[r["sources"]]) > 1 else r
+            for r in rows]
 
 
 def draft_time(args) -> int:
