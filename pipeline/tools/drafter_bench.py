@@ -15,8 +15,9 @@ table) starts each set with none (:func:`draft.protocol.forget_requests`): a set
 earlier prompts, whatever ran before it. Rows go to
 ``OUT/rows.jsonl`` as each set finishes (one per generation, with ``prompt_ids``/``output_ids``, so
 ``python -m pipeline.tools.simulate OUT/rows.jsonl --modes naive draft.sources=...`` replays them under an
-emulation profile; each row names its ``head``); a rerun skips the (configuration, head, set) triples already there. ``OUT/summary.csv`` and the
-markdown table printed at the end hold the per-set τ and the ratio to the first configuration.
+emulation profile; each row names its ``head``); a rerun skips the (configuration, head, set) triples already
+there. ``OUT/summary.csv`` and the markdown table printed at the end hold the per-set τ and the ratio to the first
+configuration.
 
 Examples::
 
