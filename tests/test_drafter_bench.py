@@ -61,7 +61,8 @@ def test_report_tells_heads_apart(tmp_path, capsys):
     from pipeline.tools.drafter_bench import label_heads, main
     row = lambda c, h, acc: {"sources": c, "head": h, "dataset": "gsm8k", "record": 0, "output_ids": [1],
                              "accept_lengths": acc, "rounds": len(acc), "rank0_busy_s": 0.1, "temperature": 0.0}
-    rows = [row("eagle,lookup", "/heads/A", [2, 2]), row("eagle,lookup", "/heads/B", [4]), row("eagle", "/heads/A", [1])]
+    rows = [row("eagle,lookup", "/heads/A", [2, 2]), row("eagle,lookup", "/heads/B", [4]),
+            row("eagle", "/heads/A", [1])]
     got = [r["sources"] for r in label_heads(rows)]
     assert got == ["eagle,lookup head=/heads/A", "eagle,lookup head=/heads/B", "eagle"]
     legacy = dict(rows[0])
