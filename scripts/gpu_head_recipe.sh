@@ -18,6 +18,7 @@
 #   PYTHON=python3  DEVICE=cuda (cpu where none)  BUDGET_S=480 (seconds per data/train step)
 #   SCALE=1 (prompt counts x SCALE; e.g. 0.01 for a CPU smoke run)  BATCH=384 (generation batch)
 #   TRAIN_BATCH=32 (conversations per training step)  LR=5e-4 (a fine-tune of the shipped head)
+#   ANCHOR=0 (train --anchor-decay: a pull toward the shipped head against forgetting; 0 = off; docs/results.md §97)
 #   RECORDS=4 (tau prompts per category)  TAU_TOKENS=64
 # Example, on the lent machine after `bash .device/setup.sh`: DEVICE=cuda bash scripts/gpu_head_recipe.sh data $OUT
 set -euo pipefail
@@ -34,6 +35,7 @@ PY="${PYTHON:-python3}"
 "$PY" -c 'import torch' 2>/dev/null || { echo "gpu_head_recipe: $PY has no torch (set PYTHON, e.g. PYTHON=.venv/bin/python)" >&2; exit 2; }
 DEVICE="${DEVICE:-$("$PY" -c 'import torch; print("cuda" if torch.cuda.is_available() else "cpu")')}"
 BUDGET_S="${BUDGET_S:-480}"; SCALE="${SCALE:-1}"; BATCH="${BATCH:-384}"; TRAIN_BATCH="${TRAIN_BATCH:-32}"; LR="${LR:-5e-4}"; RECORDS="${RECORDS:-4}"; TAU_TOKENS="${TAU_TOKENS:-64}"
+ANCHOR="${ANCHOR:-0}"
 SHIPPED="draft/heads/SmolLM2-135M-Instruct"
 mkdir -p "$OUT"
 n() { "$PY" -c "import sys; print(max(1, round(float(sys.argv[1]) * float(sys.argv[2]))))" "$1" "$SCALE"; }
@@ -79,7 +81,7 @@ do_train() {
   local data=(--data "$OUT/data.jsonl") f
   for f in translate_to translate_back; do [[ -s "$OUT/$f.jsonl" ]] && data+=(--data "$OUT/$f.jsonl"); done
   "$PY" -m draft.train_eagle train "${data[@]}" --out "$OUT/head" --init-from "$SHIPPED" \
-      --unroll-steps 5 --batch-size "$TRAIN_BATCH" --max-len 1024 --lr "$LR" --epochs 3 --cache-features cpu --amp "$amp" \
+      --unroll-steps 5 --batch-size "$TRAIN_BATCH" --max-len 1024 --lr "$LR" --anchor-decay "$ANCHOR" --epochs 3 --cache-features cpu --amp "$amp" \
       --val-count "$(n 40)" --val-every 200 --time-budget "$BUDGET_S" --save-dtype bfloat16 --device "$DEVICE" \
       --resume --no-progress
   cp "$SHIPPED/token_counts.safetensors" "$OUT/head/" 2>/dev/null || true
