@@ -485,6 +485,8 @@ def test_train_cli_end_to_end_with_resume(target, target_dir, tmp_path):
     assert te.main(base + ["--out", str(tmp_path / "h4"), "--max-steps", "1", "--anchor-decay", "10"]) == 2
     assert te.main(base + ["--out", str(tmp_path / "h4"), "--max-steps", "1", "--anchor-decay", "-1",
                            "--init-from", str(out)]) == 2
+    assert te.main(base + ["--out", str(tmp_path / "h4"), "--max-steps", "1", "--anchor-decay", "10",
+                           "--init-from", str(out), "--arch", "eagle3"]) == 2
     # the anchor is --init-from's head, also after --resume (not the checkpoint's): two steps at rate 0.5 leave the
     # head off its start; resumed at rate 1 (constant lr 1e-2 x 100), the third step ends on it (float32: exactly)
     out5 = tmp_path / "anchored"
