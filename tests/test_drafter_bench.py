@@ -79,6 +79,7 @@ def test_report_tells_heads_apart(tmp_path, capsys):
 def test_configurations_cross_sources_heads_and_vocabularies():
     """One CLI for draft.sources combinations, heads and reduced vocabularies (the old eagle3_bench): every
     combination is one configuration, labelled by what varies; 'heldout' names the four held-out prompt kinds."""
+    from config.paths import DEFAULT_HEAD_DIR
     from pipeline.tools.drafter_bench import HELDOUT, build_parser, configurations, expand_sets
     args = build_parser().parse_args(["--head", "A", "--head", "B", "--draft-vocab", "0", "--draft-vocab", "64",
                                       "--out", "o"])
@@ -90,7 +91,7 @@ def test_configurations_cross_sources_heads_and_vocabularies():
     assert cfgs[1][2] == ["draft.sources=eagle", "model.draft_vocab=64"]
     one = configurations(build_parser().parse_args(["--sources", "eagle,lookup draft.lookup_token_prob=0.9",
                                                     "--out", "o"]))
-    assert one == [("eagle,lookup draft.lookup_token_prob=0.9", None,
+    assert one == [("eagle,lookup draft.lookup_token_prob=0.9", str(DEFAULT_HEAD_DIR),
                     ["draft.sources=eagle,lookup", "draft.lookup_token_prob=0.9"])]   # its own overrides last
     assert expand_sets(["gsm8k", "heldout"]) == ["gsm8k", *HELDOUT] and len(HELDOUT) == 4
 

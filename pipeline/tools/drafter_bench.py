@@ -258,17 +258,19 @@ def markdown(summary: list[dict], sets: list[str]) -> str:
     return "\n".join(lines)
 
 
-def configurations(args) -> list[tuple[str, str | None, list[str]]]:
-    """``(label, head, overrides)`` of every configuration: ``--sources`` x ``--head`` x ``--draft-vocab``. The label
-    names what varies (the sources string as given, then `` model.head_dir=H`` / `` model.draft_vocab=N``)."""
+def configurations(args) -> list[tuple[str, str, list[str]]]:
+    """``(label, head, overrides)`` of every configuration: ``--sources`` x ``--head`` x ``--draft-vocab``; the head
+    as the run uses it (each ``--head``, else ``--head-dir``, else the shipped head: the one home of that rule). The
+    label names what varies (the sources string as given, then `` model.head_dir=H`` / `` model.draft_vocab=N``)."""
+    from config.paths import DEFAULT_HEAD_DIR
     out = []
-    heads = args.head or [None]
+    heads = args.head or [args.head_dir or str(DEFAULT_HEAD_DIR)]
     vocabs = args.draft_vocab or [None]
     for c in args.sources or ["eagle"]:
         for h in heads:
             for n in vocabs:
                 sources, *own = c.split()   # "eagle,lookup,ssm:DIR draft.ssm_score_scale=3": its own overrides last
-                label = c + (f" model.head_dir={h}" if h and len(heads) > 1 else "") + \
+                label = c + (f" model.head_dir={h}" if len(heads) > 1 else "") + \
                     (f" model.draft_vocab={n}" if n is not None and len(vocabs) > 1 else "")
                 over = [f"draft.sources={sources}", *([f"model.draft_vocab={n}"] if n is not None else []), *own]
                 out.append((label, h, over))
@@ -276,13 +278,12 @@ def configurations(args) -> list[tuple[str, str | None, list[str]]]:
 
 
 def run(args) -> int:
-    from config.paths import DEFAULT_HEAD_DIR, DEFAULT_STAGE_DIR
+    from config.paths import DEFAULT_STAGE_DIR
     from model.prompts import stop_token_ids
     from pipeline.build import load_tokenizer
     from pipeline.inprocess import run_threaded
     torch.set_num_threads(args.threads)
     stage_root = Path(args.stage_dir) if args.stage_dir else DEFAULT_STAGE_DIR
-    default_head = args.head_dir or str(DEFAULT_HEAD_DIR)
     configs = configurations(args)
     sets = expand_sets(args.sets)
     from model.stage_format import read_manifest
@@ -297,21 +298,21 @@ def run(args) -> int:
     # a row is done for its configuration AND head (a rerun in the same --out with another --head-dir runs anew;
     # rows written before rows named their head count for none)
     done = {(r["sources"], r.get("head"), r["dataset"]) for r in rows}
-    mine = {(c, head or default_head) for c, head, _ in configs}
+    mine = {(c, head) for c, head, _ in configs}
     data = Path(args.data)
     prompts = {d: load_prompts(data, d, args.begin, args.end, tok) for d in sets}
     for c, head, own in configs:
         for d in sets:
-            if (c, head or default_head, d) in done:
+            if (c, head, d) in done:
                 continue
             t0 = time.time()
             over = [f"max_new_tokens={args.max_new_tokens}", "dtype=float32", f"temperature={args.temperature}",
                     f"seed={args.seed}", *args.overrides, *own]
-            res = run_threaded(stage_root, prompts[d], [args.mode], over, stops, head or default_head,
+            res = run_threaded(stage_root, prompts[d], [args.mode], over, stops, head,
                                dtype=torch.float32)[args.mode]
             with rows_path.open("a") as f:
                 for i, (p, r) in enumerate(zip(prompts[d], res)):
-                    row = {"sources": c, "head": head or default_head, "dataset": d, "record": args.begin + i,
+                    row = {"sources": c, "head": head, "dataset": d, "record": args.begin + i,
                            "mode": args.mode,
                            "prompt_ids": p, "output_ids": r.output_ids, "accept_lengths": r.accept_lengths,
                            "rounds": r.rounds, "decode_s": r.decode_s,
@@ -442,11 +443,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"overrides take KEY=VALUE, got {bad[0]!r}")
     from config.run_config import ConfigError
     if not args.report:       # run_threaded refuses a head named by an override; say so before loading anything
-        from config.paths import DEFAULT_HEAD_DIR
         from pipeline.inprocess import head_conflict
         for _, head, own in configurations(args):
             try:
-                named = head_conflict([*args.overrides, *own], head or args.head_dir or str(DEFAULT_HEAD_DIR))
+                named = head_conflict([*args.overrides, *own], head)
             except ConfigError as e:
                 print(f"[drafter_bench] error: {e}", file=sys.stderr)
                 return 2
