@@ -81,7 +81,8 @@ do_train() {
   local data=(--data "$OUT/data.jsonl") f
   for f in translate_to translate_back; do [[ -s "$OUT/$f.jsonl" ]] && data+=(--data "$OUT/$f.jsonl"); done
   "$PY" -m draft.train_eagle train "${data[@]}" --out "$OUT/head" --init-from "$SHIPPED" \
-      --unroll-steps 5 --batch-size "$TRAIN_BATCH" --max-len 1024 --lr "$LR" --anchor-decay "$ANCHOR" --epochs 3 --cache-features cpu --amp "$amp" \
+      --unroll-steps 5 --batch-size "$TRAIN_BATCH" --max-len 1024 --lr "$LR" --anchor-decay "$ANCHOR" --epochs 3 \
+      --cache-features cpu --amp "$amp" \
       --val-count "$(n 40)" --val-every 200 --time-budget "$BUDGET_S" --save-dtype bfloat16 --device "$DEVICE" \
       --resume --no-progress
   cp "$SHIPPED/token_counts.safetensors" "$OUT/head/" 2>/dev/null || true
