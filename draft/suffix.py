@@ -200,26 +200,28 @@ def path_logp(length: int, d: int, threshold: int, short_logp: float, long_logp:
     return n_long * long_logp + (d - n_long) * short_logp
 
 
-def continuation_tree(root_token: int, roots: list[tuple[SuffixAutomaton, int, int]], prior, total_token: int,
-                      max_depth: int, max_children: int) -> DraftTree:
+def continuation_tree(root_token: int, roots: list[tuple], total_token: int, max_depth: int,
+                      max_children: int) -> DraftTree:
     """The united continuation trie below ``root_token`` (module docstring), best ``total_token`` nodes (root
     included), ancestors first and scores non-increasing (a best-first walk emits a node after its parent, and a
-    child never scores above its parent). ``roots``: per automaton, its proposal match ``(sam, state, L)`` (state 0:
-    no proposal); ``prior(L, d)``: the log prior of ``d`` tokens copied below a match of ``L`` (:func:`path_logp`). A path proposed by several automata is one node with the first (best) score; the
+    child never scores above its parent). ``roots``: per automaton, its proposal match and prior ``(sam, state, L, prior)`` (state 0: no proposal;
+    ``prior(L, d)``: the log prior of ``d`` tokens copied below a match of ``L`` in that automaton, :func:`path_logp`
+    with its threshold). A path proposed by several automata is one node with the first (best) score; the
     children of every automaton that reached it hang below it."""
     heap: list = []
     order = 0
-    for sam, state, length in roots:
+    for sam, state, length, prior in roots:
         if state <= 0:
             continue
         kids, total = children(sam, state, max_children)
         for c, t, v in kids:
-            heapq.heappush(heap, (-(math.log(c / total) + prior(length, 1)), order, 0, t, sam, v, 1, total, length))
+            heapq.heappush(heap, (-(math.log(c / total) + prior(length, 1)), order, 0, t, sam, v, 1, total, length,
+                                  prior))
             order += 1
     toks, pars, scores = [root_token], [-1], [0.0]
     index: dict[tuple[int, int], int] = {}
     while heap and len(toks) < total_token:
-        neg, _, parent, t, sam, v, d, total, length = heapq.heappop(heap)
+        neg, _, parent, t, sam, v, d, total, length, prior = heapq.heappop(heap)
         node = index.get((parent, t))
         if node is None:
             node = index[(parent, t)] = len(toks)
@@ -231,17 +233,18 @@ def continuation_tree(root_token: int, roots: list[tuple[SuffixAutomaton, int, i
         kids, _ = children(sam, v, max_children)
         for c, t2, v2 in kids:
             heapq.heappush(heap, (-(math.log(c / total) + prior(length, d + 1)), order, node, t2, sam, v2, d + 1,
-                                  total, length))
+                                  total, length, prior))
             order += 1
     return DraftTree(torch.tensor(toks, device=HOST), torch.tensor(pars, device=HOST),
                      torch.tensor(scores, dtype=torch.float32, device=HOST))
 
 
-def first_level(roots: list[tuple[SuffixAutomaton, int, int]], prior, slots: int) -> list[float]:
+def first_level(roots: list[tuple], slots: int) -> list[float]:
     """The compact state row (module docstring): the trie's first level, best score per token over the automata,
-    best first (ties: smaller token), ``slots`` ids then ``slots`` scores."""
+    best first (ties: smaller token), ``slots`` ids then ``slots`` scores; ``roots`` as
+    :func:`continuation_tree`'s."""
     best: dict[int, float] = {}
-    for sam, state, length in roots:
+    for sam, state, length, prior in roots:
         if state <= 0:
             continue
         lp = prior(length, 1)
@@ -371,22 +374,35 @@ class SuffixDrafter(TokenHistory):
 
     def __init__(self, vocab_size: int, store: SuffixStore | None = None, corpus: SuffixAutomaton | None = None,
                  min_match: int = 1, threshold: int = 3, token_prob: float = 0.3, long_token_prob: float = 0.8,
-                 max_children: int = 8, max_depth: int = 0) -> None:
+                 max_children: int = 8, max_depth: int = 0, corpus_threshold: int = 8) -> None:
         if vocab_size >= 2 ** 24:
             raise SourceError(f"suffix keeps token ids in float32 states: vocabulary {vocab_size} >= 2**24")
-        if min_match < 1 or threshold < 1 or max_children < 1 or max_depth < 0:
-            raise SourceError("draft.suffix_min_match, suffix_threshold and suffix_max_children must be >= 1 and "
+        if min_match < 1 or threshold < 1 or corpus_threshold < 1 or max_children < 1 or max_depth < 0:
+            raise SourceError("draft.suffix_min_match, suffix_threshold, suffix_corpus_threshold and "
+                              "suffix_max_children must be >= 1 and "
                               "suffix_max_depth >= 0")
         if not (0 < token_prob <= 1 and 0 < long_token_prob <= 1):
             raise SourceError("draft.suffix_token_prob and suffix_long_token_prob must be in (0, 1]")
         self.vocab_size, self.store, self.corpus = vocab_size, store, corpus
         self.min_match, self.threshold, self.max_children, self.max_depth = min_match, threshold, max_children, max_depth
+        self.corpus_threshold = corpus_threshold
         self.short_logp, self.long_logp = math.log(token_prob), math.log(long_token_prob)
         TokenHistory.__init__(self)
 
     def prior(self, length: int, d: int) -> float:
-        """:func:`path_logp` with this drafter's threshold and priors."""
+        """:func:`path_logp` with this drafter's threshold and priors: a match in the request's own text or in the
+        store of earlier requests."""
         return path_logp(length, d, self.threshold, self.short_logp, self.long_logp)
+
+    def corpus_prior(self, length: int, d: int) -> float:
+        """:func:`path_logp` for a match in the static corpus: the long prior from ``corpus_threshold`` on.
+
+        Why another threshold: a corpus match of a given length is right less often than a match in the request's
+        own text (measured on self-distilled answers held out of the corpus, docs/suffix.md "The corpus's
+        threshold": at 3 tokens 0.35 against 0.62, at 5 0.44 against 0.72; both about 0.9 from 12). With the own
+        text's threshold the corpus's short matches took the long prior and their chains displaced the head's
+        nodes from the one node budget."""
+        return path_logp(length, d, self.corpus_threshold, self.short_logp, self.long_logp)
 
     @property
     def state_width(self) -> int:
@@ -400,6 +416,7 @@ class SuffixDrafter(TokenHistory):
         self.sam = SuffixAutomaton()          # the request's own text
         self.others: list[SuffixAutomaton] = [s for s in (self.store.sam if self.store else None, self.corpus)
                                               if s is not None]
+        self.priors = [self.prior] + [self.corpus_prior if s is self.corpus else self.prior for s in self.others]
         self.matches: list[tuple[int, int]] = [(0, 0)] * len(self.others)   # committed context vs the others
         self.tree_matches: list[tuple] = []  # per tree entry: (own match, matches in the others)
 
@@ -417,13 +434,13 @@ class SuffixDrafter(TokenHistory):
         return self.sam.last, self.sam.length[self.sam.last]
 
     def _roots(self, own: tuple[int, int], others: list[tuple[int, int]]):
-        """Per automaton ``(sam, state, L)`` of the proposal match, state 0 below ``min_match``."""
+        """Per automaton ``(sam, state, L, prior)`` of the proposal match, state 0 below ``min_match``."""
         out = []
-        for sam, (st, ln) in zip([self.sam, *self.others], [own, *others]):
+        for sam, (st, ln), prior in zip([self.sam, *self.others], [own, *others], self.priors):
             st, ln = with_continuation(sam, st, ln)
             if ln < self.min_match:
                 st = 0
-            out.append((sam, st, ln))
+            out.append((sam, st, ln, prior))
         return out
 
     def _advance(self, own, others, token: int):
@@ -439,7 +456,7 @@ class SuffixDrafter(TokenHistory):
     def match_lengths(self, path: list[int] = ()) -> list[int]:
         """The proposal match length per automaton (own text, store, corpus) after the context followed by
         ``path`` (0: no proposal): what the threshold is measured on."""
-        return [ln if st > 0 else 0 for _, st, ln in self._roots(*self._path_matches(list(path)))]
+        return [ln if st > 0 else 0 for _, st, ln, _ in self._roots(*self._path_matches(list(path)))]
 
     # -- protocol --------------------------------------------------------------------------------------------
     def begin(self, prompt_ids: list[int]) -> None:
@@ -461,7 +478,7 @@ class SuffixDrafter(TokenHistory):
 
     def state(self, path: list[int]) -> Tensor:
         """The compact state (module docstring) after the committed context followed by ``path``."""
-        row = first_level(self._roots(*self._path_matches(path)), self.prior, self.max_children)
+        row = first_level(self._roots(*self._path_matches(path)), self.max_children)
         return torch.tensor(row, dtype=torch.float32, device=HOST)
 
     def grow_tree(self, root_token: int, root_hidden: Tensor, total_token: int, depth: int, top_k: int) -> DraftTree:
@@ -471,7 +488,7 @@ class SuffixDrafter(TokenHistory):
         path = [] if self.context and self.context[-1] == root_token else [root_token]
         if total_token <= 1:
             return DraftTree.single(root_token)
-        return continuation_tree(root_token, self._roots(*self._path_matches(path)), self.prior, total_token,
+        return continuation_tree(root_token, self._roots(*self._path_matches(path)), total_token,
                                  self.max_depth or depth + 1, self.max_children)
 
     def tree_forward(self, tokens: Tensor, features: Tensor, parents: Tensor, rows: Tensor | None = None) -> Tensor:
@@ -487,7 +504,7 @@ class SuffixDrafter(TokenHistory):
             own, others = base if p < 0 else self.tree_matches[p]
             self.tree_matches.append(self._advance(own, others, int(t)))
         want = range(len(toks)) if rows is None else rows.tolist()
-        out = [first_level(self._roots(*self.tree_matches[first + i]), self.prior, self.max_children) for i in want]
+        out = [first_level(self._roots(*self.tree_matches[first + i]), self.max_children) for i in want]
         return torch.tensor(out, dtype=torch.float32, device=HOST).reshape(len(out), self.state_width)
 
     def drop_tree(self) -> None:
@@ -520,7 +537,8 @@ def build_suffix_source(cfg, vocab_size: int) -> SuffixDrafter:
         stage_root = cfg.model.stage_dir
         corpus = corpus_automaton(d.suffix_corpus, _lazy_tokenizer(stage_root), (stage_root, vocab_size))
     return SuffixDrafter(vocab_size, store, corpus, d.suffix_min_match, d.suffix_threshold, d.suffix_token_prob,
-                         d.suffix_long_token_prob, d.suffix_max_children, d.suffix_max_depth)
+                         d.suffix_long_token_prob, d.suffix_max_children, d.suffix_max_depth,
+                         d.suffix_corpus_threshold)
 
 
 def _lazy_tokenizer(stage_root: str):

@@ -56,7 +56,8 @@ def replay(rows: list[dict], total: int, depth: int, deep: int, corpus=None) -> 
     store = SuffixStore(32768)
     suffix = SuffixDrafter(V, store=store, threshold=10 ** 6)          # one prior: the ranking is by counts alone
     plain = SuffixDrafter(V)
-    with_corpus = SuffixDrafter(V, store=SuffixStore(32768), corpus=corpus, threshold=10 ** 6) if corpus else None
+    with_corpus = SuffixDrafter(V, store=SuffixStore(32768), corpus=corpus, threshold=10 ** 6,
+                                corpus_threshold=10 ** 6) if corpus else None
     by_len = defaultdict(lambda: [0, 0])
     accepted = defaultdict(lambda: [0, 0])
     times = defaultdict(list)

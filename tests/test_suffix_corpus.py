@@ -88,3 +88,39 @@ def test_heldout_records_are_numbered_from_30():
     assert heldout_slice(p, 30, 32) + heldout_slice(p, 32, 35) == p
     assert heldout_slice(p, 0, 4) == p[:4]                    # calibration ranges below 30: the first prompts
     assert heldout_slice(p, 40, 45) == []
+
+
+def _conv(prompt, answer, sampled=False):
+    return {"input_ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer), "sampled": sampled}
+
+
+def test_corpus_calibration_holds_the_queries_out_and_counts_by_match_length(tmp_path, capsys):
+    """scripts.suffix_corpus_calibrate: the last greedy conversations are the queries and never in the corpus (a
+    query found in its own corpus would be copied whole, every length right); each automaton's most frequent
+    continuation is counted by its match length."""
+    from scripts import suffix_corpus_calibrate as cal
+    from draft.suffix import SuffixAutomaton
+    recs = [_conv([1, 2], [3, 4, 5, 6]), _conv([7], [8, 9], sampled=True), _conv([1, 2], [3, 4, 5, 6]),
+            _conv([2], [3, 9, 5], sampled=True)]
+    q, rest = cal.split(recs, 1)
+    assert q == [recs[2]] and rest == [recs[0], recs[1], recs[3]]        # the last greedy one; sampled never queries
+    corpus = SuffixAutomaton()
+    for r in rest:
+        for span in answer_spans(r["input_ids"], r["loss_mask"]):
+            corpus.add_document(span)
+    acc = cal.accuracy(q, corpus)
+    # the query "1 2 | 3 4 5 6": its own text repeats nothing, so only the corpus proposes. After "1 2" nothing
+    # matches (prompts are not in the corpus); "3" follows by 4 once and by 9 once (tie: the smaller token, 4:
+    # right); "3 4" -> 5 and "3 4 5" -> 6 (right)
+    assert not any(k[0] == "own" for k in acc)
+    assert dict(acc) == {("corpus", 1): [1, 1], ("corpus", 2): [1, 1], ("corpus", 3): [1, 1]}
+    leak = SuffixAutomaton()                           # the planted bug: the query itself in the corpus
+    leak.add_document([1, 2, 3, 4, 5, 6])
+    assert cal.accuracy(q, leak) != acc
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert cal.main([str(f), "--queries", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| corpus | 1.00 (1) | 1.00 (1) | 1.00 (1) | - |" in out and "1 query conversations" in out
+    f.write_text('{"turns": ["x"]}\n')
+    assert cal.main([str(f)]) == 2 and "input_ids" in capsys.readouterr().err
