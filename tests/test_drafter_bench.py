@@ -76,6 +76,18 @@ def test_report_tells_heads_apart(tmp_path, capsys):
     assert len(summary) == 3 and "head=/heads/B" in summary[2] and ",4.0," in summary[2]
 
 
+def test_a_head_directory_is_named_by_its_resolved_path(tmp_path, monkeypatch):
+    """``--head-dir ./H``, ``--head-dir H`` and its absolute path are one head (rows, reruns and --report compare the
+    names); a name that is no directory (``untrained``) stays as given. Planted: names compared as typed."""
+    from pipeline.tools.drafter_bench import build_parser, configurations
+    (tmp_path / "H").mkdir()
+    monkeypatch.chdir(tmp_path)
+    got = {configurations(build_parser().parse_args(["--head-dir", h, "--out", "o"]))[0][1]
+           for h in ("./H", "H", str(tmp_path / "H"), "H/")}
+    assert got == {str((tmp_path / "H").resolve())}
+    assert configurations(build_parser().parse_args(["--head-dir", "untrained", "--out", "o"]))[0][1] == "untrained"
+
+
 def test_configurations_cross_sources_heads_and_vocabularies():
     """One CLI for draft.sources combinations, heads and reduced vocabularies (the old eagle3_bench): every
     combination is one configuration, labelled by what varies; 'heldout' names the four held-out prompt kinds."""
