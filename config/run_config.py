@@ -242,8 +242,8 @@ class DraftConfig(Checked):
                                  # match copy past the head's depth within the same node budget
     suffix_history_tokens: int = 32768  # earlier requests of the process kept for retrieval (0 = none)
     suffix_corpus: str = ""      # static corpus to retrieve from: .txt (a text a line) or .jsonl (text/turns/token_ids)
-    suffix_corpus_threshold: int = 8  # suffix_threshold for matches in the corpus (less often right than the
-                                 # request's own at the same length: docs/suffix.md)
+    suffix_other_threshold: int = 8  # suffix_threshold for matches in other texts: earlier requests, the corpus
+                                 # (less often right than the request's own at the same length: docs/suffix.md)
     recycle_k: int = 8           # token recycling (draft/recycle_source.py): the target's top-k kept per token (row width)
     recycle_log_p0: float = -1.4   # score of a row's best entry (<= 0): log of its hit rate on records < 30 (-1.36,
                                  # scripts/recycle_calibrate.py; docs/results.md §72)

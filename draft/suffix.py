@@ -374,35 +374,35 @@ class SuffixDrafter(TokenHistory):
 
     def __init__(self, vocab_size: int, store: SuffixStore | None = None, corpus: SuffixAutomaton | None = None,
                  min_match: int = 1, threshold: int = 3, token_prob: float = 0.3, long_token_prob: float = 0.8,
-                 max_children: int = 8, max_depth: int = 0, corpus_threshold: int = 8) -> None:
+                 max_children: int = 8, max_depth: int = 0, other_threshold: int = 8) -> None:
         if vocab_size >= 2 ** 24:
             raise SourceError(f"suffix keeps token ids in float32 states: vocabulary {vocab_size} >= 2**24")
-        if min_match < 1 or threshold < 1 or corpus_threshold < 1 or max_children < 1 or max_depth < 0:
-            raise SourceError("draft.suffix_min_match, suffix_threshold, suffix_corpus_threshold and "
+        if min_match < 1 or threshold < 1 or other_threshold < 1 or max_children < 1 or max_depth < 0:
+            raise SourceError("draft.suffix_min_match, suffix_threshold, suffix_other_threshold and "
                               "suffix_max_children must be >= 1 and "
                               "suffix_max_depth >= 0")
         if not (0 < token_prob <= 1 and 0 < long_token_prob <= 1):
             raise SourceError("draft.suffix_token_prob and suffix_long_token_prob must be in (0, 1]")
         self.vocab_size, self.store, self.corpus = vocab_size, store, corpus
         self.min_match, self.threshold, self.max_children, self.max_depth = min_match, threshold, max_children, max_depth
-        self.corpus_threshold = corpus_threshold
+        self.other_threshold = other_threshold
         self.short_logp, self.long_logp = math.log(token_prob), math.log(long_token_prob)
         TokenHistory.__init__(self)
 
     def prior(self, length: int, d: int) -> float:
-        """:func:`path_logp` with this drafter's threshold and priors: a match in the request's own text or in the
-        store of earlier requests."""
+        """:func:`path_logp` with this drafter's threshold and priors: a match in the request's own text."""
         return path_logp(length, d, self.threshold, self.short_logp, self.long_logp)
 
-    def corpus_prior(self, length: int, d: int) -> float:
-        """:func:`path_logp` for a match in the static corpus: the long prior from ``corpus_threshold`` on.
+    def other_prior(self, length: int, d: int) -> float:
+        """:func:`path_logp` for a match in another text (the store of earlier requests, the static corpus): the
+        long prior from ``other_threshold`` on.
 
-        Why another threshold: a corpus match of a given length is right less often than a match in the request's
-        own text (measured on self-distilled answers held out of the corpus, docs/suffix.md "The corpus's
-        threshold": at 3 tokens 0.35 against 0.62, at 5 0.44 against 0.72; both about 0.9 from 12). With the own
-        text's threshold the corpus's short matches took the long prior and their chains displaced the head's
-        nodes from the one node budget."""
-        return path_logp(length, d, self.corpus_threshold, self.short_logp, self.long_logp)
+        Why another threshold: a match of a given length in other requests' text is right less often than one in
+        the request's own text (measured on self-distilled conversations held out of the corpus, docs/suffix.md
+        "Other texts' threshold": at 3 tokens 0.41 against 0.77, at 5 0.62 against 0.86; both above 0.9 from 12).
+        With the own text's threshold their short matches took the long prior and their chains displaced the
+        head's nodes from the one node budget (docs/results.md §98)."""
+        return path_logp(length, d, self.other_threshold, self.short_logp, self.long_logp)
 
     @property
     def state_width(self) -> int:
@@ -416,7 +416,7 @@ class SuffixDrafter(TokenHistory):
         self.sam = SuffixAutomaton()          # the request's own text
         self.others: list[SuffixAutomaton] = [s for s in (self.store.sam if self.store else None, self.corpus)
                                               if s is not None]
-        self.priors = [self.prior] + [self.corpus_prior if s is self.corpus else self.prior for s in self.others]
+        self.priors = [self.prior] + [self.other_prior] * len(self.others)   # own text, then store / corpus
         self.matches: list[tuple[int, int]] = [(0, 0)] * len(self.others)   # committed context vs the others
         self.tree_matches: list[tuple] = []  # per tree entry: (own match, matches in the others)
 
@@ -538,7 +538,7 @@ def build_suffix_source(cfg, vocab_size: int) -> SuffixDrafter:
         corpus = corpus_automaton(d.suffix_corpus, _lazy_tokenizer(stage_root), (stage_root, vocab_size))
     return SuffixDrafter(vocab_size, store, corpus, d.suffix_min_match, d.suffix_threshold, d.suffix_token_prob,
                          d.suffix_long_token_prob, d.suffix_max_children, d.suffix_max_depth,
-                         d.suffix_corpus_threshold)
+                         d.suffix_other_threshold)
 
 
 def _lazy_tokenizer(stage_root: str):

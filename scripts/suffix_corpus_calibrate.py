@@ -1,13 +1,15 @@
 """How often the suffix source's best copied token is right, by match length, for a match in the request's own text
-against a match in a static corpus (what ``draft.suffix_threshold`` and ``draft.suffix_corpus_threshold`` are set
-from; docs/suffix.md "The corpus's threshold").
+against a match in other requests' answers (what ``draft.suffix_threshold`` and ``draft.suffix_other_threshold`` are
+set from; docs/suffix.md "Other texts' threshold").
 
 The data are self-distilled conversations (``python -m draft.train_eagle data``: ``input_ids`` and ``loss_mask``),
 never ``drafter_bench``'s held-out records. The last ``--queries`` greedy conversations (``"sampled": false``) in file
 order are the queries; every answer of every other conversation is the corpus (``draft.train.corpus.answer_spans``,
-as ``python -m draft.train.corpus`` writes it), so no query finds itself there. At every answer token of a query,
-each automaton's proposal match (the longest suffix of the text so far that occurred followed by a token) proposes
-its most frequent next token; the table counts how often that is the token the target emitted, by match length.
+as ``python -m draft.train.corpus`` writes it), so no query finds itself there. The queries are decoded in order, and
+each one's whole text joins a store after it (as ``draft.suffix_history_tokens`` keeps earlier requests in serving).
+At every answer token of a query, each automaton's proposal match (the longest suffix of the text so far that
+occurred followed by a token) proposes its most frequent next token; the table counts how often that is the token
+the target emitted, by match length, for the query's own text, the store and the corpus.
 
 Example::
 
@@ -40,28 +42,32 @@ def split(records: list[dict], queries: int) -> tuple[list[dict], list[dict]]:
 
 
 def accuracy(queries: list[dict], corpus: SuffixAutomaton) -> dict:
-    """``{(automaton, bucket): [right, tried]}`` over the answer tokens of ``queries`` (automaton: own, corpus)."""
+    """``{(automaton, bucket): [right, tried]}`` over the answer tokens of ``queries`` (automaton: own, store,
+    corpus; the store holds the queries before this one)."""
     acc: dict = defaultdict(lambda: [0, 0])
+    store = SuffixAutomaton()
     for r in queries:
         own = SuffixAutomaton()
-        cst = cln = 0
+        others = {"store": (store, 0, 0), "corpus": (corpus, 0, 0)}
         for j, t in enumerate(r["input_ids"]):
             if j > 0 and r["loss_mask"][j]:
-                for name, sam, st, ln in (("own", own, own.last, own.length[own.last]), ("corpus", corpus, cst, cln)):
+                for name, sam, st, ln in (("own", own, own.last, own.length[own.last]),
+                                          *((k, *v) for k, v in others.items())):
                     st, ln = with_continuation(sam, st, ln)
                     if st > 0:
                         (best, _) = children(sam, st, 1)
                         acc[(name, bucket(ln))][0] += best[0][1] == t
                         acc[(name, bucket(ln))][1] += 1
             own.extend(t)
-            cst, cln = advance(corpus, cst, cln, t)
+            others = {k: (sam, *advance(sam, st, ln, t)) for k, (sam, st, ln) in others.items()}
+        store.add_document(r["input_ids"])
     return acc
 
 
 def table(acc: dict) -> str:
     head = "| match length | " + " | ".join(f"{b}" if b < 8 else f"{b}+" for b in BUCKETS) + " |"
     lines = [head, "|---" * (len(BUCKETS) + 1) + "|"]
-    for name in ("own", "corpus"):
+    for name in ("own", "store", "corpus"):
         cells = [f"{acc[(name, b)][0] / acc[(name, b)][1]:.2f} ({acc[(name, b)][1]})" if acc[(name, b)][1] else "-"
                  for b in BUCKETS]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

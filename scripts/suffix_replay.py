@@ -54,10 +54,10 @@ def replay(rows: list[dict], total: int, depth: int, deep: int, corpus=None) -> 
     """``corpus``: a static corpus automaton (``draft.suffix_corpus``); with it a fourth drafter, the suffix source
     with the process store and the corpus, is replayed too (its own store, filled as the others')."""
     store = SuffixStore(32768)
-    suffix = SuffixDrafter(V, store=store, threshold=10 ** 6)          # one prior: the ranking is by counts alone
+    suffix = SuffixDrafter(V, store=store, threshold=10 ** 6, other_threshold=10 ** 6)   # one prior: counts alone
     plain = SuffixDrafter(V)
     with_corpus = SuffixDrafter(V, store=SuffixStore(32768), corpus=corpus, threshold=10 ** 6,
-                                corpus_threshold=10 ** 6) if corpus else None
+                                other_threshold=10 ** 6) if corpus else None
     by_len = defaultdict(lambda: [0, 0])
     accepted = defaultdict(lambda: [0, 0])
     times = defaultdict(list)

@@ -206,7 +206,7 @@ def test_tree_forward_states_equal_state_of_the_path():
 def test_store_and_corpus_propose_across_requests(tmp_path):
     """An earlier request of the process (the store) and a corpus both propose; the store stays bounded."""
     store = SuffixStore(capacity=64)
-    d = SuffixDrafter(50, store=store, threshold=3, long_token_prob=0.9)
+    d = SuffixDrafter(50, store=store, threshold=3, other_threshold=4, long_token_prob=0.9)
     d.start([1, 2, 3, 4, 5, 6, 7, 8], 9, None)
     d.commit(T([10, 11]), None)
     h = d.start([20, 21, 5, 6, 7], 8, None)          # new request: the first one joined the store
@@ -234,40 +234,45 @@ def test_store_and_corpus_propose_across_requests(tmp_path):
         corpus_automaton(tmp_path / "missing.txt", list)
 
 
-def test_corpus_matches_take_the_corpus_threshold():
-    """A match in the static corpus takes the long prior only from ``draft.suffix_corpus_threshold`` on; a match of
-    the same length in the request's own text keeps ``draft.suffix_threshold`` (docs/suffix.md: corpus matches are
-    right less often). The planted bug, the corpus scored with the own text's threshold, gives log 0.8 where this
-    asserts log 0.3."""
+def test_matches_in_other_texts_take_their_own_threshold():
+    """A match in the static corpus or in the store of earlier requests takes the long prior only from
+    ``draft.suffix_other_threshold`` on; a match of the same length in the request's own text keeps
+    ``draft.suffix_threshold`` (docs/suffix.md: other texts' matches are right less often). The planted bug, other
+    texts scored with the own text's threshold, gives log 0.8 where this asserts log 0.3."""
     corpus = SuffixAutomaton()
     corpus.add_document([1, 2, 3, 4, 9])
     lo, hi = math.log(0.3), math.log(0.8)
-    d = SuffixDrafter(50, corpus=corpus, threshold=3, corpus_threshold=5)
+    d = SuffixDrafter(50, corpus=corpus, threshold=3, other_threshold=5)
     h = d.start([7, 1, 2], 3, None)                   # the context ends "1 2 3": a corpus match of 3, then 4 9
     assert d.match_lengths() == [0, 3]
     assert int(h[0]) == 4 and float(h[8]) == pytest.approx(lo)
     tree = d.grow_tree(3, h, 10, 4, 4)                 # copied at match lengths 3 and 4: both below 5
     assert tree.tokens.tolist() == [3, 4, 9] and tree.scores.tolist() == pytest.approx([0, lo, 2 * lo])
-    own = SuffixDrafter(50, threshold=3, corpus_threshold=5)
+    own = SuffixDrafter(50, threshold=3, other_threshold=5)
     h = own.start([1, 2, 3, 4, 9, 1, 2], 3, None)     # the same match of 3 in the request's own text
     assert own.match_lengths() == [3] and int(h[0]) == 4 and float(h[8]) == pytest.approx(hi)
-    at = SuffixDrafter(50, corpus=corpus, threshold=3, corpus_threshold=4)
+    store = SuffixStore(capacity=64)
+    s = SuffixDrafter(50, store=store, threshold=3, other_threshold=5)
+    s.start([1, 2, 3, 4, 9], 8, None)
+    h = s.start([7, 1, 2], 3, None)                   # the first request joined the store: a store match of 3
+    assert s.match_lengths() == [0, 3] and int(h[0]) == 4 and float(h[8]) == pytest.approx(lo)
+    at = SuffixDrafter(50, corpus=corpus, threshold=3, other_threshold=4)
     h = at.start([7, 1, 2], 3, None)
     tree = at.grow_tree(3, h, 10, 4, 4)                # the second token is copied below a match of 4: long
     assert float(h[8]) == pytest.approx(lo) and tree.scores.tolist() == pytest.approx([0, lo, lo + hi])
-    with pytest.raises(SourceError, match="suffix_corpus_threshold"):
-        SuffixDrafter(50, corpus_threshold=0)
+    with pytest.raises(SourceError, match="suffix_other_threshold"):
+        SuffixDrafter(50, other_threshold=0)
 
 
 def test_config_keys_and_build_sources(tmp_path):
     corpus = tmp_path / "c.jsonl"
     corpus.write_text('{"token_ids": [3, 4, 5, 6]}\n')
     cfg = apply_overrides(DEFAULT, ["draft.sources=lookup,suffix", f"draft.suffix_corpus={corpus}",
-                                    "draft.suffix_threshold=2", "draft.suffix_corpus_threshold=6"])
+                                    "draft.suffix_threshold=2", "draft.suffix_other_threshold=6"])
     m = build_sources(cfg, 100, None, torch.float64, "cpu", False)
     assert isinstance(m, MergedDrafter) and m.names == ["lookup", "suffix"] and isinstance(m.sources[1], TreeDrafter)
     assert m.sources[1].corpus is not None and m.sources[1].threshold == 2 and m.sources[1].max_depth == 0
-    assert m.sources[1].corpus_threshold == 6
+    assert m.sources[1].other_threshold == 6
     with pytest.raises(ConfigError):
         apply_overrides(DEFAULT, ["draft.sources=suffix,suffix"])
     with pytest.raises(SourceError, match="suffix_token_prob"):

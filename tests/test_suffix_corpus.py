@@ -97,7 +97,7 @@ def _conv(prompt, answer, sampled=False):
 def test_corpus_calibration_holds_the_queries_out_and_counts_by_match_length(tmp_path, capsys):
     """scripts.suffix_corpus_calibrate: the last greedy conversations are the queries and never in the corpus (a
     query found in its own corpus would be copied whole, every length right); each automaton's most frequent
-    continuation is counted by its match length."""
+    continuation is counted by its match length; a query finds the queries before it in the store."""
     from scripts import suffix_corpus_calibrate as cal
     from draft.suffix import SuffixAutomaton
     recs = [_conv([1, 2], [3, 4, 5, 6]), _conv([7], [8, 9], sampled=True), _conv([1, 2], [3, 4, 5, 6]),
@@ -114,6 +114,9 @@ def test_corpus_calibration_holds_the_queries_out_and_counts_by_match_length(tmp
     # right); "3 4" -> 5 and "3 4 5" -> 6 (right)
     assert not any(k[0] == "own" for k in acc)
     assert dict(acc) == {("corpus", 1): [1, 1], ("corpus", 2): [1, 1], ("corpus", 3): [1, 1]}
+    # two queries: the second finds the first in the store (whole text: "1 2" -> 3 at length 2, then 4 5 6)
+    acc2 = cal.accuracy([recs[2], recs[0]], SuffixAutomaton())
+    assert dict(acc2) == {("store", 2): [1, 1], ("store", 3): [1, 1], ("store", 4): [1, 1], ("store", 5): [1, 1]}
     leak = SuffixAutomaton()                           # the planted bug: the query itself in the corpus
     leak.add_document([1, 2, 3, 4, 5, 6])
     assert cal.accuracy(q, leak) != acc
@@ -122,5 +125,6 @@ def test_corpus_calibration_holds_the_queries_out_and_counts_by_match_length(tmp
     assert cal.main([str(f), "--queries", "1"]) == 0
     out = capsys.readouterr().out
     assert "| corpus | 1.00 (1) | 1.00 (1) | 1.00 (1) | - |" in out and "1 query conversations" in out
+    assert "| store | - |" in out
     f.write_text('{"turns": ["x"]}\n')
     assert cal.main([str(f)]) == 2 and "input_ids" in capsys.readouterr().err
