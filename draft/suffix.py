@@ -32,11 +32,13 @@ mass): greedy output and the sampling law are the verifier's business, never the
 else the EAGLE-2 tree), expressed through scores inside the one merged node budget of
 :func:`draft.tree.merge_sources`: ``p(L)``, the prior probability that one copied token is right, is
 ``draft.suffix_long_token_prob`` when the match length ``L >= draft.suffix_threshold``, else
-``draft.suffix_token_prob``. A long match's chain scores near ``d * log p_long``, above EAGLE's own nodes beyond
-the first level, so it takes the budget's first places ("take the retrieval branch"); a short match's first tokens
-score low and survive only where EAGLE is less sure still, and its deeper tokens rise to ``p_long`` as the match
-grows past the threshold. The threshold and the two priors were measured on held-out records (docs/suffix.md: the
-target's acceptance of the copied tokens by match length).
+``draft.suffix_token_prob`` (for a match in the store or the corpus the threshold is
+``draft.suffix_other_threshold``: other texts' matches are right less often, :meth:`SuffixDrafter.other_prior`). A
+long match's chain scores near ``d * log p_long``, above EAGLE's own nodes beyond the first level, so it takes the
+budget's first places ("take the retrieval branch"); a short match's first tokens score low and survive only where
+EAGLE is less sure still, and its deeper tokens rise to ``p_long`` as the match grows past the threshold. The
+thresholds and the two priors were measured on held-out records (docs/suffix.md: the target's acceptance of the
+copied tokens by match length).
 
 State ("hidden") for the tree interface, the same layout as :mod:`draft.lookup`'s so that
 :class:`draft.merged.MergedDrafter` merges it as a source: the next-token scores after a sequence (the trie's first
@@ -204,10 +206,10 @@ def continuation_tree(root_token: int, roots: list[tuple], total_token: int, max
                       max_children: int) -> DraftTree:
     """The united continuation trie below ``root_token`` (module docstring), best ``total_token`` nodes (root
     included), ancestors first and scores non-increasing (a best-first walk emits a node after its parent, and a
-    child never scores above its parent). ``roots``: per automaton, its proposal match and prior ``(sam, state, L, prior)`` (state 0: no proposal;
-    ``prior(L, d)``: the log prior of ``d`` tokens copied below a match of ``L`` in that automaton, :func:`path_logp`
-    with its threshold). A path proposed by several automata is one node with the first (best) score; the
-    children of every automaton that reached it hang below it."""
+    child never scores above its parent). ``roots``: per automaton, its proposal match and prior ``(sam, state, L,
+    prior)`` (state 0: no proposal; ``prior(L, d)``: the log prior of ``d`` tokens copied below a match of ``L`` in
+    that automaton, :func:`path_logp` with its threshold). A path proposed by several automata is one node with the
+    first (best) score; the children of every automaton that reached it hang below it."""
     heap: list = []
     order = 0
     for sam, state, length, prior in roots:
@@ -379,8 +381,7 @@ class SuffixDrafter(TokenHistory):
             raise SourceError(f"suffix keeps token ids in float32 states: vocabulary {vocab_size} >= 2**24")
         if min_match < 1 or threshold < 1 or other_threshold < 1 or max_children < 1 or max_depth < 0:
             raise SourceError("draft.suffix_min_match, suffix_threshold, suffix_other_threshold and "
-                              "suffix_max_children must be >= 1 and "
-                              "suffix_max_depth >= 0")
+                              "suffix_max_children must be >= 1 and suffix_max_depth >= 0")
         if not (0 < token_prob <= 1 and 0 < long_token_prob <= 1):
             raise SourceError("draft.suffix_token_prob and suffix_long_token_prob must be in (0, 1]")
         self.vocab_size, self.store, self.corpus = vocab_size, store, corpus
