@@ -5,7 +5,9 @@
 #   bash scripts/gpu_head_recipe.sh data  OUT   # self-distilled data: the default head's kinds + broad kinds,
 #                                               # half greedy, half sampled (float32 target, as at inference);
 #                                               # the six sets' records [30, 50) excluded; then translations of
-#                                               # its answers' sentences and back (data --translate)
+#                                               # its answers' sentences and back (data --translate); then
+#                                               # OUT/corpus.jsonl, every answer as a suffix corpus
+#                                               # (draft.suffix_corpus; docs/suffix.md)
 #   bash scripts/gpu_head_recipe.sh train OUT   # EAGLE-1/2 head with the training-time test (--unroll-steps 5),
 #                                               # from the shipped head, saved in bf16 to OUT/head
 #   bash scripts/gpu_head_recipe.sh eval  OUT   # tau per category (held-out kinds + six sets), T = 0 and T = 1,
@@ -61,6 +63,9 @@ do_data() {
       --sample-frac 0.3 --max-new-tokens 96 --seed 1 || return 0
   run_data translate_back --translate "$(n 1000)" --translate-from "$OUT/translate_to.jsonl" --temperature 0.8 \
       --sample-frac 0.3 --max-new-tokens 96 --seed 2 || return 0
+  # the same answers as a static suffix corpus (seconds; measured with drafter_bench later, on any machine)
+  "$PY" -m draft.train.corpus "$OUT/data.jsonl" "$OUT/translate_to.jsonl" "$OUT/translate_back.jsonl" \
+      --out "$OUT/corpus.jsonl" >&2 || { echo "gpu_head_recipe: could not write $OUT/corpus.jsonl" >&2; exit 2; }
 }
 
 run_data() {   # run_data NAME ARGS...: OUT/NAME.jsonl, resumed; fails while prompts are left (the budget cut it)
