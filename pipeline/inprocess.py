@@ -29,12 +29,22 @@ def _wait_s(cfg) -> float:
     return max(TIMEOUT_S, float(cfg.comm.timeout_s))
 
 
+def head_key(head: str) -> str:
+    """One name per head: an existing directory as its resolved path (``./H``, ``H``, ``H/`` and the absolute path
+    are one head), anything else (``untrained``, ``oracle:<dir>``, a path still to be created) as given. What
+    :func:`head_conflict` and ``drafter_bench``'s rows compare."""
+    p = Path(head)
+    return str(p.resolve()) if p.is_dir() else head
+
+
 def head_conflict(overrides: list[str], drafter: str | None) -> str | None:
-    """The head an override names (``model.head_dir=`` or its alias) when it is not ``drafter``, the head
-    :func:`run_threaded` is handed and uses: such an override would lose silently, so callers refuse it (a tool
-    can ask before loading anything). None where there is no conflict."""
+    """The head an override names (``model.head_dir=`` or its alias) when it is not ``drafter`` (compared by
+    :func:`head_key`), the head :func:`run_threaded` is handed and uses: such an override would lose silently, so
+    callers refuse it (a tool can ask before loading anything). None where there is no conflict."""
     named = apply_overrides(DEFAULT, overrides).model.head_dir
-    return named if drafter is not None and named not in ("", DEFAULT.model.head_dir, drafter) else None
+    if drafter is None or named in ("", DEFAULT.model.head_dir) or head_key(named) == head_key(drafter):
+        return None
+    return named
 
 
 def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], overrides: list[str],

@@ -86,6 +86,11 @@ def test_a_head_directory_is_named_by_its_resolved_path(tmp_path, monkeypatch):
            for h in ("./H", "H", str(tmp_path / "H"), "H/")}
     assert got == {str((tmp_path / "H").resolve())}
     assert configurations(build_parser().parse_args(["--head-dir", "untrained", "--out", "o"]))[0][1] == "untrained"
+    # the refusal of an override that names another head compares the same names: one head in two spellings is
+    # no conflict
+    from pipeline.inprocess import head_conflict
+    assert head_conflict(["model.head_dir=./H"], str(tmp_path / "H")) is None
+    assert head_conflict(["model.head_dir=./H"], "untrained") == "./H"
 
 
 def test_configurations_cross_sources_heads_and_vocabularies():

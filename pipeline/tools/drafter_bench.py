@@ -258,20 +258,14 @@ def markdown(summary: list[dict], sets: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _head_key(head: str) -> str:
-    """A head as rows name it: an existing directory as its resolved path (``--head-dir ./H`` and ``--head-dir H`` are
-    one head to a rerun and to ``--report``), anything else (``untrained``, a path still to be created) as given."""
-    p = Path(head)
-    return str(p.resolve()) if p.is_dir() else head
-
-
 def configurations(args) -> list[tuple[str, str, list[str]]]:
     """``(label, head, overrides)`` of every configuration: ``--sources`` x ``--head`` x ``--draft-vocab``; the head
     as the run uses it (each ``--head``, else ``--head-dir``, else the shipped head: the one home of that rule). The
     label names what varies (the sources string as given, then `` model.head_dir=H`` / `` model.draft_vocab=N``)."""
     from config.paths import DEFAULT_HEAD_DIR
+    from pipeline.inprocess import head_key     # rows name a head directory by its resolved path (reruns, --report)
     out = []
-    heads = [_head_key(h) for h in (args.head or [args.head_dir or str(DEFAULT_HEAD_DIR)])]
+    heads = [head_key(h) for h in (args.head or [args.head_dir or str(DEFAULT_HEAD_DIR)])]
     vocabs = args.draft_vocab or [None]
     for c in args.sources or ["eagle"]:
         for h in heads:
