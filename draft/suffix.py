@@ -417,7 +417,6 @@ class SuffixDrafter(TokenHistory):
         self.sam = SuffixAutomaton()          # the request's own text
         self.others: list[SuffixAutomaton] = [s for s in (self.store.sam if self.store else None, self.corpus)
                                               if s is not None]
-        self.priors = [self.prior] + [self.other_prior] * len(self.others)   # own text, then store / corpus
         self.matches: list[tuple[int, int]] = [(0, 0)] * len(self.others)   # committed context vs the others
         self.tree_matches: list[tuple] = []  # per tree entry: (own match, matches in the others)
 
@@ -435,13 +434,14 @@ class SuffixDrafter(TokenHistory):
         return self.sam.last, self.sam.length[self.sam.last]
 
     def _roots(self, own: tuple[int, int], others: list[tuple[int, int]]):
-        """Per automaton ``(sam, state, L, prior)`` of the proposal match, state 0 below ``min_match``."""
+        """Per automaton ``(sam, state, L, prior)`` of the proposal match, state 0 below ``min_match``; the own text's
+        prior first, then :meth:`other_prior` for the store and the corpus."""
         out = []
-        for sam, (st, ln), prior in zip([self.sam, *self.others], [own, *others], self.priors):
+        for i, (sam, (st, ln)) in enumerate(zip([self.sam, *self.others], [own, *others])):
             st, ln = with_continuation(sam, st, ln)
             if ln < self.min_match:
                 st = 0
-            out.append((sam, st, ln, prior))
+            out.append((sam, st, ln, self.other_prior if i else self.prior))
         return out
 
     def _advance(self, own, others, token: int):

@@ -26,12 +26,9 @@ from collections import defaultdict
 
 from draft.suffix import SuffixAutomaton, advance, children, with_continuation
 from draft.train.corpus import answer_spans
+from scripts.suffix_replay import bucket      # the match-length buckets of suffix_replay's table
 
 BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
-
-
-def bucket(length: int) -> int:
-    return length if length < 8 else (8 if length < 12 else (12 if length < 16 else 16))
 
 
 def split(records: list[dict], queries: int) -> tuple[list[dict], list[dict]]:
