@@ -24,7 +24,7 @@ FAST_FILES = {
     "test_launchers.py", "test_merge_sources.py", "test_outputs.py", "test_prompt_lists.py", "test_sampling.py",
     "test_timeline.py", "test_tool_rows.py", "test_transport.py", "test_tree.py", "test_tree_stats.py",
     "test_tree_vectorised.py", "test_docs_links.py", "test_round_start_bound.py", "test_tree_outputs.py",
-    "test_translation_prompts.py",
+    "test_translation_prompts.py", "test_fuzz.py",
 }
 # (file, test name prefix): the slow tests of those files (seconds: one loaded 2-core run of the file, --durations)
 SLOW_IN_FAST_FILES = {
@@ -32,7 +32,9 @@ SLOW_IN_FAST_FILES = {
     ("test_cli.py", "test_gpu_goals_help_and_no_cuda"),                # 14 s
     ("test_device_guard.py", "test_decode_paths_create_no_tensor"),    # 13-30 s each (the ring, every mode)
     ("test_drafter_bench.py", "test_bench_on_stories260k"),            # 41 s
-    ("test_emulation.py", "test_worker_compute_is_padded"),            # the tiny split + a 0.25 s pad
+    ("test_emulation.py", "test_worker_compute_is_padded"),
+    ("test_fuzz.py", "test_drawn_combinations"), ("test_fuzz.py", "test_a_planted"),   # 2-5 s each (the ring)
+    ("test_fuzz.py", "test_an_exception"), ("test_fuzz.py", "test_the_ar_reference"),            # the tiny split + a 0.25 s pad
     ("test_emulation.py", "test_emulated_run_is_exact"),               # 48 s (launches ranks)
     ("test_emulation.py", "test_eval_driver_resumes"),                 # 73 s (launches ranks)
     ("test_launchers.py", "test_fault_through_launcher"),              # 7-60 s each (launches ranks)

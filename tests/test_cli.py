@@ -150,7 +150,7 @@ def test_run_pipe_print_config_does_not_launch():
 ENTRY_POINTS = ["pipeline.run", "pipeline.tools.bench", "pipeline.tools.eval", "pipeline.tools.simulate", "pipeline.tools.timeline",
                 "pipeline.tools.profile", "pipeline.tools.quant_report", "split_and_save_models", "draft.train_eagle",
                 "data.prepare", "pipeline.tools.hf_generate", "pipeline.tools.layerbench",
-                "pipeline.tools.graphbench"]
+                "pipeline.tools.graphbench", "pipeline.tools.fuzz"]
 
 
 @pytest.mark.parametrize("module", ENTRY_POINTS)
