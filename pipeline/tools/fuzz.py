@@ -78,7 +78,10 @@ SPACE: dict[str, tuple] = {
     "tree.early_split": (0, 2, 3),
     "tree.root_first": (False, True),
     "tree.pipedec_topk": (1, 4, 16),
+    "tree.budget": ("", "edge_orin_7b"),
     "model.graphs": ("off", "on"),
+    "model.draft_vocab": (-1, 0, 64),
+    "osd.enabled": (False, True),
 }
 
 
