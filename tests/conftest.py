@@ -50,6 +50,7 @@ SLOW_IN_FAST_FILES = {
     ("test_sampling.py", "test_chi_square_with_a_drafter"),            # 15 s
     ("test_sampling.py", "test_exact_law_reduced_draft_vocabulary"),
     ("test_sampling.py", "test_exact_law_with_a_drafter"),
+    ("test_sampling.py", "test_exact_law_drawn"), ("test_sampling.py", "test_broken_verifier_fails_a_drawn"),
     ("test_sampling.py", "test_seeded_runs"), ("test_sampling.py", "test_ar_"),   # the e2e fixture launches ranks
     ("test_sampling.py", "test_threaded_ring"),
     ("test_timeline.py", "test_bench_tiny_model_end_to_end"),          # 57 s (launches ranks)

@@ -580,6 +580,63 @@ def test_broken_verifier_fails_exact_law(monkeypatch, rule, mode):
     assert total_variation(law, target_law(sampler, tables[0], 2)) > 0.02
 
 
+DRAWN_LAW_MODES = ("continuous", "pruned", "continuous", "naive", "continuous", "pipedec", "continuous", "pruned",
+                   "continuous", "pipedec")   # continuous, the mode with the most schedule keys, every other case
+
+
+def drawn_law_case(i: int) -> tuple:
+    """Case ``i`` of the drawn exact-law cases: a tree mode, a world, a sampling setting, a draft table and the
+    ``tree.*`` keys of :data:`pipeline.tools.fuzz.SPACE` drawn as ``pipeline.tools.fuzz`` draws them (its trial
+    ``i`` of seed 41 in the mode :data:`DRAWN_LAW_MODES` gives it, the cost-aware ``tree.budget`` left out), each capped to this small world's trees (at most 9
+    nodes a tree, 3 levels, 3 children): enumeration stays cheap, the combination is the fuzz's."""
+    import random
+
+    from pipeline.tools import fuzz
+    t = fuzz.draw_trial(41, i, ["untrained"], 0.5, modes=(DRAWN_LAW_MODES[i],))
+    rng = random.Random(f"law/{i}")
+    cap = {"total_token": 9, "init_total_token": 9, "expand_total_token": 9, "depth": 3, "init_depth": 3,
+           "expand_depth": 3, "top_k": 3, "init_topk": 3, "expand_topk": 3, "pipedec_topk": 3, "subseq_token": 4,
+           "expand_subseq_token": 4, "early_whole": 4}
+    over = {}
+    for w in t.words:
+        key, _, text = w.partition("=")
+        if not key.startswith("tree.") or key == "tree.budget":
+            continue
+        value = {"true": True, "false": False}.get(text, None)
+        if value is None:
+            value = float(text) if "." in text else int(text)
+        name = key.split(".", 1)[1]
+        if name in cap and isinstance(value, int) and not isinstance(value, bool):
+            value = min(value, cap[name]) if value >= 0 else value
+        over[key] = value
+    return (t.mode, rng.choice([3, 4]), rng.choice([0.3, 1.0, 2.0]), rng.choice([1.0, 0.9]),
+            rng.choice(["random", "target", "onehot", "disjoint"]), rng.choice([2, 3]), over)
+
+
+@pytest.mark.parametrize("i", range(len(DRAWN_LAW_MODES)))
+def test_exact_law_drawn_combinations(i):
+    """The exact law under combinations of tree and schedule keys drawn as ``pipeline.tools.fuzz`` draws them (the
+    fuzz checks greedy answers; this checks the sampled law of the same kind of combination)."""
+    mode, world, temp, top_p, draft, horizon, over = drawn_law_case(i)
+    tables = make_world(11 + i, draft, 0.3 if temp < 1 else 1.5)
+    sampler = BranchingSampler(temp, top_p, 0, horizon)
+    law, _ = exact_law(make_runner(mode, world, tables, sampler, horizon, over, early=bool(i % 2)), sampler)
+    assert_target_law(law, target_law(sampler, tables[0], horizon), f"case {i}: {mode} {over}")
+
+
+def test_broken_verifier_fails_a_drawn_exact_law_case(monkeypatch):
+    """The drawn cases can fail: the first drawn ``continuous`` case with the draft-ratio mistake of
+    :func:`_broken_walk` is off the target's law."""
+    i = 0                                                      # (a continuous case)
+    mode, world, temp, top_p, draft, horizon, over = drawn_law_case(i)
+    tables = make_world(11 + i, "target", 1.5)
+    bad = _broken_walk("draft_ratio", tables[1])
+    monkeypatch.setattr("pipeline.modes.flowspec.walk_tree", bad)
+    sampler = BranchingSampler(1.0, 1.0, 0, 2)
+    law, _ = exact_law(make_runner(mode, world, tables, sampler, 2, over), sampler)
+    assert total_variation(law, target_law(sampler, tables[0], 2)) > 0.02
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 2. Chi-square with the real generator
 # ---------------------------------------------------------------------------------------------------------------
