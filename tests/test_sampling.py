@@ -587,8 +587,9 @@ DRAWN_LAW_MODES = ("continuous", "pruned", "continuous", "naive", "continuous", 
 def drawn_law_case(i: int) -> tuple:
     """Case ``i`` of the drawn exact-law cases: a tree mode, a world, a sampling setting, a draft table and the
     ``tree.*`` keys of :data:`pipeline.tools.fuzz.SPACE` drawn as ``pipeline.tools.fuzz`` draws them (its trial
-    ``i`` of seed 41 in the mode :data:`DRAWN_LAW_MODES` gives it, the cost-aware ``tree.budget`` left out), each capped to this small world's trees (at most 9
-    nodes a tree, 3 levels, 3 children): enumeration stays cheap, the combination is the fuzz's."""
+    ``i`` of seed 41 in the mode :data:`DRAWN_LAW_MODES` gives it, the cost-aware ``tree.budget`` left out), each
+    capped to this small world's trees (at most 9 nodes a tree, 3 levels, 3 children): enumeration stays cheap,
+    the combination is the fuzz's."""
     import random
 
     from pipeline.tools import fuzz
