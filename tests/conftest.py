@@ -34,7 +34,8 @@ SLOW_IN_FAST_FILES = {
     ("test_drafter_bench.py", "test_bench_on_stories260k"),            # 41 s
     ("test_emulation.py", "test_worker_compute_is_padded"),
     ("test_fuzz.py", "test_drawn_combinations"), ("test_fuzz.py", "test_a_planted"),   # 2-5 s each (the ring)
-    ("test_fuzz.py", "test_an_exception"), ("test_fuzz.py", "test_the_ar_reference"),            # the tiny split + a 0.25 s pad
+    ("test_fuzz.py", "test_an_exception"), ("test_fuzz.py", "test_the_ar_reference"),
+    ("test_fuzz.py", "test_seeded_sampled"),            # the tiny split + a 0.25 s pad
     ("test_emulation.py", "test_emulated_run_is_exact"),               # 48 s (launches ranks)
     ("test_emulation.py", "test_eval_driver_resumes"),                 # 73 s (launches ranks)
     ("test_launchers.py", "test_fault_through_launcher"),              # 7-60 s each (launches ranks)

@@ -63,6 +63,7 @@ def stages(tmp_path_factory):
 
 
 def _run(stages, tmp_path, *args):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "fuzz.jsonl"
     rc = fuzz.main([*args, "--prompts", "1", "--max-new-tokens", "24", "--out", str(out),
                     f"model.stage_dir={stages}"])
@@ -108,6 +109,22 @@ def test_a_planted_verification_bug_is_a_mismatch(stages, tmp_path, monkeypatch,
     assert "position" in rows[0]["detail"] and "logit gap" in rows[0]["detail"]
     printed = capsys.readouterr().out
     assert "mismatch (trial 0)" in printed and f"model.head_dir=oracle:{STORIES}" in printed
+
+
+@needs_stories
+def test_seeded_sampled_answers_do_not_depend_on_the_combination(stages, tmp_path, monkeypatch):
+    """At T > 0 every drawn combination's seeded answer equals naive's with the default keys ("Draw first"); a
+    planted bug in continuous's walk (the reference, naive, keeps the real one) is a mismatch."""
+    args = ("--trials", "3", "--seed", "12", "--temperature", "1", "--modes", "continuous,pruned",
+            "--heads", f"oracle@1:{STORIES},oracle:{STORIES}")
+    rc, rows = _run(stages, tmp_path / "good", *args)
+    assert rc == 0 and all(r["verdict"] in ("exact", "rejected") for r in rows), rows
+    assert sum(r["verdict"] == "exact" for r in rows) >= 2, rows
+    import pipeline.modes.flowspec as flowspec
+    monkeypatch.setattr(flowspec, "walk_tree", _corrupt_after_two(flowspec.walk_tree))
+    rc, rows = _run(stages, tmp_path / "bad", "--trials", "1", "--temperature", "1", "--modes", "continuous",
+                    "--heads", f"oracle:{STORIES}")
+    assert rc == 1 and rows[0]["verdict"] == "mismatch", rows
 
 
 @needs_stories

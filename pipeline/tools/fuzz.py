@@ -16,6 +16,11 @@ reaches passes every fixed test. This tool draws combinations:
   reference: HF ``generate(do_sample=False)`` on the unsplit model the stage manifest names (``--reference hf``),
   or mode ``ar`` on the same split (``--reference ar``, no transformers model). Generations of one trial share the
   drafter's memory of earlier requests, as a server's do.
+* **At T > 0** (``--temperature``, seeded with ``--seed``): a seeded answer of a deterministic draft is a function
+  of the prompt, the seed and the target's logits only, the same on any schedule and tree shape
+  (:mod:`pipeline.verify`, "Draw first"), so every trial's answer must equal mode ``naive``'s with the default keys
+  and the same seed (``ar`` draws another stream, for HF parity). The law itself is the exact-law tests' job
+  (``tests/test_sampling.py``, which also enumerates drawn combinations).
 * **Verdicts**: ``exact``; ``rejected`` (the configuration or the setup refused the combination with one clear
   error: a :class:`config.errors.UserError`; counted, not a failure); ``mismatch`` (first differing position,
   both tokens, and with the HF reference the target's logit gap between them there: a gap under ``--tie`` is a
@@ -135,8 +140,10 @@ class References:
     mode ``ar`` through the split. :meth:`gap`: the target's logit of ``want`` minus that of ``got`` after
     ``prefix`` (HF reference only; None otherwise), to tell a float near-tie from a protocol bug."""
 
-    def __init__(self, kind: str, stage_dir: Path, base_words: list[str], max_new_tokens: int) -> None:
-        self.kind, self.stage_dir, self.max_new = kind, stage_dir, max_new_tokens
+    def __init__(self, kind: str, stage_dir: Path, base_words: list[str], max_new_tokens: int,
+                 temperature: float = 0.0, seed: int = 0) -> None:
+        self.kind = "naive" if temperature > 0 else kind      # at T > 0: the module docstring's seeded reference
+        self.stage_dir, self.max_new, self.temperature, self.seed = stage_dir, max_new_tokens, temperature, seed
         self.base_words = base_words
         self._answers: dict[tuple, list[int]] = {}
         self._model = None
@@ -168,8 +175,9 @@ class References:
                 self._answers[key] = out[0, len(prompt):].tolist()
             else:
                 from pipeline.api import FlowSpec
-                with FlowSpec.load(self.stage_dir, *self.base_words, "mode=ar", template="raw") as fs:
-                    self._answers[key] = fs.generate(prompt, max_new_tokens=self.max_new).ids
+                with FlowSpec.load(self.stage_dir, *self.base_words, f"mode={self.kind}", template="raw") as fs:
+                    self._answers[key] = fs.generate(prompt, max_new_tokens=self.max_new,
+                                                     temperature=self.temperature, seed=self.seed).ids
         return list(self._answers[key])
 
     def gap(self, prefix: list[int], want: int, got: int) -> float | None:
@@ -191,7 +199,7 @@ def run_trial(trial: Trial, stage_dir: Path, base_words: list[str], prompts: lis
     try:
         fs = FlowSpec.load(stage_dir, *base_words, *trial.words, template="raw")
         for prompt in prompts:
-            out = fs.generate(prompt, max_new_tokens=max_new_tokens)
+            out = fs.generate(prompt, max_new_tokens=max_new_tokens, temperature=refs.temperature, seed=refs.seed)
             ref = refs.answer(prompt, fs.stop_ids)
             trial.prompts += 1
             trial.tau.append(out.stats.tau)
@@ -263,6 +271,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=40, help="new tokens per answer")
     p.add_argument("--reference", choices=("hf", "ar"), default="hf", help="hf: HF generate on the unsplit model "
                    "the stage manifest names; ar: mode ar on the same split")
+    p.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled answers, seeded with --seed, each "
+                   "checked against mode naive's with the default keys (a seeded answer does not depend on the tree)")
     p.add_argument("--tie", type=float, default=1e-4, help="a mismatch where the reference's logit leads by less "
                    "is a float near-tie, not a failure (HF reference only)")
     p.add_argument("--out", help="write every trial as a JSON line here")
@@ -271,6 +281,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--trials, --prompts, --prompt-len and --max-new-tokens must be >= 1 and --first >= 0")
     if not 0 <= args.p <= 1:
         p.error("--p must be in [0, 1]")
+    if args.temperature < 0:
+        p.error("--temperature must be >= 0")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or any(m not in MODES for m in args.modes):
         p.error(f"--modes takes tree modes among {', '.join(MODES)}")
@@ -307,7 +319,7 @@ def _setup(args):
 
 def run(args) -> int:
     stage_dir, base, heads, prompts = _setup(args)
-    refs = References(args.reference, stage_dir, base, args.max_new_tokens)
+    refs = References(args.reference, stage_dir, base, args.max_new_tokens, args.temperature, args.seed)
     out = open(args.out, "a") if args.out else None
     trials = []
     try:
