@@ -32,25 +32,33 @@ STOP = {2}
 pytestmark = pytest.mark.skipif(not STORIES.is_dir(), reason="../shared/models/stories260K is not available")
 
 
+READY = re.compile(r"\[serve\] ready: http://127\.0\.0\.1:(\d+)/")
+
+
 class Server:
-    """``./run_serve.sh ... --port P`` (or ``cmd ... --port P``) in its own process group; output goes to ``log``."""
+    """``./run_serve.sh ... --port 0`` (or ``cmd ... --port 0``) in its own process group; output goes to ``log``.
+    The server binds a free port itself and prints it on its ready line, which sets ``port`` and ``url``: a port
+    picked here and bound there later could be taken in between by another test's ranks (a CI run lost a test to
+    exactly that: "cannot listen on 127.0.0.1:43601: Address already in use")."""
 
     def __init__(self, args: list[str], log: Path, env: dict | None = None, timeout: float = 120,
                  cmd: list[str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port, self.url = None, None
         self.log = log
         e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
         e.pop("FLOWSPEC_DEBUG", None)
         with open(log, "w") as f:
-            self.proc = subprocess.Popen([*(cmd or [str(REPO / "run_serve.sh")]), *args, "--port", str(self.port)], cwd=REPO,
+            self.proc = subprocess.Popen([*(cmd or [str(REPO / "run_serve.sh")]), *args, "--port", "0"], cwd=REPO,
                                          env=e, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited {self.proc.returncode}:\n{log.read_text()[-3000:]}")
+            if self.url is None and (m := READY.search(log.read_text(errors="replace"))):
+                self.port = int(m.group(1))
+                self.url = f"http://127.0.0.1:{self.port}"
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if self.url is not None and httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
