@@ -372,3 +372,37 @@ def test_in_process_ring_waits_as_long_as_comm_timeout_says():
     from pipeline.local_ring import TIMEOUT_S
     assert _wait_s(apply_overrides(DEFAULT, [])) == TIMEOUT_S
     assert _wait_s(apply_overrides(DEFAULT, ["comm.timeout_s=900"])) == 900.0
+
+
+def drawn_lane_case(i: int) -> tuple[list[str], list[str], str | None]:
+    """Case ``i`` of the drawn lane cases: the ``tree.*`` and ``draft.*`` words of ``pipeline.tools.fuzz``'s trial
+    ``i`` of seed 43 (the first draw from ``i`` on that the configuration accepts), the modes of three concurrent
+    requests (three consecutive modes of ``fuzz.MODES`` from the ``i``-th: every tree mode beside every other) and
+    the trial's drafter: the oracle at its noise, or (untrained) the default, the untrained EAGLE head and lookup."""
+    from config.errors import UserError
+    from config.run_config import DEFAULT, apply_overrides
+    from pipeline.tools import fuzz
+    heads = ["oracle:FULL", "oracle@1:FULL", "oracle@3:FULL", "untrained"]
+    for k in range(i, i + 50):
+        t = fuzz.draw_trial(43, k, heads, 0.5)
+        words = [w for w in t.words if w.split("=")[0].split(".")[0] in ("tree", "draft")
+                 and not w.startswith("tree.budget")]
+        try:
+            apply_overrides(DEFAULT, words)
+        except UserError:
+            continue
+        modes = [fuzz.MODES[(i + n) % len(fuzz.MODES)] for n in range(3)]
+        return words, modes, None if t.head == "untrained" else t.head
+    raise AssertionError("no drawn combination validates")
+
+
+@pytest.mark.parametrize("i", range(6))
+def test_concurrent_greedy_under_drawn_combinations(tiny, i):
+    """Three requests of three modes on two lanes at once under tree and drafting keys drawn as
+    ``pipeline.tools.fuzz`` draws them (one configuration per ring, as a server has): every answer equals HF's."""
+    full, stages, refs = tiny
+    words, modes, head = drawn_lane_case(i)
+    jobs = [(p, m, _greedy()) for p, m in zip(PROMPTS, modes)]
+    res, pool = run_concurrent(stages, jobs, [*COMMON, *words], {2},
+                               head.replace("FULL", str(full)) if head else None, lanes=2)
+    assert [r.output_ids for r in res] == refs, (modes, head, words)
