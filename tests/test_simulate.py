@@ -223,7 +223,10 @@ SIM_PROFILE = {
 # ar-fitted calibration cannot follow mode by mode. Measured at load ~7 (3 benches beside it), largest |error|:
 # scale 1 raw 0.189, calibrated 0.059; scale 2 raw 0.089, calibrated 0.032 (+16 s of test time); pipedec reached
 # -0.103 calibrated at scale 1 in a full-suite run (docs/results.md §88). The 10% bound is unchanged.
-SIM_TIME_SCALE = float(os.environ.get("SIM_TIME_SCALE", "2"))
+# Scale 3 since 2026-11-30: two CI runs in a row at scale 2 missed the bound in the full suite (pruned calibrated
+# 0.116 and 0.102, the ar-fitted overhead 2.25 ms per event, 5x what the test measures beside one other job:
+# 0.4-0.6 ms); alone, or beside one job, scale 2 and 3 both stay under 0.01 calibrated (+20 s of test time).
+SIM_TIME_SCALE = float(os.environ.get("SIM_TIME_SCALE", "3"))
 
 
 def test_simulator_reproduces_an_emulated_run(tmp_path):
