@@ -128,14 +128,20 @@ def test_seeded_sampled_answers_do_not_depend_on_the_combination(stages, tmp_pat
 
 
 @needs_stories
-def test_an_exception_in_the_decode_loop_is_a_crash(stages, tmp_path, monkeypatch):
+@pytest.mark.parametrize("error", ["IndexError", "PeerLost"])
+def test_an_exception_in_the_decode_loop_is_a_crash(stages, tmp_path, monkeypatch, error):
+    """Any exception inside a generation is a crash, a lost peer too (a UserError for the command line, where it is
+    one line; here a combination that lost a stage is no refused combination)."""
     import pipeline.modes.naive as naive
+    from pipeline.comm import PeerLost
+    make = {"IndexError": lambda: IndexError("planted"), "PeerLost": lambda: PeerLost(2, "planted")}[error]
 
     def broken(*a, **k):
-        raise IndexError("planted")
+        raise make()
     monkeypatch.setattr(naive, "walk_tree", broken)
     rc, rows = _run(stages, tmp_path, "--trials", "1", "--modes", "naive", "--heads", "untrained")
-    assert rc == 1 and rows[0]["verdict"] == "crash" and "IndexError: planted" in rows[0]["detail"], rows
+    assert rc == 1 and rows[0]["verdict"] == "crash" and rows[0]["detail"].startswith(error), rows
+    assert "planted" in rows[0]["detail"], rows
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):

@@ -22,7 +22,8 @@ reaches passes every fixed test. This tool draws combinations:
   and the same seed (``ar`` draws another stream, for HF parity). The law itself is the exact-law tests' job
   (``tests/test_sampling.py``, which also enumerates drawn combinations).
 * **Verdicts**: ``exact``; ``rejected`` (the configuration or the setup refused the combination with one clear
-  error: a :class:`config.errors.UserError`; counted, not a failure); ``mismatch`` (first differing position,
+  error while loading, a :class:`config.errors.UserError`, or a generation's settings with a
+  :class:`pipeline.api.GenerationError`; counted, not a failure); ``mismatch`` (first differing position,
   both tokens, and with the HF reference the target's logit gap between them there: a gap under ``--tie`` is a
   float near-tie of the two tokens, reported as ``tie`` and not a failure); ``crash`` (any other exception).
   Every trial is one JSON line in ``--out`` with the words that reproduce it
@@ -192,11 +193,15 @@ def run_trial(trial: Trial, stage_dir: Path, base_words: list[str], prompts: lis
               max_new_tokens: int, tie: float) -> Trial:
     """Load the split with the trial's words, answer every prompt, compare with the references (module docstring:
     the verdicts)."""
-    from pipeline.api import FlowSpec
+    from pipeline.api import FlowSpec, GenerationError
     t0 = time.perf_counter()
     fs = None
     try:
-        fs = FlowSpec.load(stage_dir, *base_words, *trial.words, template="raw")
+        try:
+            fs = FlowSpec.load(stage_dir, *base_words, *trial.words, template="raw")
+        except UserError as e:          # the configuration or the setup refused the combination
+            trial.verdict, trial.detail = "rejected", str(e).splitlines()[0][:300]
+            return trial
         for prompt in prompts:
             out = fs.generate(prompt, max_new_tokens=max_new_tokens, temperature=refs.temperature, seed=refs.seed)
             ref = refs.answer(prompt, fs.stop_ids)
@@ -213,9 +218,10 @@ def run_trial(trial: Trial, stage_dir: Path, base_words: list[str], prompts: lis
                             + (f", logit gap {gap:.3g}" if gap is not None else ""))
             return trial
         trial.verdict = "exact"
-    except UserError as e:
+    except GenerationError as e:        # a generation's own settings refused (e.g. a prompt the context cannot hold)
         trial.verdict, trial.detail = "rejected", str(e).splitlines()[0][:300]
-    except Exception as e:   # noqa: BLE001 -- every other exception is what the tool looks for
+    except Exception as e:   # noqa: BLE001 -- every other exception is what the tool looks for (a lost peer or a
+        # stage's protocol error during a generation too: they are UserErrors for the command line, crashes here)
         tb = traceback.extract_tb(e.__traceback__)
         where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
         first = str(e).splitlines()[0][:240] if str(e) else ""
