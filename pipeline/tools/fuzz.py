@@ -138,8 +138,9 @@ def first_difference(ref: list[int], got: list[int]) -> int | None:
 
 class References:
     """Each prompt's reference answer, computed once: HF ``generate(do_sample=False)`` on the unsplit model, or
-    mode ``ar`` through the split; at T > 0 mode ``naive``'s seeded answer at the default keys. :meth:`gap`: the target's logit of ``want`` minus that of ``got`` after
-    ``prefix`` (HF reference only; None otherwise), to tell a float near-tie from a protocol bug."""
+    mode ``ar`` through the split; at T > 0 mode ``naive``'s seeded answer at the default keys. :meth:`gap`: the
+    target's logit of ``want`` minus that of ``got`` after ``prefix`` (HF reference only; None otherwise), to tell a
+    float near-tie from a protocol bug."""
 
     def __init__(self, kind: str, stage_dir: Path, base_words: list[str], max_new_tokens: int,
                  temperature: float = 0.0, seed: int = 0) -> None:
