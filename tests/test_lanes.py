@@ -385,8 +385,8 @@ def drawn_lane_case(i: int) -> tuple[list[str], list[str], str | None]:
     heads = ["oracle:FULL", "oracle@1:FULL", "oracle@3:FULL", "untrained"]
     for k in range(i, i + 50):
         t = fuzz.draw_trial(43, k, heads, 0.5)
-        words = [w for w in t.words if w.split("=")[0].split(".")[0] in ("tree", "draft")
-                 and not w.startswith("tree.budget")]
+        words = [fuzz.word(k, v) for k, v in t.keys.items() if k.split(".")[0] in ("tree", "draft")
+                 and k != "tree.budget"]
         try:
             apply_overrides(DEFAULT, words)
         except UserError:

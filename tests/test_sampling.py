@@ -599,16 +599,12 @@ def drawn_law_case(i: int) -> tuple:
            "expand_depth": 3, "top_k": 3, "init_topk": 3, "expand_topk": 3, "pipedec_topk": 3, "subseq_token": 4,
            "expand_subseq_token": 4, "early_whole": 4}
     over = {}
-    for w in t.words:
-        key, _, text = w.partition("=")
+    for key, value in t.keys.items():
         if not key.startswith("tree.") or key == "tree.budget":
             continue
-        value = {"true": True, "false": False}.get(text, None)
-        if value is None:
-            value = float(text) if "." in text else int(text)
         name = key.split(".", 1)[1]
-        if name in cap and isinstance(value, int) and not isinstance(value, bool):
-            value = min(value, cap[name]) if value >= 0 else value
+        if name in cap and isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            value = min(value, cap[name])
         over[key] = value
     return (t.mode, rng.choice([3, 4]), rng.choice([0.3, 1.0, 2.0]), rng.choice([1.0, 0.9]),
             rng.choice(["random", "target", "onehot", "disjoint"]), rng.choice([2, 3]), over)

@@ -95,17 +95,28 @@ class FuzzError(UserError, ValueError):
     """Bad input to the tool (one line, exit 2)."""
 
 
+def word(key: str, value) -> str:
+    """``key=value`` as the command line takes it (booleans lower case)."""
+    return f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+
+
 @dataclass
 class Trial:
     index: int
     mode: str
     head: str
-    words: list[str]                       # key=value, the head and the mode included
+    keys: dict                             # the drawn keys of SPACE and their values (the rest at their defaults)
     verdict: str = ""
     detail: str = ""
     prompts: int = 0
     tau: list[float] = field(default_factory=list)
     seconds: float = 0.0
+
+    @property
+    def words(self) -> list[str]:
+        """The trial as ``key=value`` words: the mode, the head (none for :data:`OWN`), then :attr:`keys`."""
+        return ([f"mode={self.mode}"] + ([] if self.head == OWN else [f"model.head_dir={self.head}"])
+                + [word(k, v) for k, v in self.keys.items()])
 
     def row(self) -> dict:
         return {"trial": self.index, "mode": self.mode, "head": self.head, "words": self.words,
@@ -120,12 +131,11 @@ def draw_trial(seed: int, index: int, heads: list[str], p: float, modes=MODES) -
     rng = random.Random(f"{seed}/{index}")
     mode = rng.choice(list(modes))
     head = rng.choice(heads)
-    words = [f"mode={mode}"] + ([] if head == OWN else [f"model.head_dir={head}"])
+    keys = {}
     for key, values in SPACE.items():
         if rng.random() < p:
-            v = rng.choice(values)
-            words.append(f"{key}={str(v).lower() if isinstance(v, bool) else v}")
-    return Trial(index, mode, head, words)
+            keys[key] = rng.choice(values)
+    return Trial(index, mode, head, keys)
 
 
 def first_difference(ref: list[int], got: list[int]) -> int | None:
@@ -149,6 +159,12 @@ class References:
         self.base_words = base_words
         self._answers: dict[tuple, list[int]] = {}
         self._model = None
+        self._pipeline = None             # the split in mode ``kind`` (ar / naive references), loaded once
+
+    def close(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.close()
+            self._pipeline = None
 
     def _hf(self):
         if self._model is None:
@@ -175,10 +191,12 @@ class References:
                                          eos_token_id=stops, pad_token_id=stops[0])
                 self._answers[key] = out[0, len(prompt):].tolist()
             else:
-                from pipeline.api import FlowSpec
-                with FlowSpec.load(self.stage_dir, *self.base_words, f"mode={self.kind}", template="raw") as fs:
-                    self._answers[key] = fs.generate(prompt, max_new_tokens=self.max_new,
-                                                     temperature=self.temperature, seed=self.seed).ids
+                if self._pipeline is None:
+                    from pipeline.api import FlowSpec
+                    self._pipeline = FlowSpec.load(self.stage_dir, *self.base_words, f"mode={self.kind}",
+                                                   template="raw")
+                self._answers[key] = self._pipeline.generate(prompt, max_new_tokens=self.max_new,
+                                                             temperature=self.temperature, seed=self.seed).ids
         return list(self._answers[key])
 
     def gap(self, prefix: list[int], want: int, got: int) -> float | None:
@@ -203,7 +221,7 @@ def run_trial(trial: Trial, stage_dir: Path, base_words: list[str], prompts: lis
         except UserError as e:          # the configuration or the setup refused the combination
             trial.verdict, trial.detail = "rejected", str(e).splitlines()[0][:300]
             return trial
-        for prompt in prompts:
+        for n, prompt in enumerate(prompts):
             out = fs.generate(prompt, max_new_tokens=max_new_tokens, temperature=refs.temperature, seed=refs.seed)
             ref = refs.answer(prompt, fs.stop_ids)
             trial.prompts += 1
@@ -215,7 +233,7 @@ def run_trial(trial: Trial, stage_dir: Path, base_words: list[str], prompts: lis
             got = out.ids[i] if i < len(out.ids) else None
             gap = refs.gap(prompt + ref[:i], want, got) if want is not None and got is not None else None
             trial.verdict = "tie" if gap is not None and gap < tie else "mismatch"
-            trial.detail = (f"prompt {prompts.index(prompt)}: position {i}: reference {want}, got {got}"
+            trial.detail = (f"prompt {n}: position {i}: reference {want}, got {got}"
                             + (f", logit gap {gap:.3g}" if gap is not None else ""))
             return trial
         trial.verdict = "exact"
@@ -340,6 +358,7 @@ def run(args) -> int:
                 out.write(json.dumps(t.row()) + "\n")
                 out.flush()
     finally:
+        refs.close()
         if out is not None:
             out.close()
     print(summary(trials))
