@@ -1,13 +1,15 @@
 """pipeline/tools/rows.py and ranks.py, the pieces bench, eval and quant_report share: the row tailer sees each
 completed line once (a half-written line waits), the T=0 check keys and words its findings per tool, and a
-job's ranks get the repository on PYTHONPATH and one OMP thread unless told otherwise."""
+job's ranks get the repository on PYTHONPATH and one OMP thread unless told otherwise, and a picked port lies outside
+the kernel's ephemeral range."""
 from __future__ import annotations
 
 import json
 import os
 
 from config.paths import REPO
-from pipeline.tools.ranks import child_env, job_command
+from pipeline.tools import ranks
+from pipeline.tools.ranks import child_env, ephemeral_range, free_port, job_command
 from pipeline.tools.rows import RowTailer, find_mismatches, losslessness_md, mismatch_banner
 
 
@@ -68,6 +70,36 @@ def test_child_env_and_job_command(monkeypatch):
     cmd = job_command(3, ["max_new_tokens=8"])
     assert cmd[1:] == ["-m", "pipeline.tools.launch", "--standalone", "--nproc_per_node=3", "-m", "pipeline.run",
                        "max_new_tokens=8"]
+
+
+def test_free_port_is_outside_the_ephemeral_range_and_bindable(tmp_path, monkeypatch):
+    """Every pick lies outside the range outgoing connections take their ports from (why: free_port's docstring),
+    is free, and varies; a range file in another format falls back to Linux's default; a range that leaves nothing
+    outside falls back to bind(0). The planted bug (bind(0), the old rule) picks inside the range."""
+    import random
+    import socket
+    low, high = ephemeral_range()
+    picks = {free_port() for _ in range(40)}
+    assert len(picks) > 30 and all(not low <= p <= high and p >= ranks.PICK_LOW for p in picks)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", free_port()))                     # free when returned
+    f = tmp_path / "range"
+    f.write_text("20000\t30000\n")
+    assert ephemeral_range(f) == (20000, 30000)
+    f.write_text("garbage")
+    assert ephemeral_range(f) == (32768, 60999)
+    monkeypatch.setattr(ranks, "ephemeral_range", lambda: (20000, 30000))
+    rng = random.Random(0)
+    assert all(ranks.PICK_LOW <= p < 20000 or 30000 < p <= 65535 for p in (free_port(rng) for _ in range(200)))
+    monkeypatch.setattr(ranks, "ephemeral_range", lambda: (1024, 65535))      # nothing outside: the kernel's pick
+    assert 1024 <= free_port() <= 65535
+
+    def planted(rng=None):                                     # the old rule
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    monkeypatch.setattr(ranks, "ephemeral_range", lambda: (low, high))
+    assert all(low <= planted() <= high for _ in range(5))
 
 
 # -- results hygiene: the draft head in every summary and title, SR whatever modes ran --------------------------

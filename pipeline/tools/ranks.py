@@ -5,7 +5,7 @@ What this module holds, one copy each:
 * :func:`launcher_command`: how a job is started, the project's launcher (``python -m pipeline.tools.launch``,
   torchrun's options without torchrun's agent) under the current interpreter;
 * :func:`job_command`: that launcher running ``world`` local ranks of ``python -m pipeline.run ARGS``;
-* :func:`free_port`: a free local TCP port (rendezvous of a one-host job);
+* :func:`free_port`: a free local TCP port outside the kernel's ephemeral range (rendezvous of a one-host job);
 * :func:`child_env`: the environment of a job's ranks: this process's, with ``OMP_NUM_THREADS`` defaulting to
   1 (ranks share the host's cores) and the repository first on ``PYTHONPATH`` (so ``-m pipeline.run`` resolves
   from any working directory);
@@ -19,6 +19,7 @@ Invariant: every process :func:`run_job` starts has ended (or been sent SIGKILL)
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -41,8 +42,42 @@ def job_command(world: int, run_args: list[str]) -> list[str]:
     return [*launcher_command(), "--standalone", f"--nproc_per_node={world}", "-m", "pipeline.run", *run_args]
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (another process may take it before it is used)."""
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PICK_LOW = 10000      # the lowest port :func:`free_port` picks (above the registered services most hosts run)
+
+
+def ephemeral_range(path: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections and ``bind(port 0)``, inclusive; Linux's default
+    (32768, 60999) where it cannot be read (another OS)."""
+    try:
+        low, high = (int(x) for x in path.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(rng=None) -> int:
+    """A TCP port free on 127.0.0.1 right now, picked at random OUTSIDE the kernel's ephemeral range.
+
+    Why not ``bind(0)``: that hands out a port of the ephemeral range, the same range from which every outgoing
+    connection on the host takes its local port. Between this pick and the job's own bind, a job's ranks open many
+    connections (gloo's full mesh, HTTP clients), and one of them could take the port: the rendezvous or the server
+    then fails with "address already in use" (a CI run's serve test did, before its server bound port 0 itself and
+    reported the port). A port outside that range is never taken by a connection; only another explicit pick could
+    take it, and a random pick among some twenty thousand ports makes that rare. Still checked free by a bind before
+    it is returned; ``bind(0)`` only where no port outside the range is free."""
+    rng = rng or random.Random()
+    low, high = ephemeral_range()
+    spans = [(a, b) for a, b in ((PICK_LOW, low - 1), (high + 1, 65535)) if a <= b]
+    for _ in range(64 if spans else 0):
+        a, b = rng.choices(spans, weights=[b - a + 1 for a, b in spans])[0]
+        port = rng.randint(a, b)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
