@@ -4,7 +4,7 @@
 indices are ancestors-first, so a verified node's ancestors are verified too.
 
 Sampling rule (a deterministic draft, q = 1; "Draw first"): at a verified node with processed target
-distribution p, draw the node's token x from p (one ``Sampler.pick``: one uniform); descend into the child that carries
+distribution p, draw the node's token x from p (one ``Sampler.pick``: a fixed number of uniforms); descend into the child that carries
 x if the node has one (siblings are distinct tokens), else x ends the walk. This is the EAGLE-2 /
 SpecInfer multi-candidate rule for q = 1 (try the children in order, accept child c with p'(c), p' being p
 with the rejected siblings zeroed and renormalised, else draw from the residual) in another coupling:
@@ -19,7 +19,10 @@ the segments and so the steps). Measured: seed 12 of tests/test_prefill_share.py
 last token's node had no child on two lanes (residual draw: 294) and one child (422, p = 0.984, accepted)
 alone. Drawing first spends exactly one draw per committed token whatever the tree, so a seeded answer is a
 function of the prompt, the seed and the target's logits only: the same on any schedule, lane count or tree
-shape, as long as the logits are bit-identical (``ar`` draws with ``multinomial`` for HF parity: another stream). Each node resolves exactly one token
+shape. The logits themselves round differently with the rows a stage segment holds, which follow the schedule;
+the draw is an exponential race (``Sampler.pick``), which such rounding noise almost never flips (an inverse CDF
+flipped about 1% of picks: ``Sampler.pick``'s docstring). ``ar`` draws with ``multinomial`` for HF parity:
+another stream. Each node resolves exactly one token
 with fresh randomness, so the path's joint law is the target's autoregressive law, *provided the child
 list of a node is a function of what was decided before the node's draw* (it may depend on earlier draws,
 the draft and the pipeline's timing, but not on this node's draw).
@@ -50,6 +53,7 @@ like HF's global RNG, ``ar`` at T > 0 emits exactly HF's ``generate(do_sample=Tr
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -100,19 +104,68 @@ class Sampler:
     def draw(self, p: Tensor) -> int:
         return int(torch.multinomial(p.float(), 1, generator=self.generator))
 
+    def uniforms(self, n: int) -> Tensor:
+        """``n`` fresh uniforms in [0, 1), float64, on the generator's device (:meth:`pick`'s randomness)."""
+        g = self.generator
+        return torch.rand(n, generator=g, dtype=torch.float64, device=g.device if g is not None else HOST)
+
     def pick(self, p: Tensor) -> int:
-        """One token of law ``p / p.sum()`` from exactly one :meth:`uniform` (inverse CDF over the float64
-        cumulative sum: token i owns ``[c_{i-1}, c_i)``, so a zero-probability token is never picked). ``walk_tree``'s
-        draw ("Draw first"): one uniform per resolved node whatever the node's children, and about 20x cheaper
-        than ``torch.multinomial`` at V = 49152 (0.11 ms against 2.2 ms on the shared CPU host); ``draw`` stays
-        ``multinomial`` where HF parity needs it (``choose``: ``ar``, a generation's first token)."""
-        c = torch.cumsum(p.double(), 0)
-        # the threshold u * total stays on c's device: one read (the index) per draw, not three
-        i = int(torch.searchsorted(c, c[-1:] * self.uniform(), right=True)[0])
-        return i if i < c.numel() else int(torch.nonzero(p).max())   # u * total rounded up to the total
+        """One token of law ``p / p.sum()`` from a fixed number of :meth:`uniforms` (:func:`pick_draws`: about
+        ``2 sqrt(V)``, 444 at V = 49152): ``walk_tree``'s draw ("Draw first"), the same amount of randomness per
+        resolved node whatever the node's children. The rule, a two-level exponential race (:func:`race_pick`):
+        the vocabulary in fixed blocks of ``ceil(sqrt(V))`` token ids, a block ``b`` with probability ``P_b / P``
+        (``P_b`` its mass), then a token ``i`` of it with probability ``p_i / P_b``: exactly ``p_i / P``. A
+        token without mass is never picked.
+
+        Why a race and not the inverse CDF of one uniform (this method's rule until 2026-11-30): a seeded answer
+        should be the same on every run, and the target's logits are not bit-identical across runs in the
+        pipelined modes: a node's row is computed in a stage segment whose rows follow the schedule, and a matmul
+        over another number of rows rounds differently (SmolLM2 in float32 on a CPU: probabilities differing by
+        up to 1.7e-5 relative, in 134 of 141 picks of one ``continuous`` run). Under the inverse CDF such noise moves
+        every boundary of the cumulative sum, and where the uniform falls in the long tail (token boundaries about
+        1e-6 apart) the token flips: 0.9% of picks at 1e-5 relative noise, so most 48-token answers at T = 1
+        differed between two runs of the same seed. A race flips only when its two best entries are within the
+        noise of each other: 0 of 3,000 picks at 1e-5 (docs/results.md §101; tests/test_seeded_draws.py). Its cost
+        is the inverse CDF's (one pass over ``p`` and a few hundred uniforms: 0.05 ms at V = 49152 on this CPU) and
+        one device->host read, the token."""
+        return race_pick(p, self.uniforms(pick_draws(p.numel())))
 
     def choose(self, logits: Tensor) -> int:
         return int(torch.argmax(logits)) if self.greedy else self.draw(self.probs(logits))
+
+
+def pick_blocks(v: int) -> tuple[int, int]:
+    """``(blocks, size)`` of :func:`race_pick` for a vocabulary of ``v`` tokens: blocks of ``ceil(sqrt(v))``
+    consecutive token ids (the last one padded), so both levels of the race are about ``sqrt(v)`` wide."""
+    size = math.isqrt(v - 1) + 1 if v > 1 else 1
+    return -(-v // size), size
+
+
+def pick_draws(v: int) -> int:
+    """How many uniforms one :meth:`Sampler.pick` spends for a vocabulary of ``v`` tokens (fixed by ``v``)."""
+    blocks, size = pick_blocks(v)
+    return blocks + size
+
+
+def race_pick(p: Tensor, u: Tensor) -> int:
+    """A token of law ``p / p.sum()`` (``p`` >= 0 with some mass, ``[V]``) from ``pick_draws(V)`` uniforms ``u`` in
+    [0, 1): an exponential race (``argmax w_j / E_j`` over independent ``E_j ~ Exp(1)`` is ``j`` with probability
+    ``w_j / sum w``) among the blocks of :func:`pick_blocks` by their masses (``u[:blocks]``), then among the
+    chosen block's tokens by theirs (``u[blocks:]``). ``E = -log1p(-u)`` is finite; an entry without mass scores
+    -1 and never wins (a zero ``E`` gives an entry with mass +inf: a probability-zero event of a continuous law).
+    One read, the token; ``u`` may live on another device than ``p``."""
+    v = p.numel()
+    blocks, size = pick_blocks(v)
+    e = (-torch.log1p(-u.to(p.device, torch.float64)))
+    w = p.reshape(-1).double()
+    if blocks * size != v:
+        w = torch.cat([w, w.new_zeros(blocks * size - v)])
+    w = w.view(blocks, size)
+    mass = w.sum(1)
+    b = torch.argmax(torch.where(mass > 0, mass / e[:blocks], -1.0))
+    row = w.index_select(0, b.view(1))[0]
+    i = torch.argmax(torch.where(row > 0, row / e[blocks:], -1.0))
+    return int(b * size + i)
 
 
 def walk_tree(tree: DraftTree, n_verified: int, logits: Tensor, sampler: Sampler) -> tuple[list[int], int | None, int | None]:
