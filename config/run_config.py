@@ -259,7 +259,7 @@ class DraftConfig(Checked):
     eagle_sample: bool = False   # T > 0: the eagle source (model.head_dir's drafter) draws sampled chains from its own
                                  # law instead of its top-k beam (BeamTreeDrafter.sampled_tree, walk_proposals)
     sample_chains: int = 0       # chains of the eagle source's sampled trees (0: the tree's top_k)
-    ssm_temperature: float = -1.0  # temperature of the small LM's proposal q (-1 = gen.temperature)
+    ssm_temperature: float = -1.0  # temperature of the small LM's proposal q (-1 = each generation's temperature)
     ssm_score_scale: float = -1.0  # merge calibration: a small LM's log-scores x this before the merge (> 1 trusts
                                    # it less; its own tree is unchanged; draft/merged.py); -1 = the student's own
                                    # calibrated value (merge_score_scale in its config.json, else 1)

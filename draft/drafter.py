@@ -223,14 +223,35 @@ class BeamTreeDrafter:
         return not self.samples
 
     # -- sampled trees (SpecInfer's multi-step speculative sampling; T > 0) --------------------------------------
-    def set_sampling(self, sample: bool, temperature: float, seed: int, chains: int = 0, distinct: bool = True) -> None:
+    def set_sampling(self, sample: bool, temperature: float, seed: int, chains: int = 0, distinct: bool = True,
+                     follow: bool = True) -> None:
         """Draw sampled trees (:meth:`sampled_tree`) when ``sample`` and ``temperature > 0``: children drawn from
         ``q = softmax(logprobs / temperature)``, reseeded with ``seed`` at every :meth:`start` (a seeded run
         repeats); ``chains``: chains per tree (0: the call's ``top_k``); ``distinct``: chains that meet at a node
-        draw distinct children there (without replacement), else i.i.d. draws that may join."""
+        draw distinct children there (without replacement), else i.i.d. draws that may join. ``sample`` is the
+        wish (a run key); each generation's own temperature and seed replace these through :meth:`sampling_for`
+        (``follow``: q's temperature is the generation's; False: ``temperature`` stays, e.g. a fixed
+        ``draft.ssm_temperature``)."""
+        self.sample_wish, self.follow_temperature = bool(sample), bool(follow)
         self.sample, self.temperature, self.seed = bool(sample), float(temperature), int(seed)
         self.sample_chains, self.sample_distinct = chains, distinct
         self.generator = torch.Generator(device=HOST).manual_seed(self.seed)
+
+    sample_wish: bool = False              # set_sampling's ``sample``: what sampling_for turns on at T > 0
+    follow_temperature: bool = True        # q's temperature follows the generation's (sampling_for)
+
+    def sampling_for(self, temperature: float, seed: int) -> None:
+        """One generation's own sampling settings (:func:`draft.protocol.begin_generation`, before :meth:`start`):
+        sampled trees iff the wish (:meth:`set_sampling`) and ``temperature > 0``; q's temperature that one where
+        :attr:`follow_temperature`; the draws' stream seeded with ``seed`` (at :meth:`start`). Why: a served
+        request or an API call brings its own temperature and seed, and a drafter set up at load time drew at
+        the load's (at T = 0 by default: ``draft.eagle_sample`` and a small LM's ``draft.ssm_sample`` did
+        nothing for any request at T > 0)."""
+        t = float(temperature)
+        self.sample = self.sample_wish and t > 0
+        if self.follow_temperature and t > 0:
+            self.temperature = t
+        self.seed = int(seed)
 
     def reseed(self) -> None:
         """Restart the draws of a sampling drafter (called by ``start``: one generation, one stream)."""

@@ -73,6 +73,13 @@ class MergedDrafter(BeamTreeDrafter):
         self._observers = [h for h in (target_observer(s) for s in self.sources) if h is not None]
         self.observes_target = bool(self._observers)
 
+    def sampling_for(self, temperature: float, seed: int) -> None:
+        """:func:`draft.protocol.begin_generation` for every source that samples on request (the merge itself
+        draws nothing)."""
+        for s in self.sources:
+            if hasattr(s, "sampling_for"):
+                s.sampling_for(temperature, seed)
+
     def observe_target(self, tokens: list[int], logits: Tensor) -> None:
         """The feed seam (:func:`draft.protocol.target_observer`), forwarded to every source that defines it."""
         for hook in self._observers:
@@ -439,8 +446,10 @@ def build_sources(cfg, vocab_size: int, eagle_factory, dtype, device, sampling: 
                                   "directory, e.g. one written by python -m draft.train_ssm)")
             temp = cfg.gen.temperature if d.ssm_temperature < 0 else d.ssm_temperature
             try:
-                sources.append(SmallLMDrafter(arg, vocab_size, dtype, device, sample=d.ssm_sample and sampling,
-                                              temperature=temp, seed=cfg.gen.seed, vocab_model=vocab_model))
+                sources.append(SmallLMDrafter(arg, vocab_size, dtype, device, sample=d.ssm_sample,
+                                              temperature=temp, seed=cfg.gen.seed,
+                                              vocab_model=vocab_model, follow=d.ssm_temperature < 0))
+                sources[-1].sampling_for(cfg.gen.temperature if sampling else 0.0, cfg.gen.seed)
             except SmallLMError as e:
                 raise SourceError(f"draft.sources: ssm:{arg}: {e}") from None
         names.append(kind if not arg else f"{kind}:{arg}")

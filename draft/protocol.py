@@ -165,6 +165,18 @@ def target_observer(drafter: object):
     return owner.observe_target if owner is not None and getattr(owner, "observes_target", True) else None
 
 
+def begin_generation(drafter: object, temperature: float, seed: int) -> None:
+    """The sampling seam: a generation's own ``temperature`` and ``seed`` reach ``drafter``'s sampled drafting
+    before its ``start`` (:meth:`draft.drafter.BeamTreeDrafter.sampling_for`: ``draft.eagle_sample``, a small LM's
+    ``draft.ssm_sample``), so that a drafter serves generations of other settings without being rebuilt, as the
+    engine does (:class:`pipeline.engine.GenSettings`). Found as the optional ``sampling_for`` hook;
+    :class:`draft.merged.MergedDrafter` forwards it to its sources; a wrapper's (``inner``) is its inner drafter's.
+    A deterministic draft is unchanged by it: only the draws' law and stream follow the generation."""
+    owner = hook_owner(drafter, "sampling_for")
+    if owner is not None:
+        owner.sampling_for(temperature, seed)
+
+
 def hook_owner(drafter: object, name: str):
     """The drafter that answers an optional hook ``name``: ``drafter`` itself when it defines it, else a wrapper's
     (``inner``) inner drafter, recursively; None when none does (or ``drafter`` is None)."""

@@ -102,14 +102,15 @@ class SmallLMDrafter(BeamTreeDrafter):
 
     def __init__(self, model, vocab_size: int, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", sample: bool = False, temperature: float = 1.0,
-                 seed: int = 0, vocab_model=None) -> None:
+                 seed: int = 0, vocab_model=None, follow: bool = True) -> None:
         if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
             model = load_small_lm(model, dtype, device, vocab_model)
         self.model = model
         self.cache_arg = cache_arg(type(model))   # the release's name of the KV-cache argument
         self.device = torch.device(device)
         self.vocab_size = vocab_size
-        self.set_sampling(sample, temperature, seed, distinct=False)   # i.i.d. chains; tests swap in ``draw``
+        # i.i.d. chains; tests swap in ``draw``
+        self.set_sampling(sample, temperature, seed, distinct=False, follow=follow)
         self.cache = None
         self.ctx_len = 0
         self.tree_paths: list[list[int]] = []   # per tree entry: its tokens below the context

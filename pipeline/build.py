@@ -233,7 +233,7 @@ def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
             what = f"{kind} drafter" + (f" with Gumbel noise {noise:g}" if noise else "")
             print(f"[rank 0] using the {what} (full model {path}); for tests and ablations", file=sys.stderr)
             drafter = OracleDrafter(path, adversarial=(kind == "adversary"), dtype=dtype, device=device, noise=noise)
-            drafter.set_sampling(*_eagle_sampling(cfg))
+            _set_eagle_sampling(drafter, cfg)
             return drafter
         if head_dir is None:
             print(f"[rank 0] WARNING: {'model.head_dir=untrained' if cfg.model.head_dir else 'no draft head given'}: "
@@ -253,18 +253,20 @@ def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
         drafter = Drafter(head, model.lm_head, cfg.model.max_seq_len + 64,
                           draft_ids=_draft_ids(cfg, head_dir, model, head),
                           context_vocab=cfg.model.draft_vocab_context, full_root=cfg.model.draft_vocab_full_root)
-        drafter.set_sampling(*_eagle_sampling(cfg))
+        _set_eagle_sampling(drafter, cfg)
         drafter.static_head = make_static_head(cfg, head, device)
         return drafter
     except HeadError as e:
         raise SetupError(str(e)) from None
 
 
-def _eagle_sampling(cfg) -> tuple[bool, float, int, int]:
-    """``draft.eagle_sample`` at T > 0: the eagle source's (sample, temperature, seed, chains) for
-    :meth:`draft.drafter.BeamTreeDrafter.set_sampling`; its q is its own law at the run's temperature."""
+def _set_eagle_sampling(drafter, cfg) -> None:
+    """``draft.eagle_sample``: the eagle source samples its trees at T > 0
+    (:meth:`draft.drafter.BeamTreeDrafter.set_sampling`), its q its own law at the generation's temperature; set
+    here for the run's ``gen`` settings, then per generation by :func:`draft.protocol.begin_generation`."""
     t = cfg.gen.temperature
-    return bool(cfg.draft.eagle_sample and t > 0), (t if t > 0 else 1.0), cfg.gen.seed, cfg.draft.sample_chains
+    drafter.set_sampling(cfg.draft.eagle_sample, t if t > 0 else 1.0, cfg.gen.seed, cfg.draft.sample_chains)
+    drafter.sampling_for(t, cfg.gen.seed)
 
 
 def _draft_ids(cfg, head_dir: Path | None, model, head):

@@ -8,7 +8,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 
-from draft.protocol import TreeDrafter, target_observer
+from draft.protocol import TreeDrafter, begin_generation, target_observer
 from model.devices import HOST
 from model.meter import OpMeter, SpanMeter, counter_fields, run_rows, take_counters
 from model.stage_model import StageModel
@@ -400,7 +400,8 @@ def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn: Decoder,
                      settings: GenSettings | None = None, prefill=None) -> GenResult:
     """Run prefill + ``decode_fn`` (a fresh :class:`Decoder` per generation: ``pipeline.modes.new_decoder``) with
     this generation's ``settings`` (default: ``engine.cfg.gen``'s). Neither the engine nor its configuration is
-    changed. ``prefill(engine, prompt_ids) -> (logits, features)``: what stands for :meth:`Engine.prefill` (None:
+    changed; the drafter takes the generation's temperature and seed for its sampled drafts, as it takes its prompt
+    (:func:`draft.protocol.begin_generation`). ``prefill(engine, prompt_ids) -> (logits, features)``: what stands for :meth:`Engine.prefill` (None:
     it), e.g. another lane's prefill of the same prompt shared (:meth:`pipeline.lanes.SharedPrefill.prefill`)."""
     if settings is None:
         settings = GenSettings.from_config(engine.cfg.gen)
@@ -412,6 +413,7 @@ def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn: Decoder,
     prefill_fields = engine.start_decode_window()  # untimed: busy counters restart, prefill counters
     t1b = time.perf_counter()
     engine.tracer.mark("decode_begin")
+    begin_generation(getattr(engine, "drafter", None), settings.temperature, settings.seed)   # sampled drafts' T, seed
     observe = target_observer(getattr(engine, "drafter", None))
     if observe is not None:                    # the feed is drafting work: rank 0's busy time counts it
         hook = observe

@@ -72,10 +72,16 @@ def test_sampled_eagle_drafts_through_the_ring(tiny):
 
 
 def test_eagle_sampling_keys():
-    from pipeline.build import _eagle_sampling
+    from draft.drafter import BeamTreeDrafter
+    from pipeline.build import _set_eagle_sampling
     with pytest.raises(ConfigError, match="sample_chains"):
         apply_overrides(DEFAULT, ["draft.sample_chains=-1"])
-    on = apply_overrides(DEFAULT, ["draft.eagle_sample=true", "temperature=0.8", "seed=4", "draft.sample_chains=3"])
-    assert _eagle_sampling(on) == (True, 0.8, 4, 3)
-    assert _eagle_sampling(apply_overrides(DEFAULT, ["draft.eagle_sample=true"]))[0] is False      # T = 0: beam
-    assert _eagle_sampling(apply_overrides(DEFAULT, ["temperature=1.0"]))[0] is False             # off by default
+
+    def state(words):
+        d = BeamTreeDrafter()
+        _set_eagle_sampling(d, apply_overrides(DEFAULT, words))
+        return d.samples, d.temperature, d.seed, d.sample_chains, d.sample_wish
+    on = ["draft.eagle_sample=true", "temperature=0.8", "seed=4", "draft.sample_chains=3"]
+    assert state(on) == (True, 0.8, 4, 3, True)
+    assert state(["draft.eagle_sample=true"])[::4] == (False, True)     # T = 0: the beam, sampling wished for
+    assert state(["temperature=1.0"])[::4] == (False, False)            # off by default
