@@ -25,6 +25,7 @@ import torch
 
 from draft.eagle import EagleHead
 from draft.protocol import commit_tree_outputs, tree_outputs
+from draft.race import pick_draws, race_pick
 from draft.shape import EAGLE2, TreeShape, pick_frontier
 from draft.static_head import level_step
 from draft.tree import DraftTree, beam_frontier, best_first, top_nodes_tree
@@ -264,10 +265,14 @@ class BeamTreeDrafter:
         return self.sample and self.temperature > 0
 
     def draw(self, q: Tensor) -> int:
-        """One token from ``q`` (the drafter's own generator; tests replace this to enumerate the draws)."""
+        """One token from ``q`` (the drafter's own generator; tests replace this to enumerate the draws), by the
+        exponential race of :func:`draft.race.race_pick`: ``q`` is computed from the target's features, which round
+        differently with the schedule in the pipelined modes, and the race keeps a seeded draw through such noise
+        where an inverse CDF flips in the long tail (docs/results.md §101)."""
         if self.generator is None:
             self.generator = torch.Generator(device=HOST).manual_seed(self.seed)
-        return int(torch.multinomial(q.float(), 1, generator=self.generator))
+        u = torch.rand(pick_draws(q.numel()), generator=self.generator, dtype=torch.float64)
+        return race_pick(q, u)
 
     def proposal(self, hidden: Tensor) -> Tensor:
         """q per row of ``hidden``: the distribution sampled children are drawn from, ``softmax(logprobs /

@@ -53,11 +53,11 @@ like HF's global RNG, ``ar`` at T > 0 emits exactly HF's ``generate(do_sample=Tr
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from draft.race import pick_draws, race_pick
 from draft.tree import DraftTree
 from model.devices import HOST
 
@@ -132,40 +132,6 @@ class Sampler:
 
     def choose(self, logits: Tensor) -> int:
         return int(torch.argmax(logits)) if self.greedy else self.draw(self.probs(logits))
-
-
-def pick_blocks(v: int) -> tuple[int, int]:
-    """``(blocks, size)`` of :func:`race_pick` for a vocabulary of ``v`` tokens: blocks of ``ceil(sqrt(v))``
-    consecutive token ids (the last one padded), so both levels of the race are about ``sqrt(v)`` wide."""
-    size = math.isqrt(v - 1) + 1 if v > 1 else 1
-    return -(-v // size), size
-
-
-def pick_draws(v: int) -> int:
-    """How many uniforms one :meth:`Sampler.pick` spends for a vocabulary of ``v`` tokens (fixed by ``v``)."""
-    blocks, size = pick_blocks(v)
-    return blocks + size
-
-
-def race_pick(p: Tensor, u: Tensor) -> int:
-    """A token of law ``p / p.sum()`` (``p`` >= 0 with some mass, ``[V]``) from ``pick_draws(V)`` uniforms ``u`` in
-    [0, 1): an exponential race (``argmax w_j / E_j`` over independent ``E_j ~ Exp(1)`` is ``j`` with probability
-    ``w_j / sum w``) among the blocks of :func:`pick_blocks` by their masses (``u[:blocks]``), then among the
-    chosen block's tokens by theirs (``u[blocks:]``). ``E = -log1p(-u)`` is finite; an entry without mass scores
-    -1 and never wins (a zero ``E`` gives an entry with mass +inf: a probability-zero event of a continuous law).
-    One read, the token; ``u`` may live on another device than ``p``."""
-    v = p.numel()
-    blocks, size = pick_blocks(v)
-    e = (-torch.log1p(-u.to(p.device, torch.float64)))
-    w = p.reshape(-1).double()
-    if blocks * size != v:
-        w = torch.cat([w, w.new_zeros(blocks * size - v)])
-    w = w.view(blocks, size)
-    mass = w.sum(1)
-    b = torch.argmax(torch.where(mass > 0, mass / e[:blocks], -1.0))
-    row = w.index_select(0, b.view(1))[0]
-    i = torch.argmax(torch.where(row > 0, row / e[blocks:], -1.0))
-    return int(b * size + i)
 
 
 def walk_tree(tree: DraftTree, n_verified: int, logits: Tensor, sampler: Sampler) -> tuple[list[int], int | None, int | None]:
@@ -270,7 +236,7 @@ def walk_proposals(tree: DraftTree, n_verified: int, logits: Tensor, sampler: Sa
                     res = torch.clamp(rn - q.to(rn.device, rn.dtype), min=0.0)
                     r = res if float(res.sum()) > 0 else rn   # r = q exactly: unreachable (accepts surely)
             if child is None:
-                x = sampler.draw(r)          # torch.multinomial normalises the residual
+                x = sampler.pick(r)          # the race takes the residual unnormalised (robust: Sampler.pick)
             else:
                 x = tokens[child]
         if child is None:

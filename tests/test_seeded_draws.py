@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from draft.tree import DraftTree
-from pipeline.verify import Sampler, pick_blocks, pick_draws, walk_tree
+from draft.race import pick_blocks, pick_draws
+from pipeline.verify import Sampler, walk_tree
 
 V = 8
 LOGITS = torch.tensor([[1.5, 0.2, 1.1, -0.3, 0.9, 0.0, 1.3, -1.0],
