@@ -271,7 +271,7 @@ class BeamTreeDrafter:
         where an inverse CDF flips in the long tail (docs/results.md §101)."""
         if self.generator is None:
             self.generator = torch.Generator(device=HOST).manual_seed(self.seed)
-        u = torch.rand(pick_draws(q.numel()), generator=self.generator, dtype=torch.float64)
+        u = torch.rand(pick_draws(q.numel()), generator=self.generator, dtype=torch.float64, device=HOST)
         return race_pick(q, u)
 
     def proposal(self, hidden: Tensor) -> Tensor:

@@ -4,8 +4,8 @@
 indices are ancestors-first, so a verified node's ancestors are verified too.
 
 Sampling rule (a deterministic draft, q = 1; "Draw first"): at a verified node with processed target
-distribution p, draw the node's token x from p (one ``Sampler.pick``: a fixed number of uniforms); descend into the child that carries
-x if the node has one (siblings are distinct tokens), else x ends the walk. This is the EAGLE-2 /
+distribution p, draw the node's token x from p (one ``Sampler.pick``: a fixed number of uniforms); descend into
+the child that carries x if the node has one (siblings are distinct tokens), else x ends the walk. This is the EAGLE-2 /
 SpecInfer multi-candidate rule for q = 1 (try the children in order, accept child c with p'(c), p' being p
 with the rejected siblings zeroed and renormalised, else draw from the residual) in another coupling:
 P(accept c_j) = prod_{i<j}(1 - p_{i-1}'(c_i)) * p_{j-1}'(c_j) telescopes to p(c_j) and the residual gives
@@ -123,8 +123,9 @@ class Sampler:
         over another number of rows rounds differently (SmolLM2 in float32 on a CPU: probabilities differing by
         up to 1.7e-5 relative, in 134 of 141 picks of one ``continuous`` run). Under the inverse CDF such noise moves
         every boundary of the cumulative sum, and where the uniform falls in the long tail (token boundaries about
-        1e-6 apart) the token flips: 0.9% of picks at 1e-5 relative noise, so most 48-token answers at T = 1
-        differed between two runs of the same seed. A race flips only when its two best entries are within the
+        1e-6 apart) the token flips: 0.9% of picks at 1e-5 relative noise; three prompts of 48 tokens at T = 1,
+        rerun five times in ``pruned`` and ``continuous``, gave 3 of 15 answers that differed from the first
+        run's. A race flips only when its two best entries are within the
         noise of each other: 0 of 3,000 picks at 1e-5 (docs/results.md §101; tests/test_seeded_draws.py). Its cost
         is the inverse CDF's (one pass over ``p`` and a few hundred uniforms: 0.05 ms at V = 49152 on this CPU) and
         one device->host read, the token."""
