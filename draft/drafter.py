@@ -25,7 +25,7 @@ import torch
 
 from draft.eagle import EagleHead
 from draft.protocol import commit_tree_outputs, tree_outputs
-from draft.race import pick_draws, race_pick
+from draft.race import pick_draws, race_pick, uniforms
 from draft.shape import EAGLE2, TreeShape, pick_frontier
 from draft.static_head import level_step
 from draft.tree import DraftTree, beam_frontier, best_first, top_nodes_tree
@@ -206,7 +206,9 @@ class BeamTreeDrafter:
 
     vocab_map: Tensor | None = None   # reduced draft vocabulary (draft id -> target id); None = the target's
     # sampled drafting (T > 0, :meth:`sampled_tree`): off unless a subclass or :meth:`set_sampling` turns it on
-    sample: bool = False
+    sample: bool = False                   # sampled trees now (sampling_for: the wish and this generation's T > 0)
+    sample_wish: bool = False              # set_sampling's ``sample``: what sampling_for turns on at T > 0
+    follow_temperature: bool = True        # q's temperature follows the generation's (sampling_for)
     temperature: float = 1.0
     seed: int = 0
     sample_chains: int = 0                 # chains of a sampled tree (0: the call's top_k)
@@ -238,9 +240,6 @@ class BeamTreeDrafter:
         self.sample_chains, self.sample_distinct = chains, distinct
         self.generator = torch.Generator(device=HOST).manual_seed(self.seed)
 
-    sample_wish: bool = False              # set_sampling's ``sample``: what sampling_for turns on at T > 0
-    follow_temperature: bool = True        # q's temperature follows the generation's (sampling_for)
-
     def sampling_for(self, temperature: float, seed: int) -> None:
         """One generation's own sampling settings (:func:`draft.protocol.begin_generation`, before :meth:`start`):
         sampled trees iff the wish (:meth:`set_sampling`) and ``temperature > 0``; q's temperature that one where
@@ -271,8 +270,7 @@ class BeamTreeDrafter:
         where an inverse CDF flips in the long tail (docs/results.md §101)."""
         if self.generator is None:
             self.generator = torch.Generator(device=HOST).manual_seed(self.seed)
-        u = torch.rand(pick_draws(q.numel()), generator=self.generator, dtype=torch.float64, device=HOST)
-        return race_pick(q, u)
+        return race_pick(q, uniforms(self.generator, pick_draws(q.numel())))
 
     def proposal(self, hidden: Tensor) -> Tensor:
         """q per row of ``hidden``: the distribution sampled children are drawn from, ``softmax(logprobs /

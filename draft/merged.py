@@ -417,7 +417,7 @@ def student_score_scale(path) -> float:
     return float(value)
 
 
-def build_sources(cfg, vocab_size: int, eagle_factory, dtype, device, sampling: bool, vocab_model=None):
+def build_sources(cfg, vocab_size: int, eagle_factory, dtype, device, vocab_model=None):
     """The drafter for ``cfg.draft.sources`` (``eagle_factory()`` builds the ``eagle`` source as
     ``model.head_dir`` says; ``vocab_model``: rank 0's stage, whose embedding and ``lm_head`` shared-vocabulary
     students use). One source is returned as itself (its trees are verified as they are)."""
@@ -449,7 +449,7 @@ def build_sources(cfg, vocab_size: int, eagle_factory, dtype, device, sampling: 
                 sources.append(SmallLMDrafter(arg, vocab_size, dtype, device, sample=d.ssm_sample,
                                               temperature=temp, seed=cfg.gen.seed,
                                               vocab_model=vocab_model, follow=d.ssm_temperature < 0))
-                sources[-1].sampling_for(cfg.gen.temperature if sampling else 0.0, cfg.gen.seed)
+                sources[-1].sampling_for(cfg.gen.temperature, cfg.gen.seed)   # the run's; then each generation's
             except SmallLMError as e:
                 raise SourceError(f"draft.sources: ssm:{arg}: {e}") from None
         names.append(kind if not arg else f"{kind}:{arg}")

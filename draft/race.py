@@ -7,7 +7,16 @@ import math
 
 import torch
 
+from model.devices import HOST
+
 Tensor = torch.Tensor
+
+
+def uniforms(generator: torch.Generator | None, n: int) -> Tensor:
+    """``n`` fresh uniforms in [0, 1), float64, from ``generator`` on its own device (the host without one): a
+    race's randomness, never on the default device."""
+    return torch.rand(n, generator=generator, dtype=torch.float64,
+                      device=generator.device if generator is not None else HOST)
 
 
 def pick_blocks(v: int) -> tuple[int, int]:

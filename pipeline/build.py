@@ -184,7 +184,7 @@ def make_drafter(cfg, stage_root: Path, model, dtype, device: str):
         try:
             drafter = build_sources(cfg, model.lm_head.out_features,
                                     lambda: _head_drafter(cfg, stage_root, model, dtype, device), dtype, device,
-                                    sampling=cfg.gen.temperature > 0, vocab_model=model)
+                                    vocab_model=model)
         except SourceError as e:
             raise SetupError(str(e)) from None
     if cfg.draft.tree_shape != "eagle2":              # draft.tree_shape: every EAGLE-2 search of the drafter

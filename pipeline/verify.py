@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draft.race import pick_draws, race_pick
+from draft.race import pick_draws, race_pick, uniforms
 from draft.tree import DraftTree
 from model.devices import HOST
 
@@ -106,8 +106,7 @@ class Sampler:
 
     def uniforms(self, n: int) -> Tensor:
         """``n`` fresh uniforms in [0, 1), float64, on the generator's device (:meth:`pick`'s randomness)."""
-        g = self.generator
-        return torch.rand(n, generator=g, dtype=torch.float64, device=g.device if g is not None else HOST)
+        return uniforms(self.generator, n)
 
     def pick(self, p: Tensor) -> int:
         """One token of law ``p / p.sum()`` from a fixed number of :meth:`uniforms` (:func:`pick_draws`: about

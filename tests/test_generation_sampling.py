@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-import draft.protocol as protocol
 from draft.drafter import BeamTreeDrafter
 from draft.merged import MergedDrafter
 from draft.protocol import begin_generation
@@ -88,7 +87,6 @@ def test_api_generation_at_t1_samples_drafts_loaded_at_t0(tmp_path, monkeypatch)
         assert run(1.0, 3)[0] == ids1                 # the same seed: the same draws and answer
         _, greedy = run(0.0, 0)
         assert greedy and not any(greedy)
-        monkeypatch.setattr(protocol, "begin_generation", lambda *a: None)
         import pipeline.engine as engine_mod
         monkeypatch.setattr(engine_mod, "begin_generation", lambda *a: None)
         _, planted = run(1.0, 3)

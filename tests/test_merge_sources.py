@@ -61,7 +61,7 @@ def test_a_students_own_calibration_is_the_default_scale(tmp_path):
 
     def scales(over):
         cfg = apply_overrides(DEFAULT, [f"draft.sources=lookup,ssm:{path}", *over])
-        return build_sources(cfg, 100, None, torch.float64, "cpu", False).score_scales
+        return build_sources(cfg, 100, None, torch.float64, "cpu").score_scales
     assert scales([]) == [1.0, 2.5]
     assert scales(["draft.ssm_score_scale=3"]) == [1.0, 3.0]
     (path / "config.json").write_text(json.dumps({**conf, "merge_score_scale": "high"}))

@@ -134,12 +134,12 @@ def test_persist_and_reset():
 
 def test_config_keys_and_build_sources():
     cfg = apply_overrides(DEFAULT, ["draft.sources=lookup,recycle", "draft.recycle_k=4", "draft.recycle_persist=false"])
-    m = build_sources(cfg, 100, None, torch.float64, "cpu", False)
+    m = build_sources(cfg, 100, None, torch.float64, "cpu")
     assert isinstance(m, MergedDrafter) and m.names == ["lookup", "recycle"] and isinstance(m.sources[1], TreeDrafter)
     assert m.sources[1].k == 4 and not m.sources[1].persist
     assert target_observer(m) is not None and m.observes_target
     lookup_only = build_sources(apply_overrides(DEFAULT, ["draft.sources=lookup,suffix"]), 100, None,
-                                torch.float64, "cpu", False)
+                                torch.float64, "cpu")
     assert target_observer(lookup_only) is None       # nothing watches: OutputBuffer.extend does no work for it
     for bad in (["draft.recycle_k=0"], ["draft.recycle_log_p0=0.5"], ["draft.recycle_log_step=1"],
                 ["draft.sources=recycle,recycle"]):

@@ -16,6 +16,7 @@ import torch
 from draft.tree import DraftTree
 from draft.race import pick_blocks, pick_draws
 from pipeline.verify import Sampler, walk_tree
+from scripts.seeded_repro import inverse_cdf_pick   # planted: the former rule
 
 V = 8
 LOGITS = torch.tensor([[1.5, 0.2, 1.1, -0.3, 0.9, 0.0, 1.3, -1.0],
@@ -80,12 +81,6 @@ class Coins(Sampler):
     def uniforms(self, n):
         out, self.coins = self.coins[:n], self.coins[n:]
         return torch.tensor(out, dtype=torch.float64)
-
-
-def inverse_cdf_pick(sampler, p):
-    """Planted: the rule Sampler.pick had before (inverse CDF of one uniform): the same law, flipped by noise."""
-    c = torch.cumsum(p.double(), 0)
-    return int(torch.searchsorted(c, c[-1:] * float(sampler.uniforms(1)[0]), right=True)[0])
 
 
 def test_pick_is_a_two_level_race_and_skips_zero_mass():

@@ -269,7 +269,7 @@ def test_config_keys_and_build_sources(tmp_path):
     corpus.write_text('{"token_ids": [3, 4, 5, 6]}\n')
     cfg = apply_overrides(DEFAULT, ["draft.sources=lookup,suffix", f"draft.suffix_corpus={corpus}",
                                     "draft.suffix_threshold=2", "draft.suffix_other_threshold=6"])
-    m = build_sources(cfg, 100, None, torch.float64, "cpu", False)
+    m = build_sources(cfg, 100, None, torch.float64, "cpu")
     assert isinstance(m, MergedDrafter) and m.names == ["lookup", "suffix"] and isinstance(m.sources[1], TreeDrafter)
     assert m.sources[1].corpus is not None and m.sources[1].threshold == 2 and m.sources[1].max_depth == 0
     assert m.sources[1].other_threshold == 6
@@ -277,7 +277,7 @@ def test_config_keys_and_build_sources(tmp_path):
         apply_overrides(DEFAULT, ["draft.sources=suffix,suffix"])
     with pytest.raises(SourceError, match="suffix_token_prob"):
         build_sources(apply_overrides(DEFAULT, ["draft.sources=suffix", "draft.suffix_token_prob=0"]), 100, None,
-                      torch.float64, "cpu", False)
+                      torch.float64, "cpu")
 
 
 # ---------------------------------------------------------------------------------------------------------------
