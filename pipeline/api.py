@@ -20,6 +20,12 @@ arguments of that generation (:class:`pipeline.engine.GenSettings`): nothing of 
 configuration changes between generations. Bad input raises :class:`config.errors.UserError` subclasses with
 one-line messages.
 
+Several generations at once: ``FlowSpec.load(..., lanes=N)`` lets up to ``N`` generations run through the ring
+together, each on its own lane (:mod:`pipeline.lanes`, what a server with ``serve.max_active=N`` runs): call
+:meth:`FlowSpec.generate` from several threads, or hand a list to :meth:`FlowSpec.generate_many`. Every answer is
+the one the same call gives alone (greedy: HF's; sampled: the same seed, the same draws); what several lanes change
+is throughput (a stage computes the lanes' waiting segments in one forward) and each one's latency.
+
 Start-up: for the supported families the whole path imports neither transformers nor ``torch._dynamo`` (stages and
 EAGLE-1/2 heads built from :mod:`model.light`, the tokenizer from :mod:`model.tokenizer`): the README's example on
 stories260K stages runs in about 3 s on a 2-core CPU, ``import torch`` a third of it (docs/results.md, "The API
@@ -28,6 +34,7 @@ example under 5 s").
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -74,27 +81,51 @@ class Output:
     stats: Stats
 
 
+class _Either:
+    """``is_set()`` of either event (the caller's ``cancel``, may be None, and :meth:`FlowSpec.generate_many`'s own):
+    what a generation's ``cancel`` reads."""
+
+    def __init__(self, a, b) -> None:
+        self.a, self.b = a, b
+
+    def is_set(self) -> bool:
+        return self.b.is_set() or (self.a is not None and self.a.is_set())
+
+
 class FlowSpec:
     """A loaded pipeline in this process. Build with :meth:`load`; one generation at a time (calls from several
-    threads wait for each other); :meth:`close` ends the stage threads (also at ``with`` exit)."""
+    threads wait for each other), or with ``lanes=N`` up to ``N`` at once, each on its own lane;
+    :meth:`close` ends the stage threads (also at ``with`` exit). ``engine`` is rank 0's engine (with lanes, the
+    one the lane engines were forked from: the generations run on ``pool.engines``)."""
 
     def __init__(self, engine, tokenizer, stop_ids: set[int], cfg, stage_root: Path, threads, errors,
-                 template: str) -> None:
+                 template: str, pool=None) -> None:
         self.engine, self.tokenizer, self.stop_ids, self.cfg = engine, tokenizer, stop_ids, cfg
         self.stage_root, self.template = stage_root, template
         self._threads, self._errors = threads, errors
-        self._lock = threading.Lock()
+        self.pool = pool               # pipeline.lanes.LanePool with lanes > 1, else None
+        self._lock = threading.Lock()  # one generation at a time (no pool); close() against a generation
+        self._idle = threading.Condition()
+        self._inflight = 0             # generations running (with a pool: close() waits for them)
         self._closed = False
+
+    @property
+    def lanes(self) -> int:
+        """Generations that may run at once (``load``'s ``lanes``)."""
+        return self.pool.size if self.pool is not None else 1
 
     # -- building -----------------------------------------------------------------------------------------
     @classmethod
     def load(cls, stage_dir: str | Path | None = None, *overrides: str, config=None,
-             template: str = "auto") -> "FlowSpec":
+             template: str = "auto", lanes: int = 1) -> "FlowSpec":
         """Load a split checkpoint (``stage_dir``; None: ``model.stage_dir``, else the default SmolLM2 split)
         into one process. ``overrides``: ``key=value`` words as on the command line (``"mode=naive"``,
         ``"head_dir=..."``), applied on top of ``config`` (a :class:`config.run_config.RunConfig`, e.g. the one
         ``pipeline.run`` builds; default: the defaults). ``template``: chat formatting of text prompts
-        (``auto``: the tokenizer's own template, else Vicuna; ``raw``: none)."""
+        (``auto``: the tokenizer's own template, else Vicuna; ``raw``: none). ``lanes``: generations that may run
+        at once (1 to 64; module docstring): each lane has its own drafter state and, on every stage, its own KV
+        cache of ``model.max_seq_len`` slots, allocated when the lane first runs; ``serve.ring_share`` and
+        ``serve.lane_rows`` apply as in a server."""
         import torch
 
         from config.modes import TP_MODES
@@ -108,7 +139,12 @@ class FlowSpec:
         from pipeline.local_ring import LocalComm, LocalRing
         from pipeline.worker import StageWorker
 
+        if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= 64:
+            raise SetupError(f"lanes={lanes!r}: give an integer from 1 to 64 (generations at once)")
         cfg = apply_overrides(config if config is not None else DEFAULT, list(overrides))
+        if lanes > 1 and cfg.osd.enabled:   # why: draft/osd.py, "Lanes" (as serve.max_active)
+            raise SetupError(f"lanes={lanes} with osd.enabled: online learning keeps one request's record and one "
+                             f"live head version at a time; load with lanes=1")
         if stage_dir is not None:
             cfg.model.stage_dir = str(stage_dir)
         if cfg.gen.mode in TP_MODES:
@@ -135,6 +171,14 @@ class FlowSpec:
         drafter = make_drafter(cfg, root, models[0], dtype, device) if cfg.gen.mode != "ar" else None
         engine = make_engine(cfg, LocalComm(ring, 0), models[0], root, [cfg.gen.mode], stop_ids, dtype, device,
                              drafter=drafter)
+        pool = None
+        if lanes > 1:   # before the stage threads: a drafter that cannot be forked is one error, nothing to stop
+            from pipeline.inprocess import _wait_s
+            from pipeline.lanes import LaneError, LanePool
+            try:
+                pool = LanePool(engine, lanes, timeout_s=_wait_s(cfg), report_idle=False)
+            except LaneError as e:
+                raise SetupError(str(e).replace("serve.max_active > 1", f"lanes={lanes}")) from None
         errors: list[BaseException] = []
 
         def stage(r: int) -> None:
@@ -150,7 +194,7 @@ class FlowSpec:
                    for r in range(1, world)]
         for t in threads:
             t.start()
-        return cls(engine, tokenizer, stop_ids, cfg, root, threads, errors, template)
+        return cls(engine, tokenizer, stop_ids, cfg, root, threads, errors, template, pool)
 
     # -- generating ---------------------------------------------------------------------------------------
     def prompt_ids(self, prompt) -> list[int]:
@@ -228,16 +272,82 @@ class FlowSpec:
                                getattr(self.engine.model.config, "max_position_embeddings", None))
         if why is not None:
             raise GenerationError(why)
-        with self._lock:
-            self._check_alive()
+        with self._running():
             try:
-                res = timed_generation(self.engine, ids, new_decoder(mode), settings)
+                res = self._run(ids, mode, settings, timed_generation, new_decoder)
             except Exception:
                 self._check_alive()   # a stage's own error explains a rank-0 timeout best
                 raise
         if deltas is not None and (piece := deltas.finish()):
             on_token(piece)
         return self._output(res, ids, mode, stops, settings.max_new_tokens, cancel)
+
+    def _run(self, ids: list[int], mode: str, settings, timed_generation, new_decoder):
+        """One generation: on the engine under the one-at-a-time lock, or on a free lane (waiting for one)."""
+        if self.pool is None:
+            with self._lock:
+                self._check_alive()
+                return timed_generation(self.engine, ids, new_decoder(mode), settings)
+        lane = self.pool.acquire()
+        try:
+            return timed_generation(self.pool.engines[lane], ids, new_decoder(mode), settings)
+        finally:
+            self.pool.release(lane)
+
+    @contextmanager
+    def _running(self):
+        """Count a generation in flight (:meth:`close` waits for none); refused once closed or broken."""
+        with self._idle:
+            self._check_alive()
+            self._inflight += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._inflight -= 1
+                self._idle.notify_all()
+
+    def generate_many(self, prompts, *, on_output: Callable[[int, "Output"], None] | None = None,
+                      cancel=None, **settings) -> list["Output"]:
+        """:meth:`generate` for every prompt of ``prompts`` with the same ``settings`` (``max_new_tokens``,
+        ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``mode``), up to :attr:`lanes` at once; the
+        outputs in the prompts' order, each equal to its prompt's :meth:`generate` alone. ``on_output(i, out)``:
+        called as each finishes (from a worker thread; e.g. a progress bar). ``cancel``: ends every generation
+        at its next commit. A failed generation cancels those still running; its error is raised once all
+        have returned."""
+        from concurrent.futures import ThreadPoolExecutor, wait
+        for bad in ("on_token", "on_commit"):
+            if bad in settings:
+                raise GenerationError(f"generate_many does not stream ({bad}): use on_output, or generate per prompt")
+        prompts = list(prompts)
+        failed = threading.Event()
+        stop = _Either(cancel, failed)
+        outs: list = [None] * len(prompts)
+
+        def one(i: int) -> None:
+            if failed.is_set():    # another one failed: the call raises its error, no need to start this one
+                return
+            try:
+                outs[i] = self.generate(prompts[i], cancel=stop, **settings)
+                if on_output is not None:
+                    on_output(i, outs[i])
+            except BaseException:
+                failed.set()
+                raise
+
+        ex = ThreadPoolExecutor(max_workers=max(1, min(self.lanes, len(prompts))), thread_name_prefix="flowspec-many")
+        try:
+            futures = [ex.submit(one, i) for i in range(len(prompts))]
+            wait(futures)
+        except BaseException:      # e.g. Ctrl-C while waiting: the generations end at their next commit
+            failed.set()
+            raise
+        finally:
+            ex.shutdown(wait=True)
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise errors[0]
+        return outs
 
     def _output(self, res, ids: list[int], mode: str, stops: list[str], max_new: int, cancel) -> Output:
         text = ""
@@ -268,6 +378,9 @@ class FlowSpec:
         if self._errors:
             e = self._errors[0]
             raise RuntimeError(f"a stage thread failed: {type(e).__name__}: {e}") from e
+        if self.pool is not None and self.pool.mux.error is not None:
+            e = self.pool.mux.error
+            raise RuntimeError(f"the ring failed: {type(e).__name__}: {e}") from e
 
     def forget_requests(self) -> None:
         """Forget what earlier generations taught the drafter (the suffix source's store, recycle's table, online
@@ -276,15 +389,25 @@ class FlowSpec:
         answers (docs/results.md §89)."""
         from draft.protocol import forget_requests
         forget_requests(self.engine.drafter)
+        for e in self.pool.engines if self.pool is not None else ():   # every lane's drafter has its own memory
+            forget_requests(e.drafter)
 
     def close(self) -> None:
-        """End the stage threads (idempotent)."""
-        with self._lock:
+        """End the stage threads once the generations in flight have returned (idempotent)."""
+        with self._idle:
             if self._closed:
                 return
-            self._closed = True
-            if not self._errors:
-                self.engine.shutdown()
+            self._closed = True                         # no new generation starts
+            self._idle.wait_for(lambda: self._inflight == 0)
+        with self._lock:
+            broken = self._errors or (self.pool is not None and self.pool.mux.error is not None)
+            if not broken:
+                if self.pool is not None:
+                    self.pool.shutdown()
+                else:
+                    self.engine.shutdown()
+            elif self.pool is not None:
+                self.pool.mux.close()
             for t in self._threads:
                 t.join(timeout=30)
 

@@ -460,10 +460,12 @@ class LanePool:
     :data:`pipeline.engine.PREFILL_WINDOW` chunks in flight when it starts alone and one chunk at a time when
     other lanes are busy (their segments then wait behind at most one chunk of it per stage)."""
 
-    def __init__(self, base, lanes: int, timeout_s: float | None = None, rank0_meter=None) -> None:
+    def __init__(self, base, lanes: int, timeout_s: float | None = None, rank0_meter=None,
+                 report_idle: bool = True) -> None:
         """``base``: the engine built on rank 0's transport; from here on the pool owns that transport's receive
         side, so ``base`` must not generate again (its generation numbers continue in the lane engines).
-        ``rank0_meter``: :func:`lane_engine`'s."""
+        ``rank0_meter``: :func:`lane_engine`'s. ``report_idle``: :meth:`report` whenever the last active lane is
+        released (a server's log line per busy period; the Python API reports at :meth:`shutdown` only)."""
         if lanes < 1:
             raise ValueError("a lane pool needs at least one lane")
         self.base = base
@@ -475,6 +477,7 @@ class LanePool:
         self._reported: dict | None = None   # the op counts of the last report()
         self._cv = threading.Condition()
         self.active = 0
+        self.report_idle = report_idle
         world = base.comm.world
         per_link = float(getattr(getattr(getattr(base, "cfg", None), "serve", None), "ring_share", 0.5))
         rows = int(getattr(getattr(getattr(base, "cfg", None), "serve", None), "lane_rows", 0))
@@ -518,7 +521,7 @@ class LanePool:
             self.active = self.size - len(self._free)
             idle = self.active == 0
             self._cv.notify_all()
-        if idle:
+        if idle and self.report_idle:
             self.report()
 
     def report(self) -> None:

@@ -8,7 +8,10 @@ matters is whether the draw is robust to that noise. ``--rule cdf`` replaces ``S
 before 2026-11-30 (the inverse CDF of one uniform) to measure the difference in the same run.
 
 Each run loads the split anew (:class:`pipeline.api.FlowSpec`: the ranks' code on threads, as a new process would)
-and answers every prompt in turn.
+and answers every prompt in turn. With ``--lanes N``, the first run still answers them one at a time, and every later
+run answers them all at once on ``N`` lanes (``FlowSpec.generate_many``: a stage computes several lanes' segments in
+one forward, so the rows of a segment change again): the rows then say whether a request served among others gets
+its answer alone.
 
 Example::
 
@@ -41,17 +44,18 @@ def inverse_cdf_pick(sampler, p: torch.Tensor) -> int:
 def run_mode(stage_dir: str, mode: str, args) -> list[list[list[int]]]:
     from pipeline.api import FlowSpec
     runs = []
-    for _ in range(args.runs):
-        with FlowSpec.load(stage_dir, f"mode={mode}", *args.overrides) as fs:
-            runs.append([fs.generate(p, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                     seed=args.seed).ids for p in args.prompts])
+    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    for i in range(args.runs):
+        lanes = args.lanes if i > 0 else 1        # --lanes: the reference alone, then every prompt at once
+        with FlowSpec.load(stage_dir, f"mode={mode}", *args.overrides, lanes=lanes) as fs:
+            runs.append([o.ids for o in fs.generate_many(args.prompts, **settings)])
     return runs
 
 
-def row(mode: str, rule: str, runs: list[list[list[int]]], seconds: float) -> str:
+def row(mode: str, rule: str, runs: list[list[list[int]]], seconds: float, lanes: int = 1) -> str:
     same = sum(r == runs[0] for r in runs[1:])
     answers = sum(a != b for r in runs[1:] for a, b in zip(r, runs[0]))
-    return (f"| {mode} | {rule} | {len(runs)} | {same} of {len(runs) - 1} | {answers} of "
+    return (f"| {mode}{f', {lanes} lanes' if lanes > 1 else ''} | {rule} | {len(runs)} | {same} of {len(runs) - 1} | {answers} of "
             f"{(len(runs) - 1) * len(runs[0])} | {seconds:.0f} |")
 
 
@@ -65,12 +69,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--lanes", type=int, default=1,
+                    help="> 1: the runs after the first answer every prompt at once on this many lanes")
     ap.add_argument("--prompts", nargs="+", default=list(PROMPTS), help="prompt texts (default: three)")
     ap.add_argument("overrides", nargs="*", help="key=value run keys for every load")
     args = ap.parse_args(argv)
     rules = args.rules.split(",")
-    if args.runs < 2 or args.temperature <= 0 or any(r not in ("race", "cdf") for r in rules):
-        ap.error("--runs must be at least 2, --temperature above 0, --rules of race and cdf")
+    if args.runs < 2 or args.temperature <= 0 or any(r not in ("race", "cdf") for r in rules) \
+            or not 1 <= args.lanes <= 64:
+        ap.error("--runs must be at least 2, --temperature above 0, --rules of race and cdf, --lanes 1 to 64")
     args.rules = rules
     return args
 
@@ -88,7 +95,7 @@ def main(argv=None) -> int:
                 Sampler.pick = race if rule == "race" else inverse_cdf_pick
                 t0 = time.monotonic()
                 runs = run_mode(args.stage_dir, mode, args)
-                print(row(mode, rule, runs, time.monotonic() - t0), flush=True)
+                print(row(mode, rule, runs, time.monotonic() - t0, args.lanes), flush=True)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -35,11 +35,18 @@ def test_table_on_stories(tmp_path, capsys):
     assert lines[2].startswith("| continuous | race | 2 | 1 of 1 | 0 of 1 |")     # stories260K: stable logits
     assert lines[3].startswith("| continuous | cdf | 2 | 1 of 1 | 0 of 1 |")
     assert Sampler.pick is not R.inverse_cdf_pick                                   # restored
+    assert R.main(["--stage-dir", str(stages), f"head_dir=oracle:{STORIES}", "--modes", "naive", "--runs", "2",
+                   "--rules", "race", "--lanes", "2", "--max-new-tokens", "6",
+                   "--prompts", "Once upon a time", "The cat"]) == 0
+    assert capsys.readouterr().out.splitlines()[2].startswith("| naive, 2 lanes | race | 2 | 1 of 1 | 0 of 2 |")
 
 
 def test_bad_input(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         R.parse_args(["--stage-dir", "x", "--runs", "1"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        R.parse_args(["--stage-dir", "x", "--lanes", "0"])
     assert e.value.code == 2
     capsys.readouterr()
     assert R.main(["--stage-dir", str(tmp_path / "none"), "--runs", "2"]) == 2
