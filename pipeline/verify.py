@@ -59,7 +59,6 @@ import torch
 
 from draft.race import pick_draws, race_pick, uniforms
 from draft.tree import DraftTree
-from model.devices import HOST
 
 Tensor = torch.Tensor
 
@@ -94,8 +93,9 @@ class Sampler:
         return torch.softmax(x, dim=-1).double()
 
     def uniform(self) -> float:
-        return float(torch.rand((), generator=self.generator, dtype=torch.float64,
-                                device=self.generator.device if self.generator is not None else HOST))
+        """One fresh uniform in [0, 1) (:meth:`accept`'s coin): :func:`draft.race.uniforms`' rule, the same stream as
+        the ``torch.rand((), ...)`` it replaced (checked value by value in tests/test_seeded_draws.py)."""
+        return float(uniforms(self.generator, 1)[0])
 
     def accept(self, prob: float) -> bool:
         """One Bernoulli(prob) draw (``walk_proposals``, ``sps``; ``walk_tree`` spends randomness through ``pick``)."""

@@ -160,3 +160,16 @@ def test_planted_sequential_rule_depends_on_the_children():
     seeds = range(300)
     ref = root_draws(sequential_walk, [], seeds)
     assert any(root_draws(sequential_walk, kids, seeds) != ref for kids in CHILD_SETS[1:])
+
+
+def test_a_coin_is_the_stream_it_was():
+    """``Sampler.uniform`` (``accept``'s coin: ``walk_proposals``, ``sps``) draws through ``draft.race.uniforms``:
+    the same values as the ``torch.rand((), ...)`` it replaced, interleaved with a race's uniforms, so seeded answers
+    of sampled drafts and ``sps`` are what they were."""
+    s = Sampler(1.0, 1.0, 0, torch.Generator().manual_seed(5))
+    g = torch.Generator().manual_seed(5)
+    for n in (0, 3, pick_draws(V), 1):
+        got = [s.uniform() for _ in range(4)] + s.uniforms(n).tolist()
+        want = [float(torch.rand((), generator=g, dtype=torch.float64)) for _ in range(4)] + \
+            torch.rand(n, generator=g, dtype=torch.float64).tolist()
+        assert got == want
