@@ -48,6 +48,10 @@ def test_bad_input(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         R.parse_args(["--stage-dir", "x", "--lanes", "0"])
     assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:         # a run key after --prompts would be answered as a prompt
+        R.parse_args(["--stage-dir", "x", "--prompts", "Hi", "gen.top_p=0.9"])
+    assert e.value.code == 2 and "before --prompts" in capsys.readouterr().err
+    assert R.parse_args(["--stage-dir", "x", "gen.top_p=0.9", "--prompts", "Hi", "a=b"]).prompts == ["Hi", "a=b"]
     capsys.readouterr()
     assert R.main(["--stage-dir", str(tmp_path / "none"), "--runs", "2"]) == 2
     assert capsys.readouterr().err.startswith("error: ")
