@@ -65,7 +65,7 @@ def stages(tmp_path_factory):
 def _run(stages, tmp_path, *args):
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "fuzz.jsonl"
-    rc = fuzz.main([*args, "--prompts", "1", "--max-new-tokens", "24", "--out", str(out),
+    rc = fuzz.main(["--prompts", "1", *args, "--max-new-tokens", "24", "--out", str(out),   # (args may set --prompts)
                     f"model.stage_dir={stages}"])
     return rc, [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
 
@@ -85,6 +85,30 @@ def test_the_ar_reference_needs_no_unsplit_model(stages, tmp_path):
     rc, rows = _run(stages, tmp_path, "--trials", "1", "--seed", "1", "--reference", "ar",
                     "--heads", f"oracle@1:{STORIES}")
     assert rc == 0 and rows[0]["verdict"] == "exact", rows
+
+
+@needs_stories
+def test_drawn_combinations_with_requests_at_once(stages, tmp_path, monkeypatch):
+    """``--lanes 2``: every trial answers its prompts at once (generate_many on two lanes), each still HF's; the
+    generations did overlap; and a planted verification bug is still a mismatch there."""
+    from pipeline.lanes import LanePool
+    peak, acquire = [], LanePool.acquire
+
+    def spy(self, *a, **k):
+        lane = acquire(self, *a, **k)
+        peak.append(self.active)
+        return lane
+    monkeypatch.setattr(LanePool, "acquire", spy)
+    args = ("--lanes", "2", "--prompts", "2", "--modes", "continuous,pipedec")
+    rc, rows = _run(stages, tmp_path / "good", "--trials", "2", "--seed", "12", "--p", "0.5", *args,
+                    "--heads", f"oracle:{STORIES},oracle@1:{STORIES}")
+    assert rc == 0 and all(r["verdict"] in ("exact", "rejected") for r in rows), rows
+    assert any(r["verdict"] == "exact" for r in rows) and max(peak) == 2, (rows, peak)
+    import pipeline.modes.flowspec as flowspec
+    monkeypatch.setattr(flowspec, "walk_tree", _corrupt_after_two(flowspec.walk_tree))
+    rc, rows = _run(stages, tmp_path / "bad", "--trials", "1", *args, "--modes", "continuous",
+                    "--heads", f"oracle:{STORIES}")
+    assert rc == 1 and rows[0]["verdict"] == "mismatch", rows
 
 
 def _corrupt_after_two(walk):
@@ -147,6 +171,9 @@ def test_an_exception_in_the_decode_loop_is_a_crash(stages, tmp_path, monkeypatc
 def test_bad_input_is_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         fuzz.parse_args(["--modes", "ar"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        fuzz.parse_args(["--lanes", "0"])
     assert e.value.code == 2
     capsys.readouterr()
     assert fuzz.main([f"model.stage_dir={tmp_path}"]) == 2

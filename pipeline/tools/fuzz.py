@@ -21,6 +21,9 @@ reaches passes every fixed test. This tool draws combinations:
   (:mod:`pipeline.verify`, "Draw first"), so every trial's answer must equal mode ``naive``'s with the default keys
   and the same seed (``ar`` draws another stream, for HF parity). The law itself is the exact-law tests' job
   (``tests/test_sampling.py``, which also enumerates drawn combinations).
+* **With several requests at once** (``--lanes N``): a trial loads with ``lanes=N`` and answers every prompt at
+  once (:meth:`pipeline.api.FlowSpec.generate_many`: the generations interleave on the ring and a stage computes
+  several lanes' segments in one forward); each answer must still equal its reference.
 * **Verdicts**: ``exact``; ``rejected`` (the configuration or the setup refused the combination with one clear
   error while loading, a :class:`config.errors.UserError`, or a generation's settings with a
   :class:`pipeline.api.GenerationError`; counted, not a failure); ``mismatch`` (first differing position,
@@ -209,20 +212,22 @@ class References:
 
 
 def run_trial(trial: Trial, stage_dir: Path, base_words: list[str], prompts: list[list[int]], refs: References,
-              max_new_tokens: int, tie: float) -> Trial:
-    """Load the split with the trial's words, answer every prompt, compare with the references (module docstring:
-    the verdicts)."""
+              max_new_tokens: int, tie: float, lanes: int = 1) -> Trial:
+    """Load the split with the trial's words, answer every prompt (``lanes`` > 1: all at once), compare with the
+    references (module docstring: the verdicts)."""
     from pipeline.api import FlowSpec, GenerationError
     t0 = time.perf_counter()
     fs = None
     try:
         try:
-            fs = FlowSpec.load(stage_dir, *base_words, *trial.words, template="raw")
+            fs = FlowSpec.load(stage_dir, *base_words, *trial.words, template="raw", lanes=lanes)
         except UserError as e:          # the configuration or the setup refused the combination
             trial.verdict, trial.detail = "rejected", str(e).splitlines()[0][:300]
             return trial
+        settings = dict(max_new_tokens=max_new_tokens, temperature=refs.temperature, seed=refs.seed)
+        outs = fs.generate_many(prompts, **settings) if lanes > 1 else None
         for n, prompt in enumerate(prompts):
-            out = fs.generate(prompt, max_new_tokens=max_new_tokens, temperature=refs.temperature, seed=refs.seed)
+            out = outs[n] if outs is not None else fs.generate(prompt, **settings)
             ref = refs.answer(prompt, fs.stop_ids)
             trial.prompts += 1
             trial.tau.append(out.stats.tau)
@@ -299,6 +304,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "checked against mode naive's with the default keys (a seeded answer does not depend on the tree)")
     p.add_argument("--tie", type=float, default=1e-4, help="a mismatch where the reference's logit leads by less "
                    "is a float near-tie, not a failure (HF reference only)")
+    p.add_argument("--lanes", type=int, default=1, help="> 1: every trial answers its prompts at once on this "
+                   "many lanes (FlowSpec.load(lanes=N).generate_many), each answer still checked")
     p.add_argument("--out", help="write every trial as a JSON line here")
     args = p.parse_args(argv)
     if args.trials < 1 or args.first < 0 or args.prompts < 1 or args.prompt_len < 1 or args.max_new_tokens < 1:
@@ -307,6 +314,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--p must be in [0, 1]")
     if args.temperature < 0:
         p.error("--temperature must be >= 0")
+    if not 1 <= args.lanes <= 64:
+        p.error("--lanes must be in [1, 64]")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or any(m not in MODES for m in args.modes):
         p.error(f"--modes takes tree modes among {', '.join(MODES)}")
@@ -349,7 +358,7 @@ def run(args) -> int:
     try:
         for k in range(args.first, args.first + args.trials):
             t = run_trial(draw_trial(args.seed, k, heads, args.p, args.modes), stage_dir, base, prompts, refs,
-                          args.max_new_tokens, args.tie)
+                          args.max_new_tokens, args.tie, args.lanes)
             trials.append(t)
             tau = f", tau {sum(t.tau) / len(t.tau):.2f}" if t.tau else ""
             print(f"[fuzz] trial {k} ({len(trials)}/{args.trials}) {t.verdict}{tau} in {t.seconds:.1f} s: "
