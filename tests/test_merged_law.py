@@ -78,6 +78,8 @@ class ScriptedSampler(Sampler):
     def draw(self, p):
         return int(torch.argmax(p))
 
+    pick = draw        # the residual's draw (sps draws it by Sampler.pick)
+
 
 def test_sps_google_reads_the_same_coins_as_deepmind():
     """The google variant (all gamma uniforms up front) is enumerated through the deepmind one: fed the same

@@ -14,7 +14,10 @@ Verification (:func:`verify_chain`), with the processed target law p (temperatur
     compare each with min(1, p_i(x_i) / q_i(x_i)); n = the number of leading accepted tokens;
   * ``deepmind`` (Chen et al., Algorithm 2): walk the chain and draw coin i only while all before it
     were accepted; stop at the first rejection.
-Then, if n < gamma, the next token is drawn from norm(max(0, p_{n+1} - q_{n+1})), else from p_{gamma+1}.
+Then, if n < gamma, the next token is drawn from norm(max(0, p_{n+1} - q_{n+1})), else from p_{gamma+1}, by
+``Sampler.pick`` (the race of the tree modes: the same law; a seeded draw that float rounding of the target's logits
+almost never flips, e.g. when a served request's segment shares a stage forward with other lanes' rows, where the
+inverse CDF of ``multinomial`` flips about 1% of tail draws; and 20x cheaper at V = 49152: docs/results.md §101).
 Both variants accept the same prefix with the same probabilities (coins after the first rejection are never
 read), so their laws are identical and equal to the target's (the one-step lemma in
 ``pipeline.verify.walk_proposals``: P(accept, x = y) + P(reject) * residual(y) = min(q, p)(y) + max(0, p - q)(y)
@@ -82,10 +85,10 @@ def verify_chain(tokens: list[int], qs: list[torch.Tensor], logits: torch.Tensor
     else:
         raise ValueError(f"unknown sps variant {variant!r}")
     if n == gamma:
-        return n, sampler.draw(ps[gamma])
+        return n, sampler.pick(ps[gamma])
     p = ps[n] / ps[n].sum()
     res = torch.clamp(p - qs[n].to(p.dtype), min=0.0)
-    return n, sampler.draw(res if float(res.sum()) > 0 else p)   # p = q exactly: unreachable
+    return n, sampler.pick(res if float(res.sum()) > 0 else p)   # p = q exactly: unreachable
 
 
 def sps_decode(engine: Engine, logits: torch.Tensor, features: torch.Tensor, prompt_ids: list[int],
