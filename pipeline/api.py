@@ -117,15 +117,18 @@ class FlowSpec:
     # -- building -----------------------------------------------------------------------------------------
     @classmethod
     def load(cls, stage_dir: str | Path | None = None, *overrides: str, config=None,
-             template: str = "auto", lanes: int = 1) -> "FlowSpec":
+             template: str = "auto", lanes: int | None = None) -> "FlowSpec":
         """Load a split checkpoint (``stage_dir``; None: ``model.stage_dir``, else the default SmolLM2 split)
         into one process. ``overrides``: ``key=value`` words as on the command line (``"mode=naive"``,
         ``"head_dir=..."``), applied on top of ``config`` (a :class:`config.run_config.RunConfig`, e.g. the one
         ``pipeline.run`` builds; default: the defaults). ``template``: chat formatting of text prompts
         (``auto``: the tokenizer's own template, else Vicuna; ``raw``: none). ``lanes``: generations that may run
-        at once (1 to 64; module docstring): each lane has its own drafter state and, on every stage, its own KV
-        cache of ``model.max_seq_len`` slots, allocated when the lane first runs; ``serve.ring_share`` and
-        ``serve.lane_rows`` apply as in a server."""
+        at once (1 to 64; module docstring; None: ``serve.max_active`` when it is set, else 1, so the server's
+        knob means the same here, but its auto is one at a time): each lane has its own drafter state and, on
+        every stage, its own KV cache of ``model.max_seq_len`` slots, allocated when the lane first runs;
+        ``serve.ring_share`` and ``serve.lane_rows`` apply as in a server. Settings this process cannot honour
+        are refused, not ignored: ``emu.profile`` (the emulated testbed models launched ranks' links) and
+        ``comm.trace``."""
         import torch
 
         from config.modes import TP_MODES
@@ -139,9 +142,16 @@ class FlowSpec:
         from pipeline.local_ring import LocalComm, LocalRing
         from pipeline.worker import StageWorker
 
+        cfg = apply_overrides(config if config is not None else DEFAULT, list(overrides))
+        if lanes is None:
+            lanes = cfg.serve.max_active or 1
         if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= 64:
             raise SetupError(f"lanes={lanes!r}: give an integer from 1 to 64 (generations at once)")
-        cfg = apply_overrides(config if config is not None else DEFAULT, list(overrides))
+        for key, on in (("emu.profile", bool(cfg.emu.profile)), ("comm.trace", cfg.comm.trace)):
+            if on:   # a silent no-op would read as a measurement of it
+                raise SetupError(f"{key} is not available in the one-process API (its stages are threads, with no "
+                                 f"emulated links or per-rank traces): launch the ranks, ./run_pipe.sh {key}=..., "
+                                 f"or use the simulator (docs/simulator.md)")
         if lanes > 1 and cfg.osd.enabled:   # why: draft/osd.py, "Lanes" (as serve.max_active)
             raise SetupError(f"lanes={lanes} with osd.enabled: online learning keeps one request's record and one "
                              f"live head version at a time; load with lanes=1")

@@ -135,11 +135,23 @@ def test_close_waits_for_the_generations_in_flight(stages, refs):
     assert not any(th.is_alive() for th in f._threads)
 
 
+def test_serve_max_active_is_the_same_knob(stages):
+    from pipeline.api import FlowSpec
+    with FlowSpec.load(stages, *COMMON, "serve.max_active=2", template="raw") as f:
+        assert f.lanes == 2 and f.pool is not None
+    with FlowSpec.load(stages, *COMMON, "serve.max_active=2", template="raw", lanes=1) as f:
+        assert f.lanes == 1 and f.pool is None
+    with FlowSpec.load(stages, *COMMON, template="raw") as f:     # serve.max_active=0 (auto): one at a time here
+        assert f.lanes == 1 and f.pool is None
+
+
 @pytest.mark.parametrize("lanes,words,match", [
     (0, (), "integer from 1 to 64"),
     (65, (), "integer from 1 to 64"),
     (True, (), "integer from 1 to 64"),
     (2, ("osd.enabled=true",), "online learning"),
+    (1, ("emu.profile=edge_orin_7b",), "emu.profile is not available in the one-process API"),
+    (1, ("comm.trace=true",), "comm.trace is not available"),
 ])
 def test_bad_lanes_are_one_line(stages, lanes, words, match):
     from pipeline.api import FlowSpec
