@@ -242,8 +242,7 @@ class FlowSpec:
         ``mode``: any pipeline mode the loaded drafter serves (``ar`` always)."""
         from config.modes import MODES, TP_MODES
         from model.prompts import StopText, TextDeltas
-        from pipeline.engine import GenSettings, prompt_fit_error, timed_generation
-        from pipeline.modes import new_decoder
+        from pipeline.engine import GenSettings, prompt_fit_error
 
         g = self.cfg.gen
         mode = g.mode if mode is None else mode
@@ -284,7 +283,7 @@ class FlowSpec:
             raise GenerationError(why)
         with self._running():
             try:
-                res = self._run(ids, mode, settings, timed_generation, new_decoder)
+                res = self._run(ids, mode, settings)
             except Exception:
                 self._check_alive()   # a stage's own error explains a rank-0 timeout best
                 raise
@@ -292,8 +291,10 @@ class FlowSpec:
             on_token(piece)
         return self._output(res, ids, mode, stops, settings.max_new_tokens, cancel)
 
-    def _run(self, ids: list[int], mode: str, settings, timed_generation, new_decoder):
+    def _run(self, ids: list[int], mode: str, settings):
         """One generation: on the engine under the one-at-a-time lock, or on a free lane (waiting for one)."""
+        from pipeline.engine import timed_generation
+        from pipeline.modes import new_decoder
         if self.pool is None:
             with self._lock:
                 self._check_alive()
