@@ -179,11 +179,11 @@ class FlowSpec:
             stop_ids = eos_ids(gen_cfg, getattr(models[0].config, "eos_token_id", None))
         ring = LocalRing(world)
         drafter = make_drafter(cfg, root, models[0], dtype, device) if cfg.gen.mode != "ar" else None
-        engine = make_engine(cfg, LocalComm(ring, 0), models[0], root, [cfg.gen.mode], stop_ids, dtype, device,
-                             drafter=drafter)
+        from pipeline.inprocess import _wait_s   # rank 0's wait: comm.timeout_s when longer than the ring's 60 s
+        engine = make_engine(cfg, LocalComm(ring, 0, timeout_s=_wait_s(cfg)), models[0], root, [cfg.gen.mode],
+                             stop_ids, dtype, device, drafter=drafter)
         pool = None
         if lanes > 1:   # before the stage threads: a drafter that cannot be forked is one error, nothing to stop
-            from pipeline.inprocess import _wait_s
             from pipeline.lanes import LaneError, LanePool
             try:
                 pool = LanePool(engine, lanes, timeout_s=_wait_s(cfg), report_idle=False)

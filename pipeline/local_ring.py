@@ -57,7 +57,12 @@ class LocalComm:
         self.ring.links[self.rank].put(self.wire(msg))
 
     def recv_prev(self) -> Message:
-        msg = self.ring.links[(self.rank - 1) % self.world].get(timeout=self.timeout_s)
+        prev = (self.rank - 1) % self.world
+        try:
+            msg = self.ring.links[prev].get(timeout=self.timeout_s)
+        except queue.Empty:   # (a bare queue.Empty said nothing of who waited for whom)
+            raise TimeoutError(f"rank {self.rank}: no message from rank {prev} for {self.timeout_s:g} s "
+                               f"(comm.timeout_s sets how long the in-process ring waits, at least 60 s)") from None
         if self.observer is not None:
             self.observer.on_recv(self.rank, (self.rank - 1) % self.world)
         return msg

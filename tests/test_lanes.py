@@ -374,6 +374,19 @@ def test_in_process_ring_waits_as_long_as_comm_timeout_says():
     assert _wait_s(apply_overrides(DEFAULT, ["comm.timeout_s=900"])) == 900.0
 
 
+def test_the_api_waits_as_long_as_comm_timeout_says_and_a_timeout_names_the_ranks(tiny):
+    """The one-process API's rank 0 waited the ring's fixed 60 s whatever ``comm.timeout_s`` said (a long prefill
+    of a large model on a CPU failed after 60 s); now it waits as the in-process ring does. A receive that runs
+    out is a TimeoutError naming both ranks (it was a bare ``queue.Empty``)."""
+    from pipeline.api import FlowSpec
+    from pipeline.local_ring import LocalComm, LocalRing
+    _, stages, _ = tiny
+    with FlowSpec.load(stages, "comm.timeout_s=900", "mode=ar", "dtype=float64", template="raw") as f:
+        assert f.engine.comm.timeout_s == 900.0
+    with pytest.raises(TimeoutError, match="rank 1: no message from rank 0 for 0.05 s"):
+        LocalComm(LocalRing(3), 1, timeout_s=0.05).recv_prev()
+
+
 def drawn_lane_case(i: int) -> tuple[list[str], list[str], str | None]:
     """Case ``i`` of the drawn lane cases: the ``tree.*`` and ``draft.*`` words of ``pipeline.tools.fuzz``'s trial
     ``i`` of seed 43 (the first draw from ``i`` on that the configuration accepts), the modes of three concurrent
