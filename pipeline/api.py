@@ -147,11 +147,9 @@ class FlowSpec:
             lanes = cfg.serve.max_active or 1
         if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= 64:
             raise SetupError(f"lanes={lanes!r}: give an integer from 1 to 64 (generations at once)")
-        for key, on in (("emu.profile", bool(cfg.emu.profile)), ("comm.trace", cfg.comm.trace)):
-            if on:   # a silent no-op would read as a measurement of it
-                raise SetupError(f"{key} is not available in the one-process API (its stages are threads, with no "
-                                 f"emulated links or per-rank traces): launch the ranks, ./run_pipe.sh {key}=..., "
-                                 f"or use the simulator (docs/simulator.md)")
+        from pipeline.inprocess import _wait_s, not_in_process
+        if (why := not_in_process(cfg)) is not None:    # refused, not ignored (emu.profile, comm.trace)
+            raise SetupError(why)
         if lanes > 1 and cfg.osd.enabled:   # why: draft/osd.py, "Lanes" (as serve.max_active)
             raise SetupError(f"lanes={lanes} with osd.enabled: online learning keeps one request's record and one "
                              f"live head version at a time; load with lanes=1")
@@ -179,9 +177,8 @@ class FlowSpec:
             stop_ids = eos_ids(gen_cfg, getattr(models[0].config, "eos_token_id", None))
         ring = LocalRing(world)
         drafter = make_drafter(cfg, root, models[0], dtype, device) if cfg.gen.mode != "ar" else None
-        from pipeline.inprocess import _wait_s   # rank 0's wait: comm.timeout_s when longer than the ring's 60 s
-        engine = make_engine(cfg, LocalComm(ring, 0, timeout_s=_wait_s(cfg)), models[0], root, [cfg.gen.mode],
-                             stop_ids, dtype, device, drafter=drafter)
+        rank0 = LocalComm(ring, 0, timeout_s=_wait_s(cfg))   # comm.timeout_s when longer than the ring's 60 s
+        engine = make_engine(cfg, rank0, models[0], root, [cfg.gen.mode], stop_ids, dtype, device, drafter=drafter)
         pool = None
         if lanes > 1:   # before the stage threads: a drafter that cannot be forked is one error, nothing to stop
             from pipeline.lanes import LaneError, LanePool

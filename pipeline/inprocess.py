@@ -37,6 +37,19 @@ def head_key(head: str) -> str:
     return str(p.resolve()) if p.is_dir() else head
 
 
+def not_in_process(cfg) -> str | None:
+    """Why ``cfg`` cannot run in one process as it says, or None: settings the in-process ring cannot honour
+    (``emu.profile``: the emulated testbed models launched ranks' links and compute, and this ring has no link to
+    pace; ``comm.trace``: per-rank timelines). Refused rather than ignored: a run "with" them would measure without
+    them. The API and :func:`run_threaded` (its tools: ``drafter_bench``) ask it."""
+    for key, on in (("emu.profile", bool(cfg.emu.profile)), ("comm.trace", cfg.comm.trace)):
+        if on:
+            return (f"{key} is not available in one process (the stages are threads, with no emulated links or "
+                    f"per-rank traces): launch the ranks, ./run_pipe.sh {key}=..., or use the simulator "
+                    f"(docs/simulator.md)")
+    return None
+
+
 def head_conflict(overrides: list[str], drafter: str | None) -> str | None:
     """The head an override names (``model.head_dir=`` or its alias) when it is not ``drafter`` (compared by
     :func:`head_key`), the head :func:`run_threaded` is handed and uses: such an override would lose silently, so
@@ -61,9 +74,11 @@ def run_threaded(stage_root: Path, prompts: list[list[int]], modes: list[str], o
     conflict = head_conflict(overrides, drafter)
     if conflict is not None:
         raise ValueError(f"an override names the head {conflict!r}, but the head given is {drafter!r}")
+    cfg = apply_overrides(DEFAULT, overrides)
+    if (why := not_in_process(cfg)) is not None:
+        raise ValueError(why)
     from model.stage_format import read_manifest
     world = len(read_manifest(stage_root)["split"])
-    cfg = apply_overrides(DEFAULT, overrides)
     if drafter is not None:
         cfg.model.head_dir = drafter
     ring = LocalRing(world)

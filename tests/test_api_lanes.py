@@ -150,7 +150,7 @@ def test_serve_max_active_is_the_same_knob(stages):
     (65, (), "integer from 1 to 64"),
     (True, (), "integer from 1 to 64"),
     (2, ("osd.enabled=true",), "online learning"),
-    (1, ("emu.profile=edge_orin_7b",), "emu.profile is not available in the one-process API"),
+    (1, ("emu.profile=edge_orin_7b",), "emu.profile is not available in one process"),
     (1, ("comm.trace=true",), "comm.trace is not available"),
 ])
 def test_bad_lanes_are_one_line(stages, lanes, words, match):

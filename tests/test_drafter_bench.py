@@ -126,11 +126,16 @@ def test_cli_needs_an_output_folder_and_key_value_overrides(capsys):
             main(argv)
         assert e.value.code == 2 and "--head-dir DIR" in capsys.readouterr().err
     assert main(["--out", "o", "bogus.key=1"]) == 2 and "unknown config key" in capsys.readouterr().err
+    # the in-process ring runs no emulated testbed: refused before loading, not ignored
+    assert main(["--out", "o", "emu.profile=edge_orin_7b"]) == 2
+    assert "emu.profile is not available in one process" in capsys.readouterr().err
     # the rule is the in-process ring's own: it refuses before loading anything (no stages here), and takes an
     # override that names the head it is given, or none
     from pipeline.inprocess import head_conflict, run_threaded
     with pytest.raises(ValueError, match="names the head '/h'"):
         run_threaded(Path("/nonexistent"), [[1]], ["naive"], ["head_dir=/h"], set(), "/other")
+    with pytest.raises(ValueError, match="comm.trace is not available in one process"):
+        run_threaded(Path("/nonexistent"), [[1]], ["naive"], ["comm.trace=true"], set())
     assert head_conflict(["model.head_dir=/h"], "/h") is None and head_conflict(["seed=1"], "/h") is None
     assert head_conflict(["model.head_dir=/h"], None) is None
 

@@ -444,12 +444,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"overrides take KEY=VALUE, got {bad[0]!r}")
     from config.run_config import ConfigError
     if not args.report:       # run_threaded refuses a head named by an override; say so before loading anything
-        from pipeline.inprocess import head_conflict
+        from config.run_config import DEFAULT, apply_overrides
+        from pipeline.inprocess import head_conflict, not_in_process
         for _, head, own in configurations(args):
             try:
                 named = head_conflict([*args.overrides, *own], head)
+                why = not_in_process(apply_overrides(DEFAULT, [*args.overrides, *own]))
             except ConfigError as e:
                 print(f"[drafter_bench] error: {e}", file=sys.stderr)
+                return 2
+            if why is not None:
+                print(f"[drafter_bench] error: {why}", file=sys.stderr)
                 return 2
             if named is not None:
                 ap.error(f"give the head as --head-dir DIR (or --head DIR, repeatable), not as an override ({named!r})")
