@@ -316,18 +316,30 @@ class FlowSpec:
                 self._idle.notify_all()
 
     def generate_many(self, prompts, *, on_output: Callable[[int, "Output"], None] | None = None,
-                      cancel=None, **settings) -> list["Output"]:
+                      cancel=None, progress: bool = False, **settings) -> list["Output"]:
         """:meth:`generate` for every prompt of ``prompts`` with the same ``settings`` (``max_new_tokens``,
         ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``mode``), up to :attr:`lanes` at once; the
         outputs in the prompts' order, each equal to its prompt's :meth:`generate` alone. ``on_output(i, out)``:
-        called as each finishes (from a worker thread; e.g. a progress bar). ``cancel``: ends every generation
-        at its next commit. A failed generation cancels those still running; its error is raised once all
-        have returned."""
+        called as each finishes (from a worker thread). ``progress``: a progress bar on stderr (answers done, new
+        tokens). ``cancel``: ends every generation at its next commit. A failed generation cancels those still
+        running; its error is raised once all have returned."""
         from concurrent.futures import ThreadPoolExecutor, wait
         for bad in ("on_token", "on_commit"):
             if bad in settings:
                 raise GenerationError(f"generate_many does not stream ({bad}): use on_output, or generate per prompt")
         prompts = list(prompts)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(prompts), unit="answer", desc=f"generate_many ({self.lanes} at once)")
+            tokens, user_hook = [0], on_output
+
+            def on_output(i: int, out: "Output") -> None:      # (worker threads: tqdm's update is locked)
+                tokens[0] += out.stats.new_tokens
+                bar.set_postfix_str(f"{tokens[0]} new tokens", refresh=False)
+                bar.update(1)
+                if user_hook is not None:
+                    user_hook(i, out)
         failed = threading.Event()
         stop = _Either(cancel, failed)
         outs: list = [None] * len(prompts)
@@ -352,6 +364,8 @@ class FlowSpec:
             raise
         finally:
             ex.shutdown(wait=True)
+            if bar is not None:
+                bar.close()
         errors = [f.exception() for f in futures if f.exception() is not None]
         if errors:
             raise errors[0]

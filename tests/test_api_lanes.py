@@ -93,10 +93,12 @@ def test_planted_shared_generator_fails(stages, monkeypatch):
     assert many != alone
 
 
-def test_order_callbacks_and_a_failed_prompt(fs, refs):
+def test_order_callbacks_progress_and_a_failed_prompt(fs, refs, capsys):
     done = []
-    outs = fs.generate_many(PROMPTS[:2], mode="naive", on_output=lambda i, o: done.append((i, o.ids)))
+    outs = fs.generate_many(PROMPTS[:2], mode="naive", on_output=lambda i, o: done.append((i, o.ids)), progress=True)
     assert sorted(done) == [(0, refs[0]), (1, refs[1])] and [o.ids for o in outs] == refs[:2]
+    bar = capsys.readouterr().err
+    assert "generate_many (3 at once)" in bar and "2/2" in bar and f"{len(refs[0]) + len(refs[1])} new tokens" in bar
     assert fs.generate_many([]) == []
     from pipeline.api import GenerationError
     with pytest.raises(GenerationError, match="token ids must be in"):
