@@ -410,9 +410,11 @@ class FlowSpec:
         call this before comparing modes or settings on the same prompts, or the later calls copy the earlier
         answers (docs/results.md §89)."""
         from draft.protocol import forget_requests
-        forget_requests(self.engine.drafter)
-        for e in self.pool.engines if self.pool is not None else ():   # every lane's drafter has its own memory
-            forget_requests(e.drafter)
+        with self._idle:      # between generations: waits for those in flight, none starts meanwhile
+            self._idle.wait_for(lambda: self._inflight == 0)
+            forget_requests(self.engine.drafter)
+            for e in self.pool.engines if self.pool is not None else ():   # every lane's drafter has its own memory
+                forget_requests(e.drafter)
 
     def close(self) -> None:
         """End the stage threads once the generations in flight have returned (idempotent)."""
