@@ -160,3 +160,26 @@ def test_bad_lanes_are_one_line(stages, lanes, words, match):
     with pytest.raises(UserError, match=match) as e:
         FlowSpec.load(stages, *words, lanes=lanes)
     assert "\n" not in str(e.value)
+
+
+def test_api_lanes_bench_table_and_bad_input(stages, tmp_path, capsys):
+    """scripts/api_lanes_bench.py (docs/results.md §102): a row per lane count, the same answers in every row, and
+    one-line errors."""
+    import json
+    import scripts.api_lanes_bench as B
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps({"question_id": i, "turns": [t]}) + "\n"
+                         for i, t in enumerate(["Once upon a time", "The cat sat", "A big dog"])))
+    assert B.main(["--prompts-file", str(q), "-n", "3", "--lanes", "1,3", "--modes", "naive", "--stage-dir", str(stages),
+                   f"head_dir=oracle:{STORIES}", "max_new_tokens=8", "dtype=float64"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("| mode | lanes |") and len(lines) == 4
+    assert lines[2].startswith("| naive | 1 |") and lines[3].startswith("| naive | 3 |")
+    assert all(line.endswith("| yes |") for line in lines[2:])
+    for bad in (["--lanes", "0"], ["--lanes", "x"], ["-n", "0"], ["notakeyvalue"]):
+        with pytest.raises(SystemExit) as e:
+            B.parse_args(["--prompts-file", str(q), *bad])
+        assert e.value.code == 2
+    capsys.readouterr()
+    assert B.main(["--prompts-file", str(tmp_path / "none.jsonl")]) == 2
+    assert capsys.readouterr().err.startswith("error: prompts file")
