@@ -10,7 +10,8 @@ For each mode and each ``--lanes`` value: one process-local pipeline (``FlowSpec
 answers the first turns of records ``[0, n)``, all handed to ``generate_many`` at once (``lanes=1``: one at a time),
 after one warm-up generation. One Markdown row per (mode, lanes): wall seconds, new tokens, aggregate new tokens per
 wall second and its ratio to the mode's first row, the median and slowest answer's own decode seconds, τ pooled over
-the answers, and whether every answer equals the first row's (greedy: it must; sampled with a seed: it should, §101).
+the answers (tokens committed by verifications per verification: ``ar`` 1), and whether every answer equals the
+first row's (greedy: it must; sampled with a seed: it should, §101).
 Absolute times are this host's: several lanes share its cores with every stage thread, so on a CPU the rows measure
 what batching several lanes' segments into one stage forward saves there, not an edge testbed (the emulated testbed
 needs launched ranks: ``scripts/serve_bench.py --clients``, §53).
@@ -38,10 +39,11 @@ def bench(stage_dir: str | None, mode: str, lanes: int, prompts: list[str], over
         wall = time.perf_counter() - t0
     new = sum(o.stats.new_tokens for o in outs)
     verifications = sum(len(o.stats.accept_lengths) for o in outs)
+    committed = sum(sum(o.stats.accept_lengths) for o in outs)   # (the prefill's token is no verification's)
     decode = sorted(o.stats.decode_s for o in outs)
     return {"mode": mode, "lanes": lanes, "wall_s": wall, "new_tokens": new, "tok_s": new / wall if wall > 0 else 0.0,
             "median_decode_s": statistics.median(decode), "max_decode_s": decode[-1],
-            "tau": new / verifications if verifications else 0.0, "ids": [o.ids for o in outs]}
+            "tau": committed / verifications if verifications else 1.0, "ids": [o.ids for o in outs]}
 
 
 def table(rows: list[dict]) -> str:
