@@ -111,6 +111,24 @@ def test_drawn_combinations_with_requests_at_once(stages, tmp_path, monkeypatch)
     assert rc == 1 and rows[0]["verdict"] == "mismatch", rows
 
 
+@needs_stories
+def test_launched_trials_run_the_real_transports(stages, tmp_path, monkeypatch):
+    """``--launch``: a trial is a real job (a process per rank); its answers are checked as in one process; a rank
+    killed mid-decode (``FLOWSPEC_FAULT``) is a crash naming the lost rank; a wrong reference (planted) is a
+    mismatch, so the launched answers are really compared."""
+    args = ("--launch", "--modes", "continuous", "--heads", f"oracle@1:{STORIES}", "--seed", "3")
+    rc, rows = _run(stages, tmp_path / "good", "--trials", "1", *args)
+    assert rc == 0 and rows[0]["verdict"] == "exact", rows
+    monkeypatch.setenv("FLOWSPEC_FAULT", "rank=2,at=segment,count=3")
+    rc, rows = _run(stages, tmp_path / "fault", "--trials", "1", *args)
+    assert rc == 1 and rows[0]["verdict"] == "crash" and "rank 2" in rows[0]["detail"], rows
+    monkeypatch.delenv("FLOWSPEC_FAULT")
+    real = fuzz.References.answer
+    monkeypatch.setattr(fuzz.References, "answer", lambda self, p, s: [t + 1 for t in real(self, p, s)])
+    rc, rows = _run(stages, tmp_path / "bad", "--trials", "1", *args)
+    assert rc == 1 and rows[0]["verdict"] == "mismatch" and "position 0" in rows[0]["detail"], rows
+
+
 def _corrupt_after_two(walk):
     """The planted bug: after an accepted path of two nodes or more, the target's token is replaced by another."""
     def wrapped(tree, n_verified, logits, sampler):
@@ -174,6 +192,9 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert e.value.code == 2
     with pytest.raises(SystemExit) as e:
         fuzz.parse_args(["--lanes", "0"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        fuzz.parse_args(["--launch", "--lanes", "2"])
     assert e.value.code == 2
     capsys.readouterr()
     assert fuzz.main([f"model.stage_dir={tmp_path}"]) == 2

@@ -24,10 +24,15 @@ reaches passes every fixed test. This tool draws combinations:
 * **With several requests at once** (``--lanes N``): a trial loads with ``lanes=N`` and answers every prompt at
   once (:meth:`pipeline.api.FlowSpec.generate_many`: the generations interleave on the ring and a stage computes
   several lanes' segments in one forward); each answer must still equal its reference.
+* **Through launched ranks** (``--launch``): a trial runs as a real job instead (``pipeline.run`` on one process per
+  rank through the project's launcher, the gloo transport between them, ``--prompt-ids`` and ``--output``), so the
+  multi-process transports, the direct decision links and the stages' processes are under the same draws; slower
+  (every trial starts its processes). A job that refuses the combination (exit 2, one ``error:`` line) is
+  ``rejected``; any other failure (a lost rank, a timeout, a non-zero exit) a ``crash`` with its last line.
 * **Verdicts**: ``exact``; ``rejected`` (the configuration or the setup refused the combination with one clear
   error while loading, a :class:`config.errors.UserError`, or a generation's settings with a
   :class:`pipeline.api.GenerationError`; counted, not a failure); ``mismatch`` (first differing position,
-  both tokens, and with the HF reference the target's logit gap between them there: a gap under ``--tie`` is a
+  both tokens, and with the HF reference the target's logit gap between them there: a gap within ``--tie`` is a
   float near-tie of the two tokens, reported as ``tie`` and not a failure); ``crash`` (any other exception).
   Every trial is one JSON line in ``--out`` with the words that reproduce it
   (``./run_pipe.sh model.stage_dir=... <words>``).
@@ -231,16 +236,8 @@ def run_trial(trial: Trial, stage_dir: Path, base_words: list[str], prompts: lis
             ref = refs.answer(prompt, fs.stop_ids)
             trial.prompts += 1
             trial.tau.append(out.stats.tau)
-            i = first_difference(ref, out.ids)
-            if i is None:
-                continue
-            want = ref[i] if i < len(ref) else None
-            got = out.ids[i] if i < len(out.ids) else None
-            gap = refs.gap(prompt + ref[:i], want, got) if want is not None and got is not None else None
-            trial.verdict = "tie" if gap is not None and gap < tie else "mismatch"
-            trial.detail = (f"prompt {n}: position {i}: reference {want}, got {got}"
-                            + (f", logit gap {gap:.3g}" if gap is not None else ""))
-            return trial
+            if not _compare(trial, n, prompt, ref, out.ids, refs, tie):
+                return trial
         trial.verdict = "exact"
     except GenerationError as e:        # a generation's own settings refused (e.g. a prompt the context cannot hold)
         trial.verdict, trial.detail = "rejected", str(e).splitlines()[0][:300]
@@ -258,6 +255,80 @@ def run_trial(trial: Trial, stage_dir: Path, base_words: list[str], prompts: lis
             except Exception:   # noqa: BLE001 -- a crashed pipeline may not close cleanly; the verdict stands
                 pass
     return trial
+
+
+def launched_answers(stage_dir: Path, words: list[str], prompts: list[list[int]], settings: dict,
+                     timeout_s: float) -> tuple[list[list[int]] | None, int, str]:
+    """``(answers in prompt order, or None, the job's exit status, its last stderr line)`` of one
+    ``pipeline.run`` job over ``prompts`` (token ids) with ``words`` and the generation ``settings``, every rank a
+    process (:func:`pipeline.tools.ranks.job_command`)."""
+    import os
+    import subprocess
+    import tempfile
+
+    from model.stage_format import read_manifest
+    from pipeline.tools.ranks import job_command
+    world = len(read_manifest(stage_dir)["split"])
+    with tempfile.TemporaryDirectory(prefix="fuzz-launch-") as tmp:
+        out = Path(tmp) / "rows.jsonl"
+        args = [f"model.stage_dir={stage_dir}", *words, *(f"{k}={v}" for k, v in settings.items()),
+                *(a for p in prompts for a in ("--prompt-ids", ",".join(map(str, p)))), "--output", str(out),
+                "--quiet"]
+        try:
+            job = subprocess.run(job_command(world, args), capture_output=True, text=True, timeout=timeout_s,
+                                 env=dict(os.environ, OMP_NUM_THREADS="1"))
+        except subprocess.TimeoutExpired:
+            return None, -1, f"the job ran past {timeout_s:g} s"
+        lines = [ln for ln in job.stderr.splitlines() if ln.strip()]
+        last = lines[-1].strip() if lines else ""
+        if job.returncode != 0 or not out.exists():
+            return None, job.returncode, last
+        rows = [json.loads(ln) for ln in out.read_text().splitlines() if ln.strip()]
+    by_prompt = {tuple(r["prompt_ids"]): r["output_ids"] for r in rows}
+    return [by_prompt.get(tuple(p)) for p in prompts], 0, last
+
+
+def run_trial_launched(trial: Trial, stage_dir: Path, base_words: list[str], prompts: list[list[int]],
+                       refs: References, max_new_tokens: int, tie: float, stop_ids: list[int],
+                       timeout_s: float = 600.0) -> Trial:
+    """:func:`run_trial` through launched ranks (module docstring, ``--launch``)."""
+    t0 = time.perf_counter()
+    try:
+        settings = {"max_new_tokens": max_new_tokens, "temperature": refs.temperature, "seed": refs.seed}
+        answers, code, last = launched_answers(stage_dir, [*base_words, *trial.words], prompts, settings, timeout_s)
+        if answers is None:
+            refused = code == 2 and "error" in last.lower()
+            trial.verdict = "rejected" if refused else "crash"
+            trial.detail = (last if refused else f"exit {code}: {last}")[:300]
+            return trial
+        for n, (prompt, got) in enumerate(zip(prompts, answers)):
+            if got is None:
+                trial.verdict, trial.detail = "crash", f"prompt {n}: no row in --output"
+                return trial
+            ref = refs.answer(prompt, stop_ids)
+            trial.prompts += 1
+            if not _compare(trial, n, prompt, ref, got, refs, tie):
+                return trial
+        trial.verdict = "exact"
+    finally:
+        trial.seconds = time.perf_counter() - t0
+    return trial
+
+
+def _compare(trial: Trial, n: int, prompt: list[int], ref: list[int], got: list[int], refs: References,
+             tie: float) -> bool:
+    """True when ``got`` equals ``ref``; else the trial's verdict (``tie`` or ``mismatch``) and detail are set."""
+    i = first_difference(ref, got)
+    if i is None:
+        return True
+    want = ref[i] if i < len(ref) else None
+    tok = got[i] if i < len(got) else None
+    gap = refs.gap(prompt + ref[:i], want, tok) if want is not None and tok is not None else None
+    # a near-tie either way; a reference token far below the answer's is no tie (a wrong reference: a mismatch)
+    trial.verdict = "tie" if gap is not None and abs(gap) < tie else "mismatch"
+    trial.detail = (f"prompt {n}: position {i}: reference {want}, got {tok}"
+                    + (f", logit gap {gap:.3g}" if gap is not None else ""))
+    return False
 
 
 FAILURES = ("mismatch", "crash")
@@ -302,10 +373,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "the stage manifest names; ar: mode ar on the same split")
     p.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled answers, seeded with --seed, each "
                    "checked against mode naive's with the default keys (a seeded answer does not depend on the tree)")
-    p.add_argument("--tie", type=float, default=1e-4, help="a mismatch where the reference's logit leads by less "
+    p.add_argument("--tie", type=float, default=1e-4, help="a mismatch where the two tokens' logits differ by less "
                    "is a float near-tie, not a failure (HF reference only)")
     p.add_argument("--lanes", type=int, default=1, help="> 1: every trial answers its prompts at once on this "
                    "many lanes (FlowSpec.load(lanes=N).generate_many), each answer still checked")
+    p.add_argument("--launch", action="store_true", help="run every trial as a launched job (one process per "
+                   "rank, the real transports) instead of in one process")
     p.add_argument("--out", help="write every trial as a JSON line here")
     args = p.parse_args(argv)
     if args.trials < 1 or args.first < 0 or args.prompts < 1 or args.prompt_len < 1 or args.max_new_tokens < 1:
@@ -316,6 +389,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--temperature must be >= 0")
     if not 1 <= args.lanes <= 64:
         p.error("--lanes must be in [1, 64]")
+    if args.launch and args.lanes > 1:
+        p.error("--launch runs one request at a time (a launched pipeline.run job); drop --lanes")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not args.modes or any(m not in MODES for m in args.modes):
         p.error(f"--modes takes tree modes among {', '.join(MODES)}")
@@ -350,15 +425,27 @@ def _setup(args):
     return stage_dir, list(args.overrides), heads, prompts
 
 
+def _stop_ids(stage_dir: Path, base: list[str]) -> list[int]:
+    """The split's stop token ids, as a launched ``pipeline.run`` derives them (its tokenizer's, else the
+    generation config's)."""
+    from pipeline.api import FlowSpec
+    with FlowSpec.load(stage_dir, *base, "mode=ar", template="raw") as fs:
+        return sorted(fs.stop_ids)
+
+
 def run(args) -> int:
     stage_dir, base, heads, prompts = _setup(args)
     refs = References(args.reference, stage_dir, base, args.max_new_tokens, args.temperature, args.seed)
     out = open(args.out, "a") if args.out else None
     trials = []
+    stop_ids = _stop_ids(stage_dir, base) if args.launch else None
     try:
         for k in range(args.first, args.first + args.trials):
-            t = run_trial(draw_trial(args.seed, k, heads, args.p, args.modes), stage_dir, base, prompts, refs,
-                          args.max_new_tokens, args.tie, args.lanes)
+            trial = draw_trial(args.seed, k, heads, args.p, args.modes)
+            if args.launch:
+                t = run_trial_launched(trial, stage_dir, base, prompts, refs, args.max_new_tokens, args.tie, stop_ids)
+            else:
+                t = run_trial(trial, stage_dir, base, prompts, refs, args.max_new_tokens, args.tie, args.lanes)
             trials.append(t)
             tau = f", tau {sum(t.tau) / len(t.tau):.2f}" if t.tau else ""
             print(f"[fuzz] trial {k} ({len(trials)}/{args.trials}) {t.verdict}{tau} in {t.seconds:.1f} s: "
