@@ -266,8 +266,9 @@ class BeamTreeDrafter:
     def draw(self, q: Tensor) -> int:
         """One token from ``q`` (the drafter's own generator; tests replace this to enumerate the draws), by the
         exponential race of :func:`draft.race.race_pick`: ``q`` is computed from the target's features, which round
-        differently with the schedule in the pipelined modes, and the race keeps a seeded draw through such noise
-        where an inverse CDF flips in the long tail (docs/results.md §101)."""
+        differently with the schedule in the pipelined modes, and a race keeps a seeded draw through such noise
+        where an inverse CDF flips in the long tail; this two-level one costs 0.05 ms at V = 49152 against 1.0 for
+        the one-sample ``multinomial`` it replaced (a race over the whole vocabulary: docs/results.md §101, §102)."""
         if self.generator is None:
             self.generator = torch.Generator(device=HOST).manual_seed(self.seed)
         return race_pick(q, uniforms(self.generator, pick_draws(q.numel())))

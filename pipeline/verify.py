@@ -22,7 +22,8 @@ function of the prompt, the seed and the target's logits only: the same on any s
 shape. The logits themselves round differently with the rows a stage segment holds, which follow the schedule;
 the draw is an exponential race (``Sampler.pick``), which such rounding noise almost never flips (an inverse CDF
 flipped about 1% of picks: ``Sampler.pick``'s docstring). ``ar`` draws with ``multinomial`` for HF parity:
-another stream. Each node resolves exactly one token
+another stream (a one-sample ``multinomial`` is a race over the whole vocabulary, as robust and 20x dearer at
+V = 49152: docs/results.md §102). Each node resolves exactly one token
 with fresh randomness, so the path's joint law is the target's autoregressive law, *provided the child
 list of a node is a function of what was decided before the node's draw* (it may depend on earlier draws,
 the draft and the pipeline's timing, but not on this node's draw).

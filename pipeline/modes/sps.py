@@ -15,9 +15,9 @@ Verification (:func:`verify_chain`), with the processed target law p (temperatur
   * ``deepmind`` (Chen et al., Algorithm 2): walk the chain and draw coin i only while all before it
     were accepted; stop at the first rejection.
 Then, if n < gamma, the next token is drawn from norm(max(0, p_{n+1} - q_{n+1})), else from p_{gamma+1}, by
-``Sampler.pick`` (the race of the tree modes: the same law; a seeded draw that float rounding of the target's logits
-almost never flips, e.g. when a served request's segment shares a stage forward with other lanes' rows, where the
-inverse CDF of ``multinomial`` flips about 1% of tail draws; and 20x cheaper at V = 49152: docs/results.md §101).
+``Sampler.pick`` (the tree modes' two-level race: the same law, robust to the logits' rounding noise as the
+one-sample ``multinomial`` it replaced, itself a race over the whole vocabulary, and 20x cheaper per draw at
+V = 49152: docs/results.md §101, §102).
 Both variants accept the same prefix with the same probabilities (coins after the first rejection are never
 read), so their laws are identical and equal to the target's (the one-step lemma in
 ``pipeline.verify.walk_proposals``: P(accept, x = y) + P(reject) * residual(y) = min(q, p)(y) + max(0, p - q)(y)
