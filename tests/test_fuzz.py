@@ -123,6 +123,11 @@ def test_launched_trials_run_the_real_transports(stages, tmp_path, monkeypatch):
     rc, rows = _run(stages, tmp_path / "fault", "--trials", "1", *args)
     assert rc == 1 and rows[0]["verdict"] == "crash" and "rank 2" in rows[0]["detail"], rows
     monkeypatch.delenv("FLOWSPEC_FAULT")
+    out = tmp_path / "refused.jsonl"          # a rank's setup refuses it (an untrained head has no token counts)
+    assert fuzz.main(["--trials", "1", "--launch", "--modes", "naive", "--heads", "untrained", "--prompts", "1",
+                      "--out", str(out), f"model.stage_dir={stages}", "model.draft_vocab=64"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[0]["verdict"] == "rejected" and "token counts" in rows[0]["detail"], rows
     real = fuzz.References.answer
     monkeypatch.setattr(fuzz.References, "answer", lambda self, p, s: [t + 1 for t in real(self, p, s)])
     rc, rows = _run(stages, tmp_path / "bad", "--trials", "1", *args)

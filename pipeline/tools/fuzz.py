@@ -27,8 +27,8 @@ reaches passes every fixed test. This tool draws combinations:
 * **Through launched ranks** (``--launch``): a trial runs as a real job instead (``pipeline.run`` on one process per
   rank through the project's launcher, the gloo transport between them, ``--prompt-ids`` and ``--output``), so the
   multi-process transports, the direct decision links and the stages' processes are under the same draws; slower
-  (every trial starts its processes). A job that refuses the combination (exit 2, one ``error:`` line) is
-  ``rejected``; any other failure (a lost rank, a timeout, a non-zero exit) a ``crash`` with its last line.
+  (every trial starts its processes). A job that refuses the combination (exit 2: the launcher's check, or a
+  rank's setup, refused it with one line) is ``rejected``; any other failure (a lost rank, a timeout, a non-zero exit) a ``crash`` with its last line.
 * **Verdicts**: ``exact``; ``rejected`` (the configuration or the setup refused the combination with one clear
   error while loading, a :class:`config.errors.UserError`, or a generation's settings with a
   :class:`pipeline.api.GenerationError`; counted, not a failure); ``mismatch`` (first differing position,
@@ -296,8 +296,8 @@ def run_trial_launched(trial: Trial, stage_dir: Path, base_words: list[str], pro
     try:
         settings = {"max_new_tokens": max_new_tokens, "temperature": refs.temperature, "seed": refs.seed}
         answers, code, last = launched_answers(stage_dir, [*base_words, *trial.words], prompts, settings, timeout_s)
-        if answers is None:
-            refused = code == 2 and "error" in last.lower()
+        if answers is None:   # exit 2: a user error (a refused key, or a setup a rank refused: config.errors)
+            refused = code == 2
             trial.verdict = "rejected" if refused else "crash"
             trial.detail = (last if refused else f"exit {code}: {last}")[:300]
             return trial
