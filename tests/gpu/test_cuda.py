@@ -10,7 +10,8 @@
 * merged draft sources with a small LM (``draft.sources=eagle,lookup,ssm:<dir>``) and ``sps`` on CUDA ranks equal
   HF ``generate`` (prompt lookup keeps its states on the host: the first GPU run found ``continuous`` mixing them
   with the GPU's, see docs/gpu_h200);
-* the emulated testbed, the simulator and the bench (with the one-process HF ``generate`` baseline) run on CUDA.
+* the emulated testbed, the simulator and the bench (with the one-process HF ``generate`` baseline) run on CUDA;
+* the Python API with several requests at once (``lanes=3``) equals HF and each request alone.
 """
 from __future__ import annotations
 
@@ -113,6 +114,21 @@ def test_stories260k_all_modes_equal_hf_on_cuda(tmp_path, world, split):
     prompts = _dataset_prompts(AutoTokenizer.from_pretrained(STORIES), 40)
     rows, _ = run_cuda(world, stages, tmp_path / "o.jsonl", prompts, 32, "float32", (f"head_dir=oracle:{STORIES}",))
     assert_equal_hf(rows, STORIES, 32, {2}, "float32", 5 * len(prompts), f"stories260K/{world}")
+
+
+@pytest.mark.skipif(not STORIES.is_dir(), reason="../shared is not available")
+def test_api_lanes_on_cuda(tmp_path):
+    """The Python API with three requests at once on CUDA ranks (``FlowSpec.load(..., lanes=3)``): greedy answers
+    equal HF ``generate`` on the same GPU; seeded sampled answers equal each prompt's answer alone."""
+    from pipeline.api import FlowSpec
+    stages = split_checkpoint(STORIES, tmp_path / "stages", [0, 3, 2], progress=False)
+    prompts = [[1, 403, 261, 350, 426], [1, 378, 432, 383, 286, 261, 376], [1, 298, 315, 421, 395]]
+    with FlowSpec.load(stages, "device=cuda", f"head_dir=oracle:{STORIES}", "max_new_tokens=24", "mode=continuous",
+                       template="raw", lanes=3) as fs:
+        outs = fs.generate_many(prompts)
+        assert [o.ids for o in outs] == [hf_greedy_cuda(STORIES, p, 24, {2}, "float32") for p in prompts]
+        alone = [fs.generate(p, temperature=1.0, seed=5).ids for p in prompts]
+        assert [o.ids for o in fs.generate_many(prompts, temperature=1.0, seed=5)] == alone
 
 
 def _smol_prompts(n_chars=600):
