@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from draft.eagle import EagleHead
-from draft.protocol import commit_tree_outputs, tree_outputs
+from draft.protocol import DraftSampling, commit_tree_outputs, tree_outputs
 from draft.race import pick_draws, race_pick, uniforms
 from draft.shape import EAGLE2, TreeShape, pick_frontier
 from draft.static_head import level_step
@@ -206,9 +206,9 @@ class BeamTreeDrafter:
 
     vocab_map: Tensor | None = None   # reduced draft vocabulary (draft id -> target id); None = the target's
     # sampled drafting (T > 0, :meth:`sampled_tree`): off unless a subclass or :meth:`set_sampling` turns it on
-    sample: bool = False                   # sampled trees now (sampling_for: the wish and this generation's T > 0)
-    sample_wish: bool = False              # set_sampling's ``sample``: what sampling_for turns on at T > 0
-    follow_temperature: bool = True        # q's temperature follows the generation's (sampling_for)
+    sample: bool = False                   # sampled trees now (take_sampling: the wish and this generation's T > 0)
+    sample_wish: bool = False              # set_sampling's ``sample``: what take_sampling turns on at T > 0
+    follow_temperature: bool = True        # q's temperature follows the generation's (take_sampling)
     temperature: float = 1.0
     seed: int = 0
     sample_chains: int = 0                 # chains of a sampled tree (0: the call's top_k)
@@ -232,7 +232,8 @@ class BeamTreeDrafter:
         ``q = softmax(logprobs / temperature)``, reseeded with ``seed`` at every :meth:`start` (a seeded run
         repeats); ``chains``: chains per tree (0: the call's ``top_k``); ``distinct``: chains that meet at a node
         draw distinct children there (without replacement), else i.i.d. draws that may join. ``sample`` is the
-        wish (a run key); each generation's own temperature and seed replace these through :meth:`sampling_for`
+        wish (a run key); each generation's own temperature and seed replace these at its :meth:`start`
+        (:meth:`take_sampling`)
         (``follow``: q's temperature is the generation's; False: ``temperature`` stays, e.g. a fixed
         ``draft.ssm_temperature``)."""
         self.sample_wish, self.follow_temperature = bool(sample), bool(follow)
@@ -240,18 +241,21 @@ class BeamTreeDrafter:
         self.sample_chains, self.sample_distinct = chains, distinct
         self.generator = torch.Generator(device=HOST).manual_seed(self.seed)
 
-    def sampling_for(self, temperature: float, seed: int) -> None:
-        """One generation's own sampling settings (:func:`draft.protocol.begin_generation`, before :meth:`start`):
-        sampled trees iff the wish (:meth:`set_sampling`) and ``temperature > 0``; q's temperature that one where
-        :attr:`follow_temperature`; the draws' stream seeded with ``seed`` (at :meth:`start`). Why: a served
-        request or an API call brings its own temperature and seed, and a drafter set up at load time drew at
-        the load's (at T = 0 by default: ``draft.eagle_sample`` and a small LM's ``draft.ssm_sample`` did
-        nothing for any request at T > 0)."""
-        t = float(temperature)
+    def take_sampling(self, sampling: DraftSampling | None) -> None:
+        """One generation's own sampling settings, taken by :meth:`start` (``sampling``, a
+        :class:`draft.protocol.DraftSampling`; None: the current ones stay): sampled trees iff the wish
+        (:meth:`set_sampling`) and the generation's T > 0; q's temperature that T where :attr:`follow_temperature`;
+        the draws' stream seeded with its seed. Why: a served request or an API call brings its own temperature
+        and seed, and a drafter set up at load time drew at the load's (at T = 0 by default: ``draft.eagle_sample``
+        and a small LM's ``draft.ssm_sample`` did nothing for any request at T > 0). An argument of ``start``, not
+        a call of its own: the generation's settings are part of starting it, like its prompt."""
+        if sampling is None:
+            return
+        t = float(sampling.temperature)
         self.sample = self.sample_wish and t > 0
         if self.follow_temperature and t > 0:
             self.temperature = t
-        self.seed = int(seed)
+        self.seed = int(sampling.seed)
 
     def reseed(self) -> None:
         """Restart the draws of a sampling drafter (called by ``start``: one generation, one stream)."""
@@ -1050,9 +1054,12 @@ class Drafter(BeamTreeDrafter):
     def reset(self) -> None:
         self.cache.reset()
 
-    def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
-        """New generation: entries pair each prompt token's feature with the token after it."""
+    def start(self, prompt_ids: list[int], first_token: int, features: Tensor,
+              sampling: DraftSampling | None = None) -> Tensor:
+        """New generation: entries pair each prompt token's feature with the token after it; ``sampling``: the
+        generation's own (:meth:`take_sampling`)."""
         self.reset()
+        self.take_sampling(sampling)
         self.reseed()
         if self.dvocab is not None:
             self.dvocab.begin(list(prompt_ids) + [int(first_token)])

@@ -37,7 +37,8 @@ import torch
 
 from config.run_config import SourceError, parse_sources
 from draft.drafter import BeamTreeDrafter
-from draft.protocol import commit_tree_outputs, forget_requests, target_observer, top_tokens, tree_outputs
+from draft.protocol import (DraftSampling, commit_tree_outputs, forget_requests, target_observer, top_tokens,
+                            tree_outputs)
 from draft.tree import DraftTree, below_mask, merge_sources
 from model.devices import HOST
 from model.grad import no_grad
@@ -73,13 +74,6 @@ class MergedDrafter(BeamTreeDrafter):
         self._observers = [h for h in (target_observer(s) for s in self.sources) if h is not None]
         self.observes_target = bool(self._observers)
 
-    def sampling_for(self, temperature: float, seed: int) -> None:
-        """:func:`draft.protocol.begin_generation` for every source that samples on request (the merge itself
-        draws nothing)."""
-        for s in self.sources:
-            if hasattr(s, "sampling_for"):
-                s.sampling_for(temperature, seed)
-
     def observe_target(self, tokens: list[int], logits: Tensor) -> None:
         """The feed seam (:func:`draft.protocol.target_observer`), forwarded to every source that defines it."""
         for hook in self._observers:
@@ -113,8 +107,9 @@ class MergedDrafter(BeamTreeDrafter):
         for s in self.sources:
             forget_requests(s)
 
-    def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
-        return self._join([s.start(prompt_ids, first_token, features) for s in self.sources])
+    def start(self, prompt_ids: list[int], first_token: int, features: Tensor, sampling=None) -> Tensor:
+        """Every source starts, each with the generation's ``sampling`` (the merge itself draws nothing)."""
+        return self._join([s.start(prompt_ids, first_token, features, sampling=sampling) for s in self.sources])
 
     def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
         return self._join([s.commit(tokens, features) for s in self.sources])
@@ -449,7 +444,8 @@ def build_sources(cfg, vocab_size: int, eagle_factory, dtype, device, vocab_mode
                 sources.append(SmallLMDrafter(arg, vocab_size, dtype, device, sample=d.ssm_sample,
                                               temperature=temp, seed=cfg.gen.seed,
                                               vocab_model=vocab_model, follow=d.ssm_temperature < 0))
-                sources[-1].sampling_for(cfg.gen.temperature, cfg.gen.seed)   # the run's; then each generation's
+                # the run's settings; then each generation's own, at its start
+                sources[-1].take_sampling(DraftSampling(cfg.gen.temperature, cfg.gen.seed))
             except SmallLMError as e:
                 raise SourceError(f"draft.sources: ssm:{arg}: {e}") from None
         names.append(kind if not arg else f"{kind}:{arg}")

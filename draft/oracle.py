@@ -74,6 +74,12 @@ class OracleDrafter(TokenHistory, BeamTreeDrafter):
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         TokenHistory.__init__(self)
 
+    def start(self, prompt_ids: list[int], first_token: int, features: Tensor, sampling=None) -> Tensor:
+        """:meth:`TokenHistory.start` with the generation's ``sampling`` taken first (``draft.eagle_sample`` on the
+        oracle: :meth:`BeamTreeDrafter.take_sampling`; :meth:`begin` then reseeds with its seed)."""
+        self.take_sampling(sampling)
+        return TokenHistory.start(self, prompt_ids, first_token, features)
+
     def begin(self, prompt_ids: list[int]) -> None:
         self.reseed()
         self.context = prompt_ids

@@ -795,9 +795,9 @@ class OnlineDrafter:
         self.inner.drop_tree()
 
     # -- the two calls that carry the target's data --------------------------------------------------------
-    def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
+    def start(self, prompt_ids: list[int], first_token: int, features: Tensor, sampling=None) -> Tensor:
         """New request: file the finished one, judge rollbacks, run the inline learner (``osd.sync``), swap in a
-        published version (the ``generation`` swap point), then start the inner drafter."""
+        published version (the ``generation`` swap point), then start the inner drafter (with ``sampling``)."""
         self.flush()
         for L in self.learners.values():
             if self.s.sync:
@@ -810,7 +810,7 @@ class OnlineDrafter:
         self._rec = {"prompt_ids": list(prompt_ids), "first": int(first_token), "tokens": [toks],
                      "features": [None if features is None else features.detach().clone()], "commits": 0,
                      "committed": 0, "first_gen": len(toks) - 1, "version": self.version}
-        return self.inner.start(prompt_ids, first_token, features)
+        return self.inner.start(prompt_ids, first_token, features, sampling=sampling)
 
     def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
         rec = self._rec

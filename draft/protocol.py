@@ -26,6 +26,7 @@ them back (``grow_tree``'s ``root_hidden``, PipeDec's per-node ``features``) and
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -35,14 +36,28 @@ from draft.tree import DraftTree
 Tensor = torch.Tensor
 
 
+@dataclass(frozen=True)
+class DraftSampling:
+    """One generation's sampling settings as its drafter takes them (an argument of :meth:`TreeDrafter.start`):
+    the generation's ``temperature`` and ``seed`` (:class:`pipeline.engine.GenSettings`'). A drafter that samples
+    its trees on request (``draft.eagle_sample``, a small LM's ``draft.ssm_sample``:
+    :meth:`draft.drafter.BeamTreeDrafter.take_sampling`) draws them at T > 0 only, from this seed's stream, so one
+    drafter serves generations of other settings without being rebuilt; a deterministic draft ignores it."""
+
+    temperature: float
+    seed: int
+
+
 @runtime_checkable
 class TreeDrafter(Protocol):
     """What every mode calls on ``engine.drafter`` (see the module docstring for the return values)."""
 
-    def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
+    def start(self, prompt_ids: list[int], first_token: int, features: Tensor,
+              sampling: DraftSampling | None = None) -> Tensor:
         """New generation: forget everything, take the prompt and the target's first token as the committed
         context. ``features``: the target's last-layer hidden state of every prompt token (EAGLE uses them;
-        others may ignore them). Returns the state after ``first_token`` (the next tree's ``root_hidden``)."""
+        others may ignore them). ``sampling``: the generation's own (:class:`DraftSampling`; None: the settings
+        the drafter was built with). Returns the state after ``first_token`` (the next tree's ``root_hidden``)."""
 
     def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
         """Append committed ``tokens`` (accepted draft tokens, then the target's new token, which becomes the
@@ -163,18 +178,6 @@ def target_observer(drafter: object):
     drafter's."""
     owner = hook_owner(drafter, "observe_target")
     return owner.observe_target if owner is not None and getattr(owner, "observes_target", True) else None
-
-
-def begin_generation(drafter: object, temperature: float, seed: int) -> None:
-    """The sampling seam: a generation's own ``temperature`` and ``seed`` reach ``drafter``'s sampled drafting
-    before its ``start`` (:meth:`draft.drafter.BeamTreeDrafter.sampling_for`: ``draft.eagle_sample``, a small LM's
-    ``draft.ssm_sample``), so that a drafter serves generations of other settings without being rebuilt, as the
-    engine does (:class:`pipeline.engine.GenSettings`). Found as the optional ``sampling_for`` hook;
-    :class:`draft.merged.MergedDrafter` forwards it to its sources; a wrapper's (``inner``) is its inner drafter's.
-    A deterministic draft is unchanged by it: only the draws' law and stream follow the generation."""
-    owner = hook_owner(drafter, "sampling_for")
-    if owner is not None:
-        owner.sampling_for(temperature, seed)
 
 
 def hook_owner(drafter: object, name: str):

@@ -143,8 +143,9 @@ class SmallLMDrafter(BeamTreeDrafter):
         self.ctx_len += len(tokens)
         return self._logprobs_of(out.logits[0, -1])
 
-    def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
+    def start(self, prompt_ids: list[int], first_token: int, features: Tensor, sampling=None) -> Tensor:
         self.reset()
+        self.take_sampling(sampling)    # the generation's T and seed (draft.protocol.DraftSampling)
         self.reseed()
         return self._feed(list(prompt_ids) + [first_token])
 

@@ -19,9 +19,10 @@ class TokenHistory:
         self.tree_tokens: list[int] = []
         self.tree_parents: list[int] = []
 
-    def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
+    def start(self, prompt_ids: list[int], first_token: int, features: Tensor, sampling=None) -> Tensor:
         """A new request: state reset, the context restarted as the prompt (:meth:`begin`), then ``first_token``
-        committed through the drafter's own ``commit`` (so its state after the first token is what it returns)."""
+        committed through the drafter's own ``commit`` (so its state after the first token is what it returns).
+        ``sampling``: nothing to sample (these drafters are deterministic)."""
         self.reset()
         self.begin(list(prompt_ids))
         return self.commit(torch.tensor([first_token], device=HOST), features)

@@ -263,10 +263,12 @@ def _head_drafter(cfg, stage_root: Path, model, dtype, device: str):
 def _set_eagle_sampling(drafter, cfg) -> None:
     """``draft.eagle_sample``: the eagle source samples its trees at T > 0
     (:meth:`draft.drafter.BeamTreeDrafter.set_sampling`), its q its own law at the generation's temperature; set
-    here for the run's ``gen`` settings, then per generation by :func:`draft.protocol.begin_generation`."""
+    here for the run's ``gen`` settings, then per generation by its ``start`` (a
+    :class:`draft.protocol.DraftSampling` argument)."""
+    from draft.protocol import DraftSampling
     t = cfg.gen.temperature
     drafter.set_sampling(cfg.draft.eagle_sample, t if t > 0 else 1.0, cfg.gen.seed, cfg.draft.sample_chains)
-    drafter.sampling_for(t, cfg.gen.seed)
+    drafter.take_sampling(DraftSampling(t, cfg.gen.seed))
 
 
 def _draft_ids(cfg, head_dir: Path | None, model, head):

@@ -8,7 +8,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 
-from draft.protocol import TreeDrafter, begin_generation, target_observer
+from draft.protocol import DraftSampling, TreeDrafter, target_observer
 from model.devices import HOST
 from model.meter import OpMeter, SpanMeter, counter_fields, run_rows, take_counters
 from model.stage_model import StageModel
@@ -178,7 +178,8 @@ class OutputBuffer:
     """Committed new tokens; stops exactly like HF generate (stop token included, max_new_tokens).
 
     ``sampler``: the generation's :class:`Sampler` (the modes choose and verify through ``out.sampler``: it is a
-    property of the generation, not of the engine).
+    property of the generation, not of the engine). ``draft_sampling``: the generation's
+    :class:`draft.protocol.DraftSampling`, which the modes hand the drafter's ``start`` (None: the drafter's own).
 
     Serving hooks (both optional, both used only inside :meth:`extend`): ``on_commit(tokens)`` is called
     with the tokens each ``extend`` took (``on_commit(tokens, logprobs)`` with ``logprobs`` set); ``cancel`` (anything with ``is_set()``, e.g. a
@@ -204,8 +205,10 @@ class OutputBuffer:
 
     def __init__(self, stop_ids: set[int], max_new_tokens: int, on_commit=None, cancel=None,
                  stop_text=None, sampler: Sampler | None = None, logprobs: int | None = None,
-                 observe_target=None, prompt_last: int | None = None) -> None:
+                 observe_target=None, prompt_last: int | None = None,
+                 draft_sampling: DraftSampling | None = None) -> None:
         self.ids: list[int] = []
+        self.draft_sampling = draft_sampling
         self.observe_target = observe_target
         self.prompt_last = prompt_last
         self.sampler = sampler if sampler is not None else Sampler()
@@ -400,9 +403,10 @@ def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn: Decoder,
                      settings: GenSettings | None = None, prefill=None) -> GenResult:
     """Run prefill + ``decode_fn`` (a fresh :class:`Decoder` per generation: ``pipeline.modes.new_decoder``) with
     this generation's ``settings`` (default: ``engine.cfg.gen``'s). Neither the engine nor its configuration is
-    changed; the drafter takes the generation's temperature and seed for its sampled drafts, as it takes its prompt
-    (:func:`draft.protocol.begin_generation`). ``prefill(engine, prompt_ids) -> (logits, features)``: what stands for :meth:`Engine.prefill` (None:
-    it), e.g. another lane's prefill of the same prompt shared (:meth:`pipeline.lanes.SharedPrefill.prefill`)."""
+    changed; the drafter takes the generation's temperature and seed for its sampled drafts with its prompt, at its
+    ``start`` (``out.draft_sampling``, a :class:`draft.protocol.DraftSampling`). ``prefill(engine, prompt_ids) ->
+    (logits, features)``: what stands for :meth:`Engine.prefill` (None: it), e.g. another lane's prefill of the same
+    prompt shared (:meth:`pipeline.lanes.SharedPrefill.prefill`)."""
     if settings is None:
         settings = GenSettings.from_config(engine.cfg.gen)
     engine.tracer.reset_counters()
@@ -413,7 +417,6 @@ def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn: Decoder,
     prefill_fields = engine.start_decode_window()  # untimed: busy counters restart, prefill counters
     t1b = time.perf_counter()
     engine.tracer.mark("decode_begin")
-    begin_generation(getattr(engine, "drafter", None), settings.temperature, settings.seed)   # sampled drafts' T, seed
     observe = target_observer(getattr(engine, "drafter", None))
     if observe is not None:                    # the feed is drafting work: rank 0's busy time counts it
         hook = observe
@@ -423,7 +426,8 @@ def timed_generation(engine: Engine, prompt_ids: list[int], decode_fn: Decoder,
                 hook(tokens, logits)
     out = OutputBuffer(engine.stop_ids, settings.max_new_tokens, settings.on_commit, settings.cancel,
                        settings.stop_text, settings.new_sampler(), settings.logprobs,
-                       observe, prompt_ids[-1] if prompt_ids else None)
+                       observe, prompt_ids[-1] if prompt_ids else None,
+                       DraftSampling(settings.temperature, settings.seed))
     rounds, accepts, steps = decode_fn(engine, logits, features, prompt_ids, out)   # a DecodeResult
     t2 = time.perf_counter()
     engine.tracer.mark("gen_end", new_tokens=len(out.ids))

@@ -61,7 +61,7 @@ class MarkovSSM(SmallLMDrafter):
             self.draw = lambda q: draw(q, self.levels + 1)   # an enumerating draw; else BeamTreeDrafter.draw
         self.tree_paths = []
 
-    def start(self, prompt_ids, first_token, features):
+    def start(self, prompt_ids, first_token, features, sampling=None):
         self.tree_paths, self.levels = [], 0
         self.generator.manual_seed(self.seed)
         return self.table[first_token]

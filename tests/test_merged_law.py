@@ -189,7 +189,7 @@ def monte_carlo_merged(mode, target, det, ssm_logits, sampler, n, horizon, overr
     drafter = merged_drafter(det, ssm_logits, None, with_det=with_det)
     ssm = drafter.sources[1] if with_det else drafter
     ssm.generator = sampler.generator           # one stream: every generation draws fresh drafts
-    ssm.start = lambda p, f, feats, _s=ssm: _s.table[f]   # do not reseed per generation
+    ssm.start = lambda p, f, feats, _s=ssm, sampling=None: _s.table[f]   # do not reseed per generation
     run = make_merged_runner(mode, 3, target, drafter, sampler, horizon, overrides)
     for _ in range(n):
         counts[run()] += 1

@@ -104,7 +104,7 @@ class MarkovDrafter(BeamTreeDrafter):
     def commit(self, tokens, features):
         return enc(int(tokens[-1]))
 
-    def start(self, prompt_ids, first_token, features):
+    def start(self, prompt_ids, first_token, features, sampling=None):
         return enc(first_token)
 
     def grow_tree(self, root_token, root_hidden, total_token, depth, top_k):

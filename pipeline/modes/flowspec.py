@@ -139,7 +139,7 @@ class StreamingMode:
         x = out.sampler.choose(logits)
         out.extend([x], logits[None])
         with engine.tracer.span("draft"):
-            root_hidden = engine.drafter.start(prompt_ids, x, features)
+            root_hidden = engine.drafter.start(prompt_ids, x, features, sampling=out.draft_sampling)
         box = Outbox(engine)
         self.deferred = None
         rounds, accepts, steps = 0, [], 0

@@ -34,7 +34,7 @@ def whole_tree_rounds(engine: Engine, logits: torch.Tensor, features: torch.Tens
     x = out.sampler.choose(logits)
     out.extend([x], logits[None])
     with engine.tracer.span("draft"):
-        root_hidden = drafter.start(prompt_ids, x, features)
+        root_hidden = drafter.start(prompt_ids, x, features, sampling=out.draft_sampling)
     box = Outbox(engine)
     accepts, steps, rounds = [], 0, 0
     while not out.finished:

@@ -50,8 +50,8 @@ class ReplayDrafter:
         return self.committed.features[rows[:, 1].long()]
 
     # -- the two calls that carry the target's data: stand-in rows become the target's features ----------
-    def start(self, prompt_ids: list[int], first_token: int, features: Tensor) -> Tensor:
-        return self.inner.start(prompt_ids, first_token, self._features(features))
+    def start(self, prompt_ids: list[int], first_token: int, features: Tensor, sampling=None) -> Tensor:
+        return self.inner.start(prompt_ids, first_token, self._features(features), sampling=sampling)
 
     def commit(self, tokens: Tensor, features: Tensor) -> Tensor:
         return self.inner.commit(tokens, self._features(features))
