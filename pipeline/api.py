@@ -304,7 +304,8 @@ class FlowSpec:
 
     @contextmanager
     def _running(self):
-        """Count a generation in flight (:meth:`close` waits for none); refused once closed or broken."""
+        """Count a generation in flight (:meth:`close` and :meth:`forget_requests` wait until none is); refused once
+        closed or broken."""
         with self._idle:
             self._check_alive()
             self._inflight += 1
