@@ -25,7 +25,7 @@ import torch
 
 from draft.eagle import EagleHead
 from draft.protocol import DraftSampling, commit_tree_outputs, tree_outputs
-from draft.race import pick_draws, race_pick, uniforms
+from draft.race import seeded_pick
 from draft.shape import EAGLE2, TreeShape, pick_frontier
 from draft.static_head import level_step
 from draft.tree import DraftTree, beam_frontier, best_first, top_nodes_tree
@@ -275,7 +275,7 @@ class BeamTreeDrafter:
         the one-sample ``multinomial`` it replaced (a race over the whole vocabulary: docs/results.md §101, §102)."""
         if self.generator is None:
             self.generator = torch.Generator(device=HOST).manual_seed(self.seed)
-        return race_pick(q, uniforms(self.generator, pick_draws(q.numel())))
+        return seeded_pick(q, self.generator)
 
     def proposal(self, hidden: Tensor) -> Tensor:
         """q per row of ``hidden``: the distribution sampled children are drawn from, ``softmax(logprobs /

@@ -19,6 +19,13 @@ def uniforms(generator: torch.Generator | None, n: int) -> Tensor:
                       device=generator.device if generator is not None else HOST)
 
 
+def seeded_pick(p: Tensor, generator: torch.Generator | None) -> int:
+    """:func:`race_pick` of ``p`` with its :func:`pick_draws` uniforms from ``generator``: the one draw rule of the
+    tree walk (:meth:`pipeline.verify.Sampler.pick`) and of a sampled draft
+    (:meth:`draft.drafter.BeamTreeDrafter.draw`)."""
+    return race_pick(p, uniforms(generator, pick_draws(p.numel())))
+
+
 def pick_blocks(v: int) -> tuple[int, int]:
     """``(blocks, size)`` of :func:`race_pick` for a vocabulary of ``v`` tokens: blocks of ``ceil(sqrt(v))``
     consecutive token ids (the last one padded), so both levels of the race are about ``sqrt(v)`` wide."""

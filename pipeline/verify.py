@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draft.race import pick_draws, race_pick, uniforms
+from draft.race import seeded_pick, uniforms
 from draft.tree import DraftTree
 
 Tensor = torch.Tensor
@@ -105,14 +105,11 @@ class Sampler:
     def draw(self, p: Tensor) -> int:
         return int(torch.multinomial(p.float(), 1, generator=self.generator))
 
-    def uniforms(self, n: int) -> Tensor:
-        """``n`` fresh uniforms in [0, 1), float64, on the generator's device (:meth:`pick`'s randomness)."""
-        return uniforms(self.generator, n)
-
     def pick(self, p: Tensor) -> int:
-        """One token of law ``p / p.sum()`` from a fixed number of :meth:`uniforms` (:func:`pick_draws`: about
-        ``2 sqrt(V)``, 444 at V = 49152): ``walk_tree``'s draw ("Draw first"), the same amount of randomness per
-        resolved node whatever the node's children. The rule, a two-level exponential race (:func:`race_pick`):
+        """One token of law ``p / p.sum()`` from a fixed number of uniforms of its generator
+        (:func:`draft.race.pick_draws`: about ``2 sqrt(V)``, 444 at V = 49152): ``walk_tree``'s draw ("Draw
+        first"), the same amount of randomness per resolved node whatever the node's children. The rule, a
+        two-level exponential race (:func:`draft.race.seeded_pick`):
         the vocabulary in fixed blocks of ``ceil(sqrt(V))`` token ids, a block ``b`` with probability ``P_b / P``
         (``P_b`` its mass), then a token ``i`` of it with probability ``p_i / P_b``: exactly ``p_i / P``. A
         token without mass is never picked.
@@ -129,7 +126,7 @@ class Sampler:
         noise of each other: 0 of 3,000 picks at 1e-5 (docs/results.md §101; tests/test_seeded_draws.py). Its cost
         is the inverse CDF's (one pass over ``p`` and a few hundred uniforms: 0.05 ms at V = 49152 on this CPU) and
         one device->host read, the token."""
-        return race_pick(p, self.uniforms(pick_draws(p.numel())))
+        return seeded_pick(p, self.generator)
 
     def choose(self, logits: Tensor) -> int:
         return int(torch.argmax(logits)) if self.greedy else self.draw(self.probs(logits))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from draft.tree import DraftTree
-from draft.race import pick_blocks, pick_draws
+from draft.race import pick_blocks, pick_draws, race_pick, uniforms
 from pipeline.verify import Sampler, walk_tree
 from scripts.seeded_repro import inverse_cdf_pick   # planted: the former rule
 
@@ -71,16 +71,9 @@ def test_token_is_the_plain_seeded_pick():
         assert root_draws(walk_tree, [0, 6], [seed])[0][0] == s.pick(s.probs(LOGITS[0]))
 
 
-class Coins(Sampler):
-    """A sampler whose :meth:`uniforms` are given."""
-
-    def __init__(self, coins):
-        super().__init__(1.0, 1.0, 0, None)
-        self.coins = list(coins)
-
-    def uniforms(self, n):
-        out, self.coins = self.coins[:n], self.coins[n:]
-        return torch.tensor(out, dtype=torch.float64)
+def coins(*u):
+    """Given uniforms for one race."""
+    return torch.tensor(u, dtype=torch.float64)
 
 
 def test_pick_is_a_two_level_race_and_skips_zero_mass():
@@ -90,12 +83,12 @@ def test_pick_is_a_two_level_race_and_skips_zero_mass():
     assert pick_blocks(1) == (1, 1) and pick_blocks(5) == (2, 3) and pick_blocks(9) == (3, 3)
     assert pick_blocks(49152) == (222, 222) and pick_draws(49152) == 444
     p = torch.tensor([0.25, 0.0, 0.5, 0.25, 0.0], dtype=torch.float64)    # blocks [0.25, 0, 0.5] [0.25, 0, pad]
-    assert Coins([0.5, 0.5, 0.5, 0.5, 0.5]).pick(p) == 2                 # equal E: the larger mass (0.75 vs 0.25)
-    assert Coins([0.5, 0.99, 0.5, 0.5, 0.5]).pick(p) == 2                # the other block's E large: block 0
-    assert Coins([0.999, 0.01, 0.5, 0.5, 0.5]).pick(p) == 3              # block 0's E large: block 1, its token 3
-    assert Coins([0.5, 0.5, 0.01, 0.5, 0.999]).pick(p) == 0              # in block 0: 0.25 / small beats 0.5 / large
-    assert Coins([0.5, 0.5, 0.9, 0.0, 0.9]).pick(p) == 2                 # E = 0 for the zero-mass token 1: not it
-    assert Coins([0.5, 0.5, 0.0, 0.5, 0.0]).pick(p) in (0, 2)            # E = 0 on both: a token with mass
+    assert race_pick(p, coins(0.5, 0.5, 0.5, 0.5, 0.5)) == 2                 # equal E: the larger mass (0.75 vs 0.25)
+    assert race_pick(p, coins(0.5, 0.99, 0.5, 0.5, 0.5)) == 2                # the other block's E large: block 0
+    assert race_pick(p, coins(0.999, 0.01, 0.5, 0.5, 0.5)) == 3              # block 0's E large: block 1, its token 3
+    assert race_pick(p, coins(0.5, 0.5, 0.01, 0.5, 0.999)) == 0              # in block 0: 0.25/small beats 0.5/large
+    assert race_pick(p, coins(0.5, 0.5, 0.9, 0.0, 0.9)) == 2                 # E = 0 for the zero-mass token 1: not it
+    assert race_pick(p, coins(0.5, 0.5, 0.0, 0.5, 0.0)) in (0, 2)            # E = 0 on both: a token with mass
     counts = torch.bincount(torch.tensor([Sampler(1.0, 1.0, 0, torch.Generator().manual_seed(s)).pick(p * 3)
                                           for s in range(4000)]), minlength=5)
     assert counts[1] == counts[4] == 0 and abs(int(counts[2]) - 2000) < 150     # unnormalised p too
@@ -120,7 +113,7 @@ def test_pick_law_chi_square_and_a_planted_block_bug_fails():
 
     def planted(sampler, q):
         blocks, size = pick_blocks(q.numel())
-        u = sampler.uniforms(pick_draws(q.numel()))
+        u = uniforms(sampler.generator, pick_draws(q.numel()))
         w = torch.cat([q, q.new_zeros(blocks * size - q.numel())]).view(blocks, size)
         b = int(torch.argmax((w.sum(1) > 0).double() / -torch.log1p(-u[:blocks])))
         return b * size + int(torch.argmax(torch.where(w[b] > 0, w[b] / -torch.log1p(-u[blocks:]), -1.0)))
@@ -169,7 +162,7 @@ def test_a_coin_is_the_stream_it_was():
     s = Sampler(1.0, 1.0, 0, torch.Generator().manual_seed(5))
     g = torch.Generator().manual_seed(5)
     for n in (0, 3, pick_draws(V), 1):
-        got = [s.uniform() for _ in range(4)] + s.uniforms(n).tolist()
+        got = [s.uniform() for _ in range(4)] + uniforms(s.generator, n).tolist()
         want = [float(torch.rand((), generator=g, dtype=torch.float64)) for _ in range(4)] + \
             torch.rand(n, generator=g, dtype=torch.float64).tolist()
         assert got == want
