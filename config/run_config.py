@@ -501,6 +501,13 @@ def _keys(cfg: RunConfig) -> tuple[dict[str, tuple[str, str]], dict[str, list[st
     return out, {k: [f"{s}.{k}" for s in secs] for k, secs in seen.items() if len(secs) > 1}
 
 
+def is_run_key(word: str) -> bool:
+    """Whether ``word`` is a ``key=value`` word of a known key (qualified, bare or alias), whatever its value: what a
+    tool asks of a free-text argument that may have swallowed a run key (argparse's ``nargs="+"``)."""
+    keys, ambiguous = _keys(DEFAULT)
+    return "=" in word and word.split("=", 1)[0].strip() in {**keys, **ambiguous}
+
+
 def _unknown(key: str, keys: dict) -> ConfigError:
     """The error for a key nobody has: a did-you-mean (difflib) instead of the list of every key."""
     import difflib

@@ -78,9 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.runs < 2 or args.temperature <= 0 or any(r not in ("race", "cdf") for r in rules) \
             or not 1 <= args.lanes <= 64:
         ap.error("--runs must be at least 2, --temperature above 0, --rules of race and cdf, --lanes 1 to 64")
-    from config.run_config import DEFAULT, _keys
-    keys, ambiguous = _keys(DEFAULT)
-    words = [p for p in args.prompts if "=" in p and p.split("=", 1)[0] in {**keys, **ambiguous}]
+    from config.run_config import is_run_key
+    words = [p for p in args.prompts if is_run_key(p)]
     if words:   # argparse hands key=value words after --prompts to it (nargs="+"): a run key read as a prompt
         ap.error(f"{words[0]!r} reads as a prompt: put key=value run keys before --prompts")
     args.rules = rules
