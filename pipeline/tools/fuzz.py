@@ -28,7 +28,8 @@ reaches passes every fixed test. This tool draws combinations:
   rank through the project's launcher, the gloo transport between them, ``--prompt-ids`` and ``--output``), so the
   multi-process transports, the direct decision links and the stages' processes are under the same draws; slower
   (every trial starts its processes). A job that refuses the combination (exit 2: the launcher's check, or a
-  rank's setup, refused it with one line) is ``rejected``; any other failure (a lost rank, a timeout, a non-zero exit) a ``crash`` with its last line.
+  rank's setup, refused it with one line) is ``rejected``; any other failure (a lost rank, a timeout, a non-zero
+  exit) a ``crash`` with its last line.
 * **Verdicts**: ``exact``; ``rejected`` (the configuration or the setup refused the combination with one clear
   error while loading, a :class:`config.errors.UserError`, or a generation's settings with a
   :class:`pipeline.api.GenerationError`; counted, not a failure); ``mismatch`` (first differing position,
